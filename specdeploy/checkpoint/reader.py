@@ -1,0 +1,84 @@
+"""Lazy, memory-mapped access to checkpoint tensors by name.
+
+NOTE: tensors are read one at a time (safetensors memory-maps the files), so loading a model never
+holds the checkpoint and the model in memory at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, malformed, or does not fit the model."""
+
+
+class CheckpointReader:
+    """Tensor access for a HF-style directory: `config.json` + `*.safetensors` (sharded or not).
+
+    Subclasses (GGUF) provide the same three things: `config`, `keys()`, `get(name)`.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        cfg_file = self.path / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(f"{self.path}: no config.json (not a HF checkpoint directory)")
+        try:
+            self.config: dict = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_file}: malformed JSON ({e})") from None
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path}: no *.safetensors files")
+        self._where: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        for f in files:
+            try:
+                h = safe_open(str(f), framework="pt")
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"{f}: cannot read safetensors header ({e})") from None
+            self._handles[f] = h
+            for k in h.keys():
+                self._where[k] = f
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise CheckpointError(f"{self.path}: missing tensor {name!r}")
+        f = self._where[name]
+        try:
+            return self._handles[f].get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{f}: tensor {name!r} is unreadable ({e})") from None
+
+    def has_prefix(self, prefix: str) -> bool:
+        return any(k.startswith(prefix) for k in self._where)
+
+    def missing(self, names: Iterable[str]) -> list[str]:
+        return [n for n in names if n not in self._where]
+
+
+def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
+    """Open a HF directory or a `.gguf` file."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    if p.is_file() and p.suffix == ".gguf":
+        from specdeploy.checkpoint.gguf import GGUFReader
+
+        return GGUFReader(p)
+    if p.is_dir():
+        return CheckpointReader(p)
+    raise CheckpointError(f"{p}: expected a checkpoint directory or a .gguf file")

@@ -1,0 +1,101 @@
+"""`load_model` / `load_tokenizer`: a checkpoint path in, a plain model (or tokenizer) out."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from specdeploy.checkpoint import CheckpointError, CheckpointReader, open_checkpoint
+from specdeploy.models.registry import module_for_config
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict | None = None) -> torch.dtype:
+    """`auto` means float32 on the CPU (bf16 matmuls are slower there) and the checkpoint's
+    `torch_dtype` elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: unsupported {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def assign_params(
+    model: nn.Module, params: dict[str, Callable[[], torch.Tensor]], dtype: torch.dtype,
+    source: str = "checkpoint",
+) -> None:
+    """Materialize `model` (built on the meta device) from lazy tensors, one tensor at a time.
+
+    Errors name the missing tensors or the mismatching tensor with both shapes.
+    """
+    expected = dict(model.named_parameters())
+    expected.update(dict(model.named_buffers()))
+    missing = [n for n in expected if n not in params and expected[n].is_meta]
+    if missing:
+        shown = ", ".join(missing[:12]) + (f" (+{len(missing) - 12} more)" if len(missing) > 12 else "")
+        raise CheckpointError(f"{source}: missing tensors for {len(missing)} parameters: {shown}")
+    for name, thunk in params.items():
+        if name not in expected:
+            continue  # e.g. MTP weights when the MTP head is not built
+        want = expected[name]
+        t = thunk()
+        if tuple(t.shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(t.shape)}, model expects "
+                f"{tuple(want.shape)}"
+            )
+        keep_dtype = not want.dtype.is_floating_point
+        t = t.to(want.dtype if keep_dtype else dtype)
+        _set_tensor(model, name, t, is_param=isinstance(want, nn.Parameter))
+
+
+def _set_tensor(model: nn.Module, name: str, t: torch.Tensor, is_param: bool) -> None:
+    mod_name, _, leaf = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if is_param:
+        setattr(mod, leaf, nn.Parameter(t, requires_grad=False))
+    else:
+        mod._buffers[leaf] = t
+
+
+def load_model(
+    path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto", with_mtp: bool = False
+) -> nn.Module:
+    """Load a plain model from a HF directory or a `.gguf` file; `None` = the default model.
+
+    Returns the family's `Model` in eval mode; `model(input_ids[B,T])` gives logits [B,T,V].
+    """
+    if path is None:
+        from specdeploy.default_model import default_model_path
+
+        path = default_model_path()
+    reader = open_checkpoint(path)
+    return load_model_from_reader(reader, dtype, with_mtp=with_mtp)
+
+
+def load_model_from_reader(
+    reader: CheckpointReader, dtype: str | torch.dtype = "auto", with_mtp: bool = False
+) -> nn.Module:
+    fam = module_for_config(reader.config)
+    cfg = fam.Config.from_hf(reader.config)
+    torch_dtype = resolve_dtype(dtype, reader.config)
+    with torch.device("meta"):
+        model = fam.Model(cfg, with_mtp=with_mtp) if with_mtp else fam.Model(cfg)
+    params = fam.checkpoint_to_params(reader, cfg, with_mtp=with_mtp) if with_mtp else \
+        fam.checkpoint_to_params(reader, cfg)
+    assign_params(model, params, torch_dtype, source=str(reader.path))
+    _init_nonpersistent(model)
+    return model.eval()
+
+
+def _init_nonpersistent(model: nn.Module) -> None:
+    """Buffers that are computed, not stored (e.g. rotary inv_freq), are rebuilt on the CPU."""
+    hook = getattr(model, "init_buffers", None)
+    if hook is not None:
+        hook()

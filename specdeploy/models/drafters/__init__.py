@@ -1,0 +1,1 @@
+"""Drafter modules: EAGLE-3 and MTP heads (see docs/interfaces.md for the forward contract)."""

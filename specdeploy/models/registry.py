@@ -1,0 +1,50 @@
+"""Architecture name → model family module (see docs/interfaces.md, "Model modules")."""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# HF `architectures[0]` → module path. Each module exposes ARCHITECTURES, Config, Model,
+# checkpoint_to_params, params_to_checkpoint, tiny_hf_config.
+_FAMILIES = {
+    "llama": "specdeploy.models.llama",
+    "nemotron_h": "specdeploy.models.nemotron_h",
+    "qwen3_5_moe": "specdeploy.models.qwen3_5_moe",
+}
+_ARCH_TO_FAMILY = {
+    "LlamaForCausalLM": "llama",
+    "NemotronHForCausalLM": "nemotron_h",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCH_TO_FAMILY)
+
+
+def family_names() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def family_module(name: str) -> ModuleType:
+    """Module for a family name (`llama`) or an HF architecture (`LlamaForCausalLM`)."""
+    fam = _ARCH_TO_FAMILY.get(name, name)
+    if fam not in _FAMILIES:
+        raise UnsupportedArchitecture(
+            f"unsupported architecture {name!r}; supported: {', '.join(supported_architectures())}"
+        )
+    return importlib.import_module(_FAMILIES[fam])
+
+
+def module_for_config(hf_config: dict) -> ModuleType:
+    archs = hf_config.get("architectures") or []
+    if not archs:
+        raise UnsupportedArchitecture(
+            "config.json has no 'architectures'; supported: " + ", ".join(supported_architectures())
+        )
+    return family_module(archs[0])
