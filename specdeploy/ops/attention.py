@@ -1,0 +1,76 @@
+"""Causal (optionally sliding-window) grouped-query attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["attention_ref", "attention_mask"]
+
+
+def attention_mask(
+    t_q: int, t_k: int, sliding_window: int = 0, device: torch.device | None = None
+) -> torch.Tensor:
+    """Boolean [t_q, t_k] mask, True where query i may attend key j.
+
+    Queries are the last ``t_q`` of the ``t_k`` keys (so a prefix of cached keys is allowed, which
+    the cached variants reuse). Window w: query at absolute position p sees keys p-w+1..p.
+    """
+    q_pos = torch.arange(t_k - t_q, t_k, device=device)[:, None]
+    k_pos = torch.arange(t_k, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window > 0:
+        mask = mask & (k_pos > q_pos - sliding_window)
+    return mask
+
+
+def attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0
+) -> torch.Tensor:
+    """Explicit softmax attention (the oracle).
+
+    Args:
+        q: [B, T, Hq, D]; k: [B, T, Hkv, D]; v: [B, T, Hkv, Dv], Hq % Hkv == 0.
+        scale: multiplies q·k. sliding_window: 0 = full causal.
+    Returns:
+        [B, T, Hq, Dv] in q's dtype.
+    """
+    rep = q.shape[2] // k.shape[2]
+    qf = q.float().transpose(1, 2)
+    kf = k.float().repeat_interleave(rep, dim=2).transpose(1, 2)
+    vf = v.float().repeat_interleave(rep, dim=2).transpose(1, 2)
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    mask = attention_mask(q.shape[1], k.shape[1], sliding_window, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = scores.softmax(-1) @ vf
+    return out.transpose(1, 2).to(q.dtype)
+
+
+def attention_fast(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0
+) -> torch.Tensor:
+    """SDPA-based attention; same contract as :func:`attention_ref`."""
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    if rep > 1:
+        # NOTE: SDPA's enable_gqa is not implemented by every backend; expanding is always valid.
+        kf = kf.repeat_interleave(rep, dim=1)
+        vf = vf.repeat_interleave(rep, dim=1)
+    if sliding_window > 0 and sliding_window < k.shape[1]:
+        mask = attention_mask(q.shape[1], k.shape[1], sliding_window, q.device)
+        out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
+    return out.transpose(1, 2).contiguous().to(q.dtype)
+
+
+@torch.library.custom_op("specdeploy::attention", mutates_args=())
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0
+) -> torch.Tensor:
+    return attention_fast(q, k, v, scale, sliding_window)
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, scale, sliding_window=0):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])

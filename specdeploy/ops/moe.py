@@ -1,0 +1,143 @@
+"""Mixture-of-experts: routing (plain torch) and the routed-experts op."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Routing", "route_softmax_topk", "route_sigmoid", "moe_experts_ref", "moe_experts_fast"]
+
+
+class Routing(NamedTuple):
+    ids: torch.Tensor  # [T, k] int64 expert ids
+    weights: torch.Tensor  # [T, k] combine weights
+
+
+def route_softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
+    """Qwen-style: softmax over all experts (fp32), top-k, optionally renormalize the k weights.
+
+    logits: [T, E]. Weights come back in the logits' dtype (as transformers does).
+    """
+    probs = logits.float().softmax(-1)
+    weights, ids = probs.topk(k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return Routing(ids, weights.to(logits.dtype))
+
+
+def route_sigmoid(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scaling_factor: float = 1.0,
+) -> Routing:
+    """DeepSeek-V3 / NemotronH-style sigmoid routing; logits: [T, E] -> fp32 weights.
+
+    The correction bias only steers *selection* (groups ranked by the sum of their top-2 biased
+    scores, then top-k among the kept groups); weights are the unbiased sigmoid scores.
+    """
+    scores = logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, n_group, e // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(t, e)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = choice.topk(k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return Routing(ids, weights * scaling_factor)
+
+
+def _expert_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, activation: str):
+    h = x @ w_up.t()
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    elif activation == "relu2":
+        h = F.relu(h).square()
+    else:
+        raise ValueError(f"unknown expert activation {activation!r}")
+    return h @ w_down.t()
+
+
+def moe_experts_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """Dense per-token loop (the oracle).
+
+    Args:
+        x: [T, H]; topk_ids: [T, k] int64; topk_weights: [T, k];
+        w_up: [E, I, H] (relu2) or fused gate_up [E, 2I, H] (swiglu: gate rows first);
+        w_down: [E, H, I].
+    Returns:
+        [T, H] in x's dtype: ``sum_j weight_j * expert_{id_j}(x)``.
+    """
+    xf = x.float()
+    out = xf.new_zeros(x.shape)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            y = _expert_mlp(xf[t : t + 1], w_up[e].float(), w_down[e].float(), activation)
+            out[t] += topk_weights[t, j].float() * y[0]
+    return out.to(x.dtype)
+
+
+def moe_experts_fast(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """Tokens grouped per expert: one GEMM pair per expert that received tokens."""
+    t, k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)
+    # NOTE: one host sync for the per-expert counts; a CUDA grouped-GEMM kernel would avoid it.
+    counts = torch.bincount(flat_ids, minlength=w_up.shape[0]).tolist()
+    token_of = order // k
+    weight_of = topk_weights.reshape(-1)[order].float()
+    xs = x.float()[token_of]
+    out = x.new_zeros(x.shape, dtype=torch.float32)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        y = _expert_mlp(xs[rows], w_up[e].float(), w_down[e].float(), activation)
+        out.index_add_(0, token_of[rows], y * weight_of[rows, None])
+        start += n
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("specdeploy::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    return moe_experts_fast(x, topk_ids, topk_weights, w_up, w_down, activation)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x, topk_ids, topk_weights, w_up, w_down, activation):
+    return torch.empty_like(x)

@@ -1,0 +1,67 @@
+"""RMSNorm and gated (grouped) RMSNorm."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["rms_norm_ref", "gated_rms_norm_ref"]
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dim. x: [..., N], weight: [N] -> [..., N]."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def gated_rms_norm_ref(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool,
+) -> torch.Tensor:
+    """Per-group RMSNorm with a SiLU gate. x, gate: [..., N]; weight: [N]; N % group_size == 0.
+
+    norm_before_gate=False (Mamba2 / NemotronH): ``rmsnorm_per_group(x * silu(gate)) * weight``.
+    norm_before_gate=True (Qwen3.5 GDN): ``rmsnorm_per_group(x) * weight * silu(gate)``.
+    """
+    xf = x.float()
+    gf = F.silu(gate.float())
+    if not norm_before_gate:
+        xf = xf * gf
+    grouped = xf.unflatten(-1, (-1, group_size))
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    out = grouped.flatten(-2) * weight.float()
+    if norm_before_gate:
+        out = out * gf
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("specdeploy::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_ref(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("specdeploy::gated_rms_norm", mutates_args=())
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool,
+) -> torch.Tensor:
+    return gated_rms_norm_ref(x, gate, weight, eps, group_size, norm_before_gate)
+
+
+@gated_rms_norm.register_fake
+def _gated_rms_norm_fake(x, gate, weight, eps, group_size, norm_before_gate):
+    return torch.empty_like(x)

@@ -1,0 +1,88 @@
+"""Rotary position embedding: cos/sin construction (plain torch) and the rotate-half op."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["RopeCosSin", "rope_cos_sin", "rope_ref", "rotate_half"]
+
+
+class RopeCosSin(NamedTuple):
+    cos: torch.Tensor  # [B, T, R] fp32
+    sin: torch.Tensor  # [B, T, R] fp32
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor,
+    inv_freq: torch.Tensor,
+    mrope_section: list[int] | tuple[int, ...] | None = None,
+    mrope_interleaved: bool = False,
+    attention_scaling: float = 1.0,
+) -> RopeCosSin:
+    """Build cos/sin [B, T, R] (R = 2 * len(inv_freq)) for rotate-half RoPE.
+
+    Args:
+        position_ids: [B, T], or [3, B, T] (temporal, height, width) for multimodal RoPE; a [B, T]
+            input with an mrope_section is broadcast to all three axes (pure text).
+        inv_freq: [R/2] inverse frequencies (partial rotary: R < head dim, the rest passes).
+        mrope_section: per-axis counts of frequency slots (sum = R/2).
+        mrope_interleaved: Qwen3-VL / Qwen3.5 layout (slot i takes axis i % 3 while that axis has
+            slots left) instead of Qwen2-VL's contiguous blocks.
+        attention_scaling: multiplies cos and sin (YaRN-style rope types; 1.0 otherwise).
+    """
+    inv = inv_freq.float().to(position_ids.device)
+    if mrope_section is None:
+        freqs = position_ids.float()[..., None] * inv
+    else:
+        if position_ids.dim() == 2:
+            position_ids = position_ids.expand(3, *position_ids.shape)
+        freqs_axes = position_ids.float()[..., None] * inv  # [3, B, T, R/2]
+        freqs = _merge_mrope(freqs_axes, list(mrope_section), mrope_interleaved)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return RopeCosSin(emb.cos() * attention_scaling, emb.sin() * attention_scaling)
+
+
+def _merge_mrope(freqs: torch.Tensor, section: list[int], interleaved: bool) -> torch.Tensor:
+    half = freqs.shape[-1]
+    axis = torch.zeros(half, dtype=torch.long)
+    if interleaved:
+        # slot j with j % 3 == a < 3 and j < 3 * section[a] is axis a (1, 2); the rest temporal
+        for a in (1, 2):
+            axis[a : section[a] * 3 : 3] = a
+    else:
+        start = 0
+        for a, n in enumerate(section):
+            axis[start : start + n] = a
+            start += n
+    index = axis.to(freqs.device)[None, None, None, :].expand(1, *freqs.shape[1:])
+    return freqs.gather(0, index)[0]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first R dims.
+
+    x: [B, T, H, D]; cos, sin: [B, T, R] -> [B, T, H, D] in x's dtype.
+    """
+    r = cos.shape[-1]
+    xf = x.float()
+    x_rot, x_pass = xf[..., :r], xf[..., r:]
+    c, s = cos.float()[:, :, None, :], sin.float()[:, :, None, :]
+    out = torch.cat((x_rot * c + rotate_half(x_rot) * s, x_pass), dim=-1)
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("specdeploy::rope", mutates_args=())
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return rope_ref(x, cos, sin)
+
+
+@rope.register_fake
+def _rope_fake(x, cos, sin):
+    return torch.empty_like(x)
