@@ -70,8 +70,75 @@ def gated_delta_rule_ref(
     return o.to(q.dtype), state.clone()
 
 
-def gated_delta_rule_core(*args, **kwargs) -> DeltaOutput:
-    raise NotImplementedError
+def _chunk(t: torch.Tensor, size: int) -> torch.Tensor:
+    """[B, H, T, ...] -> [B, H, T/size, size, ...], zero padding T up to a multiple of size."""
+    pad = (-t.shape[2]) % size
+    if pad:
+        t = torch.cat((t, t.new_zeros(*t.shape[:2], pad, *t.shape[3:])), dim=2)
+    return t.unflatten(2, (-1, size))
+
+
+def gated_delta_rule_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    use_qk_l2norm: bool,
+    scale: float,
+    chunk_size: int = 64,
+    return_states: bool = False,
+) -> DeltaOutput:
+    """Chunked gated delta rule (WY / UT form). Shapes as in :func:`gated_delta_rule_ref`.
+
+    Inside a chunk with start state S0 and cumulative log decay c_i, the per-token updates
+    u_i = beta_i (v_i - S~_i^T k_i) solve a unit lower-triangular system
+    ``(I + A) U = beta V - beta exp(c) K S0`` with ``A_ij = beta_i exp(c_i - c_j) k_i·k_j`` (j < i),
+    so ``U = U0 - W S0`` where U0, W do not depend on S0 and are solved for all chunks at once.
+    Then ``S_i = exp(c_i) S0 + sum_{j<=i} exp(c_i - c_j) k_j u_j^T`` gives outputs, the chunk's
+    final state and (``return_states``) the state after every token. Only S0 is carried across
+    chunks, so cached variants pass per-sequence ``initial_state``. All outputs fp32.
+    """
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, use_qk_l2norm, scale)
+    b, h, t, dk = kf.shape
+    dv = vf.shape[-1]
+    size = max(1, min(chunk_size, t)) if chunk_size > 0 else max(1, t)
+    qc, kc, vc = _chunk(qf, size), _chunk(kf, size), _chunk(vf, size)  # [B, H, c, l, *]
+    bc = _chunk(bf, size)[..., None]  # [B, H, c, l, 1]
+    cum = _chunk(gf, size).cumsum(-1)  # [B, H, c, l]
+    diff = cum[..., :, None] - cum[..., None, :]
+    lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    decay = diff.masked_fill(~lower, float("-inf")).exp()  # [B, H, c, i, j], j <= i
+    kk = kc @ kc.transpose(-1, -2)
+    system = (bc * kk * decay).tril(-1) + torch.eye(size, device=q.device)
+    rhs = torch.cat((bc * vc, bc * cum.exp()[..., None] * kc), dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u0, w = solved[..., :dv], solved[..., dv:]  # U = u0 - w @ S0
+    qk = (qc @ kc.transpose(-1, -2)) * decay  # intra-chunk attention incl. the diagonal
+    q_in = qc * cum.exp()[..., None]  # queries reading the decayed start state
+    k_out = kc * (cum[..., -1:] - cum).exp()[..., None]  # keys decayed to the chunk's end
+    end_decay = cum[..., -1].exp()[..., None, None]  # [B, H, c, 1, 1]
+    if initial_state is None:
+        state = vf.new_zeros(b, h, dk, dv)
+    else:
+        state = initial_state.float()
+    outs, starts, updates = [], [], []
+    for c in range(cum.shape[2]):
+        u = u0[:, :, c] - w[:, :, c] @ state
+        outs.append(q_in[:, :, c] @ state + qk[:, :, c] @ u)
+        starts.append(state)
+        updates.append(u)
+        state = end_decay[:, :, c] * state + k_out[:, :, c].transpose(-1, -2) @ u
+    o = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :t].transpose(1, 2)
+    states = None
+    if return_states:
+        start = torch.stack(starts, dim=2)  # [B, H, c, K, V]
+        us = torch.stack(updates, dim=2)  # [B, H, c, l, V]
+        within = torch.einsum("bhcij,bhcjk,bhcjv->bhcikv", decay, kc, us)
+        states = within + cum.exp()[..., None, None] * start[:, :, :, None]
+        states = states.flatten(2, 3)[:, :, :t].transpose(1, 2)
+    return DeltaOutput(o.contiguous(), state, states)
 
 
 @torch.library.custom_op("specdeploy::gated_delta_rule", mutates_args=())
@@ -86,7 +153,8 @@ def gated_delta_rule(
     scale: float = 0.0,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return gated_delta_rule_ref(q, k, v, g, beta, initial_state, use_qk_l2norm, scale, chunk_size)
+    out = gated_delta_rule_core(q, k, v, g, beta, initial_state, use_qk_l2norm, scale, chunk_size)
+    return out.o.to(q.dtype), out.final_state
 
 
 @gated_delta_rule.register_fake
