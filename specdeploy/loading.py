@@ -35,10 +35,11 @@ def assign_params(
     Errors name the missing tensors or the mismatching tensor with both shapes.
     """
     expected = dict(model.named_parameters())
-    expected.update(dict(model.named_buffers()))
+    expected.update(_persistent_buffers(model))
     missing = [n for n in expected if n not in params and expected[n].is_meta]
     if missing:
-        shown = ", ".join(missing[:12]) + (f" (+{len(missing) - 12} more)" if len(missing) > 12 else "")
+        more = f" (+{len(missing) - 12} more)" if len(missing) > 12 else ""
+        shown = ", ".join(missing[:12]) + more
         raise CheckpointError(f"{source}: missing tensors for {len(missing)} parameters: {shown}")
     for name, thunk in params.items():
         if name not in expected:
@@ -53,6 +54,16 @@ def assign_params(
         keep_dtype = not want.dtype.is_floating_point
         t = t.to(want.dtype if keep_dtype else dtype)
         _set_tensor(model, name, t, is_param=isinstance(want, nn.Parameter))
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers a checkpoint stores; computed ones (rotary inv_freq) are rebuilt by init_buffers."""
+    out = {}
+    for mod_name, mod in model.named_modules():
+        for leaf, buf in mod._buffers.items():
+            if buf is not None and leaf not in mod._non_persistent_buffers_set:
+                out[f"{mod_name}.{leaf}" if mod_name else leaf] = buf
+    return out
 
 
 def _set_tensor(model: nn.Module, name: str, t: torch.Tensor, is_param: bool) -> None:

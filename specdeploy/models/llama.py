@@ -1,0 +1,220 @@
+"""Llama family (Llama 2/3, SmolLM2, Mistral-style GQA): plain full-sequence model on canonical ops.
+
+Submodule names follow HF `LlamaForCausalLM` (`model.layers.N.self_attn.q_proj`, ...), so a released
+checkpoint maps onto the parameters one to one.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdeploy.checkpoint import CheckpointError
+from specdeploy.models.layers import MLP, RMSNorm, RopeConfig, RotaryEmbedding
+
+ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> Config:
+        hf = hf.get("text_config") or hf
+        heads = int(hf["num_attention_heads"])
+        return cls(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(hf),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            hidden_act=hf.get("hidden_act", "silu"),
+            # transformers' default for Llama is untied
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        )
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention with rotate-half RoPE. `in_features` lets an EAGLE-3 midlayer
+    (input 2H) reuse it."""
+
+    def __init__(self, cfg: Config, in_features: int | None = None):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        in_features = in_features or h
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, d)
+        self.scale = d**-0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(in_features, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q = torch.ops.specdeploy.rope(q, cos, sin)
+        k = torch.ops.specdeploy.rope(k, cos, sin)
+        o = torch.ops.specdeploy.attention(q, k, v, self.scale, 0)
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+
+class Model(nn.Module):
+    """`LlamaForCausalLM` without caches: `forward(input_ids[B,T], position_ids?) -> logits`."""
+
+    def __init__(self, cfg: Config, with_mtp: bool = False):
+        super().__init__()
+        if with_mtp:
+            raise ValueError("Llama checkpoints have no MTP head; use an EAGLE-3 drafter instead")
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._tie()
+
+    def _tie(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_buffers(self) -> None:
+        """Called by the loader after the parameters are assigned: rebuild rotary inv_freq and
+        re-tie the head (assignment replaces the embedding Parameter)."""
+        self.model.rotary_emb.init_buffers()
+        self._tie()
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final-normed hidden states [B, T, H]."""
+        if position_ids is None:
+            t = input_ids.shape[1]
+            position_ids = torch.arange(t, device=input_ids.device).expand(input_ids.shape[0], t)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(position_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.lm_head(self.forward_hidden(input_ids, position_ids))
+
+
+def _backbone_prefix(reader) -> str:
+    for prefix in ("model.", "model.language_model.", ""):
+        if f"{prefix}embed_tokens.weight" in reader:
+            return prefix
+    return "model."
+
+
+def checkpoint_to_params(reader, cfg: Config, with_mtp: bool = False
+                         ) -> dict[str, Callable[[], torch.Tensor]]:
+    """Our parameter name → lazy loader. Names absent from the checkpoint are left out so the
+    loader can list every missing tensor at once."""
+    if with_mtp:
+        raise CheckpointError("Llama checkpoints have no MTP weights")
+    prefix = _backbone_prefix(reader)
+    with torch.device("meta"):
+        names = [n for n, _ in Model(cfg).named_parameters()]  # tied head appears once
+    params: dict[str, Callable[[], torch.Tensor]] = {}
+    for name in names:
+        src = prefix + name[len("model."):] if name.startswith("model.") else name
+        if src in reader:
+            params[name] = lambda src=src: reader.get(src)
+    return params
+
+
+def params_to_checkpoint(state_dict: dict[str, torch.Tensor], cfg: Config
+                         ) -> dict[str, torch.Tensor]:
+    """HF layout: identical names; the tied head is not stored (transformers re-ties it)."""
+    out = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def tiny_hf_config(mtp_layers: int = 0, **overrides) -> dict:
+    """config.json of a tiny Llama (GQA 4:2, head_dim 16) that transformers loads."""
+    if mtp_layers:
+        raise ValueError("Llama has no MTP layers")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
+        "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 512, "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False, "bos_token_id": None, "eos_token_id": 2,
+        "pad_token_id": 0, "torch_dtype": "float32",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, *,
+              config_overrides: dict | None = None, max_shard_bytes: int = 0) -> Path:
+    """Write a random tiny Llama checkpoint (config, safetensors, tokenizer) to `out`."""
+    from specdeploy.checkpoint.tiny import write_checkpoint, write_tiny_tokenizer
+
+    hf = tiny_hf_config(mtp_layers, **(config_overrides or {}))
+    cfg = Config.from_hf(hf)
+    gen = torch.Generator().manual_seed(seed)
+    model = Model(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # not all-ones, so a mis-mapped norm shows up
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    tensors = params_to_checkpoint(model.state_dict(), cfg)
+    path = write_checkpoint(out, hf, tensors, max_shard_bytes=max_shard_bytes)
+    write_tiny_tokenizer(path, cfg.vocab_size)
+    return path
