@@ -102,6 +102,7 @@ def load_model_from_reader(
         fam.checkpoint_to_params(reader, cfg)
     assign_params(model, params, torch_dtype, source=str(reader.path))
     _init_nonpersistent(model)
+    model.hf_config = reader.config  # NOTE: the raw dict; deployment reads eos / limits from it
     return model.eval()
 
 

@@ -1,0 +1,81 @@
+"""Resource handlers: what a cached op declares it needs; `cache/plan.py` sizes and allocates.
+
+NOTE: handlers are per layer; a handler knows its bytes per page (paged KV) or per slot (states),
+so the plan can split a memory budget without knowing what kind of layer asked.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """One attention layer's K and V pages: 2 × [num_pages, page_size, Hkv, D]."""
+
+    name: str
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    kind: str = "paged_kv"
+
+    def bytes_per_page(self, page_size: int) -> int:
+        return _nbytes((page_size, self.num_kv_heads, self.head_dim + self.v_head_dim), self.dtype)
+
+    def allocate(self, num_pages: int, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.zeros(num_pages, page_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                        device=device)
+        v = torch.zeros(num_pages, page_size, self.num_kv_heads, self.v_head_dim,
+                        dtype=self.dtype, device=device)
+        return k, v
+
+
+@dataclass(frozen=True)
+class State:
+    """A per-sequence recurrent state slot: [num_slots, *shape] (SSM, conv window, GDN)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str = "state"
+
+    def bytes_per_slot(self) -> int:
+        return _nbytes(self.shape, self.dtype)
+
+    def allocate(self, num_slots: int, device) -> torch.Tensor:
+        return torch.zeros(num_slots, *self.shape, dtype=self.dtype, device=device)
+
+
+@dataclass(frozen=True)
+class SpecState:
+    """Per-token states of a verify step: [num_slots, cache_steps = K+1, *shape]."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    cache_steps: int
+    kind: str = "spec_state"
+
+    def bytes_per_slot(self) -> int:
+        return self.cache_steps * _nbytes(self.shape, self.dtype)
+
+    def allocate(self, num_slots: int, device) -> torch.Tensor:
+        return torch.zeros(num_slots, self.cache_steps, *self.shape, dtype=self.dtype,
+                           device=device)
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """Captured target features for drafters: [max_tokens, width] (filled every step)."""
+
+    name: str
+    width: int
+    dtype: torch.dtype
+    kind: str = "hidden_states"

@@ -1,0 +1,85 @@
+"""Per-step batch metadata: the only way engine state enters the deployed graph.
+
+A step runs one flattened ragged batch (no padding): S sequence segments laid end to end, T tokens
+in all. A segment is a prefill chunk (possibly continuing a cached prefix), a decode token, or a
+speculative *extend* segment (last accepted token + K drafts).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+SEG_NORMAL = 0  # prefill / decode: the op updates the main state slot
+SEG_EXTEND = 1  # spec verify: per-token states go to the spec-state resource, main state untouched
+
+
+@dataclass
+class Segment:
+    """One sequence's contribution to a step (host-side description)."""
+
+    token_ids: Sequence[int]  # tokens fed this step
+    cache_len: int  # tokens of this sequence already in the cache (KV and state) before the step
+    pages: Sequence[int]  # the sequence's page ids, enough for cache_len + len(token_ids)
+    slot: int  # state slot (recurrent layers)
+    num_logits: int = 1  # logits wanted for the last `num_logits` tokens (0 = none, mid-prefill)
+    kind: int = SEG_NORMAL
+
+
+@dataclass
+class BatchMetadata:
+    """Tensors for one step. Shapes: T tokens, S segments, P max pages per segment, N logits."""
+
+    input_ids: torch.Tensor  # [T] int64
+    position_ids: torch.Tensor  # [T] int64
+    cu_seqlens: torch.Tensor  # [S+1] int64, segment s = tokens cu[s]:cu[s+1]
+    cache_lens: torch.Tensor  # [S] int64
+    page_table: torch.Tensor  # [S, P] int64 (padded with 0)
+    slot_idx: torch.Tensor  # [S] int64
+    seg_kind: torch.Tensor  # [S] int64 (SEG_NORMAL / SEG_EXTEND)
+    logits_idx: torch.Tensor  # [N] int64 indices into T
+    num_tokens: int
+    num_seqs: int
+
+    def to(self, device: torch.device | str) -> BatchMetadata:
+        def mv(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return BatchMetadata(
+            mv(self.input_ids), mv(self.position_ids), mv(self.cu_seqlens), mv(self.cache_lens),
+            mv(self.page_table), mv(self.slot_idx), mv(self.seg_kind), mv(self.logits_idx),
+            self.num_tokens, self.num_seqs,
+        )
+
+
+def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
+    """Host-side, once per step (NOTE: the only place that turns Python lists into tensors)."""
+    if not segments:
+        raise ValueError("build_metadata: no segments")
+    ids: list[int] = []
+    pos: list[int] = []
+    cu = [0]
+    logits_idx: list[int] = []
+    max_pages = max(1, max(len(s.pages) for s in segments))
+    table = []
+    for s in segments:
+        n = len(s.token_ids)
+        if n == 0:
+            raise ValueError("build_metadata: empty segment")
+        start = cu[-1]
+        ids.extend(s.token_ids)
+        pos.extend(range(s.cache_len, s.cache_len + n))
+        cu.append(start + n)
+        logits_idx.extend(range(start + n - s.num_logits, start + n))
+        table.append(list(s.pages) + [0] * (max_pages - len(s.pages)))
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.long)
+
+    return BatchMetadata(
+        input_ids=t(ids), position_ids=t(pos), cu_seqlens=t(cu),
+        cache_lens=t([s.cache_len for s in segments]), page_table=t(table),
+        slot_idx=t([s.slot for s in segments]), seg_kind=t([s.kind for s in segments]),
+        logits_idx=t(logits_idx), num_tokens=len(ids), num_seqs=len(segments),
+    )

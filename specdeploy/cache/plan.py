@@ -1,0 +1,96 @@
+"""Size caches from a memory budget and allocate them; report bytes per handler."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from specdeploy.cache.handlers import PagedKV, SpecState, State
+
+GIB = 1 << 30
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+@dataclass
+class CachePlan:
+    page_size: int
+    num_pages: int
+    num_slots: int
+    budget_bytes: int
+    bytes_by_handler: dict[str, int] = field(default_factory=dict)
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_handler.values())
+
+    def summary(self) -> str:
+        lines = [
+            f"cache plan: page_size={self.page_size} num_pages={self.num_pages} "
+            f"num_slots={self.num_slots} total={self.total_bytes / 2**20:.2f} MiB "
+            f"(budget {self.budget_bytes / 2**20:.2f} MiB)"
+        ]
+        for kind, b in sorted(self.bytes_by_kind.items()):
+            share = b / self.total_bytes if self.total_bytes else 0.0
+            lines.append(f"  {kind:<12} {b / 2**20:10.3f} MiB  ({share:.1%})")
+        return "\n".join(lines)
+
+
+def plan_cache(
+    handlers: list, page_size: int, max_batch_size: int, max_seq_len: int,
+    max_cache_gib: float | None, device: torch.device, free_fraction: float = 0.5,
+) -> CachePlan:
+    """Slots = max_batch_size (every running sequence needs one); pages fill what is left of the
+    budget, capped at what max_batch_size sequences of max_seq_len tokens could ever use."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    kv = [h for h in handlers if isinstance(h, PagedKV)]
+    slotted = [h for h in handlers if isinstance(h, (State, SpecState))]
+    num_slots = max_batch_size
+    slot_bytes = num_slots * sum(h.bytes_per_slot() for h in slotted)
+    page_bytes = sum(h.bytes_per_page(page_size) for h in kv)
+    pages_per_seq = math.ceil(max_seq_len / page_size)
+    wanted_pages = max_batch_size * pages_per_seq + 1 if kv else 0
+    if max_cache_gib is not None:
+        if max_cache_gib <= 0:
+            raise ValueError(f"max_cache_gib must be > 0, got {max_cache_gib}")
+        budget = int(max_cache_gib * GIB)
+    else:
+        budget = int(available_bytes(device) * free_fraction)
+    if slot_bytes > budget:
+        raise ValueError(
+            f"max_cache_gib: recurrent states for {num_slots} sequences need "
+            f"{slot_bytes / GIB:.3f} GiB, over the budget of {budget / GIB:.3f} GiB"
+        )
+    num_pages = 0
+    if kv:
+        num_pages = min(wanted_pages, (budget - slot_bytes) // page_bytes)
+        if num_pages < pages_per_seq:
+            raise ValueError(
+                f"max_cache_gib: the budget of {budget / GIB:.3f} GiB holds {num_pages} KV pages; "
+                f"one sequence of max_seq_len={max_seq_len} needs {pages_per_seq}"
+            )
+    plan = CachePlan(page_size, int(num_pages), num_slots, budget)
+    for h in kv:
+        plan.bytes_by_handler[h.name] = h.bytes_per_page(page_size) * plan.num_pages
+    for h in slotted:
+        plan.bytes_by_handler[h.name] = h.bytes_per_slot() * num_slots
+    for h in kv + slotted:
+        by_kind = plan.bytes_by_kind
+        by_kind[h.kind] = by_kind.get(h.kind, 0) + plan.bytes_by_handler[h.name]
+    return plan

@@ -1,0 +1,1 @@
+"""torch.export → ordered graph transforms → a cached, batched program (`DeployedModel`)."""

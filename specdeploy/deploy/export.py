@@ -1,0 +1,44 @@
+"""torch.export of a plain model into a flat `torch.fx.GraphModule`.
+
+The model's `forward(input_ids[B,T], position_ids[B,T])` is exported with a dynamic token
+dimension (B = 1: the engine feeds one flattened ragged batch). The result is a plain GraphModule
+(positional inputs, tuple output) whose nodes still call the canonical `torch.ops.specdeploy.*`
+ops — the anchors that the transforms in `deploy/passes/` match.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+import specdeploy.ops  # noqa: F401  (registers the canonical ops)
+
+
+def export_model(
+    model: nn.Module, example_tokens: int = 8, max_tokens: int = 1 << 16
+) -> fx.GraphModule:
+    """Export `model` with T dynamic in [1, max_tokens]; returns a flat GraphModule.
+
+    NOTE: the example uses T > 1 (export specializes sizes 0 and 1), and batch 1.
+    """
+    ids = torch.zeros(1, example_tokens, dtype=torch.long)
+    pos = torch.arange(example_tokens, dtype=torch.long)[None]
+    tokens = torch.export.Dim("tokens", min=2, max=max_tokens)
+    with torch.no_grad():
+        ep = torch.export.export(
+            model, (ids, pos), dynamic_shapes=({1: tokens}, {1: tokens}), strict=False
+        )
+    return _flatten_io(ep.module())
+
+
+def _flatten_io(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop the pytree calling convention, the input-guard call and the input-check hook that
+    `ep.module()` adds, so transforms can add inputs freely; the graph takes and returns plain
+    tensors. A fresh GraphModule carries over only what the graph references."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op == "call_module" and "guards" in str(node.target):
+            g.erase_node(node)
+    g._codegen = fx.graph.CodeGen()
+    flat = fx.GraphModule(gm, g)
+    flat.recompile()
+    return flat

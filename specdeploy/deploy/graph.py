@@ -1,0 +1,86 @@
+"""Small FX helpers shared by the transforms."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import fx
+
+
+def is_op(node: fx.Node, op) -> bool:
+    """True when `node` calls `op` (an OpOverloadPacket like torch.ops.specdeploy.attention or an
+    overload)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is op:
+        return True
+    return getattr(target, "overloadpacket", None) is op
+
+
+def nodes_calling(gm: fx.GraphModule, op) -> Iterator[fx.Node]:
+    return (n for n in list(gm.graph.nodes) if is_op(n, op))
+
+
+def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def add_placeholder(gm: fx.GraphModule, name: str, example: torch.Tensor | None = None) -> fx.Node:
+    """Append a graph input `name` (idempotent: an existing input of that name is returned)."""
+    existing = {n.name: n for n in placeholders(gm)}
+    if name in existing:
+        return existing[name]
+    last = placeholders(gm)[-1]
+    with gm.graph.inserting_after(last):
+        node = gm.graph.placeholder(name)
+    if example is not None:
+        node.meta["val"] = example
+    return node
+
+
+def add_buffer(gm: fx.GraphModule, name: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
+    """Register `tensor` as a buffer of gm and return a get_attr node for it."""
+    gm.register_buffer(name, tensor, persistent=False)
+    with gm.graph.inserting_before(before):
+        return gm.graph.get_attr(name)
+
+
+def getitem_users(node: fx.Node) -> dict[int, list[fx.Node]]:
+    """For a tuple-returning node: index → the getitem nodes reading it."""
+    out: dict[int, list[fx.Node]] = {}
+    for u in node.users:
+        if u.op == "call_function" and u.target is __import__("operator").getitem:
+            out.setdefault(u.args[1], []).append(u)
+        else:
+            raise RuntimeError(f"{node.name}: non-getitem user {u.name} of a tuple output")
+    return out
+
+
+def finalize(gm: fx.GraphModule) -> None:
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+
+
+def op_args(node: fx.Node) -> dict:
+    """Name → value for every schema argument of a call to a torch op (defaults filled in)."""
+    schema = node.target._schema
+    out = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+        else:
+            raise RuntimeError(f"{node.name}: missing argument {arg.name}")
+    return out
+
+
+def meta_shape(node: fx.Node) -> tuple:
+    val = node.meta.get("val")
+    if val is None:
+        raise RuntimeError(f"{node.name}: no shape metadata (was the graph exported?)")
+    return tuple(val.shape)

@@ -1,0 +1,1 @@
+"""Graph transforms, one file per family (registered in deploy/pipeline.py)."""

@@ -1,0 +1,111 @@
+"""`GraphDeployed`: a checkpoint exported, transformed, caches allocated; one step per call."""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import fx
+
+from specdeploy.cache.handlers import PagedKV
+from specdeploy.cache.metadata import BatchMetadata
+from specdeploy.cache.plan import CachePlan, plan_cache
+from specdeploy.deploy.base import CacheLayout, StepOutput
+from specdeploy.deploy.export import export_model
+from specdeploy.deploy.graph import placeholders
+from specdeploy.deploy.pipeline import DeployContext, TransformInfo, run_pipeline
+
+
+class GraphDeployed:
+    """Implements the `DeployedModel` protocol over a transformed GraphModule."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: DeployContext, infos: list[TransformInfo],
+                 plan: CachePlan, hf_config: dict, vocab_size: int):
+        self.gm = gm
+        self.ctx = ctx
+        self.infos = infos
+        self.plan = plan
+        self.hf_config = hf_config
+        self.vocab_size = vocab_size
+        self.max_seq_len = ctx.max_seq_len
+        self.layout = CacheLayout(plan.page_size, plan.num_pages, plan.num_slots,
+                                  dict(plan.bytes_by_handler))
+        self._fn = ctx.compiled or gm
+        self._input_names = [p.name for p in placeholders(gm)]
+
+    def _feed(self, meta: BatchMetadata) -> list[torch.Tensor]:
+        dev = self.ctx.device
+        feed = {
+            "input_ids": meta.input_ids[None].to(dev),
+            "position_ids": meta.position_ids[None].to(dev),
+            "logits_idx": meta.logits_idx.to(dev), "cu_seqlens": meta.cu_seqlens.to(dev),
+            "cu_seqlens_host": meta.cu_seqlens, "cache_lens": meta.cache_lens.to(dev),
+            "cache_lens_host": meta.cache_lens, "page_table": meta.page_table.to(dev),
+            "slot_idx": meta.slot_idx.to(dev), "seg_kind_host": meta.seg_kind,
+        }
+        return [feed[n] for n in self._input_names]
+
+    @torch.inference_mode()
+    def forward(self, meta: BatchMetadata) -> StepOutput:
+        out = self._fn(*self._feed(meta))
+        logits = out[0] if isinstance(out, (tuple, list)) else out
+        return StepOutput(logits=logits[0].float())
+
+    def report(self) -> str:
+        lines = ["transforms (in order):"]
+        for i, info in enumerate(self.infos):
+            state = "skipped" if info.skipped else f"{info.num_matches} matches"
+            extra = f"  [{info.detail}]" if info.detail else ""
+            lines.append(f"  {i:2d}. {info.stage.name:<11} {info.name:<26} {state}{extra}")
+        lines.append(self.plan.summary())
+        return "\n".join(lines)
+
+
+def _input_name_fix(gm: fx.GraphModule) -> None:
+    """Exported placeholders are named after forward's parameters; make that explicit."""
+    names = [p.name for p in placeholders(gm)]
+    if names[:2] != ["input_ids", "position_ids"]:
+        for p, want in zip(placeholders(gm)[:2], ("input_ids", "position_ids")):
+            p.name = want
+            p.target = want
+        gm.recompile()
+
+
+def allocate(gm: fx.GraphModule, ctx: DeployContext) -> CachePlan:
+    plan = plan_cache(ctx.resources, ctx.page_size, ctx.max_batch_size, ctx.max_seq_len,
+                      ctx.max_cache_gib, ctx.device)
+    for h in ctx.resources:
+        if isinstance(h, PagedKV):
+            k, v = h.allocate(plan.num_pages, plan.page_size, ctx.device)
+            gm.register_buffer(f"{h.name}_k", k, persistent=False)
+            gm.register_buffer(f"{h.name}_v", v, persistent=False)
+        else:
+            gm.register_buffer(h.name, h.allocate(plan.num_slots, ctx.device), persistent=False)
+    return plan
+
+
+def deploy_module(model: torch.nn.Module, hf_config: dict, vocab_size: int, **ctx_kwargs):
+    """Export + transform + allocate an already-loaded plain model."""
+    ctx = DeployContext(model=model, **ctx_kwargs)
+    t0 = time.perf_counter()
+    gm = export_model(model, max_tokens=max(2, ctx.max_seq_len * ctx.max_batch_size))
+    _input_name_fix(gm)
+    infos = run_pipeline(gm, ctx)
+    plan = allocate(gm, ctx)
+    ctx.export_seconds = time.perf_counter() - t0
+    return GraphDeployed(gm, ctx, infos, plan, hf_config, vocab_size)
+
+
+def build_deployed(path=None, *, dtype="auto", max_batch_size: int = 16, max_seq_len: int = 2048,
+                   page_size: int = 16, max_cache_gib: float | None = None, spec=None,
+                   compile: bool = False, quantize: str | None = None, model=None):
+    from specdeploy.loading import load_model, resolve_dtype
+
+    if model is None:
+        model = load_model(path, dtype=dtype)
+    hf_config = getattr(model, "hf_config", None) or {}
+    vocab = model.cfg.vocab_size
+    return deploy_module(
+        model, hf_config, vocab, page_size=page_size, max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len, max_cache_gib=max_cache_gib, dtype=resolve_dtype(dtype),
+        compile=compile, quantize=quantize,
+    )

@@ -1,0 +1,96 @@
+"""Paged-KV attention over a flattened ragged batch (prefill, chunked prefill, decode, extend).
+
+Layout: q [1, T, Hq, D], k/v [1, T, Hkv, D(v)]; caches [num_pages, page_size, Hkv, D(v)].
+Segment s owns tokens cu[s]:cu[s+1] at positions cache_lens[s] + i; its keys live in the pages
+page_table[s, :]. New keys are written first, then each query attends to its segment's cached
+prefix plus the new keys up to itself. Rejected speculative keys need no undo: the next step
+overwrites them because positions come from `cache_lens` (length bookkeeping).
+
+NOTE: `*_host` tensors are CPU copies used only for Python control flow, so a CUDA run never
+synchronizes on metadata.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdeploy.ops.attention import attention_mask
+
+
+def _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table):
+    t = k.shape[1]
+    num_seqs = cache_lens.shape[0]
+    page_size = k_cache.shape[1]
+    seg = torch.repeat_interleave(
+        torch.arange(num_seqs, device=k.device), cu_seqlens.diff(), output_size=t
+    )
+    pos = cache_lens[seg] + torch.arange(t, device=k.device) - cu_seqlens[seg]
+    page = page_table[seg, pos // page_size]
+    off = pos % page_size
+    k_cache[page, off] = k[0].to(k_cache.dtype)
+    v_cache[page, off] = v[0].to(v_cache.dtype)
+
+
+def _sdpa(q, k, v, mask, scale):
+    """q [S, Tq, Hq, D], k/v [S, Tk, Hkv, D], mask broadcastable to [S, 1, Tq, Tk]."""
+    rep = q.shape[2] // k.shape[2]
+    qf, kf, vf = (x.transpose(1, 2) for x in (q, k, v))
+    if rep > 1:
+        kf = kf.repeat_interleave(rep, dim=1)
+        vf = vf.repeat_interleave(rep, dim=1)
+    dt = torch.float32 if q.dtype != torch.float32 else q.dtype
+    out = F.scaled_dot_product_attention(
+        qf.to(dt), kf.to(dt), vf.to(dt), attn_mask=mask, scale=scale
+    )
+    return out.transpose(1, 2).to(q.dtype)
+
+
+def cached_attention_impl(
+    q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens, cache_lens_host,
+    page_table, scale, sliding_window,
+):
+    _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table)
+    t = q.shape[1]
+    num_seqs = cache_lens.shape[0]
+    page_size = k_cache.shape[1]
+    if t == num_seqs:  # pure decode: one query per segment, fully batched
+        keys = k_cache[page_table].flatten(1, 2)  # [S, P*ps, Hkv, D]
+        vals = v_cache[page_table].flatten(1, 2)
+        kpos = torch.arange(keys.shape[1], device=q.device)[None, :]
+        mask = kpos <= cache_lens[:, None]
+        if sliding_window > 0:
+            mask = mask & (kpos > cache_lens[:, None] - sliding_window)
+        out = _sdpa(q[0][:, None], keys, vals, mask[:, None, None, :], scale)
+        return out[:, 0][None].contiguous()
+    out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    cu = cu_seqlens_host.tolist()
+    lens = cache_lens_host.tolist()
+    for s in range(num_seqs):
+        a, b = cu[s], cu[s + 1]
+        total = lens[s] + (b - a)
+        pages = page_table[s, : (total + page_size - 1) // page_size]
+        keys = k_cache[pages].flatten(0, 1)[:total][None]
+        vals = v_cache[pages].flatten(0, 1)[:total][None]
+        mask = attention_mask(b - a, total, sliding_window, q.device)
+        out[:, a:b] = _sdpa(q[:, a:b], keys, vals, mask, scale)
+    return out
+
+
+@torch.library.custom_op(
+    "specdeploy::cached_attention", mutates_args=("k_cache", "v_cache"), device_types=None
+)
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: torch.Tensor,
+    cache_lens: torch.Tensor, cache_lens_host: torch.Tensor, page_table: torch.Tensor,
+    scale: float, sliding_window: int = 0,
+) -> torch.Tensor:
+    return cached_attention_impl(
+        q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens, cache_lens_host,
+        page_table, scale, sliding_window,
+    )
+
+
+@cached_attention.register_fake
+def _cached_attention_fake(q, k, v, k_cache, v_cache, *args, **kwargs):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
