@@ -1,0 +1,189 @@
+"""The step loop: schedule → metadata → forward → sample → append → stop checks → free.
+
+A step is split into hooks so speculative decoding can plug in: `_segment` (what a sequence feeds),
+`_next_tokens` (the tokens each sequence gains after the forward: one sampled token here, an
+accepted run plus a bonus token with a drafter) and `_append` (token-by-token stop checks, so a stop
+landing inside a multi-token run cuts it there).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+
+from specdeploy.cache.metadata import Segment, build_metadata
+from specdeploy.deploy.base import DeployedModel, StepOutput
+from specdeploy.engine.detokenizer import IncrementalDetokenizer
+from specdeploy.engine.metrics import EngineStats
+from specdeploy.engine.request import RequestOutput, SamplingParams, Sequence
+from specdeploy.engine.sampler import sample
+from specdeploy.engine.scheduler import BlockManager, ScheduledSeq, Scheduler
+
+
+class Engine:
+    """Runs requests on a `DeployedModel`. `tokenizer` may be None (token ids only, no text)."""
+
+    def __init__(self, deployed: DeployedModel, tokenizer=None, *, max_batch_size: int = 16,
+                 max_num_tokens: int = 512, eos_token_ids: Iterable[int] = (), seed: int = 0):
+        self.deployed = deployed
+        self.tokenizer = tokenizer
+        layout = deployed.layout
+        self.blocks = BlockManager(layout.num_pages, layout.page_size, layout.num_slots)
+        self.scheduler = Scheduler(self.blocks, max_batch_size, max_num_tokens)
+        self.max_seq_len = deployed.max_seq_len
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.device = getattr(deployed, "device", torch.device("cpu"))
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raises ValueError (naming the parameter) if it can never run."""
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("prompt: empty prompt")
+        n = len(prompt_ids)
+        if n > self.max_seq_len:
+            raise ValueError(f"prompt: {n} tokens is longer than max_seq_len={self.max_seq_len}")
+        if n + params.max_tokens > self.max_seq_len:
+            raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_seq_len={self.max_seq_len}")
+        cap = self.blocks.num_pages * self.blocks.page_size - self.scheduler.lookahead
+        if n + params.max_tokens > cap:
+            raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the whole KV cache ({cap} tokens); raise max_cache_gib")
+        vocab = self.deployed.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if request_id is not None and request_id in self._seqs:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer.decode, prompt_ids)
+        seq = Sequence(prompt_ids, params, detok, request_id)
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        self.stats.num_requests += 1
+        self.stats.prompt_tokens += n
+        return seq.request_id
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.finished:
+            return False
+        self._finish(seq, "abort")
+        self._aborted.append(seq)
+        self.stats.num_aborted += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward over the scheduled batch. Returns outputs of the sequences that gained
+        tokens or finished this step (aborted ones included)."""
+        t0 = time.perf_counter()
+        touched = self._aborted
+        self._aborted = []
+        batch = self.scheduler.schedule()
+        if batch:
+            meta = build_metadata(self._segments(batch)).to(self.device)
+            tf = time.perf_counter()
+            out = self.deployed.forward(meta)
+            new_tokens = self._next_tokens(batch, out)
+            self.stats.forward_time_s += time.perf_counter() - tf
+            now = time.perf_counter()
+            for sched, tokens in zip(batch, new_tokens):
+                seq = sched.seq
+                seq.num_cached += sched.num_tokens
+                if tokens:
+                    self._append(seq, tokens, now)
+                    touched.append(seq)
+            self.stats.num_steps += 1
+            self.stats.forward_tokens += meta.num_tokens
+            self.stats.max_running = max(self.stats.max_running, len(batch))
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        outputs = [s.to_output() for s in touched]
+        for s in touched:
+            if s.finished:
+                self._seqs.pop(s.request_id, None)
+        self.stats.step_time_s += time.perf_counter() - t0
+        return outputs
+
+    def _segments(self, batch: list[ScheduledSeq]) -> list[Segment]:
+        segs = [Segment(token_ids=s.seq.pending_ids(s.num_tokens), cache_len=s.seq.num_cached,
+                        pages=s.seq.pages, slot=s.seq.slot, num_logits=int(s.samples))
+                for s in batch]
+        if not any(s.num_logits for s in segs):
+            segs[-1].num_logits = 1  # NOTE: keeps N ≥ 1 for runners that cannot return [0, V]
+        return segs
+
+    def _next_tokens(self, batch: list[ScheduledSeq], out: StepOutput) -> list[list[int]]:
+        """Sample one token per sequence whose prefill completed; [] for mid-prefill chunks."""
+        rows = [i for i, s in enumerate(batch) if s.samples]
+        if not rows:
+            return [[] for _ in batch]
+        # Logit rows follow segment order, one per sampling segment (a forced row, see
+        # `_segments`, only exists when nothing samples).
+        logits = out.logits[: len(rows)]
+        seqs = [batch[i].seq for i in rows]
+        ids = sample(logits.float(), [s.params for s in seqs], [s.generator for s in seqs],
+                     self.generator).tolist()
+        result: list[list[int]] = [[] for _ in batch]
+        for i, t in zip(rows, ids):
+            result[i] = [t]
+        return result
+
+    # ---- appending and stopping -----------------------------------------------------------------
+    def _append(self, seq: Sequence, tokens: list[int], now: float) -> None:
+        p = seq.params
+        m = seq.metrics
+        for t in tokens:
+            seq.output_ids.append(t)
+            self.stats.generated_tokens += 1
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.token_times.append(now)
+            if (not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids:
+                self._finish(seq, "stop")  # the stop token is kept in token_ids, not in text
+                return
+            if seq.detok is not None:
+                prev = len(seq.text)
+                seq.text += seq.detok.add(t)
+                if p.stop and self._check_stop_strings(seq, prev):
+                    return
+            if len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_seq_len:
+                if seq.detok is not None:
+                    seq.text += seq.detok.flush()
+                self._finish(seq, "length")
+                return
+
+    def _check_stop_strings(self, seq: Sequence, prev: int) -> bool:
+        for s in seq.params.stop:
+            # Only text that just arrived (plus len(s)-1 before it) can complete a new match.
+            at = seq.text.find(s, max(0, prev - len(s) + 1))
+            if at >= 0:
+                seq.text = seq.text[:at]
+                self._finish(seq, "stop")
+                return True
+        return False
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.metrics.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        self.stats.num_finished += 1
+
+    def stats_dict(self) -> dict:
+        d = self.stats.as_dict()
+        d["num_waiting"] = len(self.scheduler.waiting)
+        d["num_running"] = len(self.scheduler.running)
+        d["free_pages"] = len(self.blocks.free_pages)
+        d["num_pages"] = self.blocks.num_pages
+        return d

@@ -1,0 +1,134 @@
+"""Requests as the engine sees them: sampling parameters, sequences and their outputs."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from specdeploy.engine.detokenizer import IncrementalDetokenizer
+from specdeploy.engine.metrics import RequestMetrics
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops. Validated at construction."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = all
+    seed: int | None = None
+    stop: str | Seq[str] | None = None
+    stop_token_ids: Seq[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class RequestOutput:
+    """A request's state as returned to callers. `text`/`token_ids` are cumulative; `delta_*` is
+    what the latest step added (for streaming)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    metrics: RequestMetrics
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """One request in flight. NOTE: `num_cached` counts tokens whose KV/state is in the cache; the
+    tokens still to feed are `all_ids[num_cached:]` (the whole prompt at first, then the last
+    sampled token, or prompt + output after a preemption)."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams,
+                 detok: IncrementalDetokenizer | None, request_id: str | None = None):
+        self.request_id = request_id if request_id is not None else str(next(_ids))
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.status = Status.WAITING
+        self.num_cached = 0
+        self.pages: list[int] = []
+        self.slot = -1
+        self.finish_reason: str | None = None
+        self.detok = detok
+        self.text = ""
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self._emitted_tokens = 0  # for delta_* in outputs
+        self._emitted_text = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache (to be fed to the model)."""
+        return len(self) - self.num_cached
+
+    def pending_ids(self, n: int) -> list[int]:
+        start = self.num_cached
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p:start - p + n]
+        return (self.prompt_ids[start:] + self.output_ids)[:n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def to_output(self) -> RequestOutput:
+        out = RequestOutput(
+            request_id=self.request_id, prompt_token_ids=self.prompt_ids, text=self.text,
+            token_ids=list(self.output_ids), finish_reason=self.finish_reason,
+            metrics=self.metrics, delta_text=self.text[self._emitted_text:],
+            delta_token_ids=self.output_ids[self._emitted_tokens:],
+        )
+        self._emitted_tokens = len(self.output_ids)
+        self._emitted_text = len(self.text)
+        return out

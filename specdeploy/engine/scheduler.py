@@ -1,0 +1,140 @@
+"""FCFS continuous batching with chunked prefill, page/slot allocation and preemption."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specdeploy.engine.request import Sequence, Status
+
+
+class BlockManager:
+    """Free lists of KV pages (`page_size` tokens each) and recurrent-state slots."""
+
+    def __init__(self, num_pages: int, page_size: int, num_slots: int):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        self.free_pages = deque(range(num_pages))
+        self.free_slots = deque(range(num_slots))
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def extra_pages(self, seq: Sequence, total_tokens: int) -> int:
+        return max(0, self.pages_for(total_tokens) - len(seq.pages))
+
+    def can_grow(self, seq: Sequence, total_tokens: int) -> bool:
+        return self.extra_pages(seq, total_tokens) <= len(self.free_pages)
+
+    def grow(self, seq: Sequence, total_tokens: int) -> None:
+        for _ in range(self.extra_pages(seq, total_tokens)):
+            seq.pages.append(self.free_pages.popleft())
+
+    def take_slot(self, seq: Sequence) -> None:
+        seq.slot = self.free_slots.popleft()
+
+    def free(self, seq: Sequence) -> None:
+        self.free_pages.extend(seq.pages)
+        seq.pages = []
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+        seq.slot = -1
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens fed this step: all_ids[num_cached : num_cached + num_tokens]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step's logits produce the sequence's next token (prefill done)."""
+        return self.seq.num_cached + self.num_tokens == len(self.seq)
+
+
+class Scheduler:
+    """Each step: running sequences first (oldest first), then waiting ones in arrival order,
+    within a budget of `max_num_tokens` fed tokens. A prompt longer than the remaining budget is
+    fed in chunks over several steps.
+
+    `lookahead` is the number of extra cache positions a decoding sequence reserves beyond its
+    fed tokens (speculative drafts use it); 0 for plain decoding.
+    """
+
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int,
+                 lookahead: int = 0):
+        self.blocks = blocks
+        self.max_batch_size = min(max_batch_size, blocks.num_slots)
+        self.max_num_tokens = max_num_tokens
+        self.lookahead = lookahead
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _want(self, seq: Sequence, budget: int) -> int:
+        return min(seq.num_pending, budget)
+
+    def _reserve(self, seq: Sequence, n: int) -> int:
+        """Cache positions a step feeding `n` tokens needs (drafts reserve `lookahead` more)."""
+        total = seq.num_cached + n
+        return total + self.lookahead if total == len(seq) else total
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_tokens
+        out: list[ScheduledSeq] = []
+        preempted_before = self.num_preemptions
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._want(seq, budget)
+            need = self._reserve(seq, n)
+            while not self.blocks.can_grow(seq, need) and self.running[-1] is not seq:
+                self.preempt(self.running[-1])
+            if not self.blocks.can_grow(seq, need):
+                self.preempt(seq)  # it is the newest: it yields to the older ones
+                break
+            self.blocks.grow(seq, need)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        # After a preemption the cache is tight: admitting now would only thrash.
+        while (self.waiting and budget > 0 and len(self.running) < self.max_batch_size
+               and self.blocks.free_slots and self.num_preemptions == preempted_before):
+            seq = self.waiting[0]
+            n = self._want(seq, budget)
+            need = self._reserve(seq, n)
+            if not self.blocks.can_grow(seq, need):
+                break  # FCFS: later requests do not overtake the head of the queue
+            self.waiting.popleft()
+            self.blocks.take_slot(seq)
+            self.blocks.grow(seq, need)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free everything; the sequence is recomputed later as a prefill of prompt + output."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence, wherever it is."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.FINISHED
