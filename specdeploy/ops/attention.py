@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdeploy.ops.autograd import register_recompute_autograd
+
 __all__ = ["attention_ref", "attention_mask"]
 
 
@@ -64,11 +66,14 @@ def attention_fast(
     return out.transpose(1, 2).contiguous().to(q.dtype)
 
 
-@torch.library.custom_op("specdeploy::attention", mutates_args=())
-def attention(
+def _attention_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0
 ) -> torch.Tensor:
     return attention_fast(q, k, v, scale, sliding_window)
+
+
+attention = torch.library.custom_op("specdeploy::attention", _attention_kernel, mutates_args=())
+register_recompute_autograd(attention, _attention_kernel)
 
 
 @attention.register_fake

@@ -7,6 +7,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from specdeploy.ops.autograd import register_recompute_autograd
+
 __all__ = ["ConvOutput", "causal_conv1d_ref", "causal_conv1d_core"]
 
 
@@ -82,8 +84,7 @@ def causal_conv1d_core(
     return ConvOutput(y.contiguous(), final_state, states)
 
 
-@torch.library.custom_op("specdeploy::causal_conv1d", mutates_args=())
-def causal_conv1d(
+def _causal_conv1d_kernel(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -92,6 +93,12 @@ def causal_conv1d(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = causal_conv1d_core(x, weight, bias, initial_state, activation)
     return out.y, out.final_state
+
+
+causal_conv1d = torch.library.custom_op(
+    "specdeploy::causal_conv1d", _causal_conv1d_kernel, mutates_args=()
+)
+register_recompute_autograd(causal_conv1d, _causal_conv1d_kernel)
 
 
 @causal_conv1d.register_fake

@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import torch
 
+from specdeploy.ops.autograd import register_recompute_autograd
+
 __all__ = ["DeltaOutput", "l2norm", "gated_delta_rule_ref", "gated_delta_rule_core"]
 
 
@@ -141,8 +143,7 @@ def gated_delta_rule_core(
     return DeltaOutput(o.contiguous(), state, states)
 
 
-@torch.library.custom_op("specdeploy::gated_delta_rule", mutates_args=())
-def gated_delta_rule(
+def _gated_delta_rule_kernel(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -155,6 +156,12 @@ def gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = gated_delta_rule_core(q, k, v, g, beta, initial_state, use_qk_l2norm, scale, chunk_size)
     return out.o.to(q.dtype), out.final_state
+
+
+gated_delta_rule = torch.library.custom_op(
+    "specdeploy::gated_delta_rule", _gated_delta_rule_kernel, mutates_args=()
+)
+register_recompute_autograd(gated_delta_rule, _gated_delta_rule_kernel)
 
 
 @gated_delta_rule.register_fake

@@ -7,6 +7,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from specdeploy.ops.autograd import register_recompute_autograd
+
 __all__ = ["Routing", "route_softmax_topk", "route_sigmoid", "moe_experts_ref", "moe_experts_fast"]
 
 
@@ -126,8 +128,7 @@ def moe_experts_fast(
     return out.to(x.dtype)
 
 
-@torch.library.custom_op("specdeploy::moe_experts", mutates_args=())
-def moe_experts(
+def _moe_experts_kernel(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -136,6 +137,12 @@ def moe_experts(
     activation: str,
 ) -> torch.Tensor:
     return moe_experts_fast(x, topk_ids, topk_weights, w_up, w_down, activation)
+
+
+moe_experts = torch.library.custom_op(
+    "specdeploy::moe_experts", _moe_experts_kernel, mutates_args=()
+)
+register_recompute_autograd(moe_experts, _moe_experts_kernel)
 
 
 @moe_experts.register_fake

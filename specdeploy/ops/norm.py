@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdeploy.ops.autograd import register_recompute_autograd
+
 __all__ = ["rms_norm_ref", "gated_rms_norm_ref"]
 
 
@@ -40,9 +42,12 @@ def gated_rms_norm_ref(
     return out.to(x.dtype)
 
 
-@torch.library.custom_op("specdeploy::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)
+
+
+rms_norm = torch.library.custom_op("specdeploy::rms_norm", _rms_norm_kernel, mutates_args=())
+register_recompute_autograd(rms_norm, _rms_norm_kernel)
 
 
 @rms_norm.register_fake
@@ -50,8 +55,7 @@ def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("specdeploy::gated_rms_norm", mutates_args=())
-def gated_rms_norm(
+def _gated_rms_norm_kernel(
     x: torch.Tensor,
     gate: torch.Tensor,
     weight: torch.Tensor,
@@ -60,6 +64,12 @@ def gated_rms_norm(
     norm_before_gate: bool,
 ) -> torch.Tensor:
     return gated_rms_norm_ref(x, gate, weight, eps, group_size, norm_before_gate)
+
+
+gated_rms_norm = torch.library.custom_op(
+    "specdeploy::gated_rms_norm", _gated_rms_norm_kernel, mutates_args=()
+)
+register_recompute_autograd(gated_rms_norm, _gated_rms_norm_kernel)
 
 
 @gated_rms_norm.register_fake

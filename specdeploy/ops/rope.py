@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import torch
 
+from specdeploy.ops.autograd import register_recompute_autograd
+
 __all__ = ["RopeCosSin", "rope_cos_sin", "rope_ref", "rotate_half"]
 
 
@@ -78,9 +80,12 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return out.to(x.dtype)
 
 
-@torch.library.custom_op("specdeploy::rope", mutates_args=())
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return rope_ref(x, cos, sin)
+
+
+rope = torch.library.custom_op("specdeploy::rope", _rope_kernel, mutates_args=())
+register_recompute_autograd(rope, _rope_kernel)
 
 
 @rope.register_fake

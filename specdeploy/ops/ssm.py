@@ -7,6 +7,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from specdeploy.ops.autograd import register_recompute_autograd
+
 __all__ = ["ScanOutput", "ssm_dt", "ssm_scan_ref", "ssm_scan_core"]
 
 
@@ -127,8 +129,7 @@ def ssm_scan_core(
     return ScanOutput(y, state, states)
 
 
-@torch.library.custom_op("specdeploy::ssm_scan", mutates_args=())
-def ssm_scan(
+def _ssm_scan_kernel(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -144,6 +145,10 @@ def ssm_scan(
     delta = ssm_dt(dt, dt_bias, dt_min, dt_max)
     out = ssm_scan_core(x, delta, A, B, C, D, chunk_size, initial_state)
     return out.y.to(x.dtype), out.final_state
+
+
+ssm_scan = torch.library.custom_op("specdeploy::ssm_scan", _ssm_scan_kernel, mutates_args=())
+register_recompute_autograd(ssm_scan, _ssm_scan_kernel)
 
 
 @ssm_scan.register_fake
