@@ -1,0 +1,69 @@
+"""Qwen3.5 (and Qwen3-Next) MTP head: one full-attention MoE decoder layer on top of the target.
+
+Checked against vLLM `qwen3_5_mtp.py` / `qwen3_next_mtp.py` and SGLang `qwen3_next_mtp.py`:
+- Input: `hidden_states` is the target's *final-normed* last hidden state (what the target feeds
+  its LM head; vLLM/SGLang pass the model's normed output to the proposer), `input_embeds` the
+  target embedding of the next token.
+- `fc` [H, 2H] is applied to cat(pre_fc_norm_embedding(emb), pre_fc_norm_hidden(h)): embedding
+  first. Then `layers[step % n]` (a full-attention decoder layer with MoE) and `norm`.
+- Output: `hidden` is *after* `mtp.norm` (vLLM returns the normed state, feeds it to the LM head
+  and, as the drafter's hidden, to the next draft step); logits = shared LM head(hidden).
+- All MTP RMSNorms (pre_fc_norm_*, norm, the layer's norms, q/k norms) are stored zero-centred
+  (GemmaRMSNorm / `1 + w` in vLLM/SGLang); the loader converts them to plain weights.
+- Embedding and LM head are the target's (`mtp_use_dedicated_embeddings` is false in releases).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdeploy.models.drafters import DraftOutput
+from specdeploy.models.qwen3_5_blocks import Config, DecoderLayer, RMSNorm
+from specdeploy.ops import rope_cos_sin
+
+
+class MTP(nn.Module):
+    """`forward(hidden_states[B,T,H], input_embeds[B,T,H], position_ids[B,T]) -> DraftOutput`.
+
+    `embed_tokens` / `lm_head` are the target's modules (anything with `.weight` [V, H]); they are
+    held outside the module tree so they are not this drafter's parameters.
+    """
+
+    def __init__(self, cfg: Config, embed_tokens: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.cfg = cfg
+        self._shared = (embed_tokens, lm_head)  # a tuple: not registered as submodules
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(h, eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps)
+        n = max(1, cfg.mtp_num_hidden_layers)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, "full_attention") for _ in range(n))
+        self.norm = RMSNorm(h, eps)
+        self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
+
+    def init_buffers(self) -> None:
+        self.inv_freq = self.cfg.rope_inv_freq()  # computed, never stored in checkpoints
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self._shared[0].weight)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        input_embeds: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        step: int = 0,
+    ) -> DraftOutput:
+        if position_ids is None:
+            b, t = hidden_states.shape[:2]
+            position_ids = torch.arange(t, device=hidden_states.device).expand(b, t)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, self.cfg.mrope_section,
+                                self.cfg.mrope_interleaved)
+        x = torch.cat(
+            (self.pre_fc_norm_embedding(input_embeds), self.pre_fc_norm_hidden(hidden_states)), -1
+        )
+        x = self.layers[step % len(self.layers)](self.fc(x), cos, sin)
+        hidden = self.norm(x)
+        return DraftOutput(hidden, F.linear(hidden, self._shared[1].weight))
