@@ -1,0 +1,67 @@
+"""NemotronH multi-token-prediction head (Nemotron 3 Super style).
+
+Checkpoint layout: one MTP group per `num_nextn_predict_layers`, each `mtp_hybrid_override_pattern`
+long ("*E": attention then MoE), numbered flat: group g is `mtp.layers.{gL .. gL+L-1}`. The first
+layer of a group also holds `enorm`, `hnorm`, `eh_proj` [H, 2H]; the last holds `final_layernorm`.
+
+One draft step (as vLLM's `nemotron_h_mtp.py` and SGLang compute it; checked Nov 2026):
+    x = eh_proj(cat(enorm(embed(next_token)), hnorm(h)))     # embedding half first, as DeepSeek
+    for each layer of the group: x = x + mixer(norm(x))      # the target's block, no RoPE
+    hidden = final_layernorm(x);  logits = lm_head(hidden)   # shared lm_head, no extra norm
+`hidden` is post-`final_layernorm` and is what the next draft step gets as `h` (vLLM feeds back
+the layer-stack output). The first step's `h` is the target's final-normed (`norm_f`) hidden.
+Peers (vLLM, SGLang) use only group 0; with several groups draft step k here uses group
+k % num_nextn_predict_layers (DeepSeek-style depth).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdeploy.models.drafters import DraftOutput
+from specdeploy.models.layers import RMSNorm
+from specdeploy.models.nemotron_h import Block, Config
+
+
+class MTPLayer(Block):
+    def __init__(self, cfg: Config, kind: str, first: bool, last: bool):
+        super().__init__(cfg, kind)
+        if first:
+            self.enorm = RMSNorm(cfg.hidden_size, cfg.eps)
+            self.hnorm = RMSNorm(cfg.hidden_size, cfg.eps)
+            self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        if last:
+            self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.eps)
+
+
+class MTP(nn.Module):
+    """`forward(hidden_states[B,T,H], input_embeds[B,T,H], position_ids, step=0) -> DraftOutput`.
+
+    `embed_tokens` / `lm_head` are the target's modules, kept out of this module's parameters.
+    """
+
+    def __init__(self, cfg: Config, embed_tokens: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        if cfg.num_nextn_predict_layers < 1:
+            raise ValueError("NemotronH MTP: the config has num_nextn_predict_layers = 0")
+        kinds, n = cfg.mtp_block_types, len(cfg.mtp_block_types)
+        self.group_len = n
+        self.layers = nn.ModuleList(
+            MTPLayer(cfg, kinds[i % n], first=i % n == 0, last=i % n == n - 1)
+            for i in range(cfg.num_nextn_predict_layers * n))
+        self._shared = (embed_tokens, lm_head)  # a tuple: not registered as submodules
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._shared[0](input_ids)
+
+    def forward(self, hidden_states: torch.Tensor, input_embeds: torch.Tensor,
+                position_ids: torch.Tensor | None = None, step: int = 0) -> DraftOutput:
+        groups = len(self.layers) // self.group_len
+        start = (step % groups) * self.group_len
+        group = self.layers[start:start + self.group_len]
+        first = group[0]
+        x = first.eh_proj(torch.cat([first.enorm(input_embeds), first.hnorm(hidden_states)], -1))
+        for layer in group:
+            x = layer(x)
+        hidden = group[-1].final_layernorm(x)
+        return DraftOutput(hidden, self._shared[1](hidden))
