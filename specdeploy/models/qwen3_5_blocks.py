@@ -3,9 +3,9 @@
 Full-sequence math on canonical ops (`torch.ops.specdeploy.*`); no caches. Submodule and parameter
 names follow transformers' `modeling_qwen3_5_moe.py` so checkpoint keys map one to one.
 
-NOTE: every `RMSNorm` here holds a plain multiplicative weight. The checkpoint stores the
-zero-centred form (`1 + w`) for all of them except the GDN output norm (`linear_attn.norm`, a
-plain-weight gated norm); `qwen3_5_moe.checkpoint_to_params` does the conversion.
+NOTE: every `RMSNorm` (the shared one from `layers.py`) holds a plain multiplicative weight. The
+checkpoint stores the zero-centred form (`1 + w`) for all of them except the GDN output norm
+(`linear_attn.norm`, a plain-weight gated norm); `qwen3_5_moe.checkpoint_to_params` converts.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import specdeploy.ops  # noqa: F401  (registers torch.ops.specdeploy.*)
+from specdeploy.models.layers import MLP, RMSNorm
 from specdeploy.ops import route_softmax_topk
 
 _ops = torch.ops.specdeploy
@@ -23,6 +24,8 @@ _ops = torch.ops.specdeploy
 
 @dataclass(frozen=True)
 class Config:
+    """Qwen3.5-MoE text config, normalized once from config.json (top level or `text_config`)."""
+
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -66,7 +69,7 @@ class Config:
         # plus top-level rope_theta / partial_rotary_factor.
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        if rope_type not in ("default", "mrope"):  # "mrope": Qwen2-VL-era name, default freqs
             raise ValueError(f"Qwen3.5-MoE: rope_type {rope_type!r} is not supported")
         if text.get("hidden_act", "silu") != "silu":
             raise ValueError(f"Qwen3.5-MoE: hidden_act {text['hidden_act']!r} is not supported")
@@ -111,35 +114,12 @@ class Config:
         )
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ops.rms_norm(x, self.weight, self.eps)
-
-
 class GatedRMSNorm(nn.Module):
     """Weight holder of the GDN output norm; the math is `gated_rms_norm` in the caller."""
 
     def __init__(self, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-
-
-class MLP(nn.Module):
-    """SwiGLU MLP (the shared expert)."""
-
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):

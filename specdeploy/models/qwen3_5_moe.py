@@ -19,7 +19,8 @@ from torch import nn
 from specdeploy.checkpoint import CheckpointError, CheckpointReader
 from specdeploy.checkpoint.tiny import write_checkpoint, write_tiny_tokenizer
 from specdeploy.models.drafters.qwen3_5_mtp import MTP
-from specdeploy.models.qwen3_5_blocks import Config, DecoderLayer, RMSNorm
+from specdeploy.models.layers import RMSNorm
+from specdeploy.models.qwen3_5_blocks import Config, DecoderLayer
 from specdeploy.ops import rope_cos_sin
 
 ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")

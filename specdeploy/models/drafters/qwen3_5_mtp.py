@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdeploy.models.drafters import DraftOutput
-from specdeploy.models.qwen3_5_blocks import Config, DecoderLayer, RMSNorm
+from specdeploy.models.layers import RMSNorm
+from specdeploy.models.qwen3_5_blocks import Config, DecoderLayer
 from specdeploy.ops import rope_cos_sin
 
 
