@@ -98,6 +98,13 @@ def test_transformers_layout_model_prefix_fused_experts(tmp_path, tiny, ours, or
     path = write_checkpoint(tmp_path / "hf_memory", oracle.config.to_dict(), sd)
     ids = _ids(1, 9)
     assert torch.equal(load_model(path, dtype="float32")(ids), ours(ids))
+    # the VLM root (`language_model.backbone.*`, `language_model.mtp.*`)
+    w = load_file(str(tiny / "model.safetensors"))
+    vlm = write_checkpoint(tmp_path / "vlm", nh.tiny_hf_config(mtp_layers=1),
+                           {"language_model." + k: v for k, v in w.items()})
+    m = load_model(vlm, dtype="float32", with_mtp=True)
+    assert torch.equal(m(ids), ours(ids))
+    assert torch.equal(m.mtp.layers[0].eh_proj.weight, ours.mtp.layers[0].eh_proj.weight)
     # and what transformers writes with save_pretrained
     oracle.save_pretrained(tmp_path / "saved")
     assert torch.equal(load_model(tmp_path / "saved", dtype="float32")(ids), ours(ids))

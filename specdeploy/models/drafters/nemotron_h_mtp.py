@@ -20,7 +20,8 @@ from torch import nn
 
 from specdeploy.models.drafters import DraftOutput
 from specdeploy.models.layers import RMSNorm
-from specdeploy.models.nemotron_h import Block, Config
+from specdeploy.models.nemotron_h import Config
+from specdeploy.models.nemotron_h_blocks import Block
 
 
 class MTPLayer(Block):
