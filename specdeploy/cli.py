@@ -1,0 +1,203 @@
+"""The `specdeploy` command: generate, chat, bench, deploy, make-tiny."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from specdeploy.config import SPEC_METHODS, SpecConfig
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-cache-gib", type=float, default=None)
+    p.add_argument("--backend", choices=("graph", "eager"), default="graph")
+    p.add_argument("--spec", choices=("none", *SPEC_METHODS), default="none")
+    p.add_argument("--num-draft-tokens", type=int, default=3)
+    p.add_argument("--draft-model", default=None)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _spec(args) -> SpecConfig | None:
+    if args.spec == "none":
+        return None
+    return SpecConfig(args.spec, num_draft_tokens=args.num_draft_tokens,
+                      draft_model=args.draft_model)
+
+
+def _llm(args, max_batch_size: int):
+    from specdeploy.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, max_batch_size=max_batch_size,
+               max_seq_len=args.max_seq_len, spec=_spec(args), max_cache_gib=args.max_cache_gib,
+               backend=args.backend, progress=True)
+
+
+def _sampling(args, **extra):
+    from specdeploy.engine import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed, **extra)
+
+
+def cmd_generate(args) -> int:
+    sp = _sampling(args)  # validate before the (slow) load
+    llm = _llm(args, max_batch_size=1)
+    t0 = time.perf_counter()
+    if args.chat:
+        (out,) = llm.chat([{"role": "user", "content": args.prompt}], sp)
+    else:
+        (out,) = llm.generate(args.prompt, sp)
+    wall = time.perf_counter() - t0
+    m = out.metrics
+    if args.json:
+        record = {"text": out.text, "token_ids": out.token_ids,
+                  "finish_reason": out.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
+                  "tokens_per_s": len(out.token_ids) / wall if wall > 0 else None,
+                  "decode_tokens_per_s": m.decode_tokens_per_s, "ttft_s": m.ttft}
+        record.update({k: v for k, v in llm.stats().items() if k.startswith("spec_")
+                       or k in ("mean_accepted_length", "acceptance_rate",
+                                "accepted_per_position")})
+        print(json.dumps(record))
+    else:
+        print(out.text)
+        print(f"[{len(out.token_ids)} tokens, {len(out.token_ids) / wall:.1f} tokens/s, "
+              f"finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _llm(args, max_batch_size=1)
+    sp = _sampling(args)
+    history: list[dict] = []
+    print("chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        text = ""
+        for out in llm.generate_stream(llm._chat_ids(history), sp):
+            print(out.delta_text, end="", flush=True)
+            text = out.text
+        print()
+        history.append({"role": "assistant", "content": text})
+    return 0
+
+
+def cmd_make_tiny(args) -> int:
+    if args.arch == "eagle3":
+        if not args.target:
+            raise SystemExit("make-tiny --arch eagle3 needs --target DIR (the target checkpoint)")
+        from specdeploy.models.drafters.eagle3 import make_tiny_eagle3
+
+        path = make_tiny_eagle3(args.target, args.out, seed=args.seed)
+    else:
+        from specdeploy.models.registry import family_module
+
+        path = family_module(args.arch).make_tiny(args.out, seed=args.seed,
+                                                  mtp_layers=args.mtp_layers)
+    print(path)
+    return 0
+
+
+def cmd_deploy(args) -> int:
+    try:
+        from specdeploy.deploy.pipeline import describe
+    except ImportError as e:
+        print(f"deploy: the graph pipeline is not available ({e})", file=sys.stderr)
+        return 1
+    if not args.list_transforms:
+        print("deploy: nothing to do (use --list-transforms)", file=sys.stderr)
+        return 2
+    model = args.model
+    if model is None:
+        from specdeploy.default_model import default_model_path
+
+        model = default_model_path()
+    print(describe(model, dtype=args.dtype, max_seq_len=args.max_seq_len,
+                   max_cache_gib=args.max_cache_gib, spec=_spec(args)))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from specdeploy.bench import run_bench
+
+    result = run_bench(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specdeploy", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    _add_model_args(g)
+    _add_sampling_args(g, max_tokens=64)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="apply the chat template")
+    g.add_argument("--json", action="store_true", help="last line: one JSON object")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat")
+    _add_model_args(c)
+    _add_sampling_args(c, max_tokens=256)
+    c.set_defaults(func=cmd_chat)
+
+    b = sub.add_parser("bench", help="throughput / latency on ShareGPT or a JSONL file")
+    _add_model_args(b)
+    b.add_argument("--dataset", default="sharegpt", help="sharegpt or FILE.jsonl ({'prompt': ..})")
+    b.add_argument("--num-prompts", type=int, default=32)
+    b.add_argument("--concurrency", type=int, default=16)
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are cut")
+    b.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("deploy", help="show the transform pipeline and cache plan")
+    _add_model_args(d)
+    d.add_argument("--list-transforms", action="store_true")
+    d.set_defaults(func=cmd_deploy)
+
+    t = sub.add_parser("make-tiny", help="write a tiny random checkpoint")
+    t.add_argument("--arch", required=True,
+                   choices=("llama", "nemotron_h", "qwen3_5_moe", "eagle3"))
+    t.add_argument("--mtp-layers", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--target", default=None, help="target checkpoint (for --arch eagle3)")
+    t.add_argument("--out", required=True)
+    t.set_defaults(func=cmd_make_tiny)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The `specdeploy` command: make-tiny, generate --json, bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdeploy import LLM, SamplingParams
+from specdeploy.cli import main
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "llama"
+    assert main(["make-tiny", "--arch", "llama", "--seed", "3", "--out", str(out)]) == 0
+    return out
+
+
+def test_make_tiny_writes_checkpoint(tiny_dir):
+    assert (tiny_dir / "config.json").is_file()
+    assert (tiny_dir / "tokenizer.json").is_file()
+
+
+def test_generate_json(tiny_dir, capsys):
+    rc = main(["generate", "--model", str(tiny_dir), "--prompt", "hello world", "--json",
+               "--max-tokens", "6", "--backend", "eager"])
+    assert rc == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"text", "token_ids", "finish_reason", "tokens_per_s"} <= record.keys()
+    llm = LLM(tiny_dir, backend="eager", max_batch_size=1)
+    (want,) = llm.generate("hello world", SamplingParams(max_tokens=6))
+    assert record["token_ids"] == want.token_ids and record["text"] == want.text
+    assert record["finish_reason"] == want.finish_reason
+
+
+def test_generate_bad_input(tiny_dir, capsys):
+    rc = main(["generate", "--model", str(tiny_dir), "--prompt", "x", "--top-p", "0"])
+    assert rc == 2 and "top_p" in capsys.readouterr().err
+
+
+def test_deploy_list_transforms(tiny_dir, capsys):
+    assert main(["deploy", "--model", str(tiny_dir), "--list-transforms"]) == 0
+    out = capsys.readouterr().out
+    assert "transforms" in out and "cache" in out
