@@ -17,7 +17,6 @@ from specdeploy.models.drafters.eagle3 import (
     Eagle3Drafter,
     load_eagle3,
     make_tiny_eagle3,
-    rope_inv_freq,
     save_eagle3,
 )
 from specdeploy.ops import attention_ref, rms_norm_ref, rope_cos_sin, rope_ref
@@ -49,8 +48,8 @@ def reference(sd: dict, cfg: Eagle3Config, hidden, embeds, pos, norm_before_resi
     if hidden.shape[-1] == 3 * cfg.target_hidden_size:
         hidden = lin(hidden, "fc")
     b, t, d = hidden.shape[0], hidden.shape[1], cfg.head_dim
-    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2).double() / d)
-    cos, sin = rope_cos_sin(pos, inv.float())
+    inv = 1.0 / cfg.rope.theta ** (torch.arange(0, d, 2).float() / d)
+    cos, sin = rope_cos_sin(pos, inv)
     normed = norm(hidden, "midlayer.hidden_norm")
     residual = normed if norm_before_residual else hidden
     x = torch.cat([norm(embeds, "midlayer.input_layernorm"), normed], dim=-1)
@@ -187,20 +186,23 @@ def test_released_config_format_and_llama3_rope():
         "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64, "intermediate_size": 96,
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": scaling,
+        "max_position_embeddings": 2048,
         "vocab_size": 128, "draft_vocab_size": 32, "hidden_act": "silu",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]},
     }
     cfg = Eagle3Config.from_hf(released)
     assert (cfg.head_dim, cfg.target_hidden_size, cfg.aux_layer_ids) == (16, 64, (1, 15, 28))
     assert Eagle3Config.from_hf(cfg.to_hf()) == cfg
+    plain = Eagle3Config.from_hf({**released, "rope_scaling": None})
+    assert plain.rope.rope_type == "default" and Eagle3Config.from_hf(plain.to_hf()) == plain
     hf = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=16384,
                      rope_parameters={**scaling, "rope_theta": 500000.0})
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
-    torch.testing.assert_close(rope_inv_freq(cfg), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(Eagle3Drafter(cfg).rotary_emb.inv_freq, want, rtol=1e-6, atol=0)
     with pytest.raises(CheckpointError, match="2 layers"):
         Eagle3Config.from_hf({**released, "num_hidden_layers": 2})
-    with pytest.raises(CheckpointError, match="yarn"):
-        rope_inv_freq(Eagle3Config.from_hf({**released, "rope_scaling": {"rope_type": "yarn"}}))
+    with pytest.raises(ValueError, match="yarn"):
+        Eagle3Config.from_hf({**released, "rope_scaling": {"rope_type": "yarn"}})
 
 
 def test_export_keeps_canonical_ops(tiny):

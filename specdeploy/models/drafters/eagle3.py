@@ -21,21 +21,19 @@ Checked against SafeAILab EAGLE `model/cnets.py`, SpecForge `llama3_eagle.py`, v
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdeploy.checkpoint import CheckpointError, CheckpointReader
 from specdeploy.checkpoint.tiny import write_checkpoint
 from specdeploy.loading import assign_params, resolve_dtype
 from specdeploy.models.drafters import DraftOutput
-from specdeploy.ops import rope_cos_sin  # importing specdeploy.ops registers the canonical ops
+from specdeploy.models.layers import MLP, RMSNorm, RopeConfig, RotaryEmbedding
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 
@@ -48,14 +46,14 @@ class Eagle3Config:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     vocab_size: int  # the target's vocab
     draft_vocab_size: int
     target_hidden_size: int
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # items, so the config stays hashable
+    rope: RopeConfig = RopeConfig()
     aux_layer_ids: tuple[int, ...] | None = None  # eagle_config.eagle_aux_hidden_state_layer_ids
     use_aux_hidden_state: bool = True  # False: no `fc`, the target's last hidden feeds directly
     norm_before_residual: bool = False
+    max_position_embeddings: int = 8192  # kept (RopeConfig falls back on it) for exact round trips
 
     @classmethod
     def from_hf(cls, hf: dict) -> Eagle3Config:
@@ -65,65 +63,35 @@ class Eagle3Config:
         if layers != 1 or act != "silu" or bias:
             raise CheckpointError(f"EAGLE-3: only one bias-free SwiGLU layer is supported; config "
                                   f"has {layers} layers, hidden_act {act!r}, bias {bias}")
-        # transformers 5 writes `rope_parameters` (theta inside); released drafters `rope_scaling`.
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        if "type" in rope:  # older configs name the rope type `type`
-            rope.setdefault("rope_type", rope.pop("type"))
-        default_rope = rope.get("rope_type", "default") == "default"
         eagle = hf.get("eagle_config") or {}
         h, heads = hf["hidden_size"], hf["num_attention_heads"]
         return cls(
             hidden_size=h, intermediate_size=hf["intermediate_size"], num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads", heads),
             head_dim=hf.get("head_dim") or h // heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=theta, rope_scaling=None if default_rope else tuple(sorted(rope.items())),
-            vocab_size=hf["vocab_size"],
+            rope=RopeConfig.from_hf(hf), vocab_size=hf["vocab_size"],
             draft_vocab_size=hf.get("draft_vocab_size") or hf["vocab_size"],
             target_hidden_size=hf.get("target_hidden_size") or h,
             aux_layer_ids=tuple(eagle.get("eagle_aux_hidden_state_layer_ids") or ()) or None,
             use_aux_hidden_state=eagle.get("use_aux_hidden_state", True),
-            norm_before_residual=bool(hf.get("norm_before_residual", False)))
+            norm_before_residual=bool(hf.get("norm_before_residual", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 8192))
 
     def to_hf(self) -> dict:
-        hf = asdict(self)  # the other field names are the HF keys
+        hf, r = asdict(self), self.rope  # the other field names are the HF keys
+        del hf["rope"]
+        scaling = {"rope_type": r.rope_type, "factor": r.factor}
+        if r.rope_type == "llama3":
+            scaling.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+                           original_max_position_embeddings=r.original_max_position_embeddings)
         eagle = {"use_aux_hidden_state": hf.pop("use_aux_hidden_state")}
         if (aux := hf.pop("aux_layer_ids")) is not None:
             eagle["eagle_aux_hidden_state_layer_ids"] = list(aux)
         return {"architectures": list(ARCHITECTURES), "model_type": "llama", **hf,
-                "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+                "rope_theta": r.theta,
+                "rope_scaling": None if r.rope_type == "default" else scaling,
                 "num_hidden_layers": 1, "hidden_act": "silu", "tie_word_embeddings": False,
                 "eagle_config": eagle}
-
-
-def rope_inv_freq(cfg: Eagle3Config, device: str | torch.device = "cpu") -> torch.Tensor:
-    """[D/2] inverse frequencies for the rope types Llama drafters use (default, linear, llama3)."""
-    d = cfg.head_dim
-    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
-    s = dict(cfg.rope_scaling or {})
-    kind = s.get("rope_type", "default")
-    if kind == "linear":
-        inv = inv / s["factor"]
-    elif kind == "llama3":  # transformers' _compute_llama3_parameters
-        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old = s["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        smooth = (old / wavelen - lo) / (hi - lo)
-        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
-        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv,
-                          torch.where(wavelen > old / lo, inv / factor, inv))
-    elif kind != "default":
-        raise CheckpointError(f"EAGLE-3: unsupported rope type {kind!r} (default, linear, llama3)")
-    return inv.float()
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, n: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.specdeploy.rms_norm(x, self.weight, self.eps)
 
 
 def _linears(**shapes: tuple[int, int]) -> nn.ModuleDict:
@@ -141,7 +109,7 @@ class Eagle3MidLayer(nn.Module):
         self.self_attn = _linears(q_proj=(2 * h, hq), k_proj=(2 * h, hkv), v_proj=(2 * h, hkv),
                                   o_proj=(hq, h))
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = _linears(gate_proj=(h, i), up_proj=(h, i), down_proj=(i, h))
+        self.mlp = MLP(h, i)
         self.head_dim, self.norm_before_residual = d, cfg.norm_before_residual
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -156,8 +124,7 @@ class Eagle3MidLayer(nn.Module):
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         h = residual + self.attention(x, cos, sin)
-        m, y = self.mlp, self.post_attention_layernorm(h)
-        return h + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3Drafter(nn.Module):
@@ -179,11 +146,10 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
-        # Explicit CPU device: computed, never loaded, so it must not be left on meta by the loader.
-        self.register_buffer("inv_freq", rope_inv_freq(cfg, "cpu"), persistent=False)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)  # computed, never stored
 
     def init_buffers(self) -> None:  # the loader calls it once the weights are assigned
-        self.inv_freq = rope_inv_freq(self.cfg, self.lm_head.weight.device)
+        self.rotary_emb.init_buffers()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         emb = self.__dict__.get("_shared_embed") or self._modules.get("embed_tokens")
@@ -202,7 +168,7 @@ class Eagle3Drafter(nn.Module):
         elif hidden_states.shape[-1] != cfg.hidden_size:
             raise ValueError(f"EAGLE-3: hidden_states last dim {hidden_states.shape[-1]}, expected "
                              f"{3 * cfg.target_hidden_size} (3 x target) or {cfg.hidden_size}")
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq)
+        cos, sin = self.rotary_emb(position_ids)
         h = self.midlayer(input_embeds.to(hidden_states.dtype), hidden_states, cos, sin)
         return DraftOutput(h, self.lm_head(self.norm(h)))
 
@@ -265,9 +231,8 @@ def load_eagle3(path: str | os.PathLike, target_cfg: Any = None,
 
 
 def save_eagle3(drafter: Eagle3Drafter, out: str | os.PathLike) -> Path:
-    """Write config.json + model.safetensors in the released layout (inv_freq is computed)."""
-    tensors = {k: v for k, v in drafter.state_dict().items() if k != "inv_freq"}
-    return write_checkpoint(out, drafter.cfg.to_hf(), tensors)
+    """Write config.json + model.safetensors in the released layout."""
+    return write_checkpoint(out, drafter.cfg.to_hf(), drafter.state_dict())
 
 
 def make_tiny_eagle3(target_dir: str | os.PathLike, out: str | os.PathLike, seed: int = 0,
