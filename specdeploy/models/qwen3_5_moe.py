@@ -113,9 +113,9 @@ def checkpoint_to_params(
         else:
             params[name] = lambda s=src: reader.get(s)
     if missing:
-        mtp = [m for m in missing if m.startswith("mtp.")]
+        only_mtp = all(m.startswith("mtp.") for m in missing)
         what = (f"MTP weights are missing (config mtp_num_hidden_layers="
-                f"{cfg.mtp_num_hidden_layers})" if mtp else "tensors are missing")
+                f"{cfg.mtp_num_hidden_layers})" if only_mtp else "tensors are missing")
         more = f" (+{len(missing) - 12} more)" if len(missing) > 12 else ""
         shown = ", ".join(missing[:12]) + more
         raise CheckpointError(f"{reader.path}: Qwen3.5-MoE {what}: {shown}")
