@@ -90,15 +90,19 @@ class RopeConfig:
         )
 
     def inv_freq(self, rotary_dim: int) -> torch.Tensor:
-        """[rotary_dim // 2] fp32 inverse frequencies (same float steps as transformers)."""
-        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        """[rotary_dim // 2] fp32 inverse frequencies (same float steps as transformers).
+
+        Always computed on the CPU: under a meta-device context, the division would route through
+        torch._refs and import torch._dynamo (seconds of load time)."""
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+        exponent = exponent / rotary_dim
         inv = 1.0 / (self.theta ** exponent)
         if self.rope_type == "linear":
             inv = inv / self.factor
         elif self.rope_type == "llama3":
             inv = self._llama3(inv)
         if self.freq_factors is not None:
-            inv = inv / torch.tensor(self.freq_factors, dtype=torch.float32)
+            inv = inv / torch.tensor(self.freq_factors, dtype=torch.float32, device="cpu")
         return inv
 
     def _llama3(self, inv: torch.Tensor) -> torch.Tensor:
@@ -125,9 +129,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope.inv_freq(rotary_dim), persistent=False)
 
     def init_buffers(self) -> None:
-        """Rebuild `inv_freq` on the CPU after a meta-device construction."""
-        device = self.inv_freq.device if not self.inv_freq.is_meta else torch.device("cpu")
-        self.inv_freq = self.rope.inv_freq(self.rotary_dim).to(device)
+        """Rebuild `inv_freq` (on the CPU; `.to(device)` moves it with the model)."""
+        self.inv_freq = self.rope.inv_freq(self.rotary_dim)
 
     def forward(self, position_ids: torch.Tensor) -> RopeCosSin:
         return rope_cos_sin(position_ids, self.inv_freq)
