@@ -114,9 +114,12 @@ def gated_delta_rule_core(
     decay = diff.masked_fill(~lower, float("-inf")).exp()  # [B, H, c, i, j], j <= i
     kk = kc @ kc.transpose(-1, -2)
     system = (bc * kk * decay).tril(-1) + torch.eye(size, device=q.device)
-    rhs = torch.cat((bc * vc, bc * cum.exp()[..., None] * kc), dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    u0, w = solved[..., :dv], solved[..., dv:]  # U = u0 - w @ S0
+    # NOTE: inverting once and multiplying is several times faster on CPU than solving for the
+    # (K + V)-column right-hand side directly, at the same accuracy.
+    eye = torch.eye(size, device=q.device).expand_as(system)
+    inv = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
+    u0 = inv @ (bc * vc)  # U = u0 - w @ S0
+    w = inv @ (bc * cum.exp()[..., None] * kc)
     qk = (qc @ kc.transpose(-1, -2)) * decay  # intra-chunk attention incl. the diagonal
     q_in = qc * cum.exp()[..., None]  # queries reading the decayed start state
     k_out = kc * (cum[..., -1:] - cum).exp()[..., None]  # keys decayed to the chunk's end

@@ -65,11 +65,11 @@ def ssm_scan_ref(
 
 
 def _chunk(t: torch.Tensor, size: int) -> torch.Tensor:
-    """[B, T, ...] -> [B, T/size, size, ...], zero padding T up to a multiple of size."""
+    """[B, T, H, ...] -> head-major chunks [B, H, T/size, size, ...], zero padding T."""
     pad = (-t.shape[1]) % size
     if pad:
         t = torch.cat((t, t.new_zeros(t.shape[0], pad, *t.shape[2:])), dim=1)
-    return t.unflatten(1, (-1, size))
+    return t.movedim(1, 2).unflatten(2, (-1, size))
 
 
 def ssm_scan_core(
@@ -88,45 +88,42 @@ def ssm_scan_core(
     Within a chunk the scan is a masked "attention" (C_i·B_j) * exp(cumA_i - cumA_j) * delta_j;
     across chunks only the [B, H, P, N] state is carried, so cached variants pass per-sequence
     ``initial_state`` and, for speculative verification, ``return_states=True``.
-    Shapes as in :func:`ssm_scan_ref`; all outputs fp32.
+    chunk_size <= 0 means one chunk. Shapes as in :func:`ssm_scan_ref`; all outputs fp32.
     """
     b, t, h, p = x.shape
     n = B.shape[-1]
     rep = h // B.shape[2]
     size = max(1, min(chunk_size, t)) if chunk_size > 0 else max(1, t)
     xf, delta = x.float(), delta.float()
-    log_a = delta * A.float()  # [B, T, H] per-step log decay (<= 0)
-    xs = _chunk(xf * delta[..., None], size)  # [B, c, l, H, P]: dt-scaled inputs
-    Bc = _chunk(B.float().repeat_interleave(rep, dim=2), size)  # [B, c, l, H, N]
+    # head-major [B, H, c, l, *] so every contraction below is a plain batched matmul
+    xs = _chunk(xf * delta[..., None], size)  # dt-scaled inputs
+    Bc = _chunk(B.float().repeat_interleave(rep, dim=2), size)
     Cc = _chunk(C.float().repeat_interleave(rep, dim=2), size)
-    cum = _chunk(log_a, size).cumsum(2)  # [B, c, l, H]
+    cum = _chunk(delta * A.float(), size).cumsum(-1)  # [B, H, c, l] cumulative log decay (<= 0)
     # decay[i, j] = exp(cum_i - cum_j) for j <= i; masking before exp keeps it finite
-    diff = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # [B, c, i, j, H]
-    causal = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
-    decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
-    scores = torch.einsum("bcihn,bcjhn->bcijh", Cc, Bc) * decay
-    y = torch.einsum("bcijh,bcjhp->bcihp", scores, xs)
-    # contribution of each chunk's own inputs to the state at its end
-    to_end = (cum[:, :, -1:, :] - cum).exp()  # [B, c, l, H]
-    chunk_states = torch.einsum("bclh,bclhp,bclhn->bchpn", to_end, xs, Bc)
-    chunk_decay = cum[:, :, -1, :].exp()  # [B, c, H]
+    lower = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    y = ((Cc @ Bc.transpose(-1, -2)) * decay) @ xs  # [B, H, c, l, P] intra-chunk part
+    # contribution of each chunk's own inputs to the state at its end: [B, H, c, P, N]
+    chunk_states = xs.transpose(-1, -2) @ (Bc * (cum[..., -1:] - cum).exp()[..., None])
+    chunk_decay = cum[..., -1].exp()  # [B, H, c]
     if initial_state is None:
         state = xf.new_zeros(b, h, p, n)
     else:
         state = initial_state.float()
     starts = []
-    for c in range(cum.shape[1]):
+    for c in range(cum.shape[2]):
         starts.append(state)
-        state = chunk_decay[:, c, :, None, None] * state + chunk_states[:, c]
-    start = torch.stack(starts, dim=1)  # [B, c, H, P, N]: state entering each chunk
-    y = y + torch.einsum("bclhn,bchpn->bclhp", Cc, start) * cum.exp()[..., None]
-    y = y.flatten(1, 2)[:, :t] + D.float()[:, None] * xf
+        state = chunk_decay[:, :, c, None, None] * state + chunk_states[:, :, c]
+    start = torch.stack(starts, dim=2)  # [B, H, c, P, N]: state entering each chunk
+    y = y + (Cc @ start.transpose(-1, -2)) * cum.exp()[..., None]
+    y = y.flatten(2, 3)[:, :, :t].transpose(1, 2) + D.float()[:, None] * xf
     states = None
     if return_states:
-        within = torch.einsum("bcijh,bcjhp,bcjhn->bcihpn", decay, xs, Bc)
-        states = within + cum.exp()[..., None, None] * start[:, :, None]
-        states = states.flatten(1, 2)[:, :t]
-    return ScanOutput(y, state, states)
+        within = torch.einsum("bhcij,bhcjp,bhcjn->bhcipn", decay, xs, Bc)
+        states = within + cum.exp()[..., None, None] * start[:, :, :, None]
+        states = states.flatten(2, 3)[:, :, :t].transpose(1, 2)
+    return ScanOutput(y.contiguous(), state, states)
 
 
 def _ssm_scan_kernel(
