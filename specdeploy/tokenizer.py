@@ -1,0 +1,211 @@
+"""Tokenizers from a HF directory (`tokenizer.json`) or a GGUF vocabulary, plus chat templates.
+
+The GGUF path rebuilds the byte-level BPE the way transformers does for `tokenizer.ggml.model ==
+"gpt2"`, so ids match transformers' own GGUF tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+from specdeploy.checkpoint import CheckpointError
+
+__all__ = ["Tokenizer", "load_tokenizer"]
+
+# llama.cpp `tokenizer.ggml.pre` names whose merges were learned on the Llama-3 split; every other
+# gpt2-style vocabulary (smollm, gpt2, default, ...) uses ByteLevel's built-in GPT-2 split.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"}
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+class Tokenizer:
+    """Thin wrapper over a `tokenizers.Tokenizer` with the ids and the template the engine needs."""
+
+    def __init__(self, backend, *, bos_token_id: int | None, eos_token_ids: list[int],
+                 chat_template: str | None, special_tokens: dict[str, str | None] | None = None):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = list(dict.fromkeys(eos_token_ids))  # ordered, unique
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        """Render `messages` with the checkpoint's Jinja template (sandboxed, as transformers)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template; pass a raw prompt instead")
+        variables = {k: v for k, v in self.special_tokens.items() if v is not None}
+        variables.update(kwargs)
+        return _compile(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters, which changes the prompt
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
+    """Tokenizer of a HF checkpoint directory or a `.gguf` file; `None` = the default model."""
+    if path is None:
+        from specdeploy.default_model import default_model_path
+
+        path = default_model_path()
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return _from_gguf(p)
+    if p.is_dir():
+        return _from_hf_dir(p)
+    raise CheckpointError(f"{p}: expected a checkpoint directory or a .gguf file")
+
+
+def _token_text(tok) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _from_hf_dir(path: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as Backend
+
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        raise CheckpointError(f"{path}: no tokenizer.json (only fast tokenizers are supported)")
+    backend = Backend.from_file(str(tok_file))
+    tcfg = _read_json(path / "tokenizer_config.json")
+    gen = _read_json(path / "generation_config.json")
+    mcfg = _read_json(path / "config.json")
+    template = tcfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    specials = {k: _token_text(tcfg.get(k)) for k in
+                ("bos_token", "eos_token", "unk_token", "pad_token")}
+    eos: list[int] = []
+    for src in (gen.get("eos_token_id"), mcfg.get("eos_token_id")):
+        if src is not None:
+            eos += src if isinstance(src, list) else [src]
+            break
+    if specials["eos_token"] and backend.token_to_id(specials["eos_token"]) is not None:
+        eos.append(backend.token_to_id(specials["eos_token"]))
+    bos = gen.get("bos_token_id", mcfg.get("bos_token_id"))
+    if bos is None and specials["bos_token"]:
+        bos = backend.token_to_id(specials["bos_token"])
+    return Tokenizer(backend, bos_token_id=bos, eos_token_ids=eos, chat_template=template,
+                     special_tokens=specials)
+
+
+def _read_json(f: Path) -> dict:
+    if not f.is_file():
+        return {}
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: malformed JSON ({e})") from None
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte → printable-character map."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(keep, map(chr, chars)))
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Backend
+
+    from specdeploy.checkpoint.gguf import read_header
+
+    md = read_header(path).metadata
+    kind = md.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(f"{path}: GGUF tokenizer model {kind!r} is not supported "
+                              "(supported: 'gpt2' byte-level BPE)")
+    tokens: list[str] = md["tokenizer.ggml.tokens"]
+    types: list[int] = md.get("tokenizer.ggml.token_type") or []
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    # tokens the file writes in plain text (not the byte alphabet) are re-spelled, as transformers
+    vocab = {t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, dropout=None,
+                                 continuing_subword_prefix="", end_of_word_suffix="",
+                                 fuse_unk=False))
+    prefix_space = bool(md.get("tokenizer.ggml.add_space_prefix", False))
+    if md.get("tokenizer.ggml.pre") in _LLAMA3_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=prefix_space, use_regex=False)])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
+    backend.decoder = decoders.ByteLevel()
+    control = [AddedToken(t, normalized=False, special=True)
+               for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= spelled]
+    backend.add_special_tokens(control)
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab])
+
+    def tok(key):
+        i = md.get(f"tokenizer.ggml.{key}")
+        return (i, tokens[i]) if i is not None and 0 <= i < len(tokens) else (None, None)
+
+    bos_id, bos = tok("bos_token_id")
+    eos_id, eos = tok("eos_token_id")
+    if md.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    eos_ids = [i for i in (eos_id, md.get("tokenizer.ggml.eot_token_id"),
+                           md.get("tokenizer.ggml.eom_token_id")) if i is not None]
+    specials = {"bos_token": bos, "eos_token": eos, "unk_token": tok("unknown_token_id")[1],
+                "pad_token": tok("padding_token_id")[1]}
+    return Tokenizer(backend, bos_token_id=bos_id, eos_token_ids=eos_ids,
+                     chat_template=md.get("tokenizer.chat_template"), special_tokens=specials)
