@@ -26,7 +26,7 @@ class Tiny(torch.nn.Module):
         b, t, _ = x.shape
         ops = torch.ops.specdeploy
         x = ops.rms_norm(x, self.norm_w, 1e-6)
-        cos, sin = rope_cos_sin(pos, self.inv_freq)
+        cos, sin = rope_cos_sin(pos, self.inv_freq, [2, 1, 1], mrope_interleaved=True)
         q = ops.rope(x.view(b, t, 2, 8), cos, sin)
         a = ops.attention(q, q[:, :, :1], q[:, :, :1], 0.3, 4).reshape(b, t, 16)
         c, _ = ops.causal_conv1d(a, self.conv_w, None, None, "silu")
