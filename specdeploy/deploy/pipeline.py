@@ -50,6 +50,7 @@ class DeployContext:
     quant_exclude: tuple[str, ...] = ("lm_head", "eagle_drafter.*")
     compile: bool = False
     disabled: frozenset[str] = frozenset()
+    resource_prefix: str = ""  # keeps a drafter's cache names apart from the target's
     resources: list = field(default_factory=list)  # cache.handlers.ResourceHandler
     inputs: dict[str, fx.Node] = field(default_factory=dict)
     compiled: Callable | None = None  # set by the compile stage
@@ -61,6 +62,7 @@ _REGISTRY: dict[str, tuple[Stage, Transform]] = {}
 # Pass modules, imported for their registrations (order inside a stage = this order).
 _PASS_MODULES = (
     "specdeploy.deploy.passes.cleanup",
+    "specdeploy.deploy.passes.capture_hidden",
     "specdeploy.deploy.passes.gather_logits",
     "specdeploy.deploy.passes.quantize",
     "specdeploy.deploy.passes.insert_cache",

@@ -32,9 +32,10 @@ class GraphDeployed:
         self._fn = ctx.compiled or gm
         self._input_names = [p.name for p in placeholders(gm)]
 
-    def _feed(self, meta: BatchMetadata) -> list[torch.Tensor]:
+    def _feed(self, meta: BatchMetadata, hidden: torch.Tensor | None = None) -> list[torch.Tensor]:
         dev = self.ctx.device
         feed = {
+            "hidden": None if hidden is None else hidden[None].to(dev),
             "input_ids": meta.input_ids[None].to(dev),
             "position_ids": meta.position_ids[None].to(dev),
             "logits_idx": meta.logits_idx.to(dev), "cu_seqlens": meta.cu_seqlens.to(dev),
@@ -45,10 +46,13 @@ class GraphDeployed:
         return [feed[n] for n in self._input_names]
 
     @torch.inference_mode()
-    def forward(self, meta: BatchMetadata) -> StepOutput:
-        out = self._fn(*self._feed(meta))
-        logits = out[0] if isinstance(out, (tuple, list)) else out
-        return StepOutput(logits=logits[0].float())
+    def forward(self, meta: BatchMetadata, hidden: torch.Tensor | None = None) -> StepOutput:
+        """One step. `hidden` [T, H] feeds a drafter graph (the third exported input)."""
+        out = self._fn(*self._feed(meta, hidden))
+        if not isinstance(out, (tuple, list)):
+            out = (out,)
+        hidden = out[1][0] if len(out) > 1 else None
+        return StepOutput(logits=out[0][0].float(), hidden=hidden)
 
     def report(self) -> str:
         lines = ["transforms (in order):"]
@@ -62,17 +66,18 @@ class GraphDeployed:
 
 def _input_name_fix(gm: fx.GraphModule) -> None:
     """Exported placeholders are named after forward's parameters; make that explicit."""
-    names = [p.name for p in placeholders(gm)]
-    if names[:2] != ["input_ids", "position_ids"]:
-        for p, want in zip(placeholders(gm)[:2], ("input_ids", "position_ids")):
+    for p, want in zip(placeholders(gm), ("input_ids", "position_ids", "hidden")):
+        if p.name != want:
             p.name = want
             p.target = want
-        gm.recompile()
+    gm.recompile()
 
 
-def allocate(gm: fx.GraphModule, ctx: DeployContext) -> CachePlan:
-    plan = plan_cache(ctx.resources, ctx.page_size, ctx.max_batch_size, ctx.max_seq_len,
-                      ctx.max_cache_gib, ctx.device)
+def allocate(gm: fx.GraphModule, ctx: DeployContext, plan: CachePlan | None = None) -> CachePlan:
+    """Plan (unless given) and register the real cache tensors as the graph's buffers."""
+    if plan is None:
+        plan = plan_cache(ctx.resources, ctx.page_size, ctx.max_batch_size, ctx.max_seq_len,
+                          ctx.max_cache_gib, ctx.device)
     for h in ctx.resources:
         if isinstance(h, PagedKV):
             k, v = h.allocate(plan.num_pages, plan.page_size, ctx.device)
@@ -83,13 +88,20 @@ def allocate(gm: fx.GraphModule, ctx: DeployContext) -> CachePlan:
     return plan
 
 
-def deploy_module(model: torch.nn.Module, hf_config: dict, vocab_size: int, **ctx_kwargs):
-    """Export + transform + allocate an already-loaded plain model."""
+def transform_module(model: torch.nn.Module, hidden_size: int | None = None, **ctx_kwargs):
+    """Export + transform (no allocation yet): returns (gm, ctx, infos)."""
     ctx = DeployContext(model=model, **ctx_kwargs)
-    t0 = time.perf_counter()
-    gm = export_model(model, max_tokens=max(2, ctx.max_seq_len * ctx.max_batch_size))
+    max_tokens = max(2, ctx.max_seq_len * ctx.max_batch_size)
+    gm = export_model(model, max_tokens=max_tokens, hidden_size=hidden_size, dtype=ctx.dtype)
     _input_name_fix(gm)
     infos = run_pipeline(gm, ctx)
+    return gm, ctx, infos
+
+
+def deploy_module(model: torch.nn.Module, hf_config: dict, vocab_size: int, **ctx_kwargs):
+    """Export + transform + allocate an already-loaded plain model."""
+    t0 = time.perf_counter()
+    gm, ctx, infos = transform_module(model, **ctx_kwargs)
     plan = allocate(gm, ctx)
     ctx.export_seconds = time.perf_counter() - t0
     return GraphDeployed(gm, ctx, infos, plan, hf_config, vocab_size)

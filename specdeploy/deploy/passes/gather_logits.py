@@ -9,23 +9,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from specdeploy.deploy.graph import add_placeholder, finalize
+from specdeploy.deploy.graph import add_placeholder, finalize, find_head
 from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
-
-_PASS_THROUGH = {
-    torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default,
-    torch.ops.aten.contiguous.default, torch.ops.aten.clone.default,
-}
-
-
-def find_head(gm: fx.GraphModule) -> fx.Node:
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    node = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
-    while node.op == "call_function" and node.target in _PASS_THROUGH:
-        node = node.args[0]
-    if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
-        raise RuntimeError(f"gather_logits: expected the output to come from a linear, got {node}")
-    return node
 
 
 @register("gather_logits", Stage.PATTERN)

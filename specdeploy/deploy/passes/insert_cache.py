@@ -41,6 +41,7 @@ def _declare(gm, ctx, handler, before: fx.Node) -> fx.Node:
 
 
 def _state_buffers(gm, ctx, node, base: str, shape, dtype) -> tuple[fx.Node, fx.Node | None]:
+    base = ctx.resource_prefix + base
     state = _declare(gm, ctx, State(f"{base}_state", tuple(shape), dtype), node)
     spec = None
     if ctx.spec_steps:
@@ -65,7 +66,8 @@ def insert_cached_attention(gm: fx.GraphModule, ctx: DeployContext) -> Transform
         m = _meta(gm, ctx)
         a = op_args(node)
         k_shape, v_shape = meta_shape(a["k"]), meta_shape(a["v"])
-        h = PagedKV(f"kv_cache_{n}", k_shape[2], k_shape[3], v_shape[3], ctx.dtype)
+        h = PagedKV(f"{ctx.resource_prefix}kv_cache_{n}", k_shape[2], k_shape[3], v_shape[3],
+                    ctx.dtype)
         ctx.resources.append(h)
         kc = add_buffer(gm, f"{h.name}_k", torch.zeros(0), node)
         vc = add_buffer(gm, f"{h.name}_v", torch.zeros(0), node)

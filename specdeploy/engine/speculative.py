@@ -1,0 +1,264 @@
+"""One-model speculative decoding on top of `Engine`: verify → accept → commit → draft.
+
+A step (DESIGN.md invariant 4):
+1. Target forward: prefill chunks as usual; every sequence that has drafts feeds one EXTEND
+   segment [last accepted token, d_1..d_K] at positions n-1..n-1+K.
+2. Verify: greedy = longest prefix of drafts equal to the target's argmax, plus the target's bonus
+   token; temperature > 0 = rejection sampling against the drafter's probabilities q (accept d_i
+   with prob min(1, p/q), else resample from norm(max(0, p - q))), so outputs follow the target.
+3. Commit: KV by length bookkeeping (`num_cached += 1 + accepted`); recurrent state by promoting
+   the spec-state entry `accepted` (the state after the last kept token) into the slot.
+4. Draft: the drafter catches up on the newly committed positions with the target's captured
+   hidden states (pair (h_p, token_{p+1}) at position p), then runs K-1 single-token steps on its
+   own hidden state. Its paged KV shares the target's page tables.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
+from specdeploy.engine.engine import Engine
+from specdeploy.engine.request import RequestOutput, SamplingParams, Sequence
+from specdeploy.engine.sampler import _filter_top_k_top_p
+from specdeploy.engine.scheduler import Scheduler
+
+
+@dataclass
+class SpecStats:
+    """Acceptance counters. mean accepted length = 1 + accepted / draft steps (bonus included)."""
+
+    k: int
+    draft_steps: int = 0  # verify segments
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_per_position = [0] * self.k
+
+    def as_dict(self) -> dict:
+        steps = max(self.draft_steps, 1)
+        return {
+            "num_draft_tokens": self.k, "draft_steps": self.draft_steps,
+            "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.accepted_tokens / max(self.draft_tokens, 1),
+            "mean_accepted_length": 1 + self.accepted_tokens / steps if self.draft_steps else 0.0,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_per_position": [a / steps for a in self.accepted_per_position],
+        }
+
+
+class SpecScheduler(Scheduler):
+    """A drafting sequence feeds its whole extend segment at once and reserves room for the
+    drafter's next K-1 positions."""
+
+    def _want(self, seq: Sequence, budget: int) -> int:
+        drafts = getattr(seq, "drafts", None)
+        return 1 + len(drafts) if drafts else super()._want(seq, budget)
+
+    def _reserve(self, seq: Sequence, n: int) -> int:
+        if getattr(seq, "drafts", None):
+            return seq.num_cached + n + self.lookahead - 1
+        return super()._reserve(seq, n)
+
+    def preempt(self, seq: Sequence) -> None:
+        seq.drafts, seq.draft_probs = [], None  # recomputed from scratch with the prefill
+        super().preempt(seq)
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from for these params (temperature, top-k, top-p)."""
+    scaled = logits / params.temperature
+    if params.top_k > 0 or params.top_p < 1.0:
+        n = logits.shape[0]
+        scaled = _filter_top_k_top_p(
+            scaled, torch.full((n,), params.top_k, device=logits.device),
+            torch.full((n,), params.top_p, device=logits.device, dtype=logits.dtype))
+    return scaled.softmax(-1)
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+class SpecEngine(Engine):
+    """`deployed` is a `SpecDeployed`. `draft_override(seq, k) -> list[int]` (tests) replaces the
+    drafter's proposals, e.g. with the target's own greedy tokens."""
+
+    def __init__(self, deployed, tokenizer=None, **kw):
+        super().__init__(deployed, tokenizer, **kw)
+        self.k = deployed.num_draft_tokens
+        self.scheduler = SpecScheduler(self.blocks, self.scheduler.max_batch_size,
+                                       self.scheduler.max_num_tokens, lookahead=self.k)
+        self.draft_override: Callable[[Sequence, int], list[int]] | None = None
+        self.spec_stats = SpecStats(self.k)
+
+    def stats_dict(self) -> dict:
+        return {**super().stats_dict(), **self.spec_stats.as_dict()}
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        touched, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        if batch:
+            segs = []
+            for s in batch:
+                seq = s.seq
+                if getattr(seq, "drafts", None):
+                    ids = seq.pending_ids(1) + seq.drafts
+                    segs.append(Segment(ids, seq.num_cached, seq.pages, seq.slot, len(ids),
+                                        SEG_EXTEND))
+                else:
+                    segs.append(Segment(seq.pending_ids(s.num_tokens), seq.num_cached,
+                                        seq.pages, seq.slot, int(s.samples)))
+            if not any(s.num_logits for s in segs):
+                segs[-1].num_logits = 1
+            meta = build_metadata(segs).to(self.device)
+            tf = time.perf_counter()
+            out = self.deployed.forward(meta)
+            now = time.perf_counter()
+            work = self._verify_and_commit(batch, segs, out.logits, now, touched)
+            self._draft(work, out.hidden)
+            self.stats.forward_time_s += time.perf_counter() - tf
+            self.stats.num_steps += 1
+            self.stats.forward_tokens += meta.num_tokens
+            self.stats.max_running = max(self.stats.max_running, len(batch))
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        outputs = [s.to_output() for s in touched]
+        for s in touched:
+            if s.finished:
+                self._seqs.pop(s.request_id, None)
+        self.stats.step_time_s += time.perf_counter() - t0
+        return outputs
+
+    # ---- verification ---------------------------------------------------------------------------
+    def _verify_and_commit(self, batch, segs, logits, now, touched) -> list[tuple]:
+        """Returns drafter work: (seq, first position, next tokens, hidden row range, wants)."""
+        row, tok = 0, 0
+        work = []
+        commit_slots, commit_idx = [], []
+        for s, seg in zip(batch, segs):
+            seq, n = s.seq, len(seg.token_ids)
+            rows = logits[row:row + seg.num_logits]
+            row += seg.num_logits
+            start = seq.num_cached
+            if seg.kind == SEG_EXTEND:
+                kept = self._accept(seq, rows)
+                seq.num_cached += len(kept)  # last token + accepted drafts (bonus is pending)
+                commit_slots.append(seq.slot)
+                commit_idx.append(len(kept) - 1)
+                self._append(seq, kept[1:] + [self._bonus], now)
+                span, rows_used = len(kept), (tok, tok + len(kept))
+            else:
+                samples = s.samples  # NOTE: read before num_cached moves
+                seq.num_cached += n
+                if samples:
+                    t = self._sample_one(seq, rows[-1:])
+                    self._append(seq, [t], now)
+                span, rows_used = n, (tok, tok + n)
+            touched.append(seq)
+            tok += n
+            if not seq.finished:
+                nxt = seq.all_ids[start + 1:start + span + 1]
+                if len(nxt) == span:  # mid-prefill chunks know their next tokens; so does a run
+                    work.append((seq, start, nxt, rows_used, seq.num_cached == len(seq) - 1))
+        if commit_slots:
+            dev = self.device
+            self.deployed.commit(torch.tensor(commit_slots, device=dev),
+                                 torch.tensor(commit_idx, device=dev))
+        return work
+
+    def _sample_one(self, seq: Sequence, rows: torch.Tensor) -> int:
+        if seq.params.greedy:
+            return int(rows[0].argmax())
+        gen = seq.generator or self.generator
+        return _draw(target_probs(rows.float(), seq.params)[0], gen)
+
+    def _accept(self, seq: Sequence, rows: torch.Tensor) -> list[int]:
+        """rows [K+1, V]. Returns [last token, accepted drafts...]; sets self._bonus."""
+        drafts = seq.drafts
+        kept = [seq.all_ids[-1]]
+        st = self.spec_stats
+        st.draft_steps += 1
+        st.draft_tokens += len(drafts)
+        if seq.params.greedy:
+            target = rows.argmax(-1).tolist()
+            a = 0
+            while a < len(drafts) and drafts[a] == target[a]:
+                a += 1
+            self._bonus = target[a]
+        else:
+            gen = seq.generator or self.generator
+            p = target_probs(rows.float(), seq.params)
+            q = seq.draft_probs
+            a = 0
+            self._bonus = None
+            while a < len(drafts):
+                d = drafts[a]
+                ratio = (p[a, d] / q[a, d].clamp_min(1e-20)).clamp(max=1.0)
+                if float(torch.rand((), generator=gen)) < float(ratio):
+                    a += 1
+                    continue
+                residual = (p[a] - q[a]).clamp_min(0)
+                total = residual.sum()
+                self._bonus = _draw(residual / total if total > 0 else p[a], gen)
+                break
+            if self._bonus is None:
+                self._bonus = _draw(p[a], gen)
+        st.accepted_tokens += a
+        for i in range(a):
+            st.accepted_per_position[i] += 1
+        return kept + drafts[:a]
+
+    # ---- drafting -------------------------------------------------------------------------------
+    def _draft(self, work: list[tuple], captured: torch.Tensor) -> None:
+        for seq, *_ in work:
+            seq.drafts, seq.draft_probs = [], None
+        if not work:
+            return
+        d = self.deployed
+        hidden = d.project(captured[torch.cat([torch.arange(a, b) for *_, (a, b), _ in work])])
+        segs = [Segment(nxt, start, seq.pages, seq.slot, int(wants))
+                for seq, start, nxt, _, wants in work]
+        drafting = [(seq, start + len(nxt)) for seq, start, nxt, _, wants in work if wants]
+        if not any(s.num_logits for s in segs):
+            segs[-1].num_logits = 1
+        out = d.draft_forward(build_metadata(segs).to(self.device), hidden)
+        if not drafting:
+            return
+        logits, h = out.logits[: len(drafting)], out.hidden[: len(drafting)]
+        for step in range(self.k):
+            ids = self._propose(drafting, logits)
+            for (seq, _), t, p in zip(drafting, *ids):
+                seq.drafts.append(t)
+                if p is not None:
+                    seq.draft_probs = p[None] if seq.draft_probs is None else torch.cat(
+                        (seq.draft_probs, p[None]))
+            if step == self.k - 1:
+                break
+            segs = [Segment([seq.drafts[-1]], pos + step, seq.pages, seq.slot, 1)
+                    for seq, pos in drafting]
+            out = d.draft_forward(build_metadata(segs).to(self.device), h)
+            logits, h = out.logits, out.hidden
+        if self.draft_override is not None:
+            for seq, _ in drafting:
+                seq.drafts = list(self.draft_override(seq, self.k))
+
+    def _propose(self, drafting, logits: torch.Tensor):
+        """Draft ids (target vocabulary) and, for sampled requests, q over the target vocab."""
+        d = self.deployed
+        greedy_ids = d.to_target(logits.argmax(-1)).tolist()
+        ids, probs = [], []
+        for i, (seq, _) in enumerate(drafting):
+            if seq.params.greedy:
+                ids.append(greedy_ids[i])
+                probs.append(None)
+                continue
+            q = d.target_probs((logits[i:i + 1].float() / seq.params.temperature).softmax(-1))[0]
+            ids.append(_draw(q, seq.generator or self.generator))
+            probs.append(q)
+        return ids, probs
