@@ -65,7 +65,10 @@ class LLM:
         lay = self.deployed.layout
         log(f"ready in {time.perf_counter() - t0:.1f}s: {lay.num_pages} pages x {lay.page_size} "
             f"tokens, {lay.num_slots} slots, cache {lay.total_bytes / 2**20:.1f} MiB")
-        self.engine = Engine(
+        engine_cls = Engine
+        if spec is not None:
+            from specdeploy.engine.speculative import SpecEngine as engine_cls
+        self.engine = engine_cls(
             self.deployed, self.tokenizer, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, seed=seed,
             eos_token_ids=_eos_ids(self.tokenizer, self.deployed.hf_config, self.model_path))

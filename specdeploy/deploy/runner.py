@@ -112,6 +112,16 @@ def build_deployed(path=None, *, dtype="auto", max_batch_size: int = 16, max_seq
                    compile: bool = False, quantize: str | None = None, model=None):
     from specdeploy.loading import load_model, resolve_dtype
 
+    if spec is not None:
+        from specdeploy.deploy.spec import build_spec_deployed
+
+        if model is None:
+            model = load_model(path, dtype=dtype,
+                               with_mtp=spec.method == "mtp" and spec.draft_model is None)
+        return build_spec_deployed(
+            model, spec, dtype=resolve_dtype(dtype), max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len, page_size=page_size, max_cache_gib=max_cache_gib,
+            compile=compile, quantize=quantize)
     if model is None:
         model = load_model(path, dtype=dtype)
     hf_config = getattr(model, "hf_config", None) or {}
