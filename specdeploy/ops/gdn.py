@@ -48,8 +48,9 @@ def gated_delta_rule_ref(
     """Token-by-token oracle (chunk_size is ignored).
 
     Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V]; g (log decay), beta: [B, T, H];
-        initial_state: [B, H, K, V].
+        q, k: [B, T, H, K] (or [B, T, Hk, K] with H % Hk == 0: each q/k head serves H/Hk
+        consecutive value heads, as in transformers); v: [B, T, H, V]; g (log decay), beta:
+        [B, T, H]; initial_state: [B, H, K, V]; scale <= 0 means K**-0.5.
     Returns:
         (o [B, T, H, V] in q's dtype, final_state [B, H, K, V] fp32).
     Per token: ``S = exp(g) S; S += k ⊗ (beta (v - S^T k)); o = S^T (q * scale)``.
@@ -112,11 +113,11 @@ def gated_delta_rule_core(
     diff = cum[..., :, None] - cum[..., None, :]
     lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     decay = diff.masked_fill(~lower, float("-inf")).exp()  # [B, H, c, i, j], j <= i
-    kk = kc @ kc.transpose(-1, -2)
-    system = (bc * kk * decay).tril(-1) + torch.eye(size, device=q.device)
+    eye = torch.eye(size, device=q.device)
+    system = (bc * (kc @ kc.transpose(-1, -2)) * decay).tril(-1) + eye
     # NOTE: inverting once and multiplying is several times faster on CPU than solving for the
     # (K + V)-column right-hand side directly, at the same accuracy.
-    eye = torch.eye(size, device=q.device).expand_as(system)
+    eye = eye.expand_as(system)
     inv = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
     u0 = inv @ (bc * vc)  # U = u0 - w @ S0
     w = inv @ (bc * cum.exp()[..., None] * kc)
