@@ -174,17 +174,23 @@ class GGUFReader:
         def get(key, default=None):
             return md.get(f"{arch}.{key}", default)
 
-        heads = int(get("attention.head_count"))
+        def need(key):
+            if f"{arch}.{key}" not in md:
+                raise CheckpointError(f"{self.path}: GGUF metadata lacks {arch}.{key}")
+            return md[f"{arch}.{key}"]
+
+        heads = int(need("attention.head_count"))
         kv_heads = get("attention.head_count_kv", heads)
         if isinstance(kv_heads, list):  # per-layer arrays: llama has one value throughout
             kv_heads = kv_heads[0]
-        hidden = int(get("embedding_length"))
+        hidden = int(need("embedding_length"))
         embd = self._tensors.get("token_embd.weight")
+        vocab = embd.shape[0] if embd else get("vocab_size") or len(
+            md.get("tokenizer.ggml.tokens", ()))
         cfg = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": embd.shape[0] if embd else int(get("vocab_size")),
-            "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
-            "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+            "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
+            "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
             "num_key_value_heads": int(kv_heads),
             "head_dim": int(get("attention.key_length", hidden // heads)),
             "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
