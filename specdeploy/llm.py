@@ -129,7 +129,10 @@ class LLM:
 
     def _chat_ids(self, conversation: list[dict]) -> list[int]:
         out = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-        return list(self.tokenizer.encode(out)) if isinstance(out, str) else list(out)
+        if not isinstance(out, str):
+            return list(out)
+        # The template already wrote any BOS/special tokens as text (as transformers does).
+        return list(self.tokenizer.encode(out, add_special_tokens=False))
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
                         ) -> Iterator[RequestOutput]:
