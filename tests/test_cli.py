@@ -51,3 +51,22 @@ def test_deploy_list_transforms(tiny_dir, capsys):
     assert main(["deploy", "--model", str(tiny_dir), "--list-transforms"]) == 0
     out = capsys.readouterr().out
     assert "transforms" in out and "cache" in out
+
+
+def test_bench_jsonl(tiny_dir, tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p}) for p in ("hi", "hello there", "abc")))
+    rc = main(["bench", "--model", str(tiny_dir), "--dataset", str(data), "--num-prompts", "3",
+               "--concurrency", "2", "--max-tokens", "5", "--backend", "eager",
+               "--max-seq-len", "64", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["num_requests"] == 3 and r["output_tokens"] == 15
+    assert r["output_tokens_per_s"] > 0 and r["ttft_s"]["p50"] > 0 and r["peak_rss_mib"] > 0
+
+
+def test_sharegpt_first_human_turns():
+    from specdeploy.bench import load_prompts
+
+    prompts = load_prompts("sharegpt", 3)
+    assert len(prompts) == 3 and all(p.strip() for p in prompts)
