@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target", default=None, help="target checkpoint (for --arch eagle3)")
     t.add_argument("--out", required=True)
     t.set_defaults(func=cmd_make_tiny)
+    from specdeploy.serving.cli import add_parser as add_serve  # web stack imported on use only
+    add_serve(sub)
     return ap
 
 

@@ -1,0 +1,226 @@
+"""The FastAPI app: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/health`,
+`/metrics`. `create_app(llm)` serves an `LLM` (its engine then belongs to the app's engine thread:
+do not call `llm.generate` while the app runs)."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdeploy.serving import protocol as P
+from specdeploy.serving.engine_loop import EngineLoop, Handle
+from specdeploy.serving.metrics import CONTENT_TYPE, ServerMetrics
+
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+
+
+def default_model_name(llm) -> str:
+    p = Path(llm.model_path)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+def create_app(llm, *, model_name: str | None = None, api_key: str | None = None,
+               max_queue: int = 256, drain_timeout: float = 30.0) -> FastAPI:
+    """Args:
+        model_name: the id clients pass as `model` (default: the checkpoint's name).
+        api_key: when set, `/v1/*` needs `Authorization: Bearer <api_key>` (else 401).
+        max_queue: requests that may wait for a place in the batch beyond it (else 429).
+        drain_timeout: seconds shutdown waits for in-flight requests before aborting them.
+    """
+    if max_queue < 0:
+        raise ValueError(f"max_queue: must be >= 0, got {max_queue}")
+    engine = llm.engine
+    blocks = engine.blocks
+    limits = P.Limits(
+        model_name=model_name or default_model_name(llm), max_seq_len=engine.max_seq_len,
+        kv_capacity=blocks.num_pages * blocks.page_size - engine.scheduler.lookahead,
+        vocab_size=engine.deployed.vocab_size)
+    metrics = ServerMetrics()
+    loop = EngineLoop(engine, metrics, max_batch_size=engine.scheduler.max_batch_size,
+                      max_queue=max_queue)
+    tokenizer = llm.tokenizer
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        yield
+        await asyncio.to_thread(loop.shutdown, drain_timeout)
+
+    app = FastAPI(title="specdeploy", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.engine_loop = loop
+    app.state.limits = limits
+    app.add_middleware(_CountResponses, metrics=metrics)
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request: Request, e: P.APIError):
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(P.APIError(e.status_code, str(e.detail)).body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return JSONResponse(P.bad(None, str(e)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        return JSONResponse(P.APIError(500, f"internal server error: {type(e).__name__}").body(),
+                            status_code=500)
+
+    def auth(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 api_key.encode()):
+            raise P.APIError(401, "Incorrect or missing API key (send `Authorization: Bearer "
+                             "<key>`)", None, "invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(loop.snapshot, loop.queue_length()),
+                        media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        auth(request)
+        return {"object": "list", "data": [{
+            "id": limits.model_name, "object": "model", "created": 0, "owned_by": "specdeploy",
+            "max_model_len": limits.max_seq_len}]}
+
+    async def generate(request: Request, parse):
+        auth(request)
+        req = parse(P.parse_json(await request.body()), tokenizer, limits)
+        handle = loop.submit(req.prompts, req.params)
+        try:
+            await handle.accepted()
+        except BaseException:
+            loop.abort(handle)
+            raise
+        rid, created = P.new_id(req.chat), P.now()
+        if req.stream:
+            return _SSEResponse(_stream(req, handle, rid, created), on_close=lambda: (
+                None if handle.done else loop.abort(handle)))
+        return await _collect(request, req, handle, rid, created, loop)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, P.parse_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, P.parse_chat)
+
+    return app
+
+
+async def _stream(req: P.GenerationRequest, handle: Handle, rid: str, created: int):
+    n = len(req.prompts)
+    done, completion_tokens = 0, 0
+    if req.chat:
+        for i in range(n):
+            yield P.sse(P.chunk_body(req, rid, created, i, None, None, first=True))
+    while done < n:
+        ev = await handle.queue.get()
+        if ev.error is not None:
+            yield P.sse(P.APIError(500, ev.error).body())
+            return
+        out = ev.output
+        if out.delta_text:
+            yield P.sse(P.chunk_body(req, rid, created, ev.index, out.delta_text, None))
+        if out.finished:
+            done += 1
+            completion_tokens += len(out.token_ids)
+            yield P.sse(P.chunk_body(req, rid, created, ev.index, None, out.finish_reason))
+    if req.include_usage:
+        prompt_tokens = sum(len(p) for p in req.prompts)
+        yield P.sse(P.usage_chunk(req, rid, created, P.usage(prompt_tokens, completion_tokens)))
+    yield P.sse("[DONE]")
+
+
+async def _collect(request: Request, req: P.GenerationRequest, handle: Handle, rid: str,
+                   created: int, loop: EngineLoop):
+    """Wait for every prompt's output; a client that leaves aborts its requests."""
+    n = len(req.prompts)
+    texts, reasons, ntok = [""] * n, [None] * n, [0] * n
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done = 0
+        while done < n:
+            get = asyncio.ensure_future(handle.queue.get())
+            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                loop.abort(handle)
+                return Response(status_code=499)  # nobody reads it
+            ev = get.result()
+            if ev.error is not None:
+                raise P.APIError(500, ev.error)
+            if ev.output.finished:
+                done += 1
+                texts[ev.index] = ev.output.text
+                reasons[ev.index] = ev.output.finish_reason
+                ntok[ev.index] = len(ev.output.token_ids)
+    finally:
+        gone.cancel()
+    use = P.usage(sum(len(p) for p in req.prompts), sum(ntok))
+    return JSONResponse(P.response_body(req, rid, created, texts, reasons, use))
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events; `on_close` runs however the stream ends (finished, client gone,
+    cancelled), so an abandoned request is always aborted and its pages freed."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _CountResponses:
+    """Pure ASGI middleware counting responses by endpoint and status (does not buffer
+    streams, unlike `BaseHTTPMiddleware`)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http_response(endpoint, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,63 @@
+"""`specdeploy serve`: the OpenAI-compatible server (FastAPI + uvicorn).
+
+Kept apart from `specdeploy/cli.py` so the web stack is imported only when serving.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from specdeploy.config import SPEC_METHODS, SpecConfig
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description="Serve /v1/completions, /v1/chat/completions, "
+                              "/v1/models, /health and /metrics.")
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the `model` id clients use (default: the checkpoint's name)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--backend", choices=("graph", "eager"), default="graph")
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
+    p.add_argument("--max-cache-gib", type=float, default=None)
+    p.add_argument("--spec", choices=("none", *SPEC_METHODS), default="none")
+    p.add_argument("--num-draft-tokens", type=int, default=3)
+    p.add_argument("--draft-model", default=None, help="EAGLE-3 drafter checkpoint")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("SPECDEPLOY_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (env SPECDEPLOY_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait beyond the batch before 429")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds shutdown waits for in-flight requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args) -> int:
+    if args.max_queue < 0:
+        raise ValueError(f"max-queue: must be >= 0, got {args.max_queue}")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"port: must be in [0, 65535], got {args.port}")
+    spec = None
+    if args.spec != "none":
+        spec = SpecConfig(args.spec, num_draft_tokens=args.num_draft_tokens,
+                          draft_model=args.draft_model)
+    import uvicorn
+
+    from specdeploy.llm import LLM
+    from specdeploy.serving.app import create_app
+
+    llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
+              max_seq_len=args.max_seq_len, spec=spec, max_cache_gib=args.max_cache_gib,
+              backend=args.backend, progress=True, seed=args.seed)
+    app = create_app(llm, model_name=args.served_model_name, api_key=args.api_key,
+                     max_queue=args.max_queue, drain_timeout=args.drain_timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=None)
+    return 0

@@ -1,0 +1,360 @@
+"""OpenAI request parsing and response bodies.
+
+Requests are parsed by hand from the JSON body (not with pydantic models) so every rejection is a
+400 with an OpenAI-style body that names the offending field, and nothing invalid reaches the
+engine: the limits the engine would enforce (`max_seq_len`, KV capacity, vocabulary) are checked
+here first.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from specdeploy.engine import SamplingParams
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
+MAX_STOP = 16
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+                404: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style body `{"error": {message, type, param, code}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _ERROR_TYPES.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, f"{param}: {message}" if param else message, param, code)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served engine accepts (checked before a request reaches it)."""
+
+    model_name: str
+    max_seq_len: int
+    kv_capacity: int  # tokens one sequence may hold in the whole KV cache
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated completion or chat request: one engine request per prompt."""
+
+    chat: bool
+    model: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # per prompt (chat's default max_tokens depends on its length)
+    stream: bool
+    include_usage: bool
+
+
+# ---- parsing ------------------------------------------------------------------------------------
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(None, f"could not parse the JSON body of the request ({e})",
+                  "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object", "invalid_json")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(body: dict, name: str, default: int | None, lo: int | None = None,
+         hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad(name, f"must be an integer, got {json.dumps(v)}", "invalid_type")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad(name, f"must be in [{lo}, {hi}], got {v}" if hi is not None
+                  else f"must be >= {lo}, got {v}", "invalid_value")
+    return v
+
+
+def _float(body: dict, name: str, default: float, lo: float, hi: float,
+           lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad(name, f"must be a number, got {json.dumps(v)}", "invalid_type")
+    if not (lo < v if lo_open else lo <= v) or v > hi:
+        left = "(" if lo_open else "["
+        raise bad(name, f"must be in {left}{lo}, {hi}], got {v}", "invalid_value")
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"must be a boolean, got {json.dumps(v)}", "invalid_type")
+    return v
+
+
+def _unsupported(body: dict, name: str, ok: tuple = (None,)) -> None:
+    v = body.get(name)
+    if v not in ok and not (isinstance(v, (list, dict)) and not v):
+        raise bad(name, f"{json.dumps(v)} is not supported by this server", "unsupported")
+
+
+def _common(body: dict) -> tuple[bool, bool]:
+    """Checks shared by both endpoints; returns (stream, include_usage)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "must be a string", "invalid_type")
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise bad("n", f"only n=1 is supported, got {n}", "unsupported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _float(body, name, 0.0, -2.0, 2.0)
+        _unsupported(body, name, (None, 0, 0.0))
+    _unsupported(body, "logit_bias")
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise bad("stream_options", "only allowed when stream is true", "invalid_value")
+        if not isinstance(opts, dict):
+            raise bad("stream_options", "must be an object", "invalid_type")
+        include_usage = _bool(opts, "include_usage", False)
+    return stream, include_usage
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops):
+        raise bad("stop", "must be a non-empty string or a list of non-empty strings",
+                  "invalid_type")
+    if len(stops) > MAX_STOP:
+        raise bad("stop", f"at most {MAX_STOP} stop strings, got {len(stops)}", "invalid_value")
+    return tuple(stops)
+
+
+def _sampling(body: dict, max_tokens: int) -> SamplingParams:
+    top_k = _int(body, "top_k", 0, -1)  # vLLM extension; -1 (vLLM) and 0 both mean "off"
+    seed = _int(body, "seed", None, 0, 2**63 - 1)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and (not isinstance(stop_ids, list)
+                                 or not all(_is_int(t) for t in stop_ids)):
+        raise bad("stop_token_ids", "must be a list of integers", "invalid_type")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=max(top_k, 0),
+            seed=seed, stop=_stop(body), stop_token_ids=stop_ids,
+            ignore_eos=_bool(body, "ignore_eos", False))
+    except ValueError as e:  # a rule SamplingParams has and we missed: still a 400
+        raise bad(str(e).split(" ", 1)[0].rstrip(":"), str(e), "invalid_value") from None
+
+
+def _check_prompt(ids: list[int], limits: Limits, field: str) -> None:
+    if not ids:
+        raise bad(field, "must not be empty", "invalid_value")
+    if len(ids) >= limits.max_seq_len:
+        raise bad(field, f"{len(ids)} tokens leave no room to generate: this model's maximum "
+                  f"context length is {limits.max_seq_len} tokens", "context_length_exceeded")
+    if min(ids) < 0 or max(ids) >= limits.vocab_size:
+        raise bad(field, f"token ids must be in [0, {limits.vocab_size})", "invalid_value")
+
+
+def _room(n: int, limits: Limits) -> int:
+    return min(limits.max_seq_len, limits.kv_capacity) - n
+
+
+def _max_tokens(body: dict, field: str, n: int, limits: Limits, default: int | None) -> int:
+    """Validate `max_tokens` against the prompt of n tokens; None (chat) = all the room left."""
+    room = _room(n, limits)
+    value = _int(body, field, None, 1)
+    if value is None:
+        return room if default is None else min(default, room)
+    if value > room:
+        raise bad(field, f"{value} is too large: the prompt has {n} tokens and this model's "
+                  f"maximum context length is {min(limits.max_seq_len, limits.kv_capacity)} "
+                  f"tokens (at most {room} more)", "context_length_exceeded")
+    return value
+
+
+def _model(body: dict, limits: Limits) -> str:
+    name = body.get("model")
+    if name is not None and name != limits.model_name:
+        raise APIError(404, f"The model `{name}` does not exist (this server serves "
+                       f"`{limits.model_name}`)", "model", "model_not_found")
+    return limits.model_name
+
+
+def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
+    stream, include_usage = _common(body)
+    model = _model(body, limits)
+    for name in ("echo",):
+        _unsupported(body, name, (None, False))
+    _unsupported(body, "best_of", (None, 1))
+    _unsupported(body, "logprobs")
+    _unsupported(body, "suffix", (None, ""))
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("prompt", "is required", "missing_required_parameter")
+    raw = body["prompt"]
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(_is_int(t) for t in raw)):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw:
+        raise bad("prompt", "must be a string, a list of token ids or a list of those",
+                  "invalid_type")
+    if len(raw) > MAX_PROMPTS:
+        raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request", "invalid_value")
+    prompts = []
+    for p in raw:
+        if isinstance(p, str):
+            if not p:
+                raise bad("prompt", "must not be empty", "invalid_value")
+            p = list(tokenizer.encode(p))
+        elif not (isinstance(p, list) and all(_is_int(t) for t in p)):
+            raise bad("prompt", "must be a string, a list of token ids or a list of those",
+                      "invalid_type")
+        _check_prompt(p, limits, "prompt")
+        prompts.append(p)
+    params = [_sampling(body, _max_tokens(body, "max_tokens", len(p), limits, 16))
+              for p in prompts]
+    return GenerationRequest(False, model, prompts, params, stream, include_usage)
+
+
+def _message(i: int, m: Any) -> dict:
+    field = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad(field, "must be an object with `role` and `content`", "invalid_type")
+    role = m.get("role")
+    if role not in ROLES:
+        raise bad(f"{field}.role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+                  "invalid_value")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text ones
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise bad(f"{field}.content[{j}]", "only {\"type\": \"text\", \"text\": ...} "
+                          "parts are supported", "unsupported")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None and role == "assistant":
+        content = ""
+    elif not isinstance(content, str):
+        raise bad(f"{field}.content", "must be a string or a list of text parts",
+                  "invalid_type")
+    return {"role": role, "content": content}
+
+
+def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
+    stream, include_usage = _common(body)
+    model = _model(body, limits)
+    _unsupported(body, "logprobs", (None, False))
+    _unsupported(body, "top_logprobs")
+    _unsupported(body, "tools")
+    _unsupported(body, "tool_choice", (None, "none"))
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("response_format", "only {\"type\": \"text\"} is supported", "unsupported")
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad("messages", "is required", "missing_required_parameter")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "must be a non-empty list of messages", "invalid_type")
+    conversation = [_message(i, m) for i, m in enumerate(msgs)]
+    try:
+        rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    except Exception as e:  # the template may reject a conversation (roles, order)
+        raise bad("messages", f"the chat template rejected the conversation: {e}",
+                  "invalid_value") from None
+    ids = list(tokenizer.encode(rendered)) if isinstance(rendered, str) else list(rendered)
+    _check_prompt(ids, limits, "messages")
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    params = _sampling(body, _max_tokens(body, field, len(ids), limits, None))
+    return GenerationRequest(True, model, [ids], [params], stream, include_usage)
+
+
+# ---- responses ----------------------------------------------------------------------------------
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response_body(req: GenerationRequest, rid: str, created: int, texts: list[str],
+                  reasons: list[str], use: dict) -> dict:
+    if req.chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": t},
+                    "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        obj = "chat.completion"
+    else:
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model,
+            "choices": choices, "usage": use}
+
+
+def chunk_body(req: GenerationRequest, rid: str, created: int, index: int, text: str | None,
+               finish_reason: str | None, first: bool = False) -> dict:
+    """One streamed chunk; a chat stream's first chunk of a choice carries the role."""
+    if req.chat:
+        delta: dict = {"role": "assistant", "content": ""} if first else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "text_completion"
+    body = {"id": rid, "object": obj, "created": created, "model": req.model,
+            "choices": [choice]}
+    if req.include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(req: GenerationRequest, rid: str, created: int, use: dict) -> dict:
+    obj = "chat.completion.chunk" if req.chat else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+            "usage": use}
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def now() -> int:
+    return int(time.time())
