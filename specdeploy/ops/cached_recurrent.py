@@ -57,8 +57,9 @@ def run_cached(
         if any(has_prefix):
             init = state[slots].float()
             if not all(has_prefix):
-                keep = torch.tensor(has_prefix, device=init.device, dtype=init.dtype)
-                init = init * keep.view(-1, *([1] * (init.dim() - 1)))
+                # NOTE: select, not multiply: a slot's previous occupant may have left inf/NaN
+                keep = torch.tensor(has_prefix, device=init.device)
+                init = torch.where(keep.view(-1, *([1] * (init.dim() - 1))), init, 0.0)
         extend = kinds[idx[0]] == SEG_EXTEND
         if extend and spec_state is None:
             raise RuntimeError("EXTEND segment but no spec-state resource was allocated")
