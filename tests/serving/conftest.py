@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-KEY = "test-key"
+KEY = "test-key"  # NOTE: tests/serving/test_*.py use the same literal
 
 
 def free_port() -> int:
@@ -76,6 +76,12 @@ def running(app):
     finally:
         if srv.thread.is_alive():
             srv.stop()
+
+
+@pytest.fixture(scope="session")
+def serve():
+    """`with serve(app) as srv:` runs `app` on 127.0.0.1 for the block (a `RunningServer`)."""
+    return running
 
 
 @pytest.fixture(scope="session")

@@ -16,13 +16,13 @@ import openai
 import pytest
 
 from specdeploy import LLM, SamplingParams
-from tests.serving.conftest import KEY, running
 
 MODEL = "tiny"
 MAX_TOKENS = 8
 MAX_BATCH, MAX_QUEUE = 8, 24  # capacity 32 in flight
 PROMPTS = [f"Prompt {i}: " + "abcdefgh"[: i % 8 + 1] * (i % 5 + 1) for i in range(32)]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+KEY = "test-key"
 SAMPLED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
 
 
@@ -50,11 +50,11 @@ def refs(llm):
 
 
 @pytest.fixture(scope="module")
-def srv(llm, refs):
+def srv(llm, refs, serve):
     from specdeploy.serving.app import create_app
 
     app = create_app(llm, model_name=MODEL, api_key=KEY, max_queue=MAX_QUEUE, drain_timeout=20)
-    with running(app) as s:
+    with serve(app) as s:
         yield s
 
 
@@ -240,14 +240,16 @@ BAD = [  # (endpoint, raw body, status, param)
 
 def test_bad_inputs_get_their_status_and_the_server_keeps_answering(srv, refs):
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    http = httpx.Client(base_url=srv.url, headers=headers, timeout=30)
     for endpoint, body, status, param in BAD:
         raw = body if isinstance(body, str) else json.dumps(body)
-        r = httpx.post(f"{srv.url}/v1/{endpoint}", content=raw, headers=headers, timeout=30)
+        r = http.post(f"/v1/{endpoint}", content=raw)
         assert r.status_code == status, (body, r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}, err
         assert err["param"] == param, (body, err)
         assert err["message"]
+    http.close()
     with pytest.raises(openai.BadRequestError) as e:  # the client sees the same
         srv.client().completions.create(model=MODEL, prompt="hi", max_tokens=4, n=2)
     assert e.value.status_code == 400 and e.value.param == "n"
