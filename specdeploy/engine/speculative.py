@@ -85,6 +85,20 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
+                     gen: torch.Generator | None) -> tuple[int, int]:
+    """Speculative rejection sampling. p [K+1, V] target probs, q [K, V] the drafter's probs the
+    drafts were drawn from. Returns (accepted drafts, next token); the emitted tokens are
+    distributed exactly as sampling from p one token at a time."""
+    for a, d in enumerate(drafts):
+        ratio = float((p[a, d] / q[a, d].clamp_min(1e-20)).clamp(max=1.0))
+        if float(torch.rand((), generator=gen)) >= ratio:
+            residual = (p[a] - q[a]).clamp_min(0)
+            total = residual.sum()
+            return a, _draw(residual / total if total > 0 else p[a], gen)
+    return len(drafts), _draw(p[len(drafts)], gen)
+
+
 class SpecEngine(Engine):
     """`deployed` is a `SpecDeployed`. `draft_override(seq, k) -> list[int]` (tests) replaces the
     drafter's proposals, e.g. with the target's own greedy tokens."""
@@ -192,23 +206,9 @@ class SpecEngine(Engine):
                 a += 1
             self._bonus = target[a]
         else:
-            gen = seq.generator or self.generator
             p = target_probs(rows.float(), seq.params)
-            q = seq.draft_probs
-            a = 0
-            self._bonus = None
-            while a < len(drafts):
-                d = drafts[a]
-                ratio = (p[a, d] / q[a, d].clamp_min(1e-20)).clamp(max=1.0)
-                if float(torch.rand((), generator=gen)) < float(ratio):
-                    a += 1
-                    continue
-                residual = (p[a] - q[a]).clamp_min(0)
-                total = residual.sum()
-                self._bonus = _draw(residual / total if total > 0 else p[a], gen)
-                break
-            if self._bonus is None:
-                self._bonus = _draw(p[a], gen)
+            a, self._bonus = rejection_sample(p, seq.draft_probs, drafts,
+                                              seq.generator or self.generator)
         st.accepted_tokens += a
         for i in range(a):
             st.accepted_per_position[i] += 1

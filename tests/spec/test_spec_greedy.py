@@ -1,0 +1,74 @@
+"""Lossless speculation: greedy output with a drafter equals greedy output without it, token for
+token (oracle: the non-speculative path of the same deployment code)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specdeploy import LLM, SamplingParams
+from tests.spec.tiny_targets import LIMITS
+
+MAX_TOKENS = 20
+
+
+def _ids(outs):
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    """Greedy continuations without speculation (long enough for forced drafts past the end)."""
+    llm = LLM(str(target.path), **LIMITS)
+    params = SamplingParams(max_tokens=MAX_TOKENS + 8, ignore_eos=True)
+    return _ids(llm.generate(target.prompts, params))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_greedy_spec_equals_non_spec(target, baseline, k):
+    llm = LLM(str(target.path), spec=target.spec(k), **LIMITS)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [b[:MAX_TOKENS] for b in baseline]
+    assert _ids(llm.generate(target.prompts, params)) == want  # mixed batch 1..100 tokens
+    assert _ids(llm.generate([target.prompts[2]], params)) == [want[2]]  # batch 1
+    stats = llm.stats()
+    assert stats["draft_steps"] > 0 and stats["draft_tokens"] == k * stats["draft_steps"]
+
+
+def _oracle(baseline, prompts, noise: float, seed: int):
+    """A drafter proposing the target's own greedy tokens, each wrong with prob `noise`."""
+    rng = random.Random(seed)
+    by_prompt = {tuple(p): b for p, b in zip(prompts, baseline)}
+
+    def propose(seq, k):
+        cont = by_prompt[tuple(seq.prompt_ids)]
+        start = len(seq.output_ids)
+        drafts = (cont[start:start + k] + [3] * k)[:k]
+        return [d if rng.random() >= noise else (d + 1) % 100 for d in drafts]
+
+    return propose
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_forced_target_drafts_are_all_accepted(target, baseline, k):
+    llm = LLM(str(target.path), spec=target.spec(k), **LIMITS)
+    llm.engine.draft_override = _oracle(baseline, target.prompts, 0.0, 0)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert _ids(llm.generate(target.prompts, params)) == [b[:MAX_TOKENS] for b in baseline]
+    stats = llm.stats()
+    assert stats["mean_accepted_length"] == k + 1
+    assert stats["accepted_per_position"] == [stats["draft_steps"]] * k
+
+
+def test_partial_acceptance_stays_lossless(target, baseline):
+    """Drafts right at random positions: sequences sit at different accepted lengths each step,
+    and stop at max_tokens inside an accepted run."""
+    k = 4
+    llm = LLM(str(target.path), spec=target.spec(k), **LIMITS)
+    llm.engine.draft_override = _oracle(baseline, target.prompts, 0.3, 1)
+    lengths = [5, 11, 17, 20, 9]  # max_tokens landing mid-run
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    got = _ids(llm.generate(target.prompts, params))
+    assert got == [b[:n] for b, n in zip(baseline, lengths)]
+    stats = llm.stats()
+    assert 1 < stats["mean_accepted_length"] < k + 1

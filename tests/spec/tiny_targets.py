@@ -1,0 +1,35 @@
+"""Tiny targets with drafters, shared by the speculative-decoding tests."""
+from __future__ import annotations
+
+import torch
+
+from specdeploy.models.registry import family_module
+
+# arch → speculative method used with it
+METHODS = {"llama": "eagle3", "nemotron_h": "mtp", "qwen3_5_moe": "mtp"}
+LIMITS = dict(max_batch_size=8, max_seq_len=256, max_cache_gib=0.05, page_size=8)
+
+
+class Target:
+    def __init__(self, arch: str, root):
+        self.arch = arch
+        self.method = METHODS[arch]
+        self.path = root / arch
+        fam = family_module(arch)
+        fam.make_tiny(self.path, seed=0, mtp_layers=0 if arch == "llama" else 1)
+        self.draft_model = None
+        if self.method == "eagle3":
+            from specdeploy.models.drafters.eagle3 import make_tiny_eagle3
+
+            self.draft_model = root / f"{arch}_eagle3"
+            make_tiny_eagle3(self.path, self.draft_model, seed=1)
+        g = torch.Generator().manual_seed(1)
+        # mixed prompt lengths 1..100, token ids away from the specials
+        self.prompts = [torch.randint(3, 100, (n,), generator=g).tolist()
+                        for n in (1, 7, 33, 100, 12)]
+
+    def spec(self, k: int):
+        from specdeploy import SpecConfig
+
+        return SpecConfig(self.method, k, draft_model=None if self.draft_model is None
+                          else str(self.draft_model))
