@@ -130,9 +130,22 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
     return app
 
 
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that may still grow into a stop string: it is not
+    sent yet, since a match would cut it from the answer."""
+    held = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return held
+
+
 async def _stream(req: P.GenerationRequest, handle: Handle, rid: str, created: int):
     n = len(req.prompts)
     done, completion_tokens = 0, 0
+    sent = [0] * n  # characters of each choice's text already streamed
     if req.chat:
         for i in range(n):
             yield P.sse(P.chunk_body(req, rid, created, i, None, None, first=True))
@@ -141,13 +154,18 @@ async def _stream(req: P.GenerationRequest, handle: Handle, rid: str, created: i
         if ev.error is not None:
             yield P.sse(P.APIError(500, ev.error).body())
             return
-        out = ev.output
-        if out.delta_text:
-            yield P.sse(P.chunk_body(req, rid, created, ev.index, out.delta_text, None))
+        out, i = ev.output, ev.index
+        # NOTE: the cumulative text, not `delta_text`: a stop string cuts the final text, and
+        # what may become one is held back, so a stream always spells the non-streamed answer.
+        end = len(out.text) if out.finished else (
+            len(out.text) - _held_back(out.text, req.params[i].stop))
+        if end > sent[i]:
+            yield P.sse(P.chunk_body(req, rid, created, i, out.text[sent[i]:end], None))
+            sent[i] = end
         if out.finished:
             done += 1
             completion_tokens += len(out.token_ids)
-            yield P.sse(P.chunk_body(req, rid, created, ev.index, None, out.finish_reason))
+            yield P.sse(P.chunk_body(req, rid, created, i, None, out.finish_reason))
     if req.include_usage:
         prompt_tokens = sum(len(p) for p in req.prompts)
         yield P.sse(P.usage_chunk(req, rid, created, P.usage(prompt_tokens, completion_tokens)))

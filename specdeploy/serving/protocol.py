@@ -179,9 +179,10 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
 def _check_prompt(ids: list[int], limits: Limits, field: str) -> None:
     if not ids:
         raise bad(field, "must not be empty", "invalid_value")
-    if len(ids) >= limits.max_seq_len:
+    if _room(len(ids), limits) < 1:
         raise bad(field, f"{len(ids)} tokens leave no room to generate: this model's maximum "
-                  f"context length is {limits.max_seq_len} tokens", "context_length_exceeded")
+                  f"context length is {min(limits.max_seq_len, limits.kv_capacity)} tokens",
+                  "context_length_exceeded")
     if min(ids) < 0 or max(ids) >= limits.vocab_size:
         raise bad(field, f"token ids must be in [0, {limits.vocab_size})", "invalid_value")
 

@@ -89,10 +89,19 @@ def test_completions_stream_and_non_stream_equal_generate(srv, refs):
     assert usage.choices == [] and usage.usage.completion_tokens == len(ref.token_ids)
     assert usage.usage.total_tokens == len(ref.prompt_token_ids) + len(ref.token_ids)
     assert "".join(ch.choices[0].text for ch in chunks[:-1]) == ref.text
-    # token ids as the prompt: same answer
+    # token ids as the prompt: same answer; several prompts: one choice each, in order
     r = c.completions.create(model=MODEL, prompt=ref.prompt_token_ids, max_tokens=MAX_TOKENS,
                              temperature=0)
     assert r.choices[0].text == ref.text
+    want = [o.text for o in refs["alone"][:3]]
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=MAX_TOKENS,
+                             temperature=0)
+    assert [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)] == want
+    texts = ["", "", ""]
+    for ch in c.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=MAX_TOKENS,
+                                   temperature=0, stream=True):
+        texts[ch.choices[0].index] += ch.choices[0].text
+    assert texts == want
 
 
 def test_raw_sse_format(srv):
@@ -135,6 +144,10 @@ def test_stop_strings_and_seeded_sampling_equal_generate(srv, refs):
                              temperature=0, stop=[refs["stop"]])
     assert r.choices[0].finish_reason == "stop" == refs["stopped"].finish_reason
     assert r.choices[0].text == refs["stopped"].text
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                       temperature=0, stop=refs["stop"], stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == refs["stopped"].text
+    assert chunks[-1].choices[0].finish_reason == "stop"
     for stream in (False, True):
         r = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
                                  stream=stream, **SAMPLED)

@@ -1,0 +1,65 @@
+"""Request parsing, stop-string hold-back and the Prometheus text, without a server."""
+from __future__ import annotations
+
+import pytest
+
+from specdeploy.serving import protocol as P
+from specdeploy.serving.app import _held_back
+from specdeploy.serving.metrics import ServerMetrics, parse_text
+
+LIMITS = P.Limits(model_name="m", max_seq_len=32, kv_capacity=24, vocab_size=100)
+
+
+class CharTokenizer:
+    def encode(self, text):
+        return [ord(c) % 100 for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def test_held_back():
+    assert _held_back("hello wor", ("world",)) == 3
+    assert _held_back("hello", ("lo!", "o")) == 2
+    assert _held_back("hello", ()) == 0
+    assert _held_back("abc", ("x",)) == 0
+
+
+def test_parse_defaults_and_limits():
+    tok = CharTokenizer()
+    r = P.parse_completion({"prompt": "abc"}, tok, LIMITS)
+    assert r.prompts == [tok.encode("abc")] and r.params[0].max_tokens == 16
+    assert r.params[0].temperature == 1.0 and not r.stream
+    r = P.parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                      "top_k": -1, "stop": "x"}, tok, LIMITS)
+    n = len(r.prompts[0])
+    assert r.params[0].max_tokens == 24 - n  # the KV cache is the binding limit here
+    assert r.params[0].stop == ("x",) and r.params[0].top_k == 0
+    with pytest.raises(P.APIError) as e:
+        P.parse_completion({"prompt": "a" * 24}, tok, LIMITS)
+    assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"
+    with pytest.raises(P.APIError) as e:
+        P.parse_completion({"prompt": "abc", "max_tokens": 22}, tok, LIMITS)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(P.APIError) as e:
+        P.parse_chat({"messages": [{"role": "user", "content": "x"}],
+                      "frequency_penalty": 0.5}, tok, LIMITS)
+    assert e.value.param == "frequency_penalty" and e.value.code == "unsupported"
+    assert P.APIError(429, "full").body()["error"]["type"] == "rate_limit_error"
+
+
+def test_metrics_text():
+    m = ServerMetrics()
+    m.tokens(3, 0.05, [0.01, 0.02])
+    m.request_finished("length", 0.2)
+    m.http_response("/v1/completions", 200)
+    engine = {"num_pages": 10, "free_pages": 7, "num_running": 1, "draft_steps": 4,
+              "num_draft_tokens": 2, "draft_tokens": 8, "accepted_tokens": 5,
+              "accepted_per_position": [3, 2]}
+    v = parse_text(m.render(engine, queue_len=2))
+    assert v["specdeploy_cache_pages_in_use"] == 3 and v["specdeploy_num_requests_waiting"] == 2
+    assert v['specdeploy_time_to_first_token_seconds_bucket{le="0.06"}'] == 1
+    assert v['specdeploy_time_to_first_token_seconds_bucket{le="0.04"}'] == 0
+    assert v["specdeploy_inter_token_latency_seconds_count"] == 2
+    assert v['specdeploy_spec_accepted_tokens_per_position_total{position="1"}'] == 2
+    assert v['specdeploy_http_requests_total{endpoint="/v1/completions",status="200"}'] == 1
