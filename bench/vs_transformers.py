@@ -18,33 +18,13 @@ import time
 import torch
 
 from specdeploy import LLM, SamplingParams
-from specdeploy.bench import load_prompts, machine, peak_rss_mib, run_closed_loop
-
-
-def hf_model_from(llm: LLM):
-    """The same weights in transformers (GGUF dequantized by our loader, then re-exported)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from specdeploy.checkpoint import open_checkpoint
-    from specdeploy.loading import load_model_from_reader
-    from specdeploy.models.registry import module_for_config
-
-    reader = open_checkpoint(llm.model_path)
-    fam = module_for_config(reader.config)
-    ours = load_model_from_reader(reader, "float32")
-    state = fam.params_to_checkpoint(ours.state_dict(), fam.Config.from_hf(reader.config))
-    cfg = {k: v for k, v in reader.config.items() if k not in ("architectures",)}
-    hf_cfg = AutoConfig.for_model(**cfg)
-    hf_cfg.architectures = reader.config.get("architectures")
-    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and hf_cfg.tie_word_embeddings)]
-    if missing or unexpected:
-        raise RuntimeError(f"weights do not map: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
-    if hf_cfg.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
+from specdeploy.bench import (
+    hf_model_from_checkpoint,
+    load_prompts,
+    machine,
+    peak_rss_mib,
+    run_closed_loop,
+)
 
 
 @torch.inference_mode()
@@ -72,7 +52,7 @@ def main() -> None:
 
     llm = LLM(args.model, dtype="float32", max_batch_size=args.concurrency, max_seq_len=1024,
               backend=args.backend, progress=True)
-    hf = hf_model_from(llm)
+    hf = hf_model_from_checkpoint(llm.model_path)
     tok = llm.tokenizer
 
     # 1. batch size 1 decode.

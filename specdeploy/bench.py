@@ -111,3 +111,31 @@ def run_bench(args) -> dict:
         command=" ".join(sys.argv),
         stats={k: v for k, v in llm.stats().items() if not isinstance(v, (list, dict))})
     return result
+
+
+def hf_model_from_checkpoint(path):
+    """The same weights in a transformers model (a GGUF is dequantized by our loader, then
+    re-exported in the HF layout; for the default GGUF this equals transformers' own GGUF loader
+    bit for bit, which takes ~6x longer): the oracle of benches and default-model tests."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdeploy.checkpoint import open_checkpoint
+    from specdeploy.loading import load_model_from_reader
+    from specdeploy.models.registry import module_for_config
+
+    reader = open_checkpoint(path)
+    fam = module_for_config(reader.config)
+    ours = load_model_from_reader(reader, "float32")
+    state = fam.params_to_checkpoint(ours.state_dict(), fam.Config.from_hf(reader.config))
+    cfg = {k: v for k, v in reader.config.items() if k not in ("architectures",)}
+    hf_cfg = AutoConfig.for_model(**cfg)
+    hf_cfg.architectures = reader.config.get("architectures")
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and hf_cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not map: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    if hf_cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
