@@ -189,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_make_tiny)
     from specdeploy.serving.cli import add_parser as add_serve  # web stack imported on use only
     add_serve(sub)
+    from specdeploy.training.cli import add_parser as add_train_drafter
+    add_train_drafter(sub)
     return ap
 
 

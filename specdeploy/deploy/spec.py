@@ -54,18 +54,30 @@ def _num_layers(model: nn.Module) -> int:
 
 
 def load_drafter(model: nn.Module, spec: SpecConfig):
-    """Returns (drafter module, capture layers, d2t or None)."""
+    """Returns (drafter module, capture layers, d2t or None). With no `draft_model`, a head
+    shipped for this target (see drafters_registry) is used when the target has none."""
+    from specdeploy.drafters_registry import shipped_drafter
+
+    draft_model = spec.draft_model
     if spec.method == "mtp":
         drafter = getattr(model, "mtp", None)
-        if drafter is None:
-            raise CheckpointError("method='mtp': the target has no MTP head")
-        del model.mtp  # NOTE: keeps mtp.* out of the target graph (it lives under eagle_drafter)
-        return drafter, (FINAL,), None
+        if drafter is not None and draft_model is None:
+            del model.mtp  # NOTE: keeps mtp.* out of the target graph (under eagle_drafter)
+            return drafter, (FINAL,), None
+        draft_model = draft_model or shipped_drafter(model, "mtp")
+        if draft_model is None:
+            raise CheckpointError("method='mtp': the target has no MTP head (no mtp.* weights) "
+                                  "and no draft_model was given; train one with "
+                                  "`specdeploy train-drafter --method mtp`")
+        from specdeploy.models.drafters.mtp_head import load_mtp_head
+
+        return load_mtp_head(draft_model, model), (FINAL,), None
     from specdeploy.models.drafters.eagle3 import load_eagle3
 
-    if spec.draft_model is None:
+    draft_model = draft_model or shipped_drafter(model, "eagle3")
+    if draft_model is None:
         raise ValueError("draft_model: method='eagle3' needs an EAGLE-3 drafter directory")
-    drafter = load_eagle3(spec.draft_model, target_cfg=model.cfg, embed_tokens=_embedding(model))
+    drafter = load_eagle3(draft_model, target_cfg=model.cfg, embed_tokens=_embedding(model))
     n = _num_layers(model)
     # NOTE: checkpoints (vLLM / EAGLE / SpecForge) name the layer whose *input* is captured; our
     # capture ids name the layer whose *output* is (AutoDeploy's {1, L/2-1, L-4}): shift by one.

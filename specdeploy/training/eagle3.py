@@ -1,0 +1,124 @@
+"""EAGLE-3 objective: low / middle / high target features fused by `fc`, training-time test.
+
+The head starts from the target's top: `lm_head` = the target's head rows of the draft vocab,
+`norm` = the target's final norm, the mid layer's hidden half = the target's last layer, `fc`
+passing the high feature through. Only the embedding half and the fusion start random, so a
+CPU-sized budget already gets useful acceptance.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from specdeploy.models.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from specdeploy.training.features import Features
+from specdeploy.training.ttt import KVSteps, unrolled_loss
+
+
+def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int,
+                       always: list[int] | None = None) -> torch.Tensor:
+    """The `draft_vocab_size` most frequent target ids (plus `always`, e.g. EOS), sorted."""
+    v = counts.shape[0]
+    vd = min(draft_vocab_size, v)
+    score = counts.double().clone()
+    for i in always or []:
+        if 0 <= i < v:
+            score[i] = float("inf")
+    ids = torch.topk(score, vd).indices  # ties: torch's order, fine for a frequency cut
+    return ids.sort().values
+
+
+def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [Vd] offsets, t2d [V] bool) in the common format: target = draft + d2t[draft]."""
+    d2t = draft_ids - torch.arange(draft_ids.shape[0])
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    return d2t, t2d
+
+
+def make_drafter(target: nn.Module, draft_ids: torch.Tensor, aux_layers: tuple[int, ...],
+                 init_from_target: bool = True, seed: int = 0) -> Eagle3Drafter:
+    t = target.cfg
+    cfg = Eagle3Config(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps, vocab_size=t.vocab_size,
+        draft_vocab_size=int(draft_ids.shape[0]), target_hidden_size=t.hidden_size, rope=t.rope,
+        aux_layer_ids=tuple(aux_layers), max_position_embeddings=t.max_position_embeddings)
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(cfg, embed_tokens=target.model.embed_tokens)
+    drafter.init_buffers()
+    d2t, t2d = vocab_maps(draft_ids, t.vocab_size)
+    h = t.hidden_size
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+        drafter.d2t.copy_(d2t)
+        drafter.t2d.copy_(t2d)
+        if init_from_target:
+            last, mid = target.model.layers[-1], drafter.midlayer
+            drafter.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
+            drafter.norm.weight.copy_(target.model.norm.weight)
+            mid.hidden_norm.weight.copy_(last.input_layernorm.weight)
+            for n in ("q_proj", "k_proj", "v_proj"):
+                getattr(mid.self_attn, n).weight[:, h:].copy_(
+                    getattr(last.self_attn, n).weight)
+            mid.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight)
+            mid.post_attention_layernorm.load_state_dict(
+                last.post_attention_layernorm.state_dict())
+            mid.mlp.load_state_dict(last.mlp.state_dict())
+            drafter.fc.weight[:, 2 * h:].add_(torch.eye(h))
+    return drafter
+
+
+class Eagle3Objective(nn.Module):
+    """Trainable EAGLE-3 drafter + its TTT loss on target features."""
+
+    method = "eagle3"
+
+    def __init__(self, target: nn.Module, draft_ids: torch.Tensor, aux_layers: tuple[int, ...],
+                 steps: int = 3, init_from_target: bool = True):
+        super().__init__()
+        self.drafter = make_drafter(target, draft_ids, aux_layers, init_from_target)
+        self.steps = steps
+        self.__dict__["_target"] = target  # frozen; not a submodule (not saved, not trained)
+        self.register_buffer("draft_ids", draft_ids.clone(), persistent=False)
+
+    def step(self, hidden_in, embeds, position_ids, kv: KVSteps):
+        dr = self.drafter
+        m, d = dr.midlayer, dr.cfg.head_dim
+        b, t, _ = hidden_in.shape
+        normed = m.hidden_norm(hidden_in)
+        residual = normed if m.norm_before_residual else hidden_in
+        x = torch.cat([m.input_layernorm(embeds), normed], -1)
+        cos, sin = dr.rotary_emb(position_ids)
+        a = m.self_attn
+        q = torch.ops.specdeploy.rope(a.q_proj(x).view(b, t, -1, d), cos, sin)
+        k = torch.ops.specdeploy.rope(a.k_proj(x).view(b, t, -1, d), cos, sin)
+        o = kv.attend(q, k, a.v_proj(x).view(b, t, -1, d))
+        h = residual + a.o_proj(o.reshape(b, t, -1))
+        h = h + m.mlp(m.post_attention_layernorm(h))
+        return h, dr.lm_head(dr.norm(h))
+
+    def loss(self, feats: Features) -> tuple[torch.Tensor, dict]:
+        target = self._target
+        with torch.no_grad():
+            head = target.lm_head.weight[self.draft_ids]
+            target_logits = feats.final.float() @ head.T
+        first = self.drafter.fc(feats.aux.float())
+        return unrolled_loss(self.step, first, feats, target.model.embed_tokens, target_logits,
+                             self.steps, self.drafter.cfg.head_dim**-0.5)
+
+    def export(self, dtype: torch.dtype = torch.bfloat16) -> Eagle3Drafter:
+        shared = self.drafter.__dict__.pop("_shared_embed", None)  # never copy the target's
+        try:
+            d = copy.deepcopy(self.drafter)
+        finally:
+            if shared is not None:
+                self.drafter.__dict__["_shared_embed"] = shared
+        return d.to(dtype)

@@ -1,0 +1,183 @@
+"""Drafter training loop: frozen target → features → EAGLE-3 or MTP objective → saved head.
+
+Resumable: `OUT/checkpoint.pt` (fp32 weights, optimizer, step, elapsed time, vocab) is written
+every `save_every_minutes` and at the end, together with the exported head (bf16 by default) and
+`training.json` (command, timing, held-out split, acceptance estimate). Re-running the same
+command continues where it stopped; `max_minutes` counts the total over all runs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specdeploy.training import data as data_mod
+from specdeploy.training.features import FeatureSource, default_aux_layers
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class TrainConfig:
+    method: str
+    out: str
+    model: str | None = None
+    data: str = "sharegpt"
+    max_steps: int | None = None
+    max_minutes: float | None = None
+    draft_vocab_size: int = 8192
+    batch_size: int = 4
+    seq_len: int = 256
+    num_samples: int | None = None  # training conversations used (cycled); None = all
+    ttt_steps: int = 3
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    cache_dir: str | None = None
+    save_every_minutes: float = 5.0
+    vocab_samples: int = 2000
+    save_dtype: str = "bf16"
+    device: str | None = None
+    seed: int = 0
+    progress: bool = True
+
+
+def _lr_factor(cfg: TrainConfig, step: int, elapsed: float) -> float:
+    """Linear warmup, then cosine to 10% over whichever budget (steps or minutes) runs out first."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    prog = 0.0
+    if cfg.max_steps:
+        prog = max(prog, step / cfg.max_steps)
+    if cfg.max_minutes:
+        prog = max(prog, elapsed / (60 * cfg.max_minutes))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(prog, 1.0)))
+
+
+def _export(obj, cfg: TrainConfig, out: Path, meta: dict) -> None:
+    dtype = DTYPES[cfg.save_dtype]
+    if obj.method == "eagle3":
+        from specdeploy.models.drafters.eagle3 import save_eagle3
+
+        save_eagle3(obj.export(dtype), out)
+    else:
+        from specdeploy.models.drafters.mtp_head import save_mtp_head
+
+        save_mtp_head(obj.export(dtype), out)
+    (out / "training.json").write_text(json.dumps(meta, indent=1))
+
+
+def build_objective(method: str, target, draft_ids: torch.Tensor, aux_layers, steps: int):
+    if method == "eagle3":
+        from specdeploy.training.eagle3 import Eagle3Objective
+
+        return Eagle3Objective(target, draft_ids, aux_layers, steps)
+    if method == "mtp":
+        from specdeploy.training.mtp import MTPObjective
+
+        return MTPObjective(target, draft_ids, steps)
+    raise ValueError(f"method: must be eagle3 or mtp, got {method!r}")
+
+
+def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) -> dict:
+    """Train a head into `cfg.out`; returns the summary written to training.json. `target`,
+    `tokenizer`, `convs` override loading (tests)."""
+    import specdeploy
+    from specdeploy.training.eagle3 import select_draft_vocab
+
+    if cfg.max_steps is None and cfg.max_minutes is None:
+        raise ValueError("give --max-steps and/or --max-minutes")
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = target if target is not None else specdeploy.load_model(cfg.model)
+    target = target.to(device).eval().requires_grad_(False)
+    tokenizer = tokenizer if tokenizer is not None else specdeploy.load_tokenizer(cfg.model)
+    convs = convs if convs is not None else data_mod.load_conversations(cfg.data)
+    train_convs, held = data_mod.split(convs)
+    batches = data_mod.TokenBatches(tokenizer, train_convs, cfg.batch_size, cfg.seq_len,
+                                    cfg.num_samples, seed=cfg.seed + 1)
+    aux_layers = default_aux_layers(target.cfg.num_hidden_layers)
+    ckpt_file = out / "checkpoint.pt"
+    state = torch.load(ckpt_file, map_location="cpu") if ckpt_file.exists() else None
+    if state is not None:
+        if state["method"] != cfg.method:
+            raise ValueError(f"{ckpt_file} is a {state['method']} run; use another --out")
+        draft_ids = state["draft_ids"]
+        log(f"resuming from {ckpt_file} at step {state['step']}")
+    else:
+        counts = batches.token_counts(target.cfg.vocab_size, cfg.vocab_samples)
+        eos = [i for i in [getattr(tokenizer, "eos_token_id", None)] if i is not None]
+        draft_ids = select_draft_vocab(counts, cfg.draft_vocab_size, always=eos)
+    obj = build_objective(cfg.method, target, draft_ids, aux_layers, cfg.ttt_steps).to(device)
+    params = [p for p in obj.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, elapsed0, history = 0, 0.0, []
+    if state is not None:
+        obj.load_state_dict(state["objective"])
+        opt.load_state_dict(state["optimizer"])
+        step, elapsed0, history = state["step"], state["elapsed_s"], state.get("history", [])
+    source = FeatureSource(target, batches, aux_layers, cfg.cache_dir, device=device,
+                           key={"model": str(cfg.model), "data": cfg.data,
+                                "split_seed": data_mod.SPLIT_SEED, "seed": cfg.seed})
+    meta_base = {"method": cfg.method, "command": " ".join(sys.argv), "config": asdict(cfg),
+                 "aux_layer_ids": list(aux_layers),
+                 "heldout": data_mod.split_metadata(cfg.data, held),
+                 "draft_vocab_size": int(draft_ids.shape[0]), "device": str(device),
+                 "torch_threads": torch.get_num_threads()}
+
+    def save(final: bool) -> dict:
+        meta = {**meta_base, "steps": step, "train_seconds": round(elapsed, 1),
+                "tokens_seen": tokens_seen, "feature_cache_hits": source.hits,
+                "feature_batches_computed": source.misses, "history": history[-50:],
+                "final": final}
+        torch.save({"method": cfg.method, "objective": obj.state_dict(), "draft_ids": draft_ids,
+                    "optimizer": opt.state_dict(), "step": step, "elapsed_s": elapsed,
+                    "history": history}, ckpt_file.with_suffix(".tmp"))
+        ckpt_file.with_suffix(".tmp").replace(ckpt_file)
+        _export(obj, cfg, out, meta)
+        return meta
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not cfg.progress, dynamic_ncols=True,
+               desc=f"train {cfg.method}")
+    t_start, last_save, tokens_seen = time.perf_counter(), time.perf_counter(), 0
+    elapsed, ema = elapsed0, None
+    obj.train()
+    while True:
+        elapsed = elapsed0 + time.perf_counter() - t_start
+        if cfg.max_steps is not None and step >= cfg.max_steps:
+            break
+        if cfg.max_minutes is not None and elapsed >= 60 * cfg.max_minutes:
+            break
+        feats = source.get(step)
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * _lr_factor(cfg, step, elapsed)
+        loss, stats = obj.loss(feats)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        tokens_seen += int(feats.mask.sum())
+        ema = stats["est_accept_len"] if ema is None else 0.95 * ema + 0.05 * stats[
+            "est_accept_len"]
+        history.append({"step": step, "loss": round(loss.item(), 4),
+                        "agree": [round(a, 3) for a in stats["agree"]],
+                        "est_accept_len": round(stats["est_accept_len"], 3)})
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{stats['agree'][0]:.2f}",
+                        est_len=f"{ema:.2f}", cache=f"{source.hits}/{source.misses}")
+        if time.perf_counter() - last_save > 60 * cfg.save_every_minutes:
+            save(final=False)
+            last_save = time.perf_counter()
+    bar.close()
+    meta = save(final=True)
+    log(f"saved {cfg.method} head to {out} after {step} steps, {elapsed / 60:.1f} min "
+        f"(estimated accepted length {ema if ema is not None else float('nan'):.2f})")
+    return meta
