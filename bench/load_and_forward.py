@@ -33,12 +33,17 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+CPU_S: list[float] = []  # process CPU seconds of every timed call, in order
+
+
 def timed(fn, reps: int) -> tuple[list[float], object]:
+    """Wall seconds per call; the CPU seconds go to CPU_S (steadier on a shared machine)."""
     times, out = [], None
     for _ in range(reps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = fn()
         times.append(time.perf_counter() - t)
+        CPU_S.append(time.process_time() - c)
     return times, out
 
 
@@ -73,13 +78,15 @@ def main() -> None:
     from specdeploy.loading import load_model
 
     load_ours, ours = timed(lambda: load_model(None), args.load_reps)
+    load_cpu = CPU_S[-args.load_reps:]
     result = {
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "transformers": transformers.__version__,
                     "python": platform.python_version()},
         "command": " ".join([sys.executable, *sys.argv]),
-        "load_s": {"ours_median": statistics.median(load_ours), "ours_all": load_ours},
+        "load_s": {"ours_median": statistics.median(load_ours), "ours_all": load_ours,
+                   "ours_cpu_median": statistics.median(load_cpu)},
     }
     if args.skip_hf_load:
         hf = hf_from_ours(ours)
@@ -90,21 +97,26 @@ def main() -> None:
             (Path(d) / DEFAULT_GGUF).symlink_to(default_model_path())
             (t_hf,), hf = timed(lambda: AutoModelForCausalLM.from_pretrained(
                 d, gguf_file=DEFAULT_GGUF, dtype=torch.float32).eval(), 1)
-        result["load_s"].update(transformers=t_hf, ratio=statistics.median(load_ours) / t_hf)
+        result["load_s"].update(transformers=t_hf, transformers_cpu=CPU_S[-1],
+                                ratio=statistics.median(load_ours) / t_hf)
 
     ids = torch.randint(0, ours.cfg.vocab_size, (1, args.tokens),
                         generator=torch.Generator().manual_seed(0))
-    fwd_ours, fwd_hf = [], []
+    fwd_ours, fwd_hf, cpu_ours, cpu_hf = [], [], [], []
     with torch.inference_mode():
         a, b = ours(ids), hf(ids).logits  # warm-up, and the two must agree
         for _ in range(args.reps):  # interleaved, so both see the same machine noise
             fwd_ours += timed(lambda: ours(ids), 1)[0]
+            cpu_ours.append(CPU_S[-1])
             fwd_hf += timed(lambda: hf(ids).logits, 1)[0]
+            cpu_hf.append(CPU_S[-1])
     med_ours, med_hf = statistics.median(fwd_ours), statistics.median(fwd_hf)
     result["forward_s"] = {"tokens": args.tokens, "ours_median": med_ours,
                            "transformers_median": med_hf, "ratio": med_ours / med_hf,
+                           "cpu_ratio": statistics.median(cpu_ours) / statistics.median(cpu_hf),
                            "ours_all": fwd_ours, "transformers_all": fwd_hf,
                            "max_abs_logit_diff": (a - b).abs().max().item()}
+    result["load_avg_1m"] = os.getloadavg()[0]
     print(json.dumps(result, indent=2))
 
 
