@@ -34,6 +34,7 @@ class CachePlan:
     budget_bytes: int
     bytes_by_handler: dict[str, int] = field(default_factory=dict)
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    kind_by_handler: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -48,7 +49,20 @@ class CachePlan:
         for kind, b in sorted(self.bytes_by_kind.items()):
             share = b / self.total_bytes if self.total_bytes else 0.0
             lines.append(f"  {kind:<12} {b / 2**20:10.3f} MiB  ({share:.1%})")
+            lines += self._handler_lines(kind)
         return "\n".join(lines)
+
+    def _handler_lines(self, kind: str) -> list[str]:
+        """Handlers of one kind, runs of equal size folded: `30 × 409,600 B  kv_cache_0 … 29`."""
+        groups: dict[int, list[str]] = {}
+        for name, b in self.bytes_by_handler.items():
+            if self.kind_by_handler.get(name) == kind:
+                groups.setdefault(b, []).append(name)
+        out = []
+        for b, names in groups.items():
+            shown = ", ".join(names) if len(names) <= 3 else f"{names[0]} … {names[-1]}"
+            out.append(f"    {len(names):3d} × {b:,} B  {shown}")
+        return out
 
 
 def plan_cache(
@@ -91,6 +105,7 @@ def plan_cache(
     for h in slotted:
         plan.bytes_by_handler[h.name] = h.bytes_per_slot() * num_slots
     for h in kv + slotted:
+        plan.kind_by_handler[h.name] = h.kind
         by_kind = plan.bytes_by_kind
         by_kind[h.kind] = by_kind.get(h.kind, 0) + plan.bytes_by_handler[h.name]
     return plan

@@ -37,7 +37,7 @@ class TransformInfo:
 class DeployContext:
     """Everything a transform may read; `resources` collects what cached ops declared."""
 
-    model: nn.Module
+    model: nn.Module | None  # the plain model; dropped (None) once the pipeline has run
     page_size: int = 16
     max_batch_size: int = 16
     max_seq_len: int = 2048
@@ -47,7 +47,9 @@ class DeployContext:
     spec_steps: int = 0  # K + 1 when speculative decoding is on (spec-state depth), else 0
     capture_layers: tuple[int, ...] = ()
     quantize: str | None = None  # e.g. "int8" (weight-only)
-    quant_exclude: tuple[str, ...] = ("lm_head", "eagle_drafter.*")
+    # NOTE: MoE routers stay fp: int8 noise there flips expert choices (a discrete jump)
+    quant_exclude: tuple[str, ...] = ("lm_head", "*.mlp.gate", "*.shared_expert_gate",
+                                      "eagle_drafter.*")
     compile: bool = False
     disabled: frozenset[str] = frozenset()
     resource_prefix: str = ""  # keeps a drafter's cache names apart from the target's

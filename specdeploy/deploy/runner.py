@@ -95,6 +95,9 @@ def transform_module(model: torch.nn.Module, hidden_size: int | None = None, **c
     gm = export_model(model, max_tokens=max_tokens, hidden_size=hidden_size, dtype=ctx.dtype)
     _input_name_fix(gm)
     infos = run_pipeline(gm, ctx)
+    # NOTE: the graph owns the weights now; holding the plain model would pin the fp copies of
+    # weights that quantization replaced.
+    ctx.model = None
     return gm, ctx, infos
 
 
@@ -109,11 +112,18 @@ def deploy_module(model: torch.nn.Module, hf_config: dict, vocab_size: int, **ct
 
 def build_deployed(path=None, *, dtype="auto", max_batch_size: int = 16, max_seq_len: int = 2048,
                    page_size: int = 16, max_cache_gib: float | None = None, spec=None,
-                   compile: bool = False, quantize: str | None = None, model=None):
+                   compile: bool = False, quantize: str | None = None,
+                   quant_exclude: tuple[str, ...] | None = None, model=None):
+    """Load (unless `model` is given), export, transform and allocate. `quantize="int8"` makes
+    linear weights int8 (weight-only); `quant_exclude` replaces the default exclusion patterns
+    (see deploy/passes/quantize.py)."""
     from specdeploy.loading import load_model, resolve_dtype
 
     if spec is not None:
         from specdeploy.deploy.spec import build_spec_deployed
+
+        if quant_exclude is not None:
+            raise ValueError("quant_exclude: not supported with spec yet (defaults apply)")
 
         if model is None:
             model = load_model(path, dtype=dtype,
@@ -130,4 +140,5 @@ def build_deployed(path=None, *, dtype="auto", max_batch_size: int = 16, max_seq
         model, hf_config, vocab, page_size=page_size, max_batch_size=max_batch_size,
         max_seq_len=max_seq_len, max_cache_gib=max_cache_gib, dtype=resolve_dtype(dtype),
         compile=compile, quantize=quantize,
+        **({} if quant_exclude is None else {"quant_exclude": tuple(quant_exclude)}),
     )
