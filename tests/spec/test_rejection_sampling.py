@@ -5,9 +5,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdeploy import LLM, SamplingParams
+from specdeploy import SamplingParams
 from specdeploy.engine.speculative import rejection_sample
-from tests.spec.tiny_targets import LIMITS
 
 V = 6
 TRIALS = 6000
@@ -57,7 +56,7 @@ def test_second_token_follows_target_given_first():
 
 
 def test_sampled_speculation_is_seeded_and_samples(target):
-    llm = LLM(str(target.path), spec=target.spec(2), **LIMITS)
+    llm = target.llm(2)
     prompt = target.prompts[1]
 
     def run(seed):

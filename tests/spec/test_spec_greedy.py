@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from specdeploy import LLM, SamplingParams
-from tests.spec.tiny_targets import LIMITS
+from specdeploy import SamplingParams
 
 MAX_TOKENS = 20
 
@@ -19,20 +18,21 @@ def _ids(outs):
 @pytest.fixture(scope="module")
 def baseline(target):
     """Greedy continuations without speculation (long enough for forced drafts past the end)."""
-    llm = LLM(str(target.path), **LIMITS)
+    llm = target.llm()
     params = SamplingParams(max_tokens=MAX_TOKENS + 8, ignore_eos=True)
     return _ids(llm.generate(target.prompts, params))
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 def test_greedy_spec_equals_non_spec(target, baseline, k):
-    llm = LLM(str(target.path), spec=target.spec(k), **LIMITS)
+    llm = target.llm(k)
+    before = llm.stats()["draft_steps"]
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     want = [b[:MAX_TOKENS] for b in baseline]
     assert _ids(llm.generate(target.prompts, params)) == want  # mixed batch 1..100 tokens
     assert _ids(llm.generate([target.prompts[2]], params)) == [want[2]]  # batch 1
     stats = llm.stats()
-    assert stats["draft_steps"] > 0 and stats["draft_tokens"] == k * stats["draft_steps"]
+    assert stats["draft_steps"] > before and stats["draft_tokens"] == k * stats["draft_steps"]
 
 
 def _oracle(baseline, prompts, noise: float, seed: int):
@@ -51,7 +51,8 @@ def _oracle(baseline, prompts, noise: float, seed: int):
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_forced_target_drafts_are_all_accepted(target, baseline, k):
-    llm = LLM(str(target.path), spec=target.spec(k), **LIMITS)
+    llm = target.llm(k)
+    llm.engine.spec_stats.__init__(k)  # NOTE: count this test's steps only
     llm.engine.draft_override = _oracle(baseline, target.prompts, 0.0, 0)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     assert _ids(llm.generate(target.prompts, params)) == [b[:MAX_TOKENS] for b in baseline]
@@ -63,8 +64,9 @@ def test_forced_target_drafts_are_all_accepted(target, baseline, k):
 def test_partial_acceptance_stays_lossless(target, baseline):
     """Drafts right at random positions: sequences sit at different accepted lengths each step,
     and stop at max_tokens inside an accepted run."""
-    k = 4
-    llm = LLM(str(target.path), spec=target.spec(k), **LIMITS)
+    k = 5
+    llm = target.llm(k)
+    llm.engine.spec_stats.__init__(k)
     llm.engine.draft_override = _oracle(baseline, target.prompts, 0.3, 1)
     lengths = [5, 11, 17, 20, 9]  # max_tokens landing mid-run
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]

@@ -10,10 +10,7 @@ import pytest
 import torch
 
 from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
-from specdeploy.deploy.runner import build_deployed
-from specdeploy.engine.engine import Engine
 from specdeploy.engine.request import SamplingParams
-from specdeploy.engine.speculative import SpecEngine
 from specdeploy.ops import causal_conv1d_ref, gated_delta_rule_ref, ssm_scan_ref
 from specdeploy.ops.cached_recurrent import (
     cached_causal_conv1d,
@@ -26,13 +23,9 @@ K = 3
 LIMITS_1 = dict(LIMITS, max_batch_size=2)
 
 
-def _greedy(path, prompt, n):
-    eng = Engine(build_deployed(str(path), **LIMITS_1), max_batch_size=2)
-    eng.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-    out = []
-    while eng.has_unfinished():
-        out = [o.token_ids for o in eng.step()] or out
-    return out[0]
+def _greedy(target, prompt, n):
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    return target.llm().generate([prompt], params)[0].token_ids
 
 
 def _states(deployed, slot):
@@ -46,9 +39,8 @@ def test_committed_state_equals_state_after_accepted_tokens(target, accepted):
     if target.arch == "llama":
         pytest.skip("no recurrent state")
     prompt = target.prompts[1]
-    cont = _greedy(target.path, prompt, 2 * K + 2)
-    eng = SpecEngine(build_deployed(str(target.path), spec=target.spec(K), **LIMITS_1),
-                     max_batch_size=2)
+    cont = _greedy(target, prompt, 2 * K + 2)
+    eng = target.llm(K).engine
 
     def propose(seq, k):  # exactly `accepted` right drafts, then wrong ones
         start = len(seq.output_ids)
@@ -58,15 +50,17 @@ def test_committed_state_equals_state_after_accepted_tokens(target, accepted):
     eng.draft_override = propose
     eng.add_request(prompt, SamplingParams(max_tokens=2 * K + 2, ignore_eos=True))
     eng.step()  # prefill + first drafts
-    seq = next(iter(eng._seqs.values()))
+    (seq,) = [s for s in eng._seqs.values() if not s.finished]
     before = seq.num_cached
     eng.step()  # verify
     assert seq.num_cached == before + 1 + accepted
     assert seq.output_ids == cont[: 2 + accepted]
-    ref = build_deployed(str(target.path), **LIMITS_1)
+    ref = target.llm().deployed  # idle between tests: its slot 0 and first pages are free
     ids = seq.all_ids[: seq.num_cached]
     ref.forward(build_metadata([Segment(ids, 0, list(range(8)), 0)]))
     got, want = _states(eng.deployed.target, seq.slot), _states(ref, 0)
+    eng.abort(seq.request_id)
+    eng.step()
     assert got.keys() == want.keys() and got
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -28,6 +28,20 @@ class Target:
         self.prompts = [torch.randint(3, 100, (n,), generator=g).tolist()
                         for n in (1, 7, 33, 100, 12)]
 
+        self._llms: dict = {}
+
+    def llm(self, k: int | None = None):
+        """One LLM per (target, K) for the whole session: exporting dominates test time."""
+        from specdeploy import LLM
+
+        if k not in self._llms:
+            spec = None if k is None else self.spec(k)
+            self._llms[k] = LLM(str(self.path), spec=spec, **LIMITS)
+        llm = self._llms[k]
+        if k is not None:
+            llm.engine.draft_override = None
+        return llm
+
     def spec(self, k: int):
         from specdeploy import SpecConfig
 
