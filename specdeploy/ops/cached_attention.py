@@ -45,6 +45,18 @@ def _sdpa(q, k, v, mask, scale):
     return out.transpose(1, 2).to(q.dtype)
 
 
+def _decode(q, k_cache, v_cache, page_table, cache_lens, scale, sliding_window):
+    """One query per sequence, fully batched. q [S, Hq, D]; page_table [S, P]; returns
+    [S, Hq, Dv]. Keys past each sequence's position (unwritten or padding pages) are masked."""
+    keys = k_cache[page_table].flatten(1, 2)  # [S, P*ps, Hkv, D]
+    vals = v_cache[page_table].flatten(1, 2)
+    kpos = torch.arange(keys.shape[1], device=q.device)[None, :]
+    mask = kpos <= cache_lens[:, None]
+    if sliding_window > 0:
+        mask = mask & (kpos > cache_lens[:, None] - sliding_window)
+    return _sdpa(q[:, None], keys, vals, mask[:, None, None, :], scale)[:, 0]
+
+
 def cached_attention_impl(
     q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens, cache_lens_host,
     page_table, scale, sliding_window,
@@ -53,20 +65,22 @@ def cached_attention_impl(
     t = q.shape[1]
     num_seqs = cache_lens.shape[0]
     page_size = k_cache.shape[1]
-    if t == num_seqs:  # pure decode: one query per segment, fully batched
-        keys = k_cache[page_table].flatten(1, 2)  # [S, P*ps, Hkv, D]
-        vals = v_cache[page_table].flatten(1, 2)
-        kpos = torch.arange(keys.shape[1], device=q.device)[None, :]
-        mask = kpos <= cache_lens[:, None]
-        if sliding_window > 0:
-            mask = mask & (kpos > cache_lens[:, None] - sliding_window)
-        out = _sdpa(q[0][:, None], keys, vals, mask[:, None, None, :], scale)
-        return out[:, 0][None].contiguous()
+    if t == num_seqs:  # pure decode: one query per segment
+        out = _decode(q[0], k_cache, v_cache, page_table, cache_lens, scale, sliding_window)
+        return out[None].contiguous()
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cu = cu_seqlens_host.tolist()
     lens = cache_lens_host.tolist()
+    single = [s for s in range(num_seqs) if cu[s + 1] - cu[s] == 1]
+    if len(single) > 1:  # the decodes of a mixed step run as one batch
+        sel = torch.tensor(single, device=q.device)
+        tok = cu_seqlens[sel]
+        out[0, tok] = _decode(q[0, tok], k_cache, v_cache, page_table[sel], cache_lens[sel],
+                              scale, sliding_window)
     for s in range(num_seqs):
         a, b = cu[s], cu[s + 1]
+        if len(single) > 1 and b - a == 1:
+            continue
         total = lens[s] + (b - a)
         pages = page_table[s, : (total + page_size - 1) // page_size]
         keys = k_cache[pages].flatten(0, 1)[:total][None]

@@ -4,8 +4,8 @@ Each sequence owns a state slot. A NORMAL segment starts from its slot's state (
 sequence has nothing cached yet) and writes the final state back. An EXTEND segment (speculative
 verification) starts from the slot too but writes the state after *every* token into the spec-state
 resource `spec_state[slot, i]` and leaves the main slot untouched; the engine later promotes entry
-(accepted - 1). Segments of one length and kind are run as one batch (decode, uniform extend);
-anything else runs segment by segment.
+(accepted - 1). Segments of one length and kind are run as one batch (the decodes of a step,
+uniform extends), wherever they sit in the flattened batch; other segments run one by one.
 
 NOTE: `*_host` tensors are CPU metadata used only for control flow (no device sync).
 """
@@ -25,13 +25,13 @@ from specdeploy.ops.ssm import ssm_dt, ssm_scan_core
 Core = Callable[[Sequence[torch.Tensor], torch.Tensor | None, bool], tuple]
 
 
-def _groups(cu: list[int], lens: list[int], kinds: list[int]):
-    """[(segment indices, uniform)]: one group when all segments share length and kind."""
-    n = len(lens)
-    seg_lens = [cu[i + 1] - cu[i] for i in range(n)]
-    if len(set(seg_lens)) == 1 and len(set(kinds)) == 1:
-        return [(list(range(n)), True)]
-    return [([i], False) for i in range(n)]
+def _groups(cu: list[int], kinds: list[int]) -> list[list[int]]:
+    """Segment indices grouped by (length, kind), in order of first appearance: each group runs
+    as one batch (all decodes of a step together, whatever prefill chunks sit between them)."""
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, kind in enumerate(kinds):
+        by_shape.setdefault((cu[i + 1] - cu[i], kind), []).append(i)
+    return list(by_shape.values())
 
 
 def run_cached(
@@ -43,15 +43,22 @@ def run_cached(
     cu = cu_seqlens_host.tolist()
     lens = cache_lens_host.tolist()
     kinds = seg_kind_host.tolist()
-    outs = []
-    for idx, uniform in _groups(cu, lens, kinds):
-        if uniform:
+    groups = _groups(cu, kinds)
+    dev = slot_idx.device
+    out = None
+    for idx in groups:
+        tokens = None  # token positions of the group when they are not one contiguous run
+        if len(groups) == 1:
             xs = [x[0].unflatten(0, (len(idx), -1)) for x in inputs]
             slots = slot_idx
-        else:
+        elif len(idx) == 1:
             a, b = cu[idx[0]], cu[idx[0] + 1]
             xs = [x[:, a:b] for x in inputs]
             slots = slot_idx[idx[0] : idx[0] + 1]
+        else:
+            tokens = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in idx]).to(dev)
+            xs = [x[0, tokens].unflatten(0, (len(idx), -1)) for x in inputs]
+            slots = slot_idx[torch.tensor(idx, device=dev)]
         has_prefix = [lens[i] > 0 for i in idx]
         init = None
         if any(has_prefix):
@@ -64,12 +71,22 @@ def run_cached(
         if extend and spec_state is None:
             raise RuntimeError("EXTEND segment but no spec-state resource was allocated")
         y, final, states = core(xs, init, extend)
+        if extend and states.shape[1] > spec_state.shape[1]:
+            raise RuntimeError(f"EXTEND segment of {states.shape[1]} tokens, but spec state "
+                               f"holds {spec_state.shape[1]} (num_draft_tokens + 1)")
         if extend:
             spec_state[slots, : states.shape[1]] = states.to(spec_state.dtype)
         else:
             state[slots] = final.to(state.dtype)
-        outs.append(y.flatten(0, 1)[None] if uniform else y)
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if len(groups) == 1:
+            return y.flatten(0, 1)[None]
+        if out is None:
+            out = y.new_empty(1, cu[-1], *y.shape[2:])
+        if tokens is None:
+            out[:, cu[idx[0]] : cu[idx[0] + 1]] = y
+        else:
+            out[0, tokens] = y.flatten(0, 1)
+    return out
 
 
 # ---- causal conv1d ---------------------------------------------------------------------------

@@ -241,16 +241,17 @@ def test_decode_batch(case, close):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("page_size", (3, 5))
 def test_mixed_ragged_batch(case, page_size, close):
-    """Prefill, chunk continuation and decode segments in one call, slots not in order; one step
-    has equal-length segments where only some have a cached prefix (the batched path)."""
+    """Prefill, chunk continuation and decode segments in one call, slots not in order; steps
+    with equal-length segments where only some have a cached prefix, or that are not adjacent
+    (the batched paths)."""
     lengths = (20, 9, 40, 14)
     d = Driver(CASES[case](), lengths, page_size, slots=(4, 0, 5, 2))
     d.step([(0, 6), (1, 8)])  # two fresh prefills
     d.step([(1, 1), (0, 7), (2, 3)])  # decode, continuation, fresh prefill
     d.step([(2, 7), (3, 7)])  # same length: one with a prefix, one fresh
     d.step([(3, 1), (2, 1), (0, 1)])  # pure decode, slots out of order
-    d.step([(0, 6), (3, 5), (2, 29)])
-    d.step([(3, 1)])
+    d.step([(0, 1), (2, 20), (3, 1)])  # two decodes around a prefill chunk (batched together)
+    d.step([(0, 5), (3, 5), (2, 9)])
     d.check(close)
 
 
@@ -295,6 +296,14 @@ def test_extend_without_spec_state_fails(case):
     d.caches.pop("spec")
     with pytest.raises(RuntimeError, match="spec-state"):
         d.step([(0, 2, SEG_EXTEND)])
+
+
+@pytest.mark.parametrize("case", RECURRENT)
+def test_extend_longer_than_spec_state_fails(case):
+    d = Driver(CASES[case](), [12], page_size=5)  # spec state holds 5 tokens
+    d.step([(0, 3)])
+    with pytest.raises(RuntimeError, match="num_draft_tokens"):
+        d.step([(0, 6, SEG_EXTEND)])
 
 
 def test_state_slot_holds_final_state(close):
