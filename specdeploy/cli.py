@@ -19,6 +19,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", choices=("none", *SPEC_METHODS), default="none")
     p.add_argument("--num-draft-tokens", type=int, default=3)
     p.add_argument("--draft-model", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -38,6 +39,11 @@ def _spec(args) -> SpecConfig | None:
 
 def _llm(args, max_batch_size: int):
     from specdeploy.llm import LLM
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     return LLM(args.model, dtype=args.dtype, max_batch_size=max_batch_size,
                max_seq_len=args.max_seq_len, spec=_spec(args), max_cache_gib=args.max_cache_gib,
