@@ -6,6 +6,7 @@ parser takes a fraction of that. Dequantization is `gguf.quants.dequantize`, one
 """
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import struct
@@ -24,6 +25,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NP_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
                6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 # llama.cpp tensor names → HF names (per block `blk.N.` → `model.layers.N.`)
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
@@ -69,15 +71,16 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
-        buf = f.read(min(size, 64 << 20))  # metadata + tensor table; grows below if needed
-    if buf[:4] != b"GGUF":
-        raise CheckpointError(f"{path}: not a GGUF file (bad magic {buf[:4]!r})")
-    try:
-        return _parse(path, buf, size, GGML_QUANT_SIZES, GGMLQuantizationType)
-    except (struct.error, IndexError, UnicodeDecodeError, ValueError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"{path}: truncated or corrupt GGUF header ({e})") from None
+        if f.read(4) != b"GGUF":
+            raise CheckpointError(f"{path}: not a GGUF file (no GGUF magic)")
+        # the header is parsed in place from a read-only mapping; only what is decoded is copied
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            try:
+                return _parse(path, buf, size, GGML_QUANT_SIZES, GGMLQuantizationType)
+            except (struct.error, IndexError, UnicodeDecodeError, ValueError) as e:
+                if isinstance(e, CheckpointError):
+                    raise
+                raise CheckpointError(f"{path}: truncated or corrupt GGUF header ({e})") from None
 
 
 def _parse(path, buf, size, quant_sizes, qtypes) -> GGUFHeader:
@@ -107,6 +110,15 @@ def _parse(path, buf, size, quant_sizes, qtypes) -> GGUFHeader:
             if p + n * dt.itemsize > len(buf):
                 raise IndexError("array past end of header")
             return np.frombuffer(buf, dt, n, p).tolist(), p + n * dt.itemsize
+        if etype == _STRING:  # vocabularies: ~100k strings, so a tight loop
+            out, unpack = [], _U64.unpack_from
+            for _ in range(n):
+                (k,) = unpack(buf, p)
+                out.append(buf[p + 8:p + 8 + k].decode("utf-8"))
+                p += 8 + k
+            if p > len(buf):
+                raise IndexError("string array past end of header")
+            return out, p
         out = []
         for _ in range(n):
             v, p = value(p, etype)
