@@ -177,8 +177,8 @@ class GGUFReader:
         for name in self._tensors:
             hf = hf_name(name)
             self._where[hf or name] = name
-        self.config = self._hf_config(arch)
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.config = self._hf_config(arch)
 
     def _hf_config(self, arch: str) -> dict:
         md = self.metadata

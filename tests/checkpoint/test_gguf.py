@@ -90,7 +90,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
         w.shape)
 
 
-def _tiny_llama_gguf(src: Path, out: Path, qtype=Q.F32) -> Path:
+def _tiny_llama_gguf(src: Path, out: Path, qtype=Q.F32, rope_freqs=None) -> Path:
     """Convert a tiny safetensors Llama to GGUF the way llama.cpp does (names, permutation)."""
     reader = open_checkpoint(src)
     cfg = reader.config
@@ -116,6 +116,8 @@ def _tiny_llama_gguf(src: Path, out: Path, qtype=Q.F32) -> Path:
         q = qtype if w.ndim == 2 else Q.F32
         data = w if q == Q.F32 else gguf.quants.quantize(w, q)
         tensors[gname] = (data, q)
+    if rope_freqs is not None:  # llama.cpp's form of llama3 rope scaling
+        tensors["rope_freqs.weight"] = (rope_freqs.numpy().astype(np.float32), Q.F32)
     meta = {"llama.attention.head_count": cfg["num_attention_heads"],
             "llama.attention.head_count_kv": cfg["num_key_value_heads"],
             "llama.embedding_length": cfg["hidden_size"], "llama.block_count":
@@ -138,6 +140,23 @@ def test_tiny_llama_gguf_equals_safetensors(tmp_path, tie):
     ids = torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), ref(ids), rtol=0, atol=1e-5)
+
+
+def test_llama3_rope_as_gguf_freq_factors(tmp_path):
+    from specdeploy.models.layers import RopeConfig
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    src = llama.make_tiny(tmp_path / "st", seed=5, config_overrides={"rope_scaling": scaling})
+    hf = open_checkpoint(src).config
+    freqs = RopeConfig.from_hf({**hf, "rope_scaling": None}).inv_freq(16) / RopeConfig.from_hf(
+        hf).inv_freq(16)
+    assert not torch.allclose(freqs, torch.ones_like(freqs))
+    path = _tiny_llama_gguf(src, tmp_path / "l3.gguf", rope_freqs=freqs)
+    assert "freq_factors" in GGUFReader(path).config["rope_parameters"]
+    ids = torch.arange(60).reshape(1, 60) % 128
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(path)(ids), load_model(src)(ids), rtol=0, atol=1e-5)
 
 
 def test_tiny_llama_gguf_q8_0_close(tmp_path):
