@@ -109,7 +109,7 @@ def run_bench(args) -> dict:
         model=str(llm.model_path), dataset=args.dataset, concurrency=args.concurrency,
         max_tokens=args.max_tokens, peak_rss_mib=peak_rss_mib(), machine=machine(),
         command=" ".join(sys.argv),
-        stats={k: v for k, v in llm.stats().items() if not isinstance(v, (list, dict))})
+        stats=llm.stats())
     return result
 
 

@@ -9,6 +9,11 @@ from collections.abc import Sequence
 
 from specdeploy.config import SPEC_METHODS, SpecConfig
 
+# Speculative-decoding counters copied from `LLM.stats()` into `generate --json`.
+SPEC_STATS = ("num_draft_tokens", "draft_steps", "draft_tokens", "accepted_tokens",
+              "acceptance_rate", "mean_accepted_length", "accepted_per_position",
+              "acceptance_per_position")
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
@@ -72,9 +77,7 @@ def cmd_generate(args) -> int:
                   "finish_reason": out.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
                   "tokens_per_s": len(out.token_ids) / wall if wall > 0 else None,
                   "decode_tokens_per_s": m.decode_tokens_per_s, "ttft_s": m.ttft}
-        record.update({k: v for k, v in llm.stats().items() if k.startswith("spec_")
-                       or k in ("mean_accepted_length", "acceptance_rate",
-                                "accepted_per_position")})
+        record.update({k: v for k, v in llm.stats().items() if k in SPEC_STATS})
         print(json.dumps(record))
     else:
         print(out.text)
