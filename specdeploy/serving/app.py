@@ -17,6 +17,7 @@ from specdeploy.serving import protocol as P
 from specdeploy.serving.engine_loop import EngineLoop, Handle
 from specdeploy.serving.metrics import CONTENT_TYPE, ServerMetrics
 
+MAX_BODY_BYTES = 16 * 2**20
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 
 
@@ -106,6 +107,10 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
 
     async def generate(request: Request, parse):
         auth(request)
+        size = request.headers.get("content-length", "0")
+        if size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise P.APIError(413, f"request body over {MAX_BODY_BYTES} bytes", None,
+                             "request_too_large")
         req = parse(P.parse_json(await request.body()), tokenizer, limits)
         handle = loop.submit(req.prompts, req.params)
         try:

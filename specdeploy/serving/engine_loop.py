@@ -49,8 +49,9 @@ class Handle:
     async def accepted(self) -> None:
         """Wait until the engine took the request; an engine-side rejection becomes a 400."""
         ev = await self.queue.get()
-        if ev.error is not None:
-            raise APIError(400, ev.error, "prompt", "invalid_value")
+        if ev.error is not None:  # engine messages start with the parameter's name
+            param = ev.error.split(":", 1)[0] if ":" in ev.error else None
+            raise APIError(400, ev.error, param, "invalid_value")
 
     @property
     def done(self) -> bool:

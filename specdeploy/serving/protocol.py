@@ -19,7 +19,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
 MAX_STOP = 16
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-                404: "invalid_request_error", 429: "rate_limit_error"}
+                404: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error"}
 
 
 class APIError(Exception):
