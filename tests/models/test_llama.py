@@ -100,3 +100,13 @@ def test_inv_freq_is_a_computed_buffer():
     assert "model.rotary_emb.inv_freq" not in model.state_dict()
     model.init_buffers()
     torch.testing.assert_close(model.model.rotary_emb.inv_freq, cfg.rope.inv_freq(16))
+
+
+def test_bf16_load_runs_close_to_fp32(tmp_path):
+    path = llama.make_tiny(tmp_path, seed=6)
+    ids = torch.arange(24).reshape(2, 12)
+    with torch.no_grad():
+        ref = load_model(path)(ids)
+        got = load_model(path, dtype="bf16")(ids)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - ref).abs().max() < 0.05 * ref.abs().max()
