@@ -57,14 +57,17 @@ def test_int8_linear_matches_ref(shape, with_bias, close):
     close(y, int8_linear_ref(x, q.weight, q.scale, bias), rtol=1e-5)
 
 
-def test_int8_linear_bf16_input(close):
-    """bf16 activations: the kernel takes bf16 scales, so allow bf16 rounding (2^-8)."""
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("rows", (0, 1, 9))
+def test_int8_linear_half_inputs(dtype, rows, close):
+    """bf16 runs the int8 GEMM kernel with bf16 scales; allow bf16 / fp16 output rounding."""
     torch.manual_seed(0)
-    x = torch.randn(9, 64).to(torch.bfloat16)
+    x = torch.randn(rows, 64).to(dtype)
     q = quantize_int8(torch.randn(32, 64))
-    y = int8_linear(x, q.weight, q.scale)
-    assert y.dtype == torch.bfloat16
-    close(y.float(), int8_linear_ref(x, q.weight, q.scale).float(), rtol=2e-2)
+    bias = torch.randn(32)
+    y = int8_linear(x, q.weight, q.scale, bias)
+    assert y.dtype == dtype and y.shape == (rows, 32)
+    close(y.float(), int8_linear_ref(x, q.weight, q.scale, bias).float(), rtol=1e-2)
 
 
 def test_quantize_int8_rounding_bound():
