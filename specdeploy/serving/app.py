@@ -111,7 +111,9 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         if size.isdigit() and int(size) > MAX_BODY_BYTES:
             raise P.APIError(413, f"request body over {MAX_BODY_BYTES} bytes", None,
                              "request_too_large")
-        req = parse(P.parse_json(await request.body()), tokenizer, limits)
+        body = P.parse_json(await request.body())
+        # NOTE: off the event loop: tokenizing a long prompt must not stall other streams
+        req = await asyncio.to_thread(parse, body, tokenizer, limits)
         handle = loop.submit(req.prompts, req.params)
         try:
             await handle.accepted()
