@@ -90,8 +90,13 @@ def transforms() -> list[tuple[str, Stage, Transform]]:
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: DeployContext) -> list[TransformInfo]:
+    items = transforms()
+    unknown = set(ctx.disabled) - {name for name, _, _ in items}
+    if unknown:  # a misspelt name would silently disable nothing
+        raise ValueError(f"disabled: unknown transforms {sorted(unknown)}; known: "
+                         f"{', '.join(name for name, _, _ in items)}")
     infos = []
-    for name, stage, fn in transforms():
+    for name, stage, fn in items:
         if name in ctx.disabled:
             infos.append(TransformInfo(name, stage, 0, skipped=True, detail="disabled"))
             continue

@@ -106,6 +106,13 @@ def test_pipeline_order_is_staged():
     assert names.index("quantize_int8_weights") < names.index("insert_cached_attention")
 
 
+def test_disabled_names_are_checked():
+    from specdeploy.deploy.pipeline import run_pipeline
+
+    with pytest.raises(ValueError, match="disabled: unknown transforms"):
+        run_pipeline(None, DeployContext(model=None, disabled=frozenset({"insert_cache"})))
+
+
 def test_cleanup_export(walked, close):
     step = walked["steps"]["cleanup_export"]
     assert step["info"].num_matches == step["asserts_before"] > 0
