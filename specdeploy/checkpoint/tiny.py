@@ -38,8 +38,8 @@ def write_checkpoint(
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in shard})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": weight_map}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return out
 
@@ -77,4 +77,5 @@ def write_tiny_tokenizer(out: str | Path, vocab_size: int) -> None:
         "model_max_length": 4096,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": None}))
+    gen = {"eos_token_id": 2, "bos_token_id": None}
+    (out / "generation_config.json").write_text(json.dumps(gen))

@@ -74,6 +74,14 @@ def causal_conv1d_core(
     width = weight.shape[1]
     b, t, c = x.shape
     xs = torch.cat((_initial(x, width, initial_state).float(), x.float().transpose(1, 2)), dim=-1)
+    if t == 1:  # decode: one window dot product; F.conv1d's setup costs more than the math
+        y = (xs * weight.float()).sum(-1)
+        if bias is not None:
+            y = y + bias.float()
+        y = _activate(y, activation)[:, None].to(x.dtype)
+        final_state = xs[..., 1:].to(x.dtype).contiguous()
+        states = final_state[:, None] if return_states else None
+        return ConvOutput(y, final_state, states)
     y = F.conv1d(xs, weight.float()[:, None, :], None if bias is None else bias.float(), groups=c)
     y = _activate(y, activation).transpose(1, 2).to(x.dtype)
     final_state = xs[..., t:].to(x.dtype).contiguous()

@@ -106,6 +106,14 @@ def gated_delta_rule_core(
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, use_qk_l2norm, scale)
     b, h, t, dk = kf.shape
     dv = vf.shape[-1]
+    if t == 1:  # decode: the recurrence itself, no chunk solve
+        state = vf.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+        state = state * gf[:, :, 0, None, None].exp()
+        k0 = kf[:, :, 0]
+        delta = (vf[:, :, 0] - (k0[:, :, None, :] @ state)[:, :, 0]) * bf[:, :, 0, None]
+        state = state + k0[..., None] * delta[..., None, :]
+        o = (qf[:, :, 0, None, :] @ state)[:, :, 0]  # [B, H, V]
+        return DeltaOutput(o[:, None], state, state[:, None] if return_states else None)
     size = max(1, min(chunk_size, t)) if chunk_size > 0 else max(1, t)
     qc, kc, vc = _chunk(qf, size), _chunk(kf, size), _chunk(vf, size)  # [B, H, c, l, *]
     bc = _chunk(bf, size)[..., None]  # [B, H, c, l, 1]

@@ -72,6 +72,18 @@ def _chunk(t: torch.Tensor, size: int) -> torch.Tensor:
     return t.movedim(1, 2).unflatten(2, (-1, size))
 
 
+def _ssm_step(x, delta, A, B, C, D, initial_state, rep, return_states) -> ScanOutput:
+    """One token (decode): the recurrence itself, no chunk bookkeeping."""
+    xf, dt = x[:, 0].float(), delta[:, 0].float()  # [B, H, P], [B, H]
+    Bh = B[:, 0].float().repeat_interleave(rep, dim=1)  # [B, H, N]
+    Ch = C[:, 0].float().repeat_interleave(rep, dim=1)
+    decay = (dt * A.float()).exp()[..., None, None]
+    update = (dt[..., None] * xf)[..., None] * Bh[:, :, None, :]  # [B, H, P, N]
+    state = update if initial_state is None else decay * initial_state.float() + update
+    y = (state @ Ch[..., None])[..., 0] + D.float()[:, None] * xf
+    return ScanOutput(y[:, None], state, state[:, None] if return_states else None)
+
+
 def ssm_scan_core(
     x: torch.Tensor,
     delta: torch.Tensor,
@@ -93,6 +105,8 @@ def ssm_scan_core(
     b, t, h, p = x.shape
     n = B.shape[-1]
     rep = h // B.shape[2]
+    if t == 1:
+        return _ssm_step(x, delta, A, B, C, D, initial_state, rep, return_states)
     size = max(1, min(chunk_size, t)) if chunk_size > 0 else max(1, t)
     xf, delta = x.float(), delta.float()
     # head-major [B, H, c, l, *] so every contraction below is a plain batched matmul
