@@ -34,6 +34,7 @@ class Event:
     index: int
     output: RequestOutput | None = None
     error: str | None = None
+    status: int = 500
 
 
 @dataclass
@@ -49,9 +50,11 @@ class Handle:
     async def accepted(self) -> None:
         """Wait until the engine took the request; an engine-side rejection becomes a 400."""
         ev = await self.queue.get()
-        if ev.error is not None:  # engine messages start with the parameter's name
+        if ev.error is not None and ev.status == 400:  # engine messages start with the field
             param = ev.error.split(":", 1)[0] if ":" in ev.error else None
             raise APIError(400, ev.error, param, "invalid_value")
+        if ev.error is not None:
+            raise APIError(500, ev.error)
 
     @property
     def done(self) -> bool:
@@ -140,17 +143,16 @@ class EngineLoop:
     def _run(self) -> None:
         eng = self.engine
         while True:
-            self._apply_commands()
-            if self._stop:
-                self._abort_all()
-            if eng.has_unfinished():
-                try:
-                    outputs = eng.step()
-                except Exception:  # keep serving: fail what was in flight, not the server
-                    self._fail_all(traceback.format_exc())
+            try:
+                self._apply_commands()
+                if self._stop:
+                    self._abort_all()
+                if eng.has_unfinished():
+                    self._dispatch(eng.step())
+                    self.snapshot = eng.stats_dict()
                     continue
-                self._dispatch(outputs)
-                self.snapshot = eng.stats_dict()
+            except Exception:  # keep serving: fail what was in flight, not the server
+                self._fail_all(traceback.format_exc())
                 continue
             self.snapshot = eng.stats_dict()
             if self._stop:
@@ -176,12 +178,14 @@ class EngineLoop:
                 self._routes[rid] = _Route(handle, i)
                 added.append(rid)
                 self.metrics.request_added(len(p))
-        except ValueError as e:  # all or nothing (protocol.py should have caught it)
+        except Exception as e:  # all or nothing (protocol.py should have caught a ValueError)
             for rid in added:
                 self.engine.abort(rid)
             with self._lock:
                 self._inflight -= len(handle.ids) - len(added)
-            self._push(handle, Event(-1, error=str(e)))
+            bad_input = isinstance(e, ValueError)
+            self._push(handle, Event(-1, error=str(e) if bad_input else "internal engine error",
+                                     status=400 if bad_input else 500))
             return
         self._push(handle, Event(-1))
 

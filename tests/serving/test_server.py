@@ -308,6 +308,26 @@ def test_full_queue_gets_429_then_recovers(srv, refs):
     assert r.choices[0].text == refs["alone"][0].text
 
 
+def test_engine_failure_fails_only_its_requests(srv, llm, refs):
+    engine = llm.engine
+    real_step = engine.step
+
+    def failing_step():  # NOTE: runs on the engine thread
+        engine.step = real_step
+        raise RuntimeError("injected")
+
+    srv.wait_idle()
+    engine.step = failing_step
+    with pytest.raises(openai.InternalServerError):
+        srv.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                        temperature=0)
+    srv.wait_idle()
+    assert httpx.get(srv.url + "/health").status_code == 200
+    r = srv.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                        temperature=0)
+    assert r.choices[0].text == refs["alone"][0].text
+
+
 def test_shutdown_drains_in_flight_requests(srv, refs):
     """Last in this module: stops the server while a stream is in flight."""
     ref = refs["long"]
