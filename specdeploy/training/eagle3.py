@@ -114,6 +114,56 @@ class Eagle3Objective(nn.Module):
         return unrolled_loss(self.step, first, feats, target.model.embed_tokens, target_logits,
                              self.steps, self.drafter.cfg.head_dim**-0.5)
 
+    @torch.no_grad()
+    def fit_linear(self, batches, ridge: float = 1e-2, sharpness: float = 2.0) -> None:
+        """Closed-form warm start of step 0 (the later steps are left to SGD).
+
+        Attention is made to look at its own position only (q = k = a fixed projection of the
+        normed token embedding, sharp enough to swamp other positions; a repeated token carries
+        the same value anyway) and the MLP branch is zeroed, so h = fc(aux) + o_proj(v(emb)):
+        linear in (captured features, next-token embedding). `fc` and the rank-(kv heads x
+        head_dim) product o_proj·v_proj come from one ridge regression onto the target's next
+        final hidden divided by the final norm's weight (norm(h) then matches it)."""
+        dr, target = self.drafter, self._target
+        cfg, m = dr.cfg, dr.midlayer
+        h, d, nkv, nq = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads, \
+            cfg.num_attention_heads
+        w = dr.norm.weight.float()
+        n_in = 3 * cfg.target_hidden_size + h
+        xtx = torch.zeros(n_in, n_in, dtype=torch.float64)
+        xty = torch.zeros(n_in, h, dtype=torch.float64)
+        for feats in batches:
+            emb = target.model.embed_tokens(feats.ids[:, 1:]).float()
+            x = torch.cat([feats.aux[:, :-1].float(), _unit_rms(emb)], -1)
+            y = feats.final[:, 1:].float() / w
+            keep = feats.mask[:, 1:]
+            x, y = x[keep].double(), y[keep].double()
+            xtx += x.T @ x
+            xty += x.T @ y
+        diag = xtx.diagonal().clone()  # NOTE: per-feature ridge: the aux layers differ in scale
+        sol = torch.linalg.solve(xtx + torch.diag(ridge * diag + 1e-8), xty).T.float()
+        a, b = sol[:, :-h], sol[:, -h:]
+        u, sv, vh = torch.linalg.svd(b)
+        r = nkv * d
+        root = sv[:r].sqrt()
+        v_emb, o_kv = root[:, None] * vh[:r], u[:, :r] * root  # [r, H], [H, r]
+        g = torch.Generator().manual_seed(0)
+        p = torch.linalg.qr(torch.randn(h, d, generator=g))[0].T * sharpness  # [d, H]
+        a_ = m.self_attn
+        for lin in (a_.q_proj, a_.k_proj, a_.v_proj, a_.o_proj):
+            lin.weight.zero_()
+        rep = nq // nkv
+        for j in range(nkv):
+            a_.k_proj.weight[j * d:(j + 1) * d, :h] = p
+            a_.v_proj.weight[j * d:(j + 1) * d, :h] = v_emb[j * d:(j + 1) * d]
+            a_.o_proj.weight[:, j * rep * d:(j * rep + 1) * d] = o_kv[:, j * d:(j + 1) * d]
+        for i in range(nq):
+            a_.q_proj.weight[i * d:(i + 1) * d, :h] = p
+        dr.fc.weight.copy_(a)
+        m.input_layernorm.weight.fill_(1.0)
+        m.hidden_norm.weight.fill_(1.0)
+        m.mlp.down_proj.weight.zero_()
+
     def export(self, dtype: torch.dtype = torch.bfloat16) -> Eagle3Drafter:
         shared = self.drafter.__dict__.pop("_shared_embed", None)  # never copy the target's
         try:
@@ -122,3 +172,7 @@ class Eagle3Objective(nn.Module):
             if shared is not None:
                 self.drafter.__dict__["_shared_embed"] = shared
         return d.to(dtype)
+
+
+def _unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)

@@ -81,7 +81,7 @@ class FeatureSource:
         index = index % n if n else index
         return None if self.cache is None else self.cache / f"batch_{index:06d}.pt"
 
-    def _wait_for_peer(self, f: Path, patience_s: float = 300.0) -> None:
+    def _wait_for_peer(self, f: Path, patience_s: float = 120.0) -> None:
         """Another run (say the MTP run next to the EAGLE-3 one) computing this batch holds a
         lock file: wait for its result instead of computing the same features twice."""
         lock = f.with_suffix(".lock")

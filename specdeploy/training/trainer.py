@@ -40,6 +40,7 @@ class TrainConfig:
     cache_dir: str | None = None
     save_every_minutes: float = 5.0
     vocab_samples: int = 2000
+    fit_batches: int = 12  # closed-form warm start on this many batches (0: none)
     save_dtype: str = "bf16"
     device: str | None = None
     seed: int = 0
@@ -124,6 +125,11 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
     source = FeatureSource(target, batches, aux_layers, cfg.cache_dir, device=device,
                            key={"model": str(cfg.model), "data": cfg.data,
                                 "split_seed": data_mod.SPLIT_SEED, "seed": cfg.seed})
+    if state is None and cfg.fit_batches and hasattr(obj, "fit_linear"):
+        t0 = time.perf_counter()
+        obj.fit_linear(source.get(i) for i in range(cfg.fit_batches))
+        log(f"closed-form warm start on {cfg.fit_batches} batches: "
+            f"{time.perf_counter() - t0:.0f}s")
     meta_base = {"method": cfg.method, "command": " ".join(sys.argv), "config": asdict(cfg),
                  "aux_layer_ids": list(aux_layers),
                  "heldout": data_mod.split_metadata(cfg.data, held),
