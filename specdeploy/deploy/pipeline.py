@@ -48,7 +48,7 @@ class DeployContext:
     capture_layers: tuple[int, ...] = ()
     quantize: str | None = None  # e.g. "int8" (weight-only)
     # NOTE: MoE routers stay fp: int8 noise there flips expert choices (a discrete jump)
-    quant_exclude: tuple[str, ...] = ("lm_head", "*.mlp.gate", "*.shared_expert_gate",
+    quant_exclude: tuple[str, ...] = ("lm_head", "*.gate", "*.shared_expert_gate",
                                       "eagle_drafter.*")
     compile: bool = False
     disabled: frozenset[str] = frozenset()

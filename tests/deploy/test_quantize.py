@@ -37,7 +37,7 @@ EXPECTED_MATCHES = {"llama": 14, "nemotron_h": 24, "qwen3_5_moe": 31}
 
 
 def _excluded_by_default(name: str) -> bool:
-    return name == "lm_head.weight" or name.endswith((".mlp.gate.weight",
+    return name == "lm_head.weight" or name.endswith((".gate.weight",
                                                        ".shared_expert_gate.weight"))
 
 
@@ -95,7 +95,8 @@ def test_int8_linear_op_registration():
 def test_exclusion_patterns():
     default = DeployContext(model=None).quant_exclude
     assert is_excluded("lm_head.weight", default)
-    assert is_excluded("model.layers.0.mlp.gate.weight", default)
+    assert is_excluded("model.layers.0.mlp.gate.weight", default)  # MoE routers
+    assert is_excluded("model.layers.4.mixer.gate.weight", default)
     assert not is_excluded("model.layers.0.mlp.gate_proj.weight", default)
     assert is_excluded("eagle_drafter.fc.weight", default)
     assert is_excluded("eagle_drafter.lm_head.weight", default)
