@@ -34,6 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds shutdown waits for in-flight requests")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_serve)
     return p
@@ -48,6 +49,12 @@ def cmd_serve(args) -> int:
     if args.spec != "none":
         spec = SpecConfig(args.spec, num_draft_tokens=args.num_draft_tokens,
                           draft_model=args.draft_model)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     import uvicorn
 
     from specdeploy.llm import LLM
