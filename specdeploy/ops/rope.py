@@ -81,6 +81,10 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 def _rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if cos.shape[-1] == x.shape[-1] and x.dtype == torch.float32 == cos.dtype:
+        # full rotary in fp32: no split / concat of a pass-through part, no casts
+        c, s = cos[:, :, None, :], sin[:, :, None, :]
+        return x * c + rotate_half(x) * s
     return rope_ref(x, cos, sin)
 
 
