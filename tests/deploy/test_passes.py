@@ -75,12 +75,13 @@ def walked(request, tiny_dir):
     steps = {}
     for name, stage, fn in transforms():
         before = run_graph(gm, ids)[0]
-        asserts_before = _num_asserts(gm)
+        asserts_before, ops_before = _num_asserts(gm), _num_specdeploy_ops(gm)
         info = fn(gm, ctx)
         if stage == Stage.CACHE:
             allocate(gm, ctx)  # fresh (zeroed) caches for everything declared so far
         steps[name] = dict(info=info, before=before, after=run_graph(gm, ids)[0],
-                           asserts_before=asserts_before, asserts_after=_num_asserts(gm))
+                           asserts_before=asserts_before, asserts_after=_num_asserts(gm),
+                           ops_before=ops_before, ops_after=_num_specdeploy_ops(gm))
     return dict(family=family, model=model, ids=ids, plain=plain, exported=exported, gm=gm,
                 ctx=ctx, steps=steps)
 
@@ -88,6 +89,12 @@ def walked(request, tiny_dir):
 def _num_asserts(gm) -> int:
     return sum(1 for n in gm.graph.nodes
                if n.op == "call_function" and "assert" in str(n.target))
+
+
+def _num_specdeploy_ops(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function"
+               and isinstance(n.target, torch._ops.OpOverload)
+               and n.target.namespace == "specdeploy")
 
 
 def test_export_equals_plain_model(walked, close):
@@ -124,6 +131,13 @@ def test_gather_logits(walked, close):
     step = walked["steps"]["gather_logits"]
     assert step["info"].num_matches == 1
     close(step["after"], step["before"], rtol=EXACT)  # all rows requested
+
+
+def test_call_kernels_directly(walked, close):
+    step = walked["steps"]["call_kernels_directly"]
+    assert step["info"].num_matches == step["ops_before"] > 0
+    assert step["ops_after"] == 0
+    close(step["after"], step["before"], rtol=EXACT)
 
 
 def test_skipped_without_config(walked):
