@@ -83,3 +83,14 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
         slot_idx=t([s.slot for s in segments]), seg_kind=t([s.kind for s in segments]),
         logits_idx=t(logits_idx), num_tokens=len(ids), num_seqs=len(segments),
     )
+
+
+def kv_slot_mapping(meta: BatchMetadata, page_size: int) -> torch.Tensor:
+    """Flat KV-cache row (page * page_size + offset) of every fed token: [T] int64.
+
+    Computed once per step; every attention layer writes its new keys there.
+    """
+    seg = torch.repeat_interleave(torch.arange(meta.num_seqs), meta.cu_seqlens.diff(),
+                                  output_size=meta.num_tokens)
+    pos = meta.position_ids
+    return meta.page_table[seg, pos // page_size] * page_size + pos % page_size

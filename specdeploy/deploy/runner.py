@@ -7,7 +7,7 @@ import torch
 from torch import fx
 
 from specdeploy.cache.handlers import PagedKV
-from specdeploy.cache.metadata import BatchMetadata
+from specdeploy.cache.metadata import BatchMetadata, kv_slot_mapping
 from specdeploy.cache.plan import CachePlan, plan_cache
 from specdeploy.deploy.base import CacheLayout, StepOutput
 from specdeploy.deploy.export import export_model
@@ -43,6 +43,8 @@ class GraphDeployed:
             "cache_lens_host": meta.cache_lens, "page_table": meta.page_table.to(dev),
             "slot_idx": meta.slot_idx.to(dev), "seg_kind_host": meta.seg_kind,
         }
+        if "slot_mapping" in self._input_names:
+            feed["slot_mapping"] = kv_slot_mapping(meta, self.layout.page_size).to(dev)
         return [feed[n] for n in self._input_names]
 
     @torch.inference_mode()

@@ -17,7 +17,11 @@ import torch.nn.functional as F
 from specdeploy.ops.attention import attention_mask
 
 
-def _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table):
+def _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table, slot_mapping=None):
+    if slot_mapping is not None:  # flat cache rows, computed once per step for every layer
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k[0].to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v[0].to(v_cache.dtype))
+        return
     t = k.shape[1]
     num_seqs = cache_lens.shape[0]
     page_size = k_cache.shape[1]
@@ -48,20 +52,28 @@ def _sdpa(q, k, v, mask, scale):
 def _decode(q, k_cache, v_cache, page_table, cache_lens, scale, sliding_window):
     """One query per sequence, fully batched. q [S, Hq, D]; page_table [S, P]; returns
     [S, Hq, Dv]. Keys past each sequence's position (unwritten or padding pages) are masked."""
+    s, hq, d = q.shape
+    hkv = k_cache.shape[2]
     keys = k_cache[page_table].flatten(1, 2)  # [S, P*ps, Hkv, D]
     vals = v_cache[page_table].flatten(1, 2)
     kpos = torch.arange(keys.shape[1], device=q.device)[None, :]
-    mask = kpos <= cache_lens[:, None]
+    masked = kpos > cache_lens[:, None]
     if sliding_window > 0:
-        mask = mask & (kpos > cache_lens[:, None] - sliding_window)
-    return _sdpa(q[:, None], keys, vals, mask[:, None, None, :], scale)[:, 0]
+        masked = masked | (kpos <= cache_lens[:, None] - sliding_window)
+    # NOTE: grouped heads as [S, Hkv, rep, D] @ [S, Hkv, D, L]: no copies of K/V per query head
+    dt = torch.float32
+    qg = q.view(s, hkv, hq // hkv, d).to(dt)
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1).to(dt)).mul_(scale)
+    scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(-1), vals.transpose(1, 2).to(dt))  # [S, Hkv, rep, Dv]
+    return out.reshape(s, hq, -1).to(q.dtype)
 
 
 def cached_attention_impl(
     q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens, cache_lens_host,
-    page_table, scale, sliding_window,
+    page_table, scale, sliding_window, slot_mapping=None,
 ):
-    _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table)
+    _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table, slot_mapping)
     t = q.shape[1]
     num_seqs = cache_lens.shape[0]
     page_size = k_cache.shape[1]
@@ -97,11 +109,11 @@ def cached_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: torch.Tensor,
     cache_lens: torch.Tensor, cache_lens_host: torch.Tensor, page_table: torch.Tensor,
-    scale: float, sliding_window: int = 0,
+    scale: float, sliding_window: int = 0, slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return cached_attention_impl(
         q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens, cache_lens_host,
-        page_table, scale, sliding_window,
+        page_table, scale, sliding_window, slot_mapping,
     )
 
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from specdeploy.cache.metadata import Segment, build_metadata
+from specdeploy.cache.metadata import Segment, build_metadata, kv_slot_mapping
 from specdeploy.deploy.export import export_model
 from specdeploy.deploy.graph import placeholders
 from specdeploy.deploy.pipeline import DeployContext, Stage, transforms
@@ -52,6 +52,7 @@ def run_graph(gm, ids: torch.Tensor, logits_idx: torch.Tensor | None = None):
         "cu_seqlens": meta.cu_seqlens, "cu_seqlens_host": meta.cu_seqlens,
         "cache_lens": meta.cache_lens, "cache_lens_host": meta.cache_lens,
         "page_table": meta.page_table, "slot_idx": meta.slot_idx, "seg_kind_host": meta.seg_kind,
+        "slot_mapping": kv_slot_mapping(meta, PAGE_SIZE),
     }
     with torch.inference_mode():
         out = gm(*[feed[p.name] for p in placeholders(gm)])

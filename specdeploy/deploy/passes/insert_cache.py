@@ -25,7 +25,7 @@ from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, regi
 
 ops = torch.ops.specdeploy
 METADATA_INPUTS = ("cu_seqlens", "cu_seqlens_host", "cache_lens", "cache_lens_host",
-                   "page_table", "slot_idx", "seg_kind_host")
+                   "page_table", "slot_idx", "seg_kind_host", "slot_mapping")
 
 
 def _meta(gm: fx.GraphModule, ctx: DeployContext) -> dict[str, fx.Node]:
@@ -75,7 +75,7 @@ def insert_cached_attention(gm: fx.GraphModule, ctx: DeployContext) -> Transform
             new = gm.graph.call_function(ops.cached_attention.default, (
                 a["q"], a["k"], a["v"], kc, vc, m["cu_seqlens"], m["cu_seqlens_host"],
                 m["cache_lens"], m["cache_lens_host"], m["page_table"], a["scale"],
-                a["sliding_window"],
+                a["sliding_window"], m["slot_mapping"],
             ))
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
