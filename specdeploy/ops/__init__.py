@@ -7,7 +7,16 @@ state and optionally the state after every token out) are what the cached varian
 
 from __future__ import annotations
 
-from specdeploy.ops import attention, conv, gdn, moe, norm, rope, ssm  # noqa: F401  (registers ops)
+from specdeploy.ops import (  # noqa: F401  (registers ops)
+    attention,
+    conv,
+    gdn,
+    moe,
+    norm,
+    quant_linear,
+    rope,
+    ssm,
+)
 from specdeploy.ops.attention import attention_mask, attention_ref
 from specdeploy.ops.conv import ConvOutput, causal_conv1d_core, causal_conv1d_ref
 from specdeploy.ops.gdn import DeltaOutput, gated_delta_rule_core, gated_delta_rule_ref
