@@ -105,9 +105,16 @@ class Engine:
                 if tokens:
                     self._append(seq, tokens, now)
                     touched.append(seq)
-            self.stats.num_steps += 1
-            self.stats.forward_tokens += meta.num_tokens
-            self.stats.max_running = max(self.stats.max_running, len(batch))
+            self._count_step(meta.num_tokens, len(batch))
+        return self._emit(touched, t0)
+
+    def _count_step(self, num_tokens: int, batch_size: int) -> None:
+        self.stats.num_steps += 1
+        self.stats.forward_tokens += num_tokens
+        self.stats.max_running = max(self.stats.max_running, batch_size)
+
+    def _emit(self, touched: list[Sequence], t0: float) -> list[RequestOutput]:
+        """Outputs of the sequences a step touched; finished ones leave the engine."""
         self.stats.num_preemptions = self.scheduler.num_preemptions
         outputs = [s.to_output() for s in touched]
         for s in touched:

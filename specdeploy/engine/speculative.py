@@ -138,16 +138,8 @@ class SpecEngine(Engine):
             work = self._verify_and_commit(batch, segs, out.logits, now, touched)
             self._draft(work, out.hidden)
             self.stats.forward_time_s += time.perf_counter() - tf
-            self.stats.num_steps += 1
-            self.stats.forward_tokens += meta.num_tokens
-            self.stats.max_running = max(self.stats.max_running, len(batch))
-        self.stats.num_preemptions = self.scheduler.num_preemptions
-        outputs = [s.to_output() for s in touched]
-        for s in touched:
-            if s.finished:
-                self._seqs.pop(s.request_id, None)
-        self.stats.step_time_s += time.perf_counter() - t0
-        return outputs
+            self._count_step(meta.num_tokens, len(batch))
+        return self._emit(touched, t0)
 
     # ---- verification ---------------------------------------------------------------------------
     def _verify_and_commit(self, batch, segs, logits, now, touched) -> list[tuple]:
