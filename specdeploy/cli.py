@@ -25,6 +25,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=3)
     p.add_argument("--draft-model", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--quantize", choices=("none", "int8"), default="none",
+                   help="weight-only int8 (lm_head, routers and the drafter excluded)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the deployed graph")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -52,7 +55,8 @@ def _llm(args, max_batch_size: int):
 
     return LLM(args.model, dtype=args.dtype, max_batch_size=max_batch_size,
                max_seq_len=args.max_seq_len, spec=_spec(args), max_cache_gib=args.max_cache_gib,
-               backend=args.backend, progress=True)
+               backend=args.backend, progress=True, compile=args.compile,
+               quantize=None if args.quantize == "none" else args.quantize)
 
 
 def _sampling(args, **extra):
