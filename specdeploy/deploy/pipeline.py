@@ -68,6 +68,7 @@ _PASS_MODULES = (
     "specdeploy.deploy.passes.gather_logits",
     "specdeploy.deploy.passes.quantize",
     "specdeploy.deploy.passes.insert_cache",
+    "specdeploy.deploy.passes.fuse_linears",
     "specdeploy.deploy.passes.compile",
 )
 

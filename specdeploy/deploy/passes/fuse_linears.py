@@ -1,0 +1,67 @@
+"""Fuse linears that read the same input (q/k/v, gate/up) into one matmul.
+
+At small batch a step is a chain of GEMVs; one wider GEMV streams the same weights with fewer
+calls. The fused weight is one new tensor and the original parameters become views into it, so
+memory does not grow. Only plain fp linears qualify (quantized ones are `int8_linear` by now).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from specdeploy.deploy.graph import finalize
+from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
+
+_LINEAR = torch.ops.aten.linear.default
+
+
+def _weight(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
+    w = node.args[1]
+    if w.op != "get_attr" or (len(node.args) > 2 and node.args[2] is not None):
+        return None
+    return operator.attrgetter(w.target)(gm)
+
+
+def _groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    groups = []
+    for node in gm.graph.nodes:
+        users = [u for u in node.users if u.op == "call_function" and u.target is _LINEAR
+                 and u.args[0] is node and _weight(gm, u) is not None]
+        if len(users) < 2:
+            continue
+        ws = [_weight(gm, u) for u in users]
+        if len({(w.dtype, w.shape[1], w.device) for w in ws}) == 1 and \
+                len({id(w) for w in ws}) == len(ws):
+            groups.append(users)
+    return groups
+
+
+@register("fuse_parallel_linears", Stage.COMPILE)
+def fuse_parallel_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
+    groups = _groups(gm)
+    for i, users in enumerate(groups):
+        weights = [_weight(gm, u) for u in users]
+        fused = torch.cat([w.detach() for w in weights], 0)
+        name = f"fused_linear_{i}"
+        gm.register_buffer(name, fused, persistent=False)
+        start = 0
+        for w in weights:  # NOTE: the originals now alias the fused storage
+            w.data = fused[start:start + w.shape[0]]
+            start += w.shape[0]
+        first = min(users, key=lambda n: list(gm.graph.nodes).index(n))
+        with gm.graph.inserting_before(first):
+            attr = gm.graph.get_attr(name)
+            out = gm.graph.call_function(_LINEAR, (users[0].args[0], attr))
+        start, last = 0, out
+        for u, w in zip(users, weights):
+            with gm.graph.inserting_after(last):
+                last = gm.graph.call_function(
+                    torch.ops.aten.slice.Tensor, (out, -1, start, start + w.shape[0]))
+            u.replace_all_uses_with(last)
+            gm.graph.erase_node(u)
+            start += w.shape[0]
+    finalize(gm)
+    return TransformInfo("fuse_parallel_linears", Stage.COMPILE, len(groups),
+                         detail=f"{sum(len(g) for g in groups)} linears into {len(groups)}")
