@@ -35,6 +35,14 @@ def _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table, slot_m
     v_cache[page, off] = v[0].to(v_cache.dtype)
 
 
+def _pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """[S, P] page ids → [S, P*page_size, H, D]. NOTE: index_select copies whole pages and is
+    several times faster than advanced indexing with a 2-D index."""
+    s, p = page_table.shape
+    return cache.index_select(0, page_table.reshape(-1)).view(s, p * cache.shape[1],
+                                                             *cache.shape[2:])
+
+
 def _sdpa(q, k, v, mask, scale):
     """q [S, Tq, Hq, D], k/v [S, Tk, Hkv, D], mask broadcastable to [S, 1, Tq, Tk]."""
     rep = q.shape[2] // k.shape[2]
@@ -54,8 +62,8 @@ def _decode(q, k_cache, v_cache, page_table, cache_lens, scale, sliding_window):
     [S, Hq, Dv]. Keys past each sequence's position (unwritten or padding pages) are masked."""
     s, hq, d = q.shape
     hkv = k_cache.shape[2]
-    keys = k_cache[page_table].flatten(1, 2)  # [S, P*ps, Hkv, D]
-    vals = v_cache[page_table].flatten(1, 2)
+    keys = _pages(k_cache, page_table)  # [S, P*ps, Hkv, D]
+    vals = _pages(v_cache, page_table)
     kpos = torch.arange(keys.shape[1], device=q.device)[None, :]
     masked = kpos > cache_lens[:, None]
     if sliding_window > 0:
@@ -95,8 +103,8 @@ def cached_attention_impl(
             continue
         total = lens[s] + (b - a)
         pages = page_table[s, : (total + page_size - 1) // page_size]
-        keys = k_cache[pages].flatten(0, 1)[:total][None]
-        vals = v_cache[pages].flatten(0, 1)[:total][None]
+        keys = _pages(k_cache, pages[None])[:, :total]
+        vals = _pages(v_cache, pages[None])[:, :total]
         mask = attention_mask(b - a, total, sliding_window, q.device)
         out[:, a:b] = _sdpa(q[:, a:b], keys, vals, mask, scale)
     return out
