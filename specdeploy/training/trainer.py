@@ -125,15 +125,17 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
     source = FeatureSource(target, batches, aux_layers, cfg.cache_dir, device=device,
                            key={"model": str(cfg.model), "data": cfg.data,
                                 "split_seed": data_mod.SPLIT_SEED, "seed": cfg.seed})
+    fit_s = state.get("fit_seconds", 0.0) if state is not None else 0.0
     if state is None and cfg.fit_batches and hasattr(obj, "fit_linear"):
         t0 = time.perf_counter()
         obj.fit_linear(source.get(i) for i in range(cfg.fit_batches))
-        log(f"closed-form warm start on {cfg.fit_batches} batches: "
-            f"{time.perf_counter() - t0:.0f}s")
+        fit_s = time.perf_counter() - t0
+        log(f"closed-form warm start on {cfg.fit_batches} batches: {fit_s:.0f}s")
     meta_base = {"method": cfg.method, "command": " ".join(sys.argv), "config": asdict(cfg),
                  "aux_layer_ids": list(aux_layers),
                  "heldout": data_mod.split_metadata(cfg.data, held),
                  "draft_vocab_size": int(draft_ids.shape[0]), "device": str(device),
+                 "fit_seconds": round(fit_s, 1),
                  "torch_threads": torch.get_num_threads()}
 
     def save(final: bool) -> dict:
@@ -143,7 +145,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
                 "final": final}
         torch.save({"method": cfg.method, "objective": obj.state_dict(), "draft_ids": draft_ids,
                     "optimizer": opt.state_dict(), "step": step, "elapsed_s": elapsed,
-                    "history": history}, ckpt_file.with_suffix(".tmp"))
+                    "history": history, "fit_seconds": fit_s}, ckpt_file.with_suffix(".tmp"))
         ckpt_file.with_suffix(".tmp").replace(ckpt_file)
         _export(obj, cfg, out, meta)
         return meta

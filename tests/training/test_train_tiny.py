@@ -45,7 +45,7 @@ def _train(setup, method, **kw):
     cfg = TrainConfig(method=method, out=str(root / method), max_steps=12, batch_size=2,
                       seq_len=48, num_samples=2, lr=3e-3, warmup_steps=1, draft_vocab_size=64,
                       save_dtype="fp32", vocab_samples=20, progress=False,
-                      cache_dir=str(root / "features"), **kw)
+                      cache_dir=str(root / "features"), fit_batches=0, **kw)
     meta = train(cfg, target=target, tokenizer=CharTokenizer(), convs=convs, log=lambda m: None)
     return cfg, meta
 
@@ -64,6 +64,20 @@ def test_few_steps_lower_the_loss(trained, method):
     # to the start; a steady drop is what a working objective shows here.
     assert losses[-1] < losses[0] - 0.05 and losses[-1] < min(losses[:3]), losses
     assert meta["heldout"]["num_heldout"] == 4 and len(meta["heldout"]["heldout_ids"]) == 4
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_closed_form_warm_start_lowers_the_loss(setup, method):
+    from specdeploy.training.trainer import build_objective
+
+    _, target, _ = setup
+    f = _features(setup)
+    obj = build_objective(method, target, torch.arange(0, 128, 2), (0, 1, 1), steps=2)
+    with torch.no_grad():
+        before = float(obj.loss(f)[0])
+        obj.fit_linear([f])
+        after = float(obj.loss(f)[0])
+    assert after < before, (before, after)
 
 
 def _features(setup):
