@@ -77,6 +77,24 @@ def _decode(q, k_cache, v_cache, page_table, cache_lens, scale, sliding_window):
     return out.reshape(s, hq, -1).to(q.dtype)
 
 
+def _decode_one(q, k_cache, v_cache, pages, cache_len, scale):
+    """Batch-size-1 decode when the sequence's pages are consecutive (the usual case: pages are
+    handed out in order): attend to a contiguous view of the cache, no gather, no mask.
+    Returns None when the pages are not consecutive. q [1, Hq, D] -> [1, Hq, Dv]."""
+    ps = k_cache.shape[1]
+    n = cache_len // ps + 1  # pages holding positions 0..cache_len
+    first = int(pages[0])
+    if n > 1 and int(pages[n - 1]) - first != n - 1:
+        return None
+    total = cache_len + 1
+    keys = k_cache.view(-1, *k_cache.shape[2:])[first * ps:first * ps + total]  # [L, Hkv, D]
+    vals = v_cache.view(-1, *v_cache.shape[2:])[first * ps:first * ps + total]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None].float(), keys.transpose(0, 1)[None].float(),
+        vals.transpose(0, 1)[None].float(), scale=scale, enable_gqa=True)  # [1, Hq, 1, Dv]
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
 def cached_attention_impl(
     q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens, cache_lens_host,
     page_table, scale, sliding_window, slot_mapping=None,
@@ -85,6 +103,10 @@ def cached_attention_impl(
     t = q.shape[1]
     num_seqs = cache_lens.shape[0]
     page_size = k_cache.shape[1]
+    if t == num_seqs == 1 and sliding_window == 0 and page_table.device.type == "cpu":
+        out = _decode_one(q[0], k_cache, v_cache, page_table[0], int(cache_lens_host[0]), scale)
+        if out is not None:
+            return out[None]
     if t == num_seqs:  # pure decode: one query per segment
         out = _decode(q[0], k_cache, v_cache, page_table, cache_lens, scale, sliding_window)
         return out[None].contiguous()

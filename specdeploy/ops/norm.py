@@ -44,8 +44,8 @@ def gated_rms_norm_ref(
 
 def _rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        # NOTE: one fused kernel instead of six elementwise ops (the same fp32 math)
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        # NOTE: the ref without its casts; measured faster in-graph than F.rms_norm on this CPU
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
     return rms_norm_ref(x, weight, eps)
 
 
