@@ -112,6 +112,18 @@ def deploy_module(model: torch.nn.Module, hf_config: dict, vocab_size: int, **ct
     return GraphDeployed(gm, ctx, infos, plan, hf_config, vocab_size)
 
 
+def _declares_mtp(path) -> bool:
+    """Whether the checkpoint's config declares MTP layers (then missing mtp.* weights are an
+    error naming them); otherwise a head shipped for the target may serve (drafters_registry)."""
+    from specdeploy.checkpoint import open_checkpoint
+    from specdeploy.default_model import default_model_path
+
+    cfg = open_checkpoint(default_model_path() if path is None else path).config
+    cfg = cfg.get("text_config", cfg)
+    return any(int(cfg.get(k) or 0) > 0
+               for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers"))
+
+
 def build_deployed(path=None, *, dtype="auto", max_batch_size: int = 16, max_seq_len: int = 2048,
                    page_size: int = 16, max_cache_gib: float | None = None, spec=None,
                    compile: bool = False, quantize: str | None = None,
@@ -128,8 +140,8 @@ def build_deployed(path=None, *, dtype="auto", max_batch_size: int = 16, max_seq
             raise ValueError("quant_exclude: not supported with spec yet (defaults apply)")
 
         if model is None:
-            model = load_model(path, dtype=dtype,
-                               with_mtp=spec.method == "mtp" and spec.draft_model is None)
+            own_mtp = spec.method == "mtp" and spec.draft_model is None and _declares_mtp(path)
+            model = load_model(path, dtype=dtype, with_mtp=own_mtp)
         return build_spec_deployed(
             model, spec, dtype=resolve_dtype(dtype), max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, page_size=page_size, max_cache_gib=max_cache_gib,
