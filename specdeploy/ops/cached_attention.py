@@ -78,17 +78,19 @@ def _decode(q, k_cache, v_cache, page_table, cache_lens, scale, sliding_window):
 
 
 def _decode_one(q, k_cache, v_cache, pages, cache_len, scale):
-    """Batch-size-1 decode when the sequence's pages are consecutive (the usual case: pages are
-    handed out in order): attend to a contiguous view of the cache, no gather, no mask.
-    Returns None when the pages are not consecutive. q [1, Hq, D] -> [1, Hq, Dv]."""
+    """One sequence's decode query against exactly its cached positions 0..cache_len (no mask).
+    Consecutive pages (the common case: pages are handed out in order) are read through a view
+    of the cache; otherwise only the used pages are gathered. q [1, Hq, D] -> [1, Hq, Dv]."""
     ps = k_cache.shape[1]
     n = cache_len // ps + 1  # pages holding positions 0..cache_len
-    first = int(pages[0])
-    if n > 1 and int(pages[n - 1]) - first != n - 1:
-        return None
     total = cache_len + 1
-    keys = k_cache.view(-1, *k_cache.shape[2:])[first * ps:first * ps + total]  # [L, Hkv, D]
-    vals = v_cache.view(-1, *v_cache.shape[2:])[first * ps:first * ps + total]
+    first = int(pages[0])
+    if n == 1 or int(pages[n - 1]) - first == n - 1:
+        keys = k_cache.view(-1, *k_cache.shape[2:])[first * ps:first * ps + total]  # [L, Hkv, D]
+        vals = v_cache.view(-1, *v_cache.shape[2:])[first * ps:first * ps + total]
+    else:
+        keys = _pages(k_cache, pages[None, :n])[0, :total]
+        vals = _pages(v_cache, pages[None, :n])[0, :total]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None].float(), keys.transpose(0, 1)[None].float(),
         vals.transpose(0, 1)[None].float(), scale=scale, enable_gqa=True)  # [1, Hq, 1, Dv]
@@ -103,10 +105,12 @@ def cached_attention_impl(
     t = q.shape[1]
     num_seqs = cache_lens.shape[0]
     page_size = k_cache.shape[1]
-    if t == num_seqs == 1 and sliding_window == 0 and page_table.device.type == "cpu":
-        out = _decode_one(q[0], k_cache, v_cache, page_table[0], int(cache_lens_host[0]), scale)
-        if out is not None:
-            return out[None]
+    if t == num_seqs and sliding_window == 0 and page_table.device.type == "cpu":
+        # NOTE: on the CPU a loop over sequences reading only their used pages (a view when the
+        # pages are consecutive) beats gathering every page table row padded to the longest
+        return torch.cat([
+            _decode_one(q[0, i:i + 1], k_cache, v_cache, page_table[i], n, scale)
+            for i, n in enumerate(cache_lens_host.tolist())])[None]
     if t == num_seqs:  # pure decode: one query per segment
         out = _decode(q[0], k_cache, v_cache, page_table, cache_lens, scale, sliding_window)
         return out[None].contiguous()
