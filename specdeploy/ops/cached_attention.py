@@ -84,8 +84,9 @@ def _decode_one(q, k_cache, v_cache, pages, cache_len, scale):
     ps = k_cache.shape[1]
     n = cache_len // ps + 1  # pages holding positions 0..cache_len
     total = cache_len + 1
-    first = int(pages[0])
-    if n == 1 or int(pages[n - 1]) - first == n - 1:
+    used = pages[:n].tolist()
+    first = used[0]
+    if used[-1] - first == n - 1 and used == list(range(first, first + n)):
         keys = k_cache.view(-1, *k_cache.shape[2:])[first * ps:first * ps + total]  # [L, Hkv, D]
         vals = v_cache.view(-1, *v_cache.shape[2:])[first * ps:first * ps + total]
     else:
