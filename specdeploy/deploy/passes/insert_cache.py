@@ -84,68 +84,62 @@ def insert_cached_attention(gm: fx.GraphModule, ctx: DeployContext) -> Transform
     return TransformInfo("insert_cached_attention", Stage.CACHE, n)
 
 
-@register("insert_cached_ssm", Stage.CACHE)
-def insert_cached_ssm(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
+_SLOT_META = ("cu_seqlens_host", "cache_lens_host", "slot_idx", "seg_kind_host")
+
+
+def _insert_recurrent(gm, ctx, name, op, cached, kind, tensors, scalars, state_of):
+    """Shared by the recurrent ops: `cached(*tensors, state, spec_state, *slot metadata,
+    *scalars)` replaces `op`; `state_of(args) -> (shape per slot, dtype)`."""
     n = 0
-    for node in nodes_calling(gm, ops.ssm_scan):
+    for node in nodes_calling(gm, op):
         m = _meta(gm, ctx)
         a = op_args(node)
         if a["initial_state"] is not None:
-            raise RuntimeError(f"{node.name}: plain model passes an initial SSM state")
-        _, _, h, p = meta_shape(a["x"])
-        shape = (h, p, meta_shape(a["B"])[-1])
-        state, spec = _state_buffers(gm, ctx, node, f"ssm_{n}", shape, torch.float32)
+            raise RuntimeError(f"{node.name}: plain model passes an initial {kind} state")
+        shape, dtype = state_of(a)
+        state, spec = _state_buffers(gm, ctx, node, f"{kind}_{n}", shape, dtype)
+        args = (*(a[k] for k in tensors), state, spec, *(m[k] for k in _SLOT_META),
+                *(a[k] for k in scalars))
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(ops.cached_ssm_scan.default, (
-                a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["dt_bias"], state, spec,
-                m["cu_seqlens_host"], m["cache_lens_host"], m["slot_idx"], m["seg_kind_host"],
-                a["dt_min"], a["dt_max"], a["chunk_size"],
-            ))
+            new = gm.graph.call_function(cached, args)
         _replace_first_output(node, new)
         n += 1
     finalize(gm)
-    return TransformInfo("insert_cached_ssm", Stage.CACHE, n)
+    return TransformInfo(name, Stage.CACHE, n)
+
+
+def _ssm_state(a):  # [H, P, N], fp32
+    _, _, h, p = meta_shape(a["x"])
+    return (h, p, meta_shape(a["B"])[-1]), torch.float32
+
+
+def _gdn_state(a):  # [Hv, K, V], fp32
+    v_shape = meta_shape(a["v"])
+    return (v_shape[2], meta_shape(a["k"])[-1], v_shape[3]), torch.float32
+
+
+@register("insert_cached_ssm", Stage.CACHE)
+def insert_cached_ssm(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
+    return _insert_recurrent(
+        gm, ctx, "insert_cached_ssm", ops.ssm_scan, ops.cached_ssm_scan.default, "ssm",
+        ("x", "dt", "A", "B", "C", "D", "dt_bias"), ("dt_min", "dt_max", "chunk_size"),
+        _ssm_state)
 
 
 @register("insert_cached_conv", Stage.CACHE)
 def insert_cached_conv(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
-    n = 0
-    for node in nodes_calling(gm, ops.causal_conv1d):
-        m = _meta(gm, ctx)
-        a = op_args(node)
-        if a["initial_state"] is not None:
-            raise RuntimeError(f"{node.name}: plain model passes an initial conv state")
+    def conv_state(a):  # the last W-1 inputs [C, W-1], in the model's dtype
         channels, width = meta_shape(a["weight"])
-        state, spec = _state_buffers(gm, ctx, node, f"conv_{n}", (channels, width - 1), ctx.dtype)
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(ops.cached_causal_conv1d.default, (
-                a["x"], a["weight"], a["bias"], state, spec, m["cu_seqlens_host"],
-                m["cache_lens_host"], m["slot_idx"], m["seg_kind_host"], a["activation"],
-            ))
-        _replace_first_output(node, new)
-        n += 1
-    finalize(gm)
-    return TransformInfo("insert_cached_conv", Stage.CACHE, n)
+        return (channels, width - 1), ctx.dtype
+
+    return _insert_recurrent(
+        gm, ctx, "insert_cached_conv", ops.causal_conv1d, ops.cached_causal_conv1d.default,
+        "conv", ("x", "weight", "bias"), ("activation",), conv_state)
 
 
 @register("insert_cached_gdn", Stage.CACHE)
 def insert_cached_gdn(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
-    n = 0
-    for node in nodes_calling(gm, ops.gated_delta_rule):
-        m = _meta(gm, ctx)
-        a = op_args(node)
-        if a["initial_state"] is not None:
-            raise RuntimeError(f"{node.name}: plain model passes an initial delta-rule state")
-        v_shape = meta_shape(a["v"])
-        shape = (v_shape[2], meta_shape(a["k"])[-1], v_shape[3])
-        state, spec = _state_buffers(gm, ctx, node, f"gdn_{n}", shape, torch.float32)
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(ops.cached_gated_delta_rule.default, (
-                a["q"], a["k"], a["v"], a["g"], a["beta"], state, spec, m["cu_seqlens_host"],
-                m["cache_lens_host"], m["slot_idx"], m["seg_kind_host"], a["use_qk_l2norm"],
-                a["scale"], a["chunk_size"],
-            ))
-        _replace_first_output(node, new)
-        n += 1
-    finalize(gm)
-    return TransformInfo("insert_cached_gdn", Stage.CACHE, n)
+    return _insert_recurrent(
+        gm, ctx, "insert_cached_gdn", ops.gated_delta_rule, ops.cached_gated_delta_rule.default,
+        "gdn", ("q", "k", "v", "g", "beta"), ("use_qk_l2norm", "scale", "chunk_size"),
+        _gdn_state)
