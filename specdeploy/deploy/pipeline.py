@@ -69,6 +69,7 @@ _PASS_MODULES = (
     "specdeploy.deploy.passes.quantize",
     "specdeploy.deploy.passes.insert_cache",
     "specdeploy.deploy.passes.fuse_linears",
+    "specdeploy.deploy.passes.pack_linears",
     "specdeploy.deploy.passes.compile",
 )
 
@@ -87,7 +88,10 @@ def transforms() -> list[tuple[str, Stage, Transform]]:
     for m in _PASS_MODULES:
         importlib.import_module(m)
     items = [(n, s, f) for n, (s, f) in _REGISTRY.items()]
-    return sorted(items, key=lambda x: x[1])  # stable: keeps registration order within a stage
+    # NOTE: within a stage, _PASS_MODULES order (then registration order), whichever module a
+    # caller happened to import first
+    rank = {m: i for i, m in enumerate(_PASS_MODULES)}
+    return sorted(items, key=lambda x: (x[1], rank.get(x[2].__module__, len(rank))))
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: DeployContext) -> list[TransformInfo]:

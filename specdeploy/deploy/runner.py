@@ -1,6 +1,7 @@
 """`GraphDeployed`: a checkpoint exported, transformed, caches allocated; one step per call."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -91,7 +92,13 @@ def allocate(gm: fx.GraphModule, ctx: DeployContext, plan: CachePlan | None = No
 
 
 def transform_module(model: torch.nn.Module, hidden_size: int | None = None, **ctx_kwargs):
-    """Export + transform (no allocation yet): returns (gm, ctx, infos)."""
+    """Export + transform (no allocation yet): returns (gm, ctx, infos).
+
+    SPECDEPLOY_DISABLE_TRANSFORMS (comma-separated names) turns transforms off for A/B runs."""
+    env = {n.strip() for n in os.environ.get("SPECDEPLOY_DISABLE_TRANSFORMS", "").split(",")
+           if n.strip()}
+    if env:
+        ctx_kwargs["disabled"] = frozenset(ctx_kwargs.get("disabled", ())) | env
     ctx = DeployContext(model=model, **ctx_kwargs)
     max_tokens = max(2, ctx.max_seq_len * ctx.max_batch_size)
     gm = export_model(model, max_tokens=max_tokens, hidden_size=hidden_size, dtype=ctx.dtype)

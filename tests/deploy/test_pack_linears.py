@@ -1,0 +1,56 @@
+"""pack_linear_weights: oneDNN-packed fp32 linears give F.linear's outputs, every linear of a
+deployed model is packed, and the deployed logits match the unpacked deployment."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdeploy.cache.metadata import Segment, build_metadata
+from specdeploy.deploy.passes.pack_linears import packed_linear_fn
+from specdeploy.deploy.runner import build_deployed, deploy_module
+from specdeploy.loading import load_model
+from specdeploy.models.registry import family_module
+
+LIMITS = dict(max_batch_size=2, max_seq_len=64, page_size=4, max_cache_gib=0.01)
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (4, 48), (2, 3, 48), (300, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 48, generator=g)
+    b = torch.randn(40, generator=g) if bias else None
+    x = torch.randn(*shape, generator=g)
+    out = packed_linear_fn(w, b)(x)
+    assert out.shape == (*shape[:-1], 40)
+    # fp32, different blocking of the same dot products: 1e-5 relative to the output scale
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * 48**0.5)
+
+
+def test_deployed_logits_match_unpacked(tmp_path):
+    family_module("llama").make_tiny(tmp_path, seed=0)
+    packed = build_deployed(str(tmp_path), **LIMITS)
+    info = {i.name: i for i in packed.infos}["pack_linear_weights"]
+    model = load_model(str(tmp_path))
+    base = deploy_module(model, {}, model.cfg.vocab_size,
+                         disabled=frozenset({"pack_linear_weights"}), **LIMITS)
+    linears = [n for n in base.gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert info.num_matches == len(linears) > 0, info
+    assert not any(n.target is torch.ops.aten.linear.default for n in packed.gm.graph.nodes)
+    for n in (1, 4, 21):  # decode, a verify-sized step, a prefill
+        ids = list(range(5, 5 + n))
+        meta = build_metadata([Segment(ids, 0, list(range(16)), 0, num_logits=n)])
+        a, b = packed.forward(meta).logits, base.forward(meta).logits
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_env_disables_the_pass(tmp_path, monkeypatch):
+    family_module("llama").make_tiny(tmp_path, seed=0)
+    monkeypatch.setenv("SPECDEPLOY_DISABLE_TRANSFORMS", "pack_linear_weights")
+    dep = build_deployed(str(tmp_path), **LIMITS)
+    info = {i.name: i for i in dep.infos}["pack_linear_weights"]
+    assert info.skipped and info.detail == "disabled"
