@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     from specdeploy.training.cli import add_parser as add_train_drafter
     add_train_drafter(sub)
+    from specdeploy.training.selfgen import add_parser as add_gen_data
+    add_gen_data(sub)
     return ap
 
 

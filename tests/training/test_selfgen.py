@@ -1,0 +1,84 @@
+"""gen-drafter-data: the target's own greedy replies to training-split prompts only, exact token
+ids, resumable; training on the file puts the loss on the replies only."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import specdeploy
+from specdeploy import LLM
+from specdeploy.cli import main
+from specdeploy.models import llama
+from specdeploy.training import data as data_mod
+
+WORDS = "the cat sat on a mat and then it ran to see the dog".split()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("selfgen")
+    target = llama.make_tiny(root / "target", seed=0)
+    src = root / "prompts.jsonl"
+    with src.open("w") as f:
+        for i in range(30):
+            words = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(4))
+            f.write(json.dumps({"id": f"c{i}", "conversations": [
+                {"from": "human", "value": words}, {"from": "gpt", "value": "ok " + words}]})
+                + "\n")
+    out = root / "self.jsonl"
+    argv = ["gen-drafter-data", "--model", str(target), "--data", str(src), "--out", str(out),
+            "--num-prompts", "6", "--max-tokens", "5", "--batch-size", "4", "--chunk", "4"]
+    assert main(argv) == 0
+    return root, target, src, out, argv
+
+
+def test_records_are_the_targets_greedy_replies_to_training_prompts(setup):
+    root, target, src, out, _ = setup
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 6 and len({r["id"] for r in recs}) == 6
+    train, held = data_mod.split(data_mod.load_conversations(str(src)))
+    assert {r["id"] for r in recs} <= {c.id for c in train}
+    assert not {r["id"] for r in recs} & {c.id for c in held}
+    meta = json.loads((root / "self.jsonl.meta.json").read_text())
+    assert meta["source_heldout"]["heldout_ids"] == [c.id for c in held]
+    # oracle: full-recompute greedy decoding with the plain model (no cache, no engine)
+    model = specdeploy.load_model(str(target))
+    for r in recs:
+        ids, n = list(r["token_ids"][:r["prompt_len"]]), len(r["token_ids"]) - r["prompt_len"]
+        with torch.inference_mode():
+            for _ in range(n):
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        assert ids == r["token_ids"]
+
+
+def test_rerun_appends_only_missing_prompts(setup):
+    _, _, _, out, argv = setup
+    before = out.read_text()
+    assert main(argv) == 0
+    assert out.read_text() == before  # nothing new
+    assert main([*argv, "--num-prompts", "8"]) == 0  # argparse: the last one wins
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 8 and out.read_text().startswith(before)
+
+
+def test_training_batches_mask_the_prompt(setup):
+    _, target, _, out, _ = setup
+    convs = data_mod.load_conversations(str(out))
+    train, held, meta = data_mod.split_for_training(str(out), convs)
+    assert len(train) == len(convs) and not held and "source_heldout" in meta
+    tok = LLM(str(target), max_batch_size=1, max_seq_len=64).tokenizer
+    b = data_mod.TokenBatches(tok, train, batch_size=2, seq_len=64, min_tokens=1, seed=0)
+    ids, mask = b.batch(0)
+    for row in range(2):
+        conv = next(c for c in train if c.token_ids == ids[row, :len(c.token_ids)].tolist())
+        m = mask[row].nonzero().flatten().tolist()
+        assert m == list(range(conv.prompt_len - 1, len(conv.token_ids)))
+
+
+def test_bad_record_is_named(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps({"id": "x", "token_ids": [1, 2], "prompt_len": 5}) + "\n")
+    with pytest.raises(ValueError, match="record 0: prompt_len 5"):
+        data_mod.load_conversations(str(f))
