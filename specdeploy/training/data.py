@@ -196,7 +196,8 @@ class TokenBatches:
 
     def token_counts(self, vocab_size: int, num_samples: int) -> torch.Tensor:
         counts = torch.zeros(vocab_size, dtype=torch.long)
-        for i in range(num_samples):
-            ids = torch.tensor(self._sample(i))
+        for i in range(num_samples):  # the tokens the loss covers: what drafts must name
+            ids, start = self._sample_with_start(i)
+            ids = torch.tensor(ids[start:])
             counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
         return counts
