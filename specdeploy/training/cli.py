@@ -21,6 +21,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="training conversations used, cycled (default: all)")
     p.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=20, help="linear lr warmup")
     p.add_argument("--fit-batches", type=int, default=12,
                    help="closed-form warm start on this many batches (0: off)")
     p.add_argument("--cache-dir", default=None, help="cache target features here (bf16)")
@@ -41,7 +42,7 @@ def cmd_train_drafter(args) -> int:
         max_steps=args.max_steps, max_minutes=args.max_minutes,
         draft_vocab_size=args.draft_vocab_size, batch_size=args.batch_size,
         seq_len=args.seq_len, num_samples=args.num_samples, ttt_steps=args.ttt_steps,
-        lr=args.lr, fit_batches=args.fit_batches, cache_dir=args.cache_dir,
+        lr=args.lr, warmup_steps=args.warmup_steps, fit_batches=args.fit_batches, cache_dir=args.cache_dir,
         save_every_minutes=args.save_every_minutes,
         save_dtype=args.save_dtype, device=args.device, seed=args.seed,
         progress=not args.no_progress)
