@@ -4,7 +4,11 @@ Measures, in one process and run interleaved: a plain decode step (B segments of
 a verify step (B EXTEND segments of 1 + K tokens writing per-token states), on the same deployed
 target. Prints one JSON object.
 
-    python bench/spec_step.py [--k 3] [--batch 1 4] [--reps 30]
+    python bench/spec_step.py [--k 3] [--batch 1 4] [--reps 30] [--default-model]
+
+--default-model adds the same comparison on SmolLM2-135M (EAGLE-3 capture on), once with the
+fp32 linear weights packed for oneDNN (the default) and once without (pack_linear_weights off),
+measured interleaved in this process.
 """
 from __future__ import annotations
 
@@ -75,12 +79,42 @@ def bench_arch(arch: str, k: int, batches: list[int], reps: int) -> dict:
             "spec_state_fraction_of_cache": spec_bytes / plan.total_bytes}
 
 
+def bench_default(k: int, reps: int) -> dict:
+    from specdeploy.default_model import default_model_path
+
+    path, deps = default_model_path(), {}
+    for name, off in (("packed", ""), ("unpacked", "pack_linear_weights")):
+        os.environ["SPECDEPLOY_DISABLE_TRANSFORMS"] = off
+        deps[name] = build_deployed(str(path), spec=SpecConfig("eagle3", k), max_batch_size=1,
+                                    max_seq_len=512, page_size=16, max_cache_gib=0.25).target
+    os.environ.pop("SPECDEPLOY_DISABLE_TRANSFORMS")
+    prefix, pages = 64, list(range(512 // 16))
+    metas = {"decode": build_metadata([Segment([5], prefix, pages, 0, 1)]),
+             "verify": build_metadata([Segment([5] * (k + 1), prefix, pages, 0, k + 1,
+                                               SEG_EXTEND)])}
+    for t in deps.values():
+        t.forward(build_metadata([Segment(list(range(3, 3 + prefix)), 0, pages, 0, 1)]))
+    times: dict = {(n, m): [] for n in deps for m in metas}
+    for _ in range(3):  # interleave to share machine drift
+        for (n, m), v in times.items():
+            v.append(_time(lambda t=deps[n], mm=metas[m]: t.forward(mm), reps))
+    rows = {}
+    for n in deps:
+        dec, ver = (statistics.median(times[(n, m)]) for m in ("decode", "verify"))
+        rows[n] = {"decode_step_ms": dec * 1e3, "verify_step_ms": ver * 1e3,
+                   "verify_over_decode": ver / dec}
+    rows["verify_unpacked_over_packed"] = (rows["unpacked"]["verify_step_ms"]
+                                           / rows["packed"]["verify_step_ms"])
+    return {"k": k, "batch": 1, **rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--default-model", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = {
@@ -90,6 +124,8 @@ def main() -> None:
         "results": {arch: bench_arch(arch, args.k, args.batch, args.reps)
                     for arch in ("nemotron_h", "qwen3_5_moe")},
     }
+    if args.default_model:
+        out["results"]["smollm2_135m"] = bench_default(args.k, args.reps)
     print(json.dumps(out, indent=2))
 
 

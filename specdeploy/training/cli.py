@@ -42,7 +42,8 @@ def cmd_train_drafter(args) -> int:
         max_steps=args.max_steps, max_minutes=args.max_minutes,
         draft_vocab_size=args.draft_vocab_size, batch_size=args.batch_size,
         seq_len=args.seq_len, num_samples=args.num_samples, ttt_steps=args.ttt_steps,
-        lr=args.lr, warmup_steps=args.warmup_steps, fit_batches=args.fit_batches, cache_dir=args.cache_dir,
+        lr=args.lr, warmup_steps=args.warmup_steps, fit_batches=args.fit_batches,
+        cache_dir=args.cache_dir,
         save_every_minutes=args.save_every_minutes,
         save_dtype=args.save_dtype, device=args.device, seed=args.seed,
         progress=not args.no_progress)

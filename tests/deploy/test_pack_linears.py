@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="this torch build has no oneDNN")
 
 
-@pytest.mark.parametrize("shape", [(1, 48), (4, 48), (2, 3, 48), (300, 48)])
+@pytest.mark.parametrize("shape", [(1, 48), (4, 48), (2, 3, 48), (7, 48), (300, 48)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_linear(shape, bias):
     g = torch.Generator().manual_seed(0)
@@ -41,7 +41,7 @@ def test_deployed_logits_match_unpacked(tmp_path):
     linears = [n for n in base.gm.graph.nodes if n.target is torch.ops.aten.linear.default]
     assert info.num_matches == len(linears) > 0, info
     assert not any(n.target is torch.ops.aten.linear.default for n in packed.gm.graph.nodes)
-    for n in (1, 4, 21):  # decode, a verify-sized step, a prefill
+    for n in (1, 4, 8, 21):  # decode, verify-sized steps (skinny, packed), a prefill
         ids = list(range(5, 5 + n))
         meta = build_metadata([Segment(ids, 0, list(range(16)), 0, num_logits=n)])
         a, b = packed.forward(meta).logits, base.forward(meta).logits

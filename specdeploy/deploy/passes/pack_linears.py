@@ -1,12 +1,14 @@
-"""Pre-pack fp32 linear weights for oneDNN on the CPU.
+"""Pre-pack fp32 linear weights for oneDNN on the CPU, and route skinny inputs to W @ x^T.
 
 `aten.linear` hands a row-major weight to the BLAS, which re-packs it on every call once the
-input has more than one row. At decode and verify sizes (1-8 rows) that re-pack reads and writes
-the whole weight, so a 4-token verify step cost about twice a 1-token decode step although both
-stream the same weights. oneDNN's blocked layout, made once here, removes the per-call pack:
-measured on this project's 2-core AVX2 machine, the SmolLM2 linear set (q/k/v, o, gate/up, down,
-LM head) costs 33 ms instead of 65 ms at 4 rows and 0.42 s instead of 0.68 s at 256 rows, the same
-at 1 row, where the plain GEMV is kept (bench/spec_step.py shows the end-to-end effect).
+input has more than one row: a 4-token verify step then cost ~2x a 1-token decode step although
+both stream the same weights. Measured on this project's 2-core AVX2 machine, one thread, the
+SmolLM2 layer set with 30 layers' worth of distinct weights (caches cold, as in a real step):
+1 row 53 ms; 4 rows 104-123 ms plain, 84-87 ms packed, 58-75 ms as W @ x^T (the weight is read
+once, the input is the small operand); 16-64 rows: packed 150 / 250-290 ms, plain 180-200 /
+350-380 ms. So: 1 row keeps the plain GEMV, 2..SKINNY_ROWS rows use W @ x^T, more rows the
+oneDNN blocked layout made once here (prefill). bench/spec_step.py --default-model measures the
+end-to-end verify step with and without this pass.
 
 The packed weight lives in a closure, not a buffer: it is an opaque oneDNN tensor (no slicing,
 no state_dict), and the graph's buffers stay what the cache code and tests expect. Skipped
@@ -24,6 +26,7 @@ from specdeploy.deploy.graph import finalize
 from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
 
 _LINEAR = torch.ops.aten.linear.default
+SKINNY_ROWS = 6  # up to here W @ x^T; above, the oneDNN-packed weight
 
 
 def _attr(gm: fx.GraphModule, node) -> torch.Tensor | None:
@@ -42,12 +45,20 @@ def packed_linear_fn(weight: torch.Tensor, bias: torch.Tensor | None):
     pointwise = torch.ops.mkldnn._linear_pointwise
 
     linear = torch.nn.functional.linear
+    w = weight.detach()
 
     def packed_linear(x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if x2.shape[0] == 1:  # one row: a GEMV, no pack to save (and the plain one is faster)
-            return linear(x, weight, bias)
-        y = pointwise(x2, packed, bias, "none", [], "")
+        m = x2.shape[0]
+        if m == 1:  # one row: a GEMV, no pack to save (and the plain one is faster)
+            return linear(x, w, bias)
+        if m <= SKINNY_ROWS:
+            # W @ x^T streams the weight once like a GEMV does (see the module note)
+            y = torch.mm(w, x2.t()).t().contiguous()
+            if bias is not None:
+                y = y + bias
+        else:
+            y = pointwise(x2, packed, bias, "none", [], "")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
     return packed_linear
