@@ -54,3 +54,10 @@ def test_env_disables_the_pass(tmp_path, monkeypatch):
     dep = build_deployed(str(tmp_path), **LIMITS)
     info = {i.name: i for i in dep.infos}["pack_linear_weights"]
     assert info.skipped and info.detail == "disabled"
+
+
+def test_without_pack_the_wide_path_is_plain_linear():
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(40, 48, generator=g), torch.randn(9, 48, generator=g)
+    torch.testing.assert_close(packed_linear_fn(w, None, pack=False)(x), F.linear(x, w),
+                               rtol=0, atol=0)

@@ -18,6 +18,7 @@ where this torch has no oneDNN.
 from __future__ import annotations
 
 import operator
+import os
 
 import torch
 from torch import fx
@@ -37,9 +38,10 @@ def _attr(gm: fx.GraphModule, node) -> torch.Tensor | None:
     return operator.attrgetter(node.target)(gm)
 
 
-def packed_linear_fn(weight: torch.Tensor, bias: torch.Tensor | None):
-    """A function x -> linear(x, weight, bias) over a oneDNN-packed copy of `weight`."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+def packed_linear_fn(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True):
+    """A function x -> linear(x, weight, bias): plain GEMV at 1 row, W @ x^T up to SKINNY_ROWS,
+    above that a oneDNN-packed copy of `weight` (`pack=False`: the plain linear there)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if pack else None
     bias = None if bias is None else bias.detach()
     out_features = weight.shape[0]
     pointwise = torch.ops.mkldnn._linear_pointwise
@@ -57,6 +59,8 @@ def packed_linear_fn(weight: torch.Tensor, bias: torch.Tensor | None):
             y = torch.mm(w, x2.t()).t().contiguous()
             if bias is not None:
                 y = y + bias
+        elif packed is None:
+            return linear(x, w, bias)
         else:
             y = pointwise(x2, packed, bias, "none", [], "")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
@@ -77,7 +81,7 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo
     if not torch.backends.mkldnn.is_available():
         return TransformInfo("pack_linear_weights", Stage.COMPILE, 0, skipped=True,
                              detail="this torch has no oneDNN")
-    n, cache = 0, {}
+    n, cache, todo = 0, {}, []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _LINEAR:
             continue
@@ -88,10 +92,17 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo
             continue
         if not _packable(w) or (b is not None and b.dtype != w.dtype):
             continue
+        todo.append((node, w, b))
+    # The packed copies sit next to the originals (the 1-row GEMV and the skinny path read
+    # those): skip them when that would take more than a quarter of this machine's memory.
+    sizes = {w.data_ptr(): w.nbytes for _, w, _ in todo}
+    extra = sum(sizes.values())
+    pack = extra <= _physical_bytes() // 4
+    for node, w, b in todo:
         # NOTE: a weight used twice (tied heads across calls) is packed once
         key = (w.data_ptr(), tuple(w.shape), w.stride(), None if b is None else b.data_ptr())
         if key not in cache:
-            cache[key] = packed_linear_fn(w, b)
+            cache[key] = packed_linear_fn(w, b, pack)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(cache[key], (node.args[0],))
         new.meta = dict(node.meta)
@@ -99,5 +110,14 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo
         gm.graph.erase_node(node)
         n += 1
     finalize(gm)
-    return TransformInfo("pack_linear_weights", Stage.COMPILE, n,
-                         detail=f"{len(cache)} oneDNN-packed fp32 weights")
+    detail = (f"{len(cache)} fp32 weights; oneDNN-packed copies +{extra / 2**20:.0f} MiB" if pack
+              else f"{len(cache)} fp32 weights; not packed (+{extra / 2**20:.0f} MiB would be "
+                   f"over a quarter of memory): skinny inputs only")
+    return TransformInfo("pack_linear_weights", Stage.COMPILE, n, detail=detail)
+
+
+def _physical_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0  # unknown: do not pack
