@@ -1,9 +1,11 @@
 """The EAGLE-3 and MTP heads shipped for the default model: found with no draft_model, lossless
 under greedy decoding, and accepted on fixed chat prompts.
 
-The heads were trained on two shared CPU cores for under an hour (README): the first draft is
-accepted ~30-45% of the time on list-like answers, less on free text. The thresholds below are
-what those heads reach, with margin; a random head scores ~0.
+The heads were trained on two CPU cores for about an hour (README, bench/train_default_heads.sh)
+on the target's own replies. Measured on these three prompts, K=3, greedy: EAGLE-3 accepts the
+first draft 49% of the time (overall acceptance rate 0.24, mean accepted length 1.71); MTP 31%
+(0.18, 1.53). The thresholds below keep a margin for other CPUs' rounding; a random head scores
+~0.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ QUESTIONS = ["Count from 1 to 30, separated by commas.", "List the days of the w
              "List the months of the year."]
 MAX_TOKENS = 24
 K = 3
-MIN_FIRST_ACCEPT = {"eagle3": 0.3, "mtp": 0.15}
+MIN_FIRST_ACCEPT = {"eagle3": 0.4, "mtp": 0.25}
+MIN_MEAN_ACCEPTED = {"eagle3": 1.5, "mtp": 1.35}
 
 
 def _default_or_skip():
@@ -94,7 +97,7 @@ def test_acceptance_on_fixed_prompts(spec_run):
     assert s["draft_steps"] > 0
     first = s["acceptance_per_position"][0]
     assert first > MIN_FIRST_ACCEPT[method], (method, s)
-    assert s["mean_accepted_length"] > 1.0 + MIN_FIRST_ACCEPT[method] / 2, (method, s)
+    assert s["mean_accepted_length"] > MIN_MEAN_ACCEPTED[method], (method, s)
 
 
 def test_default_mtp_head_resolves(reference):
