@@ -31,7 +31,14 @@ def test_packed_linear_equals_linear(shape, bias):
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * 48**0.5)
 
 
-def test_deployed_logits_match_unpacked(tmp_path):
+def test_tiny_weights_are_left_alone(tmp_path):
+    family_module("llama").make_tiny(tmp_path, seed=0)
+    info = {i.name: i for i in build_deployed(str(tmp_path), **LIMITS).infos}
+    assert info["pack_linear_weights"].num_matches == 0
+
+
+def test_deployed_logits_match_unpacked(tmp_path, monkeypatch):
+    monkeypatch.setattr("specdeploy.deploy.passes.pack_linears.MIN_ELEMENTS", 0)
     family_module("llama").make_tiny(tmp_path, seed=0)
     packed = build_deployed(str(tmp_path), **LIMITS)
     info = {i.name: i for i in packed.infos}["pack_linear_weights"]

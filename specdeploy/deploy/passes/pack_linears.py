@@ -28,6 +28,9 @@ from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, regi
 
 _LINEAR = torch.ops.aten.linear.default
 SKINNY_ROWS = 6  # up to here W @ x^T; above, the oneDNN-packed weight
+# Smaller weights stay cache-resident, where the extra call and copy cost more than they save
+# (tiny test models measured slower with them).
+MIN_ELEMENTS = 1 << 18
 
 
 def _attr(gm: fx.GraphModule, node) -> torch.Tensor | None:
@@ -70,7 +73,7 @@ def packed_linear_fn(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool
 
 def _packable(w: torch.Tensor | None) -> bool:
     return (w is not None and w.device.type == "cpu" and w.dtype == torch.float32
-            and w.dim() == 2 and not w.requires_grad)
+            and w.dim() == 2 and not w.requires_grad and w.numel() >= MIN_ELEMENTS)
 
 
 @register("pack_linear_weights", Stage.COMPILE)
