@@ -83,11 +83,10 @@ def bench_default(k: int, reps: int) -> dict:
     from specdeploy.default_model import default_model_path
 
     path, deps = default_model_path(), {}
-    for name, off in (("packed", ""), ("unpacked", "pack_linear_weights")):
-        os.environ["SPECDEPLOY_DISABLE_TRANSFORMS"] = off
+    for name, off in (("packed", ()), ("unpacked", ("pack_linear_weights",))):
         deps[name] = build_deployed(str(path), spec=SpecConfig("eagle3", k), max_batch_size=1,
-                                    max_seq_len=512, page_size=16, max_cache_gib=0.25).target
-    os.environ.pop("SPECDEPLOY_DISABLE_TRANSFORMS")
+                                    max_seq_len=512, page_size=16, max_cache_gib=0.25,
+                                    disabled=frozenset(off)).target
     prefix, pages = 64, list(range(512 // 16))
     metas = {"decode": build_metadata([Segment([5], prefix, pages, 0, 1)]),
              "verify": build_metadata([Segment([5] * (k + 1), prefix, pages, 0, k + 1,

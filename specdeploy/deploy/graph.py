@@ -1,6 +1,7 @@
 """Small FX helpers shared by the transforms."""
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 
 import torch
@@ -55,6 +56,13 @@ def getitem_users(node: fx.Node) -> dict[int, list[fx.Node]]:
         else:
             raise RuntimeError(f"{node.name}: non-getitem user {u.name} of a tuple output")
     return out
+
+
+def attr_tensor(gm: fx.GraphModule, node) -> torch.Tensor | None:
+    """The tensor a `get_attr` node reads (a weight, a buffer); None for anything else."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    return operator.attrgetter(node.target)(gm)
 
 
 def finalize(gm: fx.GraphModule) -> None:

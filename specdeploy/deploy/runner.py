@@ -1,7 +1,6 @@
 """`GraphDeployed`: a checkpoint exported, transformed, caches allocated; one step per call."""
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -92,13 +91,7 @@ def allocate(gm: fx.GraphModule, ctx: DeployContext, plan: CachePlan | None = No
 
 
 def transform_module(model: torch.nn.Module, hidden_size: int | None = None, **ctx_kwargs):
-    """Export + transform (no allocation yet): returns (gm, ctx, infos).
-
-    SPECDEPLOY_DISABLE_TRANSFORMS (comma-separated names) turns transforms off for A/B runs."""
-    env = {n.strip() for n in os.environ.get("SPECDEPLOY_DISABLE_TRANSFORMS", "").split(",")
-           if n.strip()}
-    if env:
-        ctx_kwargs["disabled"] = frozenset(ctx_kwargs.get("disabled", ())) | env
+    """Export + transform (no allocation yet): returns (gm, ctx, infos)."""
     ctx = DeployContext(model=model, **ctx_kwargs)
     max_tokens = max(2, ctx.max_seq_len * ctx.max_batch_size)
     gm = export_model(model, max_tokens=max_tokens, hidden_size=hidden_size, dtype=ctx.dtype)
@@ -134,10 +127,11 @@ def _declares_mtp(path) -> bool:
 def build_deployed(path=None, *, dtype="auto", max_batch_size: int = 16, max_seq_len: int = 2048,
                    page_size: int = 16, max_cache_gib: float | None = None, spec=None,
                    compile: bool = False, quantize: str | None = None,
-                   quant_exclude: tuple[str, ...] | None = None, model=None):
+                   quant_exclude: tuple[str, ...] | None = None, model=None,
+                   disabled: frozenset[str] = frozenset()):
     """Load (unless `model` is given), export, transform and allocate. `quantize="int8"` makes
     linear weights int8 (weight-only); `quant_exclude` replaces the default exclusion patterns
-    (see deploy/passes/quantize.py)."""
+    (see deploy/passes/quantize.py); `disabled` names transforms to skip (A/B runs)."""
     from specdeploy.loading import load_model, resolve_dtype
 
     if spec is not None:
@@ -152,7 +146,7 @@ def build_deployed(path=None, *, dtype="auto", max_batch_size: int = 16, max_seq
         return build_spec_deployed(
             model, spec, dtype=resolve_dtype(dtype), max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, page_size=page_size, max_cache_gib=max_cache_gib,
-            compile=compile, quantize=quantize)
+            compile=compile, quantize=quantize, disabled=disabled)
     if model is None:
         model = load_model(path, dtype=dtype)
     hf_config = getattr(model, "hf_config", None) or {}
@@ -160,6 +154,6 @@ def build_deployed(path=None, *, dtype="auto", max_batch_size: int = 16, max_seq
     return deploy_module(
         model, hf_config, vocab, page_size=page_size, max_batch_size=max_batch_size,
         max_seq_len=max_seq_len, max_cache_gib=max_cache_gib, dtype=resolve_dtype(dtype),
-        compile=compile, quantize=quantize,
+        compile=compile, quantize=quantize, disabled=frozenset(disabled),
         **({} if quant_exclude is None else {"quant_exclude": tuple(quant_exclude)}),
     )

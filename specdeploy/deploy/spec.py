@@ -153,12 +153,14 @@ class SpecDeployed:
 def build_spec_deployed(model: nn.Module, spec: SpecConfig, *, dtype: torch.dtype,
                         max_batch_size: int, max_seq_len: int, page_size: int,
                         max_cache_gib: float | None, compile: bool = False,
-                        quantize: str | None = None) -> SpecDeployed:
+                        quantize: str | None = None,
+                        disabled: frozenset[str] = frozenset()) -> SpecDeployed:
     t0 = time.perf_counter()
     drafter, layers, d2t = load_drafter(model, spec)
     drafter = drafter.to(dtype)
     common = dict(page_size=page_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                  max_cache_gib=max_cache_gib, dtype=dtype, compile=compile, quantize=quantize)
+                  max_cache_gib=max_cache_gib, dtype=dtype, compile=compile, quantize=quantize,
+                  disabled=frozenset(disabled))
     gm_t, ctx_t, infos_t = transform_module(
         model, capture_layers=layers, spec_steps=spec.num_draft_tokens + 1, **common)
     hidden_size = model.cfg.hidden_size

@@ -175,9 +175,6 @@ class TokenBatches:
                 self._samples.append((ids, start))
         return self._samples[i % max(len(self._samples), 1)]
 
-    def _sample(self, i: int) -> list[int]:
-        return self._sample_with_start(i)[0]
-
     def num_batches(self) -> int | None:
         return None if self.num_samples is None else max(1, self.num_samples // self.batch_size)
 

@@ -95,6 +95,12 @@ def cmd_gen(args) -> int:
 
     from specdeploy.llm import LLM
 
+    try:
+        k, n = (int(x) for x in args.shard.split("/"))
+    except ValueError:
+        k = n = -1
+    if not 0 <= k < n:  # checked before the (slow) model load
+        raise ValueError(f"--shard: want K/N with 0 <= K < N, got {args.shard!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -103,9 +109,6 @@ def cmd_gen(args) -> int:
               max_seq_len=args.max_prompt_tokens + args.max_tokens + 16, progress=True)
     prompts, held = training_prompts(llm.tokenizer, args.data, args.num_prompts,
                                      args.max_prompt_tokens)
-    k, n = (int(x) for x in args.shard.split("/"))
-    if not 0 <= k < n:
-        raise ValueError(f"--shard: want K/N with 0 <= K < N, got {args.shard!r}")
     prompts = prompts[k::n]
     meta = {"source": args.data, "source_heldout": held, "model": str(llm.model_path),
             "command": " ".join(sys.argv), "temperature": args.temperature,

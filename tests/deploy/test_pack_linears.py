@@ -55,10 +55,9 @@ def test_deployed_logits_match_unpacked(tmp_path, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_env_disables_the_pass(tmp_path, monkeypatch):
+def test_build_deployed_can_disable_the_pass(tmp_path):
     family_module("llama").make_tiny(tmp_path, seed=0)
-    monkeypatch.setenv("SPECDEPLOY_DISABLE_TRANSFORMS", "pack_linear_weights")
-    dep = build_deployed(str(tmp_path), **LIMITS)
+    dep = build_deployed(str(tmp_path), disabled=frozenset({"pack_linear_weights"}), **LIMITS)
     info = {i.name: i for i in dep.infos}["pack_linear_weights"]
     assert info.skipped and info.detail == "disabled"
 

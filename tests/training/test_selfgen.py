@@ -82,3 +82,11 @@ def test_bad_record_is_named(tmp_path):
     f.write_text(json.dumps({"id": "x", "token_ids": [1, 2], "prompt_len": 5}) + "\n")
     with pytest.raises(ValueError, match="record 0: prompt_len 5"):
         data_mod.load_conversations(str(f))
+
+
+@pytest.mark.parametrize("shard", ["2/2", "x", "1"])
+def test_bad_shard_is_named_before_loading(tmp_path, capsys, shard):
+    # the model path does not exist: the shard error must come first
+    assert main(["gen-drafter-data", "--model", str(tmp_path / "missing"), "--out",
+                 str(tmp_path / "o.jsonl"), "--num-prompts", "1", "--shard", shard]) == 2
+    assert "--shard" in capsys.readouterr().err

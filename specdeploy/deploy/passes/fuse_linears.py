@@ -6,22 +6,19 @@ memory does not grow. Only plain fp linears qualify (quantized ones are `int8_li
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 
-from specdeploy.deploy.graph import finalize
+from specdeploy.deploy.graph import attr_tensor, finalize
 from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
 
 _LINEAR = torch.ops.aten.linear.default
 
 
 def _weight(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
-    w = node.args[1]
-    if w.op != "get_attr" or (len(node.args) > 2 and node.args[2] is not None):
+    if len(node.args) > 2 and node.args[2] is not None:  # biased linears are left alone
         return None
-    return operator.attrgetter(w.target)(gm)
+    return attr_tensor(gm, node.args[1])
 
 
 def _groups(gm: fx.GraphModule) -> list[list[fx.Node]]:

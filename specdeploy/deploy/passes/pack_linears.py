@@ -2,13 +2,14 @@
 
 `aten.linear` hands a row-major weight to the BLAS, which re-packs it on every call once the
 input has more than one row: a 4-token verify step then cost ~2x a 1-token decode step although
-both stream the same weights. Measured on this project's 2-core AVX2 machine, one thread, the
-SmolLM2 layer set with 30 layers' worth of distinct weights (caches cold, as in a real step):
-1 row 53 ms; 4 rows 104-123 ms plain, 84-87 ms packed, 58-75 ms as W @ x^T (the weight is read
-once, the input is the small operand); 16-64 rows: packed 150 / 250-290 ms, plain 180-200 /
-350-380 ms. So: 1 row keeps the plain GEMV, 2..SKINNY_ROWS rows use W @ x^T, more rows the
-oneDNN blocked layout made once here (prefill). bench/spec_step.py --default-model measures the
-end-to-end verify step with and without this pass.
+both stream the same weights. `python bench/linear_rows.py --reps 5` (bench/results/
+linear_rows.json; one thread, 30 layers of SmolLM2-sized weights so caches are cold), ms per
+step of linears, plain / W @ x^T / packed: 1 row 55 / 56 / 58; 2 rows 93 / 71 / 67; 4 rows
+99 / 61 / 78; 6 rows 117 / 124 / 91; 64 rows 312 / 310 / 261; 256 rows 921 / 1222 / 845. So:
+1 row keeps the plain GEMV, 2..SKINNY_ROWS rows (a K=3 verify at batch 1 is 4) use W @ x^T,
+which reads the weight once with the input as the small operand, and more rows use the oneDNN
+blocked layout made once here. bench/spec_step.py --default-model measures the end-to-end
+verify step with and without this pass.
 
 The packed weight lives in a closure, not a buffer: it is an opaque oneDNN tensor (no slicing,
 no state_dict), and the graph's buffers stay what the cache code and tests expect. Skipped
@@ -17,28 +18,19 @@ where this torch has no oneDNN.
 """
 from __future__ import annotations
 
-import operator
 import os
 
 import torch
 from torch import fx
 
-from specdeploy.deploy.graph import finalize
+from specdeploy.deploy.graph import attr_tensor, finalize
 from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
 
 _LINEAR = torch.ops.aten.linear.default
-SKINNY_ROWS = 6  # up to here W @ x^T; above, the oneDNN-packed weight
+SKINNY_ROWS = 4  # up to here W @ x^T; above, the oneDNN-packed weight
 # Smaller weights stay cache-resident, where the extra call and copy cost more than they save
 # (tiny test models measured slower with them).
 MIN_ELEMENTS = 1 << 18
-
-
-def _attr(gm: fx.GraphModule, node) -> torch.Tensor | None:
-    if node is None:
-        return None
-    if not isinstance(node, fx.Node) or node.op != "get_attr":
-        raise LookupError
-    return operator.attrgetter(node.target)(gm)
 
 
 def packed_linear_fn(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True):
@@ -88,12 +80,10 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _LINEAR:
             continue
-        try:
-            w = _attr(gm, node.args[1])
-            b = _attr(gm, node.args[2] if len(node.args) > 2 else None)
-        except LookupError:  # weight computed in the graph (e.g. dequantized): leave it
-            continue
-        if not _packable(w) or (b is not None and b.dtype != w.dtype):
+        b_node = node.args[2] if len(node.args) > 2 else None
+        w, b = attr_tensor(gm, node.args[1]), attr_tensor(gm, b_node)
+        # a weight or bias computed in the graph (e.g. dequantized) is left alone
+        if not _packable(w) or (b_node is not None and (b is None or b.dtype != w.dtype)):
             continue
         todo.append((node, w, b))
     # The packed copies sit next to the originals (the 1-row GEMV and the skinny path read

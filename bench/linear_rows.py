@@ -1,0 +1,59 @@
+"""Cost of the linear layers of one step by number of input rows, with caches cold as in a real
+step (30 layers' worth of distinct SmolLM2-sized weights), for the three ways
+`pack_linear_weights` can run a linear: plain `F.linear`, W @ x^T, and a oneDNN-packed weight.
+Prints one JSON object (median of --reps, milliseconds for all 30 layers).
+
+    python bench/linear_rows.py [--rows 1 2 4 6 8 16 64 256] [--reps 5] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+# SmolLM2-135M per layer: fused q/k/v, o, fused gate/up, down
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+LAYERS = 30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16, 64, 256])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    ws = [[torch.randn(n, k, generator=g) for n, k in SHAPES] for _ in range(LAYERS)]
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in ws]
+    kinds = {
+        "plain": lambda x, w, p: F.linear(x, w),
+        "w_xt": lambda x, w, p: torch.mm(w, x.t()).t().contiguous(),
+        "packed": lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+    }
+    out = {}
+    for m in args.rows:
+        xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
+        times = {k: [] for k in kinds}
+        for _ in range(args.reps):  # interleaved: the three share the machine's drift
+            for name, fn in kinds.items():
+                t0 = time.perf_counter()
+                for layer_w, layer_p in zip(ws, packed):
+                    for w, p in zip(layer_w, layer_p):
+                        fn(xs[w.shape[1]], w, p)
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        out[f"rows_{m}"] = {k: round(statistics.median(v), 1) for k, v in times.items()}
+    print(json.dumps({"machine": {"cores": os.cpu_count(), "torch": torch.__version__,
+                                  "threads": args.threads},
+                      "command": " ".join(["python"] + sys.argv), "ms_for_30_layers": out},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
