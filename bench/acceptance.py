@@ -46,6 +46,16 @@ def spec_llm(args, method: str, k: int, draft: str | None) -> LLM:
                max_seq_len=args.max_seq_len, spec=SpecConfig(method, k, draft_model=draft))
 
 
+def variants(args, method: str) -> list[tuple[str, tuple[int, int] | None]]:
+    """(name, n-gram lookup (max n, min n)) pairs run for a head, one per --lookups value."""
+    out = []
+    for v in args.lookups:
+        mx, _, mn = v.partition(":")
+        mx, mn = int(mx), int(mn or min(2, int(mx)))
+        out.append((method, None) if mx == 0 else (f"{method}+lookup{mx}:{mn}", (mx, mn)))
+    return out
+
+
 def acceptance(args, prompts) -> dict:
     out: dict = {}
     for method in args.methods:
@@ -53,28 +63,34 @@ def acceptance(args, prompts) -> dict:
         kmax = max(args.ks)
         llm = spec_llm(args, method, kmax, draft)
         reuse = not llm.deployed._spec_pairs  # no recurrent spec state: K is free up to kmax
-        res = out[method] = {}
         for k in args.ks:
             if reuse:
                 with_k(llm, k, args.batch_size)
             else:
                 llm = spec_llm(args, method, k, draft)
-            row = res[f"K={k}"] = {}
-            for temp in args.temperatures:
-                sp = SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=0)
-                llm.engine.spec_stats = type(llm.engine.spec_stats)(k)
-                t = time.perf_counter()
-                outs = llm.generate(prompts, sp)
-                s = llm.engine.spec_stats.as_dict()
-                row[f"temperature={temp}"] = {
-                    "mean_accepted_length": round(s["mean_accepted_length"], 3),
-                    "acceptance_rate": round(s["acceptance_rate"], 3),
-                    "acceptance_per_position": [round(a, 3)
-                                                for a in s["acceptance_per_position"]],
-                    "draft_steps": s["draft_steps"],
-                    "output_tokens": sum(len(o.token_ids) for o in outs),
-                    "wall_s": round(time.perf_counter() - t, 1)}
-                print(f"{method} K={k} T={temp}: {row[f'temperature={temp}']}", file=sys.stderr)
+            for name, lookup in variants(args, method):
+                llm.engine.lookup = lookup
+                row = out.setdefault(name, {})[f"K={k}"] = {}
+                for temp in args.temperatures:
+                    sp = SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=0)
+                    llm.engine.spec_stats = type(llm.engine.spec_stats)(k)
+                    t = time.perf_counter()
+                    outs = llm.generate(prompts, sp)
+                    s = llm.engine.spec_stats.as_dict()
+                    row[f"temperature={temp}"] = r = {
+                        "mean_accepted_length": round(s["mean_accepted_length"], 3),
+                        "acceptance_rate": round(s["acceptance_rate"], 3),
+                        "acceptance_per_position": [round(a, 3)
+                                                    for a in s["acceptance_per_position"]],
+                        "draft_steps": s["draft_steps"],
+                        "output_tokens": sum(len(o.token_ids) for o in outs),
+                        "wall_s": round(time.perf_counter() - t, 1)}
+                    if lookup:
+                        r["lookup_share_of_steps"] = round(
+                            s["lookup_steps"] / max(s["draft_steps"], 1), 3)
+                        r["lookup_mean_accepted_length"] = round(
+                            1 + s["lookup_accepted_tokens"] / max(s["lookup_steps"], 1), 3)
+                    print(f"{name} K={k} T={temp}: {r}", file=sys.stderr)
         del llm
     return out
 
@@ -118,13 +134,16 @@ def speed(args, prompts) -> dict:
         for k in args.speed_ks:
             llm = LLM(args.model, dtype="float32", max_batch_size=1, max_seq_len=args.max_seq_len,
                       spec=SpecConfig(method, k, draft_model=getattr(args, f"{method}_dir")))
-            rate = decode_rate(llm, ps, n)
-            st = llm.stats()
-            res[f"{method}_K={k}"] = {
-                "tokens_per_s": round(rate, 2),
-                "speedup_vs_no_spec": round(rate / res["no_spec_tokens_per_s"], 3),
-                "mean_accepted_length": round(st["mean_accepted_length"], 3)}
-            print(f"speed {method} K={k}: {res[f'{method}_K={k}']}", file=sys.stderr)
+            for name, lookup in variants(args, method):
+                llm.engine.lookup = lookup
+                llm.engine.spec_stats = type(llm.engine.spec_stats)(k)
+                rate = decode_rate(llm, ps, n)
+                st = llm.stats()
+                res[f"{name}_K={k}"] = {
+                    "tokens_per_s": round(rate, 2),
+                    "speedup_vs_no_spec": round(rate / res["no_spec_tokens_per_s"], 3),
+                    "mean_accepted_length": round(st["mean_accepted_length"], 3)}
+                print(f"speed {name} K={k}: {res[f'{name}_K={k}']}", file=sys.stderr)
             del llm
     if args.hf:
         hf = hf_model_from_checkpoint(model_path)
@@ -154,6 +173,8 @@ def main() -> None:
     ap.add_argument("--speed-prompts", type=int, default=3)
     ap.add_argument("--speed-ks", default="3")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--lookups", default="0",
+                    help="n-gram lookup settings per head, MAX[:MIN] n (0 = the plain head)")
     ap.add_argument("--hf", action="store_true", help="also time transformers' generate")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-speed", action="store_true")
@@ -163,6 +184,7 @@ def main() -> None:
     args.ks = [int(k) for k in args.ks.split(",")]
     args.speed_ks = [int(k) for k in args.speed_ks.split(",") if k]
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.lookups = [v for v in args.lookups.split(",") if v]
     if args.threads:
         torch.set_num_threads(args.threads)
     from specdeploy.tokenizer import load_tokenizer

@@ -24,6 +24,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", choices=("none", *SPEC_METHODS), default="none")
     p.add_argument("--num-draft-tokens", type=int, default=3)
     p.add_argument("--draft-model", default=None)
+    p.add_argument("--prompt-lookup-max", type=int, default=0,
+                   help="n-gram lookup drafts ahead of the drafter's (0: off; try 4)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="weight-only int8 (lm_head, routers and the drafter excluded)")
@@ -42,7 +45,8 @@ def _spec(args) -> SpecConfig | None:
     if args.spec == "none":
         return None
     return SpecConfig(args.spec, num_draft_tokens=args.num_draft_tokens,
-                      draft_model=args.draft_model)
+                      draft_model=args.draft_model, prompt_lookup_max=args.prompt_lookup_max,
+                      prompt_lookup_min=args.prompt_lookup_min)
 
 
 def _llm(args, max_batch_size: int):

@@ -12,12 +12,17 @@ class SpecConfig:
 
     `draft_model` is the EAGLE-3 drafter checkpoint (MTP heads come from the target checkpoint);
     `capture_layers` overrides which target layers feed an EAGLE-3 drafter.
+    `prompt_lookup_max` > 0 adds n-gram lookup drafts (vLLM's names): when the sequence's last
+    n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) occurred before, the K
+    tokens that followed are drafted instead of the drafter's (engine/lookup.py).
     """
 
     method: str
     num_draft_tokens: int = 3
     draft_model: str | None = None
     capture_layers: tuple[int, ...] | None = None
+    prompt_lookup_max: int = 0
+    prompt_lookup_min: int = 2
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -26,6 +31,13 @@ class SpecConfig:
         k = self.num_draft_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError(f"num_draft_tokens: must be an integer in 1..16, got {k!r}")
+        lmax, lmin = self.prompt_lookup_max, self.prompt_lookup_min
+        for name, v in (("prompt_lookup_max", lmax), ("prompt_lookup_min", lmin)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}: must be a non-negative integer, got {v!r}")
+        if lmax and not 1 <= lmin <= lmax:
+            raise ValueError(f"prompt_lookup_min: must be in 1..prompt_lookup_max ({lmax}), "
+                             f"got {lmin!r}")
         if self.capture_layers is not None:
             layers = tuple(self.capture_layers)
             if not layers or any(not isinstance(i, int) or i < 0 for i in layers):

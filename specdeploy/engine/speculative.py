@@ -22,6 +22,7 @@ import torch
 
 from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
 from specdeploy.engine.engine import Engine
+from specdeploy.engine.lookup import NgramIndex
 from specdeploy.engine.request import RequestOutput, SamplingParams, Sequence
 from specdeploy.engine.sampler import _filter_top_k_top_p
 from specdeploy.engine.scheduler import Scheduler
@@ -36,6 +37,8 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    lookup_steps: int = 0  # verify segments whose drafts came from n-gram lookup
+    lookup_accepted_tokens: int = 0
 
     def __post_init__(self):
         self.accepted_per_position = [0] * self.k
@@ -49,6 +52,8 @@ class SpecStats:
             "mean_accepted_length": 1 + self.accepted_tokens / steps if self.draft_steps else 0.0,
             "accepted_per_position": list(self.accepted_per_position),
             "acceptance_per_position": [a / steps for a in self.accepted_per_position],
+            "lookup_steps": self.lookup_steps,
+            "lookup_accepted_tokens": self.lookup_accepted_tokens,
         }
 
 
@@ -101,7 +106,8 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
 
 class SpecEngine(Engine):
     """`deployed` is a `SpecDeployed`. `draft_override(seq, k) -> list[int]` (tests) replaces the
-    drafter's proposals, e.g. with the target's own greedy tokens."""
+    drafter's proposals, e.g. with the target's own greedy tokens. `lookup` = (max n, min n)
+    turns on n-gram lookup drafts (engine/lookup.py) ahead of the drafter's; None: off."""
 
     def __init__(self, deployed, tokenizer=None, **kw):
         super().__init__(deployed, tokenizer, **kw)
@@ -110,6 +116,10 @@ class SpecEngine(Engine):
                                        self.scheduler.max_num_tokens, lookahead=self.k)
         self.draft_override: Callable[[Sequence, int], list[int]] | None = None
         self.spec_stats = SpecStats(self.k)
+        spec = getattr(deployed, "spec", None)
+        max_n = getattr(spec, "prompt_lookup_max", 0)
+        self.lookup: tuple[int, int] | None = (
+            (max_n, spec.prompt_lookup_min) if max_n else None)
 
     def stats_dict(self) -> dict:
         return {**super().stats_dict(), **self.spec_stats.as_dict()}
@@ -202,6 +212,9 @@ class SpecEngine(Engine):
             a, self._bonus = rejection_sample(p, seq.draft_probs, drafts,
                                               seq.generator or self.generator)
         st.accepted_tokens += a
+        if getattr(seq, "drafts_from_lookup", False):
+            st.lookup_steps += 1
+            st.lookup_accepted_tokens += a
         for i in range(a):
             st.accepted_per_position[i] += 1
         return kept + drafts[:a]
@@ -209,7 +222,7 @@ class SpecEngine(Engine):
     # ---- drafting -------------------------------------------------------------------------------
     def _draft(self, work: list[tuple], captured: torch.Tensor) -> None:
         for seq, *_ in work:
-            seq.drafts, seq.draft_probs = [], None
+            seq.drafts, seq.draft_probs, seq.drafts_from_lookup = [], None, False
         if not work:
             return
         d = self.deployed
@@ -223,7 +236,20 @@ class SpecEngine(Engine):
         if not drafting:
             return
         logits, h = out.logits[: len(drafting)], out.hidden[: len(drafting)]
+        everyone = drafting
         for step in range(self.k):
+            if self.lookup is not None:
+                # A sequence whose tail (drafts included) occurred before takes the rest of its
+                # drafts from there and leaves the drafter. NOTE: the drafter's catch-up above
+                # ran for it anyway (its KV must hold every committed position); its later
+                # steps only write positions that the next catch-up overwrites.
+                keep = [i for i, (seq, _) in enumerate(drafting) if not self._lookup_drafts(seq)]
+                if len(keep) < len(drafting):
+                    rows = torch.tensor(keep, dtype=torch.long, device=logits.device)
+                    drafting = [drafting[i] for i in keep]
+                    logits, h = logits[rows], h[rows]
+            if not drafting:
+                break
             ids = self._propose(drafting, logits)
             for (seq, _), t, p in zip(drafting, *ids):
                 seq.drafts.append(t)
@@ -237,8 +263,27 @@ class SpecEngine(Engine):
             out = d.draft_forward(build_metadata(segs).to(self.device), h)
             logits, h = out.logits, out.hidden
         if self.draft_override is not None:
-            for seq, _ in drafting:
+            for seq, _ in everyone:
                 seq.drafts = list(self.draft_override(seq, self.k))
+
+    def _lookup_drafts(self, seq: Sequence) -> bool:
+        """Complete `seq.drafts` from n-gram lookup when the tail of the sequence plus its drafts
+        occurred before. Lookup drafts are deterministic given the prefix: for a sampled request
+        q is one-hot on each (rejection sampling then accepts d with probability p(d) and
+        resamples from p without d), so the output still follows the target."""
+        index = getattr(seq, "ngram_index", None)
+        if index is None or (index.max_n, index.min_n) != self.lookup:
+            index = seq.ngram_index = NgramIndex(*self.lookup)
+        rest = index.propose(seq.all_ids, self.k - len(seq.drafts), seq.drafts)
+        if rest is None:
+            return False
+        seq.drafts, seq.drafts_from_lookup = seq.drafts + rest, True
+        if not seq.params.greedy:
+            n, dev = len(rest), self.device
+            q = torch.zeros(n, self.deployed.vocab_size, device=dev)
+            q[torch.arange(n, device=dev), torch.tensor(rest, device=dev)] = 1.0
+            seq.draft_probs = q if seq.draft_probs is None else torch.cat((seq.draft_probs, q))
+        return True
 
     def _propose(self, drafting, logits: torch.Tensor):
         """Draft ids (target vocabulary) and, for sampled requests, q over the target vocab."""

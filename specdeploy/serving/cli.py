@@ -25,6 +25,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--spec", choices=("none", *SPEC_METHODS), default="none")
     p.add_argument("--num-draft-tokens", type=int, default=3)
     p.add_argument("--draft-model", default=None, help="EAGLE-3 drafter checkpoint")
+    p.add_argument("--prompt-lookup-max", type=int, default=0,
+                   help="n-gram lookup drafts ahead of the drafter's (0: off; try 4)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("SPECDEPLOY_API_KEY"),
@@ -48,7 +51,9 @@ def cmd_serve(args) -> int:
     spec = None
     if args.spec != "none":
         spec = SpecConfig(args.spec, num_draft_tokens=args.num_draft_tokens,
-                          draft_model=args.draft_model)
+                          draft_model=args.draft_model,
+                          prompt_lookup_max=args.prompt_lookup_max,
+                          prompt_lookup_min=args.prompt_lookup_min)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {args.threads}")

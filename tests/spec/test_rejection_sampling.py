@@ -20,11 +20,14 @@ def _emitted(p, q, k, gen):
     return out[0], (out[1] if len(out) > 1 else None)
 
 
-@pytest.mark.parametrize("disagree", [False, True])
+@pytest.mark.parametrize("disagree", [False, True, "one-hot"])
 def test_first_token_follows_target(disagree):
+    """`one-hot`: deterministic drafts (n-gram lookup), q = 1 on the drafted token."""
     gen = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -2.0]] * 3), -1)
-    if disagree:  # the drafter puts its mass where the target puts almost none
+    if disagree == "one-hot":
+        q = torch.nn.functional.one_hot(torch.tensor([1, 4]), V).float()
+    elif disagree:  # the drafter puts its mass where the target puts almost none
         q = torch.softmax(torch.tensor([[-3.0, -2.0, -1.0, 0.0, 2.5, 3.0]] * 2), -1)
     else:
         q = torch.softmax(torch.tensor([[1.5, 1.0, 0.5, 0.0, -0.5, -1.0]] * 2), -1)
@@ -55,13 +58,20 @@ def test_second_token_follows_target_given_first():
     assert stat.pvalue > 1e-3, (counts, p[1] * n)
 
 
-def test_sampled_speculation_is_seeded_and_samples(target):
+@pytest.mark.parametrize("lookup", [None, (4, 1)])
+def test_sampled_speculation_is_seeded_and_samples(target, lookup):
     llm = target.llm(2)
-    prompt = target.prompts[1]
+    llm.engine.lookup = lookup
+    llm.engine.spec_stats.__init__(2)
+    prompt = target.prompts[1] if lookup is None else [5, 6, 7] * 5
 
     def run(seed):
         p = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
         return llm.generate([prompt], p)[0].token_ids
 
-    assert run(3) == run(3)
-    assert len({tuple(run(s)) for s in range(4)}) > 1
+    try:
+        assert run(3) == run(3)
+        assert len({tuple(run(s)) for s in range(4)}) > 1
+    finally:
+        llm.engine.lookup = None
+    assert (llm.stats()["lookup_steps"] > 0) == (lookup is not None)

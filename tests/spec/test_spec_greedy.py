@@ -74,3 +74,23 @@ def test_partial_acceptance_stays_lossless(target, baseline):
     assert got == [b[:n] for b, n in zip(baseline, lengths)]
     stats = llm.stats()
     assert 1 < stats["mean_accepted_length"] < k + 1
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_lookup_drafts_stay_lossless(target, k):
+    """N-gram lookup drafts on prompts that repeat themselves (so lookup fires from the first
+    step) mixed with ones that do not: output equals the non-speculative path's."""
+    prompts = [[5, 6, 7, 8] * 6, target.prompts[1], [9, 4] * 3 + [9], target.prompts[3]]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = _ids(target.llm().generate(prompts, params))
+    llm = target.llm(k)
+    llm.engine.spec_stats.__init__(k)
+    llm.engine.lookup = (4, 2)
+    try:
+        assert _ids(llm.generate(prompts, params)) == want
+        assert _ids(llm.generate([prompts[0]], params)) == [want[0]]  # batch 1
+    finally:
+        llm.engine.lookup = None
+    stats = llm.stats()
+    assert stats["lookup_steps"] > 0 and stats["draft_tokens"] == k * stats["draft_steps"]
+    assert stats["lookup_steps"] < stats["draft_steps"]  # the drafter drafted the others

@@ -1,0 +1,46 @@
+"""N-gram lookup drafts ("prompt lookup"): continue the sequence the way it went the last time
+its final n tokens occurred.
+
+Small chat models repeat themselves (lists, code, loops), and what followed an earlier
+occurrence of the last few tokens is then a far better guess than a one-layer drafter's:
+on SmolLM2-135M-Instruct's own greedy replies it fires at 46% of positions and gets 2.1 of 3
+drafts accepted there (`bench/copy_predictability.py --lookup`). The engine uses these drafts
+instead of the drafter's when they exist; the verification is unchanged, so output stays exact.
+"""
+from __future__ import annotations
+
+
+class NgramIndex:
+    """Per-sequence index: n-gram (n in min_n..max_n) → position right after its latest
+    occurrence. Built incrementally; a sequence's tokens only ever grow."""
+
+    def __init__(self, max_n: int, min_n: int):
+        self.max_n, self.min_n = max_n, min_n
+        self.table: dict[tuple[int, ...], int] = {}
+        self.done = 0  # n-grams ending before this position (with a known successor) indexed
+
+    def propose(self, ids: list[int], k: int, drafts: list[int] = ()) -> list[int] | None:
+        """K tokens to follow `ids + drafts`, or None when no suffix of it of length
+        max_n..min_n occurred in `ids` before (with its next token also in `ids`: the committed
+        tokens; `drafts` are not real yet and are never indexed). The longest matching suffix
+        wins, its latest occurrence first. A continuation that runs into the suffix itself
+        repeats with the match's period (a loop stays a loop)."""
+        n_ids = len(ids)
+        for end in range(max(self.done, 1), n_ids):  # index n-grams ending at end-1
+            for n in range(self.min_n, self.max_n + 1):
+                if end >= n:
+                    self.table[tuple(ids[end - n:end])] = end
+        self.done = max(self.done, n_ids)
+        full = list(ids) + list(drafts) if drafts else ids
+        n_full = len(full)
+        for n in range(min(self.max_n, n_full - 1), self.min_n - 1, -1):
+            j = self.table.get(tuple(full[n_full - n:]))
+            if j is None:
+                continue
+            out: list[int] = []
+            period = n_full - j
+            for i in range(k):
+                out.append(full[j + i] if j + i < n_full else out[i - period])
+            return out
+        return None
+

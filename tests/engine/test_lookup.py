@@ -1,0 +1,71 @@
+"""N-gram lookup drafts: the incremental index against a brute-force scan (oracle written here,
+straight from the rule's definition), and the config checks."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specdeploy import SpecConfig
+from specdeploy.engine.lookup import NgramIndex
+
+
+def brute_force(ids: list[int], k: int, max_n: int, min_n: int,
+                drafts: list[int] = ()) -> list[int] | None:
+    """Longest suffix (n in max_n..min_n) of ids + drafts that occurred in `ids` with its next
+    token in `ids` too; the latest such occurrence; the K tokens after it, reading the drafts
+    themselves once the copy reaches the end."""
+    full = ids + list(drafts)
+    for n in range(max_n, min_n - 1, -1):
+        if len(full) <= n:
+            continue
+        suffix = full[-n:]
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == suffix:
+                seq = list(full)
+                src = start + n
+                for _ in range(k):
+                    seq.append(seq[src])
+                    src += 1
+                return seq[len(full):]
+    return None
+
+
+@pytest.mark.parametrize("max_n,min_n", [(4, 2), (3, 3), (2, 1), (5, 1)])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_incremental_index_matches_brute_force(max_n, min_n, k):
+    rng = random.Random(max_n * 100 + min_n * 10 + k)
+    for trial in range(20):
+        vocab = rng.choice([2, 3, 5, 20])
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 8))]
+        index = NgramIndex(max_n, min_n)
+        for _ in range(40):  # grow by 1..4 tokens between lookups, as accepted runs do
+            assert index.propose(ids, k) == brute_force(ids, k, max_n, min_n), (trial, ids)
+            drafts = [rng.randrange(vocab) for _ in range(rng.randrange(1, 3))]
+            got = index.propose(ids, k, drafts)  # mid-chain lookups never index the drafts
+            assert got == brute_force(ids, k, max_n, min_n, drafts), (trial, ids, drafts)
+            ids += [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
+
+
+def test_loop_continues_with_its_period():
+    index = NgramIndex(4, 2)
+    assert index.propose([7, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+    assert index.propose([9, 9], 3) is None  # (9, 9) has not occurred before; min_n is 2
+    assert NgramIndex(4, 1).propose([9, 9], 3) == [9, 9, 9]
+
+
+def test_longest_match_wins_over_a_later_shorter_one():
+    ids = [1, 2, 3, 10, 5, 2, 3, 11, 1, 2, 3]
+    assert NgramIndex(3, 2).propose(ids, 1) == [10]  # (1, 2, 3) -> 10, not (2, 3) -> 11
+    assert NgramIndex(2, 2).propose(ids, 1) == [11]
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"prompt_lookup_max": -1}, "prompt_lookup_max"),
+    ({"prompt_lookup_max": 2.5}, "prompt_lookup_max"),
+    ({"prompt_lookup_max": 3, "prompt_lookup_min": 4}, "prompt_lookup_min"),
+    ({"prompt_lookup_max": 3, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+])
+def test_bad_lookup_settings_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SpecConfig("eagle3", 3, **kw)
