@@ -7,8 +7,9 @@
    and K, the mean accepted length (1 + accepted / verify steps, bonus included) and per-position
    acceptance over `--num-prompts` held-out prompts (the first user turn; the split recorded in
    the heads' training.json), greedy and at temperature 0.7 (rejection sampling, fixed seed).
-2. Speed at batch size 1, greedy, EOS ignored so every run makes the same tokens: decode tokens/s
-   without speculation, with each head at `--speed-ks`, and (--hf) transformers' `generate`.
+2. Speed at batch size 1, greedy (lossless, so every run makes the same tokens): decode tokens/s
+   without speculation, with each head at `--speed-ks` (and each --lookups setting), and (--hf)
+   transformers' `generate` (a per-token rate: it always makes --decode-tokens tokens).
 
 One deployment per head serves every K <= max K when the target has no recurrent state (a
 Llama: the KV cache is positional, nothing else depends on K); other targets rebuild per K.
@@ -95,8 +96,10 @@ def acceptance(args, prompts) -> dict:
     return out
 
 
-def decode_rate(llm: LLM, prompts, n: int) -> float:
-    sp = SamplingParams(max_tokens=n, ignore_eos=True)
+def decode_rate(llm: LLM, prompts, n: int, ignore_eos: bool) -> float:
+    """Decode tokens/s over the prompts (prefill excluded). Greedy speculation is lossless, so
+    every configuration makes the same tokens even when EOS ends a reply early."""
+    sp = SamplingParams(max_tokens=n, ignore_eos=ignore_eos)
     llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     tokens = secs = 0.0
     for p in prompts:
@@ -126,8 +129,8 @@ def hf_rate(model, prompts, n: int) -> float:
 def speed(args, prompts) -> dict:
     n, ps = args.decode_tokens, prompts[:args.speed_prompts]
     base = LLM(args.model, dtype="float32", max_batch_size=1, max_seq_len=args.max_seq_len)
-    res = {"decode_tokens": n, "prompts": len(ps),
-           "no_spec_tokens_per_s": round(decode_rate(base, ps, n), 2)}
+    res = {"decode_tokens": n, "prompts": len(ps), "ignore_eos": args.ignore_eos,
+           "no_spec_tokens_per_s": round(decode_rate(base, ps, n, args.ignore_eos), 2)}
     model_path = base.model_path
     del base
     for method in args.methods:
@@ -137,7 +140,7 @@ def speed(args, prompts) -> dict:
             for name, lookup in variants(args, method):
                 llm.engine.lookup = lookup
                 llm.engine.spec_stats = type(llm.engine.spec_stats)(k)
-                rate = decode_rate(llm, ps, n)
+                rate = decode_rate(llm, ps, n, args.ignore_eos)
                 st = llm.stats()
                 res[f"{name}_K={k}"] = {
                     "tokens_per_s": round(rate, 2),
@@ -175,6 +178,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--lookups", default="0",
                     help="n-gram lookup settings per head, MAX[:MIN] n (0 = the plain head)")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="speed runs: decode exactly --decode-tokens (past EOS) per prompt")
     ap.add_argument("--hf", action="store_true", help="also time transformers' generate")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-speed", action="store_true")

@@ -14,7 +14,7 @@ from torch import nn
 
 from specdeploy.models.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from specdeploy.training.features import Features
-from specdeploy.training.ttt import KVSteps, unrolled_loss
+from specdeploy.training.ttt import KVSteps, loss_row_logits, unrolled_loss
 
 
 def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int,
@@ -89,7 +89,7 @@ class Eagle3Objective(nn.Module):
         self.__dict__["_target"] = target  # frozen; not a submodule (not saved, not trained)
         self.register_buffer("draft_ids", draft_ids.clone(), persistent=False)
 
-    def step(self, hidden_in, embeds, position_ids, kv: KVSteps):
+    def step(self, hidden_in, embeds, position_ids, kv: KVSteps, rows=None):
         dr = self.drafter
         m, d = dr.midlayer, dr.cfg.head_dim
         b, t, _ = hidden_in.shape
@@ -103,13 +103,13 @@ class Eagle3Objective(nn.Module):
         o = kv.attend(q, k, a.v_proj(x).view(b, t, -1, d))
         h = residual + a.o_proj(o.reshape(b, t, -1))
         h = h + m.mlp(m.post_attention_layernorm(h))
-        return h, dr.lm_head(dr.norm(h))
+        return h, dr.lm_head(dr.norm(h if rows is None else h[rows]))
 
     def loss(self, feats: Features) -> tuple[torch.Tensor, dict]:
         target = self._target
         with torch.no_grad():
             head = target.lm_head.weight[self.draft_ids]
-            target_logits = feats.final.float() @ head.T
+            target_logits = loss_row_logits(feats, head)
         first = self.drafter.fc(feats.aux.float())
         return unrolled_loss(self.step, first, feats, target.model.embed_tokens, target_logits,
                              self.steps, self.drafter.cfg.head_dim**-0.5)

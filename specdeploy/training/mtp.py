@@ -16,7 +16,7 @@ from torch import nn
 
 from specdeploy.models.drafters.mtp_head import MTPHead, make_mtp_head
 from specdeploy.training.features import Features
-from specdeploy.training.ttt import KVSteps, unrolled_loss
+from specdeploy.training.ttt import KVSteps, loss_row_logits, unrolled_loss
 
 
 class MTPObjective(nn.Module):
@@ -30,7 +30,7 @@ class MTPObjective(nn.Module):
         self.__dict__["_target"] = target
         self.register_buffer("train_ids", train_ids.clone(), persistent=False)
 
-    def step(self, hidden_in, embeds, position_ids, kv: KVSteps):
+    def step(self, hidden_in, embeds, position_ids, kv: KVSteps, rows=None):
         mtp = self.head
         layer, d = mtp.layers[0], mtp.cfg.head_dim
         a = layer.self_attn
@@ -44,13 +44,13 @@ class MTPObjective(nn.Module):
         x = x + a.o_proj(o.reshape(b, t, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         hidden = mtp.norm(x)
-        return hidden, hidden @ self._head_rows.T
+        return hidden, (hidden if rows is None else hidden[rows]) @ self._head_rows.T
 
     def loss(self, feats: Features) -> tuple[torch.Tensor, dict]:
         target = self._target
         with torch.no_grad():
             rows = target.lm_head.weight[self.train_ids]
-            target_logits = feats.final.float() @ rows.T
+            target_logits = loss_row_logits(feats, rows)
         self.__dict__["_head_rows"] = rows
         final = feats.final.float()
         return unrolled_loss(self.step, final, feats, target.model.embed_tokens, target_logits,

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 
 from specdeploy.training.features import Features
 
-# step(hidden_in [B,T,H], embeds [B,T,H], position_ids [B,T], kv: KVSteps)
-#   -> (hidden_out [B,T,H], logits over the training vocab [B,T,Vs])
+# step(hidden_in [B,T,H], embeds [B,T,H], position_ids [B,T], kv: KVSteps, rows=None)
+#   -> (hidden_out [B,T,H], logits over the training vocab [B,T,Vs], or [N,Vs] at the True
+#       entries of the bool mask `rows` [B,T]: the LM head is most of a step's cost, and about
+#       half the rows of chat data are prompt rows that carry no loss)
 StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -56,6 +58,15 @@ def shift(x: torch.Tensor, s: int) -> torch.Tensor:
     return torch.cat([x[:, s:], pad], 1)
 
 
+def loss_row_logits(feats: Features, head: torch.Tensor) -> torch.Tensor:
+    """The target's logits over the training vocab [B,T,Vs] at the loss rows (the only rows
+    `unrolled_loss` reads; zero elsewhere)."""
+    b, t = feats.mask.shape
+    out = torch.zeros(b, t, head.shape[0], device=head.device)
+    out[feats.mask] = feats.final[feats.mask].float() @ head.float().T
+    return out
+
+
 def unrolled_loss(step: StepFn, first_hidden: torch.Tensor, feats: Features, embed: Callable,
                   target_logits: torch.Tensor, steps: int, scale: float, decay: float = 0.8,
                   regress: torch.Tensor | None = None, regress_weight: float = 0.0
@@ -68,7 +79,9 @@ def unrolled_loss(step: StepFn, first_hidden: torch.Tensor, feats: Features, emb
     b, t = ids.shape
     with torch.no_grad():
         emb = embed(ids).to(first_hidden.dtype)
-        p_target = target_logits.float().softmax(-1)
+        # NOTE: step j's label rows (p + j + 1 for valid p) are exactly the mask's rows.
+        p_target = torch.zeros(b, t, target_logits.shape[-1], device=ids.device)
+        p_target[mask] = target_logits[mask].float().softmax(-1)
         top_target = target_logits.argmax(-1)
     kv = KVSteps(scale)
     hidden, total, weights = first_hidden, 0.0, 0.0
@@ -76,21 +89,22 @@ def unrolled_loss(step: StepFn, first_hidden: torch.Tensor, feats: Features, emb
     agree, chained = [], []
     for j in range(steps):
         pos = (torch.arange(t, device=ids.device) + j).expand(b, t)
-        hidden, logits = step(hidden, shift(emb, j + 1), pos, kv)
         valid = shift(mask, j + 1)
+        hidden, logits = step(hidden, shift(emb, j + 1), pos, kv, rows=valid)  # logits [N, Vs]
         n = valid.sum().clamp_min(1)
-        ce = -(shift(p_target, j + 1) * F.log_softmax(logits.float(), -1)).sum(-1)
-        loss_j = (ce * valid).sum() / n
+        ce = -(shift(p_target, j + 1)[valid] * F.log_softmax(logits.float(), -1)).sum(-1)
+        loss_j = ce.sum() / n
         if regress is not None and regress_weight:
-            err = F.smooth_l1_loss(hidden.float(), shift(regress, j + 1).float(),
+            err = F.smooth_l1_loss(hidden[valid].float(), shift(regress, j + 1)[valid].float(),
                                    reduction="none").mean(-1)
-            loss_j = loss_j + regress_weight * (err * valid).sum() / n
+            loss_j = loss_j + regress_weight * err.sum() / n
         total = total + decay**j * loss_j
         weights += decay**j
         with torch.no_grad():
-            hit = logits.argmax(-1) == shift(top_target, j + 1)
+            hit = torch.zeros_like(valid)
+            hit[valid] = logits.argmax(-1) == shift(top_target, j + 1)[valid]
             chain = chain & hit
-            agree.append(float((hit & valid).sum() / n))
+            agree.append(float(hit.sum() / n))
             chained.append(float((chain & valid).sum() / n))
     return total / weights, {"agree": agree, "chained": chained,
                              "est_accept_len": 1.0 + sum(chained)}
