@@ -9,7 +9,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="target: HF directory or .gguf (default model)")
     p.add_argument("--method", required=True, choices=("eagle3", "mtp"))
     p.add_argument("--out", required=True, help="output directory (resumes when it has a run)")
-    p.add_argument("--data", default="sharegpt", help="sharegpt or FILE.jsonl")
+    p.add_argument("--data", default="sharegpt",
+                   help="sharegpt or FILE.jsonl; several joined by commas, each as SOURCE[:N] "
+                        "(its first N training conversations)")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--max-minutes", type=float, default=None,
                    help="wall-clock budget over all (resumed) runs")
@@ -24,6 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=20, help="linear lr warmup")
     p.add_argument("--fit-batches", type=int, default=12,
                    help="closed-form warm start on this many batches (0: off)")
+    p.add_argument("--init-from", default=None,
+                   help="start from the weights (and draft vocab) of another run's --out dir")
     p.add_argument("--cache-dir", default=None, help="cache target features here (bf16)")
     p.add_argument("--save-every-minutes", type=float, default=5.0)
     p.add_argument("--save-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
@@ -43,6 +47,7 @@ def cmd_train_drafter(args) -> int:
         draft_vocab_size=args.draft_vocab_size, batch_size=args.batch_size,
         seq_len=args.seq_len, num_samples=args.num_samples, ttt_steps=args.ttt_steps,
         lr=args.lr, warmup_steps=args.warmup_steps, fit_batches=args.fit_batches,
+        init_from=args.init_from,
         cache_dir=args.cache_dir,
         save_every_minutes=args.save_every_minutes,
         save_dtype=args.save_dtype, device=args.device, seed=args.seed,

@@ -116,6 +116,26 @@ def split_for_training(source: str, convs: list[Conversation]
     return train, held, split_metadata(source, held)
 
 
+def load_training_data(spec: str) -> tuple[list[Conversation], dict]:
+    """Training conversations and held-out metadata of `--data`: one source, or several joined
+    by commas, each optionally capped as SOURCE:N (its first N training conversations; the split
+    is made before the cap). A source listed twice is seen twice as often."""
+    parts = [p for p in spec.split(",") if p]
+    if not parts:
+        raise ValueError(f"data: no source in {spec!r}")
+    train, metas = [], []
+    for part in parts:
+        src, _, cap = part.rpartition(":")
+        if not src or not cap.isdigit():
+            src, cap = part, ""
+        tr, _, meta = split_for_training(src, load_conversations(src))
+        train += tr[:int(cap)] if cap else tr
+        metas.append(meta)
+    if len(parts) == 1:
+        return train, metas[0]
+    return train, {"sources": parts, "splits": metas}
+
+
 def split_metadata(source: str, held: list[Conversation], seed: int = SPLIT_SEED) -> dict:
     ids = [c.id for c in held]
     digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16]
@@ -126,8 +146,17 @@ def split_metadata(source: str, held: list[Conversation], seed: int = SPLIT_SEED
 def render(tokenizer, conv: Conversation, max_tokens: int) -> list[int]:
     """Chat-template tokens of the conversation (user turns clipped), cut at `max_tokens`; a
     conversation with exact `token_ids` gives those."""
+    return render_with_loss(tokenizer, conv, max_tokens)[0]
+
+
+def render_with_loss(tokenizer, conv: Conversation, max_tokens: int
+                     ) -> tuple[list[int], list[tuple[int, int]]]:
+    """(tokens, loss spans [start, end) of rows). Drafts are only ever made inside replies, so
+    the loss covers the assistant turns: from the row of the last token before a reply (the
+    first draft after a prefill) to the reply's end. Exact-token records: from prompt_len - 1."""
     if conv.token_ids is not None:
-        return conv.token_ids[:max_tokens]
+        ids = conv.token_ids[:max_tokens]
+        return ids, [(max(conv.prompt_len - 1, 0), len(ids))]
     msgs = [dict(m, content=m["content"][:MAX_USER_CHARS]) if m["role"] == "user" else m
             for m in conv.messages]
     # NOTE: render only as many turns as can fit; the template of a long chat costs real time.
@@ -137,8 +166,22 @@ def render(tokenizer, conv: Conversation, max_tokens: int) -> list[int]:
         budget -= len(m["content"])
         if budget <= 0 and m["role"] == "assistant":
             break
+
+    def n_tokens(messages, gen: bool) -> int:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=gen)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
     text = tokenizer.apply_chat_template(kept, add_generation_prompt=False)
-    return tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
+    ids = tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
+    spans = []
+    for i, m in enumerate(kept):
+        if m["role"] != "assistant":
+            continue
+        start = n_tokens(kept[:i], True) - 1
+        if start >= len(ids):
+            break
+        spans.append((max(start, 0), min(n_tokens(kept[:i + 1], False), len(ids))))
+    return ids, spans
 
 
 def prompt_ids(tokenizer, conv: Conversation, max_tokens: int = 256) -> list[int]:
@@ -160,19 +203,16 @@ class TokenBatches:
         random.Random(seed).shuffle(order)
         self.convs = [convs[i] for i in order]
         self.num_samples, self.min_tokens = num_samples, min_tokens
-        self._samples: list[tuple[list[int], int]] = []  # (ids, first position with a loss)
+        self._samples: list[tuple[list[int], list[tuple[int, int]]]] = []  # (ids, loss spans)
         self._next = 0
 
-    def _sample_with_start(self, i: int) -> tuple[list[int], int]:
+    def _sample_with_spans(self, i: int) -> tuple[list[int], list[tuple[int, int]]]:
         while len(self._samples) <= i and self._next < len(self.convs):
             conv = self.convs[self._next]
-            ids = render(self.tokenizer, conv, self.seq_len)
+            ids, spans = render_with_loss(self.tokenizer, conv, self.seq_len)
             self._next += 1
-            # The row at the prompt's last token predicts the reply's second token: the first
-            # draft after the prefill.
-            start = max(conv.prompt_len - 1, 0)
-            if len(ids) >= self.min_tokens and len(ids) - start >= 4:
-                self._samples.append((ids, start))
+            if len(ids) >= self.min_tokens and sum(b - a for a, b in spans) >= 4:
+                self._samples.append((ids, spans))
         return self._samples[i % max(len(self._samples), 1)]
 
     def num_batches(self) -> int | None:
@@ -181,20 +221,22 @@ class TokenBatches:
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.num_batches()
         index = index % n if n else index
-        rows = [self._sample_with_start(index * self.batch_size + j)
+        rows = [self._sample_with_spans(index * self.batch_size + j)
                 for j in range(self.batch_size)]
         t = max(len(r) for r, _ in rows)
         ids = torch.zeros(len(rows), t, dtype=torch.long)
         mask = torch.zeros(len(rows), t, dtype=torch.bool)  # where the loss counts
-        for j, (r, start) in enumerate(rows):
+        for j, (r, spans) in enumerate(rows):
             ids[j, :len(r)] = torch.tensor(r)
-            mask[j, start:len(r)] = True
+            for a, b in spans:
+                mask[j, a:b] = True
         return ids, mask
 
     def token_counts(self, vocab_size: int, num_samples: int) -> torch.Tensor:
         counts = torch.zeros(vocab_size, dtype=torch.long)
         for i in range(num_samples):  # the tokens the loss covers: what drafts must name
-            ids, start = self._sample_with_start(i)
-            ids = torch.tensor(ids[start:])
-            counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+            ids, spans = self._sample_with_spans(i)
+            for a, b in spans:
+                counts += torch.bincount(torch.tensor(ids[a:b], dtype=torch.long),
+                                         minlength=vocab_size)[:vocab_size]
         return counts

@@ -41,6 +41,7 @@ class TrainConfig:
     save_every_minutes: float = 5.0
     vocab_samples: int = 2000
     fit_batches: int = 12  # closed-form warm start on this many batches (0: none)
+    init_from: str | None = None  # start from another run's weights (fine-tuning on new data)
     save_dtype: str = "bf16"
     device: str | None = None
     seed: int = 0
@@ -98,8 +99,10 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
     target = target if target is not None else specdeploy.load_model(cfg.model)
     target = target.to(device).eval().requires_grad_(False)
     tokenizer = tokenizer if tokenizer is not None else specdeploy.load_tokenizer(cfg.model)
-    convs = convs if convs is not None else data_mod.load_conversations(cfg.data)
-    train_convs, _, held_meta = data_mod.split_for_training(cfg.data, convs)
+    if convs is not None:
+        train_convs, _, held_meta = data_mod.split_for_training(cfg.data, convs)
+    else:
+        train_convs, held_meta = data_mod.load_training_data(cfg.data)
     batches = data_mod.TokenBatches(tokenizer, train_convs, cfg.batch_size, cfg.seq_len,
                                     cfg.num_samples, seed=cfg.seed + 1)
     aux_layers = default_aux_layers(target.cfg.num_hidden_layers)
@@ -110,7 +113,17 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
             raise ValueError(f"{ckpt_file} is a {state['method']} run; use another --out")
         draft_ids = state["draft_ids"]
         log(f"resuming from {ckpt_file} at step {state['step']}")
-    else:
+    init = None
+    if state is None and cfg.init_from:
+        f = Path(cfg.init_from) / "checkpoint.pt"
+        if not f.is_file():
+            raise FileNotFoundError(f"init_from: {f} not found (give a train-drafter --out dir)")
+        init = torch.load(f, map_location="cpu")
+        if init["method"] != cfg.method:
+            raise ValueError(f"init_from: {f} is a {init['method']} run, not {cfg.method}")
+        draft_ids = init["draft_ids"]  # NOTE: the head's vocab comes with its weights
+        log(f"starting from the weights of {f} (step {init['step']})")
+    elif state is None:
         counts = batches.token_counts(target.cfg.vocab_size, cfg.vocab_samples)
         eos = [i for i in [getattr(tokenizer, "eos_token_id", None)] if i is not None]
         draft_ids = select_draft_vocab(counts, cfg.draft_vocab_size, always=eos)
@@ -118,6 +131,8 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
     params = [p for p in obj.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, elapsed0, history = 0, 0.0, []
+    if init is not None:
+        obj.load_state_dict(init["objective"])
     if state is not None:
         obj.load_state_dict(state["objective"])
         opt.load_state_dict(state["optimizer"])
@@ -126,7 +141,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
                            key={"model": str(cfg.model), "data": cfg.data,
                                 "split_seed": data_mod.SPLIT_SEED, "seed": cfg.seed})
     fit_s = state.get("fit_seconds", 0.0) if state is not None else 0.0
-    if state is None and cfg.fit_batches and hasattr(obj, "fit_linear"):
+    if state is None and init is None and cfg.fit_batches and hasattr(obj, "fit_linear"):
         t0 = time.perf_counter()
         obj.fit_linear(source.get(i) for i in range(cfg.fit_batches))
         fit_s = time.perf_counter() - t0

@@ -164,3 +164,47 @@ def test_resume_continues_the_run(setup, trained):
     meta = train(more, target=target, tokenizer=CharTokenizer(), convs=convs, log=lambda m: None)
     assert meta["steps"] == 14 and meta["history"][-1]["step"] == 14
     assert meta["feature_cache_hits"] == 2  # both steps read the cache written before
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_init_from_starts_at_another_runs_weights(setup, trained, method, tmp_path):
+    cfg, _ = trained[method]
+    root, target, convs = setup
+    new = TrainConfig(method=method, out=str(tmp_path / "ft"), max_steps=0, batch_size=2,
+                      seq_len=48, num_samples=2, save_dtype="fp32", progress=False,
+                      init_from=cfg.out, fit_batches=4)  # NOTE: no warm start over the weights
+    train(new, target=target, tokenizer=CharTokenizer(), convs=convs, log=lambda m: None)
+    with safe_open(f"{cfg.out}/model.safetensors", "pt") as a, \
+            safe_open(f"{new.out}/model.safetensors", "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for k in a.keys():
+            assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
+    other = "mtp" if method == "eagle3" else "eagle3"
+    bad = TrainConfig(method=other, out=str(tmp_path / "bad"), max_steps=0, init_from=cfg.out,
+                      progress=False)
+    with pytest.raises(ValueError, match="init_from"):
+        train(bad, target=target, tokenizer=CharTokenizer(), convs=convs, log=lambda m: None)
+
+
+def test_several_data_sources_with_caps(tmp_path):
+    from specdeploy.training.data import load_conversations, load_training_data, split
+
+    files = []
+    for name, n in (("a", 50), ("b", 30)):
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text("".join(json.dumps({"id": f"{name}{i}", "messages": [
+            {"role": "user", "content": f"q {name} {i}"},
+            {"role": "assistant", "content": f"r {name} {i}"}]}) + "\n" for i in range(n)))
+        files.append(str(f))
+    a, b = files
+    train_a, held_a = split(load_conversations(a))
+    train_b, held_b = split(load_conversations(b))
+    convs, meta = load_training_data(f"{a},{b}:7,{b}:7")
+    assert [c.id for c in convs] == [c.id for c in train_a + train_b[:7] + train_b[:7]]
+    assert meta["sources"] == [a, f"{b}:7", f"{b}:7"]
+    assert [m["heldout_ids"] for m in meta["splits"]] == [[c.id for c in held] for held in
+                                                          (held_a, held_b, held_b)]
+    single, meta1 = load_training_data(a)
+    assert [c.id for c in single] == [c.id for c in train_a] and meta1["num_heldout"] == 5
+    with pytest.raises(ValueError, match="data"):
+        load_training_data(",")
