@@ -1,5 +1,6 @@
 """`make demo`: the embedded default model on a few chat prompts, without and with speculative
-decoding (the EAGLE-3 head shipped for it): text, tokens/s and the mean accepted length."""
+decoding (the EAGLE-3 head shipped for it, alone and with n-gram lookup drafts): text, tokens/s
+and the mean accepted length."""
 from __future__ import annotations
 
 import time
@@ -37,7 +38,12 @@ def main() -> None:
     spec = LLM(max_batch_size=1, max_seq_len=1024, progress=True,
                spec=SpecConfig("eagle3", num_draft_tokens=3))
     texts = run(spec, "EAGLE-3, K=3")
-    print("\ngreedy outputs identical with and without speculation:", texts == plain)
+    del spec
+    hybrid = LLM(max_batch_size=1, max_seq_len=1024, progress=True,
+                 spec=SpecConfig("eagle3", num_draft_tokens=3, prompt_lookup_max=4))
+    texts_lookup = run(hybrid, "EAGLE-3 + n-gram lookup, K=3")
+    print("\ngreedy outputs identical with and without speculation:",
+          texts == plain and texts_lookup == plain)
 
 
 if __name__ == "__main__":

@@ -14,4 +14,6 @@ def test_demo_prints_both_runs(monkeypatch, capsys):
     assert re.search(r"\[no speculation\] \d+ tokens in [\d.]+ s = [\d.]+ tokens/s\n", out)
     assert re.search(r"\[EAGLE-3, K=3\] \d+ tokens in [\d.]+ s = [\d.]+ tokens/s, mean accepted "
                      r"length [\d.]+ \(per position \[", out)
+    assert re.search(r"\[EAGLE-3 \+ n-gram lookup, K=3\] \d+ tokens in [\d.]+ s = [\d.]+ "
+                     r"tokens/s, mean accepted length", out)
     assert "greedy outputs identical with and without speculation: True" in out
