@@ -71,7 +71,8 @@ def load_drafter(model: nn.Module, spec: SpecConfig):
                                   "`specdeploy train-drafter --method mtp`")
         from specdeploy.models.drafters.mtp_head import load_mtp_head
 
-        return load_mtp_head(draft_model, model), (FINAL,), None
+        head = load_mtp_head(draft_model, model)
+        return head, (FINAL,), head.d2t
     from specdeploy.models.drafters.eagle3 import load_eagle3
 
     draft_model = draft_model or shipped_drafter(model, "eagle3")

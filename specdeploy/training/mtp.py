@@ -94,6 +94,7 @@ class MTPObjective(nn.Module):
         finally:
             self.head._shared = shared
         h._shared = shared
+        h.set_draft_vocab(self.train_ids.cpu())  # deployed drafts stay in the trained vocab
         return h.to(dtype)
 
 

@@ -107,5 +107,6 @@ def test_default_mtp_head_resolves(reference):
 
     model = specdeploy.load_model(None)
     drafter, layers, d2t = load_drafter(model, SpecConfig("mtp", 2))
-    assert isinstance(drafter, MTPHead) and layers == (FINAL,) and d2t is None
+    assert isinstance(drafter, MTPHead) and layers == (FINAL,)
+    assert d2t is not None and d2t.shape == (6144,)  # drafts over its training vocab
     assert drafter.embed(torch.tensor([[1]])).shape == (1, 1, model.cfg.hidden_size)

@@ -118,6 +118,8 @@ def test_saved_eagle3_reloads_and_drafts_identically(setup, trained):
 
 
 def test_saved_mtp_head_reloads_and_drafts_identically(setup, trained):
+    """The saved head drafts over its training vocab (`mtp.d2t`): the same drafts (target ids)
+    and logits as the trained head's full-vocab logits restricted to those ids."""
     from specdeploy.models.drafters.mtp_head import load_mtp_head
     from specdeploy.training.mtp import MTPObjective
 
@@ -129,10 +131,24 @@ def test_saved_mtp_head_reloads_and_drafts_identically(setup, trained):
     loaded = load_mtp_head(cfg.out, target)
     keys = safe_open(f"{cfg.out}/model.safetensors", "pt").keys()
     assert keys and all(k.startswith("mtp.") for k in keys) and "mtp.fc.weight" in keys
+    ids = state["draft_ids"]
+    assert torch.equal(loaded.d2t + torch.arange(len(ids)), ids)
     f = _features(setup)
+
+    def chain(head, restrict: bool, steps=3):
+        pos = torch.arange(f.ids.shape[1]).expand_as(f.ids)
+        hidden, tok, drafts = f.final, f.ids, []
+        for j in range(steps):
+            out = head(hidden, head.embed(tok), pos + j)
+            logits = out.logits[..., ids] if restrict else out.logits
+            tok = ids[logits.argmax(-1)]
+            hidden = out.hidden
+            drafts.append(tok)
+        return torch.stack(drafts), logits
+
     with torch.no_grad():
-        a, la = _chain(obj.head, f.final, f.ids)
-        b, lb = _chain(loaded, f.final, f.ids)
+        a, la = chain(obj.head, True)
+        b, lb = chain(loaded, False)
     assert torch.equal(a, b) and torch.allclose(la, lb, atol=1e-5)
 
 
