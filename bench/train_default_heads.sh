@@ -42,21 +42,9 @@ OMP_NUM_THREADS=1 .venv/bin/specdeploy train-drafter --method eagle3 --out "$RUN
 OMP_NUM_THREADS=1 .venv/bin/specdeploy train-drafter --method mtp --out "$RUNS/mtp" \
   --max-minutes "$MINUTES" --lr 1e-4 "${COMMON[@]}" > "$RUNS/mtp.log" 2>&1 &
 wait
-# 3. (EAGLE-3) Fine-tune on more, fresher data: the 55-min head agreed with the target 1.95
-#    tokens per K=3 step on its training batches but 1.53 on held-out prompts (2.2 epochs over
-#    118k reply tokens), so it continues from those weights on the generated replies (twice)
-#    plus ShareGPT's own conversations, whose features are cheap (one teacher-forced forward,
-#    no decoding). FT_MINUTES sets the budget; re-running resumes.
-FT_MINUTES=${FT_MINUTES:-75}
-OMP_NUM_THREADS=2 .venv/bin/specdeploy train-drafter --method eagle3 --out "$RUNS/eagle3_ft" \
-  --init-from "$RUNS/eagle3" --data "$RUNS/self.jsonl,$RUNS/self.jsonl,sharegpt:3000" \
-  --draft-vocab-size 6144 --seq-len 320 --batch-size 4 --cache-dir "$RUNS/feat_mix" \
-  --no-progress --save-every-minutes 5 --max-minutes "$FT_MINUTES" --lr 3e-5 \
-  > "$RUNS/eagle3_ft.log" 2>&1
-for pair in eagle3_ft:eagle3 mtp:mtp; do
-  src=${pair%%:*} m=${pair##*:}
+for m in eagle3 mtp; do
   dst=specdeploy/data/drafters/smollm2-135m-instruct/$m
   mkdir -p "$dst"
-  cp "$RUNS/$src"/{config.json,model.safetensors,training.json} "$dst/"
+  cp "$RUNS/$m"/{config.json,model.safetensors,training.json} "$dst/"
   chmod 644 "$dst"/*
 done
