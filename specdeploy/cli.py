@@ -12,7 +12,7 @@ from specdeploy.config import SPEC_METHODS, SpecConfig
 # Speculative-decoding counters copied from `LLM.stats()` into `generate --json`.
 SPEC_STATS = ("num_draft_tokens", "draft_steps", "draft_tokens", "accepted_tokens",
               "acceptance_rate", "mean_accepted_length", "accepted_per_position",
-              "acceptance_per_position")
+              "acceptance_per_position", "lookup_steps", "lookup_accepted_tokens")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

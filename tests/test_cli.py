@@ -70,3 +70,23 @@ def test_sharegpt_first_human_turns():
 
     prompts = load_prompts("sharegpt", 3)
     assert len(prompts) == 3 and all(p.strip() for p in prompts)
+
+
+def test_generate_with_eagle3_and_lookup_flags(tiny_dir, tmp_path, capsys):
+    """--spec eagle3 --prompt-lookup-max reaches SpecConfig; greedy text as without speculation."""
+    draft = tmp_path / "eagle"
+    assert main(["make-tiny", "--arch", "eagle3", "--target", str(tiny_dir), "--out",
+                 str(draft)]) == 0
+    prompt = "abc abc abc abc"
+    args = ["generate", "--model", str(tiny_dir), "--prompt", prompt, "--json", "--max-tokens",
+            "12", "--max-seq-len", "128"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(args + ["--spec", "eagle3", "--draft-model", str(draft),
+                        "--prompt-lookup-max", "3", "--prompt-lookup-min", "1"]) == 0
+    spec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec.get("lookup_steps", 0) > 0, spec
+    assert main(args + ["--spec", "eagle3", "--draft-model", str(draft),
+                        "--prompt-lookup-max", "2", "--prompt-lookup-min", "3"]) == 2
+    assert "prompt_lookup_min" in capsys.readouterr().err
