@@ -195,12 +195,13 @@ def main() -> None:
     from specdeploy.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.model)
-    prompts = heldout_prompts(tok, args.num_prompts, args.max_prompt_tokens)
+    prompts = heldout_prompts(tok, max(args.num_prompts, args.speed_prompts),
+                              args.max_prompt_tokens)
     t0 = time.perf_counter()
     result = {"machine": machine(), "command": " ".join(sys.argv),
               "model": args.model or "default (SmolLM2-135M-Instruct)",
-              "heldout_prompts": len(prompts), "max_tokens": args.max_tokens,
-              "acceptance": acceptance(args, prompts)}
+              "heldout_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+              "acceptance": acceptance(args, prompts[:args.num_prompts])}
     if not args.skip_speed:
         result["speed_bs1"] = speed(args, prompts)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
