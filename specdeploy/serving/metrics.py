@@ -138,6 +138,12 @@ def _spec_metrics(metric, engine: dict) -> None:
     metric("spec_mean_accepted_length", "gauge",
            "Tokens gained per verify step (accepted + bonus).",
            [("", engine.get("mean_accepted_length", 0.0))])
+    metric("spec_lookup_steps_total", "counter",
+           "Verify steps whose drafts came (at least in part) from n-gram lookup.",
+           [("", engine.get("lookup_steps", 0))])
+    metric("spec_lookup_accepted_tokens_total", "counter",
+           "Draft tokens accepted in those steps.",
+           [("", engine.get("lookup_accepted_tokens", 0))])
 
 
 def parse_text(text: str) -> dict[str, float]:
