@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from specdeploy.config import SPEC_METHODS, SpecConfig
+from specdeploy.spec_args import add_spec_args, spec_from_args
 
 # Speculative-decoding counters copied from `LLM.stats()` into `generate --json`.
 SPEC_STATS = ("num_draft_tokens", "draft_steps", "draft_tokens", "accepted_tokens",
@@ -21,12 +21,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--max-cache-gib", type=float, default=None)
     p.add_argument("--backend", choices=("graph", "eager"), default="graph")
-    p.add_argument("--spec", choices=("none", *SPEC_METHODS), default="none")
-    p.add_argument("--num-draft-tokens", type=int, default=3)
-    p.add_argument("--draft-model", default=None)
-    p.add_argument("--prompt-lookup-max", type=int, default=0,
-                   help="n-gram lookup drafts ahead of the drafter's (0: off; try 4)")
-    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    add_spec_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="weight-only int8 (lm_head, routers and the drafter excluded)")
@@ -41,14 +36,6 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
-def _spec(args) -> SpecConfig | None:
-    if args.spec == "none":
-        return None
-    return SpecConfig(args.spec, num_draft_tokens=args.num_draft_tokens,
-                      draft_model=args.draft_model, prompt_lookup_max=args.prompt_lookup_max,
-                      prompt_lookup_min=args.prompt_lookup_min)
-
-
 def _llm(args, max_batch_size: int):
     from specdeploy.llm import LLM
 
@@ -58,7 +45,8 @@ def _llm(args, max_batch_size: int):
         torch.set_num_threads(args.threads)
 
     return LLM(args.model, dtype=args.dtype, max_batch_size=max_batch_size,
-               max_seq_len=args.max_seq_len, spec=_spec(args), max_cache_gib=args.max_cache_gib,
+               max_seq_len=args.max_seq_len, spec=spec_from_args(args),
+               max_cache_gib=args.max_cache_gib,
                backend=args.backend, progress=True, compile=args.compile,
                quantize=None if args.quantize == "none" else args.quantize)
 
@@ -147,7 +135,7 @@ def cmd_deploy(args) -> int:
 
         model = default_model_path()
     print(describe(model, dtype=args.dtype, max_seq_len=args.max_seq_len,
-                   max_cache_gib=args.max_cache_gib, spec=_spec(args)))
+                   max_cache_gib=args.max_cache_gib, spec=spec_from_args(args)))
     return 0
 
 

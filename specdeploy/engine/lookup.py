@@ -31,16 +31,20 @@ class NgramIndex:
                 if end >= n:
                     self.table[tuple(ids[end - n:end])] = end
         self.done = max(self.done, n_ids)
-        full = list(ids) + list(drafts) if drafts else ids
-        n_full = len(full)
+        # NOTE: only the tail is copied; this runs every draft step of every sequence
+        tail = list(ids[-self.max_n:]) + list(drafts)
+        n_full = n_ids + len(drafts)
+
+        def at(x: int) -> int:  # token x of ids + drafts
+            return ids[x] if x < n_ids else drafts[x - n_ids]
+
         for n in range(min(self.max_n, n_full - 1), self.min_n - 1, -1):
-            j = self.table.get(tuple(full[n_full - n:]))
+            j = self.table.get(tuple(tail[len(tail) - n:]))
             if j is None:
                 continue
             out: list[int] = []
             period = n_full - j
             for i in range(k):
-                out.append(full[j + i] if j + i < n_full else out[i - period])
+                out.append(at(j + i) if j + i < n_full else out[i - period])
             return out
         return None
-

@@ -237,13 +237,15 @@ class SpecEngine(Engine):
             return
         logits, h = out.logits[: len(drafting)], out.hidden[: len(drafting)]
         everyone = drafting
+        committed = {id(seq): seq.all_ids for seq, _ in drafting} if self.lookup else {}
         for step in range(self.k):
             if self.lookup is not None:
                 # A sequence whose tail (drafts included) occurred before takes the rest of its
                 # drafts from there and leaves the drafter. NOTE: the drafter's catch-up above
                 # ran for it anyway (its KV must hold every committed position); its later
                 # steps only write positions that the next catch-up overwrites.
-                keep = [i for i, (seq, _) in enumerate(drafting) if not self._lookup_drafts(seq)]
+                keep = [i for i, (seq, _) in enumerate(drafting)
+                        if not self._lookup_drafts(seq, committed[id(seq)])]
                 if len(keep) < len(drafting):
                     rows = torch.tensor(keep, dtype=torch.long, device=logits.device)
                     drafting = [drafting[i] for i in keep]
@@ -266,15 +268,16 @@ class SpecEngine(Engine):
             for seq, _ in everyone:
                 seq.drafts = list(self.draft_override(seq, self.k))
 
-    def _lookup_drafts(self, seq: Sequence) -> bool:
-        """Complete `seq.drafts` from n-gram lookup when the tail of the sequence plus its drafts
-        occurred before. Lookup drafts are deterministic given the prefix: for a sampled request
-        q is one-hot on each (rejection sampling then accepts d with probability p(d) and
-        resamples from p without d), so the output still follows the target."""
+    def _lookup_drafts(self, seq: Sequence, ids: list[int]) -> bool:
+        """Complete `seq.drafts` from n-gram lookup when the tail of the sequence (`ids`, its
+        committed tokens) plus its drafts occurred before. Lookup drafts are deterministic
+        given the prefix: for a sampled request q is one-hot on each (rejection sampling then
+        accepts d with probability p(d) and resamples from p without d), so the output still
+        follows the target."""
         index = getattr(seq, "ngram_index", None)
         if index is None or (index.max_n, index.min_n) != self.lookup:
             index = seq.ngram_index = NgramIndex(*self.lookup)
-        rest = index.propose(seq.all_ids, self.k - len(seq.drafts), seq.drafts)
+        rest = index.propose(ids, self.k - len(seq.drafts), seq.drafts)
         if rest is None:
             return False
         seq.drafts, seq.drafts_from_lookup = seq.drafts + rest, True

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from specdeploy.config import SPEC_METHODS, SpecConfig
+from specdeploy.spec_args import add_spec_args, spec_from_args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -22,12 +22,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
     p.add_argument("--max-cache-gib", type=float, default=None)
-    p.add_argument("--spec", choices=("none", *SPEC_METHODS), default="none")
-    p.add_argument("--num-draft-tokens", type=int, default=3)
-    p.add_argument("--draft-model", default=None, help="EAGLE-3 drafter checkpoint")
-    p.add_argument("--prompt-lookup-max", type=int, default=0,
-                   help="n-gram lookup drafts ahead of the drafter's (0: off; try 4)")
-    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    add_spec_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("SPECDEPLOY_API_KEY"),
@@ -48,12 +43,7 @@ def cmd_serve(args) -> int:
         raise ValueError(f"max-queue: must be >= 0, got {args.max_queue}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"port: must be in [0, 65535], got {args.port}")
-    spec = None
-    if args.spec != "none":
-        spec = SpecConfig(args.spec, num_draft_tokens=args.num_draft_tokens,
-                          draft_model=args.draft_model,
-                          prompt_lookup_max=args.prompt_lookup_max,
-                          prompt_lookup_min=args.prompt_lookup_min)
+    spec = spec_from_args(args)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {args.threads}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,3 +225,21 @@ def test_several_data_sources_with_caps(tmp_path):
     assert [c.id for c in single] == [c.id for c in train_a] and meta1["num_heldout"] == 5
     with pytest.raises(ValueError, match="data"):
         load_training_data(",")
+
+
+def test_mtp_head_with_a_bad_draft_vocab_is_named(setup, trained, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from specdeploy.checkpoint import CheckpointError
+    from specdeploy.models.drafters.mtp_head import load_mtp_head
+
+    _, target, _ = setup
+    cfg, _ = trained["mtp"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((Path(cfg.out) / "config.json").read_text())
+    tensors = load_file(f"{cfg.out}/model.safetensors")
+    tensors["mtp.d2t"] = tensors["mtp.d2t"] + 10_000  # ids past the target's vocab
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="mtp.d2t"):
+        load_mtp_head(bad, target)

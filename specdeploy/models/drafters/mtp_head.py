@@ -53,14 +53,12 @@ class MTPHead(nn.Module):
         self.layers = nn.ModuleList([llama.DecoderLayer(cfg)])
         self.norm = RMSNorm(h, eps)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        # Draft vocab (set_draft_vocab): its LM-head rows, and d2t offsets to the target's ids
+        self.draft_head: nn.Linear | None = None
+        self.d2t: torch.Tensor | None = None
 
     def init_buffers(self) -> None:
         self.rotary_emb.init_buffers()
-
-    @property
-    def d2t(self) -> torch.Tensor | None:
-        head = getattr(self, "draft_head", None)
-        return None if head is None else self._d2t
 
     def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
         """Draft over these target ids only (sorted): a copy of their LM-head rows."""
@@ -71,7 +69,7 @@ class MTPHead(nn.Module):
         with torch.no_grad():
             self.draft_head.weight.copy_(w)
         self.draft_head.requires_grad_(False)
-        self._d2t = ids - torch.arange(ids.shape[0])
+        self.d2t = ids - torch.arange(ids.shape[0])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self._shared[0].weight)
@@ -89,9 +87,8 @@ class MTPHead(nn.Module):
         cos, sin = self.rotary_emb(position_ids)
         x = self.layers[step % len(self.layers)](self.fuse(hidden_states, input_embeds), cos, sin)
         hidden = self.norm(x)
-        head = getattr(self, "draft_head", None)
-        if head is not None:  # logits over the draft vocab (map with d2t)
-            return DraftOutput(hidden, head(hidden))
+        if self.draft_head is not None:  # logits over the draft vocab (map with d2t)
+            return DraftOutput(hidden, self.draft_head(hidden))
         return DraftOutput(hidden, F.linear(hidden, self._shared[1].weight))
 
 
