@@ -213,7 +213,10 @@ class TokenBatches:
             self._next += 1
             if len(ids) >= self.min_tokens and sum(b - a for a, b in spans) >= 4:
                 self._samples.append((ids, spans))
-        return self._samples[i % max(len(self._samples), 1)]
+        if not self._samples:
+            raise ValueError(f"data: none of the {len(self.convs)} training conversations has "
+                             f">= {self.min_tokens} tokens with >= 4 loss rows (replies)")
+        return self._samples[i % len(self._samples)]
 
     def num_batches(self) -> int | None:
         return None if self.num_samples is None else max(1, self.num_samples // self.batch_size)

@@ -90,3 +90,43 @@ def test_bad_shard_is_named_before_loading(tmp_path, capsys, shard):
     assert main(["gen-drafter-data", "--model", str(tmp_path / "missing"), "--out",
                  str(tmp_path / "o.jsonl"), "--num-prompts", "1", "--shard", shard]) == 2
     assert "--shard" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_train_drafter_command_on_generated_data(setup, method, tmp_path):
+    """`specdeploy train-drafter` end to end: the generated file plus the source file as a second
+    source, a few steps, a head that `SpecConfig` deploys losslessly next to the target."""
+    from specdeploy import SamplingParams, SpecConfig
+
+    root, target, src, out, _ = setup
+    long = tmp_path / "long.jsonl"  # replies long enough for training samples (>= 32 tokens)
+    long.write_text("".join(json.dumps({"id": f"l{i}", "conversations": [
+        {"from": "human", "value": " ".join(WORDS[i % 5:i % 5 + 4])},
+        {"from": "gpt", "value": " ".join(WORDS * 2)}]}) + "\n" for i in range(20)))
+    head = tmp_path / method
+    argv = ["train-drafter", "--model", str(target), "--method", method, "--out", str(head),
+            "--data", f"{out},{long}:12", "--max-steps", "3", "--batch-size", "2",
+            "--seq-len", "48", "--draft-vocab-size", "64", "--fit-batches", "1",
+            "--no-progress", "--save-dtype", "fp32"]
+    assert main(argv) == 0
+    meta = json.loads((head / "training.json").read_text())
+    assert meta["steps"] == 3 and meta["heldout"]["sources"] == [str(out), f"{long}:12"]
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = LLM(str(target), max_batch_size=1, max_seq_len=64).generate([prompt], params)
+    spec = LLM(str(target), max_batch_size=1, max_seq_len=64,
+               spec=SpecConfig(method, 2, draft_model=str(head)))
+    assert spec.generate([prompt], params)[0].token_ids == want[0].token_ids
+    assert spec.stats()["draft_steps"] > 0
+
+
+def test_train_drafter_on_data_too_short_names_it(setup, tmp_path, capsys):
+    target = setup[1]
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps({"id": f"s{i}", "conversations": [
+        {"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}]}) + "\n"
+        for i in range(12)))
+    argv = ["train-drafter", "--model", str(target), "--method", "mtp", "--out",
+            str(tmp_path / "h"), "--data", str(short), "--max-steps", "1", "--no-progress"]
+    assert main(argv) == 2
+    assert "data: none of the" in capsys.readouterr().err
