@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SPEC_METHODS = ("mtp", "eagle3")
+DRAFT_DTYPES = (None, "float32", "bfloat16", "float16")
+DRAFT_QUANTIZE = (None, "int8")
 
 
 @dataclass(frozen=True)
@@ -15,6 +17,10 @@ class SpecConfig:
     `prompt_lookup_max` > 0 adds n-gram lookup drafts (vLLM's names): when the sequence's last
     n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) occurred before, the K
     tokens that followed are drafted instead of the drafter's (engine/lookup.py).
+    `draft_dtype` / `draft_quantize` run the drafter at another precision than the target (None:
+    the target's), e.g. "bfloat16" + "int8" on a CPU, where a draft step is bound by reading the
+    drafter's weights. Lossless whatever they are: drafts are verified by the target in its own
+    precision, so only how many are accepted can change.
     """
 
     method: str
@@ -23,6 +29,8 @@ class SpecConfig:
     capture_layers: tuple[int, ...] | None = None
     prompt_lookup_max: int = 0
     prompt_lookup_min: int = 2
+    draft_dtype: str | None = None
+    draft_quantize: str | None = None
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -38,6 +46,11 @@ class SpecConfig:
         if lmax and not 1 <= lmin <= lmax:
             raise ValueError(f"prompt_lookup_min: must be in 1..prompt_lookup_max ({lmax}), "
                              f"got {lmin!r}")
+        if self.draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"draft_dtype: must be None or one of {', '.join(DRAFT_DTYPES[1:])}, "
+                             f"got {self.draft_dtype!r}")
+        if self.draft_quantize not in DRAFT_QUANTIZE:
+            raise ValueError(f"draft_quantize: must be None or 'int8', got {self.draft_quantize!r}")
         if self.capture_layers is not None:
             layers = tuple(self.capture_layers)
             if not layers or any(not isinstance(i, int) or i < 0 for i in layers):

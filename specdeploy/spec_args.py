@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdeploy.config import SPEC_METHODS, SpecConfig
+from specdeploy.config import DRAFT_DTYPES, DRAFT_QUANTIZE, SPEC_METHODS, SpecConfig
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -14,6 +14,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=0,
                    help="n-gram lookup drafts ahead of the drafter's (0: off; try 4)")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--draft-dtype", choices=DRAFT_DTYPES[1:], default=None,
+                   help="run the drafter at this dtype (default: the target's; lossless "
+                        "either way, drafts are verified by the target)")
+    p.add_argument("--draft-quantize", choices=("none", *DRAFT_QUANTIZE[1:]), default="none",
+                   help="int8 weight-only drafter (fast with --draft-dtype bfloat16 on a CPU)")
 
 
 def spec_from_args(args) -> SpecConfig | None:
@@ -21,4 +26,5 @@ def spec_from_args(args) -> SpecConfig | None:
         return None
     return SpecConfig(args.spec, num_draft_tokens=args.num_draft_tokens,
                       draft_model=args.draft_model, prompt_lookup_max=args.prompt_lookup_max,
-                      prompt_lookup_min=args.prompt_lookup_min)
+                      prompt_lookup_min=args.prompt_lookup_min, draft_dtype=args.draft_dtype,
+                      draft_quantize=None if args.draft_quantize == "none" else args.draft_quantize)

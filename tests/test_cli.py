@@ -73,7 +73,8 @@ def test_sharegpt_first_human_turns():
 
 
 def test_generate_with_eagle3_and_lookup_flags(tiny_dir, tmp_path, capsys):
-    """--spec eagle3 --prompt-lookup-max reaches SpecConfig; greedy text as without speculation."""
+    """--spec eagle3 --prompt-lookup-max / --draft-dtype / --draft-quantize reach SpecConfig;
+    greedy text as without speculation."""
     draft = tmp_path / "eagle"
     assert main(["make-tiny", "--arch", "eagle3", "--target", str(tiny_dir), "--out",
                  str(draft)]) == 0
@@ -87,6 +88,10 @@ def test_generate_with_eagle3_and_lookup_flags(tiny_dir, tmp_path, capsys):
     spec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert spec["token_ids"] == plain["token_ids"]
     assert spec.get("lookup_steps", 0) > 0, spec
+    assert main(args + ["--spec", "eagle3", "--draft-model", str(draft),
+                        "--draft-dtype", "bfloat16", "--draft-quantize", "int8"]) == 0
+    low = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert low["token_ids"] == plain["token_ids"] and low["draft_steps"] > 0, low
     assert main(args + ["--spec", "eagle3", "--draft-model", str(draft),
                         "--prompt-lookup-max", "2", "--prompt-lookup-min", "3"]) == 2
     assert "prompt_lookup_min" in capsys.readouterr().err

@@ -8,6 +8,7 @@ that shares the target's page tables. One cache plan covers both.
 """
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -20,6 +21,7 @@ from specdeploy.checkpoint import CheckpointError
 from specdeploy.config import SpecConfig
 from specdeploy.deploy.base import CacheLayout, StepOutput
 from specdeploy.deploy.passes.capture_hidden import FINAL
+from specdeploy.deploy.pipeline import DeployContext
 from specdeploy.deploy.runner import GraphDeployed, allocate, transform_module
 
 
@@ -41,7 +43,9 @@ class DraftStep(nn.Module):
             self.add_module("shared_embed_tokens", emb)
 
     def forward(self, input_ids, position_ids, hidden):
-        out = self.eagle_drafter(hidden, self.eagle_drafter.embed(input_ids), position_ids)
+        # NOTE: the embedding is the target's (its dtype); a drafter may run at another one
+        embeds = self.eagle_drafter.embed(input_ids).to(hidden.dtype)
+        out = self.eagle_drafter(hidden, embeds, position_ids)
         return out.logits, out.hidden
 
 
@@ -88,6 +92,17 @@ def load_drafter(model: nn.Module, spec: SpecConfig):
     return drafter, layers, drafter.d2t
 
 
+def _own_output_head(drafter: nn.Module, dtype: torch.dtype) -> None:
+    """A drafter at another dtype than the target gets its own copy of a borrowed LM head (an
+    MTP head drafting over the full vocab reads the target's); the borrowed embedding stays
+    shared (a lookup reads one row; DraftStep casts it)."""
+    shared = getattr(drafter, "_shared", None)
+    if shared is None or getattr(drafter, "draft_head", None) is not None:
+        return
+    embed, head = shared
+    drafter._shared = (embed, copy.deepcopy(head).to(dtype).requires_grad_(False))
+
+
 class SpecDeployed:
     """Target + drafter programs over one cache plan. See engine/speculative.py for the step."""
 
@@ -97,6 +112,7 @@ class SpecDeployed:
         self.num_draft_tokens = spec.num_draft_tokens
         self.d2t = d2t
         self.method = method
+        self.draft_dtype = next(drafter.parameters()).dtype
         self.vocab_size = target.vocab_size
         self.max_seq_len = target.max_seq_len
         self.hf_config = target.hf_config
@@ -115,7 +131,7 @@ class SpecDeployed:
         fc = getattr(self.drafter, "fc", None)
         if fc is not None and captured.shape[-1] == fc.in_features:
             return fc(captured.to(fc.weight.dtype))
-        return captured
+        return captured.to(self.draft_dtype)
 
     def draft_forward(self, meta: BatchMetadata, hidden: torch.Tensor) -> StepOutput:
         """Drafter step; returns logits over the *target* vocabulary order only when d2t is None
@@ -156,17 +172,27 @@ def build_spec_deployed(model: nn.Module, spec: SpecConfig, *, dtype: torch.dtyp
                         max_cache_gib: float | None, compile: bool = False,
                         quantize: str | None = None,
                         disabled: frozenset[str] = frozenset()) -> SpecDeployed:
+    from specdeploy.loading import resolve_dtype
+
     t0 = time.perf_counter()
     drafter, layers, d2t = load_drafter(model, spec)
-    drafter = drafter.to(dtype)
+    draft_dtype = resolve_dtype(spec.draft_dtype) if spec.draft_dtype else dtype
+    drafter = drafter.to(draft_dtype)
+    if draft_dtype != dtype:
+        _own_output_head(drafter, draft_dtype)
     common = dict(page_size=page_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                   max_cache_gib=max_cache_gib, dtype=dtype, compile=compile, quantize=quantize,
                   disabled=frozenset(disabled))
+    draft_common = {**common, "dtype": draft_dtype,
+                    "quantize": spec.draft_quantize or quantize}
+    if spec.draft_quantize:  # NOTE: the default exclusions keep drafters unquantized
+        keep = DeployContext.__dataclass_fields__["quant_exclude"].default
+        draft_common["quant_exclude"] = tuple(p for p in keep if not p.startswith("eagle_drafter"))
     gm_t, ctx_t, infos_t = transform_module(
         model, capture_layers=layers, spec_steps=spec.num_draft_tokens + 1, **common)
     hidden_size = model.cfg.hidden_size
     gm_d, ctx_d, infos_d = transform_module(
-        DraftStep(drafter), hidden_size=hidden_size, resource_prefix="draft_", **common)
+        DraftStep(drafter), hidden_size=hidden_size, resource_prefix="draft_", **draft_common)
     plan = plan_cache(ctx_t.resources + ctx_d.resources, page_size, max_batch_size, max_seq_len,
                       max_cache_gib, ctx_t.device)
     allocate(gm_t, ctx_t, plan)

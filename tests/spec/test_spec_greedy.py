@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from specdeploy import SamplingParams
 
@@ -94,3 +95,38 @@ def test_lookup_drafts_stay_lossless(target, k):
     stats = llm.stats()
     assert stats["lookup_steps"] > 0 and stats["draft_tokens"] == k * stats["draft_steps"]
     assert stats["lookup_steps"] < stats["draft_steps"]  # the drafter drafted the others
+
+
+def test_low_precision_drafter_stays_lossless(target, baseline):
+    """A bf16, int8-weight drafter next to an fp32 target (the CPU setting where a draft step
+    is bound by reading the drafter's weights): output equals the non-speculative path's, the
+    target keeps its precision, and native MTP heads get their own copy of the target's head."""
+    from specdeploy import LLM, SpecConfig
+    from tests.spec.tiny_targets import LIMITS
+
+    spec = SpecConfig(target.method, 3, draft_model=target.spec(3).draft_model,
+                      draft_dtype="bfloat16", draft_quantize="int8")
+    llm = LLM(str(target.path), spec=spec, **LIMITS)
+    d = llm.deployed
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [b[:MAX_TOKENS] for b in baseline]
+    assert _ids(llm.generate(target.prompts, params)) == want
+    assert _ids(llm.generate([target.prompts[2]], params)) == [want[2]]
+    assert llm.stats()["draft_steps"] > 0
+    assert d.draft_dtype == torch.bfloat16
+    quant = {i.name: i for i in d.draft.infos}["quantize_int8_weights"]
+    assert quant.num_matches > 0 and not quant.skipped
+    assert {p.dtype for p in d.target.gm.parameters()} == {torch.float32}
+    shared = getattr(d.drafter, "_shared", None)
+    if shared is not None and getattr(d.drafter, "draft_head", None) is None:
+        assert shared[1].weight.dtype == torch.bfloat16
+        assert shared[0].weight.dtype == torch.float32  # the embedding stays the target's
+
+
+def test_draft_precision_is_validated():
+    from specdeploy import SpecConfig
+
+    with pytest.raises(ValueError, match="draft_dtype"):
+        SpecConfig("eagle3", draft_dtype="int4")
+    with pytest.raises(ValueError, match="draft_quantize"):
+        SpecConfig("eagle3", draft_quantize="fp8")
