@@ -77,24 +77,40 @@ def _decode(q, k_cache, v_cache, page_table, cache_lens, scale, sliding_window):
     return out.reshape(s, hq, -1).to(q.dtype)
 
 
-def _decode_one(q, k_cache, v_cache, pages, cache_len, scale):
-    """One sequence's decode query against exactly its cached positions 0..cache_len (no mask).
+def _seq_kv(k_cache, v_cache, pages, total):
+    """One sequence's keys and values at positions 0..total-1 ([total, Hkv, D] each).
     Consecutive pages (the common case: pages are handed out in order) are read through a view
-    of the cache; otherwise only the used pages are gathered. q [1, Hq, D] -> [1, Hq, Dv]."""
+    of the cache; otherwise only the used pages are gathered."""
     ps = k_cache.shape[1]
-    n = cache_len // ps + 1  # pages holding positions 0..cache_len
-    total = cache_len + 1
+    n = (total + ps - 1) // ps
     used = pages[:n].tolist()
     first = used[0]
     if used[-1] - first == n - 1 and used == list(range(first, first + n)):
-        keys = k_cache.view(-1, *k_cache.shape[2:])[first * ps:first * ps + total]  # [L, Hkv, D]
+        keys = k_cache.view(-1, *k_cache.shape[2:])[first * ps:first * ps + total]
         vals = v_cache.view(-1, *v_cache.shape[2:])[first * ps:first * ps + total]
-    else:
-        keys = _pages(k_cache, pages[None, :n])[0, :total]
-        vals = _pages(v_cache, pages[None, :n])[0, :total]
+        return keys, vals
+    return (_pages(k_cache, pages[None, :n])[0, :total],
+            _pages(v_cache, pages[None, :n])[0, :total])
+
+
+def _decode_one(q, k_cache, v_cache, pages, cache_len, scale):
+    """One sequence's decode query against exactly its cached positions 0..cache_len (no mask).
+    q [1, Hq, D] -> [1, Hq, Dv]."""
+    keys, vals = _seq_kv(k_cache, v_cache, pages, cache_len + 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None].float(), keys.transpose(0, 1)[None].float(),
         vals.transpose(0, 1)[None].float(), scale=scale, enable_gqa=True)  # [1, Hq, 1, Dv]
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
+def _extend_one(q, k_cache, v_cache, pages, total, mask, scale):
+    """One sequence's chunk of queries (a prefill chunk or a verify segment), the last
+    q.shape[0] of its `total` positions, under `mask` [Tq, total]. q [Tq, Hq, D] -> [Tq, Hq, Dv].
+    NOTE: grouped heads through enable_gqa: no per-query-head copies of K and V."""
+    keys, vals = _seq_kv(k_cache, v_cache, pages, total)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None].float(), keys.transpose(0, 1)[None].float(),
+        vals.transpose(0, 1)[None].float(), attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).to(q.dtype)
 
 
@@ -124,15 +140,19 @@ def cached_attention_impl(
         tok = cu_seqlens[sel]
         out[0, tok] = _decode(q[0, tok], k_cache, v_cache, page_table[sel], cache_lens[sel],
                               scale, sliding_window)
+    cpu = page_table.device.type == "cpu"
     for s in range(num_seqs):
         a, b = cu[s], cu[s + 1]
         if len(single) > 1 and b - a == 1:
             continue
         total = lens[s] + (b - a)
         pages = page_table[s, : (total + page_size - 1) // page_size]
+        mask = attention_mask(b - a, total, sliding_window, q.device)
+        if cpu:  # NOTE: same math as _sdpa (bit-identical), minus the K/V gather and GQA copies
+            out[0, a:b] = _extend_one(q[0, a:b], k_cache, v_cache, pages, total, mask, scale)
+            continue
         keys = _pages(k_cache, pages[None])[:, :total]
         vals = _pages(v_cache, pages[None])[:, :total]
-        mask = attention_mask(b - a, total, sliding_window, q.device)
         out[:, a:b] = _sdpa(q[:, a:b], keys, vals, mask, scale)
     return out
 

@@ -38,3 +38,21 @@ def test_decode_matches_ref_for_any_page_order(pages, batch):
     want = attention_ref(q, k, v, 0.25)[:, -1]
     for i in range(batch):
         torch.testing.assert_close(out[0, i], want[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pages", [[3, 7, 5], [0, 1, 2], [6, 2, 4], [2, 3, 9]])
+@pytest.mark.parametrize("tail", [2, 4, 7])
+def test_extend_matches_ref_for_any_page_order(pages, tail):
+    """A chunk of `tail` queries after n - tail cached positions (a verify segment or a prefill
+    chunk): consecutive pages are read through a view, others gathered; both equal the ref."""
+    torch.manual_seed(1)
+    n, hq, hkv, d = 11, 4, 2, 16
+    q, k, v = torch.randn(1, n, hq, d), torch.randn(1, n, hkv, d), torch.randn(1, n, hkv, d)
+    kc, vc = torch.randn(12, PS, hkv, d), torch.randn(12, PS, hkv, d)  # garbage elsewhere
+    head = n - tail
+    meta = build_metadata([Segment(list(range(head)), 0, pages, 0)])
+    _call(q[:, :head], k[:, :head], v[:, :head], kc, vc, meta, kv_slot_mapping(meta, PS))
+    meta = build_metadata([Segment(list(range(tail)), head, pages, 0, tail)])
+    out = _call(q[:, head:], k[:, head:], v[:, head:], kc, vc, meta, kv_slot_mapping(meta, PS))
+    want = attention_ref(q, k, v, 0.25)[:, head:]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
