@@ -9,7 +9,9 @@
    the heads' training.json), greedy and at temperature 0.7 (rejection sampling, fixed seed).
 2. Speed at batch size 1, greedy (lossless, so every run makes the same tokens): decode tokens/s
    without speculation, with each head at `--speed-ks` (and each --lookups setting), and (--hf)
-   transformers' `generate` (a per-token rate: it always makes --decode-tokens tokens).
+   transformers' `generate` (a per-token rate: it always makes --decode-tokens tokens), run
+   interleaved over `--speed-rounds` rounds; medians of rates and of per-round ratios.
+   `--draft-dtype bfloat16 --draft-quantize int8` deploys the heads at that precision (both parts).
 
 One deployment per head serves every K <= max K when the target has no recurrent state (a
 Llama: the KV cache is positional, nothing else depends on K); other targets rebuild per K.
@@ -42,9 +44,14 @@ def with_k(llm: LLM, k: int, max_batch_size: int) -> None:
                             eos_token_ids=llm.engine.eos_token_ids)
 
 
+def spec_config(args, method: str, k: int, draft: str | None) -> SpecConfig:
+    return SpecConfig(method, k, draft_model=draft, draft_dtype=args.draft_dtype,
+                      draft_quantize=args.draft_quantize)
+
+
 def spec_llm(args, method: str, k: int, draft: str | None) -> LLM:
     return LLM(args.model, dtype="float32", max_batch_size=args.batch_size,
-               max_seq_len=args.max_seq_len, spec=SpecConfig(method, k, draft_model=draft))
+               max_seq_len=args.max_seq_len, spec=spec_config(args, method, k, draft))
 
 
 def variants(args, method: str) -> list[tuple[str, tuple[int, int] | None]]:
@@ -96,67 +103,97 @@ def acceptance(args, prompts) -> dict:
     return out
 
 
-def decode_rate(llm: LLM, prompts, n: int, ignore_eos: bool) -> float:
-    """Decode tokens/s over the prompts (prefill excluded). Greedy speculation is lossless, so
-    every configuration makes the same tokens even when EOS ends a reply early."""
-    sp = SamplingParams(max_tokens=n, ignore_eos=ignore_eos)
-    llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    tokens = secs = 0.0
-    for p in prompts:
-        (o,) = llm.generate([p], sp)
-        m = o.metrics
-        tokens += len(o.token_ids) - 1
-        secs += (len(o.token_ids) - 1) / m.decode_tokens_per_s
-    return tokens / secs
+def decode_time(llm: LLM, prompt, n: int, ignore_eos: bool) -> tuple[int, float]:
+    """(decode tokens, seconds) of one greedy request (prefill excluded). Greedy speculation is
+    lossless, so every configuration makes the same tokens even when EOS ends a reply early."""
+    (o,) = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=ignore_eos))
+    tokens = len(o.token_ids) - 1
+    return tokens, tokens / o.metrics.decode_tokens_per_s
 
 
 @torch.inference_mode()
-def hf_rate(model, prompts, n: int) -> float:
-    tokens = secs = 0.0
-    for p in prompts:
-        x = torch.tensor([p])
-        times = []
-        for m in (1, n):
-            t = time.perf_counter()
-            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=m,
-                           min_new_tokens=m, do_sample=False, pad_token_id=0)
-            times.append(time.perf_counter() - t)
-        tokens += n - 1
-        secs += times[1] - times[0]  # prefill (the 1-token run) subtracted
-    return tokens / secs
+def hf_time(model, prompt, n: int) -> tuple[int, float]:
+    """transformers' generate: n tokens minus a 1-token run (its prefill)."""
+    x = torch.tensor([prompt])
+    times = []
+    for m in (1, n):
+        t = time.perf_counter()
+        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=m,
+                       min_new_tokens=m, do_sample=False, pad_token_id=0)
+        times.append(time.perf_counter() - t)
+    return n - 1, times[1] - times[0]
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
 
 def speed(args, prompts) -> dict:
+    """Every configuration is deployed first, then `--speed-rounds` rounds run them interleaved
+    (each prompt through every configuration in turn), so a noisy machine slows all of them
+    alike; rates and ratios are medians over rounds (each round's ratio taken within it)."""
     n, ps = args.decode_tokens, prompts[:args.speed_prompts]
-    base = LLM(args.model, dtype="float32", max_batch_size=1, max_seq_len=args.max_seq_len)
-    res = {"decode_tokens": n, "prompts": len(ps), "ignore_eos": args.ignore_eos,
-           "no_spec_tokens_per_s": round(decode_rate(base, ps, n, args.ignore_eos), 2)}
-    model_path = base.model_path
-    del base
+    configs: dict = {"no_spec": (LLM(args.model, dtype="float32", max_batch_size=1,
+                                     max_seq_len=args.max_seq_len), None, None)}
+    model_path = configs["no_spec"][0].model_path
     for method in args.methods:
         for k in args.speed_ks:
             llm = LLM(args.model, dtype="float32", max_batch_size=1, max_seq_len=args.max_seq_len,
-                      spec=SpecConfig(method, k, draft_model=getattr(args, f"{method}_dir")))
+                      spec=spec_config(args, method, k, getattr(args, f"{method}_dir")))
             for name, lookup in variants(args, method):
-                llm.engine.lookup = lookup
-                llm.engine.spec_stats = type(llm.engine.spec_stats)(k)
-                rate = decode_rate(llm, ps, n, args.ignore_eos)
-                st = llm.stats()
-                res[f"{name}_K={k}"] = {
-                    "tokens_per_s": round(rate, 2),
-                    "speedup_vs_no_spec": round(rate / res["no_spec_tokens_per_s"], 3),
-                    "mean_accepted_length": round(st["mean_accepted_length"], 3)}
-                print(f"speed {name} K={k}: {res[f'{name}_K={k}']}", file=sys.stderr)
-            del llm
-    if args.hf:
-        hf = hf_model_from_checkpoint(model_path)
-        res["transformers_generate_tokens_per_s"] = round(hf_rate(hf, ps, n), 2)
-        for v in list(res.values()):
-            if isinstance(v, dict):
-                v["speedup_vs_transformers"] = round(
-                    v["tokens_per_s"] / res["transformers_generate_tokens_per_s"], 3)
+                configs[f"{name}_K={k}"] = (llm, lookup, k)
+    hf = hf_model_from_checkpoint(model_path) if args.hf else None
+    for llm, _, _ in configs.values():  # warm-up
+        llm.generate([ps[0]], SamplingParams(max_tokens=4, ignore_eos=True))
+    rates: dict = {name: [] for name in configs}
+    accepted: dict = {name: [] for name in configs}
+    if hf is not None:
+        rates["transformers"] = []
+    for r in range(args.speed_rounds):
+        tot = {name: [0, 0.0] for name in rates}
+        for p in ps:
+            for name, (llm, lookup, k) in configs.items():
+                if k is not None:
+                    llm.engine.lookup = lookup
+                    llm.engine.spec_stats = type(llm.engine.spec_stats)(k)
+                t, sec = decode_time(llm, p, n, args.ignore_eos)
+                tot[name][0] += t
+                tot[name][1] += sec
+                if k is not None:
+                    accepted[name].append((llm.stats()["accepted_tokens"],
+                                           llm.stats()["draft_steps"]))
+            if hf is not None:
+                t, sec = hf_time(hf, p, n)
+                tot["transformers"][0] += t
+                tot["transformers"][1] += sec
+        for name, (t, sec) in tot.items():
+            rates[name].append(t / sec)
+        print(f"speed round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()),
+              file=sys.stderr)
+    base = rates["no_spec"]
+    res = {"decode_tokens": n, "prompts": len(ps), "rounds": args.speed_rounds,
+           "ignore_eos": args.ignore_eos, "draft_dtype": args.draft_dtype,
+           "draft_quantize": args.draft_quantize,
+           "no_spec_tokens_per_s": round(_median(base), 2),
+           "no_spec_tokens_per_s_per_round": [round(x, 2) for x in base]}
+    if hf is not None:
+        res["transformers_generate_tokens_per_s"] = round(_median(rates["transformers"]), 2)
         res["no_spec_vs_transformers"] = round(
-            res["no_spec_tokens_per_s"] / res["transformers_generate_tokens_per_s"], 3)
+            _median([a / b for a, b in zip(base, rates["transformers"])]), 3)
+    for name in configs:
+        if name == "no_spec":
+            continue
+        acc = sum(a for a, _ in accepted[name]) / max(sum(s for _, s in accepted[name]), 1)
+        row = res[name] = {
+            "tokens_per_s": round(_median(rates[name]), 2),
+            "speedup_vs_no_spec": round(_median([a / b for a, b in zip(rates[name], base)]), 3),
+            "speedup_vs_no_spec_per_round": [round(a / b, 3) for a, b in zip(rates[name], base)],
+            "mean_accepted_length": round(1 + acc, 3)}
+        if hf is not None:
+            row["speedup_vs_transformers"] = round(
+                _median([a / b for a, b in zip(rates[name], rates["transformers"])]), 3)
+        print(f"speed {name}: {row}", file=sys.stderr)
     return res
 
 
@@ -180,6 +217,10 @@ def main() -> None:
                     help="n-gram lookup settings per head, MAX[:MIN] n (0 = the plain head)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="speed runs: decode exactly --decode-tokens (past EOS) per prompt")
+    ap.add_argument("--speed-rounds", type=int, default=3,
+                    help="interleaved rounds over all configurations (medians reported)")
+    ap.add_argument("--draft-dtype", default=None, help="e.g. bfloat16 (default: the target's)")
+    ap.add_argument("--draft-quantize", default=None, help="int8: weight-only drafter")
     ap.add_argument("--hf", action="store_true", help="also time transformers' generate")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-speed", action="store_true")
