@@ -12,7 +12,8 @@ from specdeploy.spec_args import add_spec_args, spec_from_args
 # Speculative-decoding counters copied from `LLM.stats()` into `generate --json`.
 SPEC_STATS = ("num_draft_tokens", "draft_steps", "draft_tokens", "accepted_tokens",
               "acceptance_rate", "mean_accepted_length", "accepted_per_position",
-              "acceptance_per_position", "lookup_steps", "lookup_accepted_tokens")
+              "acceptance_per_position", "lookup_steps", "lookup_accepted_tokens",
+              "undrafted_steps")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,10 @@ class SpecConfig:
     the target's), e.g. "bfloat16" + "int8" on a CPU, where a draft step is bound by reading the
     drafter's weights. Lossless whatever they are: drafts are verified by the target in its own
     precision, so only how many are accepted can change.
+    `draft_min_prob` > 0 lets the drafter draft fewer than K tokens: a sequence's chain stops at
+    the first draft whose chain probability (the product of the drafter's top probabilities)
+    is below it. Verify rows and draft steps that would rarely be accepted are skipped; with
+    lookup on, K can then be set for lookup drafts (long runs) while the drafter stops early.
     """
 
     method: str
@@ -31,6 +35,7 @@ class SpecConfig:
     prompt_lookup_min: int = 2
     draft_dtype: str | None = None
     draft_quantize: str | None = None
+    draft_min_prob: float = 0.0
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -51,6 +56,9 @@ class SpecConfig:
                              f"got {self.draft_dtype!r}")
         if self.draft_quantize not in DRAFT_QUANTIZE:
             raise ValueError(f"draft_quantize: must be None or 'int8', got {self.draft_quantize!r}")
+        p = self.draft_min_prob
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p < 1.0:
+            raise ValueError(f"draft_min_prob: must be a number in [0, 1), got {p!r}")
         if self.capture_layers is not None:
             layers = tuple(self.capture_layers)
             if not layers or any(not isinstance(i, int) or i < 0 for i in layers):

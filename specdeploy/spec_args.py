@@ -19,6 +19,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "either way, drafts are verified by the target)")
     p.add_argument("--draft-quantize", choices=("none", *DRAFT_QUANTIZE[1:]), default="none",
                    help="int8 weight-only drafter (fast with --draft-dtype bfloat16 on a CPU)")
+    p.add_argument("--draft-min-prob", type=float, default=0.0,
+                   help="stop a drafter chain once its probability falls below this (0: K "
+                        "drafts always; try 0.1)")
 
 
 def spec_from_args(args) -> SpecConfig | None:
@@ -27,4 +30,5 @@ def spec_from_args(args) -> SpecConfig | None:
     return SpecConfig(args.spec, num_draft_tokens=args.num_draft_tokens,
                       draft_model=args.draft_model, prompt_lookup_max=args.prompt_lookup_max,
                       prompt_lookup_min=args.prompt_lookup_min, draft_dtype=args.draft_dtype,
-                      draft_quantize=None if args.draft_quantize == "none" else args.draft_quantize)
+                      draft_quantize=None if args.draft_quantize == "none" else args.draft_quantize,
+                      draft_min_prob=args.draft_min_prob)

@@ -30,7 +30,8 @@ from specdeploy.engine.scheduler import Scheduler
 
 @dataclass
 class SpecStats:
-    """Acceptance counters. mean accepted length = 1 + accepted / draft steps (bonus included)."""
+    """Acceptance counters. mean accepted length = 1 + accepted / (draft steps + undrafted
+    steps): tokens per target forward of a decoding sequence, bonus included."""
 
     k: int
     draft_steps: int = 0  # verify segments
@@ -39,21 +40,24 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     lookup_steps: int = 0  # verify segments whose drafts came from n-gram lookup
     lookup_accepted_tokens: int = 0
+    undrafted_steps: int = 0  # decode steps left without drafts by the confidence stop
 
     def __post_init__(self):
         self.accepted_per_position = [0] * self.k
 
     def as_dict(self) -> dict:
-        steps = max(self.draft_steps, 1)
+        n = self.draft_steps + self.undrafted_steps
+        steps = max(n, 1)
         return {
             "num_draft_tokens": self.k, "draft_steps": self.draft_steps,
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.accepted_tokens / max(self.draft_tokens, 1),
-            "mean_accepted_length": 1 + self.accepted_tokens / steps if self.draft_steps else 0.0,
+            "mean_accepted_length": 1 + self.accepted_tokens / steps if n else 0.0,
             "accepted_per_position": list(self.accepted_per_position),
             "acceptance_per_position": [a / steps for a in self.accepted_per_position],
             "lookup_steps": self.lookup_steps,
             "lookup_accepted_tokens": self.lookup_accepted_tokens,
+            "undrafted_steps": self.undrafted_steps,
         }
 
 
@@ -107,7 +111,11 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
 class SpecEngine(Engine):
     """`deployed` is a `SpecDeployed`. `draft_override(seq, k) -> list[int]` (tests) replaces the
     drafter's proposals, e.g. with the target's own greedy tokens. `lookup` = (max n, min n)
-    turns on n-gram lookup drafts (engine/lookup.py) ahead of the drafter's; None: off."""
+    turns on n-gram lookup drafts (engine/lookup.py) ahead of the drafter's; None: off.
+    `draft_min_prob` > 0 stops a sequence's drafter chain at the first draft whose chain
+    probability (the product of the drafter's top probabilities so far: its own estimate that
+    every draft up to there is accepted) falls below it; that draft is dropped. Lossless: the
+    stop reads only the drafter's outputs, and the target verifies whatever was drafted."""
 
     def __init__(self, deployed, tokenizer=None, **kw):
         super().__init__(deployed, tokenizer, **kw)
@@ -120,6 +128,7 @@ class SpecEngine(Engine):
         max_n = getattr(spec, "prompt_lookup_max", 0)
         self.lookup: tuple[int, int] | None = (
             (max_n, spec.prompt_lookup_min) if max_n else None)
+        self.draft_min_prob: float = getattr(spec, "draft_min_prob", 0.0)
 
     def stats_dict(self) -> dict:
         return {**super().stats_dict(), **self.spec_stats.as_dict()}
@@ -253,12 +262,27 @@ class SpecEngine(Engine):
             if not drafting:
                 break
             ids = self._propose(drafting, logits)
+            if self.draft_min_prob > 0:
+                top = logits.float().softmax(-1).amax(-1).tolist()
+                for i, (seq, _) in enumerate(drafting):
+                    seq.draft_chain_prob = top[i] * (seq.draft_chain_prob if step else 1.0)
             for (seq, _), t, p in zip(drafting, *ids):
+                if self.draft_min_prob > 0 and seq.draft_chain_prob < self.draft_min_prob:
+                    continue
                 seq.drafts.append(t)
                 if p is not None:
                     seq.draft_probs = p[None] if seq.draft_probs is None else torch.cat(
                         (seq.draft_probs, p[None]))
-            if step == self.k - 1:
+            if self.draft_min_prob > 0:
+                keep = [i for i, (seq, _) in enumerate(drafting)
+                        if seq.draft_chain_prob >= self.draft_min_prob]
+                # NOTE: a sequence left without drafts decodes plainly next step
+                self.spec_stats.undrafted_steps += sum(not seq.drafts for seq, _ in drafting)
+                if len(keep) < len(drafting):
+                    rows = torch.tensor(keep, dtype=torch.long, device=logits.device)
+                    drafting = [drafting[i] for i in keep]
+                    h = h[rows]
+            if step == self.k - 1 or not drafting:
                 break
             segs = [Segment([seq.drafts[-1]], pos + step, seq.pages, seq.slot, 1)
                     for seq, pos in drafting]

@@ -136,7 +136,7 @@ def _spec_metrics(metric, engine: dict) -> None:
     metric("spec_acceptance_rate", "gauge", "Accepted / proposed draft tokens.",
            [("", engine.get("acceptance_rate", 0.0))])
     metric("spec_mean_accepted_length", "gauge",
-           "Tokens gained per verify step (accepted + bonus).",
+           "Tokens gained per target step of a decoding sequence (accepted + bonus).",
            [("", engine.get("mean_accepted_length", 0.0))])
     metric("spec_lookup_steps_total", "counter",
            "Verify steps whose drafts came (at least in part) from n-gram lookup.",
@@ -144,6 +144,9 @@ def _spec_metrics(metric, engine: dict) -> None:
     metric("spec_lookup_accepted_tokens_total", "counter",
            "Draft tokens accepted in those steps.",
            [("", engine.get("lookup_accepted_tokens", 0))])
+    metric("spec_undrafted_steps_total", "counter",
+           "Decode steps left without drafts by the draft confidence stop (draft_min_prob).",
+           [("", engine.get("undrafted_steps", 0))])
 
 
 def parse_text(text: str) -> dict[str, float]:

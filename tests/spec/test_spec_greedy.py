@@ -130,3 +130,56 @@ def test_draft_precision_is_validated():
         SpecConfig("eagle3", draft_dtype="int4")
     with pytest.raises(ValueError, match="draft_quantize"):
         SpecConfig("eagle3", draft_quantize="fp8")
+
+
+def test_draft_confidence_stop_stays_lossless(target, baseline):
+    """draft_min_prob: chains stop at different lengths per sequence and step (some steps with
+    no drafts at all, decoded plainly); output equals the non-speculative path's and the counters
+    add up. Thresholds span the tiny drafters' top probabilities, so every regime occurs."""
+    k = 3
+    llm = target.llm(k)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [b[:MAX_TOKENS] for b in baseline]
+    seen = {"short": False, "none": False, "full": False}
+    try:
+        for p in (1e-9, 1e-6, 1e-4, 1e-3, 0.02, 0.1, 0.9):
+            llm.engine.draft_min_prob = p
+            llm.engine.spec_stats.__init__(k)
+            assert _ids(llm.generate(target.prompts, params)) == want, p
+            s = llm.stats()
+            seen["none"] |= s["undrafted_steps"] > 0
+            seen["short"] |= s["draft_steps"] > 0 and s["draft_tokens"] < k * s["draft_steps"]
+            seen["full"] |= s["draft_steps"] > 0 and s["draft_tokens"] == k * s["draft_steps"]
+            out_tokens = sum(len(w) for w in want)
+            # every token is one target step's bonus or an accepted draft (prefill's counts too)
+            steps = s["draft_steps"] + s["undrafted_steps"]
+            assert steps + s["accepted_tokens"] <= out_tokens
+    finally:
+        llm.engine.draft_min_prob = 0.0
+    assert all(seen.values()), seen
+
+
+def test_draft_confidence_stop_with_lookup(target):
+    """Lookup drafts ignore the drafter's confidence (they run the whole K) while the drafter's
+    chains stop early: lossless on repeating prompts."""
+    k = 3
+    prompts = [[5, 6, 7, 8] * 6, target.prompts[1], [9, 4] * 3 + [9], target.prompts[3]]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = _ids(target.llm().generate(prompts, params))
+    llm = target.llm(k)
+    llm.engine.spec_stats.__init__(k)
+    llm.engine.lookup, llm.engine.draft_min_prob = (4, 2), 0.9
+    try:
+        assert _ids(llm.generate(prompts, params)) == want
+    finally:
+        llm.engine.lookup, llm.engine.draft_min_prob = None, 0.0
+    s = llm.stats()
+    assert s["lookup_steps"] > 0 and s["undrafted_steps"] > 0
+
+
+def test_draft_min_prob_is_validated():
+    from specdeploy import SpecConfig
+
+    for bad in (-0.1, 1.0, "0.5", True):
+        with pytest.raises(ValueError, match="draft_min_prob"):
+            SpecConfig("eagle3", draft_min_prob=bad)
