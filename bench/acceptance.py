@@ -54,13 +54,15 @@ def spec_llm(args, method: str, k: int, draft: str | None) -> LLM:
                max_seq_len=args.max_seq_len, spec=spec_config(args, method, k, draft))
 
 
-def variants(args, method: str) -> list[tuple[str, tuple[int, int] | None]]:
-    """(name, n-gram lookup (max n, min n)) pairs run for a head, one per --lookups value."""
+def variants(args, method: str) -> list[tuple[str, tuple[int, int] | None, float]]:
+    """(name, n-gram lookup (max n, min n), draft_min_prob) per --lookups x --draft-min-probs."""
     out = []
     for v in args.lookups:
         mx, _, mn = v.partition(":")
         mx, mn = int(mx), int(mn or min(2, int(mx)))
-        out.append((method, None) if mx == 0 else (f"{method}+lookup{mx}:{mn}", (mx, mn)))
+        name = method if mx == 0 else f"{method}+lookup{mx}:{mn}"
+        for p in args.draft_min_probs:
+            out.append((name + (f"+stop{p:g}" if p else ""), (mx, mn) if mx else None, p))
     return out
 
 
@@ -76,8 +78,8 @@ def acceptance(args, prompts) -> dict:
                 with_k(llm, k, args.batch_size)
             else:
                 llm = spec_llm(args, method, k, draft)
-            for name, lookup in variants(args, method):
-                llm.engine.lookup = lookup
+            for name, lookup, min_prob in variants(args, method):
+                llm.engine.lookup, llm.engine.draft_min_prob = lookup, min_prob
                 row = out.setdefault(name, {})[f"K={k}"] = {}
                 for temp in args.temperatures:
                     sp = SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=0)
@@ -93,6 +95,10 @@ def acceptance(args, prompts) -> dict:
                         "draft_steps": s["draft_steps"],
                         "output_tokens": sum(len(o.token_ids) for o in outs),
                         "wall_s": round(time.perf_counter() - t, 1)}
+                    if min_prob:
+                        steps = max(s["draft_steps"] + s["undrafted_steps"], 1)
+                        r["drafts_per_step"] = round(s["draft_tokens"] / steps, 3)
+                        r["undrafted_share_of_steps"] = round(s["undrafted_steps"] / steps, 3)
                     if lookup:
                         r["lookup_share_of_steps"] = round(
                             s["lookup_steps"] / max(s["draft_steps"], 1), 3)
@@ -141,8 +147,8 @@ def speed(args, prompts) -> dict:
         for k in args.speed_ks:
             llm = LLM(args.model, dtype="float32", max_batch_size=1, max_seq_len=args.max_seq_len,
                       spec=spec_config(args, method, k, getattr(args, f"{method}_dir")))
-            for name, lookup in variants(args, method):
-                configs[f"{name}_K={k}"] = (llm, lookup, k)
+            for name, lookup, min_prob in variants(args, method):
+                configs[f"{name}_K={k}"] = (llm, (lookup, min_prob), k)
     hf = hf_model_from_checkpoint(model_path) if args.hf else None
     for llm, _, _ in configs.values():  # warm-up
         llm.generate([ps[0]], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -155,7 +161,7 @@ def speed(args, prompts) -> dict:
         for p in ps:
             for name, (llm, lookup, k) in configs.items():
                 if k is not None:
-                    llm.engine.lookup = lookup
+                    llm.engine.lookup, llm.engine.draft_min_prob = lookup
                     llm.engine.spec_stats = type(llm.engine.spec_stats)(k)
                 t, sec = decode_time(llm, p, n, args.ignore_eos)
                 tot[name][0] += t
@@ -215,6 +221,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--lookups", default="0",
                     help="n-gram lookup settings per head, MAX[:MIN] n (0 = the plain head)")
+    ap.add_argument("--draft-min-probs", default="0",
+                    help="draft confidence stops per head (SpecConfig.draft_min_prob; 0 = off)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="speed runs: decode exactly --decode-tokens (past EOS) per prompt")
     ap.add_argument("--speed-rounds", type=int, default=3,
@@ -231,6 +239,7 @@ def main() -> None:
     args.speed_ks = [int(k) for k in args.speed_ks.split(",") if k]
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.lookups = [v for v in args.lookups.split(",") if v]
+    args.draft_min_probs = [float(p) for p in args.draft_min_probs.split(",") if p]
     if args.threads:
         torch.set_num_threads(args.threads)
     from specdeploy.tokenizer import load_tokenizer

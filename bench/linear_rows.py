@@ -35,6 +35,8 @@ def main() -> None:
     kinds = {
         "plain": lambda x, w, p: F.linear(x, w),
         "w_xt": lambda x, w, p: torch.mm(w, x.t()).t().contiguous(),
+        # one row as two columns: the BLAS threads a GEMM but not a GEMV (pack_linears.py)
+        "w_xt_2col": lambda x, w, p: torch.mm(w, torch.cat([x, x]).t())[:, :x.shape[0]].t(),
         "packed": lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
     }
     out = {}

@@ -18,9 +18,18 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="this torch build has no oneDNN")
 
 
-@pytest.mark.parametrize("shape", [(1, 48), (4, 48), (2, 3, 48), (7, 48), (300, 48)])
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """One row runs as a GEMV on one thread and as a 2-column W @ x^T on more."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48), (4, 48), (2, 3, 48), (7, 48), (300, 48)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_equals_linear(shape, bias):
+def test_packed_linear_equals_linear(shape, bias, threads):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 48, generator=g)
     b = torch.randn(40, generator=g) if bias else None
@@ -60,6 +69,15 @@ def test_build_deployed_can_disable_the_pass(tmp_path):
     dep = build_deployed(str(tmp_path), disabled=frozenset({"pack_linear_weights"}), **LIMITS)
     info = {i.name: i for i in dep.infos}["pack_linear_weights"]
     assert info.skipped and info.detail == "disabled"
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48)])
+def test_one_row_without_pack_equals_linear(shape, threads):
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(40, 48, generator=g), torch.randn(40, generator=g), torch.randn(
+        *shape, generator=g)
+    torch.testing.assert_close(packed_linear_fn(w, b, pack=False)(x), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-5 * 48**0.5)
 
 
 def test_without_pack_the_wide_path_is_plain_linear():

@@ -6,7 +6,11 @@ both stream the same weights. `python bench/linear_rows.py --reps 5` (bench/resu
 linear_rows.json; one thread, 30 layers of SmolLM2-sized weights so caches are cold), ms per
 step of linears, plain / W @ x^T / packed: 1 row 55 / 56 / 58; 2 rows 93 / 71 / 67; 4 rows
 99 / 61 / 78; 6 rows 117 / 124 / 91; 64 rows 312 / 310 / 261; 256 rows 921 / 1222 / 845. So:
-1 row keeps the plain GEMV, 2..SKINNY_ROWS rows (a K=3 verify at batch 1 is 4) use W @ x^T,
+1 row keeps the plain GEMV on one thread; with more threads the BLAS still runs a GEMV on one,
+so it goes to the packed weight instead, or (not packed) a 2-column W @ x^T: on two cores
+(`bench/linear_rows.py --threads 2`, bench/results/linear_rows_2threads.json) 1 row plain /
+2-column / packed 54 / 43 / 41 ms, and the SmolLM2 LM head 17.2 / 9.2 / 8.6 ms.
+2..SKINNY_ROWS rows (a K=3 verify at batch 1 is 4) use W @ x^T,
 which reads the weight once with the input as the small operand, and more rows use the oneDNN
 blocked layout made once here. bench/spec_step.py --default-model measures the end-to-end
 verify step with and without this pass.
@@ -48,7 +52,17 @@ def packed_linear_fn(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         m = x2.shape[0]
         if m == 1:  # one row: a GEMV, no pack to save (and the plain one is faster)
-            return linear(x, w, bias)
+            if torch.get_num_threads() == 1:
+                return linear(x, w, bias)
+            # NOTE: the BLAS runs a GEMV on one thread; oneDNN's packed weight, or else a
+            # 2-column W @ x^T (the second column a throwaway copy), uses them all
+            if packed is not None:
+                y = pointwise(x2, packed, bias, "none", [], "")
+            else:
+                y = torch.mm(w, torch.cat([x2, x2]).t())[:, 0]
+                if bias is not None:
+                    y = y + bias
+            return y.view(*x.shape[:-1], out_features)
         if m <= SKINNY_ROWS:
             # W @ x^T streams the weight once like a GEMV does (see the module note)
             y = torch.mm(w, x2.t()).t().contiguous()
