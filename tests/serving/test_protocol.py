@@ -55,7 +55,8 @@ def test_metrics_text():
     m.http_response("/v1/completions", 200)
     engine = {"num_pages": 10, "free_pages": 7, "num_running": 1, "draft_steps": 4,
               "num_draft_tokens": 2, "draft_tokens": 8, "accepted_tokens": 5,
-              "accepted_per_position": [3, 2], "lookup_steps": 3, "lookup_accepted_tokens": 4}
+              "accepted_per_position": [3, 2], "lookup_steps": 3, "lookup_accepted_tokens": 4,
+              "undrafted_steps": 6}
     v = parse_text(m.render(engine, queue_len=2))
     assert v["specdeploy_cache_pages_in_use"] == 3 and v["specdeploy_num_requests_waiting"] == 2
     assert v['specdeploy_time_to_first_token_seconds_bucket{le="0.06"}'] == 1
@@ -64,4 +65,5 @@ def test_metrics_text():
     assert v['specdeploy_spec_accepted_tokens_per_position_total{position="1"}'] == 2
     assert v["specdeploy_spec_lookup_steps_total"] == 3
     assert v["specdeploy_spec_lookup_accepted_tokens_total"] == 4
+    assert v["specdeploy_spec_undrafted_steps_total"] == 6
     assert v['specdeploy_http_requests_total{endpoint="/v1/completions",status="200"}'] == 1
