@@ -33,6 +33,11 @@ class TransformInfo:
     detail: str = ""
 
 
+# NOTE: MoE routers stay fp: int8 noise there flips expert choices (a discrete jump). Drafters
+# are excluded by default too (DeployContext); SpecConfig.draft_quantize lifts that.
+TARGET_QUANT_EXCLUDE = ("lm_head", "*.gate", "*.shared_expert_gate")
+
+
 @dataclass
 class DeployContext:
     """Everything a transform may read; `resources` collects what cached ops declared."""
@@ -47,9 +52,7 @@ class DeployContext:
     spec_steps: int = 0  # K + 1 when speculative decoding is on (spec-state depth), else 0
     capture_layers: tuple[int, ...] = ()
     quantize: str | None = None  # e.g. "int8" (weight-only)
-    # NOTE: MoE routers stay fp: int8 noise there flips expert choices (a discrete jump)
-    quant_exclude: tuple[str, ...] = ("lm_head", "*.gate", "*.shared_expert_gate",
-                                      "eagle_drafter.*")
+    quant_exclude: tuple[str, ...] = TARGET_QUANT_EXCLUDE + ("eagle_drafter.*",)
     compile: bool = False
     disabled: frozenset[str] = frozenset()
     resource_prefix: str = ""  # keeps a drafter's cache names apart from the target's

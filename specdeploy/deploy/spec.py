@@ -21,7 +21,7 @@ from specdeploy.checkpoint import CheckpointError
 from specdeploy.config import SpecConfig
 from specdeploy.deploy.base import CacheLayout, StepOutput
 from specdeploy.deploy.passes.capture_hidden import FINAL
-from specdeploy.deploy.pipeline import DeployContext
+from specdeploy.deploy.pipeline import TARGET_QUANT_EXCLUDE
 from specdeploy.deploy.runner import GraphDeployed, allocate, transform_module
 
 
@@ -186,8 +186,7 @@ def build_spec_deployed(model: nn.Module, spec: SpecConfig, *, dtype: torch.dtyp
     draft_common = {**common, "dtype": draft_dtype,
                     "quantize": spec.draft_quantize or quantize}
     if spec.draft_quantize:  # NOTE: the default exclusions keep drafters unquantized
-        keep = DeployContext.__dataclass_fields__["quant_exclude"].default
-        draft_common["quant_exclude"] = tuple(p for p in keep if not p.startswith("eagle_drafter"))
+        draft_common["quant_exclude"] = TARGET_QUANT_EXCLUDE
     gm_t, ctx_t, infos_t = transform_module(
         model, capture_layers=layers, spec_steps=spec.num_draft_tokens + 1, **common)
     hidden_size = model.cfg.hidden_size

@@ -262,26 +262,21 @@ class SpecEngine(Engine):
             if not drafting:
                 break
             ids = self._propose(drafting, logits)
-            if self.draft_min_prob > 0:
-                top = logits.float().softmax(-1).amax(-1).tolist()
-                for i, (seq, _) in enumerate(drafting):
-                    seq.draft_chain_prob = top[i] * (seq.draft_chain_prob if step else 1.0)
-            for (seq, _), t, p in zip(drafting, *ids):
-                if self.draft_min_prob > 0 and seq.draft_chain_prob < self.draft_min_prob:
+            going = self._confident(drafting, logits, step)
+            for (seq, _), t, p, ok in zip(drafting, *ids, going):
+                if not ok:
                     continue
                 seq.drafts.append(t)
                 if p is not None:
                     seq.draft_probs = p[None] if seq.draft_probs is None else torch.cat(
                         (seq.draft_probs, p[None]))
-            if self.draft_min_prob > 0:
-                keep = [i for i, (seq, _) in enumerate(drafting)
-                        if seq.draft_chain_prob >= self.draft_min_prob]
+            if not all(going):
                 # NOTE: a sequence left without drafts decodes plainly next step
                 self.spec_stats.undrafted_steps += sum(not seq.drafts for seq, _ in drafting)
-                if len(keep) < len(drafting):
-                    rows = torch.tensor(keep, dtype=torch.long, device=logits.device)
-                    drafting = [drafting[i] for i in keep]
-                    h = h[rows]
+                keep = [i for i, ok in enumerate(going) if ok]
+                rows = torch.tensor(keep, dtype=torch.long, device=logits.device)
+                drafting = [drafting[i] for i in keep]
+                h = h[rows]
             if step == self.k - 1 or not drafting:
                 break
             segs = [Segment([seq.drafts[-1]], pos + step, seq.pages, seq.slot, 1)
@@ -291,6 +286,18 @@ class SpecEngine(Engine):
         if self.draft_override is not None:
             for seq, _ in everyone:
                 seq.drafts = list(self.draft_override(seq, self.k))
+
+    def _confident(self, drafting, logits: torch.Tensor, step: int) -> list[bool]:
+        """Per drafting sequence: does its chain go on with this step's draft (draft_min_prob)?
+        The chain probability is the product of the drafter's top probabilities so far."""
+        if not self.draft_min_prob:
+            return [True] * len(drafting)
+        top = logits.float().softmax(-1).amax(-1).tolist()
+        going = []
+        for (seq, _), p in zip(drafting, top):
+            seq.draft_chain_prob = p * (seq.draft_chain_prob if step else 1.0)
+            going.append(seq.draft_chain_prob >= self.draft_min_prob)
+        return going
 
     def _lookup_drafts(self, seq: Sequence, ids: list[int]) -> bool:
         """Complete `seq.drafts` from n-gram lookup when the tail of the sequence (`ids`, its

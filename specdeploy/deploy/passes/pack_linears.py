@@ -9,7 +9,7 @@ step of linears, plain / W @ x^T / packed: 1 row 55 / 56 / 58; 2 rows 93 / 71 / 
 1 row keeps the plain GEMV on one thread; with more threads the BLAS still runs a GEMV on one,
 so it goes to the packed weight instead, or (not packed) a 2-column W @ x^T: on two cores
 (`bench/linear_rows.py --threads 2`, bench/results/linear_rows_2threads.json) 1 row plain /
-2-column / packed 54 / 43 / 41 ms, and the SmolLM2 LM head 17.2 / 9.2 / 8.6 ms.
+2-column / packed 54 / 43 / 41 ms.
 2..SKINNY_ROWS rows (a K=3 verify at batch 1 is 4) use W @ x^T,
 which reads the weight once with the input as the small operand, and more rows use the oneDNN
 blocked layout made once here. bench/spec_step.py --default-model measures the end-to-end
@@ -51,8 +51,8 @@ def packed_linear_fn(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool
     def packed_linear(x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         m = x2.shape[0]
-        if m == 1:  # one row: a GEMV, no pack to save (and the plain one is faster)
-            if torch.get_num_threads() == 1:
+        if m == 1:
+            if torch.get_num_threads() == 1:  # a GEMV: on one thread the plain one is fastest
                 return linear(x, w, bias)
             # NOTE: the BLAS runs a GEMV on one thread; oneDNN's packed weight, or else a
             # 2-column W @ x^T (the second column a throwaway copy), uses them all
