@@ -45,8 +45,11 @@ def with_k(llm: LLM, k: int, max_batch_size: int) -> None:
 
 
 def spec_config(args, method: str, k: int, draft: str | None) -> SpecConfig:
+    # NOTE: sized for the longest lookup run asked for (a recurrent target's spec state)
+    longest = max([t or 0 for _, (lk, t), _ in variants(args, method) if lk] + [0])
     return SpecConfig(method, k, draft_model=draft, draft_dtype=args.draft_dtype,
-                      draft_quantize=args.draft_quantize)
+                      draft_quantize=args.draft_quantize, prompt_lookup_max=4 if longest else 0,
+                      prompt_lookup_num_tokens=max(longest, k) if longest else None)
 
 
 def spec_llm(args, method: str, k: int, draft: str | None) -> LLM:
@@ -54,15 +57,17 @@ def spec_llm(args, method: str, k: int, draft: str | None) -> LLM:
                max_seq_len=args.max_seq_len, spec=spec_config(args, method, k, draft))
 
 
-def variants(args, method: str) -> list[tuple[str, tuple[int, int] | None, float]]:
-    """(name, n-gram lookup (max n, min n), draft_min_prob) per --lookups x --draft-min-probs."""
+def variants(args, method: str) -> list[tuple[str, tuple, float]]:
+    """(name, (n-gram lookup (max n, min n) or None, lookup drafts or None = K),
+    draft_min_prob) per --lookups x --draft-min-probs."""
     out = []
     for v in args.lookups:
-        mx, _, mn = v.partition(":")
-        mx, mn = int(mx), int(mn or min(2, int(mx)))
-        name = method if mx == 0 else f"{method}+lookup{mx}:{mn}"
+        mx, mn, n = (v.split(":") + ["", ""])[:3]
+        mx, mn, n = int(mx), int(mn or min(2, int(mx))), int(n) if n else None
+        name = method if mx == 0 else f"{method}+lookup{mx}:{mn}" + (f":{n}" if n else "")
         for p in args.draft_min_probs:
-            out.append((name + (f"+stop{p:g}" if p else ""), (mx, mn) if mx else None, p))
+            out.append((name + (f"+stop{p:g}" if p else ""),
+                        ((mx, mn) if mx else None, n), p))
     return out
 
 
@@ -79,11 +84,11 @@ def acceptance(args, prompts) -> dict:
             else:
                 llm = spec_llm(args, method, k, draft)
             for name, lookup, min_prob in variants(args, method):
-                llm.engine.lookup, llm.engine.draft_min_prob = lookup, min_prob
+                llm.engine.draft_min_prob = min_prob
                 row = out.setdefault(name, {})[f"K={k}"] = {}
                 for temp in args.temperatures:
                     sp = SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=0)
-                    llm.engine.spec_stats = type(llm.engine.spec_stats)(k)
+                    llm.engine.set_lookup(*lookup)  # NOTE: resets the counters
                     t = time.perf_counter()
                     outs = llm.generate(prompts, sp)
                     s = llm.engine.spec_stats.as_dict()
@@ -159,10 +164,10 @@ def speed(args, prompts) -> dict:
     for r in range(args.speed_rounds):
         tot = {name: [0, 0.0] for name in rates}
         for p in ps:
-            for name, (llm, lookup, k) in configs.items():
+            for name, (llm, setting, k) in configs.items():
                 if k is not None:
-                    llm.engine.lookup, llm.engine.draft_min_prob = lookup
-                    llm.engine.spec_stats = type(llm.engine.spec_stats)(k)
+                    lookup, llm.engine.draft_min_prob = setting
+                    llm.engine.set_lookup(*lookup)  # NOTE: resets the counters
                 t, sec = decode_time(llm, p, n, args.ignore_eos)
                 tot[name][0] += t
                 tot[name][1] += sec
@@ -220,7 +225,8 @@ def main() -> None:
     ap.add_argument("--speed-ks", default="3")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--lookups", default="0",
-                    help="n-gram lookup settings per head, MAX[:MIN] n (0 = the plain head)")
+                    help="n-gram lookup settings per head, MAX[:MIN[:TOKENS]]: n-gram lengths and "
+                         "how many drafts a match makes (default K); 0 = the plain head")
     ap.add_argument("--draft-min-probs", default="0",
                     help="draft confidence stops per head (SpecConfig.draft_min_prob; 0 = off)")
     ap.add_argument("--ignore-eos", action="store_true",

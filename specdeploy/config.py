@@ -17,6 +17,9 @@ class SpecConfig:
     `prompt_lookup_max` > 0 adds n-gram lookup drafts (vLLM's names): when the sequence's last
     n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) occurred before, the K
     tokens that followed are drafted instead of the drafter's (engine/lookup.py).
+    `prompt_lookup_num_tokens` (default K) lets a lookup match draft more (or fewer) tokens
+    than the drafter: lookup drafts cost no drafter steps, and a loop found by lookup tends to
+    hold for many tokens. A verify step then carries up to max(K, it) drafts.
     `draft_dtype` / `draft_quantize` run the drafter at another precision than the target (None:
     the target's), e.g. "bfloat16" + "int8" on a CPU, where a draft step is bound by reading the
     drafter's weights. Lossless whatever they are: drafts are verified by the target in its own
@@ -33,6 +36,7 @@ class SpecConfig:
     capture_layers: tuple[int, ...] | None = None
     prompt_lookup_max: int = 0
     prompt_lookup_min: int = 2
+    prompt_lookup_num_tokens: int | None = None
     draft_dtype: str | None = None
     draft_quantize: str | None = None
     draft_min_prob: float = 0.0
@@ -51,6 +55,10 @@ class SpecConfig:
         if lmax and not 1 <= lmin <= lmax:
             raise ValueError(f"prompt_lookup_min: must be in 1..prompt_lookup_max ({lmax}), "
                              f"got {lmin!r}")
+        n = self.prompt_lookup_num_tokens
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16):
+            raise ValueError(f"prompt_lookup_num_tokens: must be None or an integer in 1..16, "
+                             f"got {n!r}")
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"draft_dtype: must be None or one of {', '.join(DRAFT_DTYPES[1:])}, "
                              f"got {self.draft_dtype!r}")
@@ -67,3 +75,15 @@ class SpecConfig:
             object.__setattr__(self, "capture_layers", layers)
         if self.draft_model is not None:
             object.__setattr__(self, "draft_model", str(self.draft_model))
+
+    @property
+    def lookup_num_tokens(self) -> int:
+        """Drafts a lookup match proposes (0: lookup off)."""
+        if not self.prompt_lookup_max:
+            return 0
+        return self.prompt_lookup_num_tokens or self.num_draft_tokens
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most drafts one verify step carries (sizes recurrent spec state)."""
+        return max(self.num_draft_tokens, self.lookup_num_tokens)

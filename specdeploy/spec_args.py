@@ -14,6 +14,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=0,
                    help="n-gram lookup drafts ahead of the drafter's (0: off; try 4)")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--prompt-lookup-num-tokens", type=int, default=None,
+                   help="drafts a lookup match proposes (default: --num-draft-tokens; lookup "
+                        "drafts cost no drafter steps, so more can pay, e.g. 8)")
     p.add_argument("--draft-dtype", choices=DRAFT_DTYPES[1:], default=None,
                    help="run the drafter at this dtype (default: the target's; lossless "
                         "either way, drafts are verified by the target)")
@@ -29,6 +32,8 @@ def spec_from_args(args) -> SpecConfig | None:
         return None
     return SpecConfig(args.spec, num_draft_tokens=args.num_draft_tokens,
                       draft_model=args.draft_model, prompt_lookup_max=args.prompt_lookup_max,
-                      prompt_lookup_min=args.prompt_lookup_min, draft_dtype=args.draft_dtype,
+                      prompt_lookup_min=args.prompt_lookup_min,
+                      prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+                      draft_dtype=args.draft_dtype,
                       draft_quantize=None if args.draft_quantize == "none" else args.draft_quantize,
                       draft_min_prob=args.draft_min_prob)

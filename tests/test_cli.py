@@ -84,10 +84,12 @@ def test_generate_with_eagle3_and_lookup_flags(tiny_dir, tmp_path, capsys):
     assert main(args) == 0
     plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert main(args + ["--spec", "eagle3", "--draft-model", str(draft),
-                        "--prompt-lookup-max", "3", "--prompt-lookup-min", "1"]) == 0
+                        "--prompt-lookup-max", "3", "--prompt-lookup-min", "1",
+                        "--prompt-lookup-num-tokens", "5"]) == 0
     spec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert spec["token_ids"] == plain["token_ids"]
     assert spec.get("lookup_steps", 0) > 0, spec
+    assert spec["num_draft_tokens"] == 3 and len(spec["acceptance_per_position"]) == 5, spec
     assert main(args + ["--spec", "eagle3", "--draft-model", str(draft),
                         "--draft-dtype", "bfloat16", "--draft-quantize", "int8"]) == 0
     low = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -95,3 +97,6 @@ def test_generate_with_eagle3_and_lookup_flags(tiny_dir, tmp_path, capsys):
     assert main(args + ["--spec", "eagle3", "--draft-model", str(draft),
                         "--prompt-lookup-max", "2", "--prompt-lookup-min", "3"]) == 2
     assert "prompt_lookup_min" in capsys.readouterr().err
+    assert main(args + ["--spec", "eagle3", "--draft-model", str(draft),
+                        "--prompt-lookup-max", "2", "--prompt-lookup-num-tokens", "0"]) == 2
+    assert "prompt_lookup_num_tokens" in capsys.readouterr().err

@@ -109,7 +109,9 @@ class SpecDeployed:
     def __init__(self, target: GraphDeployed, draft: GraphDeployed, drafter: nn.Module,
                  spec: SpecConfig, d2t: torch.Tensor | None, method: str):
         self.target, self.draft, self.drafter, self.spec = target, draft, drafter, spec
-        self.num_draft_tokens = spec.num_draft_tokens
+        self.num_draft_tokens = spec.num_draft_tokens  # the drafter's chain length
+        # a lookup match's drafts (None: K); the engine reads both each time it is built
+        self.lookup_num_tokens = spec.prompt_lookup_num_tokens
         self.d2t = d2t
         self.method = method
         self.draft_dtype = next(drafter.parameters()).dtype
@@ -188,7 +190,7 @@ def build_spec_deployed(model: nn.Module, spec: SpecConfig, *, dtype: torch.dtyp
     if spec.draft_quantize:  # NOTE: the default exclusions keep drafters unquantized
         draft_common["quant_exclude"] = TARGET_QUANT_EXCLUDE
     gm_t, ctx_t, infos_t = transform_module(
-        model, capture_layers=layers, spec_steps=spec.num_draft_tokens + 1, **common)
+        model, capture_layers=layers, spec_steps=spec.max_draft_tokens + 1, **common)
     hidden_size = model.cfg.hidden_size
     gm_d, ctx_d, infos_d = transform_module(
         DraftStep(drafter), hidden_size=hidden_size, resource_prefix="draft_", **draft_common)

@@ -22,7 +22,7 @@ import torch
 
 from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
 from specdeploy.engine.engine import Engine
-from specdeploy.engine.lookup import NgramIndex
+from specdeploy.engine.lookup import NgramIndex, next_lookup_len
 from specdeploy.engine.request import RequestOutput, SamplingParams, Sequence
 from specdeploy.engine.sampler import _filter_top_k_top_p
 from specdeploy.engine.scheduler import Scheduler
@@ -34,6 +34,7 @@ class SpecStats:
     steps): tokens per target forward of a decoding sequence, bonus included."""
 
     k: int
+    max_k: int = 0  # most drafts in one verify segment (lookup may draft more than K); 0: K
     draft_steps: int = 0  # verify segments
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -43,7 +44,8 @@ class SpecStats:
     undrafted_steps: int = 0  # decode steps left without drafts by the confidence stop
 
     def __post_init__(self):
-        self.accepted_per_position = [0] * self.k
+        self.max_k = max(self.max_k, self.k)
+        self.accepted_per_position = [0] * self.max_k
 
     def as_dict(self) -> dict:
         n = self.draft_steps + self.undrafted_steps
@@ -109,9 +111,10 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
 
 
 class SpecEngine(Engine):
-    """`deployed` is a `SpecDeployed`. `draft_override(seq, k) -> list[int]` (tests) replaces the
-    drafter's proposals, e.g. with the target's own greedy tokens. `lookup` = (max n, min n)
-    turns on n-gram lookup drafts (engine/lookup.py) ahead of the drafter's; None: off.
+    """`deployed` is a `SpecDeployed`. `draft_override(seq, n) -> list[int]` (tests) replaces the
+    drafter's proposals (n: the most drafts a segment may carry), e.g. with the target's own
+    greedy tokens. `set_lookup((max n, min n), tokens)` turns on n-gram lookup drafts
+    (engine/lookup.py) ahead of the drafter's; a match drafts `tokens` (default K).
     `draft_min_prob` > 0 stops a sequence's drafter chain at the first draft whose chain
     probability (the product of the drafter's top probabilities so far: its own estimate that
     every draft up to there is accepted) falls below it; that draft is dropped. Lossless: the
@@ -120,15 +123,26 @@ class SpecEngine(Engine):
     def __init__(self, deployed, tokenizer=None, **kw):
         super().__init__(deployed, tokenizer, **kw)
         self.k = deployed.num_draft_tokens
-        self.scheduler = SpecScheduler(self.blocks, self.scheduler.max_batch_size,
-                                       self.scheduler.max_num_tokens, lookahead=self.k)
-        self.draft_override: Callable[[Sequence, int], list[int]] | None = None
-        self.spec_stats = SpecStats(self.k)
         spec = getattr(deployed, "spec", None)
+        self.scheduler = SpecScheduler(self.blocks, self.scheduler.max_batch_size,
+                                       self.scheduler.max_num_tokens)
         max_n = getattr(spec, "prompt_lookup_max", 0)
-        self.lookup: tuple[int, int] | None = (
-            (max_n, spec.prompt_lookup_min) if max_n else None)
+        self.set_lookup((max_n, spec.prompt_lookup_min) if max_n else None,
+                        getattr(deployed, "lookup_num_tokens", None))
+        self.draft_override: Callable[[Sequence, int], list[int]] | None = None
         self.draft_min_prob: float = getattr(spec, "draft_min_prob", 0.0)
+
+    def set_lookup(self, lookup: tuple[int, int] | None, num_tokens: int | None = None) -> None:
+        """N-gram lookup (max n, min n), None: off; a match drafts up to `num_tokens` (None:
+        K), growing from K while lookup runs are accepted whole (`next_lookup_len`). Resets
+        the acceptance counters (their per-position list is sized by the longest segment). A
+        target with recurrent state holds spec states for the deployed max(K,
+        prompt_lookup_num_tokens) drafts only."""
+        self.lookup = lookup
+        self.lookup_k = (num_tokens or self.k) if lookup else 0
+        self.max_k = max(self.k, self.lookup_k)  # the most drafts in one verify segment
+        self.scheduler.lookahead = self.max_k
+        self.spec_stats = SpecStats(self.k, self.max_k)
 
     def stats_dict(self) -> dict:
         return {**super().stats_dict(), **self.spec_stats.as_dict()}
@@ -224,6 +238,8 @@ class SpecEngine(Engine):
         if getattr(seq, "drafts_from_lookup", False):
             st.lookup_steps += 1
             st.lookup_accepted_tokens += a
+            seq.lookup_n = next_lookup_len(getattr(seq, "lookup_n", self.k), a == len(drafts),
+                                           self.k, self.lookup_k)
         for i in range(a):
             st.accepted_per_position[i] += 1
         return kept + drafts[:a]
@@ -248,7 +264,7 @@ class SpecEngine(Engine):
         everyone = drafting
         committed = {id(seq): seq.all_ids for seq, _ in drafting} if self.lookup else {}
         for step in range(self.k):
-            if self.lookup is not None:
+            if self.lookup is not None and step < self.lookup_k:
                 # A sequence whose tail (drafts included) occurred before takes the rest of its
                 # drafts from there and leaves the drafter. NOTE: the drafter's catch-up above
                 # ran for it anyway (its KV must hold every committed position); its later
@@ -285,7 +301,7 @@ class SpecEngine(Engine):
             logits, h = out.logits, out.hidden
         if self.draft_override is not None:
             for seq, _ in everyone:
-                seq.drafts = list(self.draft_override(seq, self.k))
+                seq.drafts = list(self.draft_override(seq, self.max_k))
 
     def _confident(self, drafting, logits: torch.Tensor, step: int) -> list[bool]:
         """Per drafting sequence: does its chain go on with this step's draft (draft_min_prob)?
@@ -308,7 +324,10 @@ class SpecEngine(Engine):
         index = getattr(seq, "ngram_index", None)
         if index is None or (index.max_n, index.min_n) != self.lookup:
             index = seq.ngram_index = NgramIndex(*self.lookup)
-        rest = index.propose(ids, self.k - len(seq.drafts), seq.drafts)
+        n = min(getattr(seq, "lookup_n", self.k), self.lookup_k)
+        if n <= len(seq.drafts):
+            return False
+        rest = index.propose(ids, n - len(seq.drafts), seq.drafts)
         if rest is None:
             return False
         seq.drafts, seq.drafts_from_lookup = seq.drafts + rest, True

@@ -73,7 +73,7 @@ def run_cached(
         y, final, states = core(xs, init, extend)
         if extend and states.shape[1] > spec_state.shape[1]:
             raise RuntimeError(f"EXTEND segment of {states.shape[1]} tokens, but spec state "
-                               f"holds {spec_state.shape[1]} (num_draft_tokens + 1)")
+                               f"holds {spec_state.shape[1]} (max draft tokens + 1)")
         if extend:
             spec_state[slots, : states.shape[1]] = states.to(spec_state.dtype)
         else:

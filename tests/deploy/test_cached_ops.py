@@ -302,7 +302,7 @@ def test_extend_without_spec_state_fails(case):
 def test_extend_longer_than_spec_state_fails(case):
     d = Driver(CASES[case](), [12], page_size=5)  # spec state holds 5 tokens
     d.step([(0, 3)])
-    with pytest.raises(RuntimeError, match="num_draft_tokens"):
+    with pytest.raises(RuntimeError, match="max draft tokens"):
         d.step([(0, 6, SEG_EXTEND)])
 
 

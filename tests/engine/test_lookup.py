@@ -7,7 +7,7 @@ import random
 import pytest
 
 from specdeploy import SpecConfig
-from specdeploy.engine.lookup import NgramIndex
+from specdeploy.engine.lookup import NgramIndex, next_lookup_len
 
 
 def brute_force(ids: list[int], k: int, max_n: int, min_n: int,
@@ -65,7 +65,32 @@ def test_longest_match_wins_over_a_later_shorter_one():
     ({"prompt_lookup_max": 2.5}, "prompt_lookup_max"),
     ({"prompt_lookup_max": 3, "prompt_lookup_min": 4}, "prompt_lookup_min"),
     ({"prompt_lookup_max": 3, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+    ({"prompt_lookup_max": 3, "prompt_lookup_num_tokens": 0}, "prompt_lookup_num_tokens"),
+    ({"prompt_lookup_max": 3, "prompt_lookup_num_tokens": 17}, "prompt_lookup_num_tokens"),
+    ({"prompt_lookup_max": 3, "prompt_lookup_num_tokens": True}, "prompt_lookup_num_tokens"),
 ])
 def test_bad_lookup_settings_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
         SpecConfig("eagle3", 3, **kw)
+
+
+def test_max_draft_tokens_covers_the_longest_segment():
+    assert SpecConfig("eagle3", 3).max_draft_tokens == 3
+    assert SpecConfig("eagle3", 3, prompt_lookup_num_tokens=8).max_draft_tokens == 3  # lookup off
+    assert SpecConfig("eagle3", 3, prompt_lookup_max=4).max_draft_tokens == 3
+    assert SpecConfig("eagle3", 3, prompt_lookup_max=4,
+                      prompt_lookup_num_tokens=8).max_draft_tokens == 8
+    assert SpecConfig("eagle3", 5, prompt_lookup_max=4,
+                      prompt_lookup_num_tokens=2).max_draft_tokens == 5
+
+
+def test_lookup_runs_grow_while_accepted_whole():
+    """K=3, cap 16: 3 -> 6 -> 12 -> 16 -> 16 while every draft is accepted; any rejection
+    goes back to K; a cap at K never grows."""
+    n, seen = 3, []
+    for _ in range(5):
+        n = next_lookup_len(n, True, 3, 16)
+        seen.append(n)
+    assert seen == [6, 12, 16, 16, 16]
+    assert next_lookup_len(16, False, 3, 16) == 3
+    assert next_lookup_len(3, True, 3, 3) == 3

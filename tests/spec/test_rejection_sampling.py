@@ -61,8 +61,7 @@ def test_second_token_follows_target_given_first():
 @pytest.mark.parametrize("lookup", [None, (4, 1)])
 def test_sampled_speculation_is_seeded_and_samples(target, lookup):
     llm = target.llm(2)
-    llm.engine.lookup = lookup
-    llm.engine.spec_stats.__init__(2)
+    llm.engine.set_lookup(lookup)  # resets the counters
     prompt = target.prompts[1] if lookup is None else [5, 6, 7] * 5
 
     def run(seed):
@@ -72,6 +71,6 @@ def test_sampled_speculation_is_seeded_and_samples(target, lookup):
     try:
         assert run(3) == run(3)
         assert len({tuple(run(s)) for s in range(4)}) > 1
+        assert (llm.stats()["lookup_steps"] > 0) == (lookup is not None)
     finally:
-        llm.engine.lookup = None
-    assert (llm.stats()["lookup_steps"] > 0) == (lookup is not None)
+        llm.engine.set_lookup(None)

@@ -2,6 +2,7 @@
 token (oracle: the non-speculative path of the same deployment code)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -85,16 +86,47 @@ def test_lookup_drafts_stay_lossless(target, k):
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     want = _ids(target.llm().generate(prompts, params))
     llm = target.llm(k)
-    llm.engine.spec_stats.__init__(k)
-    llm.engine.lookup = (4, 2)
+    llm.engine.set_lookup((4, 2))  # resets the counters
     try:
         assert _ids(llm.generate(prompts, params)) == want
         assert _ids(llm.generate([prompts[0]], params)) == [want[0]]  # batch 1
+        stats = llm.stats()
     finally:
-        llm.engine.lookup = None
-    stats = llm.stats()
+        llm.engine.set_lookup(None)
     assert stats["lookup_steps"] > 0 and stats["draft_tokens"] == k * stats["draft_steps"]
     assert stats["lookup_steps"] < stats["draft_steps"]  # the drafter drafted the others
+
+
+def test_longer_lookup_drafts_stay_lossless(target, baseline):
+    """prompt_lookup_num_tokens > K: lookup runs grow from K=2 up to 6 drafts while accepted
+    whole, the drafter drafts 2. Greedy output equals the non-speculative path's. Then 6
+    forced right drafts per step: all accepted, so a hybrid target's spec state (sized for
+    6 + 1 tokens) rolls forward from entry 6."""
+    from specdeploy import LLM
+    from tests.spec.tiny_targets import LIMITS
+
+    prompts = [[5, 6, 7, 8] * 6, target.prompts[1], [9, 4] * 3 + [9], target.prompts[3]]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = _ids(target.llm().generate(prompts, params))
+    spec = dataclasses.replace(target.spec(2), prompt_lookup_max=4, prompt_lookup_num_tokens=6)
+    llm = LLM(str(target.path), spec=spec, **LIMITS)
+    assert _ids(llm.generate(prompts, params)) == want
+    assert _ids(llm.generate([prompts[0]], params)) == [want[0]]  # batch 1
+    s = llm.stats()
+    assert s["num_draft_tokens"] == 2 and len(s["accepted_per_position"]) == 6
+    assert s["lookup_steps"] > 0
+    assert s["draft_tokens"] <= 2 * s["draft_steps"] + 4 * s["lookup_steps"]
+    if target.arch == "llama":
+        # NOTE: this random Llama follows the looping prompt, so lookup runs pass whole and
+        # grow (the random hybrids do not: their lookup runs stay at K, checked above)
+        assert s["draft_tokens"] > 2 * s["draft_steps"] and s["accepted_per_position"][5] > 0
+
+    llm.engine.set_lookup((4, 2), 6)  # resets the counters
+    llm.engine.draft_override = _oracle(baseline, target.prompts, 0.0, 0)
+    assert _ids(llm.generate(target.prompts, params)) == [b[:MAX_TOKENS] for b in baseline]
+    s = llm.stats()
+    assert s["mean_accepted_length"] == 7
+    assert s["accepted_per_position"] == [s["draft_steps"]] * 6
 
 
 def test_low_precision_drafter_stays_lossless(target, baseline):
@@ -167,13 +199,14 @@ def test_draft_confidence_stop_with_lookup(target):
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     want = _ids(target.llm().generate(prompts, params))
     llm = target.llm(k)
-    llm.engine.spec_stats.__init__(k)
-    llm.engine.lookup, llm.engine.draft_min_prob = (4, 2), 0.9
+    llm.engine.set_lookup((4, 2))
+    llm.engine.draft_min_prob = 0.9
     try:
         assert _ids(llm.generate(prompts, params)) == want
+        s = llm.stats()
     finally:
-        llm.engine.lookup, llm.engine.draft_min_prob = None, 0.0
-    s = llm.stats()
+        llm.engine.set_lookup(None)
+        llm.engine.draft_min_prob = 0.0
     assert s["lookup_steps"] > 0 and s["undrafted_steps"] > 0
 
 

@@ -40,7 +40,7 @@ class Target:
         llm = self._llms[k]
         if k is not None:
             llm.engine.draft_override = None
-            llm.engine.lookup = None
+            llm.engine.set_lookup(None)
         return llm
 
     def spec(self, k: int):
