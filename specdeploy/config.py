@@ -17,9 +17,10 @@ class SpecConfig:
     `prompt_lookup_max` > 0 adds n-gram lookup drafts (vLLM's names): when the sequence's last
     n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) occurred before, the K
     tokens that followed are drafted instead of the drafter's (engine/lookup.py).
-    `prompt_lookup_num_tokens` (default K) lets a lookup match draft more (or fewer) tokens
-    than the drafter: lookup drafts cost no drafter steps, and a loop found by lookup tends to
-    hold for many tokens. A verify step then carries up to max(K, it) drafts.
+    `prompt_lookup_num_tokens` (default K) caps how many tokens a lookup match drafts: a
+    sequence's lookup runs start at K and double after each step that accepted all of its
+    drafts (a loop that held tends to hold on; lookup drafts cost no drafter steps), back to K
+    after a rejection. A verify step then carries up to max(K, it) drafts.
     `draft_dtype` / `draft_quantize` run the drafter at another precision than the target (None:
     the target's), e.g. "bfloat16" + "int8" on a CPU, where a draft step is bound by reading the
     drafter's weights. Lossless whatever they are: drafts are verified by the target in its own

@@ -44,8 +44,10 @@ def main() -> None:
                spec=SpecConfig("eagle3", num_draft_tokens=3, **DRAFTER))
     texts = run(spec, "EAGLE-3, K=3")
     del spec
+    # lookup runs start at K and double while accepted whole, up to 16 drafts
     hybrid = LLM(max_batch_size=1, max_seq_len=1024, progress=True,
-                 spec=SpecConfig("eagle3", num_draft_tokens=3, prompt_lookup_max=4, **DRAFTER))
+                 spec=SpecConfig("eagle3", num_draft_tokens=3, prompt_lookup_max=4,
+                                 prompt_lookup_num_tokens=16, **DRAFTER))
     texts_lookup = run(hybrid, "EAGLE-3 + n-gram lookup, K=3")
     print("\ngreedy outputs identical with and without speculation:",
           texts == plain and texts_lookup == plain)
