@@ -27,8 +27,12 @@ def run(llm: LLM, label: str) -> list[str]:
     stats = llm.stats()
     line = f"\n[{label}] {tokens} tokens in {wall:.2f} s = {tokens / wall:.1f} tokens/s"
     if "mean_accepted_length" in stats:
+        # NOTE: lookup runs may go past K; positions never reached are left out
+        per = [round(a, 2) for a in stats["acceptance_per_position"]]
+        while len(per) > stats["num_draft_tokens"] and not per[-1]:
+            per.pop()
         line += (f", mean accepted length {stats['mean_accepted_length']:.2f} "
-                 f"(per position {[round(a, 2) for a in stats['acceptance_per_position']]})")
+                 f"(per position {per})")
     print(line)
     return texts
 
