@@ -64,6 +64,8 @@ def variants(args, method: str) -> list[tuple[str, tuple, float]]:
     for v in args.lookups:
         mx, mn, n = (v.split(":") + ["", ""])[:3]
         mx, mn, n = int(mx), int(mn or min(2, int(mx))), int(n) if n else None
+        if method == "ngram" and not mx:
+            continue  # lookup is all it drafts with
         name = method if mx == 0 else f"{method}+lookup{mx}:{mn}" + (f":{n}" if n else "")
         for p in args.draft_min_probs:
             out.append((name + (f"+stop{p:g}" if p else ""),
@@ -74,7 +76,7 @@ def variants(args, method: str) -> list[tuple[str, tuple, float]]:
 def acceptance(args, prompts) -> dict:
     out: dict = {}
     for method in args.methods:
-        draft = getattr(args, f"{method}_dir")
+        draft = getattr(args, f"{method}_dir", None)
         kmax = max(args.ks)
         llm = spec_llm(args, method, kmax, draft)
         reuse = not llm.deployed._spec_pairs  # no recurrent spec state: K is free up to kmax
@@ -151,7 +153,7 @@ def speed(args, prompts) -> dict:
     for method in args.methods:
         for k in args.speed_ks:
             llm = LLM(args.model, dtype="float32", max_batch_size=1, max_seq_len=args.max_seq_len,
-                      spec=spec_config(args, method, k, getattr(args, f"{method}_dir")))
+                      spec=spec_config(args, method, k, getattr(args, f"{method}_dir", None)))
             for name, lookup, min_prob in variants(args, method):
                 configs[f"{name}_K={k}"] = (llm, (lookup, min_prob), k)
     hf = hf_model_from_checkpoint(model_path) if args.hf else None
@@ -172,8 +174,9 @@ def speed(args, prompts) -> dict:
                 tot[name][0] += t
                 tot[name][1] += sec
                 if k is not None:
-                    accepted[name].append((llm.stats()["accepted_tokens"],
-                                           llm.stats()["draft_steps"]))
+                    st = llm.stats()  # NOTE: steps left undrafted count, as in SpecStats
+                    accepted[name].append((st["accepted_tokens"],
+                                           st["draft_steps"] + st["undrafted_steps"]))
             if hf is not None:
                 t, sec = hf_time(hf, p, n)
                 tot["transformers"][0] += t
@@ -211,7 +214,8 @@ def speed(args, prompts) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--methods", default="eagle3,mtp")
+    ap.add_argument("--methods", default="eagle3,mtp",
+                    help="any of eagle3, mtp, ngram (lookup drafts only: give --lookups)")
     ap.add_argument("--eagle3-dir", default=None, help="default: the shipped head")
     ap.add_argument("--mtp-dir", default=None, help="default: the shipped head")
     ap.add_argument("--ks", default="1,2,3,4,5")

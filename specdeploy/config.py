@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPEC_METHODS = ("mtp", "eagle3")
+SPEC_METHODS = ("mtp", "eagle3", "ngram")
 DRAFT_DTYPES = (None, "float32", "bfloat16", "float16")
 DRAFT_QUANTIZE = (None, "int8")
 
@@ -11,6 +11,10 @@ DRAFT_QUANTIZE = (None, "int8")
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding: `method` drafts `num_draft_tokens` (K) tokens per step.
+
+    `method="ngram"` drafts by n-gram lookup alone (vLLM's "ngram"), with no drafter model: any
+    target, nothing to train; a sequence whose tail did not occur before decodes plainly that
+    step. It turns lookup on (`prompt_lookup_max` 4 unless given).
 
     `draft_model` is the EAGLE-3 drafter checkpoint (MTP heads come from the target checkpoint);
     `capture_layers` overrides which target layers feed an EAGLE-3 drafter.
@@ -46,6 +50,12 @@ class SpecConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"method: must be one of {', '.join(SPEC_METHODS)}, "
                              f"got {self.method!r}")
+        if self.method == "ngram":
+            if self.draft_model is not None:
+                raise ValueError("draft_model: method='ngram' drafts by n-gram lookup and takes "
+                                 "no drafter")
+            if self.prompt_lookup_max == 0:
+                object.__setattr__(self, "prompt_lookup_max", 4)
         k = self.num_draft_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError(f"num_draft_tokens: must be an integer in 1..16, got {k!r}")

@@ -8,7 +8,8 @@ from specdeploy.config import DRAFT_DTYPES, DRAFT_QUANTIZE, SPEC_METHODS, SpecCo
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", choices=("none", *SPEC_METHODS), default="none")
+    p.add_argument("--spec", choices=("none", *SPEC_METHODS), default="none",
+                   help="drafter: mtp, eagle3, or ngram (n-gram lookup drafts only, no drafter)")
     p.add_argument("--num-draft-tokens", type=int, default=3)
     p.add_argument("--draft-model", default=None, help="EAGLE-3 drafter checkpoint")
     p.add_argument("--prompt-lookup-max", type=int, default=0,

@@ -90,6 +90,9 @@ def test_generate_with_eagle3_and_lookup_flags(tiny_dir, tmp_path, capsys):
     assert spec["token_ids"] == plain["token_ids"]
     assert spec.get("lookup_steps", 0) > 0, spec
     assert spec["num_draft_tokens"] == 3 and len(spec["acceptance_per_position"]) == 5, spec
+    assert main(args + ["--spec", "ngram", "--prompt-lookup-min", "1"]) == 0  # no drafter
+    ngram = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert ngram["token_ids"] == plain["token_ids"] and ngram["lookup_steps"] > 0, ngram
     assert main(args + ["--spec", "eagle3", "--draft-model", str(draft),
                         "--draft-dtype", "bfloat16", "--draft-quantize", "int8"]) == 0
     low = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -1,4 +1,5 @@
-"""One-model speculative deployment: the target program plus its drafter (EAGLE-3 or MTP).
+"""One-model speculative deployment: the target program plus its drafter (EAGLE-3 or MTP), or
+the target alone for n-gram lookup drafts (`method="ngram"`: spec-state resources, no capture).
 
 The target graph gets two extra transforms' worth of behaviour: hidden-state capture (an extra
 output) and spec-state resources on every recurrent cached op (per-token states of a verify step).
@@ -114,7 +115,7 @@ class SpecDeployed:
         self.lookup_num_tokens = spec.prompt_lookup_num_tokens
         self.d2t = d2t
         self.method = method
-        self.draft_dtype = next(drafter.parameters()).dtype
+        self.draft_dtype = None if drafter is None else next(drafter.parameters()).dtype
         self.vocab_size = target.vocab_size
         self.max_seq_len = target.max_seq_len
         self.hf_config = target.hf_config
@@ -162,6 +163,8 @@ class SpecDeployed:
             state[slots] = per_token[slots, accepted_idx]
 
     def report(self) -> str:
+        if self.draft is None:
+            return "\n".join(["target:", self.target.report(), "drafter: none (n-gram lookup)"])
         lines = ["target:", self.target.report(), "drafter (eagle_drafter):"]
         lines += [f"  {i.stage.name:<11} {i.name:<26} "
                   f"{'skipped' if i.skipped else str(i.num_matches) + ' matches'}"
@@ -177,6 +180,11 @@ def build_spec_deployed(model: nn.Module, spec: SpecConfig, *, dtype: torch.dtyp
     from specdeploy.loading import resolve_dtype
 
     t0 = time.perf_counter()
+    if spec.method == "ngram":
+        return _build_lookup_only(model, spec, t0, page_size=page_size,
+                                  max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                  max_cache_gib=max_cache_gib, dtype=dtype, compile=compile,
+                                  quantize=quantize, disabled=frozenset(disabled))
     drafter, layers, d2t = load_drafter(model, spec)
     draft_dtype = resolve_dtype(spec.draft_dtype) if spec.draft_dtype else dtype
     drafter = drafter.to(draft_dtype)
@@ -205,3 +213,15 @@ def build_spec_deployed(model: nn.Module, spec: SpecConfig, *, dtype: torch.dtyp
                                 dict(plan.bytes_by_handler))
     ctx_t.export_seconds = time.perf_counter() - t0
     return SpecDeployed(target, draft, drafter, spec, d2t, spec.method)
+
+
+def _build_lookup_only(model: nn.Module, spec: SpecConfig, t0: float, **common) -> SpecDeployed:
+    """The target with spec-state resources and nothing captured: drafts come from lookup."""
+    gm, ctx, infos = transform_module(model, spec_steps=spec.max_draft_tokens + 1, **common)
+    plan = allocate(gm, ctx)
+    hf = getattr(model, "hf_config", {}) or {}
+    target = GraphDeployed(gm, ctx, infos, plan, hf, model.cfg.vocab_size)
+    target.layout = CacheLayout(plan.page_size, plan.num_pages, plan.num_slots,
+                                dict(plan.bytes_by_handler))
+    ctx.export_seconds = time.perf_counter() - t0
+    return SpecDeployed(target, None, None, spec, None, spec.method)

@@ -250,6 +250,9 @@ class SpecEngine(Engine):
             seq.drafts, seq.draft_probs, seq.drafts_from_lookup = [], None, False
         if not work:
             return
+        if self.deployed.draft is None:  # method="ngram": lookup drafts only
+            self._lookup_only([seq for seq, *_, wants in work if wants])
+            return
         d = self.deployed
         hidden = d.project(captured[torch.cat([torch.arange(a, b) for *_, (a, b), _ in work])])
         segs = [Segment(nxt, start, seq.pages, seq.slot, int(wants))
@@ -302,6 +305,15 @@ class SpecEngine(Engine):
         if self.draft_override is not None:
             for seq, _ in everyone:
                 seq.drafts = list(self.draft_override(seq, self.max_k))
+
+    def _lookup_only(self, drafting: list[Sequence]) -> None:
+        """No drafter: a sequence whose tail occurred before drafts from there; the others
+        decode plainly next step (counted as undrafted steps)."""
+        for seq in drafting:
+            if self.draft_override is not None:
+                seq.drafts = list(self.draft_override(seq, self.max_k))
+            elif self.lookup is None or not self._lookup_drafts(seq, seq.all_ids):
+                self.spec_stats.undrafted_steps += 1
 
     def _confident(self, drafting, logits: torch.Tensor, step: int) -> list[bool]:
         """Per drafting sequence: does its chain go on with this step's draft (draft_min_prob)?
