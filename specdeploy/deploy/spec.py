@@ -105,10 +105,12 @@ def _own_output_head(drafter: nn.Module, dtype: torch.dtype) -> None:
 
 
 class SpecDeployed:
-    """Target + drafter programs over one cache plan. See engine/speculative.py for the step."""
+    """Target + drafter programs over one cache plan (no drafter for method="ngram"). See
+    engine/speculative.py for the step."""
 
-    def __init__(self, target: GraphDeployed, draft: GraphDeployed, drafter: nn.Module,
-                 spec: SpecConfig, d2t: torch.Tensor | None, method: str):
+    def __init__(self, target: GraphDeployed, draft: GraphDeployed | None,
+                 drafter: nn.Module | None, spec: SpecConfig, d2t: torch.Tensor | None,
+                 method: str):
         self.target, self.draft, self.drafter, self.spec = target, draft, drafter, spec
         self.num_draft_tokens = spec.num_draft_tokens  # the drafter's chain length
         # a lookup match's drafts (None: K); the engine reads both each time it is built
