@@ -88,13 +88,7 @@ class SpecConfig:
             object.__setattr__(self, "draft_model", str(self.draft_model))
 
     @property
-    def lookup_num_tokens(self) -> int:
-        """Drafts a lookup match proposes (0: lookup off)."""
-        if not self.prompt_lookup_max:
-            return 0
-        return self.prompt_lookup_num_tokens or self.num_draft_tokens
-
-    @property
     def max_draft_tokens(self) -> int:
         """The most drafts one verify step carries (sizes recurrent spec state)."""
-        return max(self.num_draft_tokens, self.lookup_num_tokens)
+        lookup = (self.prompt_lookup_num_tokens or 0) if self.prompt_lookup_max else 0
+        return max(self.num_draft_tokens, lookup)

@@ -16,8 +16,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="n-gram lookup drafts ahead of the drafter's (0: off; try 4)")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=None,
-                   help="drafts a lookup match proposes (default: --num-draft-tokens; lookup "
-                        "drafts cost no drafter steps, so more can pay, e.g. 8)")
+                   help="most drafts a lookup match proposes (default: --num-draft-tokens); "
+                        "runs grow from K while accepted whole; e.g. 16")
     p.add_argument("--draft-dtype", choices=DRAFT_DTYPES[1:], default=None,
                    help="run the drafter at this dtype (default: the target's; lossless "
                         "either way, drafts are verified by the target)")

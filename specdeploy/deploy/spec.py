@@ -113,8 +113,6 @@ class SpecDeployed:
                  method: str):
         self.target, self.draft, self.drafter, self.spec = target, draft, drafter, spec
         self.num_draft_tokens = spec.num_draft_tokens  # the drafter's chain length
-        # a lookup match's drafts (None: K); the engine reads both each time it is built
-        self.lookup_num_tokens = spec.prompt_lookup_num_tokens
         self.d2t = d2t
         self.method = method
         self.draft_dtype = None if drafter is None else next(drafter.parameters()).dtype
@@ -208,12 +206,9 @@ def build_spec_deployed(model: nn.Module, spec: SpecConfig, *, dtype: torch.dtyp
                       max_cache_gib, ctx_t.device)
     allocate(gm_t, ctx_t, plan)
     allocate(gm_d, ctx_d, plan)
-    hf = getattr(model, "hf_config", {}) or {}
-    target = GraphDeployed(gm_t, ctx_t, infos_t, plan, hf, model.cfg.vocab_size)
-    draft = GraphDeployed(gm_d, ctx_d, infos_d, plan, hf, model.cfg.vocab_size)
-    target.layout = CacheLayout(plan.page_size, plan.num_pages, plan.num_slots,
-                                dict(plan.bytes_by_handler))
-    ctx_t.export_seconds = time.perf_counter() - t0
+    draft = GraphDeployed(gm_d, ctx_d, infos_d, plan, getattr(model, "hf_config", {}) or {},
+                          model.cfg.vocab_size)
+    target = _target_deployed(model, gm_t, ctx_t, infos_t, plan, t0)
     return SpecDeployed(target, draft, drafter, spec, d2t, spec.method)
 
 
@@ -221,9 +216,14 @@ def _build_lookup_only(model: nn.Module, spec: SpecConfig, t0: float, **common) 
     """The target with spec-state resources and nothing captured: drafts come from lookup."""
     gm, ctx, infos = transform_module(model, spec_steps=spec.max_draft_tokens + 1, **common)
     plan = allocate(gm, ctx)
-    hf = getattr(model, "hf_config", {}) or {}
-    target = GraphDeployed(gm, ctx, infos, plan, hf, model.cfg.vocab_size)
+    return SpecDeployed(_target_deployed(model, gm, ctx, infos, plan, t0), None, None, spec,
+                        None, spec.method)
+
+
+def _target_deployed(model: nn.Module, gm, ctx, infos, plan, t0: float) -> GraphDeployed:
+    target = GraphDeployed(gm, ctx, infos, plan, getattr(model, "hf_config", {}) or {},
+                           model.cfg.vocab_size)
     target.layout = CacheLayout(plan.page_size, plan.num_pages, plan.num_slots,
                                 dict(plan.bytes_by_handler))
     ctx.export_seconds = time.perf_counter() - t0
-    return SpecDeployed(target, None, None, spec, None, spec.method)
+    return target

@@ -55,7 +55,7 @@ def next_lookup_len(n: int, all_accepted: bool, k: int, cap: int) -> int:
     up to `n`: twice as many (up to `cap`) when every draft was accepted, else back to `k`.
 
     A loop that held for all n drafts tends to hold on, and lookup drafts cost no drafter steps;
-    but on a CPU a verify row past the fourth costs far more than the first four (the linears
-    leave the W @ x^T path: bench/linear_rows.py), so a fixed long run wastes rows on matches
-    that break early. Measured on SmolLM2-135M (README, "N-gram lookup drafts")."""
+    but on a CPU verify rows past the fourth cost more (the linears leave the W @ x^T path:
+    bench/linear_rows.py), so long runs are kept for matches that have held. Against lookup runs
+    of K on SmolLM2-135M: README, "N-gram lookup drafts"."""
     return min(2 * n, cap) if all_accepted else k

@@ -128,7 +128,7 @@ class SpecEngine(Engine):
                                        self.scheduler.max_num_tokens)
         max_n = getattr(spec, "prompt_lookup_max", 0)
         self.set_lookup((max_n, spec.prompt_lookup_min) if max_n else None,
-                        getattr(deployed, "lookup_num_tokens", None))
+                        getattr(spec, "prompt_lookup_num_tokens", None))
         self.draft_override: Callable[[Sequence, int], list[int]] | None = None
         self.draft_min_prob: float = getattr(spec, "draft_min_prob", 0.0)
 
@@ -267,7 +267,7 @@ class SpecEngine(Engine):
         everyone = drafting
         committed = {id(seq): seq.all_ids for seq, _ in drafting} if self.lookup else {}
         for step in range(self.k):
-            if self.lookup is not None and step < self.lookup_k:
+            if self.lookup is not None:
                 # A sequence whose tail (drafts included) occurred before takes the rest of its
                 # drafts from there and leaves the drafter. NOTE: the drafter's catch-up above
                 # ran for it anyway (its KV must hold every committed position); its later
