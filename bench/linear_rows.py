@@ -1,7 +1,9 @@
 """Cost of the linear layers of one step by number of input rows, with caches cold as in a real
-step (30 layers' worth of distinct SmolLM2-sized weights), for the three ways
-`pack_linear_weights` can run a linear: plain `F.linear`, W @ x^T, and a oneDNN-packed weight.
-Prints one JSON object (median of --reps, milliseconds for all 30 layers).
+step (30 layers' worth of distinct SmolLM2-sized weights), for the ways `pack_linear_weights`
+can run a linear: plain `F.linear`, W @ x^T, and a oneDNN-packed weight; and `q4_1`, the same
+weights quantized to GGUF Q4_1 blocks and run by `ggml_linears` (ops/ggml_kernels.c; left out
+where that kernel cannot be built). Prints one JSON object (median of --reps, milliseconds for
+all 30 layers).
 
     python bench/linear_rows.py [--rows 1 2 4 6 8 16 64 256] [--reps 5] [--threads 1]
 """
@@ -22,6 +24,22 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
 
 
+def _q4_1_blocks(ws) -> dict | None:
+    """id(fp32 weight) -> its Q4_1 GGMLWeight (quantized by gguf), or None without the kernel."""
+    from specdeploy.ops.ggml_linear import kernel_unavailable, make_weight
+
+    if kernel_unavailable() is not None:
+        return None
+    import gguf
+
+    out = {}
+    for layer in ws:
+        for w in layer:
+            raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
+            out[id(w)] = make_weight("q4_1", torch.from_numpy(raw), tuple(w.shape))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16, 64, 256])
@@ -32,6 +50,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     ws = [[torch.randn(n, k, generator=g) for n, k in SHAPES] for _ in range(LAYERS)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in ws]
+    blocks = _q4_1_blocks(ws)
     kinds = {
         "plain": lambda x, w, p: F.linear(x, w),
         "w_xt": lambda x, w, p: torch.mm(w, x.t()).t().contiguous(),
@@ -39,6 +58,10 @@ def main() -> None:
         "w_xt_2col": lambda x, w, p: torch.mm(w, torch.cat([x, x]).t())[:, :x.shape[0]].t(),
         "packed": lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
     }
+    if blocks is not None:
+        from specdeploy.ops.ggml_linear import ggml_linear
+
+        kinds["q4_1"] = lambda x, w, p: ggml_linear(x, blocks[id(w)])
     out = {}
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}

@@ -6,9 +6,10 @@ target. Prints one JSON object.
 
     python bench/spec_step.py [--k 3] [--batch 1 4] [--reps 30] [--default-model]
 
---default-model adds the same comparison on SmolLM2-135M (EAGLE-3 capture on), once with the
-fp32 linear weights packed for oneDNN (the default) and once without (pack_linear_weights off),
-measured interleaved in this process.
+--default-model adds the same comparison on SmolLM2-135M (EAGLE-3 capture on) in three
+deployments measured interleaved in this process: linears on the GGUF blocks (`ggml_linears`,
+the default where its kernel builds), on fp32 weights packed for oneDNN (ggml_linears off), and
+on plain fp32 weights (both off).
 """
 from __future__ import annotations
 
@@ -83,7 +84,9 @@ def bench_default(k: int, reps: int) -> dict:
     from specdeploy.default_model import default_model_path
 
     path, deps = default_model_path(), {}
-    for name, off in (("packed", ()), ("unpacked", ("pack_linear_weights",))):
+    variants = (("blocks", ()), ("packed", ("ggml_linears",)),
+                ("unpacked", ("ggml_linears", "pack_linear_weights")))
+    for name, off in variants:
         deps[name] = build_deployed(str(path), spec=SpecConfig("eagle3", k), max_batch_size=1,
                                     max_seq_len=512, page_size=16, max_cache_gib=0.25,
                                     disabled=frozenset(off)).target
@@ -104,6 +107,8 @@ def bench_default(k: int, reps: int) -> dict:
                    "verify_over_decode": ver / dec}
     rows["verify_unpacked_over_packed"] = (rows["unpacked"]["verify_step_ms"]
                                            / rows["packed"]["verify_step_ms"])
+    rows["decode_packed_over_blocks"] = (rows["packed"]["decode_step_ms"]
+                                         / rows["blocks"]["decode_step_ms"])
     return {"k": k, "batch": 1, **rows}
 
 

@@ -103,7 +103,22 @@ def load_model_from_reader(
     assign_params(model, params, torch_dtype, source=str(reader.path))
     _init_nonpersistent(model)
     model.hf_config = reader.config  # NOTE: the raw dict; deployment reads eos / limits from it
+    # GGUF Q4_1 / Q8_0 weights also keep their blocks: the deploy pipeline's CPU kernels compute
+    # with them (deploy/passes/ggml_linears.py); only fp32 loads, whose values they match exactly
+    model.ggml_weights = _ggml_weights(model, reader) if torch_dtype == torch.float32 else {}
     return model.eval()
+
+
+def _ggml_weights(model: nn.Module, reader) -> dict:
+    get_blocks = getattr(reader, "get_blocks", None)
+    if get_blocks is None:
+        return {}
+    out = {}
+    for name, p in model.named_parameters():
+        w = get_blocks(name) if name in reader and p.dim() == 2 else None
+        if w is not None and w.shape == tuple(p.shape):
+            out[name] = w
+    return out
 
 
 def _init_nonpersistent(model: nn.Module) -> None:

@@ -250,6 +250,23 @@ class GGUFReader:
             a = _unpermute_rotary(a, self.config["num_key_value_heads"])
         return torch.from_numpy(a)
 
+    def get_blocks(self, name: str):
+        """`GGMLWeight` (its raw Q4_1 / Q8_0 blocks, rows in HF order) of a 2-D tensor stored in
+        one of those types, else None: what `ops/ggml_linear.py` computes with directly."""
+        from specdeploy.ops.ggml_linear import make_weight
+
+        info = self._tensors.get(self._where.get(name, ""))
+        kind = _BLOCK_KINDS.get(info.ggml_type) if info else None
+        if kind is None or len(info.shape) != 2:
+            return None
+        rows = info.shape[0]
+        raw = np.asarray(self._data[info.offset:info.offset + info.nbytes]).reshape(rows, -1)
+        if info.name.endswith("attn_q.weight"):
+            raw = _unpermute_rotary(raw, self.config["num_attention_heads"])
+        elif info.name.endswith("attn_k.weight"):
+            raw = _unpermute_rotary(raw, self.config["num_key_value_heads"])
+        return make_weight(kind, torch.from_numpy(np.array(raw)), info.shape)
+
     def _dequantize(self, info: TensorInfo) -> np.ndarray:
         """fp32 numpy array of `info.shape` (numpy, single-threaded: torch's small strided copies
         are much slower on a busy 2-core machine)."""
@@ -272,6 +289,7 @@ class GGUFReader:
 
 
 _MERGED_ROW = 131072
+_BLOCK_KINDS = {3: "q4_1", 8: "q8_0"}  # ggml types the kernels in ops/ggml_kernels.c read
 
 
 def _unpermute_rotary(a: np.ndarray, n_head: int) -> np.ndarray:

@@ -71,6 +71,7 @@ _PASS_MODULES = (
     "specdeploy.deploy.passes.gather_logits",
     "specdeploy.deploy.passes.quantize",
     "specdeploy.deploy.passes.insert_cache",
+    "specdeploy.deploy.passes.ggml_linears",  # before fusion: it fuses its own groups
     "specdeploy.deploy.passes.fuse_linears",
     "specdeploy.deploy.passes.pack_linears",
     "specdeploy.deploy.passes.compile",

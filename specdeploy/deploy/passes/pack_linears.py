@@ -77,7 +77,7 @@ def packed_linear_fn(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool
     return packed_linear
 
 
-def _packable(w: torch.Tensor | None) -> bool:
+def packable(w: torch.Tensor | None) -> bool:
     return (w is not None and w.device.type == "cpu" and w.dtype == torch.float32
             and w.dim() == 2 and not w.requires_grad and w.numel() >= MIN_ELEMENTS)
 
@@ -97,14 +97,14 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo
         b_node = node.args[2] if len(node.args) > 2 else None
         w, b = attr_tensor(gm, node.args[1]), attr_tensor(gm, b_node)
         # a weight or bias computed in the graph (e.g. dequantized) is left alone
-        if not _packable(w) or (b_node is not None and (b is None or b.dtype != w.dtype)):
+        if not packable(w) or (b_node is not None and (b is None or b.dtype != w.dtype)):
             continue
         todo.append((node, w, b))
     # The packed copies sit next to the originals (the 1-row GEMV and the skinny path read
     # those): skip them when that would take more than a quarter of this machine's memory.
     sizes = {w.data_ptr(): w.nbytes for _, w, _ in todo}
     extra = sum(sizes.values())
-    pack = extra <= _physical_bytes() // 4
+    pack = pack_fits(extra)
     for node, w, b in todo:
         # NOTE: a weight used twice (tied heads across calls) is packed once
         key = (w.data_ptr(), tuple(w.shape), w.stride(), None if b is None else b.data_ptr())
@@ -121,6 +121,11 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo
               else f"{len(cache)} fp32 weights; not packed (+{extra / 2**20:.0f} MiB would be "
                    f"over a quarter of memory): skinny inputs only")
     return TransformInfo("pack_linear_weights", Stage.COMPILE, n, detail=detail)
+
+
+def pack_fits(extra_bytes: int) -> bool:
+    """Whether packed copies of this many bytes fit the budget (a quarter of memory)."""
+    return extra_bytes <= _physical_bytes() // 4
 
 
 def _physical_bytes() -> int:

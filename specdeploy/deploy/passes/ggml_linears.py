@@ -1,0 +1,149 @@
+"""Linears whose weights came from GGUF Q4_1 / Q8_0 blocks compute with those blocks on the CPU.
+
+A decode step streams every weight once; the default model's are 540 MB as fp32 and 96 MB as
+blocks. `ops/ggml_linear.py` expands each block in registers to the exact fp32 weight values,
+so this changes where the weights are read from, not the model. Up to MAX_ROWS input rows (decode
+and verify steps at small batch) run on the blocks; prefill chunks and large batches, where a
+GEMM over fp32 weights is faster, keep the fp32 path (`pack_linears.packed_linear_fn`).
+`python bench/ggml_linear_rows.py` measures both paths side by side per row count.
+
+Linears reading one input (q/k/v, gate/up) share one kernel call, as `fuse_linears` does for
+fp32 weights. A weight matches by identity with the loaded parameter that has blocks
+(`model.ggml_weights`, set by the loader for GGUF files loaded as fp32); one a transform replaced
+(quantized, sharded) does not match and keeps its path. Skipped when compiling, off the CPU, and
+where the kernel cannot be built here (the report says why).
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from specdeploy.deploy.graph import attr_tensor, finalize
+from specdeploy.deploy.passes.pack_linears import pack_fits, packable, packed_linear_fn
+from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
+from specdeploy.ops.ggml_linear import (
+    GGMLWeight,
+    concat_rows,
+    ggml_linear,
+    kernel_unavailable,
+)
+
+_LINEAR = torch.ops.aten.linear.default
+# Above this many rows the fp32 GEMM wins (bench/results/ggml_linear_rows.json: even at 16 rows)
+MAX_ROWS = 16
+
+
+def ggml_linear_fn(weight: GGMLWeight, fallbacks: list, bias: torch.Tensor | None):
+    """x -> x @ W^T (+ bias): the blocks up to MAX_ROWS rows, else the fp32 `fallbacks` (one per
+    fused member, concatenated along the output)."""
+    bias = None if bias is None else bias.detach()
+
+    def linear_on_blocks(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // x.shape[-1] <= MAX_ROWS:
+            return ggml_linear(x, weight, bias)
+        if len(fallbacks) == 1:
+            return fallbacks[0](x)
+        return torch.cat([f(x) for f in fallbacks], -1)
+
+    return linear_on_blocks
+
+
+def _weight_map(ctx: DeployContext) -> dict:
+    named = getattr(ctx.model, "ggml_weights", None) or {}
+    out = {}
+    for name, p in ctx.model.named_parameters():
+        if name in named:
+            out[(p.data_ptr(), tuple(p.shape), p.stride())] = named[name]
+    return out
+
+
+def _blocks_of(gm, node, weights) -> GGMLWeight | None:
+    w = attr_tensor(gm, node.args[1])
+    if w is None or w.dtype != torch.float32:
+        return None
+    return weights.get((w.data_ptr(), tuple(w.shape), w.stride()))
+
+
+@register("ggml_linears", Stage.COMPILE)
+def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
+    def skip(why: str) -> TransformInfo:
+        return TransformInfo("ggml_linears", Stage.COMPILE, 0, skipped=True, detail=why)
+
+    weights = _weight_map(ctx) if ctx.model is not None else {}
+    if not weights:
+        return skip("no GGUF Q4_1 / Q8_0 weights")
+    if ctx.compile:
+        return skip("compile=True")
+    if ctx.device.type != "cpu":
+        return skip(f"CPU kernels; device is {ctx.device}")
+    why = kernel_unavailable()
+    if why:
+        return skip(f"kernel unavailable: {why}")
+    # linears on blocks, grouped by their input (one kernel call per group)
+    groups: dict[fx.Node, list[tuple[fx.Node, GGMLWeight]]] = {}
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is _LINEAR:
+            gw = _blocks_of(gm, node, weights)
+            if gw is not None:
+                groups.setdefault(node.args[0], []).append((node, gw))
+    todo = []  # kernel calls: the bias-free members of a group that share a kind fuse
+    for members in groups.values():
+        fusable: dict[tuple, list] = {}
+        for node, gw in members:
+            if _bias(node) is None:
+                fusable.setdefault((gw.kind, gw.shape[1]), []).append((node, gw))
+            else:
+                todo.append([(node, gw)])
+        todo.extend(fusable.values())
+    fp32 = {}  # NOTE: fp32 fallbacks per weight; a tied head shares one
+    sizes = {}
+    for members in todo:
+        for node, _ in members:
+            w = attr_tensor(gm, node.args[1])
+            sizes[w.data_ptr()] = w.nbytes
+    pack = pack_fits(sum(sizes.values()))
+    n_nodes, stored = 0, 0
+    for members in todo:
+        for node, _ in members:
+            w, b = attr_tensor(gm, node.args[1]), attr_tensor(gm, _bias(node))
+            key = (w.data_ptr(), None if b is None else b.data_ptr())
+            if key not in fp32:
+                fp32[key] = packed_linear_fn(w, b, pack and packable(w))
+        _replace(gm, members, fp32)
+        n_nodes += len(members)
+        stored += sum(gw.blocks.nbytes for _, gw in members)
+    finalize(gm)
+    return TransformInfo("ggml_linears", Stage.COMPILE, n_nodes,
+                         detail=f"{n_nodes} linears on {stored / 2**20:.0f} MiB of "
+                                f"blocks (<= {MAX_ROWS} rows; fp32 above)")
+
+
+def _bias(node: fx.Node):
+    return node.args[2] if len(node.args) > 2 else None
+
+
+def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], fp32: dict) -> None:
+    nodes = [n for n, _ in members]
+    fallbacks = []
+    for n in nodes:
+        w, b = attr_tensor(gm, n.args[1]), attr_tensor(gm, _bias(n))
+        fallbacks.append(fp32[(w.data_ptr(), None if b is None else b.data_ptr())])
+    gw = members[0][1] if len(members) == 1 else concat_rows([g for _, g in members])
+    bias = attr_tensor(gm, _bias(nodes[0])) if len(nodes) == 1 else None
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first = min(nodes, key=order.__getitem__)
+    with gm.graph.inserting_before(first):
+        out = gm.graph.call_function(ggml_linear_fn(gw, fallbacks, bias), (nodes[0].args[0],))
+    out.meta = dict(first.meta) if len(nodes) == 1 else {}
+    if len(nodes) == 1:
+        first.replace_all_uses_with(out)
+        gm.graph.erase_node(first)
+        return
+    start, last = 0, out
+    for n, g in members:
+        with gm.graph.inserting_after(last):
+            last = gm.graph.call_function(
+                torch.ops.aten.slice.Tensor, (out, -1, start, start + g.shape[0]))
+        n.replace_all_uses_with(last)
+        gm.graph.erase_node(n)
+        start += g.shape[0]

@@ -1,0 +1,154 @@
+/* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1 and Q8_0.
+ *
+ * Weights stay in their 4.5 / 8.5 bits per value and are expanded in registers; x and y are
+ * fp32 and every weight is exactly the fp32 value gguf's dequantization gives (d * q + m), so
+ * only the order of the fp32 sums differs from a matmul over the dequantized matrix. Batch
+ * invariant: an output (r, n) is computed by the same instruction sequence for every R, so a
+ * 1-row decode and a K + 1-row verify give bit-identical rows.
+ *
+ * Built at run time by specdeploy/ops/ggml_linear.py (gcc -O3 -mavx2 -mfma -mf16c). Threads:
+ * OpenMP over output rows; torch's CPU build loads libgomp.so.1 first, so this shares its pool.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROW_GROUP 4   /* input rows sharing one expansion of a weight block */
+#define OUT_TILE 32   /* output rows per tile: the tile's weights stay in cache across groups */
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* sum over one 32-value block of x times the block's 4 x 8 integer values */
+static inline __m256 block_dot(const float *xb, __m256 q0, __m256 q1, __m256 q2, __m256 q3) {
+    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xb), q0);
+    s = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q1, s);
+    s = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q2, s);
+    return _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q3, s);
+}
+
+/* Q4_1 block (20 bytes): d (f16), m (f16), qs[16]; value i is the low nibble of qs[i], value
+ * i + 16 the high one; w = d * q + m. y = sum_b d_b * dot(x_b, q_b) + m_b * sum(x_b). */
+static void q4_1_tile(const float *x, const float *xsum, int R, int K, const uint8_t *w,
+                      int n0, int n1, int N, float *y) {
+    const int nb = K / 32;
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {
+        const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;
+        for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {
+            const int rg = R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP;
+            for (int n = t0; n < t1; n++) {
+                const uint8_t *row = w + (size_t)n * nb * 20;
+                __m256 acc[ROW_GROUP];
+                float macc[ROW_GROUP];
+                for (int r = 0; r < rg; r++) {
+                    acc[r] = _mm256_setzero_ps();
+                    macc[r] = 0.f;
+                }
+                for (int b = 0; b < nb; b++) {
+                    const uint8_t *blk = row + b * 20;
+                    const __m256 d = _mm256_set1_ps(half_at(blk));
+                    const float m = half_at(blk + 2);
+                    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 4));
+                    const __m128i lo = _mm_and_si128(q, mask);
+                    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+                    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+                    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+                    const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+                    const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+                    for (int r = 0; r < rg; r++) {
+                        const float *xb = x + (size_t)(r0 + r) * K + b * 32;
+                        acc[r] = _mm256_fmadd_ps(d, block_dot(xb, q0, q1, q2, q3), acc[r]);
+                        macc[r] = __builtin_fmaf(m, xsum[(size_t)(r0 + r) * nb + b], macc[r]);
+                    }
+                }
+                for (int r = 0; r < rg; r++) y[(size_t)(r0 + r) * N + n] = hsum8(acc[r]) + macc[r];
+            }
+        }
+    }
+}
+
+/* Q8_0 block (34 bytes): d (f16), qs[32] int8; w = d * q. */
+static void q8_0_tile(const float *x, int R, int K, const uint8_t *w, int n0, int n1, int N,
+                      float *y) {
+    const int nb = K / 32;
+    for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {
+        const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;
+        for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {
+            const int rg = R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP;
+            for (int n = t0; n < t1; n++) {
+                const uint8_t *row = w + (size_t)n * nb * 34;
+                __m256 acc[ROW_GROUP];
+                for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
+                for (int b = 0; b < nb; b++) {
+                    const uint8_t *blk = row + b * 34;
+                    const __m256 d = _mm256_set1_ps(half_at(blk));
+                    const __m256i qa = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                    const __m128i l = _mm256_castsi256_si128(qa);
+                    const __m128i h = _mm256_extracti128_si256(qa, 1);
+                    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(l));
+                    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(l, 8)));
+                    const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h));
+                    const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(h, 8)));
+                    for (int r = 0; r < rg; r++) {
+                        const float *xb = x + (size_t)(r0 + r) * K + b * 32;
+                        acc[r] = _mm256_fmadd_ps(d, block_dot(xb, q0, q1, q2, q3), acc[r]);
+                    }
+                }
+                for (int r = 0; r < rg; r++) y[(size_t)(r0 + r) * N + n] = hsum8(acc[r]);
+            }
+        }
+    }
+}
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* kind 0 = Q4_1, 1 = Q8_0. x [R, K] and y [R, N] row-major fp32; w: N rows of K / 32 blocks.
+ * Returns 0, or -1 when scratch memory could not be had (y untouched). */
+int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N, float *y,
+                int nthreads) {
+    const int nb = K / 32;
+    float *xsum = NULL;
+    if (kind == 0) {
+        xsum = (float *)malloc(sizeof(float) * (size_t)R * nb + 1);
+        if (!xsum) return -1;
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < nb; b++) {
+                const float *xb = x + (size_t)r * K + b * 32;
+                __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                         _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+                xsum[(size_t)r * nb + b] = hsum8(s);
+            }
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        /* one contiguous slice of output rows per thread */
+        const int per = ((N + nt - 1) / nt + 7) / 8 * 8;
+        const int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
+        if (n0 < n1) {
+            if (kind == 0) q4_1_tile(x, xsum, R, K, w, n0, n1, N, y);
+            else q8_0_tile(x, R, K, w, n0, n1, N, y);
+        }
+    }
+    free(xsum);
+    return 0;
+}

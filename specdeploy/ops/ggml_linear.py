@@ -1,0 +1,178 @@
+"""Linears over GGUF-quantized weights (Q4_1, Q8_0) without expanding them to fp32 in memory.
+
+Decode on a CPU is bound by reading weights: the default model's linears are 540 MB as fp32 and
+96 MB as the GGUF file stores them (Q4_1 layers, Q8_0 embedding / tied head). The kernel in
+`ggml_kernels.c` reads the blocks and expands each weight in registers to exactly the fp32 value
+that `gguf`'s dequantization gives, so the model is the same fp32 model; only the order of the
+fp32 sums differs from a matmul over the dequantized matrix (as between any two BLAS builds).
+
+The C file is compiled on first use with the system C compiler into a per-user cache
+(`SPECDEPLOY_CACHE_DIR`, default `~/.cache/specdeploy`) and loaded with ctypes. Where that cannot
+happen (not x86-64 Linux with AVX2 / FMA / F16C, no compiler, `SPECDEPLOY_GGML_KERNELS=0`),
+`kernel_unavailable()` says why and callers keep the fp32 weights.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+SOURCE = Path(__file__).with_name("ggml_kernels.c")
+KINDS = {"q4_1": (0, 20), "q8_0": (1, 34)}  # name -> (kernel kind, bytes per 32-value block)
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]
+_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+class GGMLWeight(NamedTuple):
+    """A [N, K] linear weight as N rows of GGUF blocks (`blocks`: uint8 [N, K / 32 * size])."""
+
+    kind: str  # "q4_1" | "q8_0"
+    blocks: torch.Tensor
+    shape: tuple[int, int]
+
+
+def make_weight(kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> GGMLWeight:
+    """Checked constructor: the block bytes must be exactly what `shape` needs."""
+    if kind not in KINDS:
+        raise ValueError(f"ggml weight: unsupported kind {kind!r}; supported: {', '.join(KINDS)}")
+    n, k = shape
+    want = (n, k // 32 * KINDS[kind][1])
+    if k % 32 or blocks.dtype != torch.uint8 or tuple(blocks.shape) != want:
+        raise ValueError(f"ggml weight: {kind} blocks for shape {tuple(shape)} must be uint8 "
+                         f"{want}, got {blocks.dtype} {tuple(blocks.shape)}")
+    return GGMLWeight(kind, blocks.contiguous(), (n, k))
+
+
+def concat_rows(weights: list[GGMLWeight]) -> GGMLWeight:
+    """Weights of one kind and input size stacked along the output rows (fused q/k/v, gate/up)."""
+    kinds = {(w.kind, w.shape[1]) for w in weights}
+    if len(kinds) != 1:
+        raise ValueError(f"ggml weights: cannot stack mixed kinds / input sizes {sorted(kinds)}")
+    kind, k = kinds.pop()
+    return make_weight(kind, torch.cat([w.blocks for w in weights]),
+                       (sum(w.shape[0] for w in weights), k))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _cache_dir() -> Path:
+    """SPECDEPLOY_CACHE_DIR, else ~/.cache/specdeploy, else (home not writable, as on some CI
+    runners) a per-user folder in the temp dir."""
+    root = os.environ.get("SPECDEPLOY_CACHE_DIR")
+    if root:
+        return Path(root)
+    for path in (Path.home() / ".cache" / "specdeploy",
+                 Path(tempfile.gettempdir()) / f"specdeploy-{os.getuid()}"):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(path, os.W_OK):
+            return path
+    return Path(tempfile.mkdtemp(prefix="specdeploy-"))
+
+
+def _compile(out: Path, openmp: bool) -> str | None:
+    """Compile SOURCE to `out`; None on success, else the compiler's complaint."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return "no C compiler (cc / gcc) on PATH"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create {out.parent}: {e}"
+    # NOTE: compile to a temporary name, then rename: concurrent processes never load a
+    # half-written library
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    except OSError as e:
+        return f"cannot write to {out.parent}: {e}"
+    os.close(fd)
+    cmd = [cc, *_FLAGS, *(["-fopenmp"] if openmp else []), "-o", tmp, str(SOURCE)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            return f"{' '.join(cmd)} failed: {proc.stderr.strip()[-400:]}"
+        os.replace(tmp, out)
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{' '.join(cmd)} failed: {e}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("SPECDEPLOY_GGML_KERNELS", "1") == "0":
+        return None, "SPECDEPLOY_GGML_KERNELS=0"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"needs x86-64 Linux (this is {platform.system()} {platform.machine()})"
+    missing = [f for f in _CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)}"
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    errors, cache = [], _cache_dir()
+    for openmp in (True, False):  # NOTE: a compiler without OpenMP still gets a 1-thread kernel
+        path = cache / f"ggml_kernels-{digest}{'-omp' if openmp else ''}.so"
+        if not path.exists():
+            err = _compile(path, openmp)
+            if err:
+                errors.append(err)
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        fn = lib.ggml_linear
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return lib, None
+    return None, "; ".join(errors)
+
+
+def kernel_unavailable() -> str | None:
+    """None when the kernel is built and loaded here, else why not (for reports and skips)."""
+    return _library()[1]
+
+
+def ggml_linear(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """`x[..., K] @ W^T (+ bias)` with W in GGUF blocks; x fp32 on the CPU."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"ggml kernels unavailable: {why}")
+    n, k = weight.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+        raise ValueError(f"ggml_linear: x must be fp32 on the CPU with last dim {k}, got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if x2.shape[0]:
+        rc = lib.ggml_linear(KINDS[weight.kind][0], x2.data_ptr(), x2.shape[0], k,
+                             weight.blocks.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("ggml_linear: no scratch memory for the block sums")
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], n)
