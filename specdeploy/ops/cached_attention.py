@@ -11,10 +11,23 @@ synchronizes on metadata.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
 from specdeploy.ops.attention import attention_mask
+
+_SHORT_SEGMENT = 32  # verify segments up to here reuse one CPU mask across layers and steps
+
+
+@lru_cache(maxsize=256)
+def _short_mask(t_q: int, t_k: int, sliding_window: int) -> torch.Tensor:
+    """The CPU mask of a short segment, built once: every layer of every verify step at this
+    length asks for the same one (read-only; SDPA does not write its mask). Built outside
+    inference mode so that a later call with autograd on may use it too."""
+    with torch.inference_mode(False):
+        return attention_mask(t_q, t_k, sliding_window)
 
 
 def _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table, slot_mapping=None):
@@ -147,7 +160,10 @@ def cached_attention_impl(
             continue
         total = lens[s] + (b - a)
         pages = page_table[s, : (total + page_size - 1) // page_size]
-        mask = attention_mask(b - a, total, sliding_window, q.device)
+        if cpu and b - a <= _SHORT_SEGMENT:
+            mask = _short_mask(b - a, total, sliding_window)
+        else:
+            mask = attention_mask(b - a, total, sliding_window, q.device)
         if cpu:  # NOTE: same math as _sdpa (bit-identical), minus the K/V gather and GQA copies
             out[0, a:b] = _extend_one(q[0, a:b], k_cache, v_cache, pages, total, mask, scale)
             continue

@@ -56,3 +56,19 @@ def test_extend_matches_ref_for_any_page_order(pages, tail):
     out = _call(q[:, head:], k[:, head:], v[:, head:], kc, vc, meta, kv_slot_mapping(meta, PS))
     want = attention_ref(q, k, v, 0.25)[:, head:]
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_short_segment_masks_are_built_once():
+    """Verify segments reuse one mask per (length, total, window) across layers and steps; it is
+    the mask attention_mask builds, and one built in inference mode still serves autograd."""
+    from specdeploy.ops.attention import attention_mask
+    from specdeploy.ops.cached_attention import _short_mask
+
+    _short_mask.cache_clear()
+    with torch.inference_mode():
+        first = _short_mask(4, 37, 0)
+    assert not first.is_inference()
+    assert _short_mask(4, 37, 0) is first
+    assert torch.equal(first, attention_mask(4, 37))
+    windowed = _short_mask(4, 37, 5)
+    assert torch.equal(windowed, attention_mask(4, 37, 5)) and not torch.equal(windowed, first)

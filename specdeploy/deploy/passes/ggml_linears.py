@@ -5,7 +5,7 @@ blocks. `ops/ggml_linear.py` expands each block in registers to the exact fp32 w
 so this changes where the weights are read from, not the model. Up to MAX_ROWS input rows (decode
 and verify steps at small batch) run on the blocks; prefill chunks and large batches, where a
 GEMM over fp32 weights is faster, keep the fp32 path (`pack_linears.packed_linear_fn`).
-`python bench/ggml_linear_rows.py` measures both paths side by side per row count.
+`python bench/linear_rows.py --threads 2` measures both per row count, side by side.
 
 Linears reading one input (q/k/v, gate/up) share one kernel call, as `fuse_linears` does for
 fp32 weights. A weight matches by identity with the loaded parameter that has blocks
@@ -29,7 +29,8 @@ from specdeploy.ops.ggml_linear import (
 )
 
 _LINEAR = torch.ops.aten.linear.default
-# Above this many rows the fp32 GEMM wins (bench/results/ggml_linear_rows.json: even at 16 rows)
+# Above this many rows the fp32 GEMM wins (bench/results/linear_rows_q4_1.json: about even at
+# 16 rows, fp32 ahead at 32)
 MAX_ROWS = 16
 
 
