@@ -103,20 +103,23 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
             w = attr_tensor(gm, node.args[1])
             sizes[w.data_ptr()] = w.nbytes
     pack = pack_fits(sum(sizes.values()))
-    n_nodes, stored = 0, 0
+    n_nodes, stored, packed = 0, 0, {}
     for members in todo:
         for node, _ in members:
             w, b = attr_tensor(gm, node.args[1]), attr_tensor(gm, _bias(node))
             key = (w.data_ptr(), None if b is None else b.data_ptr())
             if key not in fp32:
                 fp32[key] = packed_linear_fn(w, b, pack and packable(w))
+                if pack and packable(w):
+                    packed[w.data_ptr()] = w.nbytes
         _replace(gm, members, fp32)
         n_nodes += len(members)
         stored += sum(gw.blocks.nbytes for _, gw in members)
     finalize(gm)
     return TransformInfo("ggml_linears", Stage.COMPILE, n_nodes,
                          detail=f"{n_nodes} linears on {stored / 2**20:.0f} MiB of "
-                                f"blocks (<= {MAX_ROWS} rows; fp32 above)")
+                                f"blocks (<= {MAX_ROWS} rows); fp32 above, oneDNN-packed copies "
+                                f"+{sum(packed.values()) / 2**20:.0f} MiB")
 
 
 def _bias(node: fx.Node):
