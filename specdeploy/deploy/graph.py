@@ -65,6 +65,20 @@ def attr_tensor(gm: fx.GraphModule, node) -> torch.Tensor | None:
     return operator.attrgetter(node.target)(gm)
 
 
+def split_fused_output(gm: fx.GraphModule, out: fx.Node, nodes: list[fx.Node],
+                       widths: list[int]) -> None:
+    """`out` computes `nodes`' outputs side by side on the last dim (a fused linear): each node's
+    users get a slice of it instead, and the nodes are erased."""
+    start, last = 0, out
+    for node, width in zip(nodes, widths):
+        with gm.graph.inserting_after(last):
+            last = gm.graph.call_function(
+                torch.ops.aten.slice.Tensor, (out, -1, start, start + width))
+        node.replace_all_uses_with(last)
+        gm.graph.erase_node(node)
+        start += width
+
+
 def finalize(gm: fx.GraphModule) -> None:
     gm.graph.eliminate_dead_code()
     gm.graph.lint()

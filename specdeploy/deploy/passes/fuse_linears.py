@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from specdeploy.deploy.graph import attr_tensor, finalize
+from specdeploy.deploy.graph import attr_tensor, finalize, split_fused_output
 from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
 
 _LINEAR = torch.ops.aten.linear.default
@@ -51,14 +51,7 @@ def fuse_parallel_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformIn
         with gm.graph.inserting_before(first):
             attr = gm.graph.get_attr(name)
             out = gm.graph.call_function(_LINEAR, (users[0].args[0], attr))
-        start, last = 0, out
-        for u, w in zip(users, weights):
-            with gm.graph.inserting_after(last):
-                last = gm.graph.call_function(
-                    torch.ops.aten.slice.Tensor, (out, -1, start, start + w.shape[0]))
-            u.replace_all_uses_with(last)
-            gm.graph.erase_node(u)
-            start += w.shape[0]
+        split_fused_output(gm, out, users, [w.shape[0] for w in weights])
     finalize(gm)
     return TransformInfo("fuse_parallel_linears", Stage.COMPILE, len(groups),
                          detail=f"{sum(len(g) for g in groups)} linears into {len(groups)}")

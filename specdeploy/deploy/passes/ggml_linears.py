@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from specdeploy.deploy.graph import attr_tensor, finalize
+from specdeploy.deploy.graph import attr_tensor, finalize, split_fused_output
 from specdeploy.deploy.passes.pack_linears import pack_fits, packable, packed_linear_fn
 from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
 from specdeploy.ops.ggml_linear import (
@@ -143,11 +143,4 @@ def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], fp32
         first.replace_all_uses_with(out)
         gm.graph.erase_node(first)
         return
-    start, last = 0, out
-    for n, g in members:
-        with gm.graph.inserting_after(last):
-            last = gm.graph.call_function(
-                torch.ops.aten.slice.Tensor, (out, -1, start, start + g.shape[0]))
-        n.replace_all_uses_with(last)
-        gm.graph.erase_node(n)
-        start += g.shape[0]
+    split_fused_output(gm, out, nodes, [g.shape[0] for _, g in members])
