@@ -103,8 +103,9 @@ def load_model_from_reader(
     assign_params(model, params, torch_dtype, source=str(reader.path))
     _init_nonpersistent(model)
     model.hf_config = reader.config  # NOTE: the raw dict; deployment reads eos / limits from it
-    # GGUF Q4_1 / Q8_0 weights also keep their blocks: the deploy pipeline's CPU kernels compute
-    # with them (deploy/passes/ggml_linears.py); only fp32 loads, whose values they match exactly
+    # GGUF Q4_0 / Q4_1 / Q8_0 weights also keep their blocks: the deploy pipeline's CPU kernels
+    # compute with them (deploy/passes/ggml_linears.py); only for fp32 loads, whose values they
+    # match exactly
     model.ggml_weights = _ggml_weights(model, reader) if torch_dtype == torch.float32 else {}
     return model.eval()
 

@@ -251,8 +251,8 @@ class GGUFReader:
         return torch.from_numpy(a)
 
     def get_blocks(self, name: str):
-        """`GGMLWeight` (its raw Q4_1 / Q8_0 blocks, rows in HF order) of a 2-D tensor stored in
-        one of those types, else None: what `ops/ggml_linear.py` computes with directly."""
+        """`GGMLWeight` (its raw Q4_0 / Q4_1 / Q8_0 blocks, rows in HF order) of a 2-D tensor
+        stored in one of those types, else None: what `ops/ggml_linear.py` computes with."""
         from specdeploy.ops.ggml_linear import make_weight
 
         info = self._tensors.get(self._where.get(name, ""))
@@ -289,7 +289,8 @@ class GGUFReader:
 
 
 _MERGED_ROW = 131072
-_BLOCK_KINDS = {3: "q4_1", 8: "q8_0"}  # ggml types the kernels in ops/ggml_kernels.c read
+# ggml types the kernels in ops/ggml_kernels.c read
+_BLOCK_KINDS = {2: "q4_0", 3: "q4_1", 8: "q8_0"}
 
 
 def _unpermute_rotary(a: np.ndarray, n_head: int) -> np.ndarray:

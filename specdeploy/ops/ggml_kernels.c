@@ -1,4 +1,4 @@
-/* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1 and Q8_0.
+/* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0 and Q4_0.
  *
  * Weights stay in their 4.5 / 8.5 bits per value and are expanded in registers; x and y are
  * fp32 and every weight is exactly the fp32 value gguf's dequantization gives (d * q + m), so
@@ -93,21 +93,31 @@ static void q4_1_tile(const float *x, const float *xsum, int R, int K, const uin
     }
 }
 
-/* Q8_0 block (34 bytes): d (f16), qs[32] int8; w = d * q. Grouped as q4_1_group. */
-static inline __attribute__((always_inline)) void q8_0_group(
+/* Symmetric blocks, w = d * q: Q8_0 (34 bytes: d (f16), qs[32] int8) and Q4_0 (18 bytes: d
+ * (f16), qs[16]; nibbles as in Q4_1, q = nibble - 8). Grouped as q4_1_group; `q4` is a constant
+ * at each call too, so each format compiles to its own loop. */
+static inline __attribute__((always_inline)) void sym_group(
     const float *x, int K, const uint8_t *w, int t0, int t1, int N, float *y, int r0,
-    const int rg) {
-    const int nb = K / 32;
+    const int rg, const int q4) {
+    const int nb = K / 32, bytes = q4 ? 18 : 34;
+    const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
     for (int n = t0; n < t1; n++) {
-        const uint8_t *row = w + (size_t)n * nb * 34;
+        const uint8_t *row = w + (size_t)n * nb * bytes;
         __m256 acc[ROW_GROUP];
         for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * 34;
+            const uint8_t *blk = row + b * bytes;
             const __m256 d = _mm256_set1_ps(half_at(blk));
-            const __m256i qa = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            const __m128i l = _mm256_castsi256_si128(qa);
-            const __m128i h = _mm256_extracti128_si256(qa, 1);
+            __m128i l, h;
+            if (q4) {
+                const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2));
+                l = _mm_sub_epi8(_mm_and_si128(q, mask), eight);
+                h = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), eight);
+            } else {
+                const __m256i qa = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                l = _mm256_castsi256_si128(qa);
+                h = _mm256_extracti128_si256(qa, 1);
+            }
             const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(l));
             const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(l, 8)));
             const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h));
@@ -121,26 +131,29 @@ static inline __attribute__((always_inline)) void q8_0_group(
     }
 }
 
-static void q8_0_tile(const float *x, int R, int K, const uint8_t *w, int n0, int n1, int N,
-                      float *y) {
-    for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {
-        const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;
-        for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {
-            switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {
-            case 1: q8_0_group(x, K, w, t0, t1, N, y, r0, 1); break;
-            case 2: q8_0_group(x, K, w, t0, t1, N, y, r0, 2); break;
-            case 3: q8_0_group(x, K, w, t0, t1, N, y, r0, 3); break;
-            default: q8_0_group(x, K, w, t0, t1, N, y, r0, 4); break;
-            }
-        }
+#define SYM_TILE(NAME, Q4)                                                                  \
+    static void NAME(const float *x, int R, int K, const uint8_t *w, int n0, int n1, int N, \
+                     float *y) {                                                            \
+        for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {                                        \
+            const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;                         \
+            for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {                                     \
+                switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {                          \
+                case 1: sym_group(x, K, w, t0, t1, N, y, r0, 1, Q4); break;                 \
+                case 2: sym_group(x, K, w, t0, t1, N, y, r0, 2, Q4); break;                 \
+                case 3: sym_group(x, K, w, t0, t1, N, y, r0, 3, Q4); break;                 \
+                default: sym_group(x, K, w, t0, t1, N, y, r0, 4, Q4); break;                \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
     }
-}
+SYM_TILE(q8_0_tile, 0)
+SYM_TILE(q4_0_tile, 1)
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-/* kind 0 = Q4_1, 1 = Q8_0. x [R, K] and y [R, N] row-major fp32; w: N rows of K / 32 blocks.
+/* kind 0 = Q4_1, 1 = Q8_0, 2 = Q4_0. x [R, K] and y [R, N] row-major fp32; w: N rows of K / 32 blocks.
  * Returns 0, or -1 when scratch memory could not be had (y untouched). */
 int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N, float *y,
                 int nthreads) {
@@ -169,7 +182,8 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
         const int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
         if (n0 < n1) {
             if (kind == 0) q4_1_tile(x, xsum, R, K, w, n0, n1, N, y);
-            else q8_0_tile(x, R, K, w, n0, n1, N, y);
+            else if (kind == 1) q8_0_tile(x, R, K, w, n0, n1, N, y);
+            else q4_0_tile(x, R, K, w, n0, n1, N, y);
         }
     }
     free(xsum);

@@ -1,4 +1,4 @@
-"""Linears over GGUF-quantized weights (Q4_1, Q8_0) without expanding them to fp32 in memory.
+"""Linears over GGUF-quantized weights (Q4_1, Q8_0, Q4_0) without expanding them to fp32 in memory.
 
 Decode on a CPU is bound by reading weights: the default model's linears are 540 MB as fp32 and
 96 MB as the GGUF file stores them (Q4_1 layers, Q8_0 embedding / tied head). The kernel in
@@ -27,7 +27,8 @@ from typing import NamedTuple
 import torch
 
 SOURCE = Path(__file__).with_name("ggml_kernels.c")
-KINDS = {"q4_1": (0, 20), "q8_0": (1, 34)}  # name -> (kernel kind, bytes per 32-value block)
+# name -> (kernel kind, bytes per 32-value block)
+KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18)}
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]
 _CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -35,7 +36,7 @@ _CPU_FLAGS = ("avx2", "fma", "f16c")
 class GGMLWeight(NamedTuple):
     """A [N, K] linear weight as N rows of GGUF blocks (`blocks`: uint8 [N, K / 32 * size])."""
 
-    kind: str  # "q4_1" | "q8_0"
+    kind: str  # "q4_1" | "q8_0" | "q4_0"
     blocks: torch.Tensor
     shape: tuple[int, int]
 

@@ -1,4 +1,5 @@
-"""ggml_linears: a GGUF checkpoint's Q4_1 / Q8_0 linears run on their blocks in the deployed graph.
+"""ggml_linears: a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 linears run on their blocks in the deployed
+graph.
 
 Oracles: the plain model loaded from the same file (fp32 weights from gguf's dequantization,
 F.linear), transformers' logits for the default model (the golden file of
@@ -26,13 +27,13 @@ LIMITS = dict(max_batch_size=2, max_seq_len=64, page_size=4, max_cache_gib=0.01)
 LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
 
 
-@pytest.fixture(scope="module", params=[("q4_1", False), ("q8_0", True)],
-                ids=["q4_1-untied", "q8_0-tied"])
+@pytest.fixture(scope="module", params=[("q4_1", False), ("q8_0", True), ("q4_0", False)],
+                ids=["q4_1-untied", "q8_0-tied", "q4_0-untied"])
 def tiny_gguf(request, tmp_path_factory):
     kind, tie = request.param
     d = tmp_path_factory.mktemp(f"ggml_{kind}")
     src = llama.make_tiny(d / "st", seed=7, config_overrides={"tie_word_embeddings": tie})
-    qtype = Q.Q4_1 if kind == "q4_1" else Q.Q8_0
+    qtype = {"q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[kind]
     return src, _tiny_llama_gguf(src, d / "tiny.gguf", qtype)
 
 

@@ -1,4 +1,4 @@
-"""The Q4_1 / Q8_0 block kernels against `gguf`'s own dequantization (an independent oracle):
+"""The Q4_1 / Q8_0 / Q4_0 block kernels against `gguf`'s own dequantization (an independent oracle):
 x @ W^T in float64 over gguf's fp32 weights. Plus batch invariance, threads, bias, errors, and
 the fallbacks when the kernel cannot be built."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from specdeploy.ops import ggml_linear as gl
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
-KINDS = {"q4_1": Q.Q4_1, "q8_0": Q.Q8_0}
+KINDS = {"q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 
 needs_kernel = pytest.mark.skipif(gl.kernel_unavailable() is not None,
                                   reason=f"ggml kernel unavailable: {gl.kernel_unavailable()}")

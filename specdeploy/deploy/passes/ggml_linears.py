@@ -1,4 +1,5 @@
-"""Linears whose weights came from GGUF Q4_1 / Q8_0 blocks compute with those blocks on the CPU.
+"""Linears whose weights came from GGUF Q4_0 / Q4_1 / Q8_0 blocks compute with those blocks on
+the CPU.
 
 A decode step streams every weight once; the default model's are 540 MB as fp32 and 96 MB as
 blocks. `ops/ggml_linear.py` expands each block in registers to the exact fp32 weight values,
@@ -72,7 +73,7 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
 
     weights = _weight_map(ctx) if ctx.model is not None else {}
     if not weights:
-        return skip("no GGUF Q4_1 / Q8_0 weights")
+        return skip("no GGUF Q4_0 / Q4_1 / Q8_0 weights")
     if ctx.compile:
         return skip("compile=True")
     if ctx.device.type != "cpu":
