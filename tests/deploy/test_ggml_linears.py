@@ -146,3 +146,23 @@ def test_default_model_decode_on_blocks_matches_transformers():
     torch.testing.assert_close(logits[-1], torch.from_numpy(golden["logits_last"]),
                                rtol=0, atol=1e-3)
     assert logits.argmax(-1).tolist() == golden["argmax"][start:].tolist()
+
+
+def test_a_weight_edited_after_loading_keeps_the_fp32_path(tiny_gguf):
+    """Blocks are used only while they still hold the parameter's values: one edited in place
+    (same tensor, other numbers) goes the fp32 way, and the logits follow the edit."""
+    from specdeploy.deploy.runner import deploy_module
+
+    _, path = tiny_gguf
+    model = load_model(path)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(2.0)
+    dep = deploy_module(model, {}, model.cfg.vocab_size, **LIMITS)
+    info = {i.name: i for i in dep.infos}["ggml_linears"]
+    layers = llama.tiny_hf_config()["num_hidden_layers"]
+    assert info.num_matches == layers * LINEARS_PER_LAYER and "1 weights changed" in info.detail
+    ids = list(range(5, 12))
+    with torch.no_grad():
+        want = model(torch.tensor([ids]))[0]
+    got = dep.forward(build_metadata([Segment(ids, 0, list(range(16)), 0, len(ids))])).logits
+    assert_close(got, want, rtol=1e-5)

@@ -66,6 +66,17 @@ def _blocks_of(gm, node, weights) -> GGMLWeight | None:
     return weights.get((w.data_ptr(), tuple(w.shape), w.stride()))
 
 
+def _same_values(w: torch.Tensor, gw: GGMLWeight) -> bool:
+    """Whether the blocks still hold `w` (nothing edited it in place since loading): unit rows
+    through the kernel give columns of W exactly (d * q + m rounded once, as gguf does), checked
+    at four columns spread over the input."""
+    k = w.shape[1]
+    cols = torch.tensor([0, k // 3, (2 * k) // 3, k - 1])
+    unit = torch.zeros(len(cols), k)
+    unit[torch.arange(len(cols)), cols] = 1.0
+    return torch.equal(ggml_linear(unit, gw), w.detach()[:, cols].t())
+
+
 @register("ggml_linears", Stage.COMPILE)
 def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
     def skip(why: str) -> TransformInfo:
@@ -83,9 +94,12 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
         return skip(f"kernel unavailable: {why}")
     # linears on blocks, grouped by their input (one kernel call per group)
     groups: dict[fx.Node, list[tuple[fx.Node, GGMLWeight]]] = {}
+    stale = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is _LINEAR:
             gw = _blocks_of(gm, node, weights)
+            if gw is not None and not _same_values(attr_tensor(gm, node.args[1]), gw):
+                stale, gw = stale + 1, None  # NOTE: edited since loading: keep the fp32 path
             if gw is not None:
                 groups.setdefault(node.args[0], []).append((node, gw))
     todo = []  # kernel calls: the bias-free members of a group that share a kind fuse
@@ -120,7 +134,9 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
     return TransformInfo("ggml_linears", Stage.COMPILE, n_nodes,
                          detail=f"{n_nodes} linears on {stored / 2**20:.0f} MiB of "
                                 f"blocks (<= {MAX_ROWS} rows); fp32 above, oneDNN-packed copies "
-                                f"+{sum(packed.values()) / 2**20:.0f} MiB")
+                                f"+{sum(packed.values()) / 2**20:.0f} MiB"
+                                + (f"; {stale} weights changed since loading left fp32"
+                                   if stale else ""))
 
 
 def _bias(node: fx.Node):
