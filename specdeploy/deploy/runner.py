@@ -29,7 +29,8 @@ class GraphDeployed:
         self.max_seq_len = ctx.max_seq_len
         self.layout = CacheLayout(plan.page_size, plan.num_pages, plan.num_slots,
                                   dict(plan.bytes_by_handler))
-        self._fn = ctx.compiled or gm
+        # NOTE: not `compiled or gm`: a compiled GraphModule has no truth value (len() raises)
+        self._fn = gm if ctx.compiled is None else ctx.compiled
         self._input_names = [p.name for p in placeholders(gm)]
 
     def _feed(self, meta: BatchMetadata, hidden: torch.Tensor | None = None) -> list[torch.Tensor]:
