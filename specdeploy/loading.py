@@ -116,7 +116,7 @@ def _ggml_weights(model: nn.Module, reader) -> dict:
         return {}
     out = {}
     for name, p in model.named_parameters():
-        w = get_blocks(name) if name in reader and p.dim() == 2 else None
+        w = get_blocks(name) if p.dim() == 2 else None
         if w is not None and w.shape == tuple(p.shape):
             out[name] = w
     return out

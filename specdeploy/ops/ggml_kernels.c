@@ -39,18 +39,24 @@ static inline __m256 block_dot(const float *xb, __m256 q0, __m256 q1, __m256 q2,
     return _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q3, s);
 }
 
-/* Q4_1 block (20 bytes): d (f16), m (f16), qs[16]; value i is the low nibble of qs[i], value
- * i + 16 the high one; w = d * q + m. y = sum_b d_b * dot(x_b, q_b) + m_b * sum(x_b).
- * One group of rg (<= ROW_GROUP) input rows over output rows t0..t1. rg is a constant at each
- * call (the switch in q4_1_tile): the accumulators then stay in registers (~10-15% faster at
- * 2-16 rows than a runtime bound), and every rg runs the same arithmetic per row. */
-static inline __attribute__((always_inline)) void q4_1_group(
+/* The kernel kinds (ggml_linear.py's KINDS) and their 32-value blocks:
+ *   Q4_1 (20 bytes): d (f16), m (f16), qs[16]; w = d * q + m
+ *   Q8_0 (34 bytes): d (f16), qs[32] int8;    w = d * q
+ *   Q4_0 (18 bytes): d (f16), qs[16];         w = d * (q - 8)
+ * In the 4-bit kinds value i is the low nibble of qs[i] and value i + 16 the high one. For Q4_1,
+ * y = sum_b d_b * dot(x_b, q_b) + m_b * sum(x_b), the block sums of x precomputed (xsum). */
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2 };
+
+/* One group of rg (<= ROW_GROUP) input rows over output rows t0..t1. `rg` and `kind` are
+ * constants at each call (BLOCK_TILE below): the accumulators stay in registers and each kind
+ * compiles to its own loop; every rg runs the same arithmetic per row (batch invariance). */
+static inline __attribute__((always_inline)) void block_group(
     const float *x, const float *xsum, int K, const uint8_t *w, int t0, int t1, int N, float *y,
-    int r0, const int rg) {
-    const int nb = K / 32;
-    const __m128i mask = _mm_set1_epi8(0x0F);
+    int r0, const int rg, const int kind) {
+    const int nb = K / 32, bytes = kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : 18;
+    const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
     for (int n = t0; n < t1; n++) {
-        const uint8_t *row = w + (size_t)n * nb * 20;
+        const uint8_t *row = w + (size_t)n * nb * bytes;
         __m256 acc[ROW_GROUP];
         float macc[ROW_GROUP];
         for (int r = 0; r < rg; r++) {
@@ -58,108 +64,69 @@ static inline __attribute__((always_inline)) void q4_1_group(
             macc[r] = 0.f;
         }
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * 20;
-            const __m256 d = _mm256_set1_ps(half_at(blk));
-            const float m = half_at(blk + 2);
-            const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 4));
-            const __m128i lo = _mm_and_si128(q, mask);
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-            const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-            const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-            for (int r = 0; r < rg; r++) {
-                const float *xb = x + (size_t)(r0 + r) * K + b * 32;
-                acc[r] = _mm256_fmadd_ps(d, block_dot(xb, q0, q1, q2, q3), acc[r]);
-                macc[r] = __builtin_fmaf(m, xsum[(size_t)(r0 + r) * nb + b], macc[r]);
-            }
-        }
-        for (int r = 0; r < rg; r++) y[(size_t)(r0 + r) * N + n] = hsum8(acc[r]) + macc[r];
-    }
-}
-
-static void q4_1_tile(const float *x, const float *xsum, int R, int K, const uint8_t *w,
-                      int n0, int n1, int N, float *y) {
-    for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {
-        const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;
-        for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {
-            switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {
-            case 1: q4_1_group(x, xsum, K, w, t0, t1, N, y, r0, 1); break;
-            case 2: q4_1_group(x, xsum, K, w, t0, t1, N, y, r0, 2); break;
-            case 3: q4_1_group(x, xsum, K, w, t0, t1, N, y, r0, 3); break;
-            default: q4_1_group(x, xsum, K, w, t0, t1, N, y, r0, 4); break;
-            }
-        }
-    }
-}
-
-/* Symmetric blocks, w = d * q: Q8_0 (34 bytes: d (f16), qs[32] int8) and Q4_0 (18 bytes: d
- * (f16), qs[16]; nibbles as in Q4_1, q = nibble - 8). Grouped as q4_1_group; `q4` is a constant
- * at each call too, so each format compiles to its own loop. */
-static inline __attribute__((always_inline)) void sym_group(
-    const float *x, int K, const uint8_t *w, int t0, int t1, int N, float *y, int r0,
-    const int rg, const int q4) {
-    const int nb = K / 32, bytes = q4 ? 18 : 34;
-    const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    for (int n = t0; n < t1; n++) {
-        const uint8_t *row = w + (size_t)n * nb * bytes;
-        __m256 acc[ROW_GROUP];
-        for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * bytes;
             const __m256 d = _mm256_set1_ps(half_at(blk));
-            __m128i l, h;
-            if (q4) {
-                const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2));
-                l = _mm_sub_epi8(_mm_and_si128(q, mask), eight);
-                h = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), mask), eight);
-            } else {
+            __m128i l, h;  /* the block's 32 values as int8, 0..15 / 16..31 */
+            if (kind == Q8_0) {
                 const __m256i qa = _mm256_loadu_si256((const __m256i *)(blk + 2));
                 l = _mm256_castsi256_si128(qa);
                 h = _mm256_extracti128_si256(qa, 1);
+            } else {
+                const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (kind == Q4_1 ? 4 : 2)));
+                l = _mm_and_si128(q, mask);
+                h = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+                if (kind == Q4_0) {
+                    l = _mm_sub_epi8(l, eight);
+                    h = _mm_sub_epi8(h, eight);
+                }
             }
             const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(l));
             const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(l, 8)));
             const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h));
             const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(h, 8)));
+            const float m = kind == Q4_1 ? half_at(blk + 2) : 0.f;
             for (int r = 0; r < rg; r++) {
                 const float *xb = x + (size_t)(r0 + r) * K + b * 32;
                 acc[r] = _mm256_fmadd_ps(d, block_dot(xb, q0, q1, q2, q3), acc[r]);
+                if (kind == Q4_1)
+                    macc[r] = __builtin_fmaf(m, xsum[(size_t)(r0 + r) * nb + b], macc[r]);
             }
         }
-        for (int r = 0; r < rg; r++) y[(size_t)(r0 + r) * N + n] = hsum8(acc[r]);
+        for (int r = 0; r < rg; r++)
+            y[(size_t)(r0 + r) * N + n] = kind == Q4_1 ? hsum8(acc[r]) + macc[r] : hsum8(acc[r]);
     }
 }
 
-#define SYM_TILE(NAME, Q4)                                                                  \
-    static void NAME(const float *x, int R, int K, const uint8_t *w, int n0, int n1, int N, \
-                     float *y) {                                                            \
-        for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {                                        \
-            const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;                         \
-            for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {                                     \
-                switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {                          \
-                case 1: sym_group(x, K, w, t0, t1, N, y, r0, 1, Q4); break;                 \
-                case 2: sym_group(x, K, w, t0, t1, N, y, r0, 2, Q4); break;                 \
-                case 3: sym_group(x, K, w, t0, t1, N, y, r0, 3, Q4); break;                 \
-                default: sym_group(x, K, w, t0, t1, N, y, r0, 4, Q4); break;                \
-                }                                                                           \
-            }                                                                               \
-        }                                                                                   \
+#define BLOCK_TILE(NAME, KIND)                                                                 \
+    static void NAME(const float *x, const float *xsum, int R, int K, const uint8_t *w, int n0, \
+                     int n1, int N, float *y) {                                                \
+        for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {                                           \
+            const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;                            \
+            for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {                                        \
+                switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {                             \
+                case 1: block_group(x, xsum, K, w, t0, t1, N, y, r0, 1, KIND); break;          \
+                case 2: block_group(x, xsum, K, w, t0, t1, N, y, r0, 2, KIND); break;          \
+                case 3: block_group(x, xsum, K, w, t0, t1, N, y, r0, 3, KIND); break;          \
+                default: block_group(x, xsum, K, w, t0, t1, N, y, r0, 4, KIND); break;         \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
     }
-SYM_TILE(q8_0_tile, 0)
-SYM_TILE(q4_0_tile, 1)
+BLOCK_TILE(q4_1_tile, Q4_1)
+BLOCK_TILE(q8_0_tile, Q8_0)
+BLOCK_TILE(q4_0_tile, Q4_0)
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-/* kind 0 = Q4_1, 1 = Q8_0, 2 = Q4_0. x [R, K] and y [R, N] row-major fp32; w: N rows of K / 32 blocks.
- * Returns 0, or -1 when scratch memory could not be had (y untouched). */
+/* kind: Q4_1, Q8_0 or Q4_0 (above). x [R, K] and y [R, N] row-major fp32; w: N rows of K / 32
+ * blocks. Returns 0, or -1 when scratch memory could not be had (y untouched). */
 int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N, float *y,
                 int nthreads) {
     const int nb = K / 32;
     float *xsum = NULL;
-    if (kind == 0) {
+    if (kind == Q4_1) {
         xsum = (float *)malloc(sizeof(float) * (size_t)R * nb + 1);
         if (!xsum) return -1;
         for (int r = 0; r < R; r++)
@@ -181,9 +148,9 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
         const int per = ((N + nt - 1) / nt + 7) / 8 * 8;
         const int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
         if (n0 < n1) {
-            if (kind == 0) q4_1_tile(x, xsum, R, K, w, n0, n1, N, y);
-            else if (kind == 1) q8_0_tile(x, R, K, w, n0, n1, N, y);
-            else q4_0_tile(x, R, K, w, n0, n1, N, y);
+            if (kind == Q4_1) q4_1_tile(x, xsum, R, K, w, n0, n1, N, y);
+            else if (kind == Q8_0) q8_0_tile(x, xsum, R, K, w, n0, n1, N, y);
+            else q4_0_tile(x, xsum, R, K, w, n0, n1, N, y);
         }
     }
     free(xsum);

@@ -111,25 +111,23 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
             else:
                 todo.append([(node, gw)])
         todo.extend(fusable.values())
-    fp32 = {}  # NOTE: fp32 fallbacks per weight; a tied head shares one
-    sizes = {}
+    # the fp32 path above MAX_ROWS rows, one per weight (a tied head shares it), packed for
+    # oneDNN within pack_linears' memory budget
+    weight_of = {node: attr_tensor(gm, node.args[1]) for members in todo for node, _ in members}
+    pack = pack_fits(sum({w.data_ptr(): w.nbytes for w in weight_of.values()}.values()))
+    fp32, fallback_of, packed = {}, {}, {}
+    for node, w in weight_of.items():
+        b = attr_tensor(gm, _bias(node))
+        key = (w.data_ptr(), None if b is None else b.data_ptr())
+        if key not in fp32:
+            fp32[key] = packed_linear_fn(w, b, pack and packable(w))
+            if pack and packable(w):
+                packed[w.data_ptr()] = w.nbytes
+        fallback_of[node] = fp32[key]
     for members in todo:
-        for node, _ in members:
-            w = attr_tensor(gm, node.args[1])
-            sizes[w.data_ptr()] = w.nbytes
-    pack = pack_fits(sum(sizes.values()))
-    n_nodes, stored, packed = 0, 0, {}
-    for members in todo:
-        for node, _ in members:
-            w, b = attr_tensor(gm, node.args[1]), attr_tensor(gm, _bias(node))
-            key = (w.data_ptr(), None if b is None else b.data_ptr())
-            if key not in fp32:
-                fp32[key] = packed_linear_fn(w, b, pack and packable(w))
-                if pack and packable(w):
-                    packed[w.data_ptr()] = w.nbytes
-        _replace(gm, members, fp32)
-        n_nodes += len(members)
-        stored += sum(gw.blocks.nbytes for _, gw in members)
+        _replace(gm, members, [fallback_of[node] for node, _ in members])
+    n_nodes = len(fallback_of)
+    stored = sum(gw.blocks.nbytes for members in todo for _, gw in members)
     finalize(gm)
     return TransformInfo("ggml_linears", Stage.COMPILE, n_nodes,
                          detail=f"{n_nodes} linears on {stored / 2**20:.0f} MiB of "
@@ -143,21 +141,17 @@ def _bias(node: fx.Node):
     return node.args[2] if len(node.args) > 2 else None
 
 
-def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], fp32: dict) -> None:
+def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], fallbacks: list
+             ) -> None:
+    """One kernel call for `members` (linears of one input, in graph order)."""
     nodes = [n for n, _ in members]
-    fallbacks = []
-    for n in nodes:
-        w, b = attr_tensor(gm, n.args[1]), attr_tensor(gm, _bias(n))
-        fallbacks.append(fp32[(w.data_ptr(), None if b is None else b.data_ptr())])
     gw = members[0][1] if len(members) == 1 else concat_rows([g for _, g in members])
     bias = attr_tensor(gm, _bias(nodes[0])) if len(nodes) == 1 else None
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    first = min(nodes, key=order.__getitem__)
-    with gm.graph.inserting_before(first):
+    with gm.graph.inserting_before(nodes[0]):
         out = gm.graph.call_function(ggml_linear_fn(gw, fallbacks, bias), (nodes[0].args[0],))
-    out.meta = dict(first.meta) if len(nodes) == 1 else {}
     if len(nodes) == 1:
-        first.replace_all_uses_with(out)
-        gm.graph.erase_node(first)
+        out.meta = dict(nodes[0].meta)
+        nodes[0].replace_all_uses_with(out)
+        gm.graph.erase_node(nodes[0])
         return
     split_fused_output(gm, out, nodes, [g.shape[0] for _, g in members])
