@@ -129,17 +129,16 @@ class Eagle3Objective(nn.Module):
         h, d, nkv, nq = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads, \
             cfg.num_attention_heads
         w = dr.norm.weight.float()
-        n_in = 3 * cfg.target_hidden_size + h
-        xtx = torch.zeros(n_in, n_in, dtype=torch.float64)
-        xty = torch.zeros(n_in, h, dtype=torch.float64)
+        xtx = xty = 0.0  # float64 sums on the features' device, solved on the CPU
         for feats in batches:
             emb = target.model.embed_tokens(feats.ids[:, 1:]).float()
             x = torch.cat([feats.aux[:, :-1].float(), _unit_rms(emb)], -1)
             y = feats.final[:, 1:].float() / w
             keep = feats.mask[:, 1:]
             x, y = x[keep].double(), y[keep].double()
-            xtx += x.T @ x
-            xty += x.T @ y
+            xtx = xtx + x.T @ x
+            xty = xty + x.T @ y
+        xtx, xty = xtx.cpu(), xty.cpu()
         diag = xtx.diagonal().clone()  # NOTE: per-feature ridge: the aux layers differ in scale
         sol = torch.linalg.solve(xtx + torch.diag(ridge * diag + 1e-8), xty).T.float()
         a, b = sol[:, :-h], sol[:, -h:]
@@ -149,6 +148,8 @@ class Eagle3Objective(nn.Module):
         v_emb, o_kv = root[:, None] * vh[:r], u[:, :r] * root  # [r, H], [H, r]
         g = torch.Generator().manual_seed(0)
         p = torch.linalg.qr(torch.randn(h, d, generator=g))[0].T * sharpness  # [d, H]
+        dev = dr.fc.weight.device
+        p, v_emb, o_kv, a = p.to(dev), v_emb.to(dev), o_kv.to(dev), a.to(dev)
         a_ = m.self_attn
         for lin in (a_.q_proj, a_.k_proj, a_.v_proj, a_.o_proj):
             lin.weight.zero_()

@@ -67,8 +67,7 @@ class MTPObjective(nn.Module):
         mtp, target = self.head, self._target
         layer, h = mtp.layers[0], mtp.cfg.hidden_size
         w = mtp.norm.weight.float()
-        xtx = torch.zeros(2 * h, 2 * h, dtype=torch.float64)
-        xty = torch.zeros(2 * h, h, dtype=torch.float64)
+        xtx = xty = 0.0  # float64 sums on the features' device, solved on the CPU
         for feats in batches:
             final = feats.final.float()
             x = torch.cat([target.model.embed_tokens(feats.ids[:, 1:]).float(), final[:, :-1]], -1)
@@ -76,11 +75,12 @@ class MTPObjective(nn.Module):
             y = final[:, 1:] / w
             keep = feats.mask[:, 1:]
             x, y = x[keep].double(), y[keep].double()
-            xtx += x.T @ x
-            xty += x.T @ y
+            xtx = xtx + x.T @ x
+            xty = xty + x.T @ y
+        xtx, xty = xtx.cpu(), xty.cpu()
         lam = ridge * float(xtx.diagonal().mean())
         sol = torch.linalg.solve(xtx + lam * torch.eye(2 * h, dtype=xtx.dtype), xty)
-        mtp.fc.weight.copy_(sol.T.to(mtp.fc.weight.dtype))
+        mtp.fc.weight.copy_(sol.T.to(mtp.fc.weight))
         mtp.pre_fc_norm_embedding.weight.fill_(1.0)
         mtp.pre_fc_norm_hidden.weight.fill_(1.0)
         layer.self_attn.o_proj.weight.zero_()

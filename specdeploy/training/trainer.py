@@ -65,11 +65,11 @@ def _export(obj, cfg: TrainConfig, out: Path, meta: dict) -> None:
     if obj.method == "eagle3":
         from specdeploy.models.drafters.eagle3 import save_eagle3
 
-        save_eagle3(obj.export(dtype), out)
+        save_eagle3(obj.export(dtype).cpu(), out)
     else:
         from specdeploy.models.drafters.mtp_head import save_mtp_head
 
-        save_mtp_head(obj.export(dtype), out)
+        save_mtp_head(obj.export(dtype).cpu(), out)
     (out / "training.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -94,6 +94,11 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
     if cfg.max_steps is None and cfg.max_minutes is None:
         raise ValueError("give --max-steps and/or --max-minutes")
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        # NOTE: TF32 matmuls (~1e-3 relative) for the frozen target's features and the head:
+        # a training signal, not a deployment's numerics; about twice the step rate.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     target = target if target is not None else specdeploy.load_model(cfg.model)

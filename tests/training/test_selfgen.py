@@ -130,3 +130,46 @@ def test_train_drafter_on_data_too_short_names_it(setup, tmp_path, capsys):
             str(tmp_path / "h"), "--data", str(short), "--max-steps", "1", "--no-progress"]
     assert main(argv) == 2
     assert "data: none of the" in capsys.readouterr().err
+
+
+def test_transformers_engine_writes_the_same_greedy_replies(setup, tmp_path):
+    """`--engine transformers` (transformers' batched generate on our weights, left-padded
+    prompts of several lengths in one batch) writes the records our engine wrote."""
+    pytest.importorskip("transformers")
+    root, target, src, out, argv = setup
+    hf_out = tmp_path / "hf.jsonl"
+    hf_argv = [a if a != str(out) else str(hf_out) for a in argv]
+    assert main([*hf_argv, "--engine", "transformers", "--device", "cpu"]) == 0
+    mine = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    theirs = [json.loads(line) for line in hf_out.read_text().splitlines()]
+    assert len(theirs) == 6 and len({len(r["token_ids"][:r["prompt_len"]]) for r in theirs}) > 1
+    for r in theirs:
+        m = mine[r["id"]]
+        assert (r["token_ids"], r["prompt_len"], r["finish_reason"]) == \
+            (m["token_ids"], m["prompt_len"], m["finish_reason"])
+        assert r["messages"] == m["messages"]
+    meta = json.loads((tmp_path / "hf.jsonl.meta.json").read_text())
+    assert meta["engine"] == "transformers"
+
+
+def test_a_training_split_file_keeps_its_sources_heldout(setup, tmp_path):
+    """A prompts file exported from a source's training split (its sidecar names the source's
+    held-out split) is used whole, and the generated file's sidecar passes that split on."""
+    root, target, src, _, _ = setup
+    train, held = data_mod.split(data_mod.load_conversations(str(src)))
+    part = tmp_path / "train_prompts.jsonl"
+    part.write_text((root / "prompts.jsonl").read_text())
+    source_held = data_mod.split_metadata(str(src), held)
+    (tmp_path / "train_prompts.jsonl.meta.json").write_text(
+        json.dumps({"source_heldout": source_held}))
+    out = tmp_path / "gen.jsonl"
+    assert main(["gen-drafter-data", "--model", str(target), "--data", str(part), "--out",
+                 str(out), "--num-prompts", "30", "--max-tokens", "2", "--batch-size", "8",
+                 "--chunk", "8", "--max-minutes", "0"]) == 0
+    assert not out.exists() or out.read_text() == ""  # --max-minutes 0: no chunk started
+    meta = json.loads((tmp_path / "gen.jsonl.meta.json").read_text())
+    assert meta["source_heldout"] == source_held
+    assert main(["gen-drafter-data", "--model", str(target), "--data", str(part), "--out",
+                 str(out), "--num-prompts", "30", "--max-tokens", "2", "--batch-size", "8",
+                 "--chunk", "8"]) == 0
+    assert len(out.read_text().splitlines()) == 30  # none held out again
