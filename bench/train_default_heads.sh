@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Train the EAGLE-3 and MTP heads shipped for the default model (SmolLM2-135M-Instruct) and
-# install them under specdeploy/data/drafters/. Measured times and acceptance: README,
-# "Trained drafters for the default model".
+# The CPU-only recipe for the default model's (SmolLM2-135M-Instruct) EAGLE-3 and MTP heads; it
+# installs them under specdeploy/data/drafters/. It made the heads shipped before 2026-12-01
+# (held-out greedy K=3 accepted length 1.54 / 1.36); today's heads come from one GPU,
+# bench/train_default_heads_gpu.sh. Measured times and acceptance: README, "Trained drafters
+# for the default model".
 #
 # 1. Data: the target's own greedy replies (<= 128 tokens) to training-split ShareGPT prompts,
 #    two shards side by side (one thread each). The shipped heads used the files as they stood
