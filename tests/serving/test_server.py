@@ -200,8 +200,17 @@ def test_client_disconnect_mid_stream_frees_pages(srv):
     assert _aborted(m) == before + 1
 
 
-def test_non_streaming_disconnect_aborts(srv):
+def test_non_streaming_disconnect_aborts(srv, llm, monkeypatch):
     before = _aborted(srv.wait_idle())
+    # NOTE: each step made slow, so 200 tokens take ~2 s whatever the machine: on a fast one the
+    # tiny model finished them inside the 0.3 s read timeout and nothing was abandoned
+    step = llm.engine.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
     body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 200, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3),
