@@ -27,7 +27,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fit-batches", type=int, default=12,
                    help="closed-form warm start on this many batches (0: off)")
     p.add_argument("--init-from", default=None,
-                   help="start from the weights (and draft vocab) of another run's --out dir")
+                   help="start from the weights (and draft vocab) of another run's --out dir "
+                   "or of an exported head (config.json + model.safetensors)")
     p.add_argument("--cache-dir", default=None, help="cache target features here (bf16)")
     p.add_argument("--save-every-minutes", type=float, default=5.0)
     p.add_argument("--save-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")

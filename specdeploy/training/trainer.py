@@ -73,6 +73,51 @@ def _export(obj, cfg: TrainConfig, out: Path, meta: dict) -> None:
     (out / "training.json").write_text(json.dumps(meta, indent=1))
 
 
+def _initial_weights(path: str, method: str, target, aux_layers) -> dict:
+    """--init-from: another run's --out dir (its checkpoint.pt), or an exported head without one
+    (a config.json + model.safetensors such as the shipped heads): {objective, draft_ids, step,
+    source}. The exported weights are bf16; they start the fp32 head at those values."""
+    root = Path(path)
+    f = root / "checkpoint.pt"
+    if f.is_file():
+        init = torch.load(f, map_location="cpu")
+        if init["method"] != method:
+            raise ValueError(f"init_from: {f} is a {init['method']} run, not {method}")
+        return {**init, "source": str(f)}
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"init_from: {root} has neither checkpoint.pt nor config.json "
+                                "(give a train-drafter --out dir or an exported head)")
+    arch = json.loads((root / "config.json").read_text()).get("architectures") or []
+    if method == "eagle3":
+        from specdeploy.models.drafters.eagle3 import ARCHITECTURES, load_eagle3
+
+        if not set(arch) & set(ARCHITECTURES):
+            raise ValueError(f"init_from: {root} holds {arch}, not an eagle3 head")
+        head = load_eagle3(root, target_cfg=target.cfg, embed_tokens=target.model.embed_tokens,
+                           dtype=torch.float32)
+        if tuple(head.cfg.aux_layer_ids) != tuple(aux_layers):
+            raise ValueError(f"init_from: {root} fuses target layers {head.cfg.aux_layer_ids}, "
+                             f"this run captures {tuple(aux_layers)}")
+        draft_ids = head.draft_to_target(torch.arange(head.cfg.draft_vocab_size))
+        prefix = "drafter."
+    else:
+        from specdeploy.models.drafters.mtp_head import ARCHITECTURES, load_mtp_head
+
+        if not set(arch) & set(ARCHITECTURES):
+            raise ValueError(f"init_from: {root} holds {arch}, not an mtp head")
+        head = load_mtp_head(root, target, dtype=torch.float32)
+        if head.d2t is None:
+            raise ValueError(f"init_from: {root} has no draft vocab (mtp.d2t)")
+        draft_ids = head.d2t + torch.arange(head.d2t.shape[0])
+        prefix = "head."
+    # NOTE: the objective's own buffers (rotary tables, the MTP draft-head copy of the target's
+    # rows) are rebuilt from the target; only the head's trained tensors come from the export
+    weights = {prefix + k: v for k, v in head.state_dict().items()
+               if not k.startswith("draft_head.") and not k.endswith("inv_freq")}
+    return {"objective": weights, "draft_ids": draft_ids, "step": 0, "source": str(root),
+            "partial": True}
+
+
 def build_objective(method: str, target, draft_ids: torch.Tensor, aux_layers, steps: int):
     if method == "eagle3":
         from specdeploy.training.eagle3 import Eagle3Objective
@@ -120,14 +165,9 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
         log(f"resuming from {ckpt_file} at step {state['step']}")
     init = None
     if state is None and cfg.init_from:
-        f = Path(cfg.init_from) / "checkpoint.pt"
-        if not f.is_file():
-            raise FileNotFoundError(f"init_from: {f} not found (give a train-drafter --out dir)")
-        init = torch.load(f, map_location="cpu")
-        if init["method"] != cfg.method:
-            raise ValueError(f"init_from: {f} is a {init['method']} run, not {cfg.method}")
+        init = _initial_weights(cfg.init_from, cfg.method, target, aux_layers)
         draft_ids = init["draft_ids"]  # NOTE: the head's vocab comes with its weights
-        log(f"starting from the weights of {f} (step {init['step']})")
+        log(f"starting from the weights of {init['source']} (step {init['step']})")
     elif state is None:
         counts = batches.token_counts(target.cfg.vocab_size, cfg.vocab_samples)
         eos = [i for i in [getattr(tokenizer, "eos_token_id", None)] if i is not None]
@@ -137,7 +177,14 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, elapsed0, history = 0, 0.0, []
     if init is not None:
-        obj.load_state_dict(init["objective"])
+        if init.get("partial"):
+            want = {k for k in obj.state_dict() if k.startswith(("drafter.", "head."))
+                    and not k.endswith("inv_freq") and ".draft_head." not in k}
+            if set(init["objective"]) != want:
+                raise ValueError(f"init_from: {init['source']} does not fit this head: missing "
+                                 f"{sorted(want - set(init['objective']))[:4]}, unexpected "
+                                 f"{sorted(set(init['objective']) - want)[:4]}")
+        obj.load_state_dict(init["objective"], strict=not init.get("partial"))
     if state is not None:
         obj.load_state_dict(state["objective"])
         opt.load_state_dict(state["optimizer"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -183,13 +184,22 @@ def test_resume_continues_the_run(setup, trained):
     assert meta["feature_cache_hits"] == 2  # both steps read the cache written before
 
 
+@pytest.mark.parametrize("exported", [False, True], ids=["run_dir", "exported_head"])
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
-def test_init_from_starts_at_another_runs_weights(setup, trained, method, tmp_path):
+def test_init_from_starts_at_another_runs_weights(setup, trained, method, exported, tmp_path):
+    """From a run's --out dir (checkpoint.pt) or from the exported head alone (config.json +
+    model.safetensors, as the shipped heads are): 0 steps later the saved head is that head."""
     cfg, _ = trained[method]
     root, target, convs = setup
+    src = cfg.out
+    if exported:
+        src = tmp_path / "exported"
+        src.mkdir()
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(f"{cfg.out}/{name}", src / name)
     new = TrainConfig(method=method, out=str(tmp_path / "ft"), max_steps=0, batch_size=2,
                       seq_len=48, num_samples=2, save_dtype="fp32", progress=False,
-                      init_from=cfg.out, fit_batches=4)  # NOTE: no warm start over the weights
+                      init_from=str(src), fit_batches=4)  # NOTE: no warm start over the weights
     train(new, target=target, tokenizer=CharTokenizer(), convs=convs, log=lambda m: None)
     with safe_open(f"{cfg.out}/model.safetensors", "pt") as a, \
             safe_open(f"{new.out}/model.safetensors", "pt") as b:
@@ -197,10 +207,14 @@ def test_init_from_starts_at_another_runs_weights(setup, trained, method, tmp_pa
         for k in a.keys():
             assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
     other = "mtp" if method == "eagle3" else "eagle3"
-    bad = TrainConfig(method=other, out=str(tmp_path / "bad"), max_steps=0, init_from=cfg.out,
+    bad = TrainConfig(method=other, out=str(tmp_path / "bad"), max_steps=0, init_from=str(src),
                       progress=False)
     with pytest.raises(ValueError, match="init_from"):
         train(bad, target=target, tokenizer=CharTokenizer(), convs=convs, log=lambda m: None)
+    with pytest.raises(FileNotFoundError, match="neither checkpoint.pt nor config.json"):
+        train(TrainConfig(method=method, out=str(tmp_path / "none"), max_steps=0,
+                          init_from=str(tmp_path / "empty"), progress=False),
+              target=target, tokenizer=CharTokenizer(), convs=convs, log=lambda m: None)
 
 
 def test_several_data_sources_with_caps(tmp_path):
