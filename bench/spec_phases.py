@@ -1,0 +1,136 @@
+"""Where a speculative step's time goes at batch size 1, next to a plain decode step, in one run.
+
+    .venv/bin/python bench/spec_phases.py [--methods eagle3,mtp] [--k 3] [--num-prompts 4]
+        [--max-tokens 128] [--threads 2] [--json-out FILE]
+
+Greedy decoding of the first held-out ShareGPT prompts, no speculation and then each head
+(shipped heads, bf16 with int8 weights as in bench/acceptance.py's speed runs), one process.
+Each engine step is split into the target's forward (a plain decode step, or a verify step over
+1 + K tokens), the drafter's forwards (the catch-up over the accepted tokens plus K - 1 single
+steps), and the rest (scheduling, acceptance, sampling, bookkeeping: the step minus both). The
+cost of a step in plain decode steps ("step_over_decode") and the mean accepted length give the
+speedup these steps allow, accepted / step_over_decode, which the measured one should match.
+Prefill steps are left out (the first step of each request).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from specdeploy import LLM, SamplingParams, SpecConfig
+from specdeploy.bench import machine
+from specdeploy.training import data
+
+
+class Timer:
+    """Wraps methods of an object: total seconds per name, and per engine step the time of the
+    step and of each name inside it."""
+
+    def __init__(self):
+        self.total: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+        self.total[name] = 0.0
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            self.total[name] += time.perf_counter() - t
+            return out
+
+        setattr(obj, attr, timed)
+
+    def wrap_step(self, engine) -> None:
+        fn = engine.step
+
+        def step():
+            before = dict(self.total)
+            t = time.perf_counter()
+            out = fn()
+            row = {k: v - before[k] for k, v in self.total.items()}
+            self.steps.append({"step": time.perf_counter() - t, **row})
+            return out
+
+        engine.step = step
+
+
+def run(llm: LLM, prompts, max_tokens: int) -> dict:
+    timer = Timer()
+    d = llm.deployed
+    timer.wrap(d, "forward", "target")
+    if getattr(d, "draft_forward", None) is not None:
+        timer.wrap(d, "draft_forward", "draft")
+    timer.wrap_step(llm.engine)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    rows, tokens = [], 0
+    for p in prompts:
+        timer.steps.clear()
+        (o,) = llm.generate([p], sp)
+        tokens += len(o.token_ids) - 1
+        rows += [r for r in timer.steps[1:] if r.get("target")]  # step 0: the prefill
+    n = len(rows)
+
+    def mean_ms(key: str) -> float:
+        return 1e3 * sum(r.get(key, 0.0) for r in rows) / n
+
+    ms = {"step_ms": mean_ms("step"), "target_forward_ms": mean_ms("target"),
+          "drafter_ms": mean_ms("draft")}
+    ms["rest_ms"] = ms["step_ms"] - ms["target_forward_ms"] - ms["drafter_ms"]
+    return {"decode_steps": n, "tokens": tokens, "tokens_per_step": tokens / n,
+            **{k: round(v, 3) for k, v in ms.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", default="eagle3,mtp")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eagle3-dir", default=None, help="default: the shipped head")
+    ap.add_argument("--mtp-dir", default=None, help="default: the shipped head")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    def make(spec):
+        return LLM(None, dtype="float32", max_batch_size=1, max_seq_len=1024, spec=spec)
+
+    base = make(None)
+    _, held = data.split(data.load_conversations("sharegpt"))
+    prompts = [data.prompt_ids(base.tokenizer, c, args.max_prompt_tokens)
+               for c in held[:args.num_prompts]]
+    llms = {"no_spec": base}
+    for m in args.methods.split(","):
+        llms[m] = make(SpecConfig(m, args.k, draft_model=getattr(args, f"{m}_dir"),
+                                  draft_dtype="bfloat16", draft_quantize="int8"))
+    for llm in llms.values():  # warm-up
+        llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))
+    rows = {name: run(llm, prompts, args.max_tokens) for name, llm in llms.items()}
+    dec = rows["no_spec"]["step_ms"]
+    for r in rows.values():
+        r["step_over_decode"] = round(r["step_ms"] / dec, 3)
+        r["verify_over_decode"] = round(r["target_forward_ms"] / rows["no_spec"][
+            "target_forward_ms"], 3)
+        r["speedup_allowed"] = round(r["tokens_per_step"] / r["step_over_decode"], 3)
+        r["tokens_per_s"] = round(1e3 * r["tokens_per_step"] / r["step_ms"], 2)
+        r["tokens_per_step"] = round(r["tokens_per_step"], 3)
+    out = {"machine": machine(), "command": " ".join(["bench/spec_phases.py"] + sys.argv[1:]),
+           "k": args.k, "prompts": args.num_prompts, "max_tokens": args.max_tokens,
+           "drafter": "bf16, int8 weights", "steps": rows}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
