@@ -1,7 +1,7 @@
 """Where a speculative step's time goes at batch size 1, next to a plain decode step, in one run.
 
     .venv/bin/python bench/spec_phases.py [--methods eagle3,mtp] [--k 3] [--num-prompts 4]
-        [--max-tokens 128] [--threads 2] [--json-out FILE]
+        [--max-tokens 128] [--lookups 0,4:2] [--threads 2] [--json-out FILE]
 
 Greedy decoding of the first held-out ShareGPT prompts, no speculation and then each head
 (shipped heads, bf16 with int8 weights as in bench/acceptance.py's speed runs), one process.
@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eagle3-dir", default=None, help="default: the shipped head")
     ap.add_argument("--mtp-dir", default=None, help="default: the shipped head")
+    ap.add_argument("--lookups", default="0",
+                    help="n-gram lookup drafts per head: 0 (off) and/or MAX:MIN, e.g. 0,4:2")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -109,8 +111,12 @@ def main() -> None:
                for c in held[:args.num_prompts]]
     llms = {"no_spec": base}
     for m in args.methods.split(","):
-        llms[m] = make(SpecConfig(m, args.k, draft_model=getattr(args, f"{m}_dir"),
-                                  draft_dtype="bfloat16", draft_quantize="int8"))
+        for lk in args.lookups.split(","):
+            mx, mn = (int(x) for x in (lk.split(":") + ["2"])[:2]) if lk != "0" else (0, 0)
+            name = m if not mx else f"{m}+lookup{mx}:{mn}"
+            llms[name] = make(SpecConfig(m, args.k, draft_model=getattr(args, f"{m}_dir"),
+                                         draft_dtype="bfloat16", draft_quantize="int8",
+                                         prompt_lookup_max=mx, prompt_lookup_min=mn if mx else 2))
     for llm in llms.values():  # warm-up
         llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))
     rows = {name: run(llm, prompts, args.max_tokens) for name, llm in llms.items()}
