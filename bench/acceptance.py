@@ -19,14 +19,13 @@ Llama: the KV cache is positional, nothing else depends on K); other targets reb
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
 
 from specdeploy import LLM, SamplingParams, SpecConfig
-from specdeploy.bench import hf_model_from_checkpoint, machine, peak_rss_mib
+from specdeploy.bench import hf_model_from_checkpoint, machine, peak_rss_mib, print_json
 from specdeploy.engine.speculative import SpecEngine
 from specdeploy.training import data
 
@@ -266,11 +265,7 @@ def main() -> None:
         result["speed_bs1"] = speed(args, prompts)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     result["peak_rss_mib"] = round(peak_rss_mib(), 1)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
+    print_json(result, args.json_out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specdeploy import LLM, SamplingParams, SpecConfig
-from specdeploy.bench import machine
+from specdeploy.bench import machine, print_json
 from specdeploy.training.selfgen import training_prompts
 
 
@@ -79,10 +79,7 @@ def main() -> None:
             print(method, g, out["results"][method][g], file=sys.stderr, flush=True)
         del llm
     out["wall_s"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    print_json(out, args.json_out)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ Prefill steps are left out (the first step of each request).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
 
 from specdeploy import LLM, SamplingParams, SpecConfig
-from specdeploy.bench import machine
+from specdeploy.bench import machine, print_json
 from specdeploy.training import data
 
 
@@ -131,11 +130,7 @@ def main() -> None:
     out = {"machine": machine(), "command": " ".join(["bench/spec_phases.py"] + sys.argv[1:]),
            "k": args.k, "prompts": args.num_prompts, "max_tokens": args.max_tokens,
            "drafter": "bf16, int8 weights", "steps": rows}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
+    print_json(out, args.json_out)
 
 
 if __name__ == "__main__":

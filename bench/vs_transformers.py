@@ -11,7 +11,6 @@ Prints one JSON object with the machine, the command and the ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -23,6 +22,7 @@ from specdeploy.bench import (
     load_prompts,
     machine,
     peak_rss_mib,
+    print_json,
     run_closed_loop,
 )
 
@@ -92,11 +92,7 @@ def main() -> None:
                        "ours_ttft_s": conc["ttft_s"], "ours_itl_s": conc["itl_s"]},
         "peak_rss_mib": peak_rss_mib(),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text)
+    print_json(result, args.json_out, indent=2)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,14 @@ def machine() -> dict:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
+def print_json(result: dict, path: str | None = None, indent: int = 1) -> None:
+    """A bench script's result: printed, and written to `path` (--json-out) when given."""
+    text = json.dumps(result, indent=indent)
+    print(text)
+    if path:
+        Path(path).write_text(text + "\n")
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
