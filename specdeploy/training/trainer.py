@@ -73,6 +73,12 @@ def _export(obj, cfg: TrainConfig, out: Path, meta: dict) -> None:
     (out / "training.json").write_text(json.dumps(meta, indent=1))
 
 
+def _trained_tensor(name: str) -> bool:
+    """A head tensor that training produced (not rebuilt from the target: rotary tables, the MTP
+    head's copy of the target's LM-head rows)."""
+    return not name.endswith("inv_freq") and "draft_head." not in name
+
+
 def _initial_weights(path: str, method: str, target, aux_layers) -> dict:
     """--init-from: another run's --out dir (its checkpoint.pt), or an exported head without one
     (a config.json + model.safetensors such as the shipped heads): {objective, draft_ids, step,
@@ -110,10 +116,7 @@ def _initial_weights(path: str, method: str, target, aux_layers) -> dict:
             raise ValueError(f"init_from: {root} has no draft vocab (mtp.d2t)")
         draft_ids = head.d2t + torch.arange(head.d2t.shape[0])
         prefix = "head."
-    # NOTE: the objective's own buffers (rotary tables, the MTP draft-head copy of the target's
-    # rows) are rebuilt from the target; only the head's trained tensors come from the export
-    weights = {prefix + k: v for k, v in head.state_dict().items()
-               if not k.startswith("draft_head.") and not k.endswith("inv_freq")}
+    weights = {prefix + k: v for k, v in head.state_dict().items() if _trained_tensor(k)}
     return {"objective": weights, "draft_ids": draft_ids, "step": 0, "source": str(root),
             "partial": True}
 
@@ -178,8 +181,8 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
     step, elapsed0, history = 0, 0.0, []
     if init is not None:
         if init.get("partial"):
-            want = {k for k in obj.state_dict() if k.startswith(("drafter.", "head."))
-                    and not k.endswith("inv_freq") and ".draft_head." not in k}
+            want = {k for k in obj.state_dict()
+                    if k.startswith(("drafter.", "head.")) and _trained_tensor(k)}
             if set(init["objective"]) != want:
                 raise ValueError(f"init_from: {init['source']} does not fit this head: missing "
                                  f"{sorted(want - set(init['objective']))[:4]}, unexpected "
