@@ -21,7 +21,6 @@ import torch
 
 from specdeploy import LLM, SamplingParams, SpecConfig
 from specdeploy.bench import machine, print_json
-from specdeploy.engine.speculative import SpecStats
 from specdeploy.training.selfgen import training_prompts
 
 
@@ -70,7 +69,7 @@ def main() -> None:
                       "unseen": spread(u, args.num_prompts)}
             out["prompts"] = {g: len(v) for g, v in groups.items()}
         for g, prompts in groups.items():
-            llm.engine.spec_stats = SpecStats(args.k)  # NOTE: fresh counters per group
+            llm.engine.reset_spec_stats()  # NOTE: fresh counters per group
             llm.generate([ids for _, _, ids in prompts],
                          SamplingParams(max_tokens=args.max_tokens, temperature=0))
             st = llm.engine.spec_stats.as_dict()

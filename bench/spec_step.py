@@ -26,7 +26,7 @@ import torch
 
 from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
 from specdeploy.config import SpecConfig
-from specdeploy.deploy.runner import build_deployed
+from specdeploy.deploy.build import build
 from specdeploy.models.registry import family_module
 
 
@@ -53,7 +53,7 @@ def _time(fn, reps: int) -> float:
 def bench_arch(arch: str, k: int, batches: list[int], reps: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         family_module(arch).make_tiny(d, seed=0, mtp_layers=1)
-        sd = build_deployed(d, spec=SpecConfig("mtp", k), max_batch_size=max(batches),
+        sd = build(d, spec=SpecConfig("mtp", k), max_batch_size=max(batches),
                             max_seq_len=512, page_size=16, max_cache_gib=0.25)
     target = sd.target
     plan = target.plan
@@ -87,7 +87,7 @@ def bench_default(k: int, reps: int) -> dict:
     variants = (("blocks", ()), ("packed", ("ggml_linears",)),
                 ("unpacked", ("ggml_linears", "pack_linear_weights")))
     for name, off in variants:
-        deps[name] = build_deployed(str(path), spec=SpecConfig("eagle3", k), max_batch_size=1,
+        deps[name] = build(str(path), spec=SpecConfig("eagle3", k), max_batch_size=1,
                                     max_seq_len=512, page_size=16, max_cache_gib=0.25,
                                     disabled=frozenset(off)).target
     prefix, pages = 64, list(range(512 // 16))

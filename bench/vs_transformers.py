@@ -57,7 +57,7 @@ def main() -> None:
 
     # 1. batch size 1 decode.
     n = args.decode_tokens
-    prompt = llm._chat_ids([{"role": "user", "content": "Tell me a long story about a robot."}])
+    prompt = llm.chat_ids([{"role": "user", "content": "Tell me a long story about a robot."}])
     sp = SamplingParams(max_tokens=n, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     (ours,) = llm.generate([prompt], sp)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from specdeploy.jsonio import iter_json_array
+
 
 def load_prompts(dataset: str, num_prompts: int) -> list[str]:
     """The first human turn of the first `num_prompts` usable ShareGPT conversations, or the
@@ -21,7 +23,7 @@ def load_prompts(dataset: str, num_prompts: int) -> list[str]:
         with open_dataset("rb") as f:
             text = f.read().decode("utf-8")
         prompts = []
-        for conv in _iter_json_array(text):
+        for conv in iter_json_array(text):
             turns = conv.get("conversations") or []
             first = next((t["value"] for t in turns if t.get("from") == "human"), "")
             if first.strip():
@@ -38,24 +40,6 @@ def load_prompts(dataset: str, num_prompts: int) -> list[str]:
                 if len(prompts) == num_prompts:
                     break
     return prompts
-
-
-def _iter_json_array(text: str):
-    """Records of a top-level JSON array, decoded one at a time: stops early, and tolerates a
-    truncated tail (the packaged ShareGPT file ends mid-record)."""
-    dec = json.JSONDecoder()
-    i = text.index("[") + 1
-    n = len(text)
-    while True:
-        while i < n and text[i] in " \t\r\n,":
-            i += 1
-        if i >= n or text[i] == "]":
-            return
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return
-        yield obj
 
 
 def percentiles(xs: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
@@ -104,11 +88,11 @@ def peak_rss_mib() -> float:
 
 
 def run_bench(args) -> dict:
-    from specdeploy.cli import _llm
+    from specdeploy.cli_args import llm_from_args
     from specdeploy.engine import SamplingParams
 
     prompts = load_prompts(args.dataset, args.num_prompts)
-    llm = _llm(args, max_batch_size=args.concurrency)
+    llm = llm_from_args(args, max_batch_size=args.concurrency)
     limit = min(args.max_prompt_tokens, llm.engine.max_seq_len - args.max_tokens)
     ids = [llm.tokenizer.encode(p)[:limit] for p in prompts]
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)  # greedy

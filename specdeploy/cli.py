@@ -7,7 +7,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from specdeploy.spec_args import add_spec_args, spec_from_args
+from specdeploy.cli_args import (
+    add_model_args,
+    add_sampling_args,
+    llm_from_args,
+    sampling_from_args,
+)
+from specdeploy.spec_args import spec_from_args
 
 # Speculative-decoding counters copied from `LLM.stats()` into `generate --json`.
 SPEC_STATS = ("num_draft_tokens", "draft_steps", "draft_tokens", "accepted_tokens",
@@ -16,52 +22,9 @@ SPEC_STATS = ("num_draft_tokens", "draft_steps", "draft_tokens", "accepted_token
               "undrafted_steps")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--max-cache-gib", type=float, default=None)
-    p.add_argument("--backend", choices=("graph", "eager"), default="graph")
-    add_spec_args(p)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--quantize", choices=("none", "int8"), default="none",
-                   help="weight-only int8 (lm_head, routers and the drafter excluded)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the deployed graph")
-
-
-def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-
-
-def _llm(args, max_batch_size: int):
-    from specdeploy.llm import LLM
-
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-
-    return LLM(args.model, dtype=args.dtype, max_batch_size=max_batch_size,
-               max_seq_len=args.max_seq_len, spec=spec_from_args(args),
-               max_cache_gib=args.max_cache_gib,
-               backend=args.backend, progress=True, compile=args.compile,
-               quantize=None if args.quantize == "none" else args.quantize)
-
-
-def _sampling(args, **extra):
-    from specdeploy.engine import SamplingParams
-
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.seed, **extra)
-
-
 def cmd_generate(args) -> int:
-    sp = _sampling(args)  # validate before the (slow) load
-    llm = _llm(args, max_batch_size=1)
+    sp = sampling_from_args(args)  # validate before the (slow) load
+    llm = llm_from_args(args, max_batch_size=1)
     t0 = time.perf_counter()
     if args.chat:
         (out,) = llm.chat([{"role": "user", "content": args.prompt}], sp)
@@ -84,8 +47,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    llm = _llm(args, max_batch_size=1)
-    sp = _sampling(args)
+    llm = llm_from_args(args, max_batch_size=1)
+    sp = sampling_from_args(args)
     history: list[dict] = []
     print("chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -97,7 +60,7 @@ def cmd_chat(args) -> int:
             break
         history.append({"role": "user", "content": line})
         text = ""
-        for out in llm.generate_stream(llm._chat_ids(history), sp):
+        for out in llm.generate_stream(llm.chat_ids(history), sp):
             print(out.delta_text, end="", flush=True)
             text = out.text
         print()
@@ -122,20 +85,12 @@ def cmd_make_tiny(args) -> int:
 
 
 def cmd_deploy(args) -> int:
-    try:
-        from specdeploy.deploy.pipeline import describe
-    except ImportError as e:
-        print(f"deploy: the graph pipeline is not available ({e})", file=sys.stderr)
-        return 1
+    from specdeploy.deploy.build import describe
+
     if not args.list_transforms:
         print("deploy: nothing to do (use --list-transforms)", file=sys.stderr)
         return 2
-    model = args.model
-    if model is None:
-        from specdeploy.default_model import default_model_path
-
-        model = default_model_path()
-    print(describe(model, dtype=args.dtype, max_seq_len=args.max_seq_len,
+    print(describe(args.model, dtype=args.dtype, max_seq_len=args.max_seq_len,
                    max_cache_gib=args.max_cache_gib, spec=spec_from_args(args)))
     return 0
 
@@ -157,20 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
-    _add_model_args(g)
-    _add_sampling_args(g, max_tokens=64)
+    add_model_args(g)
+    add_sampling_args(g, max_tokens=64)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the chat template")
     g.add_argument("--json", action="store_true", help="last line: one JSON object")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat")
-    _add_model_args(c)
-    _add_sampling_args(c, max_tokens=256)
+    add_model_args(c)
+    add_sampling_args(c, max_tokens=256)
     c.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="throughput / latency on ShareGPT or a JSONL file")
-    _add_model_args(b)
+    add_model_args(b)
     b.add_argument("--dataset", default="sharegpt", help="sharegpt or FILE.jsonl ({'prompt': ..})")
     b.add_argument("--num-prompts", type=int, default=32)
     b.add_argument("--concurrency", type=int, default=16)
@@ -181,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("deploy", help="show the transform pipeline and cache plan")
-    _add_model_args(d)
+    add_model_args(d)
     d.add_argument("--list-transforms", action="store_true")
     d.set_defaults(func=cmd_deploy)
 

@@ -209,3 +209,18 @@ def _from_gguf(path: Path) -> Tokenizer:
                 "pad_token": tok("padding_token_id")[1]}
     return Tokenizer(backend, bos_token_id=bos_id, eos_token_ids=eos_ids,
                      chat_template=md.get("tokenizer.chat_template"), special_tokens=specials)
+
+
+def eos_token_ids(tokenizer, hf_config: dict, path: Path) -> set[int]:
+    """EOS from the tokenizer, config.json and generation_config.json (any may list several)."""
+    ids: set[int] = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    sources = [hf_config.get("eos_token_id")]
+    gen = path / "generation_config.json"
+    if path.is_dir() and gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for v in sources:
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(t) for t in v)
+    return ids

@@ -22,7 +22,7 @@ def llm():
 def test_default_model_greedy_equals_transformers(llm):
     from specdeploy.bench import hf_model_from_checkpoint
 
-    prompts = [llm._chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = [llm.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
     assert all(len(p) >= 32 for p in prompts)
     sp = SamplingParams(max_tokens=16)  # both stop at EOS (and keep it)
     ours = llm.generate(prompts, sp)

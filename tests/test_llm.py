@@ -118,7 +118,7 @@ def test_stream_matches_generate(llm, prompts):
 def test_chat_and_text_prompt(llm):
     msgs = [{"role": "user", "content": "hi there"}]
     (out,) = llm.chat(msgs, SamplingParams(max_tokens=4))
-    assert out.prompt_token_ids == llm._chat_ids(msgs)
+    assert out.prompt_token_ids == llm.chat_ids(msgs)
     (out2,) = llm.generate("hello", SamplingParams(max_tokens=4))
     assert out2.prompt_token_ids == list(llm.tokenizer.encode("hello"))
 

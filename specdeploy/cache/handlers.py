@@ -55,12 +55,14 @@ class State:
 
 @dataclass(frozen=True)
 class SpecState:
-    """Per-token states of a verify step: [num_slots, cache_steps = K+1, *shape]."""
+    """Per-token states of a verify step: [num_slots, cache_steps = K+1, *shape]; `shadows` names
+    the `State` whose slot a commit overwrites with one of these entries."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     cache_steps: int
+    shadows: str
     kind: str = "spec_state"
 
     def bytes_per_slot(self) -> int:

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import torch
 
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, malformed, or does not fit the model."""
+from specdeploy.checkpoint.errors import CheckpointError
 
 
 class CheckpointReader:

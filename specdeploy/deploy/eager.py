@@ -44,3 +44,21 @@ class EagerDeployed:
                     out.append(logits[i - start])
                     break
         return StepOutput(logits=torch.stack(out))
+
+
+def eager_layout(cfg: dict, max_batch_size: int, max_seq_len: int, page_size: int,
+                 max_cache_gib: float | None, elem: int) -> CacheLayout:
+    """The eager runner keeps no cache, but the engine still plans pages as if it did (so the
+    scheduler behaves as with the real cache): bytes per page = K and V of every layer."""
+    heads = cfg.get("num_attention_heads", 1)
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", heads) // heads
+    kv = cfg.get("num_key_value_heads", heads)
+    page_bytes = 2 * cfg.get("num_hidden_layers", 1) * kv * head_dim * page_size * elem
+    if max_cache_gib is None:
+        num_pages = max_batch_size * -(-max_seq_len // page_size)
+    else:
+        num_pages = int(max_cache_gib * 2**30 // page_bytes)
+    if num_pages < 1:
+        raise ValueError(f"max_cache_gib: {max_cache_gib} GiB holds no page of {page_bytes} bytes")
+    return CacheLayout(page_size, num_pages, max_batch_size, {"kv_eager_estimate":
+                                                              num_pages * page_bytes})

@@ -1,8 +1,11 @@
-"""The ordered transform pipeline: stage enum, transform registry, `deploy_model`, `describe`.
+"""The transform pipeline: stages, the registry, `PIPELINE` (the run order) and `run_pipeline`.
 
-Contract (DESIGN.md invariant 5): a transform is `(gm, ctx) -> TransformInfo`, registered by name
-under a stage; the pipeline runs stages in enum order and transforms in registration order within
-a stage. Each reports how many nodes it matched; a transform that finds nothing it requires fails.
+Contract (DESIGN.md invariant 5). A transform is `fn(gm, ctx) -> Done | Skipped`, registered with
+`@register(name, stage, skip_if=..., requires_match=...)`. It only rewrites: `run_pipeline` names
+it, evaluates its skip condition, records skips with their reason, cleans up and lints the graph
+once after it, refuses a required transform that matched nothing, and collects what it declared
+(cache resources, a compiled program). `PIPELINE` is the one visible order; the registry must
+hold exactly its names, with stages in enum order.
 """
 from __future__ import annotations
 
@@ -11,117 +14,156 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-from torch import fx, nn
+from torch import fx
+
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.graph import finalize
 
 
 class Stage(enum.IntEnum):
     POST_EXPORT = 0  # clean-up of what torch.export leaves
-    PATTERN = 1  # pattern matching / hidden-state capture / logits gathering
+    PATTERN = 1  # pattern matching: hidden-state capture, logits gathering
     QUANTIZE = 2
     SHARD = 3
     CACHE = 4  # canonical ops → cached ops + resources
-    COMPILE = 5
+    OPTIMIZE = 5  # fusions, weight packing, kernels on stored blocks
+    COMPILE = 6  # how the graph is called: direct kernels or torch.compile
 
 
-@dataclass
+# (module under deploy/passes, transform name), in run order.
+PIPELINE = (
+    ("cleanup", "cleanup_export"),
+    ("capture_hidden", "capture_hidden_states"),
+    ("gather_logits", "gather_logits"),
+    ("quantize", "quantize_int8_weights"),
+    ("insert_cache", "insert_cached_attention"),
+    ("insert_cache", "insert_cached_ssm"),
+    ("insert_cache", "insert_cached_conv"),
+    ("insert_cache", "insert_cached_gdn"),
+    ("ggml_linears", "ggml_linears"),  # before fusion: it fuses its own groups
+    ("fuse_linears", "fuse_parallel_linears"),
+    ("pack_linears", "pack_linear_weights"),
+    ("compile", "call_kernels_directly"),
+    ("compile", "compile_model"),
+)
+
+
+@dataclass(frozen=True)
+class Done:
+    """What a transform did. `resources`: handlers its cached ops declared (cache/ sizes them);
+    `program`: a callable that replaces the graph at run time (the compile stage)."""
+
+    num_matches: int
+    detail: str = ""
+    bytes_saved: int = 0
+    resources: tuple = ()
+    program: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Skipped:
+    reason: str
+
+
+@dataclass(frozen=True)
 class TransformInfo:
     name: str
     stage: Stage
     num_matches: int
     skipped: bool = False
     detail: str = ""
+    bytes_saved: int = 0
 
 
-# NOTE: MoE routers stay fp: int8 noise there flips expert choices (a discrete jump). Drafters
-# are excluded by default too (DeployContext); SpecConfig.draft_quantize lifts that.
-TARGET_QUANT_EXCLUDE = ("lm_head", "*.gate", "*.shared_expert_gate")
+@dataclass(frozen=True)
+class Transform:
+    name: str
+    stage: Stage
+    fn: Callable[[fx.GraphModule, DeployContext], Done | Skipped]
+    skip_if: Callable[[DeployContext], str | None] | None = None
+    requires_match: bool = False
 
 
 @dataclass
-class DeployContext:
-    """Everything a transform may read; `resources` collects what cached ops declared."""
-
-    model: nn.Module | None  # the plain model; dropped (None) once the pipeline has run
-    page_size: int = 16
-    max_batch_size: int = 16
-    max_seq_len: int = 2048
-    max_cache_gib: float | None = None
-    dtype: torch.dtype = torch.float32
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    spec_steps: int = 0  # K + 1 when speculative decoding is on (spec-state depth), else 0
-    capture_layers: tuple[int, ...] = ()
-    quantize: str | None = None  # e.g. "int8" (weight-only)
-    quant_exclude: tuple[str, ...] = TARGET_QUANT_EXCLUDE + ("eagle_drafter.*",)
-    compile: bool = False
-    disabled: frozenset[str] = frozenset()
-    resource_prefix: str = ""  # keeps a drafter's cache names apart from the target's
-    resources: list = field(default_factory=list)  # cache.handlers.ResourceHandler
-    inputs: dict[str, fx.Node] = field(default_factory=dict)
-    compiled: Callable | None = None  # set by the compile stage
+class PipelineResult:
+    infos: list[TransformInfo]
+    resources: list = field(default_factory=list)
+    program: Callable | None = None  # None: call the GraphModule itself
 
 
-Transform = Callable[[fx.GraphModule, DeployContext], TransformInfo]
-_REGISTRY: dict[str, tuple[Stage, Transform]] = {}
-
-# Pass modules, imported for their registrations (order inside a stage = this order).
-_PASS_MODULES = (
-    "specdeploy.deploy.passes.cleanup",
-    "specdeploy.deploy.passes.capture_hidden",
-    "specdeploy.deploy.passes.gather_logits",
-    "specdeploy.deploy.passes.quantize",
-    "specdeploy.deploy.passes.insert_cache",
-    "specdeploy.deploy.passes.ggml_linears",  # before fusion: it fuses its own groups
-    "specdeploy.deploy.passes.fuse_linears",
-    "specdeploy.deploy.passes.pack_linears",
-    "specdeploy.deploy.passes.compile",
-)
+class TransformError(RuntimeError):
+    """A transform that must match found nothing, or the registry disagrees with PIPELINE."""
 
 
-def register(name: str, stage: Stage):
-    def deco(fn: Transform) -> Transform:
+_REGISTRY: dict[str, Transform] = {}
+
+
+def register(name: str, stage: Stage, *, skip_if: Callable[[DeployContext], str | None] | None
+             = None, requires_match: bool = False):
+    """`skip_if(ctx)` returns the reason to skip (or None to run); `requires_match`: a run that
+    matches nothing is an error (the graph is not what the transform was written for)."""
+    def deco(fn):
         if name in _REGISTRY:
             raise ValueError(f"transform {name!r} registered twice")
-        _REGISTRY[name] = (stage, fn)
+        _REGISTRY[name] = Transform(name, stage, fn, skip_if, requires_match)
         return fn
 
     return deco
 
 
-def transforms() -> list[tuple[str, Stage, Transform]]:
-    for m in _PASS_MODULES:
-        importlib.import_module(m)
-    items = [(n, s, f) for n, (s, f) in _REGISTRY.items()]
-    # NOTE: within a stage, _PASS_MODULES order (then registration order), whichever module a
-    # caller happened to import first
-    rank = {m: i for i, m in enumerate(_PASS_MODULES)}
-    return sorted(items, key=lambda x: (x[1], rank.get(x[2].__module__, len(rank))))
+def transforms() -> list[Transform]:
+    """The registered transforms in run order (imports the pass modules)."""
+    for module, _ in PIPELINE:
+        importlib.import_module(f"specdeploy.deploy.passes.{module}")
+    names = [name for _, name in PIPELINE]
+    if set(names) != set(_REGISTRY) or len(names) != len(set(names)):
+        raise TransformError(f"PIPELINE {sorted(names)} != registered {sorted(_REGISTRY)}")
+    items = [_REGISTRY[n] for n in names]
+    for a, b in zip(items, items[1:]):
+        if b.stage < a.stage:
+            raise TransformError(f"PIPELINE: {b.name} ({b.stage.name}) after {a.name} "
+                                 f"({a.stage.name})")
+    return items
 
 
-def run_pipeline(gm: fx.GraphModule, ctx: DeployContext) -> list[TransformInfo]:
+def run_transform(t: Transform | str, gm: fx.GraphModule, ctx: DeployContext
+                  ) -> tuple[TransformInfo, Done]:
+    """One transform (or its name) under the contract; a skip returns an empty `Done`."""
+    if isinstance(t, str):
+        transforms()
+        t = _REGISTRY[t]
+    reason = "disabled" if t.name in ctx.disabled else (t.skip_if and t.skip_if(ctx))
+    done = Skipped(reason) if reason else t.fn(gm, ctx)
+    if isinstance(done, Skipped):
+        return TransformInfo(t.name, t.stage, 0, True, done.reason), Done(0)
+    if t.requires_match and done.num_matches == 0:
+        raise TransformError(f"{t.name}: matched nothing in the exported graph")
+    finalize(gm)
+    return TransformInfo(t.name, t.stage, done.num_matches, False, done.detail,
+                         done.bytes_saved), done
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: DeployContext) -> PipelineResult:
     items = transforms()
-    unknown = set(ctx.disabled) - {name for name, _, _ in items}
+    unknown = set(ctx.disabled) - {t.name for t in items}
     if unknown:  # a misspelt name would silently disable nothing
         raise ValueError(f"disabled: unknown transforms {sorted(unknown)}; known: "
-                         f"{', '.join(name for name, _, _ in items)}")
-    infos = []
-    for name, stage, fn in items:
-        if name in ctx.disabled:
-            infos.append(TransformInfo(name, stage, 0, skipped=True, detail="disabled"))
-            continue
-        info = fn(gm, ctx)
-        infos.append(info)
-    return infos
+                         f"{', '.join(t.name for t in items)}")
+    result = PipelineResult([])
+    for t in items:
+        info, done = run_transform(t, gm, ctx)
+        result.infos.append(info)
+        result.resources.extend(done.resources)
+        if done.program is not None:
+            result.program = done.program
+    return result
 
 
-def deploy_model(path=None, **kwargs):
-    """Load, export and transform a checkpoint into a `GraphDeployed` (see deploy/runner.py)."""
-    from specdeploy.deploy.runner import build_deployed
-
-    return build_deployed(path, **kwargs)
-
-
-def describe(path=None, **kwargs) -> str:
-    """The ordered transform list with match counts, then the cache plan (for the CLI)."""
-    deployed = deploy_model(path, **kwargs)
-    return deployed.report()
+def format_infos(infos: list[TransformInfo], indent: str = "  ") -> list[str]:
+    """One line per transform, in run order: stage, name, matches or the skip and its reason."""
+    lines = []
+    for i, info in enumerate(infos):
+        state = "skipped" if info.skipped else f"{info.num_matches} matches"
+        extra = f"  [{info.detail}]" if info.detail else ""
+        lines.append(f"{indent}{i:2d}. {info.stage.name:<11} {info.name:<26} {state}{extra}")
+    return lines

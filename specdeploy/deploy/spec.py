@@ -1,47 +1,45 @@
-"""One-model speculative deployment: the target program plus its drafter (EAGLE-3 or MTP), or
-the target alone for n-gram lookup drafts (`method="ngram"`: spec-state resources, no capture).
+"""The drafter side of a one-model speculative deployment, and its runtime `SpecDeployed`.
 
-The target graph gets two extra transforms' worth of behaviour: hidden-state capture (an extra
-output) and spec-state resources on every recurrent cached op (per-token states of a verify step).
-The drafter — under the name `eagle_drafter` whatever its kind, so target exclusions never match
-it — is exported and transformed by the same pipeline into its own graph with its own paged KV
-that shares the target's page tables. One cache plan covers both.
+`prepare_drafter` loads the drafter (EAGLE-3, a trained MTP head, or the checkpoint's own MTP
+module) and wraps it as `DraftStep`, the program that deploy/build.py exports and transforms
+through the same path as the target, under the name `eagle_drafter` whatever its kind (so target
+exclusions never match it), with its own paged KV sharing the target's page tables. The target
+gets hidden-state capture and spec-state resources on every recurrent cached op. For
+`method="ngram"` there is no drafter: drafts come from lookup.
 """
 from __future__ import annotations
 
 import copy
-import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from specdeploy.cache.handlers import State
+from specdeploy.cache.handlers import SpecState
 from specdeploy.cache.metadata import BatchMetadata
-from specdeploy.cache.plan import plan_cache
 from specdeploy.checkpoint import CheckpointError
 from specdeploy.config import SpecConfig
-from specdeploy.deploy.base import CacheLayout, StepOutput
+from specdeploy.deploy.base import StepOutput
+from specdeploy.deploy.context import TARGET_QUANT_EXCLUDE
 from specdeploy.deploy.passes.capture_hidden import FINAL
-from specdeploy.deploy.pipeline import TARGET_QUANT_EXCLUDE
-from specdeploy.deploy.runner import GraphDeployed, allocate, transform_module
+from specdeploy.deploy.pipeline import format_infos
+from specdeploy.deploy.runner import GraphDeployed
+from specdeploy.models.drafters import Drafter
+from specdeploy.models.drafters.eagle3 import default_aux_layers
 
 
 class DraftStep(nn.Module):
     """The drafter program that gets exported: (ids, positions, hidden[H]) → (logits, hidden).
 
-    Shared embedding / LM head are registered here (same Parameter objects as the target's), so
-    export sees them as parameters rather than constants.
+    The drafter's borrowed target modules (embedding, LM head) are registered here as
+    `shared_*` (the same Parameter objects as the target's), so export sees them as parameters.
     """
 
-    def __init__(self, drafter: nn.Module):
+    def __init__(self, drafter: Drafter):
         super().__init__()
         self.eagle_drafter = drafter
-        shared = getattr(drafter, "_shared", None) or ()
-        for name, mod in zip(("embed_tokens", "lm_head"), shared):
+        for name, mod in drafter.borrowed.items():
             self.add_module(f"shared_{name}", mod)
-        emb = drafter.__dict__.get("_shared_embed")
-        if emb is not None:
-            self.add_module("shared_embed_tokens", emb)
 
     def forward(self, input_ids, position_ids, hidden):
         # NOTE: the embedding is the target's (its dtype); a drafter may run at another one
@@ -54,13 +52,9 @@ def _embedding(model: nn.Module) -> nn.Embedding:
     return next(m for m in model.modules() if isinstance(m, nn.Embedding))
 
 
-def _num_layers(model: nn.Module) -> int:
-    return len(model.model.layers)
-
-
-def load_drafter(model: nn.Module, spec: SpecConfig):
-    """Returns (drafter module, capture layers, d2t or None). With no `draft_model`, a head
-    shipped for this target (see drafters_registry) is used when the target has none."""
+def load_drafter(model: nn.Module, spec: SpecConfig) -> tuple[Drafter, tuple[int, ...]]:
+    """Returns (drafter, capture layers). With no `draft_model`, a head shipped for this target
+    (see drafters_registry) is used when the target has none."""
     from specdeploy.drafters_registry import shipped_drafter
 
     draft_model = spec.draft_model
@@ -68,7 +62,7 @@ def load_drafter(model: nn.Module, spec: SpecConfig):
         drafter = getattr(model, "mtp", None)
         if drafter is not None and draft_model is None:
             del model.mtp  # NOTE: keeps mtp.* out of the target graph (under eagle_drafter)
-            return drafter, (FINAL,), None
+            return drafter, (FINAL,)
         draft_model = draft_model or shipped_drafter(model, "mtp")
         if draft_model is None:
             raise CheckpointError("method='mtp': the target has no MTP head (no mtp.* weights) "
@@ -76,32 +70,52 @@ def load_drafter(model: nn.Module, spec: SpecConfig):
                                   "`specdeploy train-drafter --method mtp`")
         from specdeploy.models.drafters.mtp_head import load_mtp_head
 
-        head = load_mtp_head(draft_model, model)
-        return head, (FINAL,), head.d2t
+        return load_mtp_head(draft_model, model), (FINAL,)
     from specdeploy.models.drafters.eagle3 import load_eagle3
 
     draft_model = draft_model or shipped_drafter(model, "eagle3")
     if draft_model is None:
         raise ValueError("draft_model: method='eagle3' needs an EAGLE-3 drafter directory")
     drafter = load_eagle3(draft_model, target_cfg=model.cfg, embed_tokens=_embedding(model))
-    n = _num_layers(model)
+    n = len(model.model.layers)
     # NOTE: checkpoints (vLLM / EAGLE / SpecForge) name the layer whose *input* is captured; our
     # capture ids name the layer whose *output* is (AutoDeploy's {1, L/2-1, L-4}): shift by one.
-    aux = drafter.cfg.aux_layer_ids or (2, n // 2, n - 3)
+    aux = drafter.cfg.aux_layer_ids or default_aux_layers(n)
     layers = spec.capture_layers or tuple(i - 1 for i in aux)
-    layers = tuple(min(max(i, 0), n - 1) for i in layers)
-    return drafter, layers, drafter.d2t
+    return drafter, tuple(min(max(i, 0), n - 1) for i in layers)
 
 
-def _own_output_head(drafter: nn.Module, dtype: torch.dtype) -> None:
-    """A drafter at another dtype than the target gets its own copy of a borrowed LM head (an
-    MTP head drafting over the full vocab reads the target's); the borrowed embedding stays
-    shared (a lookup reads one row; DraftStep casts it)."""
-    shared = getattr(drafter, "_shared", None)
-    if shared is None or getattr(drafter, "draft_head", None) is not None:
-        return
-    embed, head = shared
-    drafter._shared = (embed, copy.deepcopy(head).to(dtype).requires_grad_(False))
+@dataclass
+class DrafterProgram:
+    """What build.py needs to export and transform the drafter next to the target."""
+
+    drafter: Drafter
+    step: DraftStep
+    capture_layers: tuple[int, ...]
+    dtype: torch.dtype
+    quantize: str | None
+    quant_exclude: tuple[str, ...] | None  # None: the context's default (drafter excluded)
+
+
+def prepare_drafter(model: nn.Module, spec: SpecConfig, dtype: torch.dtype,
+                    quantize: str | None) -> DrafterProgram | None:
+    """The drafter program of `spec` for this target (None for n-gram lookup)."""
+    if spec.method == "ngram":
+        return None
+    from specdeploy.loading import resolve_dtype
+
+    drafter, layers = load_drafter(model, spec)
+    draft_dtype = resolve_dtype(spec.draft_dtype) if spec.draft_dtype else dtype
+    drafter = drafter.to(draft_dtype)
+    if draft_dtype != dtype and "lm_head" in drafter.borrowed:
+        # A drafter at another dtype gets its own copy of the LM head it reads; the borrowed
+        # embedding stays shared (a lookup reads one row; DraftStep casts it).
+        head = copy.deepcopy(drafter.borrowed["lm_head"]).to(draft_dtype).requires_grad_(False)
+        drafter.borrow(lm_head=head)
+    # NOTE: the default exclusions keep drafters unquantized; draft_quantize lifts them
+    return DrafterProgram(drafter, DraftStep(drafter), layers, draft_dtype,
+                          spec.draft_quantize or quantize,
+                          TARGET_QUANT_EXCLUDE if spec.draft_quantize else None)
 
 
 class SpecDeployed:
@@ -109,32 +123,25 @@ class SpecDeployed:
     engine/speculative.py for the step."""
 
     def __init__(self, target: GraphDeployed, draft: GraphDeployed | None,
-                 drafter: nn.Module | None, spec: SpecConfig, d2t: torch.Tensor | None,
-                 method: str):
+                 drafter: Drafter | None, spec: SpecConfig):
         self.target, self.draft, self.drafter, self.spec = target, draft, drafter, spec
         self.num_draft_tokens = spec.num_draft_tokens  # the drafter's chain length
-        self.d2t = d2t
-        self.method = method
-        self.draft_dtype = None if drafter is None else next(drafter.parameters()).dtype
+        self.method = spec.method
+        self.d2t = None if drafter is None else drafter.d2t
         self.vocab_size = target.vocab_size
         self.max_seq_len = target.max_seq_len
         self.hf_config = target.hf_config
         self.layout = target.layout
-        self.device = target.ctx.device
-        self._spec_pairs = [
-            (h.name, h.name.replace("_state", "_spec_state"))
-            for h in target.ctx.resources if isinstance(h, State)
-        ]
+        self.device = target.device
+        self._spec_pairs = [(h.shadows, h.name) for h in target.resources
+                            if isinstance(h, SpecState)]
 
     def forward(self, meta: BatchMetadata) -> StepOutput:
         return self.target.forward(meta)
 
     def project(self, captured: torch.Tensor) -> torch.Tensor:
         """Target features → the drafter's hidden input (EAGLE-3 fuses layers with `fc`)."""
-        fc = getattr(self.drafter, "fc", None)
-        if fc is not None and captured.shape[-1] == fc.in_features:
-            return fc(captured.to(fc.weight.dtype))
-        return captured.to(self.draft_dtype)
+        return self.drafter.project(captured)
 
     def draft_forward(self, meta: BatchMetadata, hidden: torch.Tensor) -> StepOutput:
         """Drafter step; returns logits over the *target* vocabulary order only when d2t is None
@@ -163,67 +170,7 @@ class SpecDeployed:
             state[slots] = per_token[slots, accepted_idx]
 
     def report(self) -> str:
+        lines = ["target:", self.target.report()]
         if self.draft is None:
-            return "\n".join(["target:", self.target.report(), "drafter: none (n-gram lookup)"])
-        lines = ["target:", self.target.report(), "drafter (eagle_drafter):"]
-        lines += [f"  {i.stage.name:<11} {i.name:<26} "
-                  f"{'skipped' if i.skipped else str(i.num_matches) + ' matches'}"
-                  for i in self.draft.infos]
-        return "\n".join(lines)
-
-
-def build_spec_deployed(model: nn.Module, spec: SpecConfig, *, dtype: torch.dtype,
-                        max_batch_size: int, max_seq_len: int, page_size: int,
-                        max_cache_gib: float | None, compile: bool = False,
-                        quantize: str | None = None,
-                        disabled: frozenset[str] = frozenset()) -> SpecDeployed:
-    from specdeploy.loading import resolve_dtype
-
-    t0 = time.perf_counter()
-    if spec.method == "ngram":
-        return _build_lookup_only(model, spec, t0, page_size=page_size,
-                                  max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                  max_cache_gib=max_cache_gib, dtype=dtype, compile=compile,
-                                  quantize=quantize, disabled=frozenset(disabled))
-    drafter, layers, d2t = load_drafter(model, spec)
-    draft_dtype = resolve_dtype(spec.draft_dtype) if spec.draft_dtype else dtype
-    drafter = drafter.to(draft_dtype)
-    if draft_dtype != dtype:
-        _own_output_head(drafter, draft_dtype)
-    common = dict(page_size=page_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                  max_cache_gib=max_cache_gib, dtype=dtype, compile=compile, quantize=quantize,
-                  disabled=frozenset(disabled))
-    draft_common = {**common, "dtype": draft_dtype,
-                    "quantize": spec.draft_quantize or quantize}
-    if spec.draft_quantize:  # NOTE: the default exclusions keep drafters unquantized
-        draft_common["quant_exclude"] = TARGET_QUANT_EXCLUDE
-    gm_t, ctx_t, infos_t = transform_module(
-        model, capture_layers=layers, spec_steps=spec.max_draft_tokens + 1, **common)
-    hidden_size = model.cfg.hidden_size
-    gm_d, ctx_d, infos_d = transform_module(
-        DraftStep(drafter), hidden_size=hidden_size, resource_prefix="draft_", **draft_common)
-    plan = plan_cache(ctx_t.resources + ctx_d.resources, page_size, max_batch_size, max_seq_len,
-                      max_cache_gib, ctx_t.device)
-    allocate(gm_t, ctx_t, plan)
-    allocate(gm_d, ctx_d, plan)
-    draft = GraphDeployed(gm_d, ctx_d, infos_d, plan, getattr(model, "hf_config", {}) or {},
-                          model.cfg.vocab_size)
-    target = _target_deployed(model, gm_t, ctx_t, infos_t, plan, t0)
-    return SpecDeployed(target, draft, drafter, spec, d2t, spec.method)
-
-
-def _build_lookup_only(model: nn.Module, spec: SpecConfig, t0: float, **common) -> SpecDeployed:
-    """The target with spec-state resources and nothing captured: drafts come from lookup."""
-    gm, ctx, infos = transform_module(model, spec_steps=spec.max_draft_tokens + 1, **common)
-    plan = allocate(gm, ctx)
-    return SpecDeployed(_target_deployed(model, gm, ctx, infos, plan, t0), None, None, spec,
-                        None, spec.method)
-
-
-def _target_deployed(model: nn.Module, gm, ctx, infos, plan, t0: float) -> GraphDeployed:
-    target = GraphDeployed(gm, ctx, infos, plan, getattr(model, "hf_config", {}) or {},
-                           model.cfg.vocab_size)
-    target.layout = CacheLayout(plan.page_size, plan.num_pages, plan.num_slots,
-                                dict(plan.bytes_by_handler))
-    ctx.export_seconds = time.perf_counter() - t0
-    return target
+            return "\n".join(lines + ["drafter: none (n-gram lookup)"])
+        return "\n".join(lines + ["drafter (eagle_drafter):", *format_infos(self.draft.infos)])

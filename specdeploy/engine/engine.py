@@ -1,9 +1,11 @@
-"""The step loop: schedule → metadata → forward → sample → append → stop checks → free.
+"""The step loop: schedule → propose → forward → verify → commit → append → draft → emit.
 
-A step is split into hooks so speculative decoding can plug in: `_segment` (what a sequence feeds),
-`_next_tokens` (the tokens each sequence gains after the forward: one sampled token here, an
-accepted run plus a bonus token with a drafter) and `_append` (token-by-token stop checks, so a stop
-landing inside a multi-token run cuts it there).
+`step` is the whole loop in one screen; its hooks are what speculative decoding overrides:
+`_segments` (what each sequence feeds: its pending tokens, or its last token and drafts),
+`_verify` (the tokens each sequence gains: one sampled token here, accepted drafts plus a bonus
+token with a drafter; one host synchronisation for the batch), `_commit` (how many tokens each
+sequence now has cached, and any state promotion) and `_after_step` (drafting for the next
+step). `_append` checks stops token by token, so a stop inside a multi-token run cuts it there.
 """
 from __future__ import annotations
 
@@ -93,18 +95,19 @@ class Engine:
         self._aborted = []
         batch = self.scheduler.schedule()
         if batch:
-            meta = build_metadata(self._segments(batch)).to(self.device)
+            segs = self._segments(batch)  # propose
+            meta = build_metadata(segs).to(self.device)
             tf = time.perf_counter()
-            out = self.deployed.forward(meta)
-            new_tokens = self._next_tokens(batch, out)
-            self.stats.forward_time_s += time.perf_counter() - tf
+            out = self.deployed.forward(meta)  # forward
+            tokens = self._verify(batch, segs, out)  # verify (the step's one host sync)
+            cached = self._commit(batch, segs, tokens)  # commit
             now = time.perf_counter()
-            for sched, tokens in zip(batch, new_tokens):
-                seq = sched.seq
-                seq.num_cached += sched.num_tokens
-                if tokens:
-                    self._append(seq, tokens, now)
-                    touched.append(seq)
+            for sched, new in zip(batch, tokens):  # append
+                if new:
+                    self._append(sched.seq, new, now)
+                    touched.append(sched.seq)
+            self._after_step(batch, segs, cached, out)  # draft the next step
+            self.stats.forward_time_s += time.perf_counter() - tf
             self._count_step(meta.num_tokens, len(batch))
         return self._emit(touched, t0)
 
@@ -131,7 +134,8 @@ class Engine:
             segs[-1].num_logits = 1  # NOTE: keeps N ≥ 1 for runners that cannot return [0, V]
         return segs
 
-    def _next_tokens(self, batch: list[ScheduledSeq], out: StepOutput) -> list[list[int]]:
+    def _verify(self, batch: list[ScheduledSeq], segs: list[Segment], out: StepOutput
+                ) -> list[list[int]]:
         """Sample one token per sequence whose prefill completed; [] for mid-prefill chunks."""
         rows = [i for i, s in enumerate(batch) if s.samples]
         if not rows:
@@ -146,6 +150,17 @@ class Engine:
         for i, t in zip(rows, ids):
             result[i] = [t]
         return result
+
+    def _commit(self, batch: list[ScheduledSeq], segs: list[Segment],
+                tokens: list[list[int]]) -> list[int]:
+        """Every fed token is now cached. Returns the count per sequence."""
+        for s in batch:
+            s.seq.num_cached += s.num_tokens
+        return [s.num_tokens for s in batch]
+
+    def _after_step(self, batch: list[ScheduledSeq], segs: list[Segment], cached: list[int],
+                    out: StepOutput) -> None:
+        """Nothing to draft without a drafter."""
 
     # ---- appending and stopping -----------------------------------------------------------------
     def _append(self, seq: Sequence, tokens: list[int], now: float) -> None:

@@ -9,6 +9,8 @@ instead of the drafter's when they exist; the verification is unchanged, so outp
 """
 from __future__ import annotations
 
+import torch
+
 
 class NgramIndex:
     """Per-sequence index: n-gram (n in min_n..max_n) → position right after its latest
@@ -59,3 +61,40 @@ def next_lookup_len(n: int, all_accepted: bool, k: int, cap: int) -> int:
     bench/linear_rows.py), so long runs are kept for matches that have held. Against lookup runs
     of K on SmolLM2-135M: README, "N-gram lookup drafts"."""
     return min(2 * n, cap) if all_accepted else k
+
+
+class Lookup:
+    """N-gram lookup as a draft source's helper: (max n, min n) and how long its runs may grow
+    (`max_k`, from K). Completes a sequence's drafts from an earlier occurrence of its tail.
+
+    Lookup drafts are deterministic given the prefix, so for a sampled request q is one-hot on
+    each (rejection sampling then accepts d with probability p(d) and otherwise resamples from p
+    without d): the output still follows the target."""
+
+    def __init__(self, max_n: int, min_n: int, k: int, max_k: int):
+        self.max_n, self.min_n, self.k, self.max_k = max_n, min_n, k, max_k
+
+    def complete(self, seq, ids: list[int], vocab_size: int, device) -> bool:
+        """Extend `seq.spec.drafts` to the sequence's lookup length when its committed tokens
+        `ids` plus its drafts so far end in an n-gram seen before; True if it did."""
+        st = seq.spec
+        if st.ngram_index is None or (st.ngram_index.max_n, st.ngram_index.min_n) != (
+                self.max_n, self.min_n):
+            st.ngram_index = NgramIndex(self.max_n, self.min_n)
+        n = min(st.lookup_n or self.k, self.max_k)
+        if n <= len(st.drafts):
+            return False
+        rest = st.ngram_index.propose(ids, n - len(st.drafts), st.drafts)
+        if rest is None:
+            return False
+        st.drafts, st.from_lookup = st.drafts + rest, True
+        if not seq.params.greedy:
+            q = torch.zeros(len(rest), vocab_size, device=device)
+            q[torch.arange(len(rest), device=device), torch.tensor(rest, device=device)] = 1.0
+            st.draft_probs = q if st.draft_probs is None else torch.cat((st.draft_probs, q))
+        return True
+
+    def verified(self, seq, accepted: int, drafted: int) -> None:
+        """After a verify of lookup drafts: grow or reset the sequence's next run length."""
+        seq.spec.lookup_n = next_lookup_len(seq.spec.lookup_n or self.k, accepted == drafted,
+                                            self.k, self.max_k)

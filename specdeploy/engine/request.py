@@ -6,11 +6,15 @@ import itertools
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdeploy.engine.detokenizer import IncrementalDetokenizer
 from specdeploy.engine.metrics import RequestMetrics
+
+if TYPE_CHECKING:
+    from specdeploy.engine.lookup import NgramIndex
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,22 @@ class Status(enum.Enum):
     FINISHED = 2
 
 
+@dataclass
+class SpecSeqState:
+    """A sequence's speculative state between steps (engine/speculative.py): the drafts proposed
+    for its next verify, and what the draft sources remember about it."""
+
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(drafts), V] q each draft was drawn from
+    from_lookup: bool = False  # some drafts came from n-gram lookup
+    lookup_n: int | None = None  # drafts its next lookup match makes (None: K)
+    ngram_index: NgramIndex | None = None
+    chain_prob: float = 1.0  # product of the drafter's top probabilities so far
+
+    def clear(self) -> None:
+        self.drafts, self.draft_probs, self.from_lookup = [], None, False
+
+
 _ids = itertools.count()
 
 
@@ -96,6 +116,7 @@ class Sequence:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.spec = SpecSeqState()
         self._emitted_tokens = 0  # for delta_* in outputs
         self._emitted_text = 0
 

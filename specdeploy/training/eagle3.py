@@ -166,13 +166,8 @@ class Eagle3Objective(nn.Module):
         m.mlp.down_proj.weight.zero_()
 
     def export(self, dtype: torch.dtype = torch.bfloat16) -> Eagle3Drafter:
-        shared = self.drafter.__dict__.pop("_shared_embed", None)  # never copy the target's
-        try:
-            d = copy.deepcopy(self.drafter)
-        finally:
-            if shared is not None:
-                self.drafter.__dict__["_shared_embed"] = shared
-        return d.to(dtype)
+        # NOTE: a borrowed (target) embedding is shared by the copy, never copied
+        return copy.deepcopy(self.drafter).to(dtype)
 
 
 def _unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

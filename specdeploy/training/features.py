@@ -30,13 +30,6 @@ class Features:
                         cast(self.final))
 
 
-def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low / middle / high (vLLM default), as *input* layer ids."""
-    if num_layers >= 7:
-        return (2, num_layers // 2, num_layers - 3)
-    return (0, num_layers // 2, num_layers - 1)
-
-
 @torch.no_grad()
 def extract(target: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
             aux_layers: tuple[int, ...]) -> Features:

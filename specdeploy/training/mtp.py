@@ -87,13 +87,7 @@ class MTPObjective(nn.Module):
         layer.mlp.down_proj.weight.zero_()
 
     def export(self, dtype: torch.dtype = torch.bfloat16) -> MTPHead:
-        shared = self.head._shared
-        self.head._shared = ()
-        try:
-            h = copy.deepcopy(self.head)
-        finally:
-            self.head._shared = shared
-        h._shared = shared
+        h = copy.deepcopy(self.head)  # NOTE: borrowed target modules are shared, not copied
         h.set_draft_vocab(self.train_ids.cpu())  # deployed drafts stay in the trained vocab
         return h.to(dtype)
 

@@ -144,13 +144,13 @@ def _hf_engine(args):
     """An `HFGenerator` on the target's fp32 weights, with the EOS ids our engine stops on."""
     import specdeploy
     from specdeploy.default_model import default_model_path
-    from specdeploy.llm import _eos_ids
+    from specdeploy.tokenizer import eos_token_ids
     from specdeploy.training.hf_generate import HFGenerator
 
     path = Path(args.model) if args.model else default_model_path()
     model = specdeploy.load_model(path, dtype="float32")
     tokenizer = specdeploy.load_tokenizer(path)
-    gen = HFGenerator(model, tokenizer, _eos_ids(tokenizer, model.hf_config, path),
+    gen = HFGenerator(model, tokenizer, eos_token_ids(tokenizer, model.hf_config, path),
                       batch_size=args.batch_size, device=args.device)
     gen.model_path = path
     print(f"transformers engine on {gen.device}, batches of {args.batch_size}", file=sys.stderr,

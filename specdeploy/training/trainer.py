@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from specdeploy.models.drafters.eagle3 import default_aux_layers
 from specdeploy.training import data as data_mod
-from specdeploy.training.features import FeatureSource, default_aux_layers
+from specdeploy.training.features import FeatureSource
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -20,8 +20,9 @@ def _handlers(steps: int = 0):
           State("ssm_0_state", (8, 16, 16), torch.float32),
           State("conv_0_state", (192, 3), torch.bfloat16)]
     if steps:
-        hs += [SpecState("ssm_0_spec_state", (8, 16, 16), torch.float32, steps),
-               SpecState("conv_0_spec_state", (192, 3), torch.bfloat16, steps)]
+        hs += [SpecState("ssm_0_spec_state", (8, 16, 16), torch.float32, steps, "ssm_0_state"),
+               SpecState("conv_0_spec_state", (192, 3), torch.bfloat16, steps,
+                         "conv_0_state")]
     return hs
 
 
@@ -31,7 +32,7 @@ def test_handler_bytes():
     assert kv16.bytes_per_page(5) == 5 * 2 * (16 + 8) * 2
     assert ssm.bytes_per_slot() == 8 * 16 * 16 * F32
     assert conv.bytes_per_slot() == 192 * 3 * 2
-    spec = SpecState("s", (8, 16, 16), torch.float32, 4)
+    spec = SpecState("s", (8, 16, 16), torch.float32, 4, "t")
     assert spec.bytes_per_slot() == 4 * ssm.bytes_per_slot()
     k, v = kv16.allocate(3, 5, CPU)
     assert k.shape == (3, 5, 2, 16) and v.shape == (3, 5, 2, 8) and k.dtype == torch.bfloat16
@@ -125,9 +126,9 @@ def test_summary_lists_handlers():
 def test_deployed_plan_bytes_from_config(tiny_dir):
     """nemotron_h "M*M-E*ME": 2 attention layers (Hkv 2, D 16), 3 Mamba layers (SSM state
     [8, 16, 16] fp32, conv window [8·16 + 2·2·16, 3]); the allocated buffers match the plan."""
-    from specdeploy.deploy.runner import build_deployed
+    from specdeploy.deploy.build import build
 
-    dep = build_deployed(tiny_dir("nemotron_h"), dtype="float32", max_batch_size=3,
+    dep = build(tiny_dir("nemotron_h"), dtype="float32", max_batch_size=3,
                          max_seq_len=40, page_size=5, max_cache_gib=0.01)
     plan = dep.plan
     pages = 3 * 8 + 1
@@ -151,11 +152,11 @@ def test_spec_deployment_plan_has_spec_state(tiny_dir, tmp_path):
     """MTP on qwen3_5_moe with K = 2: every GDN / conv state gets a [K+1]-deep spec state, the
     drafter gets its own paged KV; all of it in one plan."""
     from specdeploy.config import SpecConfig
-    from specdeploy.deploy.runner import build_deployed
+    from specdeploy.deploy.build import build
     from specdeploy.models.registry import family_module
 
     path = family_module("qwen3_5_moe").make_tiny(tmp_path / "q", seed=0, mtp_layers=1)
-    dep = build_deployed(path, dtype="float32", max_batch_size=2, max_seq_len=32, page_size=8,
+    dep = build(path, dtype="float32", max_batch_size=2, max_seq_len=32, page_size=8,
                          max_cache_gib=0.01, spec=SpecConfig("mtp", num_draft_tokens=2))
     plan = dep.target.plan
     gdn, conv = 2 * 4 * 16 * 16 * F32, 2 * 128 * 3 * F32  # 2 slots

@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
+from specdeploy.deploy.build import name_inputs
+from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.export import export_model
-from specdeploy.deploy.passes.capture_hidden import FINAL, capture_hidden_states
-from specdeploy.deploy.passes.gather_logits import gather_logits
-from specdeploy.deploy.pipeline import DeployContext
-from specdeploy.deploy.runner import _input_name_fix
+from specdeploy.deploy.passes.capture_hidden import FINAL
+from specdeploy.deploy.pipeline import run_transform
 from specdeploy.loading import load_model
 
 FAMILIES = ("llama", "nemotron_h", "qwen3_5_moe")
@@ -24,7 +24,7 @@ EXACT = 1e-6
 def exported(request, tiny_dir):
     model = load_model(tiny_dir(request.param), dtype="float32")
     gm = export_model(model, max_tokens=512)
-    _input_name_fix(gm)
+    name_inputs(gm)
     torch.manual_seed(0)
     ids = torch.randint(3, model.cfg.vocab_size, (1, T))
     pos = torch.arange(T)[None]
@@ -44,7 +44,7 @@ def exported(request, tiny_dir):
 def _capture(exported, layers):
     gm = copy.deepcopy(exported["gm"])
     ctx = DeployContext(model=exported["model"], capture_layers=tuple(layers))
-    info = capture_hidden_states(gm, ctx)
+    info, _ = run_transform("capture_hidden_states", gm, ctx)
     return gm, ctx, info
 
 
@@ -72,7 +72,7 @@ def test_capture_order_is_the_requested_order(exported, close):
 def test_capture_final_hidden_for_mtp(exported, close):
     gm, ctx, info = _capture(exported, (FINAL,))
     assert info.num_matches == 1
-    gather_logits(gm, ctx)  # runs after capture in the pipeline
+    run_transform("gather_logits", gm, ctx)  # runs after capture in the pipeline
     idx = torch.tensor([T - 1, 2])
     with torch.inference_mode():
         logits, hidden = gm(exported["ids"], exported["pos"], idx)
@@ -82,7 +82,7 @@ def test_capture_final_hidden_for_mtp(exported, close):
 
 def test_gather_logits_picks_requested_rows(exported, close):
     gm = copy.deepcopy(exported["gm"])
-    info = gather_logits(gm, DeployContext(model=exported["model"]))
+    info, _ = run_transform("gather_logits", gm, DeployContext(model=exported["model"]))
     assert info.num_matches == 1
     for rows in ([0], [T - 1], [4, 0, 8, 8], list(range(T))):
         idx = torch.tensor(rows)

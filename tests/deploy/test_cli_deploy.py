@@ -14,7 +14,7 @@ def test_list_transforms(tiny_dir, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     rows = re.findall(r"^\s+(\d+)\. (\w+)\s+(\w+)\s+(skipped|\d+ matches)", out, re.M)
-    assert [r[2] for r in rows] == [name for name, _, _ in transforms()]
+    assert [r[2] for r in rows] == [t.name for t in transforms()]
     assert [int(r[0]) for r in rows] == list(range(len(rows)))
     counts = {r[2]: r[3] for r in rows}
     assert counts["gather_logits"] == "1 matches"

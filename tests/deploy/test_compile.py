@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
-from specdeploy.deploy.runner import build_deployed
+from specdeploy.deploy.build import build
 from specdeploy.models.registry import family_module
 from tests.deploy.conftest import assert_close
 
@@ -14,8 +14,8 @@ LIMITS = dict(max_batch_size=2, max_seq_len=64, page_size=4, max_cache_gib=0.01)
 
 def test_compiled_deployment_matches_uncompiled(tmp_path):
     family_module("llama").make_tiny(tmp_path, seed=0)
-    compiled = build_deployed(str(tmp_path), compile=True, **LIMITS)
-    plain = build_deployed(str(tmp_path), **LIMITS)
+    compiled = build(str(tmp_path), compile=True, **LIMITS)
+    plain = build(str(tmp_path), **LIMITS)
     info = {i.name: i for i in compiled.infos}["compile_model"]
     assert info.num_matches == 1 and not info.skipped
     pages = list(range(16))

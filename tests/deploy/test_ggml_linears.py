@@ -13,8 +13,8 @@ import torch
 
 from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, Segment, build_metadata
 from specdeploy.config import SpecConfig
+from specdeploy.deploy.build import build
 from specdeploy.deploy.passes.ggml_linears import MAX_ROWS
-from specdeploy.deploy.runner import build_deployed
 from specdeploy.loading import load_model
 from specdeploy.models import llama
 from specdeploy.ops.ggml_linear import kernel_unavailable
@@ -43,7 +43,7 @@ def _linears(dep):
 
 def test_every_linear_runs_on_blocks(tiny_gguf):
     _, path = tiny_gguf
-    dep = build_deployed(str(path), **LIMITS)
+    dep = build(str(path), **LIMITS)
     info = {i.name: i for i in dep.infos}["ggml_linears"]
     layers = llama.tiny_hf_config()["num_hidden_layers"]
     assert info.num_matches == layers * LINEARS_PER_LAYER + 1, info  # + the LM head
@@ -58,7 +58,7 @@ def test_deployed_logits_match_the_plain_model(tiny_gguf):
     """Prefill (> MAX_ROWS rows: the fp32 path), then 1-row decode and 4- and 16-row verify
     steps (the blocks), against the plain model's full-sequence logits at the same positions."""
     _, path = tiny_gguf
-    dep = build_deployed(str(path), **LIMITS)
+    dep = build(str(path), **LIMITS)
     model = load_model(path)
     ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -75,8 +75,8 @@ def test_deployed_logits_match_the_plain_model(tiny_gguf):
 
 def test_matches_the_fp32_deployment_and_counts_blocks(tiny_gguf):
     _, path = tiny_gguf
-    on = build_deployed(str(path), **LIMITS)
-    off = build_deployed(str(path), disabled=frozenset({"ggml_linears"}), **LIMITS)
+    on = build(str(path), **LIMITS)
+    off = build(str(path), disabled=frozenset({"ggml_linears"}), **LIMITS)
     info = {i.name: i for i in off.infos}["ggml_linears"]
     assert info.skipped and info.detail == "disabled"
     for n in (1, 5, 30):
@@ -86,9 +86,9 @@ def test_matches_the_fp32_deployment_and_counts_blocks(tiny_gguf):
 
 def test_safetensors_and_bf16_loads_have_no_blocks(tiny_gguf, tmp_path):
     src, path = tiny_gguf
-    info = {i.name: i for i in build_deployed(str(src), **LIMITS).infos}["ggml_linears"]
+    info = {i.name: i for i in build(str(src), **LIMITS).infos}["ggml_linears"]
     assert info.skipped and "no GGUF" in info.detail
-    info = {i.name: i for i in build_deployed(str(path), dtype="bfloat16", **LIMITS).infos}
+    info = {i.name: i for i in build(str(path), dtype="bfloat16", **LIMITS).infos}
     assert info["ggml_linears"].skipped
     assert load_model(path, dtype="bfloat16").ggml_weights == {}
 
@@ -97,7 +97,7 @@ def test_int8_quantized_linears_are_left_to_int8(tiny_gguf):
     """A weight another transform replaced has no blocks any more: only the LM head (kept fp by
     the default exclusions) still matches."""
     _, path = tiny_gguf
-    dep = build_deployed(str(path), quantize="int8", **LIMITS)
+    dep = build(str(path), quantize="int8", **LIMITS)
     assert {i.name: i for i in dep.infos}["ggml_linears"].num_matches == 1
 
 
@@ -128,7 +128,7 @@ def test_default_model_decode_on_blocks_matches_transformers():
     steps and one 4-row verify step; every row against transformers' logits."""
     golden = np.load(GOLDEN)
     ids = golden["input_ids"].tolist()
-    dep = build_deployed(None, max_batch_size=1, max_seq_len=256, max_cache_gib=0.05)
+    dep = build(None, max_batch_size=1, max_seq_len=256, max_cache_gib=0.05)
     info = {i.name: i for i in dep.infos}["ggml_linears"]
     assert info.num_matches == 30 * LINEARS_PER_LAYER + 1, info
     cols = torch.from_numpy(golden["columns"])
@@ -151,13 +151,13 @@ def test_default_model_decode_on_blocks_matches_transformers():
 def test_a_weight_edited_after_loading_keeps_the_fp32_path(tiny_gguf):
     """Blocks are used only while they still hold the parameter's values: one edited in place
     (same tensor, other numbers) goes the fp32 way, and the logits follow the edit."""
-    from specdeploy.deploy.runner import deploy_module
+    from specdeploy.deploy.build import build
 
     _, path = tiny_gguf
     model = load_model(path)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(2.0)
-    dep = deploy_module(model, {}, model.cfg.vocab_size, **LIMITS)
+    dep = build(model=model, **LIMITS)
     info = {i.name: i for i in dep.infos}["ggml_linears"]
     layers = llama.tiny_hf_config()["num_hidden_layers"]
     assert info.num_matches == layers * LINEARS_PER_LAYER and "1 weights changed" in info.detail

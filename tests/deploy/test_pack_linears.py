@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from specdeploy.cache.metadata import Segment, build_metadata
+from specdeploy.deploy.build import build
 from specdeploy.deploy.passes.pack_linears import packed_linear_fn
-from specdeploy.deploy.runner import build_deployed, deploy_module
 from specdeploy.loading import load_model
 from specdeploy.models.registry import family_module
 
@@ -42,18 +42,17 @@ def test_packed_linear_equals_linear(shape, bias, threads):
 
 def test_tiny_weights_are_left_alone(tmp_path):
     family_module("llama").make_tiny(tmp_path, seed=0)
-    info = {i.name: i for i in build_deployed(str(tmp_path), **LIMITS).infos}
+    info = {i.name: i for i in build(str(tmp_path), **LIMITS).infos}
     assert info["pack_linear_weights"].num_matches == 0
 
 
 def test_deployed_logits_match_unpacked(tmp_path, monkeypatch):
     monkeypatch.setattr("specdeploy.deploy.passes.pack_linears.MIN_ELEMENTS", 0)
     family_module("llama").make_tiny(tmp_path, seed=0)
-    packed = build_deployed(str(tmp_path), **LIMITS)
+    packed = build(str(tmp_path), **LIMITS)
     info = {i.name: i for i in packed.infos}["pack_linear_weights"]
     model = load_model(str(tmp_path))
-    base = deploy_module(model, {}, model.cfg.vocab_size,
-                         disabled=frozenset({"pack_linear_weights"}), **LIMITS)
+    base = build(model=model, disabled=frozenset({"pack_linear_weights"}), **LIMITS)
     linears = [n for n in base.gm.graph.nodes if n.target is torch.ops.aten.linear.default]
     assert info.num_matches == len(linears) > 0, info
     assert not any(n.target is torch.ops.aten.linear.default for n in packed.gm.graph.nodes)
@@ -66,7 +65,7 @@ def test_deployed_logits_match_unpacked(tmp_path, monkeypatch):
 
 def test_build_deployed_can_disable_the_pass(tmp_path):
     family_module("llama").make_tiny(tmp_path, seed=0)
-    dep = build_deployed(str(tmp_path), disabled=frozenset({"pack_linear_weights"}), **LIMITS)
+    dep = build(str(tmp_path), disabled=frozenset({"pack_linear_weights"}), **LIMITS)
     info = {i.name: i for i in dep.infos}["pack_linear_weights"]
     assert info.skipped and info.detail == "disabled"
 

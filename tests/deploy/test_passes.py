@@ -15,10 +15,13 @@ import pytest
 import torch
 
 from specdeploy.cache.metadata import Segment, build_metadata, kv_slot_mapping
+from specdeploy.cache.plan import plan_cache
+from specdeploy.deploy.build import allocate, name_inputs
+from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.export import export_model
 from specdeploy.deploy.graph import placeholders
-from specdeploy.deploy.pipeline import DeployContext, Stage, transforms
-from specdeploy.deploy.runner import GraphDeployed, _input_name_fix, allocate
+from specdeploy.deploy.pipeline import Stage, run_transform, transforms
+from specdeploy.deploy.runner import GraphDeployed
 from specdeploy.loading import load_model
 
 T = 11
@@ -69,22 +72,30 @@ def walked(request, tiny_dir):
     with torch.inference_mode():
         plain = model(ids, torch.arange(T)[None])
     gm = export_model(model, max_tokens=512)
-    _input_name_fix(gm)
+    name_inputs(gm)
     exported = run_graph(gm, ids)[0]
     ctx = DeployContext(model=model, page_size=PAGE_SIZE, max_batch_size=4, max_seq_len=64,
                         max_cache_gib=0.05)
-    steps = {}
-    for name, stage, fn in transforms():
+    steps, resources = {}, []
+    for t in transforms():
         before = run_graph(gm, ids)[0]
         asserts_before, ops_before = _num_asserts(gm), _num_specdeploy_ops(gm)
-        info = fn(gm, ctx)
-        if stage == Stage.CACHE:
-            allocate(gm, ctx)  # fresh (zeroed) caches for everything declared so far
-        steps[name] = dict(info=info, before=before, after=run_graph(gm, ids)[0],
+        info, done = run_transform(t, gm, ctx)
+        resources += done.resources
+        if t.stage == Stage.CACHE:
+            _allocate(gm, ctx, resources)  # fresh (zeroed) caches for all declared so far
+        steps[t.name] = dict(info=info, before=before, after=run_graph(gm, ids)[0],
                            asserts_before=asserts_before, asserts_after=_num_asserts(gm),
                            ops_before=ops_before, ops_after=_num_specdeploy_ops(gm))
     return dict(family=family, model=model, ids=ids, plain=plain, exported=exported, gm=gm,
-                ctx=ctx, steps=steps)
+                ctx=ctx, steps=steps, resources=resources)
+
+
+def _allocate(gm, ctx, resources):
+    plan = plan_cache(resources, ctx.page_size, ctx.max_batch_size, ctx.max_seq_len,
+                      ctx.max_cache_gib, ctx.device)
+    allocate(gm, resources, plan, ctx.device)
+    return plan
 
 
 def _num_asserts(gm) -> int:
@@ -107,9 +118,9 @@ def test_export_equals_plain_model(walked, close):
 
 def test_pipeline_order_is_staged():
     items = transforms()
-    stages = [s for _, s, _ in items]
+    stages = [t.stage for t in items]
     assert stages == sorted(stages)
-    names = [n for n, _, _ in items]
+    names = [t.name for t in items]
     assert names[0] == "cleanup_export" and names[-1] == "compile_model"
     assert names.index("quantize_int8_weights") < names.index("insert_cached_attention")
 
@@ -164,7 +175,7 @@ def test_no_canonical_stateful_op_left(walked):
         n.target, "overloadpacket", None) in (ops.attention, ops.ssm_scan, ops.causal_conv1d,
                                                ops.gated_delta_rule)]
     assert left == []
-    kinds = {h.kind for h in walked["ctx"].resources}
+    kinds = {h.kind for h in walked["resources"]}
     assert kinds <= {"paged_kv", "state"}
 
 
@@ -172,8 +183,8 @@ def test_deployed_steps_match_plain_model(walked, close):
     """Chunked prefill, decode and a mixed ragged step through the final program, pages out of
     order, page size 5: logits at every requested row equal the plain model's."""
     gm, ctx, model = walked["gm"], walked["ctx"], walked["model"]
-    plan = allocate(gm, ctx)
-    dep = GraphDeployed(gm, ctx, [], plan, {}, model.cfg.vocab_size)
+    plan = _allocate(gm, ctx, walked["resources"])
+    dep = GraphDeployed(gm, ctx, [], plan, {}, model.cfg.vocab_size, walked["resources"])
     torch.manual_seed(1)
     lengths = (23, 9, 14)
     seqs = [torch.randint(3, model.cfg.vocab_size, (n,)).tolist() for n in lengths]

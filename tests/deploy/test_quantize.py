@@ -20,9 +20,10 @@ import pytest
 import torch
 from torch import nn
 
+from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.export import export_model
-from specdeploy.deploy.passes.quantize import is_excluded, quantize_int8_weights
-from specdeploy.deploy.pipeline import DeployContext
+from specdeploy.deploy.passes.quantize import is_excluded
+from specdeploy.deploy.pipeline import run_transform
 from specdeploy.loading import load_model
 from specdeploy.ops.quant_linear import dequantize_int8, int8_linear_ref, quantize_int8
 
@@ -128,8 +129,8 @@ class _TargetAndDrafter(nn.Module):
 def test_drafter_namespace_in_graph(exclude, want):
     torch.manual_seed(0)
     gm = torch.export.export(_TargetAndDrafter(), (torch.randn(3, 16),), strict=False).module()
-    info = quantize_int8_weights(gm, DeployContext(model=None, quantize="int8",
-                                                   quant_exclude=exclude))
+    ctx = DeployContext(model=None, quantize="int8", quant_exclude=exclude)
+    info, _ = run_transform("quantize_int8_weights", gm, ctx)
     kept = {n for n, _ in gm.named_parameters() if n.endswith("weight")}
     assert {"q_proj.weight", "eagle_drafter.q_proj.weight"} - kept == want
     assert info.num_matches == len(want)
@@ -138,7 +139,7 @@ def test_drafter_namespace_in_graph(exclude, want):
 def test_unknown_method_fails():
     gm = torch.export.export(_TargetAndDrafter(), (torch.randn(3, 16),), strict=False).module()
     with pytest.raises(ValueError, match="quantize"):
-        quantize_int8_weights(gm, DeployContext(model=None, quantize="int4"))
+        run_transform("quantize_int8_weights", gm, DeployContext(model=None, quantize="int4"))
 
 
 # ---- the pass on the tiny families ---------------------------------------------------------------
@@ -155,7 +156,8 @@ def quantized(request, tiny_dir):
     with torch.inference_mode():
         fp_logits = gm(ids, pos)[0]
     fp_gm = copy.deepcopy(gm)
-    info = quantize_int8_weights(gm, DeployContext(model=model, quantize="int8"))
+    info, _ = run_transform("quantize_int8_weights", gm,
+                            DeployContext(model=model, quantize="int8"))
     with torch.inference_mode():
         q_logits = gm(ids, pos)[0]
     return dict(family=family, model=model, fp_gm=fp_gm, gm=gm, info=info, ids=ids, pos=pos,
@@ -224,10 +226,10 @@ def test_logits_close_to_fp(quantized, close):
 
 
 def test_build_deployed_int8_frees_fp_weights(tiny_dir, close):
-    """`build_deployed(quantize="int8")`: the report counts the matches, the step's logits are
+    """`build(quantize="int8")`: the report counts the matches, the step's logits are
     within the quantization bound, and the plain model's fp weights are freed once dropped."""
     from specdeploy.cache.metadata import Segment, build_metadata
-    from specdeploy.deploy.runner import build_deployed
+    from specdeploy.deploy.build import build
 
     model = load_model(tiny_dir("llama"), dtype="float32")
     q_proj = weakref.ref(model.model.layers[0].self_attn.q_proj.weight)
@@ -235,7 +237,7 @@ def test_build_deployed_int8_frees_fp_weights(tiny_dir, close):
     ids = list(range(3, 20))
     with torch.inference_mode():
         fp = model(torch.tensor([ids]), torch.arange(len(ids))[None])[0, -1]
-    dep = build_deployed(model=model, quantize="int8", max_batch_size=2, max_seq_len=64,
+    dep = build(model=model, quantize="int8", max_batch_size=2, max_seq_len=64,
                          page_size=4, max_cache_gib=0.01)
     del model
     gc.collect()

@@ -6,7 +6,7 @@ from collections import deque
 
 import pytest
 
-from specdeploy.deploy.pipeline import deploy_model
+from specdeploy.deploy.build import build
 from specdeploy.engine import Engine, SamplingParams
 
 
@@ -23,7 +23,7 @@ def test_preemption_and_slot_reuse_keep_tokens(family, tmp_path):
     from specdeploy.models.registry import family_module
 
     path = family_module(family).make_tiny(tmp_path / family, seed=1)
-    deployed = deploy_model(path, dtype="float32", max_batch_size=3, max_seq_len=64,
+    deployed = build(path, dtype="float32", max_batch_size=3, max_seq_len=64,
                             page_size=8)
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 100) for _ in range(rng.randint(1, 24))] for _ in range(6)]

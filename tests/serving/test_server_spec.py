@@ -37,7 +37,7 @@ def test_spec_server_greedy_equals_generate_and_reports_acceptance(spec_llm, ser
 
     # NOTE: a random tiny drafter accepts nothing; oracle drafts exercise the per-position
     # counters, and the answers must stay the target's (lossless verification).
-    spec_llm.engine.draft_override = oracle_drafts
+    spec_llm.engine.fix_drafts(oracle_drafts)
     with serve(create_app(spec_llm, model_name="q")) as srv:
         client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
                                     timeout=60)

@@ -49,9 +49,14 @@ def test_engine_drafts_equal_module_drafts(llama, steps, monkeypatch):
     model = specdeploy.load_model(str(llama.path))
     drafter = llm.deployed.drafter
     seen = []
-    propose = eng._propose
-    monkeypatch.setattr(eng, "_propose", lambda d, logits: (seen.append(logits.clone()),
-                                                             propose(d, logits))[1])
+    draft_forward = llm.deployed.draft_forward
+
+    def recording(meta, hidden):  # one sequence: every draft forward gives its draft's logits
+        out = draft_forward(meta, hidden)
+        seen.append(out.logits.clone())
+        return out
+
+    monkeypatch.setattr(llm.deployed, "draft_forward", recording)
     with torch.no_grad():
         for prompt in llama.prompts[1:4]:
             eng.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -60,7 +65,7 @@ def test_engine_drafts_equal_module_drafts(llama, steps, monkeypatch):
                 eng.step()
             (seq,) = list(eng.scheduler.running)
             drafts, logits = _module_drafts(model, drafter, seq.all_ids, k)
-            assert seq.drafts == drafts, prompt
+            assert seq.spec.drafts == drafts, prompt
             torch.testing.assert_close(torch.cat(seen), logits, atol=1e-4, rtol=1e-4)
             while eng.has_unfinished():
                 eng.step()

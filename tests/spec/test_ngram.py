@@ -51,12 +51,12 @@ def test_ngram_forced_drafts_roll_state_forward(target, ngram_llm):
         start = len(seq.output_ids)
         return by_prompt[tuple(seq.prompt_ids)][start:start + n]
 
-    llm.engine.draft_override = forced
+    llm.engine.fix_drafts(forced)
     try:
         assert _ids(llm.generate(target.prompts, params)) == [w[:MAX_TOKENS] for w in want]
         s = llm.stats()
     finally:
-        llm.engine.draft_override = None
+        llm.engine.fix_drafts(None)
     assert s["mean_accepted_length"] == 7
     assert s["accepted_per_position"] == [s["draft_steps"]] * 6
 

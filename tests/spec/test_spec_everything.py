@@ -73,7 +73,7 @@ def test_stop_string_inside_an_accepted_run(target, cut):
     params = SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop])
     want = base.generate([prompt], params)[0]
     llm = target.llm(5)
-    llm.engine.draft_override = _oracle({tuple(prompt): full.token_ids})
+    llm.engine.fix_drafts(_oracle({tuple(prompt): full.token_ids}))
     got = llm.generate([prompt], params)[0]
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
     assert stop not in got.text

@@ -54,8 +54,8 @@ def _oracle(baseline, prompts, noise: float, seed: int):
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_forced_target_drafts_are_all_accepted(target, baseline, k):
     llm = target.llm(k)
-    llm.engine.spec_stats.__init__(k)  # NOTE: count this test's steps only
-    llm.engine.draft_override = _oracle(baseline, target.prompts, 0.0, 0)
+    llm.engine.reset_spec_stats()  # NOTE: count this test's steps only
+    llm.engine.fix_drafts(_oracle(baseline, target.prompts, 0.0, 0))
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     assert _ids(llm.generate(target.prompts, params)) == [b[:MAX_TOKENS] for b in baseline]
     stats = llm.stats()
@@ -68,8 +68,8 @@ def test_partial_acceptance_stays_lossless(target, baseline):
     and stop at max_tokens inside an accepted run."""
     k = 5
     llm = target.llm(k)
-    llm.engine.spec_stats.__init__(k)
-    llm.engine.draft_override = _oracle(baseline, target.prompts, 0.3, 1)
+    llm.engine.reset_spec_stats()
+    llm.engine.fix_drafts(_oracle(baseline, target.prompts, 0.3, 1))
     lengths = [5, 11, 17, 20, 9]  # max_tokens landing mid-run
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
     got = _ids(llm.generate(target.prompts, params))
@@ -122,7 +122,7 @@ def test_longer_lookup_drafts_stay_lossless(target, baseline):
         assert s["draft_tokens"] > 2 * s["draft_steps"] and s["accepted_per_position"][5] > 0
 
     llm.engine.set_lookup((4, 2), 6)  # resets the counters
-    llm.engine.draft_override = _oracle(baseline, target.prompts, 0.0, 0)
+    llm.engine.fix_drafts(_oracle(baseline, target.prompts, 0.0, 0))
     assert _ids(llm.generate(target.prompts, params)) == [b[:MAX_TOKENS] for b in baseline]
     s = llm.stats()
     assert s["mean_accepted_length"] == 7
@@ -145,14 +145,14 @@ def test_low_precision_drafter_stays_lossless(target, baseline):
     assert _ids(llm.generate(target.prompts, params)) == want
     assert _ids(llm.generate([target.prompts[2]], params)) == [want[2]]
     assert llm.stats()["draft_steps"] > 0
-    assert d.draft_dtype == torch.bfloat16
+    assert d.drafter.dtype == torch.bfloat16
     quant = {i.name: i for i in d.draft.infos}["quantize_int8_weights"]
     assert quant.num_matches > 0 and not quant.skipped
     assert {p.dtype for p in d.target.gm.parameters()} == {torch.float32}
-    shared = getattr(d.drafter, "_shared", None)
-    if shared is not None and getattr(d.drafter, "draft_head", None) is None:
-        assert shared[1].weight.dtype == torch.bfloat16
-        assert shared[0].weight.dtype == torch.float32  # the embedding stays the target's
+    borrowed = d.drafter.borrowed
+    if "lm_head" in borrowed:  # a head drafting over the target's vocabulary reads its LM head
+        assert borrowed["lm_head"].weight.dtype == torch.bfloat16
+    assert borrowed["embed_tokens"].weight.dtype == torch.float32  # the target's embedding
 
 
 def test_draft_precision_is_validated():
@@ -176,7 +176,7 @@ def test_draft_confidence_stop_stays_lossless(target, baseline):
     try:
         for p in (1e-9, 1e-6, 1e-4, 1e-3, 0.02, 0.1, 0.9):
             llm.engine.draft_min_prob = p
-            llm.engine.spec_stats.__init__(k)
+            llm.engine.reset_spec_stats()
             assert _ids(llm.generate(target.prompts, params)) == want, p
             s = llm.stats()
             seen["none"] |= s["undrafted_steps"] > 0

@@ -47,7 +47,7 @@ def test_committed_state_equals_state_after_accepted_tokens(target, accepted):
         right = cont[start:start + k]
         return [t if i < accepted else (t + 1) % 100 for i, t in enumerate(right)]
 
-    eng.draft_override = propose
+    eng.fix_drafts(propose)
     eng.add_request(prompt, SamplingParams(max_tokens=2 * K + 2, ignore_eos=True))
     eng.step()  # prefill + first drafts
     (seq,) = [s for s in eng._seqs.values() if not s.finished]

@@ -39,7 +39,7 @@ class Target:
             self._llms[k] = LLM(str(self.path), spec=spec, **LIMITS)
         llm = self._llms[k]
         if k is not None:
-            llm.engine.draft_override = None
+            llm.engine.fix_drafts(None)
             llm.engine.set_lookup(None)
         return llm
 

@@ -119,7 +119,7 @@ def test_low_precision_heads_keep_their_acceptance(method, reference):
     ones at K = 1 (measured: the same 0.56 / 0.56 on these prompts), losslessly."""
     llm, outs = _run(method, reference[0], 1, draft_dtype="bfloat16", draft_quantize="int8")
     assert outs == reference[1](frozenset(llm.engine.eos_token_ids))
-    assert llm.deployed.draft_dtype == torch.bfloat16
+    assert llm.deployed.drafter.dtype == torch.bfloat16
     s = llm.stats()
     assert s["acceptance_rate"] > MIN_RATE_K1[method], (method, s)
 
@@ -142,7 +142,7 @@ def test_default_mtp_head_resolves(reference):
     from specdeploy.models.drafters.mtp_head import MTPHead
 
     model = specdeploy.load_model(None)
-    drafter, layers, d2t = load_drafter(model, SpecConfig("mtp", 2))
+    drafter, layers = load_drafter(model, SpecConfig("mtp", 2))
     assert isinstance(drafter, MTPHead) and layers == (FINAL,)
-    assert d2t is not None and d2t.shape == (6144,)  # drafts over its training vocab
+    assert drafter.d2t is not None and drafter.d2t.shape == (6144,)  # its training vocab
     assert drafter.embed(torch.tensor([[1]])).shape == (1, 1, model.cfg.hidden_size)

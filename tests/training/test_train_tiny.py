@@ -83,7 +83,8 @@ def test_closed_form_warm_start_lowers_the_loss(setup, method):
 
 
 def _features(setup):
-    from specdeploy.training.features import default_aux_layers, extract
+    from specdeploy.models.drafters.eagle3 import default_aux_layers
+    from specdeploy.training.features import extract
 
     _, target, _ = setup
     ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(1))

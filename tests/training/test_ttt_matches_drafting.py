@@ -13,7 +13,8 @@ import torch
 
 import specdeploy
 from specdeploy.models import llama
-from specdeploy.training.features import default_aux_layers, extract
+from specdeploy.models.drafters.eagle3 import default_aux_layers
+from specdeploy.training.features import extract
 from specdeploy.training.ttt import KVSteps, shift
 
 STEPS, T = 3, 12

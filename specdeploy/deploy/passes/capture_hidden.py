@@ -12,8 +12,9 @@ import re
 import torch
 from torch import fx
 
-from specdeploy.deploy.graph import finalize, find_head
-from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.graph import find_head
+from specdeploy.deploy.pipeline import Done, Stage, register
 
 FINAL = -1  # capture index meaning "the final-normed hidden state" (MTP)
 
@@ -46,11 +47,9 @@ def layer_outputs(gm: fx.GraphModule) -> dict[int, fx.Node]:
     return out
 
 
-@register("capture_hidden_states", Stage.PATTERN)
-def capture_hidden_states(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
-    if not ctx.capture_layers:
-        return TransformInfo("capture_hidden_states", Stage.PATTERN, 0, skipped=True,
-                             detail="no drafter")
+@register("capture_hidden_states", Stage.PATTERN, requires_match=True,
+          skip_if=lambda ctx: None if ctx.capture_layers else "no drafter")
+def capture_hidden_states(gm: fx.GraphModule, ctx: DeployContext) -> Done:
     outputs = layer_outputs(gm)
     picked = []
     for i in ctx.capture_layers:
@@ -66,6 +65,4 @@ def capture_hidden_states(gm: fx.GraphModule, ctx: DeployContext) -> TransformIn
             torch.ops.aten.cat.default, (picked, -1))
     results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     out.args = (tuple(results) + (hidden,),)
-    finalize(gm)
-    return TransformInfo("capture_hidden_states", Stage.PATTERN, len(picked),
-                         detail=f"layers {list(ctx.capture_layers)}")
+    return Done(len(picked), f"layers {list(ctx.capture_layers)}")

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from specdeploy.deploy.graph import finalize
-from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.pipeline import Done, Stage, register
 
 _ASSERTS = {
     torch.ops.aten._assert_scalar.default,
@@ -15,7 +15,7 @@ _ASSERTS = {
 
 
 @register("cleanup_export", Stage.POST_EXPORT)
-def cleanup_export(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
+def cleanup_export(gm: fx.GraphModule, ctx: DeployContext) -> Done:
     n = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and (
@@ -23,5 +23,4 @@ def cleanup_export(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
         ):
             gm.graph.erase_node(node)
             n += 1
-    finalize(gm)
-    return TransformInfo("cleanup_export", Stage.POST_EXPORT, n)
+    return Done(n)

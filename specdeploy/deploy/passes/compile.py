@@ -14,8 +14,8 @@ import torch
 from torch import fx
 from torch._library.custom_ops import OPDEFS
 
-from specdeploy.deploy.graph import finalize
-from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.pipeline import Done, Stage, register
 
 
 def _kernel(target):
@@ -25,25 +25,19 @@ def _kernel(target):
     return getattr(opdef, "_init_fn", None)
 
 
-@register("call_kernels_directly", Stage.COMPILE)
-def call_kernels_directly(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
-    if ctx.compile:
-        return TransformInfo("call_kernels_directly", Stage.COMPILE, 0, skipped=True,
-                             detail="compile=True keeps ops for inductor")
+@register("call_kernels_directly", Stage.COMPILE,
+          skip_if=lambda ctx: "compile=True keeps ops for inductor" if ctx.compile else None)
+def call_kernels_directly(gm: fx.GraphModule, ctx: DeployContext) -> Done:
     n = 0
     for node in gm.graph.nodes:
         fn = _kernel(node.target) if node.op == "call_function" else None
         if fn is not None:
             node.target = fn
             n += 1
-    finalize(gm)
-    return TransformInfo("call_kernels_directly", Stage.COMPILE, n)
+    return Done(n)
 
 
-@register("compile_model", Stage.COMPILE)
-def compile_model(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
-    if not ctx.compile:
-        return TransformInfo("compile_model", Stage.COMPILE, 0, skipped=True,
-                             detail="compile=False")
-    ctx.compiled = torch.compile(gm, dynamic=True)
-    return TransformInfo("compile_model", Stage.COMPILE, 1, detail="torch.compile(dynamic=True)")
+@register("compile_model", Stage.COMPILE,
+          skip_if=lambda ctx: None if ctx.compile else "compile=False")
+def compile_model(gm: fx.GraphModule, ctx: DeployContext) -> Done:
+    return Done(1, "torch.compile(dynamic=True)", program=torch.compile(gm, dynamic=True))

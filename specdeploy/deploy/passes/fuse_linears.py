@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from specdeploy.deploy.graph import attr_tensor, finalize, split_fused_output
-from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.graph import attr_tensor, split_fused_output
+from specdeploy.deploy.pipeline import Done, Stage, register
 
 _LINEAR = torch.ops.aten.linear.default
 
@@ -35,8 +36,8 @@ def _groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
     return groups
 
 
-@register("fuse_parallel_linears", Stage.COMPILE)
-def fuse_parallel_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
+@register("fuse_parallel_linears", Stage.OPTIMIZE)
+def fuse_parallel_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done:
     groups = _groups(gm)
     for i, users in enumerate(groups):
         weights = [_weight(gm, u) for u in users]
@@ -52,6 +53,4 @@ def fuse_parallel_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformIn
             attr = gm.graph.get_attr(name)
             out = gm.graph.call_function(_LINEAR, (users[0].args[0], attr))
         split_fused_output(gm, out, users, [w.shape[0] for w in weights])
-    finalize(gm)
-    return TransformInfo("fuse_parallel_linears", Stage.COMPILE, len(groups),
-                         detail=f"{sum(len(g) for g in groups)} linears into {len(groups)}")
+    return Done(len(groups), f"{sum(len(g) for g in groups)} linears into {len(groups)}")

@@ -9,17 +9,16 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from specdeploy.deploy.graph import add_placeholder, finalize, find_head
-from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.graph import add_placeholder, find_head
+from specdeploy.deploy.pipeline import Done, Stage, register
 
 
-@register("gather_logits", Stage.PATTERN)
-def gather_logits(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
+@register("gather_logits", Stage.PATTERN, requires_match=True)
+def gather_logits(gm: fx.GraphModule, ctx: DeployContext) -> Done:
     head = find_head(gm)
     idx = add_placeholder(gm, "logits_idx")
-    ctx.inputs["logits_idx"] = idx
     with gm.graph.inserting_before(head):
         picked = gm.graph.call_function(torch.ops.aten.index_select.default, (head.args[0], 1, idx))
     head.replace_input_with(head.args[0], picked)
-    finalize(gm)
-    return TransformInfo("gather_logits", Stage.PATTERN, 1)
+    return Done(1)

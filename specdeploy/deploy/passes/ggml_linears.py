@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from specdeploy.deploy.graph import attr_tensor, finalize, split_fused_output
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.graph import attr_tensor, split_fused_output
 from specdeploy.deploy.passes.pack_linears import pack_fits, packable, packed_linear_fn
-from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
+from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops.ggml_linear import (
     GGMLWeight,
     concat_rows,
@@ -77,21 +78,22 @@ def _same_values(w: torch.Tensor, gw: GGMLWeight) -> bool:
     return torch.equal(ggml_linear(unit, gw), w.detach()[:, cols].t())
 
 
-@register("ggml_linears", Stage.COMPILE)
-def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
-    def skip(why: str) -> TransformInfo:
-        return TransformInfo("ggml_linears", Stage.COMPILE, 0, skipped=True, detail=why)
+def _not_here(ctx: DeployContext) -> str | None:
+    if ctx.compile:
+        return "compile=True"
+    if ctx.device.type != "cpu":
+        return f"CPU kernels; device is {ctx.device}"
+    return None
 
+
+@register("ggml_linears", Stage.OPTIMIZE, skip_if=_not_here)
+def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     weights = _weight_map(ctx) if ctx.model is not None else {}
     if not weights:
-        return skip("no GGUF Q4_0 / Q4_1 / Q8_0 weights")
-    if ctx.compile:
-        return skip("compile=True")
-    if ctx.device.type != "cpu":
-        return skip(f"CPU kernels; device is {ctx.device}")
+        return Skipped("no GGUF Q4_0 / Q4_1 / Q8_0 weights")
     why = kernel_unavailable()
     if why:
-        return skip(f"kernel unavailable: {why}")
+        return Skipped(f"kernel unavailable: {why}")
     # linears on blocks, grouped by their input (one kernel call per group)
     groups: dict[fx.Node, list[tuple[fx.Node, GGMLWeight]]] = {}
     stale = 0
@@ -128,13 +130,10 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
         _replace(gm, members, [fallback_of[node] for node, _ in members])
     n_nodes = len(fallback_of)
     stored = sum(gw.blocks.nbytes for members in todo for _, gw in members)
-    finalize(gm)
-    return TransformInfo("ggml_linears", Stage.COMPILE, n_nodes,
-                         detail=f"{n_nodes} linears on {stored / 2**20:.0f} MiB of "
-                                f"blocks (<= {MAX_ROWS} rows); fp32 above, oneDNN-packed copies "
-                                f"+{sum(packed.values()) / 2**20:.0f} MiB"
-                                + (f"; {stale} weights changed since loading left fp32"
-                                   if stale else ""))
+    return Done(n_nodes, f"{n_nodes} linears on {stored / 2**20:.0f} MiB of blocks (<= "
+                         f"{MAX_ROWS} rows); fp32 above, oneDNN-packed copies "
+                         f"+{sum(packed.values()) / 2**20:.0f} MiB"
+                         + (f"; {stale} weights changed since loading left fp32" if stale else ""))
 
 
 def _bias(node: fx.Node):

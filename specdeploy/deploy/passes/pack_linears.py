@@ -27,8 +27,9 @@ import os
 import torch
 from torch import fx
 
-from specdeploy.deploy.graph import attr_tensor, finalize
-from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.graph import attr_tensor
+from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 
 _LINEAR = torch.ops.aten.linear.default
 SKINNY_ROWS = 4  # up to here W @ x^T; above, the oneDNN-packed weight
@@ -82,14 +83,11 @@ def packable(w: torch.Tensor | None) -> bool:
             and w.dim() == 2 and not w.requires_grad and w.numel() >= MIN_ELEMENTS)
 
 
-@register("pack_linear_weights", Stage.COMPILE)
-def pack_linear_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
-    if ctx.compile:
-        return TransformInfo("pack_linear_weights", Stage.COMPILE, 0, skipped=True,
-                             detail="compile=True: inductor packs weights itself")
+@register("pack_linear_weights", Stage.OPTIMIZE, skip_if=lambda ctx: (
+    "compile=True: inductor packs weights itself" if ctx.compile else None))
+def pack_linear_weights(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     if not torch.backends.mkldnn.is_available():
-        return TransformInfo("pack_linear_weights", Stage.COMPILE, 0, skipped=True,
-                             detail="this torch has no oneDNN")
+        return Skipped("this torch has no oneDNN")
     n, cache, todo = 0, {}, []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _LINEAR:
@@ -116,11 +114,10 @@ def pack_linear_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         n += 1
-    finalize(gm)
     detail = (f"{len(cache)} fp32 weights; oneDNN-packed copies +{extra / 2**20:.0f} MiB" if pack
               else f"{len(cache)} fp32 weights; not packed (+{extra / 2**20:.0f} MiB would be "
                    f"over a quarter of memory): skinny inputs only")
-    return TransformInfo("pack_linear_weights", Stage.COMPILE, n, detail=detail)
+    return Done(n, detail)
 
 
 def pack_fits(extra_bytes: int) -> bool:

@@ -20,8 +20,9 @@ import torch
 from torch import fx, nn
 
 import specdeploy.ops.quant_linear  # noqa: F401  (registers torch.ops.specdeploy.int8_linear)
-from specdeploy.deploy.graph import finalize, nodes_calling
-from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.graph import nodes_calling
+from specdeploy.deploy.pipeline import Done, Stage, register
 from specdeploy.ops.quant_linear import quantize_int8
 
 DRAFTER_NAMESPACE = "eagle_drafter"
@@ -58,11 +59,9 @@ def _linear_weight_use(node: fx.Node, weight: fx.Node) -> bool:
             and weight not in node.args[2:])
 
 
-@register("quantize_int8_weights", Stage.QUANTIZE)
-def quantize_int8_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
-    name = "quantize_int8_weights"
-    if ctx.quantize is None:
-        return TransformInfo(name, Stage.QUANTIZE, 0, skipped=True, detail="quantize=None")
+@register("quantize_int8_weights", Stage.QUANTIZE,
+          skip_if=lambda ctx: None if ctx.quantize else "quantize=None")
+def quantize_int8_weights(gm: fx.GraphModule, ctx: DeployContext) -> Done:
     if ctx.quantize not in METHODS:
         raise ValueError(f"quantize: unsupported method {ctx.quantize!r}; use one of {METHODS}")
     # parameter object → every get_attr node reading it (tied weights may have several names)
@@ -112,11 +111,10 @@ def quantize_int8_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformIn
             a_mod, _, a_leaf = a.target.rpartition(".")
             (gm.get_submodule(a_mod) if a_mod else gm)._parameters.pop(a_leaf, None)
         saved += param.numel() * param.element_size() - q.weight.numel() - q.scale.numel() * 4
-    finalize(gm)
     detail = f"int8 weight-only, saved {saved / 2**20:.2f} MiB"
     if excluded:
         detail += f"; excluded {len(excluded)} ({', '.join(sorted(excluded)[:3])}"
         detail += ", ...)" if len(excluded) > 3 else ")"
     if shared:
         detail += f"; kept {len(shared)} shared with non-linear uses"
-    return TransformInfo(name, Stage.QUANTIZE, n, detail=detail)
+    return Done(n, detail, bytes_saved=saved)

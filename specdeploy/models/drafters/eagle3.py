@@ -32,7 +32,7 @@ from torch import nn
 from specdeploy.checkpoint import CheckpointError, CheckpointReader
 from specdeploy.checkpoint.tiny import write_checkpoint
 from specdeploy.loading import assign_params, resolve_dtype
-from specdeploy.models.drafters import DraftOutput
+from specdeploy.models.drafters import Drafter, DraftOutput
 from specdeploy.models.layers import MLP, RMSNorm, RopeConfig, RotaryEmbedding
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3",)
@@ -127,9 +127,10 @@ class Eagle3MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Drafter(nn.Module):
-    """One-layer EAGLE-3 head. `embed_tokens` (the target's) serves `embed()` only and is not
-    registered; `own_embedding=True` (default when none is passed) gives the drafter its own."""
+class Eagle3Drafter(Drafter):
+    """One-layer EAGLE-3 head. `embed_tokens` (the target's) serves `embed()` only and is
+    borrowed, not registered; `own_embedding=True` (default when none is passed) gives the
+    drafter its own."""
 
     def __init__(self, cfg: Eagle3Config, embed_tokens: nn.Module | None = None,
                  own_embedding: bool | None = None):
@@ -138,7 +139,7 @@ class Eagle3Drafter(nn.Module):
         if own_embedding if own_embedding is not None else embed_tokens is None:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         else:
-            self.__dict__["_shared_embed"] = embed_tokens  # NOTE: plain attribute, not a submodule
+            self.borrow(embed_tokens=embed_tokens)
         if cfg.use_aux_hidden_state:
             self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3MidLayer(cfg)
@@ -152,13 +153,20 @@ class Eagle3Drafter(nn.Module):
         self.rotary_emb.init_buffers()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        emb = self.__dict__.get("_shared_embed") or self._modules.get("embed_tokens")
+        emb = self._modules.get("embed_tokens") or self.borrowed.get("embed_tokens")
         if emb is None:
             raise RuntimeError("EAGLE-3 drafter has no embedding: pass the target's embed_tokens")
         return emb(input_ids)
 
+    def project(self, captured: torch.Tensor) -> torch.Tensor:
+        """The captured low/middle/high target features [N, 3*Ht] → fc → [N, H]."""
+        fc = self._modules.get("fc")
+        if fc is not None and captured.shape[-1] == fc.in_features:
+            return fc(captured.to(fc.weight.dtype))
+        return captured.to(self.dtype)
+
     def forward(self, hidden_states: torch.Tensor, input_embeds: torch.Tensor,
-                position_ids: torch.Tensor) -> DraftOutput:
+                position_ids: torch.Tensor, step: int = 0) -> DraftOutput:
         """hidden_states [B,T,3*Ht] (captured target features) or [B,T,H] (own previous hidden);
         input_embeds [B,T,H]; position_ids [B,T] → DraftOutput(pre-norm hidden [B,T,H],
         draft logits [B,T,Vd])."""
@@ -181,6 +189,14 @@ class Eagle3Drafter(nn.Module):
         ids = torch.arange(self.cfg.draft_vocab_size, device=logits.device) + self.d2t
         out = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))
         return out.index_copy(-1, ids, logits)
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high captured layers (vLLM / EAGLE / SpecForge default), as
+    *input* layer ids; the one definition training and deployment share."""
+    if num_layers >= 7:
+        return (2, num_layers // 2, num_layers - 3)
+    return (0, num_layers // 2, num_layers - 1)
 
 
 def checkpoint_to_params(reader: CheckpointReader, cfg: Eagle3Config) -> dict:

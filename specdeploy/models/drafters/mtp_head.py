@@ -22,30 +22,29 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdeploy.checkpoint import CheckpointError, CheckpointReader
 from specdeploy.checkpoint.tiny import write_checkpoint
 from specdeploy.loading import assign_params, resolve_dtype
 from specdeploy.models import llama
-from specdeploy.models.drafters import DraftOutput
+from specdeploy.models.drafters import Drafter, DraftOutput
 from specdeploy.models.layers import RMSNorm, RotaryEmbedding
 
 ARCHITECTURES = ("LlamaMTPHead",)
 PREFIX = "mtp."
 
 
-class MTPHead(nn.Module):
+class MTPHead(Drafter):
     """`forward(hidden_states[B,T,H], input_embeds[B,T,H], position_ids[B,T]) -> DraftOutput`.
 
-    `embed_tokens` / `lm_head`: the target's modules, held in a tuple so they are not registered.
+    `embed_tokens` / `lm_head`: the target's modules, borrowed (not registered).
     """
 
     def __init__(self, cfg: llama.Config, embed_tokens: nn.Module, lm_head: nn.Module):
         super().__init__()
         self.cfg = cfg
-        self._shared = (embed_tokens, lm_head)
+        self.borrow(embed_tokens=embed_tokens, lm_head=lm_head)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, eps)
@@ -63,16 +62,14 @@ class MTPHead(nn.Module):
     def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
         """Draft over these target ids only (sorted): a copy of their LM-head rows."""
         ids = torch.as_tensor(draft_ids, dtype=torch.long).sort().values
-        w = self._shared[1].weight.detach()[ids.to(self._shared[1].weight.device)].clone()
+        head = self.borrowed.pop("lm_head")  # NOTE: its rows are copied; it is not read after
+        w = head.weight.detach()[ids.to(head.weight.device)].clone()
         self.draft_head = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device,
                                     dtype=w.dtype)
         with torch.no_grad():
             self.draft_head.weight.copy_(w)
         self.draft_head.requires_grad_(False)
         self.d2t = ids - torch.arange(ids.shape[0])
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self._shared[0].weight)
 
     def fuse(self, hidden_states: torch.Tensor, input_embeds: torch.Tensor) -> torch.Tensor:
         x = torch.cat((self.pre_fc_norm_embedding(input_embeds.to(hidden_states.dtype)),
@@ -89,7 +86,7 @@ class MTPHead(nn.Module):
         hidden = self.norm(x)
         if self.draft_head is not None:  # logits over the draft vocab (map with d2t)
             return DraftOutput(hidden, self.draft_head(hidden))
-        return DraftOutput(hidden, F.linear(hidden, self._shared[1].weight))
+        return DraftOutput(hidden, self.output_logits(hidden))
 
 
 def _target_parts(target: nn.Module) -> tuple[llama.Config, nn.Module, nn.Module]:

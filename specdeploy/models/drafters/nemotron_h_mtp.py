@@ -15,13 +15,17 @@ k % num_nextn_predict_layers (DeepSeek-style depth).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from specdeploy.models.drafters import DraftOutput
+from specdeploy.models.drafters import Drafter, DraftOutput
 from specdeploy.models.layers import RMSNorm
-from specdeploy.models.nemotron_h import Config
 from specdeploy.models.nemotron_h_blocks import Block
+
+if TYPE_CHECKING:
+    from specdeploy.models.nemotron_h import Config
 
 
 class MTPLayer(Block):
@@ -35,10 +39,10 @@ class MTPLayer(Block):
             self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.eps)
 
 
-class MTP(nn.Module):
+class MTP(Drafter):
     """`forward(hidden_states[B,T,H], input_embeds[B,T,H], position_ids, step=0) -> DraftOutput`.
 
-    `embed_tokens` / `lm_head` are the target's modules, kept out of this module's parameters.
+    `embed_tokens` / `lm_head` are the target's modules, borrowed (not this module's parameters).
     """
 
     def __init__(self, cfg: Config, embed_tokens: nn.Module, lm_head: nn.Module):
@@ -50,10 +54,8 @@ class MTP(nn.Module):
         self.layers = nn.ModuleList(
             MTPLayer(cfg, kinds[i % n], first=i % n == 0, last=i % n == n - 1)
             for i in range(cfg.num_nextn_predict_layers * n))
-        self._shared = (embed_tokens, lm_head)  # a tuple: not registered as submodules
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._shared[0](input_ids)
+        self.borrow(embed_tokens=embed_tokens, lm_head=lm_head)
+        self.d2t = None
 
     def forward(self, hidden_states: torch.Tensor, input_embeds: torch.Tensor,
                 position_ids: torch.Tensor | None = None, step: int = 0) -> DraftOutput:
@@ -65,4 +67,4 @@ class MTP(nn.Module):
         for layer in group:
             x = layer(x)
         hidden = group[-1].final_layernorm(x)
-        return DraftOutput(hidden, self._shared[1](hidden))
+        return DraftOutput(hidden, self.output_logits(hidden))

@@ -15,26 +15,26 @@ Checked against vLLM `qwen3_5_mtp.py` / `qwen3_next_mtp.py` and SGLang `qwen3_ne
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from specdeploy.models.drafters import DraftOutput
+from specdeploy.models.drafters import Drafter, DraftOutput
 from specdeploy.models.layers import RMSNorm
 from specdeploy.models.qwen3_5_blocks import Config, DecoderLayer
 from specdeploy.ops import rope_cos_sin
 
 
-class MTP(nn.Module):
+class MTP(Drafter):
     """`forward(hidden_states[B,T,H], input_embeds[B,T,H], position_ids[B,T]) -> DraftOutput`.
 
-    `embed_tokens` / `lm_head` are the target's modules (anything with `.weight` [V, H]); they are
-    held outside the module tree so they are not this drafter's parameters.
+    `embed_tokens` / `lm_head` are the target's modules (anything with `.weight` [V, H]),
+    borrowed: outside the module tree, so not this drafter's parameters.
     """
 
     def __init__(self, cfg: Config, embed_tokens: nn.Module, lm_head: nn.Module):
         super().__init__()
         self.cfg = cfg
-        self._shared = (embed_tokens, lm_head)  # a tuple: not registered as submodules
+        self.borrow(embed_tokens=embed_tokens, lm_head=lm_head)
+        self.d2t = None
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, eps)
@@ -46,9 +46,6 @@ class MTP(nn.Module):
 
     def init_buffers(self) -> None:
         self.inv_freq = self.cfg.rope_inv_freq()  # computed, never stored in checkpoints
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self._shared[0].weight)
 
     def forward(
         self,
@@ -67,4 +64,4 @@ class MTP(nn.Module):
         )
         x = self.layers[step % len(self.layers)](self.fc(x), cos, sin)
         hidden = self.norm(x)
-        return DraftOutput(hidden, F.linear(hidden, self._shared[1].weight))
+        return DraftOutput(hidden, self.output_logits(hidden))

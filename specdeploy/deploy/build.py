@@ -1,0 +1,185 @@
+"""`build`: the one way to turn a checkpoint into a deployment (LLM, CLI, server, benches, tests).
+
+    checkpoint ─► load plain model ─► [drafter program, deploy/spec.py]
+               ─► export + run_pipeline (target, then drafter: the same `_transform`)
+               ─► one cache plan for both ─► allocate ─► GraphDeployed | SpecDeployed
+
+`backend="eager"` returns the uncached reference runner instead (deploy/eager.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from specdeploy.cache.handlers import PagedKV
+from specdeploy.cache.plan import CachePlan, plan_cache
+from specdeploy.config import SpecConfig
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.eager import EagerDeployed, eager_layout
+from specdeploy.deploy.export import export_model
+from specdeploy.deploy.graph import placeholders
+from specdeploy.deploy.pipeline import PipelineResult, run_pipeline
+from specdeploy.deploy.runner import GraphDeployed
+from specdeploy.deploy.spec import SpecDeployed, prepare_drafter
+
+BACKENDS = ("graph", "eager")
+QUANTIZE_METHODS = (None, "int8")
+Deployed = GraphDeployed | SpecDeployed | EagerDeployed
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How to deploy. `quantize="int8"` makes linear weights int8 (weight-only);
+    `quant_exclude` replaces the default exclusion globs of the target (deploy/passes/quantize);
+    `disabled` names transforms to skip (A/B runs)."""
+
+    dtype: str | torch.dtype = "auto"
+    max_batch_size: int = 16
+    max_seq_len: int = 2048
+    page_size: int = 16
+    max_cache_gib: float | None = None
+    spec: SpecConfig | None = None
+    compile: bool = False
+    quantize: str | None = None
+    quant_exclude: tuple[str, ...] | None = None
+    disabled: frozenset[str] = frozenset()
+    backend: str = "graph"
+
+    def __post_init__(self):
+        for name in ("max_batch_size", "max_seq_len", "page_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {v!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got "
+                             f"{self.backend!r}")
+        if self.max_cache_gib is not None and not self.max_cache_gib > 0:
+            raise ValueError(f"max_cache_gib: must be > 0, got {self.max_cache_gib!r}")
+        if self.quantize not in QUANTIZE_METHODS:
+            raise ValueError(f"quantize: must be None or 'int8', got {self.quantize!r}")
+        if isinstance(self.spec, dict):
+            object.__setattr__(self, "spec", SpecConfig(**self.spec))
+        if self.backend != "graph" and (self.quantize or self.compile or self.spec):
+            raise ValueError("backend: quantize, compile and spec need the graph backend")
+        object.__setattr__(self, "disabled", frozenset(self.disabled))
+        if self.quant_exclude is not None:
+            object.__setattr__(self, "quant_exclude", tuple(self.quant_exclude))
+
+
+def build(model_path: str | os.PathLike | None = None, options: BuildOptions | None = None, *,
+          model: nn.Module | None = None, **overrides) -> Deployed:
+    """Load (unless `model`, a plain model, is given), export, transform and allocate.
+    `model_path=None` is the embedded default model. Options come as a `BuildOptions`, as
+    keyword overrides of it, or both."""
+    opts = dataclasses.replace(options or BuildOptions(), **overrides)
+    if opts.backend == "eager":
+        return _eager(model_path, opts)
+    from specdeploy.loading import load_model, resolve_dtype
+
+    t0 = time.perf_counter()
+    spec = opts.spec
+    if model is None:
+        own_mtp = (spec is not None and spec.method == "mtp" and spec.draft_model is None
+                   and _declares_mtp(model_path))
+        model = load_model(model_path, dtype=opts.dtype, with_mtp=own_mtp)
+    dtype = resolve_dtype(opts.dtype)
+    common = dict(page_size=opts.page_size, max_batch_size=opts.max_batch_size,
+                  max_seq_len=opts.max_seq_len, max_cache_gib=opts.max_cache_gib,
+                  compile=opts.compile, disabled=opts.disabled)
+    drafter = None if spec is None else prepare_drafter(model, spec, dtype, opts.quantize)
+    target_ctx = DeployContext(
+        model, dtype=dtype, quantize=opts.quantize,
+        capture_layers=drafter.capture_layers if drafter else (),
+        spec_steps=spec.max_draft_tokens + 1 if spec else 0,
+        **({} if opts.quant_exclude is None else {"quant_exclude": opts.quant_exclude}),
+        **common)
+    programs = [(model, target_ctx, None)]
+    if drafter is not None:
+        draft_ctx = DeployContext(
+            drafter.step, dtype=drafter.dtype, quantize=drafter.quantize,
+            resource_prefix="draft_", **common,
+            **({} if drafter.quant_exclude is None else {"quant_exclude": drafter.quant_exclude}))
+        programs.append((drafter.step, draft_ctx, model.cfg.hidden_size))
+    transformed = [(_transform(m, ctx, hidden), ctx) for m, ctx, hidden in programs]
+    plan = plan_cache([h for (_, res), _ in transformed for h in res.resources], opts.page_size,
+                      opts.max_batch_size, opts.max_seq_len, opts.max_cache_gib,
+                      target_ctx.device)
+    hf_config = getattr(model, "hf_config", None) or {}
+    vocab = model.cfg.vocab_size
+    deployed = []
+    for (gm, res), ctx in transformed:
+        allocate(gm, res.resources, plan, ctx.device)
+        # NOTE: the graph owns the weights now; holding the plain model would pin the fp copies
+        # of weights that quantization replaced.
+        deployed.append(GraphDeployed(gm, dataclasses.replace(ctx, model=None), res.infos, plan,
+                                      hf_config, vocab, res.resources, res.program,
+                                      time.perf_counter() - t0))
+    if spec is None:
+        return deployed[0]
+    return SpecDeployed(deployed[0], deployed[1] if drafter else None,
+                        drafter.drafter if drafter else None, spec)
+
+
+def describe(model_path=None, options: BuildOptions | None = None, **overrides) -> str:
+    """The ordered transform list with match counts and skip reasons, then the cache plan."""
+    return build(model_path, options, **overrides).report()
+
+
+def name_inputs(gm: fx.GraphModule) -> None:
+    """Exported placeholders are named after forward's parameters; make that explicit."""
+    for p, want in zip(placeholders(gm), ("input_ids", "position_ids", "hidden")):
+        if p.name != want:
+            p.name = want
+            p.target = want
+    gm.recompile()
+
+
+def _transform(module: nn.Module, ctx: DeployContext, hidden_size: int | None
+               ) -> tuple[fx.GraphModule, PipelineResult]:
+    """Export + the pipeline: the one path every program (target or drafter) takes."""
+    max_tokens = max(2, ctx.max_seq_len * ctx.max_batch_size)
+    gm = export_model(module, max_tokens=max_tokens, hidden_size=hidden_size, dtype=ctx.dtype)
+    name_inputs(gm)
+    return gm, run_pipeline(gm, ctx)
+
+
+def allocate(gm: fx.GraphModule, resources: list, plan: CachePlan, device) -> None:
+    """Register the real cache tensors of `resources` as the graph's buffers."""
+    for h in resources:
+        if isinstance(h, PagedKV):
+            k, v = h.allocate(plan.num_pages, plan.page_size, device)
+            gm.register_buffer(f"{h.name}_k", k, persistent=False)
+            gm.register_buffer(f"{h.name}_v", v, persistent=False)
+        else:
+            gm.register_buffer(h.name, h.allocate(plan.num_slots, device), persistent=False)
+
+
+def _declares_mtp(path) -> bool:
+    """Whether the checkpoint's config declares MTP layers (then missing mtp.* weights are an
+    error naming them); otherwise a head shipped for the target may serve (drafters_registry)."""
+    from specdeploy.checkpoint import open_checkpoint
+    from specdeploy.default_model import default_model_path
+
+    cfg = open_checkpoint(default_model_path() if path is None else path).config
+    cfg = cfg.get("text_config", cfg)
+    return any(int(cfg.get(k) or 0) > 0
+               for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers"))
+
+
+def _eager(model_path, opts: BuildOptions) -> EagerDeployed:
+    from specdeploy.checkpoint import open_checkpoint
+    from specdeploy.default_model import default_model_path
+    from specdeploy.loading import load_model_from_reader
+
+    reader = open_checkpoint(default_model_path() if model_path is None else model_path)
+    model = load_model_from_reader(reader, opts.dtype)
+    cfg = reader.config.get("text_config", reader.config)
+    vocab = int(cfg.get("vocab_size") or model.get_output_embeddings().out_features)
+    layout = eager_layout(cfg, opts.max_batch_size, opts.max_seq_len, opts.page_size,
+                          opts.max_cache_gib, next(model.parameters()).element_size())
+    return EagerDeployed(model, vocab, opts.max_seq_len, reader.config, layout)

@@ -1,0 +1,174 @@
+"""Draft sources: what proposes the drafts that the next step verifies.
+
+After each step the engine hands every sequence that advanced to its source as a `DraftWork`
+(the positions it fed, the tokens that follow them, its rows in the captured hidden states, and
+whether it decodes next and so wants drafts). A source sets `seq.spec.drafts` (and, for sampled
+requests, `seq.spec.draft_probs`: the q each draft was drawn from) of the sequences that want
+them; a sequence left without drafts decodes plainly.
+
+- `ModelDrafter` (EAGLE-3 / MTP): the drafter catches up on the newly committed positions with
+  the target's captured hidden states, then chains single-token steps on its own hidden state;
+  with n-gram lookup on, a sequence whose tail occurred before takes the rest from there.
+- `LookupDrafter` (`method="ngram"`): lookup only.
+- `FixedDrafter`: drafts from a function (tests, benches), with one-hot q for sampled requests.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+import torch
+
+from specdeploy.cache.metadata import Segment, build_metadata
+from specdeploy.engine.lookup import Lookup
+from specdeploy.engine.request import Sequence
+
+
+class DraftWork(NamedTuple):
+    seq: Sequence
+    start: int  # first position fed this step
+    next_ids: list[int]  # the token after each fed position (all committed)
+    rows: tuple[int, int]  # its rows in the step's captured hidden states
+    wants: bool  # decodes next step: wants drafts
+
+
+class DraftSource(Protocol):
+    def propose(self, work: list[DraftWork], captured: torch.Tensor | None) -> None: ...
+
+
+class LookupDrafter:
+    """N-gram lookup drafts only; a sequence with no match decodes plainly (`undrafted`)."""
+
+    def __init__(self, lookup: Lookup | None, vocab_size: int, device, stats):
+        self.lookup, self.vocab_size, self.device, self.stats = lookup, vocab_size, device, stats
+
+    def propose(self, work: list[DraftWork], captured: torch.Tensor | None) -> None:
+        for w in work:
+            if w.wants and (self.lookup is None or not self.lookup.complete(
+                    w.seq, w.seq.all_ids, self.vocab_size, self.device)):
+                self.stats.undrafted_steps += 1
+
+
+class FixedDrafter:
+    """`fn(seq, max_drafts) -> list[int]` proposes. `inner` (the deployment's own source) runs
+    first so a drafter's KV stays current; its drafts are then replaced. The drafts are
+    deterministic, so q is one-hot for sampled requests."""
+
+    def __init__(self, fn: Callable[[Sequence, int], list[int]], max_drafts: int, vocab_size: int,
+                 device, stats, inner: DraftSource | None = None):
+        self.fn, self.max_drafts, self.vocab_size, self.device = fn, max_drafts, vocab_size, device
+        self.stats, self.inner = stats, inner
+
+    def propose(self, work: list[DraftWork], captured: torch.Tensor | None) -> None:
+        if self.inner is not None:
+            undrafted = self.stats.undrafted_steps  # the inner source's drafts do not count
+            self.inner.propose(work, captured)
+            self.stats.undrafted_steps = undrafted
+        for w in work:
+            if not w.wants:
+                continue
+            st = w.seq.spec
+            st.clear()
+            st.drafts = [int(t) for t in self.fn(w.seq, self.max_drafts)][:self.max_drafts]
+            if st.drafts and not w.seq.params.greedy:
+                n = len(st.drafts)
+                q = torch.zeros(n, self.vocab_size, device=self.device)
+                q[torch.arange(n), torch.tensor(st.drafts)] = 1.0
+                st.draft_probs = q
+
+
+class ModelDrafter:
+    """EAGLE-3 / MTP drafts from the deployed drafter program (`SpecDeployed.draft_forward`).
+
+    `min_prob` > 0 stops a sequence's chain at the first draft whose chain probability (the
+    product of the drafter's top probabilities so far: its own estimate that every draft up to
+    there is accepted) falls below it; that draft is dropped. Lossless: the stop reads only the
+    drafter's outputs, and the target verifies whatever was drafted."""
+
+    def __init__(self, deployed, k: int, lookup: Lookup | None, min_prob: float, stats,
+                 generator: torch.Generator):
+        self.d, self.k, self.lookup, self.min_prob = deployed, k, lookup, min_prob
+        self.stats, self.generator = stats, generator
+        self.device = deployed.device
+
+    def propose(self, work: list[DraftWork], captured: torch.Tensor | None) -> None:
+        if not work:
+            return
+        d = self.d
+        rows = torch.cat([torch.arange(a, b) for *_, (a, b), _ in work]).to(captured.device)
+        segs = [Segment(w.next_ids, w.start, w.seq.pages, w.seq.slot, int(w.wants))
+                for w in work]
+        if not any(s.num_logits for s in segs):
+            segs[-1].num_logits = 1
+        # the catch-up: every committed position enters the drafter's KV
+        out = d.draft_forward(build_metadata(segs).to(self.device), d.project(captured[rows]))
+        drafting = [(w.seq, w.start + len(w.next_ids)) for w in work if w.wants]
+        logits, h = out.logits[:len(drafting)], out.hidden[:len(drafting)]
+        committed = {id(seq): seq.all_ids for seq, _ in drafting} if self.lookup else {}
+        for step in range(self.k):
+            if self.lookup is not None:
+                # NOTE: a sequence that takes the rest of its drafts from lookup leaves the
+                # drafter; the catch-up above ran for it anyway (its KV must hold every
+                # committed position), its later steps would only write positions that the next
+                # catch-up overwrites.
+                keep = [i for i, (seq, _) in enumerate(drafting) if not self.lookup.complete(
+                    seq, committed[id(seq)], d.vocab_size, self.device)]
+                if len(keep) < len(drafting):
+                    drafting, logits, h = self._keep(drafting, keep, logits, h)
+            if not drafting:
+                break
+            going = self._draft(drafting, logits, step)  # the drafter forward's one host sync
+            if not all(going):
+                # NOTE: a sequence left without drafts decodes plainly next step
+                self.stats.undrafted_steps += sum(not seq.spec.drafts for seq, _ in drafting)
+                drafting, logits, h = self._keep(
+                    drafting, [i for i, ok in enumerate(going) if ok], logits, h)
+            if step == self.k - 1 or not drafting:
+                break
+            segs = [Segment([seq.spec.drafts[-1]], pos + step, seq.pages, seq.slot, 1)
+                    for seq, pos in drafting]
+            out = d.draft_forward(build_metadata(segs).to(self.device), h)
+            logits, h = out.logits, out.hidden
+
+    @staticmethod
+    def _keep(drafting, keep: list[int], logits, h):
+        idx = torch.tensor(keep, dtype=torch.long, device=logits.device)
+        return [drafting[i] for i in keep], logits[idx], h[idx]
+
+    def _draft(self, drafting, logits: torch.Tensor, step: int) -> list[bool]:
+        """Append each sequence's next draft (target ids; for sampled requests drawn from the
+        drafter's q, kept as q over the target vocabulary). Returns whether each chain goes on
+        (`min_prob`); a chain that stops does not take this step's draft."""
+        d = self.d
+        ids = d.to_target(logits.argmax(-1))
+        sampled = [i for i, (seq, _) in enumerate(drafting) if not seq.params.greedy]
+        q = None
+        if sampled:
+            temp = torch.tensor([drafting[i][0].params.temperature for i in sampled],
+                                device=logits.device)
+            q = d.target_probs((logits[sampled].float() / temp[:, None]).softmax(-1))
+            noise = torch.empty_like(q)
+            for r, i in enumerate(sampled):
+                g = drafting[i][0].generator
+                noise[r].exponential_(generator=g if g is not None else self.generator)
+            ids = ids.index_copy(0, torch.tensor(sampled, device=ids.device),
+                                 (q / noise).argmax(-1))
+        host = [ids.double()]
+        if self.min_prob:
+            host.append(logits.float().softmax(-1).amax(-1).double())
+        host = torch.stack(host).tolist()
+        going = [True] * len(drafting)
+        q_row = {i: r for r, i in enumerate(sampled)}
+        for i, (seq, _) in enumerate(drafting):
+            st = seq.spec
+            if self.min_prob:
+                st.chain_prob = host[1][i] * (st.chain_prob if step else 1.0)
+                going[i] = st.chain_prob >= self.min_prob
+                if not going[i]:
+                    continue
+            st.drafts.append(int(host[0][i]))
+            if i in q_row:
+                row = q[q_row[i]][None]
+                st.draft_probs = row if st.draft_probs is None else torch.cat((st.draft_probs,
+                                                                                 row))
+        return going

@@ -1,0 +1,118 @@
+"""Verification of a step's drafts against the target, for the whole batch at once.
+
+`verify(target_logits [S, K+1, V], drafts, sampling) -> (num_accepted [S], next_token [S])`:
+- greedy rows: the longest prefix of drafts equal to the target's argmax, then the target's
+  argmax after it (the bonus token);
+- sampled rows: speculative rejection sampling. Draft i is accepted with probability
+  min(1, p(d_i) / q(d_i)); at the first rejection the next token is drawn from
+  norm(max(0, p - q)) (p itself if that is empty), after a fully accepted run from p at K+1. The
+  emitted tokens are then distributed exactly as sampling from p one token at a time.
+A row with no drafts is an ordinary sample of its one row, drawn as `sampler.sample` draws it.
+
+Vectorized like gpt-fast's accept: no host synchronisation inside; the caller copies the two
+results to the host once per step. Per-request generators draw only their own row's noise (in a
+row's order: K uniforms, then one exponential race over the vocabulary), so a seeded request
+does not depend on its batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdeploy.engine.request import SamplingParams
+from specdeploy.engine.sampler import _filter_top_k_top_p
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """One step's drafts, host tensors: ids [S, K] padded with 0 past each row's length,
+    lengths [S], and probs [S, K, V] (target vocabulary) — the q each draft was drawn from, or
+    None when every row is greedy. K = the longest row (0: nothing drafted). `counts`: the
+    lengths as Python ints, for the per-row control flow."""
+
+    ids: torch.Tensor
+    lengths: torch.Tensor
+    probs: torch.Tensor | None = None
+    counts: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.counts:
+            object.__setattr__(self, "counts", tuple(self.lengths.tolist()))
+
+    @staticmethod
+    def of(drafts: list[list[int]], probs: list[torch.Tensor | None] | None = None,
+           vocab_size: int = 0) -> Drafts:
+        """From per-row draft lists (and per-row q [len, V] or None for greedy rows)."""
+        k = max((len(d) for d in drafts), default=0)
+        ids = torch.zeros(len(drafts), k, dtype=torch.long)
+        for i, d in enumerate(drafts):
+            ids[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+        counts = tuple(len(d) for d in drafts)
+        lengths = torch.tensor(counts, dtype=torch.long)
+        q = None
+        if probs is not None and any(p is not None for p in probs):
+            dev = next(p.device for p in probs if p is not None)
+            q = torch.zeros(len(drafts), k, vocab_size, device=dev)
+            for i, p in enumerate(probs):
+                if p is not None:
+                    q[i, :p.shape[0]] = p
+        return Drafts(ids, lengths, q, counts)
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [S, R, V] → the distributions `sample` draws from (temperature, top-k, top-p),
+    per row's params; greedy rows get temperature 1 (their probabilities are not used)."""
+    s, r, v = logits.shape
+    dev = logits.device
+    temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+    scaled = (logits.float() / temp[:, None, None]).reshape(s * r, v)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=dev).repeat_interleave(r)
+        top_p = torch.tensor([p.top_p for p in params], device=dev,
+                             dtype=scaled.dtype).repeat_interleave(r)
+        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+    return scaled.softmax(-1).reshape(s, r, v)
+
+
+def verify(target_logits: torch.Tensor, drafts: Drafts, params: list[SamplingParams],
+           generators: list[torch.Generator | None], default: torch.Generator | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_logits [S, K+1, V] (row j: the target after draft j; rows past a row's length
+    are ignored). Returns (num_accepted [S], next_token [S]) on the logits' device."""
+    s, k1, _ = target_logits.shape
+    dev = target_logits.device
+    k = k1 - 1
+    lengths = drafts.lengths.to(dev)
+    ids = drafts.ids[:, :k].to(dev)
+    valid = torch.arange(k, device=dev)[None] < lengths[:, None]
+    target = target_logits.argmax(-1)  # [S, K+1]
+    num = ((ids == target[:, :k]) & valid).cumprod(1).sum(1)
+    bonus = target.gather(1, num[:, None])[:, 0]
+    greedy = [p.greedy for p in params]
+    if all(greedy):
+        return num, bonus
+    p = target_probs(target_logits, params)
+    q = drafts.probs.to(dev) if drafts.probs is not None else p.new_zeros(s, k, p.shape[-1])
+    p_d = p[:, :k].gather(-1, ids[..., None])[..., 0]
+    q_d = q.gather(-1, ids[..., None])[..., 0]
+    u = torch.ones(s, k, device=dev)  # 1: never accepted (padding)
+    noise = torch.empty(s, p.shape[-1], device=dev)
+    for i, (g, n) in enumerate(zip(generators, drafts.counts)):
+        if not greedy[i]:
+            gen = g if g is not None else default
+            u[i, :n].uniform_(generator=gen)
+            noise[i].exponential_(generator=gen)
+    accept = (u < (p_d / q_d.clamp_min(1e-20)).clamp(max=1.0)) & valid
+    num_s = accept.cumprod(1).sum(1)
+    rows = torch.arange(s, device=dev)
+    p_at = p[rows, num_s]
+    rejected = num_s < lengths
+    if k:
+        residual = (p_at - q[rows, num_s.clamp(max=k - 1)]).clamp_min(0)
+        residual = torch.where(rejected[:, None], residual, p_at)
+        empty = residual.sum(-1, keepdim=True) <= 0
+        p_at = torch.where(empty, p_at, residual)
+    drawn = (p_at / noise).argmax(-1)  # the exponential race: a draw from p_at (unnormalized)
+    is_greedy = torch.tensor(greedy, device=dev)
+    return torch.where(is_greedy, num, num_s), torch.where(is_greedy, bonus, drawn)
