@@ -52,6 +52,10 @@ class SpecStats:
         self.max_k = max(self.max_k, self.k)
         self.accepted_per_position = [0] * self.max_k
 
+    def reset(self, max_k: int) -> None:
+        """Fresh counters in place (the draft sources hold this object)."""
+        self.__init__(self.k, max_k)
+
     def as_dict(self) -> dict:
         n = self.draft_steps + self.undrafted_steps
         steps = max(n, 1)
@@ -97,6 +101,7 @@ class SpecEngine(Engine):
         self._draft_min_prob: float = spec.draft_min_prob
         self.scheduler = SpecScheduler(self.blocks, self.scheduler.max_batch_size,
                                        self.scheduler.max_num_tokens)
+        self.spec_stats = SpecStats(self.k)  # reset in place: the draft sources hold it
         max_n = spec.prompt_lookup_max
         self.set_lookup((max_n, spec.prompt_lookup_min) if max_n else None,
                         spec.prompt_lookup_num_tokens)
@@ -119,8 +124,9 @@ class SpecEngine(Engine):
     def _own_source(self) -> DraftSource:
         d = self.deployed
         if d.draft is None:  # method="ngram"
-            return LookupDrafter(self.lookup, d.vocab_size, self.device, self)
-        return ModelDrafter(d, self.k, self.lookup, self._draft_min_prob, self, self.generator)
+            return LookupDrafter(self.lookup, d.vocab_size, self.device, self.spec_stats)
+        return ModelDrafter(d, self.k, self.lookup, self._draft_min_prob, self.spec_stats,
+                            self.generator)
 
     @property
     def draft_min_prob(self) -> float:
@@ -138,18 +144,10 @@ class SpecEngine(Engine):
         own source still runs first, so a drafter's KV stays current); None: back to it."""
         inner = self.own_source if self.deployed.draft is not None else None
         self.source = self.own_source if fn is None else FixedDrafter(
-            fn, self.max_k, self.deployed.vocab_size, self.device, self, inner)
+            fn, self.max_k, self.deployed.vocab_size, self.device, self.spec_stats, inner)
 
     def reset_spec_stats(self) -> None:
-        self.spec_stats = SpecStats(self.k, self.max_k)
-
-    @property
-    def undrafted_steps(self) -> int:  # the draft sources count here
-        return self.spec_stats.undrafted_steps
-
-    @undrafted_steps.setter
-    def undrafted_steps(self, n: int) -> None:
-        self.spec_stats.undrafted_steps = n
+        self.spec_stats.reset(self.max_k)
 
     def stats_dict(self) -> dict:
         return {**super().stats_dict(), **self.spec_stats.as_dict()}
