@@ -7,6 +7,7 @@ landing inside a multi-token run cuts it there).
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -16,9 +17,12 @@ from specdeploy.cache.metadata import Segment, build_metadata
 from specdeploy.deploy.base import DeployedModel, StepOutput
 from specdeploy.engine.detokenizer import IncrementalDetokenizer
 from specdeploy.engine.metrics import EngineStats
+from specdeploy.engine.params_check import check_for_model
 from specdeploy.engine.request import RequestOutput, SamplingParams, Sequence
 from specdeploy.engine.sampler import sample
 from specdeploy.engine.scheduler import BlockManager, ScheduledSeq, Scheduler
+
+log = logging.getLogger("specdeploy.engine")
 
 
 class Engine:
@@ -60,6 +64,7 @@ class Engine:
         vocab = self.deployed.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        check_for_model(params, vocab)
         if request_id is not None and request_id in self._seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         detok = None
@@ -102,8 +107,13 @@ class Engine:
             for sched, tokens in zip(batch, new_tokens):
                 seq = sched.seq
                 seq.num_cached += sched.num_tokens
-                if tokens:
-                    self._append(seq, tokens, now)
+                if seq.finished:  # its sampling failed (`_sample_isolated`)
+                    touched.append(seq)
+                elif tokens:
+                    try:
+                        self._append(seq, tokens, now)
+                    except Exception as e:  # detokenizing / stop checks: fail it alone
+                        self.fail(seq, e)
                     touched.append(seq)
             self._count_step(meta.num_tokens, len(batch))
         return self._emit(touched, t0)
@@ -140,12 +150,32 @@ class Engine:
         # `_segments`, only exists when nothing samples).
         logits = out.logits[: len(rows)]
         seqs = [batch[i].seq for i in rows]
-        ids = sample(logits.float(), [s.params for s in seqs], [s.generator for s in seqs],
-                     self.generator).tolist()
+        ids = self._sample_isolated(logits.float(), seqs)
         result: list[list[int]] = [[] for _ in batch]
         for i, t in zip(rows, ids):
-            result[i] = [t]
+            if isinstance(t, Exception):
+                self.fail(batch[i].seq, t)
+            else:
+                result[i] = [t]
         return result
+
+    def _sample_isolated(self, logits: torch.Tensor, seqs: list[Sequence]
+                         ) -> list[int | Exception]:
+        """Sample all rows at once; if that fails, row by row, so a failure is one sequence's
+        (the exception in its place) and the others keep their tokens. Seeded rows draw the
+        same either way (one generator per row)."""
+        try:
+            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                          self.generator).tolist()
+        except Exception:
+            out: list[int | Exception] = []
+            for i, s in enumerate(seqs):
+                try:
+                    out.append(int(sample(logits[i:i + 1], [s.params], [s.generator],
+                                          self.generator)[0]))
+                except Exception as e:
+                    out.append(e)
+            return out
 
     # ---- appending and stopping -----------------------------------------------------------------
     def _append(self, seq: Sequence, tokens: list[int], now: float) -> None:
@@ -180,6 +210,15 @@ class Engine:
                 self._finish(seq, "stop")
                 return True
         return False
+
+    def fail(self, seq: Sequence, exc: BaseException) -> None:
+        """Finish `seq` alone with finish_reason "error" (its pages are freed; the others and
+        the engine's state are untouched). Subclasses call it for their per-sequence work."""
+        log.error("request %s failed", seq.request_id, exc_info=exc)
+        seq.error = f"{type(exc).__name__}: {exc}"
+        if not seq.finished:
+            self._finish(seq, "error")
+        self.stats.num_errors += 1
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
