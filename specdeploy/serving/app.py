@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specdeploy.serving import protocol as P
 from specdeploy.serving.engine_loop import EngineLoop, Handle
@@ -289,6 +290,8 @@ class _Guard:
 
         try:
             await self.app(scope, receive, guarded_send)
+        except ClientDisconnect:  # gone while we read its body: nobody to answer
+            return
         except Exception as e:
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if started:  # mid-stream: nothing valid can follow; the server closes it

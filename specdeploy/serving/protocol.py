@@ -103,16 +103,23 @@ def _check_tree(body: dict) -> None:
             raise bad(None, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, v in items:
-            where = f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]"
-            for text in (k, v) if isinstance(k, str) else (v,):
-                if isinstance(text, str):
-                    try:
-                        text.encode("utf-8")
-                    except UnicodeEncodeError:
-                        raise bad(where.lstrip(".") or None, "contains a lone surrogate "
-                                  "(not valid Unicode text)", "invalid_value") from None
+            if isinstance(k, str) and not _is_text(k):  # name the parent: the key is not text
+                raise bad(path or None, "has a key with a lone surrogate (not valid Unicode "
+                          "text)", "invalid_value")
+            where = f"{path}.{k}".lstrip(".") if isinstance(k, str) else f"{path}[{k}]"
+            if isinstance(v, str) and not _is_text(v):
+                raise bad(where, "contains a lone surrogate (not valid Unicode text)",
+                          "invalid_value")
             if isinstance(v, (dict, list)):
                 stack.append((v, depth + 1, where))
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_int(v: Any) -> bool:
