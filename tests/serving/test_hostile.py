@@ -122,6 +122,11 @@ def test_hostile_round(srv, solo, llm, monkeypatch):
         poison = {**COMP, "temperature": 0.8, "seed": POISON_SEED, "max_tokens": 8}
         r = http.post("/v1/completions", json=poison, headers=AUTH)
         assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+        r = http.post("/v1/chat/completions", headers=AUTH, json={  # streamed: an error event
+            **poison, "prompt": None, "messages": [{"role": "user", "content": "x"}],
+            "stream": True})
+        events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+        assert r.status_code == 200 and "injected" in events[-1]["error"]["message"]
     for t in threads:
         t.join(TIME_BOUND_S)
         assert not t.is_alive(), "a good stream hung"
