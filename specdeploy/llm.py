@@ -106,10 +106,16 @@ class LLM:
         params = list(sp) if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
         ids = self._add_all(prompts, params)
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:  # a failed step must not leave these queued for the next call
+            for rid in ids:
+                self.engine.abort(rid)
+            self.engine.step()
+            raise
         return [done[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -10,6 +10,7 @@ from torch import nn
 from specdeploy.checkpoint import CheckpointError, CheckpointReader, open_checkpoint
 from specdeploy.models.registry import module_for_config
 
+SKIP_FINITE_ENV = "SPECDEPLOY_SKIP_FINITE_CHECK"  # =1: skip the NaN/inf scan (huge checkpoints)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -28,12 +29,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict | None = None
 
 def assign_params(
     model: nn.Module, params: dict[str, Callable[[], torch.Tensor]], dtype: torch.dtype,
-    source: str = "checkpoint",
+    source: str = "checkpoint", check_finite: bool | None = None,
 ) -> None:
     """Materialize `model` (built on the meta device) from lazy tensors, one tensor at a time.
 
-    Errors name the missing tensors or the mismatching tensor with both shapes.
+    Errors name the missing tensors, the mismatching tensor with both shapes, or a floating
+    tensor with NaN/inf values once cast (a corrupt file, or an overflow in the cast): such a
+    model would answer garbage, never an error. `check_finite` None = on unless
+    $SPECDEPLOY_SKIP_FINITE_CHECK=1 (one extra pass over the weights).
     """
+    if check_finite is None:
+        check_finite = os.environ.get(SKIP_FINITE_ENV) != "1"
     expected = dict(model.named_parameters())
     expected.update(_persistent_buffers(model))
     missing = [n for n in expected if n not in params and expected[n].is_meta]
@@ -53,6 +59,10 @@ def assign_params(
             )
         keep_dtype = not want.dtype.is_floating_point
         t = t.to(want.dtype if keep_dtype else dtype)
+        if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has non-finite values (NaN or inf) as {t.dtype}; "
+                f"set {SKIP_FINITE_ENV}=1 to load it anyway")
         _set_tensor(model, name, t, is_param=isinstance(want, nn.Parameter))
 
 

@@ -32,6 +32,10 @@ class CheckpointReader:
             self.config: dict = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg_file}: malformed JSON ({e})") from None
+        # NOTE: imported here: hf_config raises this module's CheckpointError (a cycle)
+        from specdeploy.checkpoint.hf_config import validate_hf_config
+
+        validate_hf_config(self.config, str(self.path))
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{self.path}: no *.safetensors files")

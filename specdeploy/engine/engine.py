@@ -9,6 +9,7 @@ step). `_append` checks stops token by token, so a stop inside a multi-token run
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -18,9 +19,12 @@ from specdeploy.cache.metadata import Segment, build_metadata
 from specdeploy.deploy.base import DeployedModel, StepOutput
 from specdeploy.engine.detokenizer import IncrementalDetokenizer
 from specdeploy.engine.metrics import EngineStats
+from specdeploy.engine.params_check import check_for_model
 from specdeploy.engine.request import RequestOutput, SamplingParams, Sequence
 from specdeploy.engine.sampler import sample
 from specdeploy.engine.scheduler import BlockManager, ScheduledSeq, Scheduler
+
+log = logging.getLogger("specdeploy.engine")
 
 
 class Engine:
@@ -62,6 +66,7 @@ class Engine:
         vocab = self.deployed.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        check_for_model(params, vocab)
         if request_id is not None and request_id in self._seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         detok = None
@@ -103,9 +108,15 @@ class Engine:
             cached = self._commit(batch, segs, tokens)  # commit
             now = time.perf_counter()
             for sched, new in zip(batch, tokens):  # append
-                if new:
-                    self._append(sched.seq, new, now)
-                    touched.append(sched.seq)
+                seq = sched.seq
+                if seq.finished:  # its verification failed (`fail`): it alone
+                    touched.append(seq)
+                elif new:
+                    try:
+                        self._append(seq, new, now)
+                    except Exception as e:  # detokenizing / stop checks: fail it alone
+                        self.fail(seq, e)
+                    touched.append(seq)
             self._after_step(batch, segs, cached, out)  # draft the next step
             self.stats.forward_time_s += time.perf_counter() - tf
             self._count_step(meta.num_tokens, len(batch))
@@ -144,12 +155,32 @@ class Engine:
         # `_segments`, only exists when nothing samples).
         logits = out.logits[: len(rows)]
         seqs = [batch[i].seq for i in rows]
-        ids = sample(logits.float(), [s.params for s in seqs], [s.generator for s in seqs],
-                     self.generator).tolist()
+        ids = self._sample_isolated(logits.float(), seqs)
         result: list[list[int]] = [[] for _ in batch]
         for i, t in zip(rows, ids):
-            result[i] = [t]
+            if isinstance(t, Exception):
+                self.fail(batch[i].seq, t)
+            else:
+                result[i] = [t]
         return result
+
+    def _sample_isolated(self, logits: torch.Tensor, seqs: list[Sequence]
+                         ) -> list[int | Exception]:
+        """Sample all rows at once; if that fails, row by row, so a failure is one sequence's
+        (the exception in its place) and the others keep their tokens. Seeded rows draw the
+        same either way (one generator per row)."""
+        try:
+            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                          self.generator).tolist()
+        except Exception:
+            out: list[int | Exception] = []
+            for i, s in enumerate(seqs):
+                try:
+                    out.append(int(sample(logits[i:i + 1], [s.params], [s.generator],
+                                          self.generator)[0]))
+                except Exception as e:
+                    out.append(e)
+            return out
 
     def _commit(self, batch: list[ScheduledSeq], segs: list[Segment],
                 tokens: list[list[int]]) -> list[int]:
@@ -195,6 +226,15 @@ class Engine:
                 self._finish(seq, "stop")
                 return True
         return False
+
+    def fail(self, seq: Sequence, exc: BaseException) -> None:
+        """Finish `seq` alone with finish_reason "error" (its pages are freed; the others and
+        the engine's state are untouched). Subclasses call it for their per-sequence work."""
+        log.error("request %s failed", seq.request_id, exc_info=exc)
+        seq.error = f"{type(exc).__name__}: {exc}"
+        if not seq.finished:
+            self._finish(seq, "error")
+        self.stats.num_errors += 1
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

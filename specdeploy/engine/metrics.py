@@ -57,6 +57,7 @@ class EngineStats:
     num_requests: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    num_errors: int = 0  # requests finished with "error" (a failure of theirs alone)
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0

@@ -12,6 +12,7 @@ import torch
 
 from specdeploy.engine.detokenizer import IncrementalDetokenizer
 from specdeploy.engine.metrics import RequestMetrics
+from specdeploy.engine.params_check import check_sampling
 
 if TYPE_CHECKING:
     from specdeploy.engine.lookup import NgramIndex
@@ -31,19 +32,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        for name, value in check_sampling(self).items():  # engine/params_check.py: the rules
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
@@ -59,10 +49,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     metrics: RequestMetrics
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # why a request finished with "error" (it alone failed)
 
     @property
     def finished(self) -> bool:
@@ -110,6 +101,7 @@ class Sequence:
         self.pages: list[int] = []
         self.slot = -1
         self.finish_reason: str | None = None
+        self.error: str | None = None  # set with finish_reason "error"
         self.detok = detok
         self.text = ""
         self.generator: torch.Generator | None = None
@@ -148,7 +140,7 @@ class Sequence:
             request_id=self.request_id, prompt_token_ids=self.prompt_ids, text=self.text,
             token_ids=list(self.output_ids), finish_reason=self.finish_reason,
             metrics=self.metrics, delta_text=self.text[self._emitted_text:],
-            delta_token_ids=self.output_ids[self._emitted_tokens:],
+            delta_token_ids=self.output_ids[self._emitted_tokens:], error=self.error,
         )
         self._emitted_tokens = len(self.output_ids)
         self._emitted_text = len(self.text)

@@ -180,14 +180,23 @@ class SpecEngine(Engine):
         index = torch.tensor([rows[i] + rows[i][-1:] * (k1 - len(rows[i])) for i in live],
                              device=out.logits.device)
         seqs = [batch[i].seq for i in live]
-        drafts = Drafts.of([s.spec.drafts for s in seqs], [s.spec.draft_probs for s in seqs],
-                           self.deployed.vocab_size)
-        num, nxt = verify(out.logits[index], drafts, [s.params for s in seqs],
-                          [s.generator for s in seqs], self.generator)
-        num, nxt = torch.stack((num, nxt)).tolist()  # the step's one host synchronisation
+        try:
+            num, nxt = self._verify_rows(out.logits[index], seqs)
+        except Exception:  # one sequence's verification failed: it alone fails
+            num, nxt = [], []
+            for r, seq in enumerate(seqs):
+                try:
+                    (a,), (t,) = self._verify_rows(out.logits[index[r:r + 1]], [seq])
+                except Exception as e:
+                    self.fail(seq, e)
+                    a, t = 0, None
+                num.append(a)
+                nxt.append(t)
         tokens: list[list[int]] = [[] for _ in batch]
         st = self.spec_stats
         for i, seq, a, t in zip(live, seqs, num, nxt):
+            if seq.finished:
+                continue
             drafted = seq.spec.drafts
             tokens[i] = drafted[:a] + [t]
             if segs[i].kind != SEG_EXTEND:
@@ -203,12 +212,22 @@ class SpecEngine(Engine):
                 self.lookup.verified(seq, a, len(drafted))
         return tokens
 
+    def _verify_rows(self, logits: torch.Tensor, seqs: list[Sequence]
+                     ) -> tuple[list[int], list[int]]:
+        drafts = Drafts.of([s.spec.drafts for s in seqs], [s.spec.draft_probs for s in seqs],
+                           self.deployed.vocab_size)
+        num, nxt = verify(logits, drafts, [s.params for s in seqs], [s.generator for s in seqs],
+                          self.generator)
+        return torch.stack((num, nxt)).tolist()  # the step's one host synchronisation
+
     def _commit(self, batch: list[ScheduledSeq], segs: list[Segment],
                 tokens: list[list[int]]) -> list[int]:
         """KV by length; recurrent states of extend segments promoted to the last kept token."""
         cached, slots, idx = [], [], []
         for s, seg, new in zip(batch, segs, tokens):
-            if seg.kind == SEG_EXTEND:  # the last token + the accepted drafts are now cached
+            if s.seq.finished:  # failed in `_verify`: its slot is free, nothing to promote
+                cached.append(0)
+            elif seg.kind == SEG_EXTEND:  # the last token + the accepted drafts are now cached
                 cached.append(len(new))
                 slots.append(s.seq.slot)
                 idx.append(len(new) - 1)
@@ -233,4 +252,13 @@ class SpecEngine(Engine):
                     work.append(DraftWork(seq, start, nxt, (tok, tok + n),
                                           seq.num_cached == len(seq) - 1))
             tok += len(seg.token_ids)
-        self.source.propose(work, out.hidden)
+        try:
+            self.source.propose(work, out.hidden)
+        except Exception:  # one sequence's drafting failed: again one by one, it alone fails
+            for w in work:
+                w.seq.spec.clear()
+                try:
+                    self.source.propose([w], out.hidden)
+                except Exception as e:
+                    w.seq.spec.clear()
+                    self.fail(w.seq, e)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -12,12 +13,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specdeploy.serving import protocol as P
 from specdeploy.serving.engine_loop import EngineLoop, Handle
 from specdeploy.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 MAX_BODY_BYTES = 16 * 2**20
+log = logging.getLogger("specdeploy.serving")
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 
 
@@ -26,37 +29,53 @@ def default_model_name(llm) -> str:
     return p.stem if p.suffix == ".gguf" else p.name
 
 
+def max_token_chars(tokenizer) -> int | None:
+    """The longest vocabulary entry in characters (byte-level / sentencepiece entries spell at
+    least as many characters as they cover); None when the tokenizer does not say."""
+    backend = getattr(tokenizer, "backend", None)
+    try:
+        vocab = backend.get_vocab(with_added_tokens=True)
+    except Exception:  # not a `tokenizers.Tokenizer`: no cheap bound, tokenize and check
+        return None
+    return max(16, max((len(t) for t in vocab), default=0))
+
+
 def create_app(llm, *, model_name: str | None = None, api_key: str | None = None,
-               max_queue: int = 256, drain_timeout: float = 30.0) -> FastAPI:
+               max_queue: int = 256, drain_timeout: float = 30.0,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """Args:
         model_name: the id clients pass as `model` (default: the checkpoint's name).
         api_key: when set, `/v1/*` needs `Authorization: Bearer <api_key>` (else 401).
         max_queue: requests that may wait for a place in the batch beyond it (else 429).
         drain_timeout: seconds shutdown waits for in-flight requests before aborting them.
+        max_body_bytes: larger request bodies get 413, however they are sent (chunked too).
     """
     if max_queue < 0:
         raise ValueError(f"max_queue: must be >= 0, got {max_queue}")
     engine = llm.engine
     blocks = engine.blocks
+    tokenizer = llm.tokenizer
     limits = P.Limits(
         model_name=model_name or default_model_name(llm), max_seq_len=engine.max_seq_len,
         kv_capacity=blocks.num_pages * blocks.page_size - engine.scheduler.lookahead,
-        vocab_size=engine.deployed.vocab_size)
+        vocab_size=engine.deployed.vocab_size, max_token_chars=max_token_chars(tokenizer))
     metrics = ServerMetrics()
     loop = EngineLoop(engine, metrics, max_batch_size=engine.scheduler.max_batch_size,
                       max_queue=max_queue)
-    tokenizer = llm.tokenizer
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop.start()
         yield
-        await asyncio.to_thread(loop.shutdown, drain_timeout)
+        # NOTE: a server that drained already (serving/shutdown.py) left nothing to wait for
+        await asyncio.to_thread(loop.shutdown, drain_timeout if loop.accepting else 0.0)
 
     app = FastAPI(title="specdeploy", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.engine_loop = loop
     app.state.limits = limits
+    app.state.drain_timeout = drain_timeout
+    app.add_middleware(_Guard)
     app.add_middleware(_CountResponses, metrics=metrics)
 
     @app.exception_handler(P.APIError)
@@ -73,11 +92,6 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
     async def _validation_error(request: Request, e: RequestValidationError):
         return JSONResponse(P.bad(None, str(e)).body(), status_code=400)
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception):
-        return JSONResponse(P.APIError(500, f"internal server error: {type(e).__name__}").body(),
-                            status_code=500)
-
     def auth(request: Request) -> None:
         if api_key is None:
             return
@@ -91,6 +105,8 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
     async def health():
         if not loop.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
+        if not loop.accepting:  # a load balancer must stop sending work while we drain
+            return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -107,13 +123,12 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
 
     async def generate(request: Request, parse):
         auth(request)
-        size = request.headers.get("content-length", "0")
-        if size.isdigit() and int(size) > MAX_BODY_BYTES:
-            raise P.APIError(413, f"request body over {MAX_BODY_BYTES} bytes", None,
-                             "request_too_large")
-        body = P.parse_json(await request.body())
-        # NOTE: off the event loop: tokenizing a long prompt must not stall other streams
-        req = await asyncio.to_thread(parse, body, tokenizer, limits)
+        if not loop.accepting:  # before reading the body: nothing will run it
+            raise P.APIError(503, "the server is shutting down", None, "shutting_down")
+        raw = await _read_body(request, max_body_bytes)
+        # NOTE: off the event loop: walking a big body and tokenizing a long prompt must not
+        # stall other streams
+        req = await asyncio.to_thread(lambda: parse(P.parse_json(raw), tokenizer, limits))
         handle = loop.submit(req.prompts, req.params)
         try:
             await handle.accepted()
@@ -135,6 +150,25 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         return await generate(request, P.parse_chat)
 
     return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it passes `limit`, whatever Content-Length says: a
+    chunked body has none, and a lying one must not make us read more."""
+    size = request.headers.get("content-length", "0")
+    if not size.isdigit() or int(size) > limit:
+        raise _too_large(limit) if size.isdigit() else P.bad(None, "invalid Content-Length")
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> P.APIError:
+    return P.APIError(413, f"request body over {limit} bytes", None, "request_too_large")
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -195,7 +229,8 @@ async def _collect(request: Request, req: P.GenerationRequest, handle: Handle, r
                 loop.abort(handle)
                 return Response(status_code=499)  # nobody reads it
             ev = get.result()
-            if ev.error is not None:
+            if ev.error is not None:  # this request's failure alone: stop its other prompts
+                loop.abort(handle)
                 raise P.APIError(500, ev.error)
             if ev.output.finished:
                 done += 1
@@ -227,6 +262,43 @@ class _SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+class _Guard:
+    """Pure ASGI middleware: an unexpected exception becomes a 500 for that request alone.
+
+    Starlette's own handler re-raises after answering, which makes uvicorn drop the keep-alive
+    connection; here the exception stops, so the connection stays usable. A 413 (unread body
+    left on the wire) closes the connection cleanly instead of desyncing it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def guarded_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] == 413:
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"connection", b"close")]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, guarded_send)
+        except ClientDisconnect:  # gone while we read its body: nobody to answer
+            return
+        except Exception as e:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:  # mid-stream: nothing valid can follow; the server closes it
+                raise
+            body = JSONResponse(P.APIError(500, f"internal server error: {type(e).__name__}")
+                                .body(), status_code=500)
+            await body(scope, receive, guarded_send)
 
 
 class _CountResponses:

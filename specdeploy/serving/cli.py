@@ -39,6 +39,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
+    if not args.drain_timeout >= 0:  # NaN too
+        raise ValueError(f"drain-timeout: must be >= 0, got {args.drain_timeout}")
     if args.max_queue < 0:
         raise ValueError(f"max-queue: must be >= 0, got {args.max_queue}")
     if not 0 <= args.port < 65536:
@@ -50,9 +52,8 @@ def cmd_serve(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    import uvicorn
-
     from specdeploy.llm import LLM
+    from specdeploy.serving import shutdown
     from specdeploy.serving.app import create_app
 
     llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
@@ -60,6 +61,5 @@ def cmd_serve(args) -> int:
               backend=args.backend, progress=True, seed=args.seed)
     app = create_app(llm, model_name=args.served_model_name, api_key=args.api_key,
                      max_queue=args.max_queue, drain_timeout=args.drain_timeout)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=None)
+    shutdown.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

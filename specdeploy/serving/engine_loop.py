@@ -119,6 +119,10 @@ class EngineLoop:
         """Abort what is still running of `handle` (idempotent; pages are freed by the engine)."""
         self._command("abort", handle)
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (the end of a drain); each gets finish_reason abort."""
+        self._command("abort_all", None)
+
     def _command(self, *cmd) -> None:
         self._cmds.append(cmd)
         self._wake.set()
@@ -165,6 +169,8 @@ class EngineLoop:
             kind, handle, *args = self._cmds.popleft()
             if kind == "add":
                 self._add(handle, *args)
+            elif kind == "abort_all":
+                self._abort_all()
             else:
                 for rid in handle.ids:
                     if rid in self._routes:
@@ -204,7 +210,9 @@ class EngineLoop:
                 ttft = out.metrics.first_token_time - route.handle.arrival if first else None
                 self.metrics.tokens(n_new, ttft, itls)
                 route.seen_tokens = len(times)
-            self._push(route.handle, Event(route.index, out))
+            # NOTE: "error" is this request's failure alone (engine.fail); the others go on
+            err = f"request failed: {out.error}" if out.finish_reason == "error" else None
+            self._push(route.handle, Event(route.index, out, error=err))
             if out.finished:
                 del self._routes[out.request_id]
                 route.handle.finished += 1

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdeploy.engine import SamplingParams
+from specdeploy.engine.params_check import check_for_model
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
-MAX_STOP = 16
+MAX_JSON_DEPTH = 32  # no request needs more; deeper is an attack on the parser's recursion
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                 404: "invalid_request_error", 413: "invalid_request_error",
                 429: "rate_limit_error"}
@@ -52,6 +53,15 @@ class Limits:
     max_seq_len: int
     kv_capacity: int  # tokens one sequence may hold in the whole KV cache
     vocab_size: int
+    # Characters one token covers at most (the longest vocabulary entry): a prompt longer than
+    # context * this cannot fit, so it is refused before the tokenizer spends seconds on it.
+    max_token_chars: int | None = None
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        if self.max_token_chars is None:
+            return None
+        return min(self.max_seq_len, self.kv_capacity) * self.max_token_chars
 
 
 @dataclass(frozen=True)
@@ -68,14 +78,48 @@ class GenerationRequest:
 
 # ---- parsing ------------------------------------------------------------------------------------
 def parse_json(raw: bytes) -> dict:
+    """The body as a dict; 400 for invalid UTF-8 or JSON, nesting deeper than MAX_JSON_DEPTH
+    and lone surrogates (`"\\ud800"` is valid JSON but no text: tokenizers and the UTF-8
+    encoder of our own error bodies fail on it)."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad(None, f"could not parse the JSON body of the request ({e})",
                   "invalid_json") from None
+    except RecursionError:
+        raise bad(None, f"JSON nested deeper than {MAX_JSON_DEPTH} levels",
+                  "invalid_json") from None
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object", "invalid_json")
+    _check_tree(body)
     return body
+
+
+def _check_tree(body: dict) -> None:
+    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad(None, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            if isinstance(k, str) and not _is_text(k):  # name the parent: the key is not text
+                raise bad(path or None, "has a key with a lone surrogate (not valid Unicode "
+                          "text)", "invalid_value")
+            where = f"{path}.{k}".lstrip(".") if isinstance(k, str) else f"{path}[{k}]"
+            if isinstance(v, str) and not _is_text(v):
+                raise bad(where, "contains a lone surrogate (not valid Unicode text)",
+                          "invalid_value")
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1, where))
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_int(v: Any) -> bool:
@@ -147,34 +191,22 @@ def _common(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or any(not isinstance(s, str) or not s for s in stops):
-        raise bad("stop", "must be a non-empty string or a list of non-empty strings",
-                  "invalid_type")
-    if len(stops) > MAX_STOP:
-        raise bad("stop", f"at most {MAX_STOP} stop strings, got {len(stops)}", "invalid_value")
-    return tuple(stops)
-
-
-def _sampling(body: dict, max_tokens: int) -> SamplingParams:
-    top_k = _int(body, "top_k", 0, -1)  # vLLM extension; -1 (vLLM) and 0 both mean "off"
-    seed = _int(body, "seed", None, 0, 2**63 - 1)
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and (not isinstance(stop_ids, list)
-                                 or not all(_is_int(t) for t in stop_ids)):
-        raise bad("stop_token_ids", "must be a list of integers", "invalid_type")
+def _sampling(body: dict, max_tokens: int, limits: Limits) -> SamplingParams:
+    """The rules are SamplingParams' own (engine/params_check.py); only the API's spellings are
+    translated here: top_k -1 (vLLM) means off, like 0, and OpenAI's temperature default is 1."""
+    top_k = body.get("top_k")
     try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=max(top_k, 0),
-            seed=seed, stop=_stop(body), stop_token_ids=stop_ids,
-            ignore_eos=_bool(body, "ignore_eos", False))
-    except ValueError as e:  # a rule SamplingParams has and we missed: still a 400
-        raise bad(str(e).split(" ", 1)[0].rstrip(":"), str(e), "invalid_value") from None
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.get("temperature") is None else body["temperature"],
+            top_p=1.0 if body.get("top_p") is None else body["top_p"],
+            top_k=0 if top_k is None or (top_k == -1 and _is_int(top_k)) else top_k,
+            seed=body.get("seed"), stop=body.get("stop"), stop_token_ids=body.get("stop_token_ids"),
+            ignore_eos=False if body.get("ignore_eos") is None else body["ignore_eos"])
+        check_for_model(params, limits.vocab_size)
+    except ValueError as e:  # messages start with the field's name
+        raise bad(str(e).split(":", 1)[0], str(e).split(": ", 1)[-1], "invalid_value") from None
+    return params
 
 
 def _check_prompt(ids: list[int], limits: Limits, field: str) -> None:
@@ -186,6 +218,14 @@ def _check_prompt(ids: list[int], limits: Limits, field: str) -> None:
                   "context_length_exceeded")
     if min(ids) < 0 or max(ids) >= limits.vocab_size:
         raise bad(field, f"token ids must be in [0, {limits.vocab_size})", "invalid_value")
+
+
+def _check_chars(n: int, limits: Limits, field: str) -> None:
+    bound = limits.max_prompt_chars
+    if bound is not None and n > bound:
+        raise bad(field, f"{n} characters cannot fit this model's maximum context length of "
+                  f"{min(limits.max_seq_len, limits.kv_capacity)} tokens",
+                  "context_length_exceeded")
 
 
 def _room(n: int, limits: Limits) -> int:
@@ -236,13 +276,14 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
         if isinstance(p, str):
             if not p:
                 raise bad("prompt", "must not be empty", "invalid_value")
+            _check_chars(len(p), limits, "prompt")
             p = list(tokenizer.encode(p))
         elif not (isinstance(p, list) and all(_is_int(t) for t in p)):
             raise bad("prompt", "must be a string, a list of token ids or a list of those",
                       "invalid_type")
         _check_prompt(p, limits, "prompt")
         prompts.append(p)
-    params = [_sampling(body, _max_tokens(body, "max_tokens", len(p), limits, 16))
+    params = [_sampling(body, _max_tokens(body, "max_tokens", len(p), limits, 16), limits)
               for p in prompts]
     return GenerationRequest(False, model, prompts, params, stream, include_usage)
 
@@ -289,6 +330,7 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list of messages", "invalid_type")
     conversation = [_message(i, m) for i, m in enumerate(msgs)]
+    _check_chars(sum(len(m["content"]) for m in conversation), limits, "messages")
     try:
         rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
     except Exception as e:  # the template may reject a conversation (roles, order)
@@ -298,7 +340,7 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
     _check_prompt(ids, limits, "messages")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    params = _sampling(body, _max_tokens(body, field, len(ids), limits, None))
+    params = _sampling(body, _max_tokens(body, field, len(ids), limits, None), limits)
     return GenerationRequest(True, model, [ids], [params], stream, include_usage)
 
 

@@ -1,4 +1,4 @@
-"""`specdeploy serve`: flags → LLM → app → uvicorn on 127.0.0.1 (in process, with `uvicorn.run`
+"""`specdeploy serve`: flags → LLM → app → uvicorn on 127.0.0.1 (in process, with `shutdown.run`
 swapped for a thread we control); the real process with SIGINT is opt-in (slow to import)."""
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ def test_serve_rejects_bad_flags_before_loading(capsys):
 
 
 def test_serve_command(tiny_llama_dir, monkeypatch, serve):
-    import uvicorn
+    from specdeploy.serving import shutdown
 
     seen = {}
 
-    def fake_run(app, host, port, **kw):
+    def fake_run(app, *, host, port, **kw):
         seen.update(host=host, port=port)
         with serve(app) as srv:  # NOTE: on a free port, not the (fixed) one asked for
             body = {"prompt": "hello", "max_tokens": 3, "temperature": 0}
@@ -37,7 +37,7 @@ def test_serve_command(tiny_llama_dir, monkeypatch, serve):
             assert r.status_code == 200, r.text
             seen.update(usage=r.json()["usage"], model=r.json()["model"])
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(shutdown, "run", fake_run)
     assert main(["serve", "--model", str(tiny_llama_dir), "--backend", "eager", "--max-seq-len",
                  "64", "--max-batch-size", "2", "--api-key", "sekret", "--served-model-name",
                  "tiny", "--port", "8123"]) == 0

@@ -1,0 +1,116 @@
+"""The one set of rules for sampling parameters, shared by `SamplingParams` and the HTTP server.
+
+Every rule raises `ValueError("<field>: ...")` (the server turns it into a 400 naming the field).
+Types are strict: a bool is not an int, a string is not a number, and nothing is converted
+silently; numpy/torch scalars pass through `numbers` and are normalized to Python types.
+The bounds keep every value the sampler can see finite and representable: `top_k` fits an int64
+(and the engine refuses it above the vocabulary), a temperature is 0 (greedy) or at least
+`MIN_TEMPERATURE`, below which `logits / t` overflows to inf/NaN in fp32.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+MIN_TEMPERATURE = 1e-5  # vLLM clamps at 1e-5 too; 0 means greedy
+MAX_TEMPERATURE = 100.0  # sampling is uniform long before this; bounds logits / t below too
+MAX_TOKENS_LIMIT = 2**31 - 1  # the engine then checks the real context room
+MAX_TOP_K = 2**31 - 1  # int64-safe; the vocabulary bound is `check_for_model`'s
+MAX_STOP = 16  # stop strings per request: each one is scanned on every new token
+MAX_STOP_CHARS = 512  # per stop string: the server's hold-back scan is quadratic in it
+MAX_STOP_TOKEN_IDS = 1024
+MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
+def _fail(name: str, expect: str, v: Any) -> ValueError:
+    shown = repr(v)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ValueError(f"{name}: must be {expect}, got {shown}")
+
+
+def as_int(name: str, v: Any, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise _fail(name, f"an integer in [{lo}, {hi}]", v)
+    if not lo <= v <= hi:
+        raise _fail(name, f"an integer in [{lo}, {hi}]", v)
+    return int(v)
+
+
+def as_float(name: str, v: Any, lo: float, hi: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise _fail(name, f"a number in [{lo}, {hi}]", v)
+    f = float(v)
+    if not math.isfinite(f) or not lo <= f <= hi:
+        raise _fail(name, f"a finite number in [{lo}, {hi}]", v)
+    return f
+
+
+def as_bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _fail(name, "true or false", v)
+    return v
+
+
+def temperature(v: Any) -> float:
+    t = as_float("temperature", v, 0.0, MAX_TEMPERATURE)
+    if 0.0 < t < MIN_TEMPERATURE:
+        raise ValueError(f"temperature: must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {v!r}")
+    return t
+
+
+def top_p(v: Any) -> float:
+    p = as_float("top_p", v, 0.0, 1.0)
+    if p == 0.0:
+        raise _fail("top_p", "in (0, 1]", v)
+    return p
+
+
+def stop_strings(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    stops = (v,) if isinstance(v, str) else v
+    if not isinstance(stops, Sequence) or isinstance(stops, (bytes, bytearray)):
+        raise _fail("stop", "a string or a list of strings", v)
+    if len(stops) > MAX_STOP:
+        raise ValueError(f"stop: at most {MAX_STOP} stop strings, got {len(stops)}")
+    for s in stops:
+        if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
+            raise _fail("stop", f"non-empty strings of at most {MAX_STOP_CHARS} characters", s)
+    return tuple(stops)
+
+
+def stop_token_ids(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
+        raise _fail("stop_token_ids", "a list of token ids", v)
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(v)}")
+    return tuple(as_int("stop_token_ids", t, 0, MAX_TOP_K) for t in v)
+
+
+def check_sampling(p) -> dict[str, Any]:
+    """The normalized fields of a `SamplingParams` (raises ValueError naming the first bad one)."""
+    return {
+        "max_tokens": as_int("max_tokens", p.max_tokens, 1, MAX_TOKENS_LIMIT),
+        "temperature": temperature(p.temperature),
+        "top_p": top_p(p.top_p),
+        "top_k": as_int("top_k", p.top_k, 0, MAX_TOP_K),
+        "seed": None if p.seed is None else as_int("seed", p.seed, 0, MAX_SEED),
+        "stop": stop_strings(p.stop),
+        "stop_token_ids": stop_token_ids(p.stop_token_ids),
+        "ignore_eos": as_bool("ignore_eos", p.ignore_eos),
+    }
+
+
+def check_for_model(p, vocab_size: int) -> None:
+    """Rules that need the model: ids and top_k within the vocabulary."""
+    if p.top_k > vocab_size:
+        raise ValueError(f"top_k: must be at most the vocabulary size ({vocab_size}), "
+                         f"got {p.top_k}")
+    bad = [t for t in p.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids: must be in [0, {vocab_size}), got {bad[0]}")
