@@ -90,7 +90,7 @@ def cmd_deploy(args) -> int:
     if not args.list_transforms:
         print("deploy: nothing to do (use --list-transforms)", file=sys.stderr)
         return 2
-    print(describe(args.model, dtype=args.dtype, max_seq_len=args.max_seq_len,
+    print(describe(args.model, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
                    max_cache_gib=args.max_cache_gib, spec=spec_from_args(args)))
     return 0
 

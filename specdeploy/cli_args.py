@@ -6,10 +6,13 @@ import argparse
 
 from specdeploy.spec_args import add_spec_args, spec_from_args
 
+DEVICE_HELP = "cpu (default), cuda or cuda:N; dtype auto = float32 on cpu, bfloat16 on cuda"
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--max-cache-gib", type=float, default=None)
     p.add_argument("--backend", choices=("graph", "eager"), default="graph")
@@ -36,7 +39,7 @@ def llm_from_args(args, max_batch_size: int):
 
         torch.set_num_threads(args.threads)
 
-    return LLM(args.model, dtype=args.dtype, max_batch_size=max_batch_size,
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=max_batch_size,
                max_seq_len=args.max_seq_len, spec=spec_from_args(args),
                max_cache_gib=args.max_cache_gib,
                backend=args.backend, progress=True, compile=args.compile,

@@ -15,13 +15,14 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict | None = None) -> torch.dtype:
-    """`auto` means float32 on the CPU (bf16 matmuls are slower there) and the checkpoint's
-    `torch_dtype` elsewhere."""
+def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict | None = None,
+                  device: torch.device | str | None = None) -> torch.dtype:
+    """`auto` means float32 on the CPU (bf16 matmuls are slower there) and bfloat16 on CUDA
+    (what the released checkpoints ship in, and what tensor cores want)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.float32
+        return torch.bfloat16 if torch.device(device or "cpu").type == "cuda" else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: unsupported {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]

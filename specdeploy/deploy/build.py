@@ -49,6 +49,7 @@ class BuildOptions:
     quant_exclude: tuple[str, ...] | None = None
     disabled: frozenset[str] = frozenset()
     backend: str = "graph"
+    device: str | torch.device = "cpu"
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "page_size"):
@@ -67,6 +68,9 @@ class BuildOptions:
         if self.backend != "graph" and (self.quantize or self.compile or self.spec):
             raise ValueError("backend: quantize, compile and spec need the graph backend")
         object.__setattr__(self, "disabled", frozenset(self.disabled))
+        object.__setattr__(self, "device", _device(self.device))
+        if self.backend != "graph" and self.device.type != "cpu":
+            raise ValueError(f"device: the eager reference runner is CPU-only, got {self.device}")
         if self.quant_exclude is not None:
             object.__setattr__(self, "quant_exclude", tuple(self.quant_exclude))
 
@@ -86,12 +90,15 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     if model is None:
         own_mtp = (spec is not None and spec.method == "mtp" and spec.draft_model is None
                    and _declares_mtp(model_path))
-        model = load_model(model_path, dtype=opts.dtype, with_mtp=own_mtp)
-    dtype = resolve_dtype(opts.dtype)
+        model = load_model(model_path, dtype=resolve_dtype(opts.dtype, device=opts.device),
+                           with_mtp=own_mtp)
+    dtype = resolve_dtype(opts.dtype, device=opts.device)
+    model = model.to(opts.device)
     common = dict(page_size=opts.page_size, max_batch_size=opts.max_batch_size,
                   max_seq_len=opts.max_seq_len, max_cache_gib=opts.max_cache_gib,
-                  compile=opts.compile, disabled=opts.disabled)
-    drafter = None if spec is None else prepare_drafter(model, spec, dtype, opts.quantize)
+                  compile=opts.compile, disabled=opts.disabled, device=opts.device)
+    drafter = None if spec is None else prepare_drafter(model, spec, dtype, opts.quantize,
+                                                        opts.device)
     target_ctx = DeployContext(
         model, dtype=dtype, quantize=opts.quantize,
         capture_layers=drafter.capture_layers if drafter else (),
@@ -123,6 +130,22 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         return deployed[0]
     return SpecDeployed(deployed[0], deployed[1] if drafter else None,
                         drafter.drafter if drafter else None, spec)
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: {device!r} is not a device ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} asked for, but this torch sees no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r}, but only {torch.cuda.device_count()} CUDA "
+                             "devices are visible")
+    elif dev.type != "cpu":
+        raise ValueError(f"device: {device!r}; supported: cpu, cuda, cuda:N")
+    return dev
 
 
 def describe(model_path=None, options: BuildOptions | None = None, **overrides) -> str:

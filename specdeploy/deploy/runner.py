@@ -1,5 +1,9 @@
 """`GraphDeployed`: the runtime object of one transformed program — feeds a step's metadata to the
-graph (or its compiled program) and returns the logits and captured hidden rows."""
+graph (or its compiled program) and returns the logits and captured hidden rows.
+
+Metadata arrives as host tensors (`BatchMetadata`, built by the engine). The graph's `*_host`
+inputs get those (Python control flow in the cached ops reads them without a sync); every other
+metadata input gets a device copy, all of them in one copy per step (`to_device`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -13,6 +17,20 @@ from specdeploy.deploy.base import CacheLayout, StepOutput
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.graph import placeholders
 from specdeploy.deploy.pipeline import TransformInfo, format_infos
+
+
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """One copy for a step's int64 metadata: flattened into one buffer (pinned on CUDA), copied
+    non-blocking, viewed back by name. Always a fresh buffer, so on the CPU too no device input
+    aliases a host tensor."""
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()])
+    if device.type != "cpu":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    out, i = {}, 0
+    for name, t in tensors.items():
+        out[name] = flat[i:i + t.numel()].view(t.shape)
+        i += t.numel()
+    return out
 
 
 class GraphDeployed:
@@ -39,18 +57,17 @@ class GraphDeployed:
         self._input_names = [p.name for p in placeholders(gm)]
 
     def _feed(self, meta: BatchMetadata, hidden: torch.Tensor | None = None) -> list[torch.Tensor]:
-        dev = self.device
-        feed = {
-            "hidden": None if hidden is None else hidden[None].to(dev),
-            "input_ids": meta.input_ids[None].to(dev),
-            "position_ids": meta.position_ids[None].to(dev),
-            "logits_idx": meta.logits_idx.to(dev), "cu_seqlens": meta.cu_seqlens.to(dev),
-            "cu_seqlens_host": meta.cu_seqlens, "cache_lens": meta.cache_lens.to(dev),
-            "cache_lens_host": meta.cache_lens, "page_table": meta.page_table.to(dev),
-            "slot_idx": meta.slot_idx.to(dev), "seg_kind_host": meta.seg_kind,
+        dev_inputs = {
+            "input_ids": meta.input_ids[None], "position_ids": meta.position_ids[None],
+            "logits_idx": meta.logits_idx, "cu_seqlens": meta.cu_seqlens,
+            "cache_lens": meta.cache_lens, "page_table": meta.page_table,
+            "slot_idx": meta.slot_idx,
         }
         if "slot_mapping" in self._input_names:
-            feed["slot_mapping"] = kv_slot_mapping(meta, self.layout.page_size).to(dev)
+            dev_inputs["slot_mapping"] = kv_slot_mapping(meta, self.layout.page_size)
+        feed = {**to_device(dev_inputs, self.device), "cu_seqlens_host": meta.cu_seqlens,
+                "cache_lens_host": meta.cache_lens, "seg_kind_host": meta.seg_kind,
+                "hidden": None if hidden is None else hidden[None].to(self.device)}
         return [feed[n] for n in self._input_names]
 
     @torch.inference_mode()

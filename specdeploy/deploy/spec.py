@@ -98,7 +98,8 @@ class DrafterProgram:
 
 
 def prepare_drafter(model: nn.Module, spec: SpecConfig, dtype: torch.dtype,
-                    quantize: str | None) -> DrafterProgram | None:
+                    quantize: str | None, device: torch.device | None = None
+                    ) -> DrafterProgram | None:
     """The drafter program of `spec` for this target (None for n-gram lookup)."""
     if spec.method == "ngram":
         return None
@@ -106,7 +107,7 @@ def prepare_drafter(model: nn.Module, spec: SpecConfig, dtype: torch.dtype,
 
     drafter, layers = load_drafter(model, spec)
     draft_dtype = resolve_dtype(spec.draft_dtype) if spec.draft_dtype else dtype
-    drafter = drafter.to(draft_dtype)
+    drafter = drafter.to(device=device, dtype=draft_dtype)
     if draft_dtype != dtype and "lm_head" in drafter.borrowed:
         # A drafter at another dtype gets its own copy of the LM head it reads; the borrowed
         # embedding stays shared (a lookup reads one row; DraftStep casts it).

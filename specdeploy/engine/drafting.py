@@ -101,7 +101,7 @@ class ModelDrafter:
         if not any(s.num_logits for s in segs):
             segs[-1].num_logits = 1
         # the catch-up: every committed position enters the drafter's KV
-        out = d.draft_forward(build_metadata(segs).to(self.device), d.project(captured[rows]))
+        out = d.draft_forward(build_metadata(segs), d.project(captured[rows]))
         drafting = [(w.seq, w.start + len(w.next_ids)) for w in work if w.wants]
         logits, h = out.logits[:len(drafting)], out.hidden[:len(drafting)]
         committed = {id(seq): seq.all_ids for seq, _ in drafting} if self.lookup else {}
@@ -127,7 +127,7 @@ class ModelDrafter:
                 break
             segs = [Segment([seq.spec.drafts[-1]], pos + step, seq.pages, seq.slot, 1)
                     for seq, pos in drafting]
-            out = d.draft_forward(build_metadata(segs).to(self.device), h)
+            out = d.draft_forward(build_metadata(segs), h)
             logits, h = out.logits, out.hidden
 
     @staticmethod

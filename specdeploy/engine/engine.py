@@ -72,7 +72,7 @@ class Engine:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer.decode, prompt_ids)
-        seq = Sequence(prompt_ids, params, detok, request_id)
+        seq = Sequence(prompt_ids, params, detok, request_id, self.device)
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_requests += 1
@@ -101,7 +101,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch:
             segs = self._segments(batch)  # propose
-            meta = build_metadata(segs).to(self.device)
+            meta = build_metadata(segs)  # host tensors: the deployment copies what it needs
             tf = time.perf_counter()
             out = self.deployed.forward(meta)  # forward
             tokens = self._verify(batch, segs, out)  # verify (the step's one host sync)

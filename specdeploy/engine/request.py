@@ -91,7 +91,8 @@ class Sequence:
     sampled token, or prompt + output after a preemption)."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams,
-                 detok: IncrementalDetokenizer | None, request_id: str | None = None):
+                 detok: IncrementalDetokenizer | None, request_id: str | None = None,
+                 device: torch.device | str = "cpu"):
         self.request_id = request_id if request_id is not None else str(next(_ids))
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -106,7 +107,8 @@ class Sequence:
         self.text = ""
         self.generator: torch.Generator | None = None
         if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+            # NOTE: on the device its noise is drawn on (a CPU generator cannot fill CUDA rows)
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.spec = SpecSeqState()
         self._emitted_tokens = 0  # for delta_* in outputs

@@ -30,7 +30,7 @@ from specdeploy.engine.engine import Engine
 from specdeploy.engine.lookup import Lookup
 from specdeploy.engine.request import Sequence
 from specdeploy.engine.scheduler import ScheduledSeq, Scheduler
-from specdeploy.engine.verify import Drafts, verify
+from specdeploy.engine.verify import Drafts, verify, verify_greedy
 
 
 @dataclass
@@ -181,12 +181,12 @@ class SpecEngine(Engine):
                              device=out.logits.device)
         seqs = [batch[i].seq for i in live]
         try:
-            num, nxt = self._verify_rows(out.logits[index], seqs)
+            num, nxt = self._verify_rows(out.logits, index, seqs)
         except Exception:  # one sequence's verification failed: it alone fails
             num, nxt = [], []
             for r, seq in enumerate(seqs):
                 try:
-                    (a,), (t,) = self._verify_rows(out.logits[index[r:r + 1]], [seq])
+                    (a,), (t,) = self._verify_rows(out.logits, index[r:r + 1], [seq])
                 except Exception as e:
                     self.fail(seq, e)
                     a, t = 0, None
@@ -212,12 +212,16 @@ class SpecEngine(Engine):
                 self.lookup.verified(seq, a, len(drafted))
         return tokens
 
-    def _verify_rows(self, logits: torch.Tensor, seqs: list[Sequence]
+    def _verify_rows(self, logits: torch.Tensor, index: torch.Tensor, seqs: list[Sequence]
                      ) -> tuple[list[int], list[int]]:
+        """`logits` [N, V] of the step, `index` [S, K+1] the rows of each sequence."""
         drafts = Drafts.of([s.spec.drafts for s in seqs], [s.spec.draft_probs for s in seqs],
                            self.deployed.vocab_size)
-        num, nxt = verify(logits, drafts, [s.params for s in seqs], [s.generator for s in seqs],
-                          self.generator)
+        if all(s.params.greedy for s in seqs):  # argmaxes only: no [S, K+1, V] gather
+            num, nxt = verify_greedy(logits.argmax(-1)[index], drafts)
+        else:
+            num, nxt = verify(logits[index], drafts, [s.params for s in seqs],
+                              [s.generator for s in seqs], self.generator)
         return torch.stack((num, nxt)).tolist()  # the step's one host synchronisation
 
     def _commit(self, batch: list[ScheduledSeq], segs: list[Segment],

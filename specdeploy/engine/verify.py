@@ -44,11 +44,10 @@ class Drafts:
     def of(drafts: list[list[int]], probs: list[torch.Tensor | None] | None = None,
            vocab_size: int = 0) -> Drafts:
         """From per-row draft lists (and per-row q [len, V] or None for greedy rows)."""
-        k = max((len(d) for d in drafts), default=0)
-        ids = torch.zeros(len(drafts), k, dtype=torch.long)
-        for i, d in enumerate(drafts):
-            ids[i, :len(d)] = torch.tensor(d, dtype=torch.long)
         counts = tuple(len(d) for d in drafts)
+        k = max(counts, default=0)
+        ids = torch.tensor([list(d) + [0] * (k - len(d)) for d in drafts], dtype=torch.long)
+        ids = ids.view(len(drafts), k)
         lengths = torch.tensor(counts, dtype=torch.long)
         q = None
         if probs is not None and any(p is not None for p in probs):
@@ -75,6 +74,18 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return scaled.softmax(-1).reshape(s, r, v)
 
 
+def verify_greedy(target_ids: torch.Tensor, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_ids [S, K+1]: the target's argmax after each draft (greedy rows only need these,
+    not the logits). Returns (num_accepted [S], next_token [S])."""
+    dev = target_ids.device
+    k = target_ids.shape[1] - 1
+    lengths = drafts.lengths.to(dev)
+    ids = drafts.ids[:, :k].to(dev)
+    valid = torch.arange(k, device=dev)[None] < lengths[:, None]
+    num = ((ids == target_ids[:, :k]) & valid).cumprod(1).sum(1)
+    return num, target_ids.gather(1, num[:, None])[:, 0]
+
+
 def verify(target_logits: torch.Tensor, drafts: Drafts, params: list[SamplingParams],
            generators: list[torch.Generator | None], default: torch.Generator | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,15 +94,13 @@ def verify(target_logits: torch.Tensor, drafts: Drafts, params: list[SamplingPar
     s, k1, _ = target_logits.shape
     dev = target_logits.device
     k = k1 - 1
-    lengths = drafts.lengths.to(dev)
-    ids = drafts.ids[:, :k].to(dev)
-    valid = torch.arange(k, device=dev)[None] < lengths[:, None]
-    target = target_logits.argmax(-1)  # [S, K+1]
-    num = ((ids == target[:, :k]) & valid).cumprod(1).sum(1)
-    bonus = target.gather(1, num[:, None])[:, 0]
+    num, bonus = verify_greedy(target_logits.argmax(-1), drafts)
     greedy = [p.greedy for p in params]
     if all(greedy):
         return num, bonus
+    lengths = drafts.lengths.to(dev)
+    ids = drafts.ids[:, :k].to(dev)
+    valid = torch.arange(k, device=dev)[None] < lengths[:, None]
     p = target_probs(target_logits, params)
     q = drafts.probs.to(dev) if drafts.probs is not None else p.new_zeros(s, k, p.shape[-1])
     p_d = p[:, :k].gather(-1, ids[..., None])[..., 0]

@@ -20,6 +20,7 @@ from specdeploy.serving.engine_loop import EngineLoop, Handle
 from specdeploy.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 MAX_BODY_BYTES = 16 * 2**20
+MAX_HEADER_BYTES = 16 * 2**10  # as h11's default limit on an incomplete request head
 log = logging.getLogger("specdeploy.serving")
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 
@@ -277,6 +278,13 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if sum(len(k) + len(v) for k, v in scope.get("headers", ())) > MAX_HEADER_BYTES:
+            # NOTE: h11 refuses such headers only when they arrive in pieces (its limit is on
+            # unparsed bytes); one large read would pass. Refuse them the same way always.
+            err = P.APIError(400, f"request headers over {MAX_HEADER_BYTES} bytes", None,
+                             "request_header_fields_too_large")
+            resp = JSONResponse(err.body(), status_code=400, headers={"connection": "close"})
+            return await resp(scope, receive, send)
         started = False
 
         async def guarded_send(message):

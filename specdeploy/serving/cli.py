@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from specdeploy.cli_args import DEVICE_HELP
 from specdeploy.spec_args import add_spec_args, spec_from_args
 
 
@@ -18,6 +19,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help="the `model` id clients use (default: the checkpoint's name)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--backend", choices=("graph", "eager"), default="graph")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
@@ -56,7 +58,7 @@ def cmd_serve(args) -> int:
     from specdeploy.serving import shutdown
     from specdeploy.serving.app import create_app
 
-    llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size,
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
               max_seq_len=args.max_seq_len, spec=spec, max_cache_gib=args.max_cache_gib,
               backend=args.backend, progress=True, seed=args.seed)
     app = create_app(llm, model_name=args.served_model_name, api_key=args.api_key,

@@ -1,0 +1,58 @@
+"""The same deployments on a CUDA device (`cuda` marker: skipped where none is, run by
+bench/gpu_check.sh): logits equal the CPU deployment's, speculation stays lossless, seeded
+sampling draws on the device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdeploy import SamplingParams
+from specdeploy.cache.metadata import Segment, build_metadata
+from specdeploy.deploy.build import build
+from tests.spec.tiny_targets import LIMITS, METHODS, Target
+
+pytestmark = pytest.mark.cuda
+ARCHS = sorted(METHODS)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def target(request, tmp_path_factory) -> Target:
+    return Target(request.param, tmp_path_factory.mktemp("cuda"))
+
+
+def _prefill_logits(dep, ids: list[int]) -> torch.Tensor:
+    pages = list(range(-(-len(ids) // dep.layout.page_size)))
+    return dep.forward(build_metadata([Segment(ids, 0, pages, 0, len(ids))])).logits.cpu()
+
+
+def test_logits_cuda_equal_cpu(target):
+    """fp32 both sides; 1e-3 (TF32 and different reduction orders on the GPU)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    opts = dict(dtype="float32", max_batch_size=2, max_seq_len=128, max_cache_gib=0.05)
+    cpu = build(str(target.path), **opts)
+    gpu = build(str(target.path), device="cuda", **opts)
+    for ids in target.prompts[1:4]:
+        torch.testing.assert_close(_prefill_logits(gpu, ids), _prefill_logits(cpu, ids),
+                                   atol=1e-3, rtol=1e-3)
+
+
+def _llm(target, spec=None):
+    from specdeploy import LLM
+
+    return LLM(str(target.path), spec=spec, device="cuda", dtype="float32", **LIMITS)
+
+
+def test_greedy_spec_equals_plain_on_cuda(target):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in _llm(target).generate(target.prompts, params)]
+    spec = _llm(target, target.spec(3))
+    assert [o.token_ids for o in spec.generate(target.prompts, params)] == plain
+    assert spec.stats()["draft_steps"] > 0
+
+
+def test_seeded_sampling_on_cuda(target):
+    llm = _llm(target, target.spec(2))
+    p = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
+    a = llm.generate(target.prompts[:3], p)
+    b = llm.generate(target.prompts[:3], p)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
