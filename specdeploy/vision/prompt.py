@@ -56,7 +56,7 @@ class MultimodalPrompt:
         p = self.num_prompt
         head = self.prompt_positions[:, start:min(start + n, p)]
         first = max(start, p)
-        tail = torch.arange(first, start + n).add(self.delta).expand(3, -1)
+        tail = torch.arange(first, max(first, start + n)).add(self.delta).expand(3, -1)
         return torch.cat((head, tail), 1) if head.shape[1] else tail
 
     def image_rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
