@@ -52,6 +52,10 @@ class Engine:
             raise ValueError("images: prompt_ids must be the multimodal prompt's expanded ids")
         if mm is not None and not hasattr(self.deployed, "image_features"):
             raise ValueError("images: this model has no vision tower")
+        image_id = getattr(self.deployed, "image_token_id", None)
+        if mm is None and image_id is not None and image_id in prompt_ids:
+            raise ValueError(f"prompt: has image placeholder tokens (id {image_id}) but no "
+                             "images were given")
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("prompt: empty prompt")

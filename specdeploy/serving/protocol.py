@@ -52,6 +52,7 @@ class Limits:
     max_seq_len: int
     kv_capacity: int  # tokens one sequence may hold in the whole KV cache
     vocab_size: int
+    vision: Any = None  # a vision-language deployment (deploy/vlm.py): image parts accepted
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class GenerationRequest:
     params: list[SamplingParams]  # per prompt (chat's default max_tokens depends on its length)
     stream: bool
     include_usage: bool
+    mm: list | None = None  # per prompt: its images (vision/prompt.py MultimodalPrompt) or None
 
 
 # ---- parsing ------------------------------------------------------------------------------------
@@ -247,7 +249,24 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
     return GenerationRequest(False, model, prompts, params, stream, include_usage)
 
 
-def _message(i: int, m: Any) -> dict:
+def _image_part(field: str, part: dict, vision: Any) -> str:
+    """The data URL of an `image_url` part (nothing is fetched: other URLs are refused)."""
+    if vision is None:
+        raise bad(field, "this model takes no images (text parts only)", "unsupported")
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url:
+        raise bad(f"{field}.image_url.url", "is required", "invalid_value")
+    if url.startswith(("http://", "https://")):
+        raise bad(f"{field}.image_url.url", "remote image URLs are not fetched; send the image "
+                  "as a data URL (data:image/png;base64,...)", "unsupported")
+    if not url.startswith("data:"):
+        raise bad(f"{field}.image_url.url", "must be a data URL (data:image/<type>;base64,...)",
+                  "invalid_value")
+    return url
+
+
+def _message(i: int, m: Any, images: list | None = None, vision: Any = None) -> dict:
     field = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(field, "must be an object with `role` and `content`", "invalid_type")
@@ -256,15 +275,20 @@ def _message(i: int, m: Any) -> dict:
         raise bad(f"{field}.role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
                   "invalid_value")
     content = m.get("content")
-    if isinstance(content, list):  # content parts: only text ones
-        texts = []
+    if isinstance(content, list):  # content parts: text, and image_url on a VLM
+        texts, parts = [], []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url" and images is not None:
+                images.append(_image_part(f"{field}.content[{j}]", part, vision))
+                parts.append({"type": "image"})
+                continue
             if not (isinstance(part, dict) and part.get("type") == "text"
                     and isinstance(part.get("text"), str)):
                 raise bad(f"{field}.content[{j}]", "only {\"type\": \"text\", \"text\": ...} "
                           "parts are supported", "unsupported")
             texts.append(part["text"])
-        content = "".join(texts)
+            parts.append({"type": "text", "text": part["text"]})
+        content = parts if len(parts) > len(texts) else "".join(texts)
     elif content is None and role == "assistant":
         content = ""
     elif not isinstance(content, str):
@@ -288,18 +312,30 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
         raise bad("messages", "is required", "missing_required_parameter")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list of messages", "invalid_type")
-    conversation = [_message(i, m) for i, m in enumerate(msgs)]
+    images: list = []
+    conversation = [_message(i, m, images, limits.vision) for i, m in enumerate(msgs)]
     try:
         rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
     except Exception as e:  # the template may reject a conversation (roles, order)
         raise bad("messages", f"the chat template rejected the conversation: {e}",
                   "invalid_value") from None
     ids = list(tokenizer.encode(rendered)) if isinstance(rendered, str) else list(rendered)
+    mm = None
+    if images:
+        from specdeploy.vision import ImageError
+        from specdeploy.vision.chat import build_prompt
+
+        try:
+            mm = build_prompt(limits.vision, ids, images, "messages")
+        except ImageError as e:
+            raise APIError(400, str(e), "messages", "invalid_image") from None
+        ids = mm.ids
     _check_prompt(ids, limits, "messages")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     params = _sampling(body, _max_tokens(body, field, len(ids), limits, None))
-    return GenerationRequest(True, model, [ids], [params], stream, include_usage)
+    return GenerationRequest(True, model, [ids], [params], stream, include_usage,
+                             None if mm is None else [mm])
 
 
 # ---- responses ----------------------------------------------------------------------------------
