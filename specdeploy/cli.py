@@ -24,9 +24,14 @@ SPEC_STATS = ("num_draft_tokens", "draft_steps", "draft_tokens", "accepted_token
 
 def cmd_generate(args) -> int:
     sp = sampling_from_args(args)  # validate before the (slow) load
+    images = args.image or []
+    if images:
+        from specdeploy.vision import load_image
+
+        for p in images:
+            load_image(p, f"--image {p}")
     llm = llm_from_args(args, max_batch_size=1)
     t0 = time.perf_counter()
-    images = args.image or []
     if args.chat:
         parts = [{"type": "image", "image": p} for p in images]
         content = parts + [{"type": "text", "text": args.prompt}] if images else args.prompt

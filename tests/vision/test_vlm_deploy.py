@@ -153,3 +153,22 @@ def test_features_computed_once_per_request(vlm_llm):
         hook.remove()
     assert len(calls) == 1  # 32 image tokens over 16-token chunks: one tower call
     assert torch.is_tensor(tower.pos_embed.weight)
+
+
+def test_cli_generate_with_image(vlm_dir, vlm_llm, tmp_path, capsys):
+    import json
+
+    from specdeploy.cli import main
+
+    path = tmp_path / "c.png"
+    rand_image(30, 45, 9).save(path)
+    assert main(["generate", "--model", str(vlm_dir), "--chat", "--image", str(path),
+                 "--prompt", "what", "--max-tokens", "6", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(path)},
+                                         {"type": "text", "text": "what"}]}]
+    want = vlm_llm.chat(msgs, SamplingParams(max_tokens=6))[0]
+    assert got["token_ids"] == want.token_ids
+    assert main(["generate", "--model", str(vlm_dir), "--chat", "--image", str(tmp_path / "no"),
+                 "--prompt", "x"]) == 2
+    assert "--image" in capsys.readouterr().err
