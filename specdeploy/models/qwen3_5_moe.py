@@ -201,7 +201,7 @@ def tiny_hf_config(mtp_layers: int = 0) -> dict:
     if mtp_layers:
         text.update(mtp_num_hidden_layers=mtp_layers, mtp_use_dedicated_embeddings=False)
     vision = {
-        "model_type": "qwen3_5_moe_vision", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+        "model_type": "qwen3_5_moe_vision", "depth": 1, "hidden_size": 32, "intermediate_size": 64,
         "num_heads": 2, "in_channels": 3, "patch_size": 4, "temporal_patch_size": 2,
         "spatial_merge_size": 2, "out_hidden_size": 64, "num_position_embeddings": 16,
         "hidden_act": "gelu_pytorch_tanh",

@@ -65,9 +65,12 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, (tp, p, p), (tp, p, p))
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        # kernel == stride over exactly one patch: the convolution is one matmul per patch
+        # kernel == stride over exactly one patch: one output per patch. NOTE: conv3d, not the
+        # equal matmul: its fp32 accumulation order is transformers', and the tiny LM amplifies a
+        # 1e-6 feature difference ~200x (tests compare logits at 1e-4)
         w = self.proj.weight
-        return F.linear(patches.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
+        x = patches.to(w.dtype).reshape(-1, *w.shape[1:])
+        return self.proj(x).reshape(-1, w.shape[0])
 
 
 class MLP(nn.Module):
@@ -94,10 +97,13 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).unbind(1)  # [N, heads, D]
         q = _ops.rope(q[None], cos[None], sin[None])[0]
         k = _ops.rope(k[None], cos[None], sin[None])[0]
-        out = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1),
-                                              vi.transpose(0, 1)).transpose(0, 1)
-               for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
-        return self.proj(torch.cat(out).reshape(n, -1))
+        # [1, heads, n, D] per image, explicit scale: the SDPA call transformers makes (same
+        # kernel, same rounding)
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        scale = q.shape[-1] ** -0.5
+        out = [F.scaled_dot_product_attention(qi, ki, vi, scale=scale)
+               for qi, ki, vi in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))]
+        return self.proj(torch.cat(out, 2)[0].transpose(0, 1).reshape(n, -1))
 
 
 class Block(nn.Module):
@@ -155,10 +161,17 @@ class VisionModel(nn.Module):
         return t.reshape(h * w, *t.shape[4:])
 
     def _pos_embed(self, h: int, w: int) -> torch.Tensor:
+        """Bilinear (align_corners) resampling of the side x side table to h x w, as the
+        weighted sum of each patch's four table rows (in the weights' dtype)."""
         side = int(self.cfg.num_position_embeddings ** 0.5)
-        table = self.pos_embed.weight.float().reshape(side, side, -1).permute(2, 0, 1)[None]
-        grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]
-        return self._merge_order(grid.permute(1, 2, 0), h, w)
+        (r0, r1), (wr0, wr1) = _taps(h, side)
+        (c0, c1), (wc0, wc1) = _taps(w, side)
+        idx = torch.stack([(r[:, None] * side + c[None, :]) for r in (r0, r1) for c in (c0, c1)],
+                          -1)  # [h, w, 4]
+        wts = torch.stack([a[:, None] * b[None, :] for a in (wr0, wr1) for b in (wc0, wc1)], -1)
+        idx, wts = self._merge_order(idx, h, w), self._merge_order(wts, h, w)
+        table = self.pos_embed.weight
+        return (table[idx.to(table.device)] * wts.to(table)[..., None]).sum(1)
 
     def _rotary(self, grids, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [P, head_dim]: the first half of the frequencies rotate by the patch row, the
@@ -176,6 +189,17 @@ class VisionModel(nn.Module):
             freqs.append(f.repeat(t, 1))
         emb = torch.cat(freqs).repeat(1, 2)
         return emb.cos(), emb.sin()
+
+
+def _taps(n: int, side: int) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                       tuple[torch.Tensor, torch.Tensor]]:
+    """For n target points over a side-long axis (align_corners): the two source rows of each
+    and their weights."""
+    src = torch.arange(n, dtype=torch.float32) * (side - 1) / max(n - 1, 1)
+    lo = src.floor()
+    taps = (lo.long().clamp(0, side - 1), (lo.long() + 1).clamp(0, side - 1))
+    weights = ((1 - (src - lo)).clamp(min=0), (1 - (lo + 1 - src)).clamp(min=0))
+    return taps, weights
 
 
 def image_num_tokens(grid_thw: tuple[int, int, int], merge: int) -> int:

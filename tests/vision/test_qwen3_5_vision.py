@@ -99,3 +99,14 @@ def test_make_tiny_is_a_transformers_vlm(vlm_dir, hf_vlm):
     rendered = load_tokenizer(vlm_dir).apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}])
     assert PAD + "hi" in rendered
+
+
+def test_tower_features_equal_transformers(vlm_dir, ours, hf_vlm, hf_image_processor):
+    """Several images of different sizes in one call (each attends only to itself)."""
+    _, tower, _ = ours
+    images = [rand_image(h, w, seed=i) for i, (h, w) in enumerate(SIZES[:4])]
+    inputs = hf_image_processor(images, return_tensors="pt")
+    with torch.no_grad():
+        ref = hf_vlm.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+        got = tower(inputs["pixel_values"], inputs["image_grid_thw"])
+    assert (got - torch.cat(ref.pooler_output)).abs().max() <= 1e-6
