@@ -67,3 +67,18 @@ def test_truncated_image_400_and_others_unaffected(srv):
     ok = srv.client().chat.completions.create(
         model="vlm", messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_more_images_than_placeholders_is_400(srv):
+    """A literal <|image_pad|> in the text is one more placeholder than images (never merged
+    silently into text)."""
+    url = _data_url(rand_image(16, 16))
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a <|image_pad|> b"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client().chat.completions.create(model="vlm", messages=msgs, max_tokens=2)
+    assert "1 image(s) but 2 image placeholder token(s)" in str(e.value)
+    text_only = [{"role": "user", "content": "a <|image_pad|> b"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client().chat.completions.create(model="vlm", messages=text_only, max_tokens=2)
+    assert "but no images" in str(e.value)
