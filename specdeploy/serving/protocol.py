@@ -249,23 +249,6 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
     return GenerationRequest(False, model, prompts, params, stream, include_usage)
 
 
-def _image_part(field: str, part: dict, vision: Any) -> str:
-    """The data URL of an `image_url` part (nothing is fetched: other URLs are refused)."""
-    if vision is None:
-        raise bad(field, "this model takes no images (text parts only)", "unsupported")
-    url = part.get("image_url")
-    url = url.get("url") if isinstance(url, dict) else url
-    if not isinstance(url, str) or not url:
-        raise bad(f"{field}.image_url.url", "is required", "invalid_value")
-    if url.startswith(("http://", "https://")):
-        raise bad(f"{field}.image_url.url", "remote image URLs are not fetched; send the image "
-                  "as a data URL (data:image/png;base64,...)", "unsupported")
-    if not url.startswith("data:"):
-        raise bad(f"{field}.image_url.url", "must be a data URL (data:image/<type>;base64,...)",
-                  "invalid_value")
-    return url
-
-
 def _message(i: int, m: Any, images: list | None = None, vision: Any = None) -> dict:
     field = f"messages[{i}]"
     if not isinstance(m, dict):
@@ -279,7 +262,12 @@ def _message(i: int, m: Any, images: list | None = None, vision: Any = None) -> 
         texts, parts = [], []
         for j, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") == "image_url" and images is not None:
-                images.append(_image_part(f"{field}.content[{j}]", part, vision))
+                from specdeploy.vision.chat import served_image_url
+
+                if vision is None:
+                    raise bad(f"{field}.content[{j}]", "this model takes no images (text parts "
+                              "only)", "unsupported")
+                images.append(served_image_url(part, bad, f"{field}.content[{j}].image_url.url"))
                 parts.append({"type": "image"})
                 continue
             if not (isinstance(part, dict) and part.get("type") == "text"

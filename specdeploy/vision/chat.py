@@ -45,6 +45,21 @@ def split_images(conversation: list[dict]) -> tuple[list[dict], list]:
     return out, images
 
 
+def served_image_url(part: dict, bad, field: str) -> str:
+    """The data URL of an `image_url` part sent to the server: nothing is fetched and no local
+    file is read for a client, so any other URL is refused with `bad(field, message, code)`."""
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url:
+        raise bad(field, "is required", "invalid_value")
+    if url.startswith(("http://", "https://")):
+        raise bad(field, "remote image URLs are not fetched; send the image as a data URL "
+                  "(data:image/png;base64,...)", "unsupported")
+    if not url.startswith("data:"):
+        raise bad(field, "must be a data URL (data:image/<type>;base64,...)", "invalid_value")
+    return url
+
+
 def text_only(conversation: list[dict]) -> list[dict]:
     """Content-part lists of text only, joined into strings (for text templates)."""
     out = []

@@ -82,3 +82,12 @@ def test_more_images_than_placeholders_is_400(srv):
     with pytest.raises(openai.BadRequestError) as e:
         srv.client().chat.completions.create(model="vlm", messages=text_only, max_tokens=2)
     assert "but no images" in str(e.value)
+
+
+def test_text_model_refuses_image_parts():
+    from specdeploy.serving import protocol as P
+
+    limits = P.Limits("m", max_seq_len=64, kv_capacity=64, vocab_size=128)
+    with pytest.raises(P.APIError, match="this model takes no images") as e:
+        P.parse_chat({"messages": _msgs("data:image/png;base64,AAAA")}, None, limits)
+    assert e.value.status == 400 and e.value.param == "messages[0].content[1]"
