@@ -24,12 +24,20 @@ SPEC_STATS = ("num_draft_tokens", "draft_steps", "draft_tokens", "accepted_token
 
 def cmd_generate(args) -> int:
     sp = sampling_from_args(args)  # validate before the (slow) load
+    images = args.image or []
+    if images:
+        from specdeploy.vision import load_image
+
+        for p in images:
+            load_image(p, f"--image {p}")
     llm = llm_from_args(args, max_batch_size=1)
     t0 = time.perf_counter()
     if args.chat:
-        (out,) = llm.chat([{"role": "user", "content": args.prompt}], sp)
-    else:
-        (out,) = llm.generate(args.prompt, sp)
+        parts = [{"type": "image", "image": p} for p in images]
+        content = parts + [{"type": "text", "text": args.prompt}] if images else args.prompt
+        (out,) = llm.chat([{"role": "user", "content": content}], sp)
+    else:  # a raw prompt writes one image placeholder per --image itself
+        (out,) = llm.generate(args.prompt, sp, images=images or None)
     wall = time.perf_counter() - t0
     m = out.metrics
     if args.json:
@@ -116,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g, max_tokens=64)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the chat template")
+    g.add_argument("--image", action="append", metavar="PATH",
+                   help="an image (vision-language models; repeatable): with --chat it comes "
+                   "before the prompt, else each fills one <|image_pad|> of the prompt")
     g.add_argument("--json", action="store_true", help="last line: one JSON object")
     g.set_defaults(func=cmd_generate)
 

@@ -78,13 +78,22 @@ class LLM:
             raise ValueError("prompt: must be a string or a list of token ids")
         return list(prompt)
 
-    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams],
+                 images: list[list] | None = None) -> list[str]:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"images: got {len(images)} image lists for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(self._encode(p), sp))
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                tokens, mm = self._encode(p), None
+                if images is not None and images[i]:
+                    from specdeploy.vision.chat import build_prompt
+
+                    mm = build_prompt(self.deployed, tokens, images[i], f"prompt {i}")
+                    tokens = mm.ids
+                ids.append(self.engine.add_request(tokens, sp, mm=mm))
         except Exception:
             for rid in ids:  # all or nothing: do not leave half a batch queued
                 self.engine.abort(rid)
@@ -94,18 +103,26 @@ class LLM:
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Generate for one prompt or a batch; outputs are in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 images: list | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a batch; outputs are in prompt order. `images` (a VLM):
+        the images of one prompt, or one list per prompt (PIL images, paths, file:// or data
+        URLs, bytes), each filling one image placeholder of its prompt in order (the chat
+        template's `<|vision_start|><|image_pad|><|vision_end|>`)."""
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                              and all(isinstance(t, int) for t in prompts))
+        if single:
             prompts = [prompts]
+            if images is not None:
+                images = [images]
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts: no prompts given")
         sp = sampling_params or SamplingParams()
         params = list(sp) if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
-        ids = self._add_all(prompts, params)
+        if images is not None and not all(isinstance(x, (list, tuple)) for x in images):
+            raise ValueError("images: give one list of images per prompt")
+        ids = self._add_all(prompts, params, images)
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(ids):
@@ -122,13 +139,24 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None
              ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them."""
+        """One conversation (a list of {"role", "content"}) or a list of them. Content may be a
+        list of OpenAI-style parts: text, and (a VLM) `image_url` parts with a data URL, a local
+        path or file:// URL, or {"type": "image", "image": <PIL image>}."""
+        from specdeploy.vision.chat import split_images
+
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not convs or any(not c for c in convs):
             raise ValueError("messages: empty conversation")
-        return self.generate([self.chat_ids(c) for c in convs], sampling_params)
+        split = [split_images(c) for c in convs]
+        images = [imgs for _, imgs in split]
+        return self.generate([self.chat_ids(c) for c, _ in split], sampling_params,
+                             images if any(images) else None)
 
     def chat_ids(self, conversation: list[dict]) -> list[int]:
+        if not hasattr(self.deployed, "image_features"):
+            from specdeploy.vision.chat import text_only
+
+            conversation = text_only(conversation)
         out = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
         if not isinstance(out, str):
             return list(out)

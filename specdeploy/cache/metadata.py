@@ -25,6 +25,9 @@ class Segment:
     slot: int  # state slot (recurrent layers)
     num_logits: int = 1  # logits wanted for the last `num_logits` tokens (0 = none, mid-prefill)
     kind: int = SEG_NORMAL
+    # a request's images (vision/prompt.py MultimodalPrompt): its 3-D mRoPE positions and image
+    # feature rows; None for text (positions equal on the three axes)
+    mm: object | None = None
 
 
 @dataclass
@@ -41,6 +44,10 @@ class BatchMetadata:
     logits_idx: torch.Tensor  # [N] int64 indices into T
     num_tokens: int
     num_seqs: int
+    # vision-language targets only: [3, T] mRoPE positions (position_ids stays the cache index)
+    # and, per segment with images, (first token, MultimodalPrompt, cache_len, tokens) on the host
+    mrope_positions: torch.Tensor | None = None
+    mm_rows: list | None = None
 
     def to(self, device: torch.device | str) -> BatchMetadata:
         def mv(t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +57,7 @@ class BatchMetadata:
             mv(self.input_ids), mv(self.position_ids), mv(self.cu_seqlens), mv(self.cache_lens),
             mv(self.page_table), mv(self.slot_idx), mv(self.seg_kind), mv(self.logits_idx),
             self.num_tokens, self.num_seqs,
+            None if self.mrope_positions is None else mv(self.mrope_positions), self.mm_rows,
         )
 
 
@@ -77,12 +85,29 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
     def t(x):
         return torch.tensor(x, dtype=torch.long)
 
-    return BatchMetadata(
+    meta = BatchMetadata(
         input_ids=t(ids), position_ids=t(pos), cu_seqlens=t(cu),
         cache_lens=t([s.cache_len for s in segments]), page_table=t(table),
         slot_idx=t([s.slot for s in segments]), seg_kind=t([s.kind for s in segments]),
         logits_idx=t(logits_idx), num_tokens=len(ids), num_seqs=len(segments),
     )
+    if any(s.mm is not None for s in segments):
+        _add_multimodal(meta, segments, cu)
+    return meta
+
+
+def _add_multimodal(meta: BatchMetadata, segments: Sequence[Segment], cu: list[int]) -> None:
+    rows, pos = [], []
+    for s, start in zip(segments, cu):
+        n = len(s.token_ids)
+        if s.mm is None:
+            pos.append(torch.arange(s.cache_len, s.cache_len + n).expand(3, n))
+            continue
+        pos.append(s.mm.positions(s.cache_len, n))
+        if s.cache_len < s.mm.num_prompt:
+            rows.append((start, s.mm, s.cache_len, n))
+    meta.mrope_positions = torch.cat(pos, 1)
+    meta.mm_rows = rows
 
 
 def kv_slot_mapping(meta: BatchMetadata, page_size: int) -> torch.Tensor:

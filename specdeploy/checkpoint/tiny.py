@@ -44,11 +44,14 @@ def write_checkpoint(
     return out
 
 
-def write_tiny_tokenizer(out: str | Path, vocab_size: int) -> None:
+def write_tiny_tokenizer(out: str | Path, vocab_size: int,
+                         specials_at: dict[int, str] | None = None,
+                         chat_template: str = CHAT_TEMPLATE) -> None:
     """A byte-level BPE-free tokenizer (WordLevel over characters + specials) with a chat template.
 
     Ids: 0 <|endoftext|>, 1 <|im_start|>, 2 <|im_end|>, then printable characters; the remaining
-    ids up to `vocab_size` are unused filler tokens so the model's vocab and the tokenizer agree.
+    ids up to `vocab_size` are unused filler tokens so the model's vocab and the tokenizer agree,
+    except the extra special tokens `specials_at` (id → text, e.g. a VLM's image tokens).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -56,15 +59,16 @@ def write_tiny_tokenizer(out: str | Path, vocab_size: int) -> None:
     chars = [chr(c) for c in range(32, 127)] + ["\n"]
     vocab = {t: i for i, t in enumerate(specials + chars)}
     i = len(vocab)
+    specials_at = specials_at or {}
     while i < vocab_size:
-        vocab[f"<|filler_{i}|>"] = i
+        vocab[specials_at.get(i, f"<|filler_{i}|>")] = i
         i += 1
     if len(vocab) > vocab_size:
         raise ValueError(f"tiny tokenizer needs vocab_size >= {len(vocab)}, got {vocab_size}")
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
+    tok.add_special_tokens(specials + [specials_at[i] for i in sorted(specials_at)])
     out = Path(out)
     tok.save(str(out / "tokenizer.json"))
     cfg = {
@@ -73,7 +77,7 @@ def write_tiny_tokenizer(out: str | Path, vocab_size: int) -> None:
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "unk_token": "<|endoftext|>",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "model_max_length": 4096,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))

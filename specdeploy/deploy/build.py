@@ -36,7 +36,8 @@ Deployed = GraphDeployed | SpecDeployed | EagerDeployed
 class BuildOptions:
     """How to deploy. `quantize="int8"` makes linear weights int8 (weight-only);
     `quant_exclude` replaces the default exclusion globs of the target (deploy/passes/quantize);
-    `disabled` names transforms to skip (A/B runs)."""
+    `disabled` names transforms to skip (A/B runs); `vision` (None: whenever the checkpoint has
+    a vision tower) deploys a vision-language target (deploy/vlm.py)."""
 
     dtype: str | torch.dtype = "auto"
     max_batch_size: int = 16
@@ -50,6 +51,7 @@ class BuildOptions:
     disabled: frozenset[str] = frozenset()
     backend: str = "graph"
     device: str | torch.device = "cpu"
+    vision: bool | None = None
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "page_size"):
@@ -94,6 +96,13 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
                            with_mtp=own_mtp)
     dtype = resolve_dtype(opts.dtype, device=opts.device)
     model = model.to(opts.device)
+    from specdeploy.deploy.vlm import has_vision
+
+    hf_config = getattr(model, "hf_config", None) or {}
+    vision = opts.vision is not False and has_vision(hf_config)
+    if opts.vision and not vision:
+        raise ValueError("vision: this checkpoint has no vision tower")
+    embed = model.model.embed_tokens if vision else None
     common = dict(page_size=opts.page_size, max_batch_size=opts.max_batch_size,
                   max_seq_len=opts.max_seq_len, max_cache_gib=opts.max_cache_gib,
                   compile=opts.compile, disabled=opts.disabled, device=opts.device)
@@ -106,17 +115,20 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         **({} if opts.quant_exclude is None else {"quant_exclude": opts.quant_exclude}),
         **common)
     programs = [(model, target_ctx, None)]
+    if vision:  # the graph takes embeddings (image features merged in by deploy/vlm.py)
+        from specdeploy.deploy.vlm import TextFromEmbeds
+
+        programs = [(TextFromEmbeds(model), target_ctx, model.cfg.hidden_size)]
     if drafter is not None:
         draft_ctx = DeployContext(
             drafter.step, dtype=drafter.dtype, quantize=drafter.quantize,
             resource_prefix="draft_", **common,
             **({} if drafter.quant_exclude is None else {"quant_exclude": drafter.quant_exclude}))
         programs.append((drafter.step, draft_ctx, model.cfg.hidden_size))
-    transformed = [(_transform(m, ctx, hidden), ctx) for m, ctx, hidden in programs]
+    transformed = [(_transform(m, ctx, hidden, vision), ctx) for m, ctx, hidden in programs]
     plan = plan_cache([h for (_, res), _ in transformed for h in res.resources], opts.page_size,
                       opts.max_batch_size, opts.max_seq_len, opts.max_cache_gib,
                       target_ctx.device)
-    hf_config = getattr(model, "hf_config", None) or {}
     vocab = model.cfg.vocab_size
     deployed = []
     for (gm, res), ctx in transformed:
@@ -126,10 +138,10 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         deployed.append(GraphDeployed(gm, dataclasses.replace(ctx, model=None), res.infos, plan,
                                       hf_config, vocab, res.resources, res.program,
                                       time.perf_counter() - t0))
-    if spec is None:
-        return deployed[0]
-    return SpecDeployed(deployed[0], deployed[1] if drafter else None,
-                        drafter.drafter if drafter else None, spec)
+        deployed[-1].mrope = vision
+    out = deployed[0] if spec is None else SpecDeployed(
+        deployed[0], deployed[1] if drafter else None, drafter.drafter if drafter else None, spec)
+    return _with_vision(out, model_path, embed, dtype) if vision else out
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -162,11 +174,12 @@ def name_inputs(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _transform(module: nn.Module, ctx: DeployContext, hidden_size: int | None
-               ) -> tuple[fx.GraphModule, PipelineResult]:
+def _transform(module: nn.Module, ctx: DeployContext, hidden_size: int | None,
+               mrope: bool = False) -> tuple[fx.GraphModule, PipelineResult]:
     """Export + the pipeline: the one path every program (target or drafter) takes."""
     max_tokens = max(2, ctx.max_seq_len * ctx.max_batch_size)
-    gm = export_model(module, max_tokens=max_tokens, hidden_size=hidden_size, dtype=ctx.dtype)
+    gm = export_model(module, max_tokens=max_tokens, hidden_size=hidden_size, dtype=ctx.dtype,
+                      mrope=mrope)
     name_inputs(gm)
     return gm, run_pipeline(gm, ctx)
 
@@ -180,6 +193,22 @@ def allocate(gm: fx.GraphModule, resources: list, plan: CachePlan, device) -> No
             gm.register_buffer(f"{h.name}_v", v, persistent=False)
         else:
             gm.register_buffer(h.name, h.allocate(plan.num_slots, device), persistent=False)
+
+
+def _with_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype):
+    """The eager vision tower around the deployed language model (deploy/vlm.py)."""
+    from specdeploy.checkpoint import open_checkpoint
+    from specdeploy.deploy.vlm import VisionLanguageDeployed, load_vision
+    from specdeploy.vision.image import ImageProcessor
+
+    if model_path is None:
+        raise ValueError("vision: a vision-language deployment needs its checkpoint directory")
+    reader = open_checkpoint(model_path)
+    visual = load_vision(reader, dtype).to(inner.device)
+    processor = ImageProcessor.from_dir(model_path)
+    out = VisionLanguageDeployed(inner, visual, embed, reader.config, processor.max_pixels)
+    out.processor = processor
+    return out
 
 
 def _declares_mtp(path) -> bool:

@@ -15,18 +15,22 @@ import specdeploy.ops  # noqa: F401  (registers the canonical ops)
 
 def export_model(
     model: nn.Module, example_tokens: int = 8, max_tokens: int = 1 << 16,
-    hidden_size: int | None = None, dtype: torch.dtype = torch.float32,
+    hidden_size: int | None = None, dtype: torch.dtype = torch.float32, mrope: bool = False,
 ) -> fx.GraphModule:
     """Export `model` with T dynamic in [1, max_tokens]; returns a flat GraphModule.
 
     Inputs are (input_ids[1,T], position_ids[1,T]) and, for drafters (`hidden_size` set), a third
-    one: hidden[1,T,hidden_size]. NOTE: the example uses T > 1 (export specializes sizes 0 and 1).
+    one: hidden[1,T,hidden_size]. `mrope`: positions are [3,1,T] (multimodal RoPE; the target
+    of a vision-language model then takes its input embeddings as `hidden`).
+    NOTE: the example uses T > 1 (export specializes sizes 0 and 1).
     """
     ids = torch.zeros(1, example_tokens, dtype=torch.long)
     pos = torch.arange(example_tokens, dtype=torch.long)[None]
     tokens = torch.export.Dim("tokens", min=2, max=max_tokens)
     args: tuple = (ids, pos)
     dyn: tuple = ({1: tokens}, {1: tokens})
+    if mrope:
+        args, dyn = (ids, pos.expand(3, 1, -1).contiguous()), ({1: tokens}, {2: tokens})
     if hidden_size is not None:
         args += (torch.zeros(1, example_tokens, hidden_size, dtype=dtype),)
         dyn += ({1: tokens},)

@@ -55,10 +55,11 @@ class GraphDeployed:
         # NOTE: not `program or gm`: a compiled GraphModule has no truth value (len() raises)
         self._fn = gm if program is None else program
         self._input_names = [p.name for p in placeholders(gm)]
+        self.mrope = False  # the graph takes [3, 1, T] positions (vision-language targets)
 
     def _feed(self, meta: BatchMetadata, hidden: torch.Tensor | None = None) -> list[torch.Tensor]:
         dev_inputs = {
-            "input_ids": meta.input_ids[None], "position_ids": meta.position_ids[None],
+            "input_ids": meta.input_ids[None], "position_ids": self._positions(meta),
             "logits_idx": meta.logits_idx, "cu_seqlens": meta.cu_seqlens,
             "cache_lens": meta.cache_lens, "page_table": meta.page_table,
             "slot_idx": meta.slot_idx,
@@ -69,6 +70,13 @@ class GraphDeployed:
                 "cache_lens_host": meta.cache_lens, "seg_kind_host": meta.seg_kind,
                 "hidden": None if hidden is None else hidden[None].to(self.device)}
         return [feed[n] for n in self._input_names]
+
+    def _positions(self, meta: BatchMetadata) -> torch.Tensor:
+        if not self.mrope:
+            return meta.position_ids[None]
+        if meta.mrope_positions is None:  # text only: the three axes agree
+            return meta.position_ids.expand(3, 1, -1)
+        return meta.mrope_positions[:, None]
 
     @torch.inference_mode()
     def forward(self, meta: BatchMetadata, hidden: torch.Tensor | None = None) -> StepOutput:

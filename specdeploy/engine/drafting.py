@@ -96,7 +96,8 @@ class ModelDrafter:
             return
         d = self.d
         rows = torch.cat([torch.arange(a, b) for *_, (a, b), _ in work]).to(captured.device)
-        segs = [Segment(w.next_ids, w.start, w.seq.pages, w.seq.slot, int(w.wants))
+        # NOTE: `mm`: the drafter sees the target's (multimodal RoPE) positions
+        segs = [Segment(w.next_ids, w.start, w.seq.pages, w.seq.slot, int(w.wants), mm=w.seq.mm)
                 for w in work]
         if not any(s.num_logits for s in segs):
             segs[-1].num_logits = 1
@@ -125,8 +126,8 @@ class ModelDrafter:
                     drafting, [i for i, ok in enumerate(going) if ok], logits, h)
             if step == self.k - 1 or not drafting:
                 break
-            segs = [Segment([seq.spec.drafts[-1]], pos + step, seq.pages, seq.slot, 1)
-                    for seq, pos in drafting]
+            segs = [Segment([seq.spec.drafts[-1]], pos + step, seq.pages, seq.slot, 1,
+                            mm=seq.mm) for seq, pos in drafting]
             out = d.draft_forward(build_metadata(segs), h)
             logits, h = out.logits, out.hidden
 

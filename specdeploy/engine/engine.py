@@ -47,9 +47,19 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError (naming the parameter) if it can never run."""
+                    request_id: str | None = None, mm=None) -> str:
+        """Queue a request; raises ValueError (naming the parameter) if it can never run. `mm`
+        (vision/prompt.py `MultimodalPrompt`) carries its images; `prompt_ids` are then its
+        expanded ids."""
         params = params or SamplingParams()
+        if mm is not None and list(prompt_ids) != mm.ids:
+            raise ValueError("images: prompt_ids must be the multimodal prompt's expanded ids")
+        if mm is not None and not hasattr(self.deployed, "image_features"):
+            raise ValueError("images: this model has no vision tower")
+        image_id = getattr(self.deployed, "image_token_id", None)
+        if mm is None and image_id is not None and image_id in prompt_ids:
+            raise ValueError(f"prompt: has image placeholder tokens (id {image_id}) but no "
+                             "images were given")
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("prompt: empty prompt")
@@ -73,6 +83,7 @@ class Engine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer.decode, prompt_ids)
         seq = Sequence(prompt_ids, params, detok, request_id, self.device)
+        seq.mm = mm
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_requests += 1
@@ -139,7 +150,8 @@ class Engine:
 
     def _segments(self, batch: list[ScheduledSeq]) -> list[Segment]:
         segs = [Segment(token_ids=s.seq.pending_ids(s.num_tokens), cache_len=s.seq.num_cached,
-                        pages=s.seq.pages, slot=s.seq.slot, num_logits=int(s.samples))
+                        pages=s.seq.pages, slot=s.seq.slot, num_logits=int(s.samples),
+                        mm=s.seq.mm)
                 for s in batch]
         if not any(s.num_logits for s in segs):
             segs[-1].num_logits = 1  # NOTE: keeps N ≥ 1 for runners that cannot return [0, V]

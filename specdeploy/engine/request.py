@@ -111,6 +111,7 @@ class Sequence:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.spec = SpecSeqState()
+        self.mm = None  # its images (vision/prompt.py MultimodalPrompt), on a VLM target
         self._emitted_tokens = 0  # for delta_* in outputs
         self._emitted_text = 0
 

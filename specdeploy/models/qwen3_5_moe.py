@@ -4,8 +4,8 @@ Serves the released vision-language layout (`model.language_model.*`, `model.vis
 `lm_head.*`, top-level `mtp.*`) and transformers' text-only layout (`model.*`). Experts load from
 per-expert keys (`mlp.experts.{e}.{gate,up,down}_proj.weight`, what releases and
 `save_pretrained` write) or fused 3-D tensors (`mlp.experts.gate_up_proj` [E,2I,H],
-`mlp.experts.down_proj` [E,H,I], transformers' in-memory layout). Only text is modelled: text
-positions are equal on the three mRoPE axes.
+`mlp.experts.down_proj` [E,H,I], transformers' in-memory layout). The vision tower is
+`models/qwen3_5_vision.py`; its features enter here as `inputs_embeds`, with [3,B,T] positions.
 """
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdeploy.checkpoint import CheckpointError, CheckpointReader
-from specdeploy.checkpoint.tiny import write_checkpoint, write_tiny_tokenizer
+from specdeploy.checkpoint.tiny import write_checkpoint
 from specdeploy.models.drafters.qwen3_5_mtp import MTP
 from specdeploy.models.layers import RMSNorm
 from specdeploy.models.qwen3_5_blocks import Config, DecoderLayer
+from specdeploy.models.qwen3_5_vision_tiny import tiny_visual, write_tiny_processor
 from specdeploy.ops import rope_cos_sin
 
 ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -62,23 +63,27 @@ class Model(nn.Module):
             self.mtp.init_buffers()
 
     def forward_hidden(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+        self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [B,T,H] (the LM head's input and the MTP head's feature)."""
-        b, t = input_ids.shape
+        """Final-normed hidden states [B,T,H] (the LM head's input and the MTP head's feature).
+        `inputs_embeds` [B,T,H] (image features merged in) replaces the embedding of ids."""
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, t = x.shape[:2]
         if position_ids is None:
-            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+            position_ids = torch.arange(t, device=x.device).expand(b, t)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, self.cfg.mrope_section,
                                 self.cfg.mrope_interleaved)
-        x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
         return self.model.norm(x)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+        self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return F.linear(self.forward_hidden(input_ids, position_ids), self.head.weight)
+        hidden = self.forward_hidden(input_ids, position_ids, inputs_embeds)
+        return F.linear(hidden, self.head.weight)
 
 
 def _zero_centred(name: str) -> bool:
@@ -213,26 +218,6 @@ def tiny_hf_config(mtp_layers: int = 0) -> dict:
     }
 
 
-def _tiny_visual(vc: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random `model.visual.*` tensors so transformers' VLM class loads without missing keys."""
-    d, i, out = vc["hidden_size"], vc["intermediate_size"], vc["out_hidden_size"]
-    m = d * vc["spatial_merge_size"] ** 2
-    p, tp = vc["patch_size"], vc["temporal_patch_size"]
-    shapes = {"patch_embed.proj.weight": (d, vc["in_channels"], tp, p, p),
-              "patch_embed.proj.bias": (d,), "pos_embed.weight": (vc["num_position_embeddings"], d),
-              "merger.norm.weight": (d,), "merger.norm.bias": (d,),
-              "merger.linear_fc1.weight": (m, m), "merger.linear_fc1.bias": (m,),
-              "merger.linear_fc2.weight": (out, m), "merger.linear_fc2.bias": (out,)}
-    for b in range(vc["depth"]):
-        shapes.update({f"blocks.{b}.{k}": s for k, s in {
-            "norm1.weight": (d,), "norm1.bias": (d,), "norm2.weight": (d,), "norm2.bias": (d,),
-            "attn.qkv.weight": (3 * d, d), "attn.qkv.bias": (3 * d,),
-            "attn.proj.weight": (d, d), "attn.proj.bias": (d,),
-            "mlp.linear_fc1.weight": (i, d), "mlp.linear_fc1.bias": (i,),
-            "mlp.linear_fc2.weight": (d, i), "mlp.linear_fc2.bias": (d,)}.items()})
-    return {f"model.visual.{k}": torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()}
-
-
 def _random_init(model: nn.Module, gen: torch.Generator) -> None:
     """O(1) activations (fan-in scaled weights) and non-trivial norms, so tests compare real
     numbers rather than near-zero logits."""
@@ -258,7 +243,7 @@ def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0) -> Path:
     model = Model(cfg, with_mtp=mtp_layers > 0)
     _random_init(model, gen)
     tensors = params_to_checkpoint(model.state_dict(), cfg)
-    tensors.update(_tiny_visual(hf["vision_config"], gen))
+    tensors.update(tiny_visual(hf, gen))
     write_checkpoint(out, hf, tensors)
-    write_tiny_tokenizer(out, cfg.vocab_size)
+    write_tiny_processor(out, hf)
     return Path(out)

@@ -59,7 +59,8 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
     limits = P.Limits(
         model_name=model_name or default_model_name(llm), max_seq_len=engine.max_seq_len,
         kv_capacity=blocks.num_pages * blocks.page_size - engine.scheduler.lookahead,
-        vocab_size=engine.deployed.vocab_size, max_token_chars=max_token_chars(tokenizer))
+        vocab_size=engine.deployed.vocab_size, max_token_chars=max_token_chars(tokenizer),
+        vision=engine.deployed if hasattr(engine.deployed, "image_features") else None)
     metrics = ServerMetrics()
     loop = EngineLoop(engine, metrics, max_batch_size=engine.scheduler.max_batch_size,
                       max_queue=max_queue)
@@ -130,7 +131,7 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         # NOTE: off the event loop: walking a big body and tokenizing a long prompt must not
         # stall other streams
         req = await asyncio.to_thread(lambda: parse(P.parse_json(raw), tokenizer, limits))
-        handle = loop.submit(req.prompts, req.params)
+        handle = loop.submit(req.prompts, req.params, req.mm)
         try:
             await handle.accepted()
         except BaseException:

@@ -100,7 +100,8 @@ class EngineLoop:
     def queue_length(self) -> int:
         return max(0, self._inflight - self.snapshot.get("num_running", 0))
 
-    def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> Handle:
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams],
+               mm: list | None = None) -> Handle:
         """Admit a request (429 when full, 503 when shutting down); call on the event loop."""
         if not self.accepting or not self.alive:
             raise APIError(503, "the server is shutting down", None, "shutting_down",
@@ -112,7 +113,7 @@ class EngineLoop:
             self._inflight += len(prompts)
         handle = Handle([uuid.uuid4().hex for _ in prompts], asyncio.Queue(),
                         asyncio.get_running_loop())
-        self._command("add", handle, prompts, params)
+        self._command("add", handle, prompts, params, mm or [None] * len(prompts))
         return handle
 
     def abort(self, handle: Handle) -> None:
@@ -176,11 +177,11 @@ class EngineLoop:
                     if rid in self._routes:
                         self.engine.abort(rid)
 
-    def _add(self, handle: Handle, prompts, params) -> None:
+    def _add(self, handle: Handle, prompts, params, mm) -> None:
         added = []
         try:
-            for i, (rid, p, sp) in enumerate(zip(handle.ids, prompts, params)):
-                self.engine.add_request(p, sp, rid)
+            for i, (rid, p, sp, m) in enumerate(zip(handle.ids, prompts, params, mm)):
+                self.engine.add_request(p, sp, rid, mm=m)
                 self._routes[rid] = _Route(handle, i)
                 added.append(rid)
                 self.metrics.request_added(len(p))

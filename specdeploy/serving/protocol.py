@@ -56,6 +56,7 @@ class Limits:
     # Characters one token covers at most (the longest vocabulary entry): a prompt longer than
     # context * this cannot fit, so it is refused before the tokenizer spends seconds on it.
     max_token_chars: int | None = None
+    vision: Any = None  # a vision-language deployment (deploy/vlm.py): image parts accepted
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -74,6 +75,7 @@ class GenerationRequest:
     params: list[SamplingParams]  # per prompt (chat's default max_tokens depends on its length)
     stream: bool
     include_usage: bool
+    mm: list | None = None  # per prompt: its images (vision/prompt.py MultimodalPrompt) or None
 
 
 # ---- parsing ------------------------------------------------------------------------------------
@@ -288,7 +290,7 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
     return GenerationRequest(False, model, prompts, params, stream, include_usage)
 
 
-def _message(i: int, m: Any) -> dict:
+def _message(i: int, m: Any, images: list | None = None, vision: Any = None) -> dict:
     field = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(field, "must be an object with `role` and `content`", "invalid_type")
@@ -297,21 +299,37 @@ def _message(i: int, m: Any) -> dict:
         raise bad(f"{field}.role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
                   "invalid_value")
     content = m.get("content")
-    if isinstance(content, list):  # content parts: only text ones
-        texts = []
+    if isinstance(content, list):  # content parts: text, and image_url on a VLM
+        texts, parts = [], []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url" and images is not None:
+                from specdeploy.vision.chat import served_image_url
+
+                if vision is None:
+                    raise bad(f"{field}.content[{j}]", "this model takes no images (text parts "
+                              "only)", "unsupported")
+                images.append(served_image_url(part, bad, f"{field}.content[{j}].image_url.url"))
+                parts.append({"type": "image"})
+                continue
             if not (isinstance(part, dict) and part.get("type") == "text"
                     and isinstance(part.get("text"), str)):
                 raise bad(f"{field}.content[{j}]", "only {\"type\": \"text\", \"text\": ...} "
                           "parts are supported", "unsupported")
             texts.append(part["text"])
-        content = "".join(texts)
+            parts.append({"type": "text", "text": part["text"]})
+        content = parts if len(parts) > len(texts) else "".join(texts)
     elif content is None and role == "assistant":
         content = ""
     elif not isinstance(content, str):
         raise bad(f"{field}.content", "must be a string or a list of text parts",
                   "invalid_type")
     return {"role": role, "content": content}
+
+
+def _text_chars(content: str | list) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(p.get("text", "")) for p in content)
 
 
 def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
@@ -329,19 +347,31 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
         raise bad("messages", "is required", "missing_required_parameter")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list of messages", "invalid_type")
-    conversation = [_message(i, m) for i, m in enumerate(msgs)]
-    _check_chars(sum(len(m["content"]) for m in conversation), limits, "messages")
+    images: list = []
+    conversation = [_message(i, m, images, limits.vision) for i, m in enumerate(msgs)]
+    _check_chars(sum(_text_chars(m["content"]) for m in conversation), limits, "messages")
     try:
         rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
     except Exception as e:  # the template may reject a conversation (roles, order)
         raise bad("messages", f"the chat template rejected the conversation: {e}",
                   "invalid_value") from None
     ids = list(tokenizer.encode(rendered)) if isinstance(rendered, str) else list(rendered)
+    mm = None
+    if images:
+        from specdeploy.vision import ImageError
+        from specdeploy.vision.chat import build_prompt
+
+        try:
+            mm = build_prompt(limits.vision, ids, images, "messages")
+        except ImageError as e:
+            raise APIError(400, str(e), "messages", "invalid_image") from None
+        ids = mm.ids
     _check_prompt(ids, limits, "messages")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     params = _sampling(body, _max_tokens(body, field, len(ids), limits, None), limits)
-    return GenerationRequest(True, model, [ids], [params], stream, include_usage)
+    return GenerationRequest(True, model, [ids], [params], stream, include_usage,
+                             None if mm is None else [mm])
 
 
 # ---- responses ----------------------------------------------------------------------------------

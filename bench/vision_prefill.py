@@ -1,0 +1,108 @@
+"""Vision tower vs language-model prefill, and decode speed with and without MTP after an image.
+
+    .venv/bin/python bench/vision_prefill.py [--model DIR] [--reps 3] [--json-out FILE]
+
+On the tiny VLM (`make-tiny --arch qwen3_5_moe --mtp-layers 1` when --model is not given), fp32,
+one sequence: for 1, 2 and 4 random 448x448 images in one chat prompt, the image
+preprocessing (PIL resize + patchify, timed apart), the tower's time (the deployment's
+`vision_seconds`, one call per request) and the rest of the request (the exported language
+model's prefill over the whole prompt in one chunk, plus engine overhead), medians over
+--reps. Then 64 greedy tokens after a one-image prompt: decode tokens/s plain and with the
+checkpoint's MTP head at K = 1 and 3 (the tiny head is random, so acceptance is near zero: this
+measures the overhead of speculation around a VLM target, not its gain). Prints JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+
+def images(n: int, seed: int = 0):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (448, 448, 3), dtype=np.uint8))
+            for _ in range(n)]
+
+
+def chat(imgs) -> list[dict]:
+    parts = [{"type": "image", "image": im} for im in imgs]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": "describe"}]}]
+
+
+def prefill_split(llm, n: int, reps: int) -> dict:
+    from specdeploy import SamplingParams
+
+    d = llm.deployed
+    tower, lm, pre, tokens = [], [], [], 0
+    for r in range(reps + 1):  # the first run warms up
+        imgs = images(n, seed=r)
+        t0 = time.perf_counter()
+        d.processor.preprocess(imgs)  # timed apart: the request repeats it
+        p = time.perf_counter() - t0
+        v0, t0 = d.vision_seconds, time.perf_counter()
+        (out,) = llm.chat(chat(imgs), SamplingParams(max_tokens=1))
+        wall = time.perf_counter() - t0
+        if r:
+            pre.append(p)
+            tower.append(d.vision_seconds - v0)
+            lm.append(wall - tower[-1] - p)
+        tokens = len(out.prompt_token_ids)
+    t, m = statistics.median(tower), statistics.median(lm)
+    return {"images": n, "prompt_tokens": tokens, "preprocess_s": statistics.median(pre),
+            "vision_tower_s": t, "lm_prefill_s": m, "vision_share": t / (t + m)}
+
+
+def decode(llm, tokens: int) -> dict:
+    from specdeploy import SamplingParams
+
+    llm.chat(chat(images(1, seed=9)), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    if hasattr(llm.engine, "reset_spec_stats"):
+        llm.engine.reset_spec_stats()
+    (out,) = llm.chat(chat(images(1, seed=10)), SamplingParams(max_tokens=tokens,
+                                                              ignore_eos=True))
+    rec = {"decode_tokens_per_s": out.metrics.decode_tokens_per_s, "tokens": len(out.token_ids)}
+    stats = llm.stats()
+    if "mean_accepted_length" in stats:
+        rec.update(mean_accepted_length=stats["mean_accepted_length"],
+                   acceptance_rate=stats["acceptance_rate"])
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args(argv)
+    from specdeploy import LLM
+    from specdeploy.bench import print_json
+
+    torch.set_num_threads(1)
+    model = args.model
+    if model is None:
+        from specdeploy.models.qwen3_5_moe import make_tiny
+
+        model = str(make_tiny(tempfile.mkdtemp(prefix="tiny_vlm_"), seed=0, mtp_layers=1))
+    kw = dict(max_batch_size=1, max_seq_len=4096, max_num_tokens=4096)
+    llm = LLM(model, **kw)
+    result = {"model": "tiny qwen3_5_moe VLM" if args.model is None else model,
+              "dtype": "float32", "threads": 1, "image_size": [448, 448],
+              "prefill": [prefill_split(llm, n, args.reps) for n in (1, 2, 4)],
+              "decode": {"plain": decode(llm, args.decode_tokens)}}
+    for k in (1, 3):
+        spec = LLM(model, spec={"method": "mtp", "num_draft_tokens": k}, **kw)
+        result["decode"][f"mtp_k{k}"] = decode(spec, args.decode_tokens)
+    print_json(result, args.json_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Vision-language targets: the exported language model inside an eager wrapper.
+
+The language model (and an MTP drafter) are exported and transformed exactly as text models are
+(deploy/build.py); two things differ at export: positions are [3, 1, T] (multimodal RoPE) and
+the target takes its input embeddings (`TextFromEmbeds`), so the wrapper can put image features
+at the image tokens. `VisionLanguageDeployed` is what the engine sees as the target: per step it
+embeds the ids, runs the vision tower (eagerly: shapes change with every image and it runs once
+per request, so a graph would buy nothing) for requests whose first image tokens arrive, merges
+the rows of the image tokens each chunk feeds, and hands the rest to the graph. Keyword arguments
+are split that way: pixels and grids to the tower, ids / positions / cache metadata to the graph.
+Everything else (drafting, commit, layout) is the inner deployment's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdeploy.cache.metadata import BatchMetadata
+from specdeploy.deploy.base import StepOutput
+from specdeploy.models.qwen3_5_vision import VisionConfig, VisionModel
+
+VISION_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration",)
+
+
+class TextFromEmbeds(nn.Module):
+    """The exported target of a VLM: (ids (unused), positions[3,1,T], embeds[1,T,H]) → logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, input_ids, position_ids, hidden):
+        return self.inner(None, position_ids, hidden)
+
+
+def has_vision(hf_config: dict) -> bool:
+    return (bool(set(hf_config.get("architectures") or ()) & set(VISION_ARCHITECTURES))
+            and "vision_config" in hf_config)
+
+
+def load_vision(reader, dtype: torch.dtype) -> VisionModel:
+    """The tower from `model.visual.*`; raises naming the missing tensors."""
+    from specdeploy.checkpoint import CheckpointError
+
+    cfg = VisionConfig.from_hf(reader.config)
+    with torch.device("meta"):
+        tower = VisionModel(cfg)
+    names = list(tower.state_dict())
+    missing = [f"model.visual.{n}" for n in names if f"model.visual.{n}" not in reader]
+    if missing:
+        raise CheckpointError(f"{reader.path}: vision tower tensors are missing: "
+                              f"{', '.join(missing[:8])}")
+    state = {n: reader.get(f"model.visual.{n}").to(dtype) for n in names}
+    tower.load_state_dict(state, assign=True)
+    return tower.eval().requires_grad_(False)
+
+
+class VisionLanguageDeployed:
+    """Wraps a `GraphDeployed` / `SpecDeployed` whose target graph was exported from
+    `TextFromEmbeds`. `image_token_id` marks the placeholders features replace."""
+
+    def __init__(self, inner, visual: VisionModel, embed_tokens: nn.Module, hf_config: dict,
+                 max_image_pixels: int):
+        self.inner = inner
+        self.visual = visual
+        self.embed_tokens = embed_tokens
+        self.image_token_id = int(hf_config["image_token_id"])
+        self.merge_size = visual.cfg.spatial_merge_size
+        self.vision_peak_bytes = vision_peak_bytes(visual.cfg, max_image_pixels,
+                                                   embed_tokens.weight.element_size())
+        self.vision_seconds = 0.0  # time spent in the tower (bench/vision_prefill.py)
+
+    def __getattr__(self, name):  # everything else is the inner deployment's
+        return getattr(self.__dict__["inner"], name)
+
+    @property
+    def target(self):
+        return getattr(self.inner, "target", self.inner)
+
+    @torch.inference_mode()
+    def forward(self, meta: BatchMetadata) -> StepOutput:
+        embeds = self.embed_tokens(meta.input_ids)
+        for first, mm, start, n in meta.mm_rows or ():
+            rows = mm.image_rows(start, n)
+            if rows is None:
+                continue
+            feats = self.image_features(mm)
+            offsets, idx = rows
+            embeds[first + offsets.to(embeds.device)] = feats[idx.to(feats.device)]
+        return self.target.forward(meta, embeds)
+
+    def image_features(self, mm) -> torch.Tensor:
+        """The request's image features, computed on first use and kept with the request."""
+        if mm.features is None:
+            import time
+
+            t0 = time.perf_counter()
+            dev = self.embed_tokens.weight.device
+            grid = torch.tensor(mm.grid_thw, dtype=torch.long)
+            feats = self.visual(mm.pixel_values.to(dev), grid)
+            mm.features = feats.to(self.embed_tokens.weight.dtype)
+            self.vision_seconds += time.perf_counter() - t0
+        return mm.features
+
+    def report(self) -> str:
+        return "\n".join([self.inner.report(), f"vision tower: eager, activations peak ~"
+                          f"{self.vision_peak_bytes / 2**20:.1f} MiB per max-size image"])
+
+
+def vision_peak_bytes(cfg: VisionConfig, max_pixels: int, elem: int) -> int:
+    """Largest live activations of one tower call on an image of `max_pixels`: the residual
+    stream, q/k/v and the MLP's hidden, plus one head's attention scores at a time (SDPA's math
+    path materializes [P, P] per head)."""
+    p = max(1, max_pixels // cfg.patch_size ** 2)
+    d = cfg.hidden_size
+    return p * (2 * d + 3 * d + cfg.intermediate_size) * elem + cfg.num_heads * p * p * 4
