@@ -1,0 +1,208 @@
+"""specdeploy's own quantizer: writes ModelOpt FP8 / NVFP4 and HF fine-grained FP8 checkpoints in
+the layouts NVIDIA's and Qwen's releases ship (see ops/fp8_linear.py, ops/nvfp4_linear.py).
+
+Excluded as those releases do: the LM head, MTP layers (`mtp*`: the drafter stays bf16), MoE
+routers and the shared-expert gate, the vision tower; embeddings, norms and convolutions are
+never quantized. NVFP4 also leaves out linears whose input size is not a multiple of 16 (named
+one by one in `exclude_modules`).
+
+Static FP8 activation scales (ModelOpt `input_scale` = amax / 448) are calibrated on the model
+itself: a few random-token sequences through the plain fp32 model, recording each linear's input
+amax and, for routed experts, the amax of each expert's input and intermediate activations.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specdeploy.checkpoint.reader import CheckpointError, CheckpointReader, open_checkpoint
+from specdeploy.checkpoint.tiny import write_checkpoint
+from specdeploy.ops.fp8_linear import FP8_MAX, quantize_fp8_block, quantize_fp8_tensor
+from specdeploy.ops.nvfp4_linear import E2M1_MAX, GROUP, quantize_nvfp4
+
+__all__ = ["METHODS", "RELEASE_EXCLUDE", "quantize_checkpoint"]
+
+METHODS = ("fp8", "nvfp4", "fp8-block")
+RELEASE_EXCLUDE = ("lm_head", "mtp*", "*.mlp.gate", "*.mixer.gate", "*.shared_expert_gate",
+                   "model.visual*")
+_NEVER = ("embed", "norm", "conv1d")  # leaves quantized by no release
+
+
+def _module(key: str) -> str:
+    return key[: -len(".weight")]
+
+
+def _quantizable(key: str, t: torch.Tensor) -> bool:
+    return (key.endswith(".weight") and t.dim() == 2 and t.dtype.is_floating_point
+            and not any(w in key for w in _NEVER))
+
+
+class _MoeAmax(TorchDispatchMode):
+    """Records, per routed-experts call, each expert's input / intermediate amax (by weight)."""
+
+    def __init__(self, amax: dict):
+        super().__init__()
+        self.amax = amax
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.specdeploy.moe_experts.default:
+            x, ids, _, w_up, _, act = args
+            for e in range(w_up.shape[0]):
+                rows = (ids == e).any(-1)
+                if rows.any():
+                    xe = x[rows].float()
+                    h = xe @ w_up[e].float().t()
+                    if act == "swiglu":
+                        g, u = h.chunk(2, -1)
+                        h = torch.nn.functional.silu(g) * u
+                    else:
+                        h = torch.relu(h).square()
+                    for key, v in (((w_up.data_ptr(), e), xe), ((args[4].data_ptr(), e), h)):
+                        self.amax[key] = max(self.amax.get(key, 0.0), v.abs().max().item())
+        return out
+
+
+def _calibrate(model: nn.Module, vocab: int, seqs: int = 4, tokens: int = 48) -> dict:
+    """(weight data_ptr, expert or -1) → input amax over a few random-token sequences."""
+    amax: dict = {}
+    hooks = []
+    def hook(m, inp):
+        key = (m.weight.data_ptr(), -1)
+        amax[key] = max(amax.get(key, 0.0), inp[0].detach().abs().max().item())
+
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear):
+            hooks.append(mod.register_forward_pre_hook(hook))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (seqs, tokens), generator=gen)
+    try:
+        with torch.no_grad(), _MoeAmax(amax):
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return amax
+
+
+def _sources(reader, model: nn.Module, fam, cfg) -> dict[str, tuple[int, int]]:
+    """checkpoint key → (data_ptr of the parameter it loads into, expert index or -1)."""
+    log: list[str] = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(reader, name)
+
+        def __contains__(self, name):
+            return name in reader
+
+        def get(self, name):
+            log.append(name)
+            return reader.get(name)
+
+    params = fam.checkpoint_to_params(Recording(), cfg, with_mtp=hasattr(model, "mtp"))
+    named = dict(model.named_parameters())
+    out = {}
+    for name, thunk in params.items():
+        start = len(log)
+        thunk()
+        keys = log[start:]
+        p = named.get(name)
+        if p is None:
+            continue
+        experts = p.dim() == 3 and len(keys) >= p.shape[0] and len(keys) % p.shape[0] == 0
+        per = len(keys) // p.shape[0] if experts else 1
+        for i, k in enumerate(keys):
+            out[k] = (p.data_ptr(), i // per if experts else -1)
+    return out
+
+
+def _load(src: Path):
+    from specdeploy.checkpoint.quant_config import detect_quant_config
+    from specdeploy.loading import load_model_from_reader
+    from specdeploy.models.registry import module_for_config
+
+    reader = open_checkpoint(src)
+    if detect_quant_config(reader.path, reader.config, reader.keys()) is not None:
+        raise CheckpointError(f"{src}: already quantized; quantize from a full-precision one")
+    hf = reader.config.get("text_config", reader.config)
+    mtp = any(int(hf.get(k) or 0) > 0 for k in ("num_nextn_predict_layers",
+                                                  "mtp_num_hidden_layers"))
+    model = load_model_from_reader(reader, "float32", with_mtp=mtp)
+    fam = module_for_config(reader.config)
+    return reader, model, fam, fam.Config.from_hf(reader.config)
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, method: str,
+                        exclude: tuple[str, ...] = RELEASE_EXCLUDE) -> Path:
+    """Write `src` (any loadable checkpoint) quantized with `method` to `out`; returns `out`."""
+    if method not in METHODS:
+        raise ValueError(f"quantize: unsupported method {method!r}; use one of {METHODS}")
+    src, out = Path(src), Path(out)
+    reader, model, fam, cfg = _load(src)
+    if isinstance(reader, CheckpointReader):  # the released layout, exactly as stored
+        tensors = {k: reader.get(k) for k in reader.keys()}
+    else:  # GGUF: our parameters in the family's released layout
+        tensors = fam.params_to_checkpoint(model.state_dict(), cfg)
+    amax = _calibrate(model, cfg.vocab_size) if method == "fp8" else {}
+    source = _sources(reader, model, fam, cfg) if method == "fp8" else {}
+    excluded, result = list(exclude), {}
+    for key, t in tensors.items():
+        mod = _module(key) if key.endswith(".weight") else key
+        if not _quantizable(key, t) or any(fnmatchcase(mod, g) for g in exclude):
+            result[key] = t
+            continue
+        if method == "nvfp4" and t.shape[1] % GROUP:
+            excluded.append(mod)
+            result[key] = t
+            continue
+        result.update(_quantize_one(key, t.float(), method, amax, source))
+    # NOTE: what stays unquantized ships in bf16, as in the releases (biases, SSM parameters
+    # and scales stay fp32)
+    result = {k: (v.to(torch.bfloat16) if v.dtype == torch.float32 and k.endswith(".weight")
+                  else v) for k, v in result.items()}
+    config = dict(reader.config)
+    config["torch_dtype"] = "bfloat16"
+    if method == "fp8-block":
+        config["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128], "modules_to_not_convert": excluded}
+    write_checkpoint(out, config, result)
+    if method != "fp8-block":
+        quant = {"quant_algo": method.upper(), "kv_cache_quant_algo": None,
+                 "exclude_modules": excluded}
+        if method == "nvfp4":
+            quant["group_size"] = GROUP
+        hqc = {"producer": {"name": "modelopt", "version": "specdeploy"}, "quantization": quant}
+        (out / "hf_quant_config.json").write_text(json.dumps(hqc, indent=2))
+    if src.is_dir():
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in (
+                    "config.json", "model.safetensors.index.json", "hf_quant_config.json"):
+                shutil.copy2(f, out / f.name)
+    return out
+
+
+def _quantize_one(key: str, w: torch.Tensor, method: str, amax: dict, source: dict) -> dict:
+    base = key[: -len("weight")]
+    if method == "fp8-block":
+        q, s = quantize_fp8_block(w)
+        return {key: q, base + "weight_scale_inv": s}
+    if method == "nvfp4":
+        p, s, s2 = quantize_nvfp4(w)
+        # NOTE: written for layout fidelity (an FP4 GEMM would quantize activations with it);
+        # unused here: no amax calibration pass for NVFP4, the weight-only path ignores it
+        return {key: p, base + "weight_scale": s, base + "weight_scale_2": s2,
+                base + "input_scale": torch.tensor(1.0 / E2M1_MAX)}
+    q, s = quantize_fp8_tensor(w)
+    a = amax.get(source.get(key, (0, -1)), 0.0)
+    if a <= 0.0:  # never reached in calibration (an expert no token chose): its peers' largest
+        ptr = source.get(key, (0, -1))[0]
+        a = max([v for (p, _), v in amax.items() if p == ptr] or [1.0])
+    return {key: q, base + "weight_scale": s, base + "input_scale": torch.tensor(a / FP8_MAX)}
