@@ -59,10 +59,15 @@ class QuantizedReader:
     def missing(self, names) -> list[str]:
         return self._r.missing(names)
 
+    @staticmethod
+    def _base(name: str) -> str:
+        """Scale names are `X.weight_scale` for `X.weight` and `X_weight_scale` for a fused 3-D
+        expert tensor `X` (`experts.gate_up_proj_weight_scale`)."""
+        return name[: -len("weight")] if name.endswith(".weight") else name + "_"
+
     def is_quantized(self, name: str) -> bool:
-        base = name[: -len("weight")] if name.endswith(".weight") else None
         suffix = "weight_scale_inv" if self.qcfg.method == "fp8_block" else "weight_scale"
-        return base is not None and base + suffix in self._r
+        return self._base(name) + suffix in self._r
 
     def get(self, name: str) -> torch.Tensor:
         if not self.is_quantized(name):
@@ -78,37 +83,44 @@ class QuantizedReader:
             return dequantize_fp8(*qw)
         return dequantize_nvfp4(*qw)
 
+    def _per_matrix(self, key: str, lead: tuple, what: str) -> torch.Tensor:
+        """A per-tensor scale (one per expert for a fused [E, N, K] tensor) as fp32 `lead`."""
+        s = self._r.get(key).float()
+        if s.numel() == 1:
+            return s.reshape(()).expand(lead).contiguous() if lead else s.reshape(())
+        _check(tuple(s.shape) == lead, self.path, key, f"{what} of shape () or {lead}, got "
+               f"{tuple(s.shape)}")
+        return s
+
     def _quantized(self, name: str):
-        base, m = name[: -len("weight")], self.qcfg.method
+        base, m = self._base(name), self.qcfg.method
         w = self._r.get(name)
-        n = w.shape[0]
+        lead, n = tuple(w.shape[:-2]), w.shape[-2]
         if m in ("fp8", "fp8_block"):
             _check(w.dtype == torch.float8_e4m3fn, self.path, name, f"float8_e4m3fn, got {w.dtype}")
-            k = w.shape[1]
+            k = w.shape[-1]
             if m == "fp8":
-                s = self._r.get(base + "weight_scale").float()
-                _check(s.numel() == 1, self.path, base + "weight_scale",
-                       f"one per-tensor scale, got shape {tuple(s.shape)}")
-                scale, block_k = s.reshape(1, 1).expand(n, 1).contiguous(), k
+                s = self._per_matrix(base + "weight_scale", lead, "a per-tensor scale")
+                scale, block_k = s[..., None, None].expand(*lead, n, 1).contiguous(), k
             else:
                 bn, block_k = self.qcfg.block_size
                 s = self._r.get(base + "weight_scale_inv")
-                want = (-(-n // bn), -(-k // block_k))
+                want = (*lead, -(-n // bn), -(-k // block_k))
                 _check(tuple(s.shape) == want, self.path, base + "weight_scale_inv",
                        f"shape {want} for weight {tuple(w.shape)}, got {tuple(s.shape)}")
-                scale = row_scales_from_blocks(s, n, bn)
+                scale = (torch.stack([row_scales_from_blocks(b, n, bn) for b in s])
+                         if lead else row_scales_from_blocks(s, n, bn))
             in_scale = None
             if self.qcfg.static_activations and base + "input_scale" in self._r:
-                in_scale = self._r.get(base + "input_scale").float().reshape(())
+                in_scale = self._r.get(base + "input_scale").float().max()
             return Fp8Weight(w, scale, block_k), in_scale
         _check(w.dtype == torch.uint8, self.path, name, f"uint8 (packed E2M1), got {w.dtype}")
         s = self._r.get(base + "weight_scale")
-        want = (n, w.shape[1] * 2 // GROUP)
+        want = (*lead, n, w.shape[-1] * 2 // GROUP)
         _check(s.dtype == torch.float8_e4m3fn and tuple(s.shape) == want, self.path,
                base + "weight_scale", f"float8_e4m3fn {want}, got {s.dtype} {tuple(s.shape)}")
-        s2 = self._r.get(base + "weight_scale_2").float()
-        _check(s2.numel() == 1, self.path, base + "weight_scale_2", "a scalar")
-        return Nvfp4Weight(w, s, s2.reshape(1).expand(n).contiguous()), None
+        s2 = self._per_matrix(base + "weight_scale_2", lead, "weight_scale_2")
+        return Nvfp4Weight(w, s, s2[..., None].expand(*lead, n).contiguous()), None
 
     def wrap_params(self, params: dict[str, Callable[[], torch.Tensor]], info: PrequantInfo
                     ) -> dict[str, Callable[[], torch.Tensor]]:
@@ -162,8 +174,10 @@ def _combine(name: str, reads: list, shape: torch.Size):
     # NOTE: one static activation scale per parameter: the largest (vLLM / TensorRT-LLM do
     # the same for fused q/k/v, gate/up and MoE experts)
     in_scale = torch.stack(scales).max() if scales else None
-    if len(shape) == 2:
-        qw = qws[0] if len(qws) == 1 else _cat(qws, 0)
+    if len(qws) == 1 and qws[0].weight.dim() == len(shape):  # stored as the model holds it
+        qw = qws[0]
+    elif len(shape) == 2:
+        qw = _cat(qws, 0)
     elif len(shape) == 3 and len(qws) % shape[0] == 0:
         per = len(qws) // shape[0]
         qw = _stack([_cat(qws[e * per:(e + 1) * per], 0) for e in range(shape[0])])
