@@ -51,9 +51,9 @@ def test_fp8_rounding_bounds():
     """e4m3 has 3 mantissa bits: round-to-nearest errs by at most 2^-4 relative above the normal
     range (2^-6 · scale), by half the subnormal step (2^-10 · scale) below it."""
     w = torch.randn(130, 300) * torch.logspace(-3, 1, 300)
-    q, s = quantize_fp8_tensor(w)
+    q_t, s_t = quantize_fp8_tensor(w)
     q_b, s_b = quantize_fp8_block(w)
-    for q, s, bk in ((q, s.reshape(1, 1).expand(130, 1), 300),
+    for q, s, bk in ((q_t, s_t.reshape(1, 1).expand(130, 1), 300),
                      (q_b, row_scales_from_blocks(s_b, 130, 128), 128)):
         col = s.repeat_interleave(bk, 1)[:, :300]
         err = (dequantize_fp8(q, s, bk) - w).abs()
