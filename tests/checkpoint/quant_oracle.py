@@ -118,12 +118,13 @@ def fake_quant_hooks(model: torch.nn.Module, in_scales: dict[str, torch.Tensor],
     over the experts, the convention the loader documents)."""
     hooks, expert_scales = [], {}
     for key, s in in_scales.items():
-        mod_name = _ours(key[: -len(".weight")])
+        mod_name = _ours(key[: -len(".weight")] if key.endswith(".weight") else key)
         parts = mod_name.split(".")
         if "experts" in parts:
             i = parts.index("experts")
             owner = ".".join(parts[:i + 1])
             proj = "down" if parts[-1] == "down_proj" else "up"
+            s = s.max()  # per-expert scales of a fused tensor: the largest, as one scale
             prev = expert_scales.setdefault(owner, {}).get(proj)
             expert_scales[owner][proj] = s if prev is None else torch.maximum(prev, s)
             continue
