@@ -163,10 +163,11 @@ def quantize_checkpoint(src: str | Path, out: str | Path, method: str,
             result[key] = t
             continue
         result.update(_quantize_one(key, t.float(), method, amax, source))
-    # NOTE: what stays unquantized ships in bf16, as in the releases (biases, SSM parameters
-    # and scales stay fp32)
-    result = {k: (v.to(torch.bfloat16) if v.dtype == torch.float32 and k.endswith(".weight")
-                  else v) for k, v in result.items()}
+    # NOTE: unquantized matrices ship in bf16, as in the releases; vectors (norms, biases, SSM
+    # parameters) and scales keep their precision (a shipped drafter head recognises its target
+    # by its final norm's sum: drafters_registry)
+    result = {k: (v.to(torch.bfloat16) if v.dtype == torch.float32 and v.dim() >= 2 else v)
+              for k, v in result.items()}
     config = dict(reader.config)
     config["torch_dtype"] = "bfloat16"
     if method == "fp8-block":
@@ -181,7 +182,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, method: str,
             quant["group_size"] = GROUP
         hqc = {"producer": {"name": "modelopt", "version": "specdeploy"}, "quantization": quant}
         (out / "hf_quant_config.json").write_text(json.dumps(hqc, indent=2))
-    if src.is_dir():
+    if not src.is_dir():  # a GGUF file: its tokenizer as a HF fast tokenizer
+        _write_tokenizer(src, out)
+    else:
         for f in src.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and f.name not in (
                     "config.json", "model.safetensors.index.json", "hf_quant_config.json"):
@@ -206,3 +209,15 @@ def _quantize_one(key: str, w: torch.Tensor, method: str, amax: dict, source: di
         ptr = source.get(key, (0, -1))[0]
         a = max([v for (p, _), v in amax.items() if p == ptr] or [1.0])
     return {key: q, base + "weight_scale": s, base + "input_scale": torch.tensor(a / FP8_MAX)}
+
+
+def _write_tokenizer(src: Path, out: Path) -> None:
+    from specdeploy.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(src)
+    tok.backend.save(str(out / "tokenizer.json"))
+    cfg = {**{k: v for k, v in tok.special_tokens.items() if v is not None},
+           "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tok.chat_template}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_ids}
+    (out / "generation_config.json").write_text(json.dumps(gen))

@@ -106,7 +106,8 @@ def _scaled_mm_ok(x, weight, scale, block_k, input_scale) -> bool:
     # NOTE: the FP8 tensor-core GEMM takes one scale per tensor (row-wise scales need newer
     # hardware paths); used only for ModelOpt per-tensor weights with static activation scales.
     return (x.is_cuda and hasattr(torch, "_scaled_mm") and input_scale is not None
-            and block_k >= weight.shape[1] and bool((scale == scale.flatten()[0]).all())
+            and block_k >= weight.shape[1] and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 16 == 0 and bool((scale == scale.flatten()[0]).all())
             and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
