@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.export import export_model
-from specdeploy.deploy.passes.prequantized import prequantized_weights
-from specdeploy.deploy.pipeline import DeployContext
+from specdeploy.deploy.pipeline import run_transform
 from specdeploy.loading import load_model
 from specdeploy.models import nemotron_h_blocks, qwen3_5_blocks
 from specdeploy.models.registry import family_module
@@ -85,7 +85,7 @@ def test_fused_expert_layout(tmp_path, arch, method):
     model = load_model(path)
     assert all(w.weight.dim() == 3 for w in model.prequant_weights.values())
     gm = export_model(model, max_tokens=64)
-    info = prequantized_weights(gm, DeployContext(model=model))
+    info, _ = run_transform("prequantized_weights", gm, DeployContext(model=model))
     assert info.num_matches == (2 if arch == "nemotron_h" else 4)  # one per MoE layer
     with torch.no_grad():
         got = gm(ids, torch.arange(23)[None])[0]

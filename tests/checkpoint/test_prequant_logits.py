@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 
 from specdeploy.checkpoint import CheckpointError
+from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.export import export_model
-from specdeploy.deploy.passes.prequantized import prequantized_weights
-from specdeploy.deploy.pipeline import DeployContext
+from specdeploy.deploy.pipeline import run_transform
 from specdeploy.loading import load_model
 from specdeploy.models import nemotron_h_blocks, qwen3_5_blocks
 from specdeploy.quantize_cli import make_tiny_quantized
@@ -70,7 +70,7 @@ def test_deployed_logits_match_dequantized_oracle(quantized, tmp_path, arch, met
         want = oracle(ids)
     model = load_model(path)
     gm = export_model(model, max_tokens=64)
-    info = prequantized_weights(gm, DeployContext(model=model))
+    info, _ = run_transform("prequantized_weights", gm, DeployContext(model=model))
     assert info.num_matches == EXPECTED[arch] and not info.skipped
     with torch.no_grad():
         got = gm(ids, pos)[0]
@@ -81,7 +81,7 @@ def test_deployed_logits_match_dequantized_oracle(quantized, tmp_path, arch, met
 def test_weights_stay_quantized_in_the_graph(quantized, method):
     model = load_model(quantized("qwen3_5_moe", method))
     gm = export_model(model, max_tokens=64)
-    prequantized_weights(gm, DeployContext(model=model))
+    run_transform("prequantized_weights", gm, DeployContext(model=model))
     dtypes = {t.dtype for t in gm.buffers()}
     assert (torch.uint8 if method == "nvfp4" else torch.float8_e4m3fn) in dtypes
     # no full-precision copy of a quantized weight is left: only excluded / non-linear params

@@ -22,8 +22,9 @@ from torch import fx, nn
 import specdeploy.ops.fp8_linear  # noqa: F401  (registers the quantized ops)
 import specdeploy.ops.nvfp4_linear  # noqa: F401
 import specdeploy.ops.quant_moe  # noqa: F401
-from specdeploy.deploy.graph import attr_tensor, finalize
-from specdeploy.deploy.pipeline import DeployContext, Stage, TransformInfo, register
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.graph import attr_tensor
+from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops.fp8_linear import Fp8Weight
 
 NAME = "prequantized_weights"
@@ -136,14 +137,17 @@ def _excluded_summary(info) -> str:
     return "; kept full precision by the checkpoint's exclusions: " + ", ".join(parts)
 
 
-@register(NAME, Stage.QUANTIZE)
-def prequantized_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformInfo:
-    weights, info = _weight_map(ctx.model) if ctx.model is not None else ({}, None)
-    if not weights:
-        return TransformInfo(NAME, Stage.QUANTIZE, 0, skipped=True,
-                             detail="not a pre-quantized checkpoint")
+def _no_weights(ctx: DeployContext) -> str | None:
+    if ctx.model is None or not _weight_map(ctx.model)[0]:
+        return "not a pre-quantized checkpoint"
+    return None
+
+
+@register(NAME, Stage.QUANTIZE, skip_if=_no_weights)
+def prequantized_weights(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
+    weights, info = _weight_map(ctx.model)
     n_lin = n_moe = 0
-    stored, touched = 0, set()
+    stored, touched, freed = 0, set(), {}
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -152,6 +156,7 @@ def prequantized_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformInf
             hit = None if w is None else weights.get(_key(w))
             if hit is not None and node.args[0] is not node.args[1]:
                 touched.add(node.args[1].target)
+                freed[w.data_ptr()] = w.nbytes
                 _replace_linear(gm, node, *hit)
                 n_lin += 1
                 stored += _nbytes(hit[0])
@@ -161,18 +166,18 @@ def prequantized_weights(gm: fx.GraphModule, ctx: DeployContext) -> TransformInf
             down = None if w_down is None else weights.get(_key(w_down))
             if up is not None and down is not None and type(up[0]) is type(down[0]):
                 touched.update({node.args[3].target, node.args[4].target})
+                freed.update({w_up.data_ptr(): w_up.nbytes, w_down.data_ptr(): w_down.nbytes})
                 _replace_moe(gm, node, up, down)
                 n_moe += 1
                 stored += _nbytes(up[0]) + _nbytes(down[0])
     _drop_unused_params(gm, touched)
-    finalize(gm)
     what = info.config.describe() if info is not None else "pre-quantized"
     detail = (f"{what}: {n_lin} linears + {n_moe} routed-expert sets on "
               f"{stored / 2**20:.2f} MiB of quantized weights")
     if info is not None and info.config.kv_cache:
         detail += "; kv cache kept at the model dtype (checkpoint k/v scales unused)"
-    return TransformInfo(NAME, Stage.QUANTIZE, n_lin + n_moe, detail=detail
-                         + _excluded_summary(info))
+    return Done(n_lin + n_moe, detail + _excluded_summary(info),
+                bytes_saved=sum(freed.values()) - stored)
 
 
 def _nbytes(qw) -> int:
