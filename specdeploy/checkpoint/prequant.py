@@ -20,7 +20,12 @@ import torch
 from torch import nn
 
 from specdeploy.checkpoint.quant_config import QuantConfig, detect_quant_config
-from specdeploy.checkpoint.quant_exclude import DRAFTER_ROOT, ExclusionMap, map_exclusions
+from specdeploy.checkpoint.quant_exclude import (
+    DRAFTER_ROOT,
+    ExclusionMap,
+    map_exclusions,
+    target_module_name,
+)
 from specdeploy.checkpoint.reader import CheckpointError
 from specdeploy.ops.fp8_linear import Fp8Weight, dequantize_fp8, row_scales_from_blocks
 from specdeploy.ops.nvfp4_linear import GROUP, Nvfp4Weight, dequantize_nvfp4
@@ -37,6 +42,7 @@ class PrequantInfo:
     weights: dict = field(default_factory=dict)  # param name → Fp8Weight | Nvfp4Weight
     input_scales: dict = field(default_factory=dict)  # param name → fp32 scalar (FP8 only)
     excluded: dict = field(default_factory=dict)  # our module name → why (checkpoint glob)
+    kv_scales: dict = field(default_factory=dict)  # our attention module → (k_scale, v_scale)
 
 
 class QuantizedReader:
@@ -207,7 +213,29 @@ def open_prequantized(reader, n_layers: int, model: nn.Module
         return reader, None
     ckpt_modules = sorted({k.rpartition(".")[0] for k in reader.keys()})
     excl = map_exclusions(qcfg.exclude, ckpt_modules, n_layers, _quantizable_modules(model))
-    return QuantizedReader(reader, qcfg), PrequantInfo(qcfg, excl)
+    info = PrequantInfo(qcfg, excl, kv_scales=_kv_scales(reader) if qcfg.kv_cache else {})
+    return QuantizedReader(reader, qcfg), info
+
+
+def _kv_scales(reader) -> dict[str, tuple[float, float]]:
+    """ModelOpt's per-layer FP8 KV scales (`<attn>.k_proj.k_scale`, `<attn>.v_proj.v_scale`, or
+    directly `<attn>.k_scale`) by our attention module name; a layer without them uses 1.0."""
+    out: dict[str, list[float]] = {}
+    for key in reader.keys():
+        for i, leaf in enumerate((".k_scale", ".v_scale")):
+            if key.endswith(leaf):
+                mod = key[: -len(leaf)]
+                for sub in (".k_proj", ".v_proj", ".attn"):
+                    mod = mod[: -len(sub)] if mod.endswith(sub) else mod
+                ours = target_module_name(mod)
+                out.setdefault(ours, [1.0, 1.0])[i] = float(reader.get(key).float().max())
+    return {m: (k, v) for m, (k, v) in out.items()}
+
+
+def prequant_kv_dtype(model: nn.Module) -> torch.dtype | None:
+    """float8_e4m3fn when the model's checkpoint declares an FP8 KV cache, else None."""
+    info = getattr(model, "prequant", None)
+    return torch.float8_e4m3fn if info is not None and info.config.kv_cache == "FP8" else None
 
 
 def attach(model: nn.Module, info: PrequantInfo) -> None:

@@ -21,7 +21,7 @@ from fnmatch import fnmatchcase
 
 from specdeploy.checkpoint.reader import CheckpointError
 
-__all__ = ["DRAFTER_ROOT", "ExclusionMap", "map_exclusions"]
+__all__ = ["DRAFTER_ROOT", "ExclusionMap", "map_exclusions", "target_module_name"]
 
 DRAFTER_ROOT = "eagle_drafter"
 # checkpoint export prefix → the target's own (all our families root the decoder at `model.`)
@@ -51,6 +51,15 @@ class ExclusionMap:
             if fnmatchcase(name, g):
                 return repr(g)
         return None
+
+
+def target_module_name(ckpt_name: str) -> str:
+    """A checkpoint module name of the target → ours (`backbone.layers.3.mixer` →
+    `model.layers.3.mixer`)."""
+    for theirs, ours in _TARGET_PREFIXES:
+        if ckpt_name.startswith(theirs):
+            return ours + ckpt_name[len(theirs):]
+    return ckpt_name
 
 
 def _is_drafter_ckpt(name: str, n_layers: int) -> bool:

@@ -50,8 +50,14 @@ class _MoeAmax(TorchDispatchMode):
         super().__init__()
         self.amax = amax
 
+    current = ""  # the attention module running (set by a pre-hook), for its k / v amax
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is torch.ops.specdeploy.attention.default and self.current:
+            for i, leaf in ((1, "k_scale"), (2, "v_scale")):
+                key = (self.current, leaf)
+                self.amax[key] = max(self.amax.get(key, 0.0), args[i].abs().max().item())
         if func is torch.ops.specdeploy.moe_experts.default:
             x, ids, _, w_up, _, act = args
             for e in range(w_up.shape[0]):
@@ -77,13 +83,17 @@ def _calibrate(model: nn.Module, vocab: int, seqs: int = 4, tokens: int = 48) ->
         key = (m.weight.data_ptr(), -1)
         amax[key] = max(amax.get(key, 0.0), inp[0].detach().abs().max().item())
 
-    for mod in model.modules():
+    mode = _MoeAmax(amax)
+    for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear):
             hooks.append(mod.register_forward_pre_hook(hook))
+        if hasattr(mod, "k_proj") and hasattr(mod, "v_proj"):
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, name=name: setattr(mode, "current", name)))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (seqs, tokens), generator=gen)
     try:
-        with torch.no_grad(), _MoeAmax(amax):
+        with torch.no_grad(), mode:
             model(ids)
     finally:
         for h in hooks:
@@ -140,17 +150,23 @@ def _load(src: Path):
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, method: str,
-                        exclude: tuple[str, ...] = RELEASE_EXCLUDE) -> Path:
-    """Write `src` (any loadable checkpoint) quantized with `method` to `out`; returns `out`."""
+                        exclude: tuple[str, ...] = RELEASE_EXCLUDE, kv_cache: str | None = None
+                        ) -> Path:
+    """Write `src` (any loadable checkpoint) quantized with `method` to `out`; returns `out`.
+    `kv_cache="fp8"` (ModelOpt methods) also declares an FP8 KV cache with calibrated per-layer
+    `k_proj.k_scale` / `v_proj.v_scale` (amax / 448)."""
     if method not in METHODS:
         raise ValueError(f"quantize: unsupported method {method!r}; use one of {METHODS}")
+    if kv_cache not in (None, "fp8") or (kv_cache and method == "fp8-block"):
+        raise ValueError(f"quantize: kv_cache must be None or 'fp8' (ModelOpt methods), got "
+                         f"{kv_cache!r} with {method!r}")
     src, out = Path(src), Path(out)
     reader, model, fam, cfg = _load(src)
     if isinstance(reader, CheckpointReader):  # the released layout, exactly as stored
         tensors = {k: reader.get(k) for k in reader.keys()}
     else:  # GGUF: our parameters in the family's released layout
         tensors = fam.params_to_checkpoint(model.state_dict(), cfg)
-    amax = _calibrate(model, cfg.vocab_size) if method == "fp8" else {}
+    amax = _calibrate(model, cfg.vocab_size) if method == "fp8" or kv_cache else {}
     source = _sources(reader, model, fam, cfg) if method == "fp8" else {}
     excluded, result = list(exclude), {}
     for key, t in tensors.items():
@@ -163,6 +179,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, method: str,
             result[key] = t
             continue
         result.update(_quantize_one(key, t.float(), method, amax, source))
+    if kv_cache:
+        result.update(_kv_scale_tensors(amax, list(tensors)))
     # NOTE: unquantized matrices ship in bf16, as in the releases; vectors (norms, biases, SSM
     # parameters) and scales keep their precision (a shipped drafter head recognises its target
     # by its final norm's sum: drafters_registry)
@@ -176,7 +194,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, method: str,
             "weight_block_size": [128, 128], "modules_to_not_convert": excluded}
     write_checkpoint(out, config, result)
     if method != "fp8-block":
-        quant = {"quant_algo": method.upper(), "kv_cache_quant_algo": None,
+        quant = {"quant_algo": method.upper(), "kv_cache_quant_algo": "FP8" if kv_cache else None,
                  "exclude_modules": excluded}
         if method == "nvfp4":
             quant["group_size"] = GROUP
@@ -221,3 +239,19 @@ def _write_tokenizer(src: Path, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_ids}
     (out / "generation_config.json").write_text(json.dumps(gen))
+
+
+def _kv_scale_tensors(amax: dict, keys: list[str]) -> dict[str, torch.Tensor]:
+    """`<attn>.k_proj.k_scale` / `<attn>.v_proj.v_scale` per calibrated attention module, named
+    as the checkpoint names that module (found by its k_proj weight)."""
+    out = {}
+    for (mod, leaf), a in amax.items():
+        if not isinstance(mod, str) or mod.startswith("mtp."):
+            continue  # the drafter's KV stays at the model dtype
+        tail = mod[len("model."):] if mod.startswith("model.") else mod
+        ckpt = next((k[: -len(".k_proj.weight")] for k in keys
+                     if k.endswith(f"{tail}.k_proj.weight") and not k.startswith("mtp.")), None)
+        if ckpt is not None:
+            proj = "k_proj" if leaf == "k_scale" else "v_proj"
+            out[f"{ckpt}.{proj}.{leaf}"] = torch.tensor(max(a, 1e-6) / FP8_MAX)
+    return out

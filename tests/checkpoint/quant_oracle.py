@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale")
+SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale", "k_scale",
+                  "v_scale")
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
