@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,8 +27,6 @@ FORMATS = ("fp32", "bf16", "fp8", "fp8-block", "nvfp4")
 
 def _rss_mib() -> float:
     pages = int(Path("/proc/self/statm").read_text().split()[1])
-    import os
-
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
@@ -82,10 +81,15 @@ def main() -> None:
     ap.add_argument("--models", default="tiny,default")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--acceptance-prompts", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per measurement (1: robust on a shared, loaded machine)")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--one", nargs=2, metavar=("PATH", "DTYPE"), help=argparse.SUPPRESS)
     ap.add_argument("--accept", metavar="PATH", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
     if args.one:
         print(json.dumps(measure_one(args.one[0], args.one[1], args.decode_tokens)))
         return
@@ -95,7 +99,8 @@ def main() -> None:
     from specdeploy.bench import machine, print_json
     from specdeploy.checkpoint.quantizer import quantize_checkpoint
 
-    result = {"machine": machine(), "decode_tokens": args.decode_tokens, "models": {}}
+    result = {"machine": machine(), "decode_tokens": args.decode_tokens,
+              "threads": args.threads, "load_average": list(os.getloadavg()), "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             if name == "tiny":
@@ -114,16 +119,16 @@ def main() -> None:
                     path = str(quantize_checkpoint(src, Path(tmp) / f"{name}-{fmt}", fmt))
                     quant_s = round(time.perf_counter() - t0, 1)
                 row = _sub(["--one", path, "bfloat16" if fmt == "bf16" else "auto",
-                            "--decode-tokens", str(args.decode_tokens)])
+                            "--decode-tokens", str(args.decode_tokens),
+                            "--threads", str(args.threads)])
                 rows[fmt] = {**({"quantize_s": quant_s} if quant_s else {}), **row}
                 print(name, fmt, rows[fmt], file=sys.stderr, flush=True)
             entry = {"source": src, "formats": rows}
             if name == "default":
                 entry["mtp_acceptance"] = {
-                    "fp32": _sub(["--accept", src, "--acceptance-prompts",
-                                  str(args.acceptance_prompts)]),
-                    "fp8": _sub(["--accept", str(Path(tmp) / f"{name}-fp8"),
-                                 "--acceptance-prompts", str(args.acceptance_prompts)])}
+                    fmt: _sub(["--accept", path, "--acceptance-prompts",
+                               str(args.acceptance_prompts), "--threads", str(args.threads)])
+                    for fmt, path in (("fp32", src), ("fp8", str(Path(tmp) / f"{name}-fp8")))}
             result["models"][name] = entry
     print_json(result, args.json_out)
 

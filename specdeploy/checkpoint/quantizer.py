@@ -230,9 +230,14 @@ def _quantize_one(key: str, w: torch.Tensor, method: str, amax: dict, source: di
 
 
 def _write_tokenizer(src: Path, out: Path) -> None:
+    """The GGUF's tokenizer as tokenizer.json + configs; none for a GGUF without one (the
+    weights are complete; `LLM` then names the missing tokenizer.json)."""
     from specdeploy.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(src)
+    try:
+        tok = load_tokenizer(src)
+    except CheckpointError:
+        return
     tok.backend.save(str(out / "tokenizer.json"))
     cfg = {**{k: v for k, v in tok.special_tokens.items() if v is not None},
            "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tok.chat_template}

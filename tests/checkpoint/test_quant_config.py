@@ -115,3 +115,20 @@ def test_cli_make_tiny_quantize_and_list_transforms(tmp_path, capsys):
     assert "'lm_head': 1 (lm_head)" in out
     assert main(["quantize", "--model", str(tmp_path / "q"), "--method", "fp8",
                  "--out", str(tmp_path / "qq")]) == 2  # already quantized: one clear line
+
+
+def test_quantize_from_gguf(tmp_path):
+    """`quantize` takes any loadable checkpoint: a GGUF becomes the family's released layout."""
+    from specdeploy.models import llama
+    from tests.checkpoint.quant_oracle import dequantize_dir
+    from tests.checkpoint.test_gguf import _tiny_llama_gguf
+
+    src = llama.make_tiny(tmp_path / "st", seed=3)
+    gguf_path = _tiny_llama_gguf(src, tmp_path / "tiny.gguf")
+    assert main(["quantize", "--model", str(gguf_path), "--method", "fp8-block",
+                 "--out", str(tmp_path / "q")]) == 0
+    dequantize_dir(tmp_path / "q", tmp_path / "deq")
+    ids = torch.arange(3, 30)[None]
+    with torch.no_grad():
+        assert torch.equal(load_model(tmp_path / "q")(ids), load_model(tmp_path / "deq")(ids))
+    assert len(load_model(tmp_path / "q").prequant_weights) == 14
