@@ -14,6 +14,8 @@ default model also the shipped MTP head's acceptance on the FP8 target vs the fp
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import subprocess
@@ -38,8 +40,14 @@ def measure_one(path: str, dtype: str, decode_tokens: int) -> dict:
     t0 = time.perf_counter()
     llm = LLM(path, dtype=dtype, max_batch_size=16, max_seq_len=256, max_cache_gib=0.25)
     load_s = time.perf_counter() - t0
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # NOTE: freed heap back to the OS, so RSS counts
+    deployed = getattr(llm.deployed, "target", llm.deployed)
+    caches = {f"{h.name}{s}" for h in deployed.resources for s in ("", "_k", "_v")}
+    weights = sum(t.nbytes for n, t in [*deployed.gm.named_parameters(),
+                                        *deployed.gm.named_buffers()] if n not in caches)
     out = {"load_s": round(load_s, 2), "rss_mib": round(_rss_mib(), 1),
-           "peak_rss_mib": round(peak_rss_mib(), 1)}
+           "peak_rss_mib": round(peak_rss_mib(), 1), "graph_weights_mib": round(weights / 2**20, 1)}
     params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
     vocab = llm.deployed.vocab_size
     for bs in (1, 16):
@@ -80,7 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny,default")
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--acceptance-prompts", type=int, default=8)
+    ap.add_argument("--acceptance-prompts", type=int, default=8, help="0: skip acceptance")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per measurement (1: robust on a shared, loaded machine)")
     ap.add_argument("--json-out", default=None)
@@ -124,7 +132,7 @@ def main() -> None:
                 rows[fmt] = {**({"quantize_s": quant_s} if quant_s else {}), **row}
                 print(name, fmt, rows[fmt], file=sys.stderr, flush=True)
             entry = {"source": src, "formats": rows}
-            if name == "default":
+            if name == "default" and args.acceptance_prompts:
                 entry["mtp_acceptance"] = {
                     fmt: _sub(["--accept", path, "--acceptance-prompts",
                                str(args.acceptance_prompts), "--threads", str(args.threads)])

@@ -90,6 +90,17 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     return F.linear(xf, dequantize_fp8(weight, scale, block_k), b).to(x.dtype)
 
 
+# every float8_e4m3fn byte's fp32 value (exactly what `.float()` gives)
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+
+
+def _tile_fp32(weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch.Tensor:
+    # NOTE: measured at 1 thread, 1536 x 576: `.float()` on float8 is a scalar loop (18 ms);
+    # a gather from the 256-entry table gives the same values in 8 ms
+    vals = torch.take(_FP8_VALUES.to(weight.device), weight.view(torch.uint8).long())
+    return vals * _expand(scale, weight.shape[-1], block_k)
+
+
 def fp8_matmul(xf: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int
                ) -> torch.Tensor:
     """fp32 x [M, K] @ dequant(W)^T, dequantizing _ROWS output rows at a time (the full fp32
@@ -97,7 +108,7 @@ def fp8_matmul(xf: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bloc
     n, k = weight.shape
     out = xf.new_empty(xf.shape[0], n)
     for r in range(0, n, _ROWS):
-        tile = dequantize_fp8(weight[r:r + _ROWS], scale[r:r + _ROWS], block_k)
+        tile = _tile_fp32(weight[r:r + _ROWS], scale[r:r + _ROWS], block_k)
         torch.matmul(xf, tile.t(), out=out[:, r:r + _ROWS])
     return out
 
