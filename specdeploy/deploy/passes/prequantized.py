@@ -47,7 +47,10 @@ def _weight_map(model: nn.Module) -> tuple[dict, object]:
                 p = model.get_parameter(name)
             except AttributeError:  # e.g. mtp.* once the drafter left the target
                 continue
-            out[_key(p)] = (qw, scales.get(rel))
+            # NOTE: the build may have moved the model (`device`); its quantized weights follow
+            qw = type(qw)(*(t.to(p.device) if isinstance(t, torch.Tensor) else t for t in qw))
+            scale = scales.get(rel)
+            out[_key(p)] = (qw, None if scale is None else scale.to(p.device))
         if info is None:
             info = getattr(mod, "prequant", None)
     return out, info
