@@ -83,6 +83,11 @@ def cmd_make_tiny(args) -> int:
         from specdeploy.models.drafters.eagle3 import make_tiny_eagle3
 
         path = make_tiny_eagle3(args.target, args.out, seed=args.seed)
+    elif args.quant:
+        from specdeploy.quantize_cli import make_tiny_quantized
+
+        path = make_tiny_quantized(args.arch, args.out, args.quant, seed=args.seed,
+                                   mtp_layers=args.mtp_layers)
     else:
         from specdeploy.models.registry import family_module
 
@@ -158,7 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--target", default=None, help="target checkpoint (for --arch eagle3)")
     t.add_argument("--out", required=True)
+    t.add_argument("--quant", choices=("fp8", "nvfp4", "fp8-block"), default=None,
+                   help="write it pre-quantized (ModelOpt FP8 / NVFP4, HF FP8 blocks)")
     t.set_defaults(func=cmd_make_tiny)
+    from specdeploy.quantize_cli import add_parser as add_quantize
+    add_quantize(sub)
     from specdeploy.serving.cli import add_parser as add_serve  # web stack imported on use only
     add_serve(sub)
     from specdeploy.training.cli import add_parser as add_train_drafter

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from specdeploy.checkpoint import CheckpointError, CheckpointReader, open_checkpoint
+from specdeploy.checkpoint.prequant import attach as attach_prequant
+from specdeploy.checkpoint.prequant import open_prequantized
 from specdeploy.models.registry import module_for_config
 
 SKIP_FINITE_ENV = "SPECDEPLOY_SKIP_FINITE_CHECK"  # =1: skip the NaN/inf scan (huge checkpoints)
@@ -109,16 +111,27 @@ def load_model_from_reader(
     torch_dtype = resolve_dtype(dtype, reader.config)
     with torch.device("meta"):
         model = fam.Model(cfg, with_mtp=with_mtp) if with_mtp else fam.Model(cfg)
+    # NOTE: a pre-quantized checkpoint reads its weights dequantized (with their scales, never
+    # without) and keeps the quantized tensors for the deploy pass (checkpoint/prequant.py)
+    reader, prequant = open_prequantized(reader, _num_layers(reader.config), model)
     params = fam.checkpoint_to_params(reader, cfg, with_mtp=with_mtp) if with_mtp else \
         fam.checkpoint_to_params(reader, cfg)
+    if prequant is not None:
+        params = reader.wrap_params(params, prequant)
     assign_params(model, params, torch_dtype, source=str(reader.path))
     _init_nonpersistent(model)
+    if prequant is not None:
+        attach_prequant(model, prequant)
     model.hf_config = reader.config  # NOTE: the raw dict; deployment reads eos / limits from it
     # GGUF Q4_0 / Q4_1 / Q8_0 weights also keep their blocks: the deploy pipeline's CPU kernels
     # compute with them (deploy/passes/ggml_linears.py); only for fp32 loads, whose values they
     # match exactly
     model.ggml_weights = _ggml_weights(model, reader) if torch_dtype == torch.float32 else {}
     return model.eval()
+
+
+def _num_layers(hf: dict) -> int:
+    return int(hf.get("text_config", hf).get("num_hidden_layers") or 0)
 
 
 def _ggml_weights(model: nn.Module, reader) -> dict:

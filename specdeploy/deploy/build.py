@@ -85,6 +85,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     opts = dataclasses.replace(options or BuildOptions(), **overrides)
     if opts.backend == "eager":
         return _eager(model_path, opts)
+    from specdeploy.checkpoint.prequant import prequant_kv_dtype
     from specdeploy.loading import load_model, resolve_dtype
 
     t0 = time.perf_counter()
@@ -109,7 +110,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     drafter = None if spec is None else prepare_drafter(model, spec, dtype, opts.quantize,
                                                         opts.device)
     target_ctx = DeployContext(
-        model, dtype=dtype, quantize=opts.quantize,
+        model, dtype=dtype, quantize=opts.quantize, kv_cache_dtype=prequant_kv_dtype(model),
         capture_layers=drafter.capture_layers if drafter else (),
         spec_steps=spec.max_draft_tokens + 1 if spec else 0,
         **({} if opts.quant_exclude is None else {"quant_exclude": opts.quant_exclude}),

@@ -31,3 +31,4 @@ class DeployContext:
     compile: bool = False
     disabled: frozenset[str] = frozenset()
     resource_prefix: str = ""  # keeps a drafter's cache names apart from the target's
+    kv_cache_dtype: torch.dtype | None = None  # None: `dtype`; float8 for an FP8 KV checkpoint

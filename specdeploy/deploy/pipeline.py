@@ -35,6 +35,8 @@ PIPELINE = (
     ("cleanup", "cleanup_export"),
     ("capture_hidden", "capture_hidden_states"),
     ("gather_logits", "gather_logits"),
+    ("prequantized", "prequantized_weights"),  # a checkpoint's own FP8 / NVFP4 weights
+    ("fp8_kv", "fp8_kv_scales"),
     ("quantize", "quantize_int8_weights"),
     ("insert_cache", "insert_cached_attention"),
     ("insert_cache", "insert_cached_ssm"),

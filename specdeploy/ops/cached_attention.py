@@ -30,10 +30,26 @@ def _short_mask(t_q: int, t_k: int, sliding_window: int) -> torch.Tensor:
         return attention_mask(t_q, t_k, sliding_window)
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as index ops can address it: an FP8 KV cache (a checkpoint's
+    `kv_cache_quant_algo: FP8`) through a uint8 view, as CPU index kernels lack float8."""
+    return cache.view(torch.uint8) if cache.dtype in _FP8 else cache
+
+
+def _enc(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """New keys / values in the cache's storage dtype (float8 saturates at its largest value)."""
+    y = x.to(cache.dtype)
+    return y.view(torch.uint8) if cache.dtype in _FP8 else y
+
+
 def _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table, slot_mapping=None):
     if slot_mapping is not None:  # flat cache rows, computed once per step for every layer
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k[0].to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v[0].to(v_cache.dtype))
+        kb, vb = _bytes(k_cache), _bytes(v_cache)
+        kb.view(-1, *kb.shape[2:]).index_copy_(0, slot_mapping, _enc(k[0], k_cache))
+        vb.view(-1, *vb.shape[2:]).index_copy_(0, slot_mapping, _enc(v[0], v_cache))
         return
     t = k.shape[1]
     num_seqs = cache_lens.shape[0]
@@ -44,16 +60,16 @@ def _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table, slot_m
     pos = cache_lens[seg] + torch.arange(t, device=k.device) - cu_seqlens[seg]
     page = page_table[seg, pos // page_size]
     off = pos % page_size
-    k_cache[page, off] = k[0].to(k_cache.dtype)
-    v_cache[page, off] = v[0].to(v_cache.dtype)
+    _bytes(k_cache)[page, off] = _enc(k[0], k_cache)
+    _bytes(v_cache)[page, off] = _enc(v[0], v_cache)
 
 
 def _pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     """[S, P] page ids → [S, P*page_size, H, D]. NOTE: index_select copies whole pages and is
     several times faster than advanced indexing with a 2-D index."""
     s, p = page_table.shape
-    return cache.index_select(0, page_table.reshape(-1)).view(s, p * cache.shape[1],
-                                                             *cache.shape[2:])
+    pages = _bytes(cache).index_select(0, page_table.reshape(-1)).view(cache.dtype)
+    return pages.view(s, p * cache.shape[1], *cache.shape[2:])
 
 
 def _sdpa(q, k, v, mask, scale):

@@ -64,7 +64,7 @@ def insert_cached_attention(gm: fx.GraphModule, ctx: DeployContext) -> Done:
         a = op_args(node)
         k_shape, v_shape = meta_shape(a["k"]), meta_shape(a["v"])
         h = PagedKV(f"{ctx.resource_prefix}kv_cache_{n}", k_shape[2], k_shape[3], v_shape[3],
-                    ctx.dtype)
+                    ctx.kv_cache_dtype or ctx.dtype)
         declared.append(h)
         kc = add_buffer(gm, f"{h.name}_k", torch.zeros(0), node)
         vc = add_buffer(gm, f"{h.name}_v", torch.zeros(0), node)
