@@ -154,10 +154,11 @@ class ModelDrafter:
                 noise[r].exponential_(generator=g if g is not None else self.generator)
             ids = ids.index_copy(0, torch.tensor(sampled, device=ids.device),
                                  (q / noise).argmax(-1))
-        host = [ids.double()]
-        if self.min_prob:
-            host.append(logits.float().softmax(-1).amax(-1).double())
-        host = torch.stack(host).tolist()
+        if self.min_prob:  # the ids and the chain's probabilities in one copy
+            top = logits.float().softmax(-1).amax(-1).double()
+            host = torch.stack((ids.double(), top)).tolist()
+        else:
+            host = [ids.tolist()]
         going = [True] * len(drafting)
         q_row = {i: r for r, i in enumerate(sampled)}
         for i, (seq, _) in enumerate(drafting):

@@ -26,7 +26,7 @@ from specdeploy.engine.sampler import _filter_top_k_top_p
 
 @dataclass(frozen=True)
 class Drafts:
-    """One step's drafts, host tensors: ids [S, K] padded with 0 past each row's length,
+    """One step's drafts, host tensors: ids [S, K] padded with -1 past each row's length,
     lengths [S], and probs [S, K, V] (target vocabulary) — the q each draft was drawn from, or
     None when every row is greedy. K = the longest row (0: nothing drafted). `counts`: the
     lengths as Python ints, for the per-row control flow."""
@@ -37,8 +37,10 @@ class Drafts:
     counts: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not self.counts:
+        if not self.counts:  # built by hand: make the padding -1 (`of` builds it so)
             object.__setattr__(self, "counts", tuple(self.lengths.tolist()))
+            pad = torch.arange(self.ids.shape[1])[None] >= self.lengths[:, None]
+            object.__setattr__(self, "ids", self.ids.masked_fill(pad, -1))
 
     @staticmethod
     def of(drafts: list[list[int]], probs: list[torch.Tensor | None] | None = None,
@@ -46,7 +48,7 @@ class Drafts:
         """From per-row draft lists (and per-row q [len, V] or None for greedy rows)."""
         counts = tuple(len(d) for d in drafts)
         k = max(counts, default=0)
-        ids = torch.tensor([list(d) + [0] * (k - len(d)) for d in drafts], dtype=torch.long)
+        ids = torch.tensor([list(d) + [-1] * (k - len(d)) for d in drafts], dtype=torch.long)
         ids = ids.view(len(drafts), k)
         lengths = torch.tensor(counts, dtype=torch.long)
         q = None
@@ -77,12 +79,9 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 def verify_greedy(target_ids: torch.Tensor, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
     """target_ids [S, K+1]: the target's argmax after each draft (greedy rows only need these,
     not the logits). Returns (num_accepted [S], next_token [S])."""
-    dev = target_ids.device
     k = target_ids.shape[1] - 1
-    lengths = drafts.lengths.to(dev)
-    ids = drafts.ids[:, :k].to(dev)
-    valid = torch.arange(k, device=dev)[None] < lengths[:, None]
-    num = ((ids == target_ids[:, :k]) & valid).cumprod(1).sum(1)
+    ids = drafts.ids[:, :k].to(target_ids.device)  # padding (-1) never matches
+    num = (ids == target_ids[:, :k]).cumprod(1).sum(1)
     return num, target_ids.gather(1, num[:, None])[:, 0]
 
 
@@ -99,8 +98,8 @@ def verify(target_logits: torch.Tensor, drafts: Drafts, params: list[SamplingPar
     if all(greedy):
         return num, bonus
     lengths = drafts.lengths.to(dev)
-    ids = drafts.ids[:, :k].to(dev)
     valid = torch.arange(k, device=dev)[None] < lengths[:, None]
+    ids = drafts.ids[:, :k].to(dev).clamp_min(0)  # padding read as token 0, then masked
     p = target_probs(target_logits, params)
     q = drafts.probs.to(dev) if drafts.probs is not None else p.new_zeros(s, k, p.shape[-1])
     p_d = p[:, :k].gather(-1, ids[..., None])[..., 0]

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdeploy import SamplingParams
-from specdeploy.engine.verify import Drafts, verify
+from specdeploy.engine.verify import Drafts, verify, verify_greedy
 
 V = 6
 TRIALS = 6000
@@ -98,6 +98,8 @@ def test_greedy_accepts_the_matching_prefix():
     best = torch.tensor([[2, 5, 1, 6], [2, 5, 1, 6], [4, 4, 4, 4]])
     logits.scatter_(-1, best[..., None], 1.0)
     drafts = Drafts(torch.tensor([[2, 5, 0], [2, 3, 1], [4, 4, 4]]), torch.tensor([3, 3, 2]))
-    num, nxt = verify(logits, drafts, [SamplingParams()] * 3, [None] * 3)
-    assert num.tolist() == [2, 1, 2]  # row 0 stops at a wrong third draft; row 2 at its length
-    assert nxt.tolist() == [1, 5, 4]
+    for d in (drafts, Drafts.of([[2, 5, 0], [2, 3, 1], [4, 4]])):  # by hand, and as built
+        num, nxt = verify(logits, d, [SamplingParams()] * 3, [None] * 3)
+        assert num.tolist() == [2, 1, 2]  # row 0 stops at a wrong third draft; 2 at its length
+        assert nxt.tolist() == [1, 5, 4]
+        assert verify_greedy(logits.argmax(-1), d)[0].tolist() == [2, 1, 2]
