@@ -2,8 +2,9 @@
 step (30 layers' worth of distinct SmolLM2-sized weights), for the ways `pack_linear_weights`
 can run a linear: plain `F.linear`, W @ x^T, and a oneDNN-packed weight; and `q4_1`, the same
 weights quantized to GGUF Q4_1 blocks and run by `ggml_linears` (ops/ggml_kernels.c; left out
-where that kernel cannot be built). Prints one JSON object (median of --reps, milliseconds for
-all 30 layers).
+where that kernel cannot be built); and `q4_1_int_<isa>`, the integer-dot kernels
+(ops/ggml_kernels_int.c) on the same blocks, per ISA path this CPU runs. Prints one JSON
+object (median of --reps, milliseconds for all 30 layers).
 
     python bench/linear_rows.py [--rows 1 2 4 6 8 16 64 256] [--reps 5] [--threads 1]
 """
@@ -62,6 +63,11 @@ def main() -> None:
         from specdeploy.ops.ggml_linear import ggml_linear
 
         kinds["q4_1"] = lambda x, w, p: ggml_linear(x, blocks[id(w)])
+        from specdeploy.ops import ggml_int
+
+        for isa in ggml_int.supported_isas():  # the integer-dot kernels, each ISA path
+            kinds[f"q4_1_int_{isa}"] = (
+                lambda x, w, p, isa=isa: ggml_int.ggml_linear_int(x, blocks[id(w)], isa=isa))
     out = {}
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}

@@ -36,7 +36,7 @@ class LLM:
                  spec: SpecConfig | dict | None = None, page_size: int = 16,
                  max_cache_gib: float | None = None, max_num_tokens: int = 512,
                  backend: str = "graph", progress: bool = False, seed: int = 0,
-                 quantize: str | None = None, compile: bool = False):
+                 quantize: str | None = None, compile: bool = False, kernels: str = "exact"):
         for name, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
                         ("page_size", page_size), ("max_num_tokens", max_num_tokens)):
             if not isinstance(v, int) or v < 1:
@@ -63,7 +63,7 @@ class LLM:
         self.deployed = _build_deployed(
             self.model_path, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
             page_size=page_size, max_cache_gib=max_cache_gib, spec=spec, backend=backend, log=log,
-            quantize=quantize, compile=compile)
+            quantize=quantize, compile=compile, kernels=kernels)
         lay = self.deployed.layout
         log(f"ready in {time.perf_counter() - t0:.1f}s: {lay.num_pages} pages x {lay.page_size} "
             f"tokens, {lay.num_slots} slots, cache {lay.total_bytes / 2**20:.1f} MiB")
@@ -183,7 +183,7 @@ def _eos_ids(tokenizer, hf_config: dict, path: Path) -> set[int]:
 def _build_deployed(path: Path, *, dtype: str, max_batch_size: int, max_seq_len: int,
                     page_size: int, max_cache_gib: float | None, spec: SpecConfig | None,
                     backend: str, log=lambda msg: None, quantize: str | None = None,
-                    compile: bool = False) -> DeployedModel:
+                    compile: bool = False, kernels: str = "exact") -> DeployedModel:
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize: must be None or 'int8', got {quantize!r}")
     if backend != "graph" and (quantize or compile):
@@ -195,7 +195,7 @@ def _build_deployed(path: Path, *, dtype: str, max_batch_size: int, max_seq_len:
             return deploy_model(path, dtype=dtype, max_batch_size=max_batch_size,
                                 max_seq_len=max_seq_len, page_size=page_size,
                                 max_cache_gib=max_cache_gib, spec=spec, quantize=quantize,
-                                compile=compile)
+                                compile=compile, kernels=kernels)
         log("graph backend not available yet: using the eager reference runner")
     if spec is not None:
         raise ValueError("spec: speculative decoding needs the graph backend")

@@ -54,6 +54,7 @@ class DeployContext:
     quantize: str | None = None  # e.g. "int8" (weight-only)
     quant_exclude: tuple[str, ...] = TARGET_QUANT_EXCLUDE + ("eagle_drafter.*",)
     compile: bool = False
+    kernels: str = "exact"  # GGUF block linears: "exact" (fp32) or "fast" (integer dot)
     disabled: frozenset[str] = frozenset()
     resource_prefix: str = ""  # keeps a drafter's cache names apart from the target's
     resources: list = field(default_factory=list)  # cache.handlers.ResourceHandler

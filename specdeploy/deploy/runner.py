@@ -127,12 +127,14 @@ def _declares_mtp(path) -> bool:
 
 def build_deployed(path=None, *, dtype="auto", max_batch_size: int = 16, max_seq_len: int = 2048,
                    page_size: int = 16, max_cache_gib: float | None = None, spec=None,
-                   compile: bool = False, quantize: str | None = None,
+                   compile: bool = False, quantize: str | None = None, kernels: str = "exact",
                    quant_exclude: tuple[str, ...] | None = None, model=None,
                    disabled: frozenset[str] = frozenset()):
     """Load (unless `model` is given), export, transform and allocate. `quantize="int8"` makes
     linear weights int8 (weight-only); `quant_exclude` replaces the default exclusion patterns
-    (see deploy/passes/quantize.py); `disabled` names transforms to skip (A/B runs)."""
+    (see deploy/passes/quantize.py); `disabled` names transforms to skip (A/B runs); `kernels`
+    picks the GGUF block kernels ("exact" fp32 or "fast" integer dot, deploy/passes/ggml_linears).
+    """
     from specdeploy.loading import load_model, resolve_dtype
 
     if spec is not None:
@@ -147,7 +149,7 @@ def build_deployed(path=None, *, dtype="auto", max_batch_size: int = 16, max_seq
         return build_spec_deployed(
             model, spec, dtype=resolve_dtype(dtype), max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, page_size=page_size, max_cache_gib=max_cache_gib,
-            compile=compile, quantize=quantize, disabled=disabled)
+            compile=compile, quantize=quantize, disabled=disabled, kernels=kernels)
     if model is None:
         model = load_model(path, dtype=dtype)
     hf_config = getattr(model, "hf_config", None) or {}
@@ -155,6 +157,6 @@ def build_deployed(path=None, *, dtype="auto", max_batch_size: int = 16, max_seq
     return deploy_module(
         model, hf_config, vocab, page_size=page_size, max_batch_size=max_batch_size,
         max_seq_len=max_seq_len, max_cache_gib=max_cache_gib, dtype=resolve_dtype(dtype),
-        compile=compile, quantize=quantize, disabled=frozenset(disabled),
+        compile=compile, quantize=quantize, disabled=frozenset(disabled), kernels=kernels,
         **({} if quant_exclude is None else {"quant_exclude": tuple(quant_exclude)}),
     )

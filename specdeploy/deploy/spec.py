@@ -176,7 +176,8 @@ def build_spec_deployed(model: nn.Module, spec: SpecConfig, *, dtype: torch.dtyp
                         max_batch_size: int, max_seq_len: int, page_size: int,
                         max_cache_gib: float | None, compile: bool = False,
                         quantize: str | None = None,
-                        disabled: frozenset[str] = frozenset()) -> SpecDeployed:
+                        disabled: frozenset[str] = frozenset(),
+                        kernels: str = "exact") -> SpecDeployed:
     from specdeploy.loading import resolve_dtype
 
     t0 = time.perf_counter()
@@ -184,7 +185,8 @@ def build_spec_deployed(model: nn.Module, spec: SpecConfig, *, dtype: torch.dtyp
         return _build_lookup_only(model, spec, t0, page_size=page_size,
                                   max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                   max_cache_gib=max_cache_gib, dtype=dtype, compile=compile,
-                                  quantize=quantize, disabled=frozenset(disabled))
+                                  quantize=quantize, disabled=frozenset(disabled),
+                                  kernels=kernels)
     drafter, layers, d2t = load_drafter(model, spec)
     draft_dtype = resolve_dtype(spec.draft_dtype) if spec.draft_dtype else dtype
     drafter = drafter.to(draft_dtype)
@@ -192,7 +194,7 @@ def build_spec_deployed(model: nn.Module, spec: SpecConfig, *, dtype: torch.dtyp
         _own_output_head(drafter, draft_dtype)
     common = dict(page_size=page_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                   max_cache_gib=max_cache_gib, dtype=dtype, compile=compile, quantize=quantize,
-                  disabled=frozenset(disabled))
+                  disabled=frozenset(disabled), kernels=kernels)
     draft_common = {**common, "dtype": draft_dtype,
                     "quantize": spec.draft_quantize or quantize}
     if spec.draft_quantize:  # NOTE: the default exclusions keep drafters unquantized
