@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from specdeploy.ops.attention import attention_mask
 
+INVARIANT_ROWS = 16  # CPU segments up to here attend row by row (see cached_attention_impl)
 _SHORT_SEGMENT = 32  # verify segments up to here reuse one CPU mask across layers and steps
 
 
@@ -147,7 +148,24 @@ def cached_attention_impl(
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cu = cu_seqlens_host.tolist()
     lens = cache_lens_host.tolist()
-    single = [s for s in range(num_seqs) if cu[s + 1] - cu[s] == 1]
+    if sliding_window == 0 and page_table.device.type == "cpu":
+        # NOTE: batch invariance: a query row of a short segment (a verify step, a decode in a
+        # mixed step) runs the very op a 1-row decode at its position runs, so its output is
+        # bit-identical to plain decoding's. One SDPA over the segment sums in another order
+        # (~1e-6), which the fast kernels' 8-bit activation rounding can blow up to a flipped
+        # greedy token. Longer segments (prefill chunks) take the one-call path below.
+        rows = [(s, i) for s in range(num_seqs) if cu[s + 1] - cu[s] <= INVARIANT_ROWS
+                for i in range(cu[s], cu[s + 1])]
+        for s, i in rows:
+            pos = lens[s] + i - cu[s]
+            out[0, i:i + 1] = _decode_one(q[0, i:i + 1], k_cache, v_cache, page_table[s], pos,
+                                          scale)
+        if len(rows) == t:
+            return out
+        done = {s for s, _ in rows}
+    else:
+        done = set()
+    single = [s for s in range(num_seqs) if cu[s + 1] - cu[s] == 1 and s not in done]
     if len(single) > 1:  # the decodes of a mixed step run as one batch
         sel = torch.tensor(single, device=q.device)
         tok = cu_seqlens[sel]
@@ -156,7 +174,7 @@ def cached_attention_impl(
     cpu = page_table.device.type == "cpu"
     for s in range(num_seqs):
         a, b = cu[s], cu[s + 1]
-        if len(single) > 1 and b - a == 1:
+        if s in done or (len(single) > 1 and b - a == 1):
             continue
         total = lens[s] + (b - a)
         pages = page_table[s, : (total + page_size - 1) // page_size]

@@ -33,7 +33,7 @@ from specdeploy.ops.ggml_linear import KINDS, GGMLWeight
 SOURCE = Path(__file__).with_name("ggml_kernels_int.c")
 # NOTE: no -m flags: the SIMD functions carry their own targets; -ffp-contract=off keeps the
 # scalar path's fp32 operations exactly the ones the SIMD paths perform
-_FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 ISAS = ("scalar", "avx2", "avx512_vnni")  # the C file's ISA_* values, in order
 
 

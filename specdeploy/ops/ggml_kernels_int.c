@@ -161,36 +161,57 @@ AVX2_FN __m256i block_products(__m256i wv, __m256i wabs, __m256i qx, const int k
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-/* one group of rg (<= ROW_GROUP) rows over outputs t0..t1; rg and kind are constants at each
- * call (the accumulators stay in registers) */
+/* outputs n .. n + no - 1 (no <= 2) for rg (<= ROW_GROUP) rows; rg, no and kind are constants
+ * at each call (the accumulators stay in registers). Two outputs at a time give the core two
+ * independent fma chains and share each row's activation load; the operations on each
+ * accumulator are the same either way (the pairing changes the schedule, not the sums). */
+AVX2_FN __attribute__((always_inline)) void outputs_avx2(const act_t *a, int K, const uint8_t *w,
+                                                        int n, int N, float *y, int r0,
+                                                        const int rg, const int no,
+                                                        const int kind) {
+    const int nb = K / 32, bytes = block_bytes(kind);
+    const uint8_t *row0 = w + (size_t)n * nb * bytes;
+    __m256 acc[2][ROW_GROUP];
+    float macc[2][ROW_GROUP];
+    for (int o = 0; o < no; o++)
+        for (int r = 0; r < rg; r++) {
+            acc[o][r] = _mm256_setzero_ps();
+            macc[o][r] = 0.f;
+        }
+    for (int b = 0; b < nb; b++) {
+        __m256i wv[2], wabs[2];
+        float dw[2], m[2];
+        for (int o = 0; o < no; o++) {
+            const uint8_t *blk = row0 + ((size_t)o * nb + b) * bytes;
+            wv[o] = weight_bytes(blk, kind);
+            wabs[o] = kind == Q4_1 ? wv[o] : _mm256_abs_epi8(wv[o]);
+            dw[o] = f16_at(blk);
+            m[o] = kind == Q4_1 ? f16_at(blk + 2) : 0.f;
+        }
+        for (int r = 0; r < rg; r++) {
+            const size_t rb = (size_t)(r0 + r) * nb + b;
+            const __m256i qx = _mm256_loadu_si256((const __m256i *)(a->q + rb * 32));
+            const float dx = a->d[rb];
+            for (int o = 0; o < no; o++) {
+                const __m256 p = _mm256_cvtepi32_ps(block_products(wv[o], wabs[o], qx, kind));
+                acc[o][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw[o] * dx), p, acc[o][r]);
+                if (kind == Q4_1) macc[o][r] = fmaf(m[o], a->s[rb], macc[o][r]);
+            }
+        }
+    }
+    for (int o = 0; o < no; o++)
+        for (int r = 0; r < rg; r++)
+            y[(size_t)(r0 + r) * N + n + o] =
+                kind == Q4_1 ? hsum8(acc[o][r]) + macc[o][r] : hsum8(acc[o][r]);
+}
+
+/* one group of rg rows over outputs t0..t1 */
 AVX2_FN __attribute__((always_inline)) void group_avx2(const act_t *a, int K, const uint8_t *w,
                                                       int t0, int t1, int N, float *y, int r0,
                                                       const int rg, const int kind) {
-    const int nb = K / 32, bytes = block_bytes(kind);
-    for (int n = t0; n < t1; n++) {
-        const uint8_t *row = w + (size_t)n * nb * bytes;
-        __m256 acc[ROW_GROUP];
-        float macc[ROW_GROUP];
-        for (int r = 0; r < rg; r++) {
-            acc[r] = _mm256_setzero_ps();
-            macc[r] = 0.f;
-        }
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * bytes;
-            const __m256i wv = weight_bytes(blk, kind);
-            const __m256i wabs = kind == Q4_1 ? wv : _mm256_abs_epi8(wv);
-            const float dw = f16_at(blk), m = kind == Q4_1 ? f16_at(blk + 2) : 0.f;
-            for (int r = 0; r < rg; r++) {
-                const size_t rb = (size_t)(r0 + r) * nb + b;
-                const __m256i qx = _mm256_loadu_si256((const __m256i *)(a->q + rb * 32));
-                const __m256 p = _mm256_cvtepi32_ps(block_products(wv, wabs, qx, kind));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a->d[rb]), p, acc[r]);
-                if (kind == Q4_1) macc[r] = fmaf(m, a->s[rb], macc[r]);
-            }
-        }
-        for (int r = 0; r < rg; r++)
-            y[(size_t)(r0 + r) * N + n] = kind == Q4_1 ? hsum8(acc[r]) + macc[r] : hsum8(acc[r]);
-    }
+    int n = t0;
+    for (; n + 2 <= t1; n += 2) outputs_avx2(a, K, w, n, N, y, r0, rg, 2, kind);
+    if (n < t1) outputs_avx2(a, K, w, n, N, y, r0, rg, 1, kind);
 }
 
 #define TILE_FN(NAME, GROUP, KIND, ATTR)                                                       \
