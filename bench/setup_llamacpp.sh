@@ -9,7 +9,8 @@
 #   PYTHON (default: python) is the interpreter whose pip builds it; with TARGET_DIR the package
 #   goes there (pip --target) instead of into that interpreter's environment; put TARGET_DIR on
 #   PYTHONPATH when running the bench then (--no-deps there, so the target never shadows the
-#   environment's numpy; llama_cpp then needs numpy, jinja2, diskcache, typing-extensions).
+#   environment's numpy: llama_cpp's other needs, numpy, jinja2 and typing-extensions, come
+#   with torch; diskcache, pure Python, is put into TARGET_DIR beside it).
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
 VERSION="${LLAMACPP_VERSION:-0.3.36}"
@@ -30,3 +31,6 @@ if [[ $# -ge 1 ]]; then target=(--target "$1" --no-deps); fi
 CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
   "$PYTHON" -m pip install --no-cache-dir --no-binary llama-cpp-python \
   "${target[@]}" "llama-cpp-python==$VERSION"
+if [[ $# -ge 1 ]]; then
+  "$PYTHON" -m pip install --no-cache-dir --target "$1" --no-deps diskcache
+fi
