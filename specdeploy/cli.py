@@ -27,8 +27,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="weight-only int8 (lm_head, routers and the drafter excluded)")
     p.add_argument("--compile", action="store_true", help="torch.compile the deployed graph")
-    p.add_argument("--kernels", choices=("exact", "fast"), default="exact",
-                   help="GGUF Q4_0/Q4_1/Q8_0 linears: exact fp32 or fast integer-dot kernels")
+    p.add_argument("--kernels", choices=("exact", "fast"), default="fast",
+                   help="GGUF Q4_0/Q4_1/Q8_0 linears: fast integer-dot kernels (default) or the "
+                        "exact fp32 model")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

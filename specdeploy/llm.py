@@ -29,6 +29,10 @@ class LLM:
         max_num_tokens: tokens fed per step (longer prompts are prefilled in chunks).
         backend: "graph" (the deployed, cached program) or "eager" (the uncached reference).
         progress: print loading stages to stderr.
+        kernels: a GGUF file's Q4_0 / Q4_1 / Q8_0 linears: "fast" (integer dot products over
+            8-bit activation blocks, as llama.cpp; greedy tokens may leave the fp32 model's where
+            two candidates are close, see bench/fast_kernels_agreement.py) or "exact" (the fp32
+            model bit for bit; what the tests against transformers use). No effect on others.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
@@ -36,7 +40,7 @@ class LLM:
                  spec: SpecConfig | dict | None = None, page_size: int = 16,
                  max_cache_gib: float | None = None, max_num_tokens: int = 512,
                  backend: str = "graph", progress: bool = False, seed: int = 0,
-                 quantize: str | None = None, compile: bool = False, kernels: str = "exact"):
+                 quantize: str | None = None, compile: bool = False, kernels: str = "fast"):
         for name, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
                         ("page_size", page_size), ("max_num_tokens", max_num_tokens)):
             if not isinstance(v, int) or v < 1:
