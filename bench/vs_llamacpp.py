@@ -22,6 +22,11 @@ rate (tokens after the first / time after the first), and the medians of per-rou
 llama.cpp (each round's ratio taken within the round). The JSON carries the CPU model and flags,
 the thread count, the load average before and after (other work on the machine), and how far
 each configuration's tokens agree with llama.cpp's.
+
+Memory: every configuration is a deployment of its own (today ~1 GB each: fp32 + packed copies
+of the weights), all alive at once; the full default set took 6.3 GB and was OOM-killed on a
+24 GB machine other jobs shared. Until one copy of the weights lands, run fewer --configs per
+process on a shared machine.
 """
 from __future__ import annotations
 
