@@ -2,8 +2,9 @@
 step (30 layers' worth of distinct SmolLM2-sized weights), for the ways `pack_linear_weights`
 can run a linear: plain `F.linear`, W @ x^T, and a oneDNN-packed weight; and `q4_1`, the same
 weights quantized to GGUF Q4_1 blocks and run by `ggml_linears` (ops/ggml_kernels.c; left out
-where that kernel cannot be built). Prints one JSON object (median of --reps, milliseconds for
-all 30 layers).
+where that kernel cannot be built); and `q4_1_int_<isa>`, the integer-dot kernels
+(ops/ggml_kernels_int.c) on the same blocks, per ISA path this CPU runs. Prints one JSON
+object (median of --reps, milliseconds for all 30 layers).
 
     python bench/linear_rows.py [--rows 1 2 4 6 8 16 64 256] [--reps 5] [--threads 1]
 """
@@ -45,8 +46,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16, 64, 256])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time (with --threads 1, what the work costs on "
+                         "a machine that other jobs share)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     g = torch.Generator().manual_seed(0)
     ws = [[torch.randn(n, k, generator=g) for n, k in SHAPES] for _ in range(LAYERS)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer] for layer in ws]
@@ -62,20 +67,26 @@ def main() -> None:
         from specdeploy.ops.ggml_linear import ggml_linear
 
         kinds["q4_1"] = lambda x, w, p: ggml_linear(x, blocks[id(w)])
+        from specdeploy.ops import ggml_int
+
+        for isa in ggml_int.supported_isas():  # the integer-dot kernels, each ISA path
+            kinds[f"q4_1_int_{isa}"] = (
+                lambda x, w, p, isa=isa: ggml_int.ggml_linear_int(x, blocks[id(w)], isa=isa))
     out = {}
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
         times = {k: [] for k in kinds}
         for _ in range(args.reps):  # interleaved: the three share the machine's drift
             for name, fn in kinds.items():
-                t0 = time.perf_counter()
+                t0 = clock()
                 for layer_w, layer_p in zip(ws, packed):
                     for w, p in zip(layer_w, layer_p):
                         fn(xs[w.shape[1]], w, p)
-                times[name].append((time.perf_counter() - t0) * 1e3)
+                times[name].append((clock() - t0) * 1e3)
         out[f"rows_{m}"] = {k: round(statistics.median(v), 1) for k, v in times.items()}
     print(json.dumps({"machine": {"cores": os.cpu_count(), "torch": torch.__version__,
-                                  "threads": args.threads},
+                                  "threads": args.threads,
+                                  "clock": args.clock},
                       "command": " ".join(["python"] + sys.argv), "ms_for_30_layers": out},
                      indent=1))
 

@@ -104,7 +104,8 @@ def cmd_deploy(args) -> int:
         print("deploy: nothing to do (use --list-transforms)", file=sys.stderr)
         return 2
     print(describe(args.model, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
-                   max_cache_gib=args.max_cache_gib, spec=spec_from_args(args)))
+                   max_cache_gib=args.max_cache_gib, spec=spec_from_args(args),
+                   kernels=args.kernels))
     return 0
 
 

@@ -21,6 +21,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="weight-only int8 (lm_head, routers and the drafter excluded)")
     p.add_argument("--compile", action="store_true", help="torch.compile the deployed graph")
+    p.add_argument("--kernels", choices=("exact", "fast"), default="exact",
+                   help="GGUF Q4_0/Q4_1/Q8_0 linears: the exact fp32 model (default) or fast "
+                        "integer-dot kernels (8-bit activations, as llama.cpp)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -42,7 +45,7 @@ def llm_from_args(args, max_batch_size: int):
     return LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=max_batch_size,
                max_seq_len=args.max_seq_len, spec=spec_from_args(args),
                max_cache_gib=args.max_cache_gib,
-               backend=args.backend, progress=True, compile=args.compile,
+               backend=args.backend, progress=True, compile=args.compile, kernels=args.kernels,
                quantize=None if args.quantize == "none" else args.quantize)
 
 

@@ -27,6 +27,8 @@ class LLM:
         backend: "graph" (the deployed, cached program) or "eager" (the uncached reference).
         progress: print loading stages to stderr.
         device: "cpu" (default), "cuda" or "cuda:N"; dtype "auto" is bfloat16 on CUDA.
+        kernels: GGUF Q4_0/Q4_1/Q8_0 linears on the CPU: "exact" (default: the fp32 model, bit
+            for bit) or "fast" (8-bit activations, integer dot products, as llama.cpp).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
@@ -34,7 +36,8 @@ class LLM:
                  spec: SpecConfig | dict | None = None, page_size: int = 16,
                  max_cache_gib: float | None = None, max_num_tokens: int = 512,
                  backend: str = "graph", progress: bool = False, seed: int = 0,
-                 quantize: str | None = None, compile: bool = False, device: str = "cpu"):
+                 quantize: str | None = None, compile: bool = False, device: str = "cpu",
+                 kernels: str = "exact"):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
         from specdeploy.deploy.build import BuildOptions, build
@@ -42,7 +45,8 @@ class LLM:
         options = BuildOptions(dtype=dtype, max_batch_size=max_batch_size,
                                max_seq_len=max_seq_len, page_size=page_size,
                                max_cache_gib=max_cache_gib, spec=spec, backend=backend,
-                               quantize=quantize, compile=compile, device=device)
+                               quantize=quantize, compile=compile, device=device,
+                               kernels=kernels)
         self.spec = spec = options.spec
         log = _stderr_log if progress else (lambda msg: None)
         if model is None:

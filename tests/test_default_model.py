@@ -16,7 +16,8 @@ def llm():
     from specdeploy.default_model import default_model_path
 
     default_model_path()  # NOTE: `make test` installs it; a missing model must fail, not skip
-    return LLM(dtype="float32", max_batch_size=2, max_seq_len=256)
+    # the exact kernels: the fp32 model, whose greedy tokens transformers' must equal
+    return LLM(dtype="float32", max_batch_size=2, max_seq_len=256, kernels="exact")
 
 
 def test_default_model_greedy_equals_transformers(llm):

@@ -23,6 +23,7 @@ from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.eager import EagerDeployed, eager_layout
 from specdeploy.deploy.export import export_model
 from specdeploy.deploy.graph import placeholders
+from specdeploy.deploy.passes.ggml_linears import KERNELS
 from specdeploy.deploy.pipeline import PipelineResult, run_pipeline
 from specdeploy.deploy.runner import GraphDeployed
 from specdeploy.deploy.spec import SpecDeployed, prepare_drafter
@@ -52,6 +53,7 @@ class BuildOptions:
     backend: str = "graph"
     device: str | torch.device = "cpu"
     vision: bool | None = None
+    kernels: str = "exact"  # GGUF-block linears: "exact" (the fp32 model) or "fast" (int-dot)
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "page_size"):
@@ -63,6 +65,8 @@ class BuildOptions:
                              f"{self.backend!r}")
         if self.max_cache_gib is not None and not self.max_cache_gib > 0:
             raise ValueError(f"max_cache_gib: must be > 0, got {self.max_cache_gib!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels: one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.quantize not in QUANTIZE_METHODS:
             raise ValueError(f"quantize: must be None or 'int8', got {self.quantize!r}")
         if isinstance(self.spec, dict):
@@ -106,7 +110,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     embed = model.model.embed_tokens if vision else None
     common = dict(page_size=opts.page_size, max_batch_size=opts.max_batch_size,
                   max_seq_len=opts.max_seq_len, max_cache_gib=opts.max_cache_gib,
-                  compile=opts.compile, disabled=opts.disabled, device=opts.device)
+                  compile=opts.compile, disabled=opts.disabled, device=opts.device,
+                  kernels=opts.kernels)
     drafter = None if spec is None else prepare_drafter(model, spec, dtype, opts.quantize,
                                                         opts.device)
     target_ctx = DeployContext(

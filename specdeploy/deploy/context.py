@@ -31,4 +31,5 @@ class DeployContext:
     compile: bool = False
     disabled: frozenset[str] = frozenset()
     resource_prefix: str = ""  # keeps a drafter's cache names apart from the target's
+    kernels: str = "exact"  # GGUF-block linears: "exact" fp32 or "fast" integer-dot (ggml_linears)
     kv_cache_dtype: torch.dtype | None = None  # None: `dtype`; float8 for an FP8 KV checkpoint

@@ -16,8 +16,10 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from specdeploy.ops import attention_rows
 from specdeploy.ops.attention import attention_mask
 
+INVARIANT_ROWS = 16  # CPU segments up to here attend row by row (`_rows`: batch-invariant)
 _SHORT_SEGMENT = 32  # verify segments up to here reuse one CPU mask across layers and steps
 
 
@@ -132,6 +134,18 @@ def _decode_one(q, k_cache, v_cache, pages, cache_len, scale):
     return out[0].transpose(0, 1).to(q.dtype)
 
 
+def _rows(q, k_cache, v_cache, pages, pos0, scale):
+    """One sequence's rows at positions pos0.. (q [T, Hq, D] -> [T, Hq, Dv]), each computed on
+    its own (batch-invariant; see ops/attention_rows.py): by the C kernel where it fits, else
+    by one 1-row SDPA per row. One SDPA over the rows would sum in another order (~1e-7 off a
+    1-row call), which the fast kernels' 8-bit activation rounding can blow up into another
+    greedy token."""
+    if attention_rows.fits(q, k_cache, v_cache):
+        return attention_rows.attention_rows(q, k_cache, v_cache, pages, pos0, scale)
+    return torch.cat([_decode_one(q[i:i + 1], k_cache, v_cache, pages, pos0 + i, scale)
+                      for i in range(q.shape[0])])
+
+
 def _extend_one(q, k_cache, v_cache, pages, total, mask, scale):
     """One sequence's chunk of queries (a prefill chunk or a verify segment), the last
     q.shape[0] of its `total` positions, under `mask` [Tq, total]. q [Tq, Hq, D] -> [Tq, Hq, Dv].
@@ -154,16 +168,28 @@ def cached_attention_impl(
     if t == num_seqs and sliding_window == 0 and page_table.device.type == "cpu":
         # NOTE: on the CPU a loop over sequences reading only their used pages (a view when the
         # pages are consecutive) beats gathering every page table row padded to the longest
-        return torch.cat([
-            _decode_one(q[0, i:i + 1], k_cache, v_cache, page_table[i], n, scale)
-            for i, n in enumerate(cache_lens_host.tolist())])[None]
+        return torch.cat([_rows(q[0, i:i + 1], k_cache, v_cache, page_table[i], n, scale)
+                          for i, n in enumerate(cache_lens_host.tolist())])[None]
     if t == num_seqs:  # pure decode: one query per segment
         out = _decode(q[0], k_cache, v_cache, page_table, cache_lens, scale, sliding_window)
         return out[None].contiguous()
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cu = cu_seqlens_host.tolist()
     lens = cache_lens_host.tolist()
-    single = [s for s in range(num_seqs) if cu[s + 1] - cu[s] == 1]
+    if sliding_window == 0 and page_table.device.type == "cpu":
+        # NOTE: batch invariance: the rows of a short segment (a verify step, a decode in a
+        # mixed step) go through `_rows` as a 1-row decode does, so each is bit-identical to
+        # plain decoding's row at its position. Longer segments (prefill chunks) take the
+        # one-call path below.
+        done = {s for s in range(num_seqs) if cu[s + 1] - cu[s] <= INVARIANT_ROWS}
+        for s in done:
+            out[0, cu[s]:cu[s + 1]] = _rows(q[0, cu[s]:cu[s + 1]], k_cache, v_cache,
+                                            page_table[s], lens[s], scale)
+        if len(done) == num_seqs:
+            return out
+    else:
+        done = set()
+    single = [s for s in range(num_seqs) if cu[s + 1] - cu[s] == 1 and s not in done]
     if len(single) > 1:  # the decodes of a mixed step run as one batch
         sel = torch.tensor(single, device=q.device)
         tok = cu_seqlens[sel]
@@ -172,7 +198,7 @@ def cached_attention_impl(
     cpu = page_table.device.type == "cpu"
     for s in range(num_seqs):
         a, b = cu[s], cu[s + 1]
-        if len(single) > 1 and b - a == 1:
+        if s in done or (len(single) > 1 and b - a == 1):
             continue
         total = lens[s] + (b - a)
         pages = page_table[s, : (total + page_size - 1) // page_size]

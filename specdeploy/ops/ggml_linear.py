@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -91,8 +92,9 @@ def _cache_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="specdeploy-"))
 
 
-def _compile(out: Path, openmp: bool) -> str | None:
-    """Compile SOURCE to `out`; None on success, else the compiler's complaint."""
+def _compile(out: Path, openmp: bool, source: Path = SOURCE, flags: list[str] = _FLAGS,
+             libs: tuple[str, ...] = ()) -> str | None:
+    """Compile `source` to `out`; None on success, else the compiler's complaint."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return "no C compiler (cc / gcc) on PATH"
@@ -107,11 +109,12 @@ def _compile(out: Path, openmp: bool) -> str | None:
     except OSError as e:
         return f"cannot write to {out.parent}: {e}"
     os.close(fd)
-    cmd = [cc, *_FLAGS, *(["-fopenmp"] if openmp else []), "-o", tmp, str(SOURCE)]
+    cmd = [cc, *flags, *(["-fopenmp"] if openmp else []), "-o", tmp, str(source), *libs]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
-            return f"{' '.join(cmd)} failed: {proc.stderr.strip()[-400:]}"
+            # NOTE: one line: the reason ends up in a warning and in skip details
+            return f"{' '.join(cmd)} failed: {' '.join(proc.stderr.split())[-400:]}"
         os.replace(tmp, out)
         return None
     except (OSError, subprocess.SubprocessError) as e:
@@ -149,7 +152,15 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         fn.restype = ctypes.c_int
         return lib, None
-    return None, "; ".join(errors)
+    why = "; ".join(errors)
+    warn_unbuilt("the exact GGUF block kernel", why)
+    return None, why
+
+
+def warn_unbuilt(what: str, why: str) -> None:
+    """The one visible line when a kernel cannot be built here (callers then fall back)."""
+    warnings.warn(f"specdeploy: cannot build {what}, falling back: {why}", RuntimeWarning,
+                  stacklevel=3)
 
 
 def kernel_unavailable() -> str | None:

@@ -8,6 +8,11 @@ and verify steps at small batch) run on the blocks; prefill chunks and large bat
 GEMM over fp32 weights is faster, keep the fp32 path (`pack_linears.packed_linear_fn`).
 `python bench/linear_rows.py --threads 2` measures both per row count, side by side.
 
+`ctx.kernels` picks the kernel on the blocks: "exact" (the default) keeps the fp32 model bit for
+bit as above; "fast" quantizes each input row to 8-bit blocks and runs integer dot products
+(`ops/ggml_int.py`, as llama.cpp does; a slightly different model, its error bound in that
+module). Both keep rows batch-invariant, so greedy speculative = greedy plain either way.
+
 Linears reading one input (q/k/v, gate/up) share one kernel call, as `fuse_linears` does for
 fp32 weights. A weight matches by identity with the loaded parameter that has blocks
 (`model.ggml_weights`, set by the loader for GGUF files loaded as fp32); one a transform replaced
@@ -16,6 +21,8 @@ where the kernel cannot be built here (the report says why).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import fx
 
@@ -23,11 +30,13 @@ from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.graph import attr_tensor, split_fused_output
 from specdeploy.deploy.passes.pack_linears import pack_fits, packable, packed_linear_fn
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
+from specdeploy.ops import ggml_int
 from specdeploy.ops.ggml_linear import (
     GGMLWeight,
     concat_rows,
     ggml_linear,
     kernel_unavailable,
+    warn_unbuilt,
 )
 
 _LINEAR = torch.ops.aten.linear.default
@@ -36,13 +45,20 @@ _LINEAR = torch.ops.aten.linear.default
 MAX_ROWS = 16
 
 
-def ggml_linear_fn(weight: GGMLWeight, fallbacks: list, bias: torch.Tensor | None):
-    """x -> x @ W^T (+ bias): the blocks up to MAX_ROWS rows, else the fp32 `fallbacks` (one per
-    fused member, concatenated along the output)."""
+KERNELS = ("exact", "fast")
+
+
+def ggml_linear_fn(weight: GGMLWeight, fallbacks: list, bias: torch.Tensor | None,
+                   isa: str | None = None):
+    """x -> x @ W^T (+ bias): the blocks up to MAX_ROWS rows (the exact kernel, or with `isa`
+    the integer-dot one on that ISA path), else the fp32 `fallbacks` (one per fused member,
+    concatenated along the output)."""
     bias = None if bias is None else bias.detach()
 
     def linear_on_blocks(x: torch.Tensor) -> torch.Tensor:
         if x.numel() // x.shape[-1] <= MAX_ROWS:
+            if isa is not None:
+                return ggml_int.ggml_linear_int(x, weight, bias, isa)
             return ggml_linear(x, weight, bias)
         if len(fallbacks) == 1:
             return fallbacks[0](x)
@@ -94,6 +110,7 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     why = kernel_unavailable()
     if why:
         return Skipped(f"kernel unavailable: {why}")
+    isa, note = _fast_isa(ctx.kernels)
     # linears on blocks, grouped by their input (one kernel call per group)
     groups: dict[fx.Node, list[tuple[fx.Node, GGMLWeight]]] = {}
     stale = 0
@@ -127,27 +144,45 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
                 packed[w.data_ptr()] = w.nbytes
         fallback_of[node] = fp32[key]
     for members in todo:
-        _replace(gm, members, [fallback_of[node] for node, _ in members])
+        _replace(gm, members, [fallback_of[node] for node, _ in members], isa)
     n_nodes = len(fallback_of)
     stored = sum(gw.blocks.nbytes for members in todo for _, gw in members)
     return Done(n_nodes, f"{n_nodes} linears on {stored / 2**20:.0f} MiB of blocks (<= "
-                         f"{MAX_ROWS} rows); fp32 above, oneDNN-packed copies "
+                         f"{MAX_ROWS} rows, {note}); fp32 above, oneDNN-packed copies "
                          f"+{sum(packed.values()) / 2**20:.0f} MiB"
                          + (f"; {stale} weights changed since loading left fp32" if stale else ""))
+
+
+def _fast_isa(kernels: str) -> tuple[str | None, str]:
+    """(ISA path of the integer-dot kernels or None for the exact one, what the report says).
+    "fast" falls back to the exact kernel, with one warning, where no SIMD integer path runs
+    (the portable scalar one is slower than fp32 there) unless SPECDEPLOY_GGML_ISA forces it."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels: one of {', '.join(KERNELS)}, got {kernels!r}")
+    if kernels == "exact":
+        return None, "exact fp32 kernel"
+    why = ggml_int.kernel_unavailable()
+    if why is None:
+        isa = ggml_int.default_isa()
+        if isa != "scalar" or os.environ.get("SPECDEPLOY_GGML_ISA") == "scalar":
+            return isa, f"integer-dot kernel, {isa}"
+        why = "no SIMD integer path on this CPU"
+        warn_unbuilt("the fast integer-dot path", why)
+    return None, f"exact fp32 kernel; fast unavailable: {why}"
 
 
 def _bias(node: fx.Node):
     return node.args[2] if len(node.args) > 2 else None
 
 
-def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], fallbacks: list
-             ) -> None:
+def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], fallbacks: list,
+             isa: str | None) -> None:
     """One kernel call for `members` (linears of one input, in graph order)."""
     nodes = [n for n, _ in members]
     gw = members[0][1] if len(members) == 1 else concat_rows([g for _, g in members])
     bias = attr_tensor(gm, _bias(nodes[0])) if len(nodes) == 1 else None
     with gm.graph.inserting_before(nodes[0]):
-        out = gm.graph.call_function(ggml_linear_fn(gw, fallbacks, bias), (nodes[0].args[0],))
+        out = gm.graph.call_function(ggml_linear_fn(gw, fallbacks, bias, isa), (nodes[0].args[0],))
     if len(nodes) == 1:
         out.meta = dict(nodes[0].meta)
         nodes[0].replace_all_uses_with(out)

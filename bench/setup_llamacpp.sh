@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds llama-cpp-python from its sdist for bench/vs_llamacpp.py.
+#
+# Why from source with explicit ISA flags: the prebuilt/native builds have crashed on CPUs with
+# AMX here, so GGML_NATIVE is off and the SIMD levels are named one by one, AVX-512 only where
+# this CPU reports it (read from /proc/cpuinfo). The build takes ~10 minutes on 2 cores.
+#
+# Usage: bash bench/setup_llamacpp.sh [TARGET_DIR]
+#   PYTHON (default: python) is the interpreter whose pip builds it; with TARGET_DIR the package
+#   goes there (pip --target) instead of into that interpreter's environment; put TARGET_DIR on
+#   PYTHONPATH when running the bench then (--no-deps there, so the target never shadows the
+#   environment's numpy: llama_cpp's other needs, numpy, jinja2 and typing-extensions, come
+#   with torch; diskcache, pure Python, is put into TARGET_DIR beside it).
+set -euo pipefail
+PYTHON="${PYTHON:-python}"
+VERSION="${LLAMACPP_VERSION:-0.3.36}"
+flags="$(grep -m1 '^flags' /proc/cpuinfo || true)"
+has() { [[ " $flags " == *" $1 "* ]]; }
+args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+args+=" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF"
+if has avx512f && has avx512bw && has avx512vl; then
+  args+=" -DGGML_AVX512=ON"
+  has avx512_vnni && args+=" -DGGML_AVX512_VNNI=ON"
+  has avx512_vbmi && args+=" -DGGML_AVX512_VBMI=ON"
+  has avx512_bf16 && args+=" -DGGML_AVX512_BF16=ON"
+fi
+# AMX stays off on purpose (the crash above).
+echo "CMAKE_ARGS=$args"
+target=()
+if [[ $# -ge 1 ]]; then target=(--target "$1" --no-deps); fi
+CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
+  "$PYTHON" -m pip install --no-cache-dir --no-binary llama-cpp-python \
+  "${target[@]}" "llama-cpp-python==$VERSION"
+if [[ $# -ge 1 ]]; then
+  "$PYTHON" -m pip install --no-cache-dir --target "$1" --no-deps diskcache
+fi

@@ -1,0 +1,217 @@
+"""specdeploy against llama.cpp on the same GGUF, batch size 1, greedy, in one process.
+
+Set-up (once; builds llama-cpp-python from its sdist, ~10 min on 2 cores, see the script for
+the CPU flags it builds with):
+
+    PYTHON=.venv/bin/python bash bench/setup_llamacpp.sh            # into that environment
+    PYTHON=.venv/bin/python bash bench/setup_llamacpp.sh DIR        # or into DIR (then put DIR
+                                                                    # on PYTHONPATH)
+Run:
+
+    .venv/bin/python bench/vs_llamacpp.py [--model GGUF] [--prompts 6] [--max-tokens 128]
+        [--rounds 3] [--threads N] [--configs plain,lookup,mtp+lookup,eagle3]
+        [--kernels exact,fast] [--spec-kernels fast] [--note TEXT] [--json-out FILE]
+
+Every system gets the same prompt token ids: held-out ShareGPT first turns with the model's
+chat template applied (bench/acceptance.py `heldout_prompts`), each run decoding exactly
+--max-tokens new tokens greedily (EOS ignored, so every system makes as many tokens). All
+configurations are built first; then each round sends every prompt through every configuration
+in turn (interleaved: a busy machine slows all alike). Reported per configuration: the median
+over rounds of the end-to-end rate (new tokens / wall time, prefill included) and of the decode
+rate (tokens after the first / time after the first), and the medians of per-round ratios to
+llama.cpp (each round's ratio taken within the round). The JSON carries the CPU model and flags,
+the thread count, the load average before and after (other work on the machine), and how far
+each configuration's tokens agree with llama.cpp's.
+
+Memory: every configuration is a deployment of its own (today ~1 GB each: fp32 + packed copies
+of the weights), all alive at once; the full default set took 6.3 GB and was OOM-killed on a
+24 GB machine other jobs shared. Until one copy of the weights lands, run fewer --configs per
+process on a shared machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from acceptance import heldout_prompts  # noqa: E402
+from fast_kernels_agreement import first_divergence  # noqa: E402
+
+from specdeploy import LLM, SamplingParams, SpecConfig  # noqa: E402
+from specdeploy.bench import machine, peak_rss_mib, print_json  # noqa: E402
+
+# the demo's drafter precision: a draft step on a CPU is bound by reading the drafter's weights
+DRAFTER = dict(draft_dtype="bfloat16", draft_quantize="int8")
+SPECS = {
+    "lookup": lambda: SpecConfig("ngram", 3, prompt_lookup_num_tokens=16),
+    "mtp+lookup": lambda: SpecConfig("mtp", 3, prompt_lookup_max=4, prompt_lookup_num_tokens=16,
+                                     **DRAFTER),
+    "eagle3": lambda: SpecConfig("eagle3", 3, **DRAFTER),
+    "eagle3+lookup": lambda: SpecConfig("eagle3", 3, prompt_lookup_max=4,
+                                        prompt_lookup_num_tokens=16, **DRAFTER),
+}
+
+
+def cpu_info() -> dict:
+    model, flags = platform.processor(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                break
+    except OSError:
+        pass
+    simd = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4", "ssse3"))]
+    return {"model": model, "simd_flags": simd, "flags": flags}
+
+
+class LlamaCpp:
+    """llama-cpp-python's Llama on the same file: greedy, the KV cache reset per request (its
+    `generate` would otherwise reuse a matching prompt prefix from the previous call)."""
+
+    def __init__(self, path: str, threads: int, n_ctx: int):
+        import llama_cpp
+
+        self.version = llama_cpp.__version__
+        self.system_info = llama_cpp.llama_print_system_info().decode()
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+
+    def run(self, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+        """(tokens, seconds in all, seconds after the first token)."""
+        self.llm.reset()
+        out, t0, t_first = [], time.perf_counter(), None
+        for tok in self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                                     repeat_penalty=1.0, reset=True):
+            out.append(tok)
+            if t_first is None:
+                t_first = time.perf_counter()
+            if len(out) == n:
+                break
+        t1 = time.perf_counter()
+        return out, t1 - t0, t1 - t_first
+
+
+def ours_run(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+    t0 = time.perf_counter()
+    (o,) = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    return o.token_ids, wall, (len(o.token_ids) - 1) / o.metrics.decode_tokens_per_s
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+
+def build(args) -> dict:
+    configs: dict = {}
+    for kernels in args.kernels:
+        configs[f"specdeploy plain ({kernels})"] = LLM(
+            args.model, max_batch_size=1, max_seq_len=args.n_ctx, kernels=kernels)
+    for name in args.configs:
+        if name == "plain":
+            continue
+        for kernels in args.spec_kernels:
+            configs[f"specdeploy {name} ({kernels})"] = LLM(
+                args.model, max_batch_size=1, max_seq_len=args.n_ctx, kernels=kernels,
+                spec=SPECS[name]())
+    return configs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a .gguf (default: the embedded default)")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--configs", default="plain,lookup,mtp+lookup,eagle3",
+                    help=f"plain and any of {', '.join(SPECS)}")
+    ap.add_argument("--kernels", default="exact,fast", help="kernels of the plain rows")
+    ap.add_argument("--spec-kernels", default="fast", help="kernels of the speculative rows")
+    ap.add_argument("--note", default="", help="recorded as is (e.g. who else used the machine)")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    args.configs = [c for c in args.configs.split(",") if c]
+    args.kernels = [k for k in args.kernels.split(",") if k]
+    args.spec_kernels = [k for k in args.spec_kernels.split(",") if k]
+    bad = [c for c in args.configs if c != "plain" and c not in SPECS]
+    if bad:
+        raise SystemExit(f"--configs: unknown {bad}; known: plain, {', '.join(SPECS)}")
+    if args.model is None:
+        from specdeploy.default_model import default_model_path
+
+        args.model = str(default_model_path())
+    args.n_ctx = args.max_prompt_tokens + args.max_tokens + 64
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    ref = LlamaCpp(args.model, args.threads, args.n_ctx)
+    configs = build(args)
+    tok = next(iter(configs.values())).tokenizer
+    prompts = heldout_prompts(tok, args.prompts, args.max_prompt_tokens)
+    runners = {"llama.cpp": lambda p: ref.run(p, args.max_tokens)}
+    runners.update({name: (lambda p, llm=llm: ours_run(llm, p, args.max_tokens))
+                    for name, llm in configs.items()})
+    for run in runners.values():  # warm-up: kernels built, caches touched
+        run(prompts[0][:32])
+    e2e = {name: [] for name in runners}
+    dec = {name: [] for name in runners}
+    tokens: dict = {name: {} for name in runners}
+    for r in range(args.rounds):
+        tot = {name: [0, 0.0, 0, 0.0] for name in runners}
+        for i, p in enumerate(prompts):
+            for name, run in runners.items():
+                out, wall, after_first = run(p)
+                t = tot[name]
+                t[0], t[1], t[2], t[3] = t[0] + len(out), t[1] + wall, t[2] + len(out) - 1, \
+                    t[3] + after_first
+                tokens[name].setdefault(i, out)
+        for name, (n, wall, nd, dwall) in tot.items():
+            e2e[name].append(n / wall)
+            dec[name].append(nd / dwall)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in e2e.items()),
+              file=sys.stderr)
+    base_e, base_d = e2e["llama.cpp"], dec["llama.cpp"]
+    rows = {}
+    for name in runners:
+        firsts = [first_divergence(tokens[name][i], tokens["llama.cpp"][i])
+                  for i in range(len(prompts))]
+        row = rows[name] = {
+            "tokens_per_s": round(_median(e2e[name]), 2),
+            "vs_llamacpp": round(_median([a / b for a, b in zip(e2e[name], base_e)]), 3),
+            "vs_llamacpp_per_round": [round(a / b, 3) for a, b in zip(e2e[name], base_e)],
+            "decode_tokens_per_s": round(_median(dec[name]), 2),
+            "decode_vs_llamacpp": round(_median([a / b for a, b in zip(dec[name], base_d)]), 3),
+            "tokens_per_s_per_round": [round(x, 2) for x in e2e[name]],
+            "first_divergence_from_llamacpp_per_prompt": firsts}
+        llm = configs.get(name)
+        if llm is not None and llm.spec is not None:
+            st = llm.stats()
+            row["mean_accepted_length"] = round(st.get("mean_accepted_length") or 0.0, 3)
+    print_json({
+        "machine": machine(), "cpu": cpu_info(), "threads": args.threads,
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "note": args.note, "command": " ".join(["python"] + sys.argv), "model": args.model,
+        "llama_cpp_python": ref.version, "llama_cpp_system_info": ref.system_info,
+        "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+        "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "split": "held-out ShareGPT first turns, chat template (bench/acceptance.py)",
+        "rates": "end to end = new tokens / wall (prefill included); decode = after the first",
+        "results": rows, "peak_rss_mib_whole_process": round(peak_rss_mib(), 1)},
+        args.json_out)
+
+
+if __name__ == "__main__":
+    main()

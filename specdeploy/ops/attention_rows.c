@@ -1,0 +1,149 @@
+/* Paged causal attention for the few query rows of one sequence (a decode row, a verify
+ * segment), one (row, head) at a time:
+ *     out[t, h] = sum_j softmax_j(scale * q[t, h] . k[j, g]) v[j, g],  j = 0..pos[t], g = h / rep
+ * Each (row, head) is computed by the same instruction sequence from its own query and the keys
+ * up to its position only, whatever the other rows and the thread count: a row's output is
+ * bit-identical in a 1-row decode and in a K + 1-row verify step (batch invariance; one SDPA
+ * over the segment sums in another order). Keys and values are read in place from the paged
+ * cache [num_pages, page_size, Hkv, D] (fp32). Built at run time by attention_rows.py; AVX2 +
+ * FMA required (checked there), -ffp-contract=off.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* e^x for x <= 0 (scores minus their max), 8 at a time: x = n ln2 + r, |r| <= ln2 / 2, e^r by
+ * its degree-6 Taylor polynomial (relative error < 2e-7 there), times 2^n through the exponent
+ * bits; below -87 it returns ~1e-38, which no sum of weights >= 1 notices. Deterministic: the
+ * same x gives the same bits wherever it sits in the row. */
+AVX2 static inline __m256 exp_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* one (row, head): q [D], scores scratch [pos + 1], out [Dv] */
+AVX2 static void one(const float *q, int D, int Dv, const float *k_cache, const float *v_cache,
+                     int page_size, int Hkv, int g, const int64_t *pages, int pos, float scale,
+                     float *s, float *out) {
+    const size_t row_k = (size_t)Hkv * D, row_v = (size_t)Hkv * Dv;
+    float m = -INFINITY;
+    /* scores, 4 keys at a time for 4 independent fma chains; each key's own arithmetic is the
+     * same in a group of 4 or alone */
+    int j = 0;
+    for (; j + 4 <= pos + 1; j += 4) {
+        const float *k[4];
+        __m256 acc[4];
+        for (int u = 0; u < 4; u++) {
+            const int jj = j + u;
+            const size_t slot = (size_t)pages[jj / page_size] * page_size + jj % page_size;
+            k[u] = k_cache + slot * row_k + (size_t)g * D;
+            acc[u] = _mm256_setzero_ps();
+        }
+        for (int d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + d);
+            for (int u = 0; u < 4; u++)
+                acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[u] + d), acc[u]);
+        }
+        for (int u = 0; u < 4; u++) {
+            s[j + u] = hsum8(acc[u]) * scale;
+            m = s[j + u] > m ? s[j + u] : m;
+        }
+    }
+    for (; j <= pos; j++) {
+        const size_t slot = (size_t)pages[j / page_size] * page_size + j % page_size;
+        const float *k = k_cache + slot * row_k + (size_t)g * D;
+        __m256 acc = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+        s[j] = hsum8(acc) * scale;
+        m = s[j] > m ? s[j] : m;
+    }
+    /* the weights, 8 at a time; the tail as a full vector padded with m (e^0), its pad lanes
+     * masked out of the sum */
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    j = 0;
+    for (; j + 8 <= pos + 1; j += 8) {
+        const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    if (j <= pos) {
+        float tail[8];
+        const int left = pos + 1 - j;
+        for (int i = 0; i < 8; i++) tail[i] = i < left ? s[j + i] : m;
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(left), lane));
+        const __m256 e = _mm256_and_ps(exp_neg(_mm256_sub_ps(_mm256_loadu_ps(tail), mv)), keep);
+        _mm256_storeu_ps(tail, e);
+        for (int i = 0; i < left; i++) s[j + i] = tail[i];
+        sv = _mm256_add_ps(sv, e);
+    }
+    const float sum = hsum8(sv);
+    /* Dv <= 256: the output row stays in up to 32 registers' worth of stack (no aliasing) */
+    __m256 o[32];
+    const int nv = Dv / 8;
+    for (int c = 0; c < nv; c++) o[c] = _mm256_setzero_ps();
+    for (j = 0; j <= pos; j++) {
+        const size_t slot = (size_t)pages[j / page_size] * page_size + j % page_size;
+        const float *v = v_cache + slot * row_v + (size_t)g * Dv;
+        const __m256 p = _mm256_set1_ps(s[j]);
+        for (int c = 0; c < nv; c++)
+            o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / sum);
+    for (int c = 0; c < nv; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(o[c], inv));
+}
+
+/* q [T, Hq, D], out [T, Hq, Dv] row-major fp32; row t sits at position pos0 + t (it attends
+ * keys 0..pos0 + t); pages: the sequence's page table. D and Dv multiples of 8, Dv <= 256
+ * (checked by the caller). Returns 0, or -1 when scratch memory could not be had. */
+int attention_rows(const float *q, int T, int Hq, int D, int Dv, const float *k_cache,
+                   const float *v_cache, int page_size, int Hkv, const int64_t *pages, int pos0,
+                   float scale, float *out, int nthreads) {
+    const int maxpos = pos0 + T - 1;
+    const int rep = Hq / Hkv, items = T * Hq;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        float *s = (float *)malloc(sizeof(float) * ((size_t)maxpos + 1));
+        failed |= !s;
+        /* NOTE: every thread reaches the worksharing loop, even one without scratch */
+#pragma omp for schedule(static)
+        for (int it = 0; it < items; it++) {
+            const int t = it / Hq, h = it % Hq;
+            if (s)
+                one(q + ((size_t)t * Hq + h) * D, D, Dv, k_cache, v_cache, page_size, Hkv,
+                    h / rep, pages, pos0 + t, scale, s, out + ((size_t)t * Hq + h) * Dv);
+        }
+        free(s);
+    }
+    return failed ? -1 : 0;
+}

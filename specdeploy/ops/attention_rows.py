@@ -1,0 +1,95 @@
+"""Batch-invariant CPU attention for short segments (decode rows, verify steps): a C kernel that
+computes each (query row, head) on its own, so a row's output is bit-identical whether it is a
+1-row decode or one row of a K + 1-row verify step (`attention_rows.c`). One SDPA call over a
+segment sums in another order than a 1-row call (~1e-7 apart); the fast integer-dot linears
+round activations to 8 bits, which can blow that up into a different greedy token, and greedy
+speculative decoding must give greedy plain decoding's tokens.
+
+Compiled on first use like the GGUF kernels (same cache, same one-line warning when it cannot
+be built); needs x86-64 with AVX2 + FMA, fp32 caches, head sizes that are multiples of 8 (up
+to 256). `unavailable()` says why not; the caller then runs its per-row SDPA fallback.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from specdeploy.ops import ggml_linear as _gl
+
+SOURCE = Path(__file__).with_name("attention_rows.c")
+_FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
+
+
+@lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("SPECDEPLOY_ATTENTION_KERNEL", "1") == "0":
+        return None, "SPECDEPLOY_ATTENTION_KERNEL=0"
+    missing = [f for f in ("avx2", "fma") if f not in _gl._cpu_flags()]
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)}"
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    errors, cache = [], _gl._cache_dir()
+    for openmp in (True, False):
+        path = cache / f"attention_rows-{digest}{'-omp' if openmp else ''}.so"
+        if not path.exists():
+            err = _gl._compile(path, openmp, source=SOURCE, flags=_FLAGS, libs=("-lm",))
+            if err:
+                errors.append(err)
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        fn = lib.attention_rows
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+                       ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return lib, None
+    why = "; ".join(errors)
+    _gl.warn_unbuilt("the batch-invariant attention kernel", why)
+    return None, why
+
+
+def unavailable() -> str | None:
+    return _library()[1]
+
+
+def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors (else the caller's fallback runs)."""
+    d, dv = k_cache.shape[-1], v_cache.shape[-1]
+    return (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and d % 8 == 0 and dv % 8 == 0 and dv <= 256 and q.shape[-2] % k_cache.shape[2] == 0
+            and _library()[0] is not None)
+
+
+def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   pages: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
+    """q [T, Hq, D]: one sequence's rows at positions pos0 .. pos0 + T - 1, each attending the
+    keys up to itself; caches [num_pages, page_size, Hkv, D(v)] fp32; pages: that sequence's
+    page table row (int64). -> [T, Hq, Dv]."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"attention kernel unavailable: {why}")
+    q = q.contiguous()
+    pages = pages.to(torch.int64).contiguous()
+    t, hq, d = q.shape
+    dv = v_cache.shape[-1]
+    if pos0 < 0 or pos0 + t > pages.numel() * k_cache.shape[1]:
+        raise ValueError(f"attention_rows: positions {pos0}..{pos0 + t - 1} outside the "
+                         f"sequence's {pages.numel()} pages")
+    out = torch.empty(t, hq, dv, dtype=torch.float32)
+    rc = lib.attention_rows(q.data_ptr(), t, hq, d, dv, k_cache.data_ptr(), v_cache.data_ptr(),
+                            k_cache.shape[1], k_cache.shape[2], pages.data_ptr(), pos0,
+                            float(scale), out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("attention_rows: no scratch memory for the scores")
+    return out

@@ -1,0 +1,128 @@
+"""Integer-dot linears over GGUF Q4_1 / Q8_0 / Q4_0 blocks: the "fast" kernels.
+
+`ggml_linear.py`'s exact kernel expands every weight to fp32 and multiply-adds in fp32 (the same
+fp32 model). This one does what llama.cpp does on a CPU: each input row is quantized to 8-bit
+blocks of 32 values (one fp32 scale per block), the block dot products run in integers
+(AVX2 `maddubs`, AVX-512 VNNI `dpbusd`) and only the per-block partial sums meet fp32. That is a
+slightly different model: per block of 32 inputs an output moves by at most
+    (d_x / 2) * sum_i |d_w * q_i|,   d_x = max |x_block| / 127
+(the rounding of x to d_x * int8 times the weights' integer part; Q4_1's offset m multiplies the
+exact fp32 block sum of x), plus fp32 round-off. `tests/ops/test_ggml_int.py` checks that bound.
+
+One C file (`ggml_kernels_int.c`) holds a portable scalar path and the SIMD paths, each behind
+a target attribute and chosen at run time from what the CPU reports (`supported_isas()`;
+`SPECDEPLOY_GGML_ISA` forces one; see UNVERIFIED). All paths give bit-identical outputs, and a
+row's output does not depend on the other rows or the thread count, so greedy speculative
+decoding still equals greedy plain decoding within a deployment. Compiled on first use into
+the same cache as the exact kernel; where it cannot be built, one warning says why and callers
+keep the exact kernel (or fp32).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from specdeploy.ops import ggml_linear as _gl
+from specdeploy.ops.ggml_linear import KINDS, GGMLWeight
+
+SOURCE = Path(__file__).with_name("ggml_kernels_int.c")
+# NOTE: no -m flags: the SIMD functions carry their own targets; -ffp-contract=off keeps the
+# scalar path's fp32 operations exactly the ones the SIMD paths perform
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+ISAS = ("scalar", "avx2", "avx512_vnni")  # the C file's ISA_* values, in order
+# NOTE: written to give the AVX2 path's bits exactly, but not yet run on a CPU that has it
+# (the machines here had AVX2 only): the tests run it where it exists (bit-identity with the
+# scalar path, the bounds); until then it is used only when SPECDEPLOY_GGML_ISA asks for it.
+UNVERIFIED = ("avx512_vnni",)
+
+
+@lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("SPECDEPLOY_GGML_KERNELS", "1") == "0":
+        return None, "SPECDEPLOY_GGML_KERNELS=0"
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    errors, cache = [], _gl._cache_dir()
+    for openmp in (True, False):  # NOTE: a compiler without OpenMP still gets a 1-thread kernel
+        path = cache / f"ggml_kernels_int-{digest}{'-omp' if openmp else ''}.so"
+        if not path.exists():
+            err = _gl._compile(path, openmp, source=SOURCE, flags=_FLAGS, libs=("-lm",))
+            if err:
+                errors.append(err)
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        fn = lib.ggml_linear_int
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        lib.ggml_int_isa_supported.argtypes = [ctypes.c_int]
+        lib.ggml_int_isa_supported.restype = ctypes.c_int
+        return lib, None
+    why = "; ".join(errors)
+    _gl.warn_unbuilt("the integer-dot GGUF kernels", why)
+    return None, why
+
+
+def kernel_unavailable() -> str | None:
+    """None when the integer kernels are built and loaded here, else why not."""
+    return _library()[1]
+
+
+def supported_isas() -> list[str]:
+    """The ISA paths this build and this CPU run, slowest first (scalar is always there)."""
+    lib, _ = _library()
+    if lib is None:
+        return []
+    return [name for i, name in enumerate(ISAS) if lib.ggml_int_isa_supported(i)]
+
+
+def default_isa() -> str:
+    """SPECDEPLOY_GGML_ISA when set (an error naming the choices if this CPU cannot run it),
+    else the fastest supported path not in UNVERIFIED."""
+    have = supported_isas()
+    if not have:
+        raise RuntimeError(f"integer ggml kernels unavailable: {kernel_unavailable()}")
+    want = os.environ.get("SPECDEPLOY_GGML_ISA")
+    if want:
+        if want not in have:
+            raise ValueError(f"SPECDEPLOY_GGML_ISA={want!r}: this build / CPU runs "
+                             f"{', '.join(have)}")
+        return want
+    return [isa for isa in have if isa not in UNVERIFIED][-1]
+
+
+def ggml_linear_int(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | None = None,
+                    isa: str | None = None) -> torch.Tensor:
+    """`x[..., K] @ W^T (+ bias)` with W in GGUF blocks and x quantized per row to 8-bit blocks
+    (see the module docstring for the error); x fp32 on the CPU."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"integer ggml kernels unavailable: {why}")
+    isa = default_isa() if isa is None else isa
+    if isa not in ISAS:
+        raise ValueError(f"isa: one of {', '.join(ISAS)}, got {isa!r}")
+    n, k = weight.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+        raise ValueError(f"ggml_linear_int: x must be fp32 on the CPU with last dim {k}, got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if x2.shape[0]:
+        rc = lib.ggml_linear_int(KINDS[weight.kind][0], ISAS.index(isa), x2.data_ptr(),
+                                 x2.shape[0], k, weight.blocks.data_ptr(), n, y.data_ptr(),
+                                 torch.get_num_threads())
+        if rc == -2:
+            raise ValueError(f"isa {isa!r}: this CPU / build runs {', '.join(supported_isas())}")
+        if rc != 0:
+            raise MemoryError("ggml_linear_int: no scratch memory for the quantized rows")
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], n)

@@ -1,0 +1,384 @@
+/* y[R, N] = x[R, K] @ W^T with W in GGUF blocks (Q4_1, Q8_0, Q4_0) and x quantized per row to
+ * 8-bit blocks of 32 as llama.cpp does for its integer dot products (Q8_0 / Q8_1 activations):
+ * per block d = max|x| / 127, q = round-to-nearest-even(x * 127 / max|x|), and (for Q4_1's
+ * offset m) the block's exact fp32 sum of x. Unlike llama.cpp the activation scale stays fp32
+ * (not fp16) and Q4_1's m term uses the exact sum, not d * sum(q): both cost nothing and drop
+ * two roundings. Per weight block the dot product is exact in integers, then
+ *     y += (d_w * d_x) * p_j   for its 8 partial sums p_j (4 consecutive values each),
+ * accumulated in 8 fp32 lanes over the blocks and summed in one fixed order at the end.
+ *
+ * Every ISA path (portable scalar C, AVX2, AVX-512 VNNI) computes exactly those integers and
+ * those fp32 operations in that order, so all three give bit-identical outputs, and an output
+ * (r, n) never depends on R or the thread count (batch invariance: a 1-row decode and a K + 1-row
+ * verify give the same rows). The file is compiled without -m flags; the SIMD functions carry
+ * their own target attributes and run only where the CPU reports those features at run time.
+ * Built at run time by specdeploy/ops/ggml_linear.py. Must be compiled with -ffp-contract=off.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#define SD_X86 1
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2 };             /* ggml_linear.py's KINDS */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_linear.py's ISAS */
+#define ROW_GROUP 4 /* input rows sharing one expansion of a weight block */
+#define OUT_TILE 32 /* output rows per tile: their weights stay in cache across row groups */
+
+typedef struct {
+    const int8_t *q; /* [R, K] the quantized rows */
+    const float *d;  /* [R, nb] block scales */
+    const float *s;  /* [R, nb] exact block sums of x (Q4_1) */
+} act_t;
+
+static int block_bytes(int kind) { return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : 18; }
+
+static float half_to_float(uint16_t h) { /* exact; portable (no F16C) */
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    uint32_t bits;
+    if (e == 0x1F) bits = sign | 0x7F800000u | (m << 13);
+    else if (e) bits = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m) bits = sign;
+    else { /* subnormal half: normalize */
+        int shift = 0;
+        uint32_t mm = m;
+        while (!(mm & 0x400)) { mm <<= 1; shift++; }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mm & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return half_to_float(h);
+}
+
+/* x [R, K] -> act (portable C; R * K work, small beside the R * K * N of the dot products) */
+static void quantize_rows(const float *x, int R, int K, int8_t *q, float *d, float *s) {
+    const int nb = K / 32;
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)r * K + b * 32;
+            float amax = 0.f, sum = 0.f;
+            for (int i = 0; i < 32; i++) {
+                const float a = fabsf(xb[i]);
+                amax = a > amax ? a : amax;
+                sum += xb[i];
+            }
+            const float id = amax > 0.f ? 127.f / amax : 0.f;
+            int8_t *qb = q + (size_t)r * K + b * 32;
+            for (int i = 0; i < 32; i++) qb[i] = (int8_t)lrintf(xb[i] * id);
+            /* NOTE: a NaN / inf in x must not vanish into q = 0: it poisons the block's scale */
+            d[(size_t)r * nb + b] = isfinite(sum) ? amax / 127.f : NAN;
+            s[(size_t)r * nb + b] = sum;
+        }
+}
+
+/* the 8-lane sum in the order AVX2's hsum8 takes: (j, j + 4), then (0, 2), (1, 3), then both */
+static float sum8(const float *a) {
+    const float t0 = a[0] + a[4], t1 = a[1] + a[5], t2 = a[2] + a[6], t3 = a[3] + a[7];
+    return (t0 + t2) + (t1 + t3);
+}
+
+/* ---- portable scalar path ---- */
+static void tile_scalar(int kind, const act_t *a, int R, int K, const uint8_t *w, int n0, int n1,
+                        int N, float *y) {
+    const int nb = K / 32, bytes = block_bytes(kind);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * nb * bytes;
+        for (int r = 0; r < R; r++) {
+            float acc[8] = {0}, macc = 0.f;
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *blk = row + b * bytes;
+                const int8_t *qx = a->q + (size_t)r * K + b * 32;
+                int wv[32];
+                if (kind == Q8_0) {
+                    for (int i = 0; i < 32; i++) wv[i] = (int8_t)blk[2 + i];
+                } else {
+                    const uint8_t *qs = blk + (kind == Q4_1 ? 4 : 2);
+                    const int off = kind == Q4_0 ? 8 : 0;
+                    for (int i = 0; i < 16; i++) {
+                        wv[i] = (qs[i] & 0x0F) - off;
+                        wv[i + 16] = (qs[i] >> 4) - off;
+                    }
+                }
+                const float scale = half_at(blk) * a->d[(size_t)r * nb + b];
+                for (int j = 0; j < 8; j++) {
+                    int p = 0;
+                    for (int i = 4 * j; i < 4 * j + 4; i++) p += wv[i] * qx[i];
+                    acc[j] = fmaf(scale, (float)p, acc[j]);
+                }
+                if (kind == Q4_1) macc = fmaf(half_at(blk + 2), a->s[(size_t)r * nb + b], macc);
+            }
+            y[(size_t)r * N + n] = kind == Q4_1 ? sum8(acc) + macc : sum8(acc);
+        }
+    }
+}
+
+#ifdef SD_X86
+#define AVX2_FN __attribute__((target("avx2,fma,f16c"))) static inline
+#define AVX512_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+AVX2_FN float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+AVX2_FN float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* a block's 32 weight values as bytes in value order (4-bit kinds: 0..15 unsigned for Q4_1,
+ * q - 8 for Q4_0; Q8_0 as stored) */
+AVX2_FN __m256i weight_bytes(const uint8_t *blk, const int kind) {
+    if (kind == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (kind == Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+    return kind == Q4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8)) : v;
+}
+
+/* the 8 exact partial sums p_j = sum of 4 consecutive w_i * q_i. maddubs multiplies unsigned
+ * by signed bytes: Q4_1's weights are unsigned already; signed ones go in as |w| times q with
+ * w's sign (|w| <= 128, q <= 127: no int16 pair sum saturates) */
+AVX2_FN __m256i block_products(__m256i wv, __m256i wabs, __m256i qx, const int kind) {
+    const __m256i pairs = kind == Q4_1 ? _mm256_maddubs_epi16(wv, qx)
+                                       : _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(qx, wv));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* outputs n .. n + no - 1 (no <= 2) for rg (<= ROW_GROUP) rows; rg, no and kind are constants
+ * at each call (the accumulators stay in registers). Two outputs at a time give the core two
+ * independent fma chains and share each row's activation load; the operations on each
+ * accumulator are the same either way (the pairing changes the schedule, not the sums). */
+AVX2_FN __attribute__((always_inline)) void outputs_avx2(const act_t *a, int K, const uint8_t *w,
+                                                        int n, int N, float *y, int r0,
+                                                        const int rg, const int no,
+                                                        const int kind) {
+    const int nb = K / 32, bytes = block_bytes(kind);
+    const uint8_t *row0 = w + (size_t)n * nb * bytes;
+    __m256 acc[2][ROW_GROUP];
+    float macc[2][ROW_GROUP];
+    for (int o = 0; o < no; o++)
+        for (int r = 0; r < rg; r++) {
+            acc[o][r] = _mm256_setzero_ps();
+            macc[o][r] = 0.f;
+        }
+    for (int b = 0; b < nb; b++) {
+        __m256i wv[2], wabs[2];
+        float dw[2], m[2];
+        for (int o = 0; o < no; o++) {
+            const uint8_t *blk = row0 + ((size_t)o * nb + b) * bytes;
+            wv[o] = weight_bytes(blk, kind);
+            wabs[o] = kind == Q4_1 ? wv[o] : _mm256_abs_epi8(wv[o]);
+            dw[o] = f16_at(blk);
+            m[o] = kind == Q4_1 ? f16_at(blk + 2) : 0.f;
+        }
+        for (int r = 0; r < rg; r++) {
+            const size_t rb = (size_t)(r0 + r) * nb + b;
+            const __m256i qx = _mm256_loadu_si256((const __m256i *)(a->q + rb * 32));
+            const float dx = a->d[rb];
+            for (int o = 0; o < no; o++) {
+                const __m256 p = _mm256_cvtepi32_ps(block_products(wv[o], wabs[o], qx, kind));
+                acc[o][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw[o] * dx), p, acc[o][r]);
+                if (kind == Q4_1) macc[o][r] = fmaf(m[o], a->s[rb], macc[o][r]);
+            }
+        }
+    }
+    for (int o = 0; o < no; o++)
+        for (int r = 0; r < rg; r++)
+            y[(size_t)(r0 + r) * N + n + o] =
+                kind == Q4_1 ? hsum8(acc[o][r]) + macc[o][r] : hsum8(acc[o][r]);
+}
+
+/* one group of rg rows over outputs t0..t1 */
+AVX2_FN __attribute__((always_inline)) void group_avx2(const act_t *a, int K, const uint8_t *w,
+                                                      int t0, int t1, int N, float *y, int r0,
+                                                      const int rg, const int kind) {
+    int n = t0;
+    /* NOTE: Q8_0's 32-byte blocks in pairs run out of registers (measured slower) */
+    if (kind != Q8_0)
+        for (; n + 2 <= t1; n += 2) outputs_avx2(a, K, w, n, N, y, r0, rg, 2, kind);
+    for (; n < t1; n++) outputs_avx2(a, K, w, n, N, y, r0, rg, 1, kind);
+}
+
+#define TILE_FN(NAME, GROUP, KIND, ATTR)                                                       \
+    ATTR static void NAME(const act_t *a, int R, int K, const uint8_t *w, int n0, int n1, int N, \
+                          float *y) {                                                          \
+        for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {                                           \
+            const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;                            \
+            for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {                                        \
+                switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {                             \
+                case 1: GROUP(a, K, w, t0, t1, N, y, r0, 1, KIND); break;                      \
+                case 2: GROUP(a, K, w, t0, t1, N, y, r0, 2, KIND); break;                      \
+                case 3: GROUP(a, K, w, t0, t1, N, y, r0, 3, KIND); break;                      \
+                default: GROUP(a, K, w, t0, t1, N, y, r0, 4, KIND); break;                     \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+#define AVX2_ATTR __attribute__((target("avx2,fma,f16c")))
+TILE_FN(q4_1_avx2, group_avx2, Q4_1, AVX2_ATTR)
+TILE_FN(q8_0_avx2, group_avx2, Q8_0, AVX2_ATTR)
+TILE_FN(q4_0_avx2, group_avx2, Q4_0, AVX2_ATTR)
+
+/* AVX-512 VNNI: two blocks per dpbusd (u8 x s8, 4 products per int32 lane: the same p_j as
+ * above). Signed weights go in shifted to unsigned (Q4_0: q as stored, w + 8; Q8_0: w + 128 by
+ * flipping the sign bit) and the shift times the 4-value sums of q comes off again, exactly in
+ * int32. The fp32 part then takes the two blocks one after the other in 256-bit halves, the
+ * order of the AVX2 path, so the outputs are bit-identical to it. */
+AVX512_FN static inline __m256i nibbles(const uint8_t *blk, int off) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + off));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
+
+AVX512_FN static inline __m512i weight_pair_u8(const uint8_t *b0, const uint8_t *b1,
+                                                const int kind) {
+    if (kind == Q8_0) {
+        const __m512i v = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+            _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+    }
+    const int off = kind == Q4_1 ? 4 : 2;
+    return _mm512_inserti64x4(_mm512_castsi256_si512(nibbles(b0, off)), nibbles(b1, off), 1);
+}
+
+AVX512_FN static inline __attribute__((always_inline)) void group_avx512(
+    const act_t *a, int K, const uint8_t *w, int t0, int t1, int N, float *y, int r0,
+    const int rg, const int kind) {
+    const int nb = K / 32, bytes = block_bytes(kind);
+    const __m512i shift = _mm512_set1_epi8((char)(kind == Q8_0 ? 0x80 : 8));
+    for (int n = t0; n < t1; n++) {
+        const uint8_t *row = w + (size_t)n * nb * bytes;
+        __m256 acc[ROW_GROUP];
+        float macc[ROW_GROUP];
+        for (int r = 0; r < rg; r++) {
+            acc[r] = _mm256_setzero_ps();
+            macc[r] = 0.f;
+        }
+        int b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            const uint8_t *blk = row + b * bytes;
+            const __m512i wv = weight_pair_u8(blk, blk + bytes, kind);
+            const float d0 = f16_at(blk), d1 = f16_at(blk + bytes);
+            const float m0 = kind == Q4_1 ? f16_at(blk + 2) : 0.f;
+            const float m1 = kind == Q4_1 ? f16_at(blk + bytes + 2) : 0.f;
+            for (int r = 0; r < rg; r++) {
+                const size_t rb = (size_t)(r0 + r) * nb + b;
+                const __m512i qx = _mm512_loadu_si512((const void *)(a->q + rb * 32));
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, qx);
+                if (kind != Q4_1)
+                    p = _mm512_sub_epi32(p, _mm512_dpbusd_epi32(_mm512_setzero_si512(), shift, qx));
+                const __m512 pf = _mm512_cvtepi32_ps(p);
+                const __m256 lo = _mm512_castps512_ps256(pf);
+                const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pf), 1));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * a->d[rb]), lo, acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * a->d[rb + 1]), hi, acc[r]);
+                if (kind == Q4_1) {
+                    macc[r] = fmaf(m0, a->s[rb], macc[r]);
+                    macc[r] = fmaf(m1, a->s[rb + 1], macc[r]);
+                }
+            }
+        }
+        if (b < nb) { /* an odd block count: the last block as in the AVX2 path */
+            const uint8_t *blk = row + b * bytes;
+            const __m256i wv = weight_bytes(blk, kind);
+            const __m256i wabs = kind == Q4_1 ? wv : _mm256_abs_epi8(wv);
+            const float dw = f16_at(blk), m = kind == Q4_1 ? f16_at(blk + 2) : 0.f;
+            for (int r = 0; r < rg; r++) {
+                const size_t rb = (size_t)(r0 + r) * nb + b;
+                const __m256i qx = _mm256_loadu_si256((const __m256i *)(a->q + rb * 32));
+                const __m256 p = _mm256_cvtepi32_ps(block_products(wv, wabs, qx, kind));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a->d[rb]), p, acc[r]);
+                if (kind == Q4_1) macc[r] = fmaf(m, a->s[rb], macc[r]);
+            }
+        }
+        for (int r = 0; r < rg; r++)
+            y[(size_t)(r0 + r) * N + n] = kind == Q4_1 ? hsum8(acc[r]) + macc[r] : hsum8(acc[r]);
+    }
+}
+
+TILE_FN(q4_1_avx512, group_avx512, Q4_1, AVX512_FN)
+TILE_FN(q8_0_avx512, group_avx512, Q8_0, AVX512_FN)
+TILE_FN(q4_0_avx512, group_avx512, Q4_0, AVX512_FN)
+#endif /* SD_X86 */
+
+/* 1 when this build and this CPU can run `isa` */
+int ggml_int_isa_supported(int isa) {
+    if (isa == ISA_SCALAR) return 1;
+#ifdef SD_X86
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == ISA_AVX2) return avx2;
+    if (isa == ISA_AVX512)
+        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+    return 0;
+}
+
+static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint8_t *w, int n0,
+                     int n1, int N, float *y) {
+#ifdef SD_X86
+    if (isa == ISA_AVX512) {
+        if (kind == Q4_1) q4_1_avx512(a, R, K, w, n0, n1, N, y);
+        else if (kind == Q8_0) q8_0_avx512(a, R, K, w, n0, n1, N, y);
+        else q4_0_avx512(a, R, K, w, n0, n1, N, y);
+        return;
+    }
+    if (isa == ISA_AVX2) {
+        if (kind == Q4_1) q4_1_avx2(a, R, K, w, n0, n1, N, y);
+        else if (kind == Q8_0) q8_0_avx2(a, R, K, w, n0, n1, N, y);
+        else q4_0_avx2(a, R, K, w, n0, n1, N, y);
+        return;
+    }
+#endif
+    (void)isa;
+    tile_scalar(kind, a, R, K, w, n0, n1, N, y);
+}
+
+/* kind: Q4_1, Q8_0 or Q4_0; isa: one ggml_int_isa_supported() accepts (the caller checks).
+ * x [R, K] and y [R, N] row-major fp32; w: N rows of K / 32 blocks. Returns 0, -1 when scratch
+ * memory could not be had, -2 for an ISA this build / CPU cannot run (y untouched then). */
+int ggml_linear_int(int kind, int isa, const float *x, int R, int K, const uint8_t *w, int N,
+                    float *y, int nthreads) {
+    if (!ggml_int_isa_supported(isa)) return -2;
+    const int nb = K / 32;
+    /* one allocation: q (R * K bytes), then d and s (R * nb floats each), 64-byte aligned */
+    const size_t qbytes = ((size_t)R * K + 63) / 64 * 64;
+    const size_t fbytes = (8 * (size_t)R * nb + 63) / 64 * 64;
+    uint8_t *scratch = (uint8_t *)aligned_alloc(64, qbytes + fbytes + 64);
+    if (!scratch) return -1;
+    float *d = (float *)(scratch + qbytes), *s = d + (size_t)R * nb;
+    quantize_rows(x, R, K, (int8_t *)scratch, d, s);
+    const act_t a = {(const int8_t *)scratch, d, s};
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const int per = ((N + nt - 1) / nt + 7) / 8 * 8; /* a contiguous slice per thread */
+        const int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
+        if (n0 < n1) run_tile(kind, isa, &a, R, K, w, n0, n1, N, y);
+    }
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,119 @@
+"""ggml_linears with kernels="fast": a GGUF checkpoint's block linears on the integer-dot kernels.
+
+Oracles: the plain model loaded from the same file (fp32 weights from gguf's dequantization),
+the same deployment's own 1-row steps (a K + 1-row verify step must give them bit for bit), and
+greedy plain decoding for greedy speculative decoding with every drafter (n-gram lookup, EAGLE-3,
+an MTP head) on the fast kernels.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, Segment, build_metadata
+from specdeploy.config import SpecConfig
+from specdeploy.deploy.build import build
+from specdeploy.deploy.passes import ggml_linears as pass_mod
+from specdeploy.loading import load_model
+from specdeploy.models import llama
+from specdeploy.ops import ggml_int
+from specdeploy.ops.ggml_linear import kernel_unavailable
+from tests.checkpoint.test_gguf import Q, _tiny_llama_gguf
+
+pytestmark = pytest.mark.skipif(
+    kernel_unavailable() is not None or ggml_int.kernel_unavailable() is not None,
+    reason=f"ggml kernels unavailable: {kernel_unavailable() or ggml_int.kernel_unavailable()}")
+LIMITS = dict(max_batch_size=2, max_seq_len=64, page_size=4, max_cache_gib=0.01)
+
+
+@pytest.fixture(scope="module", params=[("q4_1", False), ("q8_0", True), ("q4_0", False)],
+                ids=["q4_1-untied", "q8_0-tied", "q4_0-untied"])
+def tiny_gguf(request, tmp_path_factory):
+    kind, tie = request.param
+    d = tmp_path_factory.mktemp(f"ggml_fast_{kind}")
+    src = llama.make_tiny(d / "st", seed=7, config_overrides={"tie_word_embeddings": tie})
+    qtype = {"q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[kind]
+    return src, _tiny_llama_gguf(src, d / "tiny.gguf", qtype)
+
+
+def _logits(dep, ids, steps):
+    pages, pos, out = list(range(16)), 0, []
+    for n, kind in steps:
+        seg = Segment(ids[pos:pos + n], pos, pages, 0, n, kind)
+        out.append(dep.forward(build_metadata([seg])).logits)
+        pos += n
+    return torch.cat(out)
+
+
+def test_fast_rows_are_batch_invariant_and_near_the_fp32_model(tiny_gguf):
+    """Decode rows one at a time, then the same positions as one 4-row and one 16-row verify
+    step: bit-identical logits. Against the fp32 model the logits move by the activation
+    rounding only (tests/ops/test_ggml_int.py bounds it per linear; here: within 5% of the
+    logits' range, a check that the wiring is right, not a kernel bound)."""
+    _, path = tiny_gguf
+    dep = build(str(path), kernels="fast", **LIMITS)
+    info = {i.name: i for i in dep.infos}["ggml_linears"]
+    assert f"integer-dot kernel, {ggml_int.default_isa()}" in info.detail
+    ids = torch.randint(3, 128, (50,), generator=torch.Generator().manual_seed(0)).tolist()
+    prefill = (21, SEG_NORMAL)
+    one_by_one = _logits(dep, ids, [prefill] + [(1, SEG_NORMAL)] * 20)
+    verify = _logits(dep, ids, [prefill, (4, SEG_EXTEND), (16, SEG_EXTEND)])
+    assert torch.equal(one_by_one[21:], verify[21:])
+    with torch.no_grad():
+        want = load_model(path)(torch.tensor([ids[:41]]))[0]
+    span = (want.max() - want.min()).item()
+    assert (one_by_one - want).abs().max().item() < 0.05 * span
+    exact = _logits(build(str(path), **LIMITS), ids, [prefill] + [(1, SEG_NORMAL)] * 20)
+    assert not torch.equal(exact[21:], one_by_one[21:])  # "fast" did change the kernel
+
+
+def test_kernels_option_is_checked_and_falls_back_with_a_warning(tiny_gguf, monkeypatch):
+    _, path = tiny_gguf
+    with pytest.raises(ValueError, match="kernels: one of exact, fast, got 'int4'"):
+        build(str(path), kernels="int4", **LIMITS)
+    monkeypatch.setattr(ggml_int, "default_isa", lambda: "scalar")  # as on a CPU without AVX2
+    monkeypatch.delenv("SPECDEPLOY_GGML_ISA", raising=False)
+    with pytest.warns(RuntimeWarning, match="no SIMD integer path on this CPU"):
+        dep = build(str(path), kernels="fast", **LIMITS)
+    info = {i.name: i for i in dep.infos}["ggml_linears"]
+    assert "exact fp32 kernel; fast unavailable" in info.detail
+    assert pass_mod.KERNELS == ("exact", "fast")
+
+
+def _mtp_head_dir(path, out):
+    from specdeploy.models.drafters.mtp_head import make_mtp_head, save_mtp_head
+
+    torch.manual_seed(3)
+    head = make_mtp_head(load_model(path))
+    save_mtp_head(head, out)
+    return str(out)
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "mtp"])
+def test_greedy_speculative_equals_plain_on_fast_kernels(tiny_gguf, method, tmp_path,
+                                                         monkeypatch):
+    """Verify steps of up to K + 1 = 5 rows per sequence, two sequences at once, on the fast
+    kernels give the tokens of plain decoding on the same kernels."""
+    from specdeploy import LLM, SamplingParams
+    from specdeploy import tokenizer as tok_mod
+    from specdeploy.models.drafters.eagle3 import make_tiny_eagle3
+
+    src, path = tiny_gguf
+    real = tok_mod.load_tokenizer
+    monkeypatch.setattr(tok_mod, "load_tokenizer", lambda p: real(src))  # tiny GGUF: no vocab
+    if method == "ngram":
+        spec = SpecConfig("ngram", 4, prompt_lookup_num_tokens=6)
+    elif method == "eagle3":
+        spec = SpecConfig("eagle3", 4, draft_model=str(make_tiny_eagle3(src, tmp_path / "e3")))
+    else:
+        spec = SpecConfig("mtp", 4, draft_model=_mtp_head_dir(path, tmp_path / "mtp"))
+    prompts = [[5, 6, 7, 8] * 6, [9, 4] * 3 + [9], list(range(10, 30))]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = LLM(str(path), kernels="fast", **LIMITS)
+    fast = LLM(str(path), kernels="fast", spec=spec, **LIMITS)
+    info = {i.name: i for i in fast.deployed.target.infos}["ggml_linears"]
+    assert "integer-dot" in info.detail and info.num_matches > 0
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in fast.generate(prompts, params)] == want
+    stats = fast.stats()
+    assert stats.get("draft_tokens", 0) + stats.get("lookup_steps", 0) > 0

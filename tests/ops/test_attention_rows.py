@@ -1,0 +1,118 @@
+"""The batch-invariant attention kernel for short segments (ops/attention_rows.c) against a
+float64 softmax attention written here (the oracle), and the invariance it exists for: a row's
+output is bit-identical alone or among 16 rows, at 1 or 2 threads, and through
+`cached_attention` a verify step's rows equal the 1-row decode steps' rows bit for bit (with the
+kernel, and with the per-row SDPA fallback where the kernel does not fit)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
+from specdeploy.ops import attention_rows as ar
+from specdeploy.ops import cached_attention as ca
+
+needs_kernel = pytest.mark.skipif(ar.unavailable() is not None,
+                                  reason=f"attention kernel unavailable: {ar.unavailable()}")
+
+
+def _cache(pages=12, page_size=8, hkv=3, d=64, dv=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(pages, page_size, hkv, d, generator=g),
+            torch.randn(pages, page_size, hkv, dv, generator=g),
+            torch.randperm(pages, generator=g))
+
+
+def _oracle(q, kc, vc, pages, pos0, scale):
+    """float64: row t attends keys 0..pos0 + t of the sequence's pages."""
+    hkv = kc.shape[2]
+    keys = kc[pages].reshape(-1, hkv, kc.shape[-1]).double()
+    vals = vc[pages].reshape(-1, hkv, vc.shape[-1]).double()
+    rep = q.shape[1] // hkv
+    out = []
+    for t in range(q.shape[0]):
+        n = pos0 + t + 1
+        k = keys[:n].repeat_interleave(rep, 1)  # [n, Hq, D]
+        v = vals[:n].repeat_interleave(rep, 1)
+        w = torch.einsum("hd,nhd->hn", q[t].double(), k).mul(scale).softmax(-1)
+        out.append(torch.einsum("hn,nhd->hd", w, v))
+    return torch.stack(out)
+
+
+@needs_kernel
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 8)])
+@pytest.mark.parametrize("pos0,t", [(0, 1), (0, 16), (5, 4), (37, 7), (90, 6)])
+def test_matches_the_float64_oracle(hq, hkv, d, pos0, t):
+    kc, vc, pages = _cache(hkv=hkv, d=d, dv=d)
+    q = torch.randn(t, hq, d, generator=torch.Generator().manual_seed(t)) * 2
+    got = ar.attention_rows(q, kc, vc, pages, pos0, d ** -0.5)
+    # fp32 dot products, a polynomial exp (< 2e-7 relative) and sums over <= 96 keys
+    torch.testing.assert_close(got.double(), _oracle(q, kc, vc, pages, pos0, d ** -0.5),
+                               rtol=0, atol=1e-5 * vc.abs().max().item())
+
+
+@needs_kernel
+def test_rows_are_batch_and_thread_invariant():
+    kc, vc, pages = _cache()
+    q = torch.randn(16, 9, 64, generator=torch.Generator().manual_seed(1))
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            full = ar.attention_rows(q, kc, vc, pages, 60, 0.125)
+            alone = [ar.attention_rows(q[i:i + 1], kc, vc, pages, 60 + i, 0.125)
+                     for i in range(16)]
+            assert torch.equal(torch.cat(alone), full)
+            assert torch.equal(ar.attention_rows(q[3:7], kc, vc, pages, 63, 0.125), full[3:7])
+            outs.append(full)
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_refuses_positions_past_the_pages_and_what_it_cannot_take():
+    kc, vc, pages = _cache(pages=2, page_size=8)
+    with pytest.raises(ValueError, match="outside the sequence's 2 pages"):
+        ar.attention_rows(torch.randn(2, 9, 64), kc, vc, pages, 15, 0.125)
+    assert ar.fits(torch.randn(1, 9, 64), kc, vc)
+    assert not ar.fits(torch.randn(1, 9, 64).bfloat16(), kc.bfloat16(), vc.bfloat16())
+    assert not ar.fits(torch.randn(1, 9, 12), *_cache(hkv=3, d=12, dv=12)[:2])
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "sdpa-fallback"])
+def test_verify_rows_equal_decode_rows_through_cached_attention(kernel, monkeypatch):
+    """Two sequences: 1-row decode steps one position at a time vs the same positions as one
+    verify segment each (and both sequences in one step): bit-identical outputs."""
+    if kernel and ar.unavailable() is not None:
+        pytest.skip(f"attention kernel unavailable: {ar.unavailable()}")
+    if not kernel:
+        monkeypatch.setattr(ar, "fits", lambda *a: False)
+    g = torch.Generator().manual_seed(2)
+    hq, hkv, d, ps = 9, 3, 64, 4
+    prefix, n = 10, 5
+    q = torch.randn(2, prefix + n, hq, d, generator=g)
+    k = torch.randn(2, prefix + n, hkv, d, generator=g)
+    v = torch.randn(2, prefix + n, hkv, d, generator=g)
+    pages = [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+
+    def step(segs):  # segs: (seq, start, length)
+        kc, vc = caches
+        meta = build_metadata([Segment([0] * ln, st, pages[s], s, ln, SEG_EXTEND)
+                               for s, st, ln in segs])
+        qq = torch.cat([q[s, st:st + ln] for s, st, ln in segs])[None]
+        kk = torch.cat([k[s, st:st + ln] for s, st, ln in segs])[None]
+        vv = torch.cat([v[s, st:st + ln] for s, st, ln in segs])[None]
+        return ca.cached_attention_impl(qq, kk, vv, kc, vc, meta.cu_seqlens, meta.cu_seqlens,
+                                        meta.cache_lens, meta.cache_lens, meta.page_table,
+                                        d ** -0.5, 0)[0]
+
+    caches = (torch.zeros(10, ps, hkv, d), torch.zeros(10, ps, hkv, d))
+    step([(0, 0, prefix), (1, 0, prefix)])
+    decode = [step([(0, prefix + i, 1), (1, prefix + i, 1)]) for i in range(n)]
+    caches = (torch.zeros(10, ps, hkv, d), torch.zeros(10, ps, hkv, d))
+    step([(0, 0, prefix), (1, 0, prefix)])
+    verify = step([(0, prefix, n), (1, prefix, n)])
+    assert torch.equal(torch.stack([x[0] for x in decode]), verify[:n])
+    assert torch.equal(torch.stack([x[1] for x in decode]), verify[n:])
