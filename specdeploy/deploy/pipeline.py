@@ -23,8 +23,9 @@ from specdeploy.deploy.graph import finalize
 class Stage(enum.IntEnum):
     POST_EXPORT = 0  # clean-up of what torch.export leaves
     PATTERN = 1  # pattern matching: hidden-state capture, logits gathering
-    QUANTIZE = 2
-    SHARD = 3
+    # NOTE: sharding before quantization: int8 scales are then computed on each rank's slice
+    SHARD = 2
+    QUANTIZE = 3
     CACHE = 4  # canonical ops → cached ops + resources
     OPTIMIZE = 5  # fusions, weight packing, kernels on stored blocks
     COMPILE = 6  # how the graph is called: direct kernels or torch.compile
@@ -35,6 +36,7 @@ PIPELINE = (
     ("cleanup", "cleanup_export"),
     ("capture_hidden", "capture_hidden_states"),
     ("gather_logits", "gather_logits"),
+    ("shard", "shard"),  # always: at world size 1 it drops the sharding hints
     ("quantize", "quantize_int8_weights"),
     ("insert_cache", "insert_cached_attention"),
     ("insert_cache", "insert_cached_ssm"),
