@@ -26,6 +26,7 @@ from specdeploy.deploy.graph import placeholders
 from specdeploy.deploy.pipeline import PipelineResult, run_pipeline
 from specdeploy.deploy.runner import GraphDeployed
 from specdeploy.deploy.spec import SpecDeployed, prepare_drafter
+from specdeploy.distributed.config import DistConfig
 
 BACKENDS = ("graph", "eager")
 QUANTIZE_METHODS = (None, "int8")
@@ -36,7 +37,8 @@ Deployed = GraphDeployed | SpecDeployed | EagerDeployed
 class BuildOptions:
     """How to deploy. `quantize="int8"` makes linear weights int8 (weight-only);
     `quant_exclude` replaces the default exclusion globs of the target (deploy/passes/quantize);
-    `disabled` names transforms to skip (A/B runs)."""
+    `disabled` names transforms to skip (A/B runs); `dist` the rank this process builds (the
+    `shard` transform slices the target and the drafter alike; None: one process)."""
 
     dtype: str | torch.dtype = "auto"
     max_batch_size: int = 16
@@ -49,6 +51,7 @@ class BuildOptions:
     quant_exclude: tuple[str, ...] | None = None
     disabled: frozenset[str] = frozenset()
     backend: str = "graph"
+    dist: DistConfig | None = None
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "page_size"):
@@ -64,8 +67,10 @@ class BuildOptions:
             raise ValueError(f"quantize: must be None or 'int8', got {self.quantize!r}")
         if isinstance(self.spec, dict):
             object.__setattr__(self, "spec", SpecConfig(**self.spec))
-        if self.backend != "graph" and (self.quantize or self.compile or self.spec):
-            raise ValueError("backend: quantize, compile and spec need the graph backend")
+        if self.backend != "graph" and (self.quantize or self.compile or self.spec or (
+                self.dist and self.dist.world_size > 1)):
+            raise ValueError("backend: quantize, compile, spec and tensor parallelism need the "
+                             "graph backend")
         object.__setattr__(self, "disabled", frozenset(self.disabled))
         if self.quant_exclude is not None:
             object.__setattr__(self, "quant_exclude", tuple(self.quant_exclude))
@@ -89,8 +94,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         model = load_model(model_path, dtype=opts.dtype, with_mtp=own_mtp)
     dtype = resolve_dtype(opts.dtype)
     common = dict(page_size=opts.page_size, max_batch_size=opts.max_batch_size,
-                  max_seq_len=opts.max_seq_len, max_cache_gib=opts.max_cache_gib,
-                  compile=opts.compile, disabled=opts.disabled)
+                  max_seq_len=opts.max_seq_len, max_cache_gib=_rank_budget(opts),
+                  compile=opts.compile, disabled=opts.disabled, dist=opts.dist)
     drafter = None if spec is None else prepare_drafter(model, spec, dtype, opts.quantize)
     target_ctx = DeployContext(
         model, dtype=dtype, quantize=opts.quantize,
@@ -107,7 +112,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         programs.append((drafter.step, draft_ctx, model.cfg.hidden_size))
     transformed = [(_transform(m, ctx, hidden), ctx) for m, ctx, hidden in programs]
     plan = plan_cache([h for (_, res), _ in transformed for h in res.resources], opts.page_size,
-                      opts.max_batch_size, opts.max_seq_len, opts.max_cache_gib,
+                      opts.max_batch_size, opts.max_seq_len, common["max_cache_gib"],
                       target_ctx.device)
     hf_config = getattr(model, "hf_config", None) or {}
     vocab = model.cfg.vocab_size
@@ -123,6 +128,23 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         return deployed[0]
     return SpecDeployed(deployed[0], deployed[1] if drafter else None,
                         drafter.drafter if drafter else None, spec)
+
+
+def _rank_budget(opts: BuildOptions) -> float | None:
+    """Ranks must plan the same pages (rank 0's page tables address every rank's cache): without
+    an explicit budget they agree on the smallest free memory among them."""
+    d = opts.dist
+    if opts.max_cache_gib is not None or d is None or d.world_size == 1:
+        return opts.max_cache_gib
+    import torch.distributed as dist
+
+    from specdeploy.cache.plan import GIB, available_bytes
+
+    if not dist.is_initialized():
+        return opts.max_cache_gib  # one rank built alone (tests, inspection): its own budget
+    from specdeploy.distributed.runtime import agree_min
+
+    return agree_min(available_bytes(torch.device("cpu")) * 0.5) / GIB
 
 
 def describe(model_path=None, options: BuildOptions | None = None, **overrides) -> str:

@@ -206,10 +206,15 @@ def repropagate(gm: fx.GraphModule) -> None:
     """Recompute every node's fake value (shapes changed with the slices)."""
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    vals = [p.meta["val"] for p in placeholders(gm) if "val" in p.meta]
-    if len(vals) != len(placeholders(gm)):
-        raise RuntimeError("shard: a graph input has no fake value")
-    FakeTensorProp(gm, vals[0].fake_mode).propagate_dont_convert_inputs(*vals)
+    mode = placeholders(gm)[0].meta["val"].fake_mode
+    # inputs added by earlier transforms (logits_idx: an index vector) carry no fake value
+    bare = [p for p in placeholders(gm) if "val" not in p.meta]
+    with mode:
+        vals = [p.meta.get("val") if "val" in p.meta else torch.zeros(2, dtype=torch.long)
+                for p in placeholders(gm)]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
+    for p in bare:
+        p.meta.pop("val", None)
 
 
 @register("shard", Stage.SHARD)
