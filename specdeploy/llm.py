@@ -30,6 +30,8 @@ class LLM:
             the processes of a torchrun launch) and MoE expert groups among them; rank 0 runs the
             engine. Under torchrun, a rank > 0 serves as a worker inside this constructor and
             exits the process when rank 0 is done.
+        shard_layers: the layer types sharded (default all: mha, ssm, delta, mlp, moe, lm_head);
+            the others are replicated on every rank.
         dist_timeout: seconds a collective may wait before a dead or hung rank fails the step.
     """
 
@@ -40,7 +42,7 @@ class LLM:
                  backend: str = "graph", progress: bool = False, seed: int = 0,
                  quantize: str | None = None, compile: bool = False,
                  tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
-                 dist_timeout: float = 60.0):
+                 shard_layers: tuple[str, ...] | None = None, dist_timeout: float = 60.0):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
         from specdeploy.deploy.build import BuildOptions, build
@@ -49,7 +51,8 @@ class LLM:
                                max_seq_len=max_seq_len, page_size=page_size,
                                max_cache_gib=max_cache_gib, spec=spec, backend=backend,
                                quantize=quantize, compile=compile,
-                               dist=_dist_config(tensor_parallel_size, expert_parallel_size))
+                               dist=_dist_config(tensor_parallel_size, expert_parallel_size,
+                                                 shard_layers))
         self.spec = spec = options.spec
         log = _stderr_log if progress else (lambda msg: None)
         if model is None:
@@ -174,12 +177,12 @@ class LLM:
         return d
 
 
-def _dist_config(tp: int, ep: int):
+def _dist_config(tp: int, ep: int, shard_layers):
     if tp == 1 and ep == 1:
         return None
     from specdeploy.distributed import DistConfig
 
-    return DistConfig(tp, ep)
+    return DistConfig(tp, ep, **({} if shard_layers is None else {"shard_layers": shard_layers}))
 
 
 def _stderr_log(msg: str) -> None:

@@ -142,7 +142,7 @@ def _rank_budget(opts: BuildOptions) -> float | None:
 
     if not dist.is_initialized():
         return opts.max_cache_gib  # one rank built alone (tests, inspection): its own budget
-    from specdeploy.distributed.runtime import agree_min
+    from specdeploy.distributed.groups import agree_min
 
     return agree_min(available_bytes(torch.device("cpu")) * 0.5) / GIB
 

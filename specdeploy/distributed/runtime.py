@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,44 +30,13 @@ import torch
 import torch.distributed as dist
 
 from specdeploy.distributed.config import DistConfig
+from specdeploy.distributed.groups import CONTROL, free_port, init_group, recv, send
 
 MIRRORED = ("forward", "draft_forward", "commit")
-_CONTROL: dict = {}
 
 
 class RankFailure(RuntimeError):
     """A rank died, hung past the collective timeout, or failed its step."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_group(rank: int, world: int, init_method: str, timeout: float, device=None) -> None:
-    """Join the default group (collectives) and the control group (per-step messages)."""
-    backend = "nccl" if device is not None and torch.device(device).type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout))
-    _CONTROL["group"] = dist.new_group(backend="gloo", timeout=timedelta(days=7))
-
-
-def _send(msg) -> None:
-    dist.broadcast_object_list([msg], src=0, group=_CONTROL["group"])
-
-
-def _recv():
-    box = [None]
-    dist.broadcast_object_list(box, src=0, group=_CONTROL["group"])
-    return box[0]
-
-
-def agree_min(value: float) -> float:
-    """The smallest `value` over the ranks (e.g. each rank's free memory for the cache budget)."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CONTROL["group"])
-    return float(t.item())
 
 
 class Leader:
@@ -95,7 +63,7 @@ class Leader:
         if self._failed:
             raise RankFailure(self._failed)
         try:
-            _send((name, args, kwargs))
+            send((name, args, kwargs))
             return getattr(self._local, name)(*args, **kwargs)
         except Exception as e:
             self._failed = f"tensor-parallel step failed: {self._diagnose()} ({e})"
@@ -118,7 +86,7 @@ class Leader:
         self.closed = True
         if not self._failed:
             try:
-                _send(None)
+                send(None)
             except Exception:
                 pass
         stop_workers(self._workers, timeout)
@@ -130,14 +98,14 @@ class Leader:
 
 def _built_barrier(timeout: float = 900.0) -> None:
     """Every rank has built its program (gloo's monitored barrier names a rank that did not)."""
-    dist.monitored_barrier(group=_CONTROL["group"], timeout=timedelta(seconds=timeout),
+    dist.monitored_barrier(group=CONTROL["group"], timeout=timedelta(seconds=timeout),
                            wait_all_ranks=True)
 
 
 def serve_worker(deployed) -> None:
     """A worker rank: run what rank 0 sends until it sends the stop message (None)."""
     while True:
-        msg = _recv()
+        msg = recv()
         if msg is None:
             break
         name, args, kwargs = msg

@@ -3,10 +3,12 @@ collectives sum (or concatenate) in rank order, reproduces the unsharded graph (
 output scale) for the three families, with TP, EP, KV replication and `shard_layers`."""
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
 import torch
+from torch import fx
 
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.export import export_model
@@ -16,10 +18,18 @@ from specdeploy.distributed import DistConfig
 from specdeploy.loading import load_model
 from specdeploy.ops.collectives import ThreadGroup, thread_rank
 
+_EXPORTED: dict[int, fx.GraphModule] = {}
+
 
 def _graph(model, dist):
-    gm = export_model(model, max_tokens=64)
-    run_transform("cleanup_export", gm, DeployContext(model))
+    """The exported graph (once per model) copied for one rank, then the shard transform."""
+    if id(model) not in _EXPORTED:
+        gm = export_model(model, max_tokens=64)
+        run_transform("cleanup_export", gm, DeployContext(model))
+        _EXPORTED[id(model)] = gm
+    # NOTE: a new GraphModule gets its own module tree (sharing the tensors, which the
+    # transform replaces rather than mutates) and a copied graph
+    gm = fx.GraphModule(_EXPORTED[id(model)], copy.deepcopy(_EXPORTED[id(model)].graph))
     info, _ = run_transform("shard", gm, DeployContext(model, dist=dist))
     return gm, info
 
@@ -47,6 +57,15 @@ def run_ranks(model, dist: DistConfig, ids, pos):
     return outs, [g for g, _ in built], [i for _, i in built]
 
 
+_MODELS: dict = {}
+
+
+def _model(tiny_dir, family):
+    if family not in _MODELS:
+        _MODELS[family] = load_model(tiny_dir(family), dtype="float32")
+    return _MODELS[family]
+
+
 CASES = [
     ("llama", DistConfig(2)),
     ("nemotron_h", DistConfig(2)),
@@ -57,10 +76,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("family,dist", CASES, ids=lambda c: str(c) if isinstance(c, str) else
-                         f"tp{c.tp_size}ep{c.ep_size}{'-' + '+'.join(c.shard_layers) if len(c.shard_layers) < 6 else ''}")
+def _case_id(c) -> str:
+    if isinstance(c, str):
+        return c
+    some = "-" + "+".join(c.shard_layers) if len(c.shard_layers) < 6 else ""
+    return f"tp{c.tp_size}ep{c.ep_size}{some}"
+
+
+@pytest.mark.parametrize("family,dist", CASES, ids=_case_id)
 def test_ranks_sum_to_unsharded(tiny_dir, close, family, dist):
-    model = load_model(tiny_dir(family), dtype="float32")
+    model = _model(tiny_dir, family)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 120, (1, 21), generator=g)
     pos = torch.arange(21)[None]
@@ -81,7 +106,7 @@ def test_ranks_sum_to_unsharded(tiny_dir, close, family, dist):
 def test_rank_bytes_halve(tiny_dir):
     """Sharded parts split in two: each rank's weights ≈ (total - replicated) / 2 + replicated,
     within 1% (replicated: embeddings, norms, routers, MTP-free here)."""
-    model = load_model(tiny_dir("qwen3_5_moe"), dtype="float32")
+    model = _model(tiny_dir, "qwen3_5_moe")
     full, _ = _graph(model, DistConfig())
     total = param_bytes(full)
     ranks = [_graph(model, DistConfig(2, rank=r))[0] for r in range(2)]
