@@ -3,12 +3,14 @@ group with a long timeout for rank 0's per-step messages (an idle server's worke
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 CONTROL: dict = {}
+MESSAGES = {"seconds": 0.0, "count": 0}  # rank 0's per-step broadcasts (benches read it)
 
 
 def free_port() -> int:
@@ -26,7 +28,10 @@ def init_group(rank: int, world: int, init_method: str, timeout: float, device=N
 
 
 def send(msg) -> None:
+    t0 = time.perf_counter()
     dist.broadcast_object_list([msg], src=0, group=CONTROL["group"])
+    MESSAGES["seconds"] += time.perf_counter() - t0
+    MESSAGES["count"] += 1
 
 
 def recv():
