@@ -6,7 +6,9 @@ per-step messages to the workers.
         [--json-out bench/results/tp_scaling.json]
 
 Two ranks on two cores are not faster: this measures the overhead a multi-device run pays.
-TP=1 runs with 2 torch threads, TP=2 with 1 per rank (the same cores). Both build with the
+Every rank runs 1 torch thread (TP=1: one core, TP=2: two): with other processes on the two
+cores, 2 OpenMP threads in one process collapse into spin-waits (tests/conftest.py), which
+would make TP=1 look 20x slower than it is. RSS is read after `malloc_trim`. Both build with the
 `ggml_linears` transform disabled (fp32 linears everywhere: GGUF blocks are not sliced per rank),
 so the comparison is like with like. The default model (SmolLM2: 9 query heads) cannot split its
 heads over 2 ranks; it shards `mlp` and `lm_head` and replicates attention (`shard_layers`).
@@ -77,13 +79,12 @@ def decode_rate(engine: Engine, batch: int, tokens: int, vocab: int) -> dict:
 def run(path: str, tp: int, shard_layers, tokens: int) -> dict:
     opts = BuildOptions(dtype="float32", max_batch_size=16, max_seq_len=256, page_size=16,
                         max_cache_gib=0.25, disabled=frozenset({"ggml_linears"}))
+    torch.set_num_threads(1)
     if tp == 1:
-        torch.set_num_threads(2)
         deployed, workers = build(path, opts), []
     else:
         from specdeploy.distributed.runtime import build_ranked
 
-        torch.set_num_threads(1)
         os.environ["SPECDEPLOY_WORKER_THREADS"] = "1"
         opts = BuildOptions(**{**opts.__dict__, "dist": DistConfig(tp, 1, 0, shard_layers)})
         deployed = build_ranked(path, opts, timeout=120)
@@ -99,6 +100,9 @@ def run(path: str, tp: int, shard_layers, tokens: int) -> dict:
         decode_rate(engine, batch, 4, deployed.vocab_size)  # warm-up
         rates.append(decode_rate(engine, batch, tokens, deployed.vocab_size))
     out["decode"] = rates
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # rank 0; the workers' RSS is as they left it
     out["rss_mib_per_rank"] = [round(rss_mib(os.getpid()), 1)] + [
         round(rss_mib(p.pid), 1) for p in workers]
     if tp > 1:

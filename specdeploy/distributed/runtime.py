@@ -97,7 +97,14 @@ class Leader:
 
 
 def _built_barrier(timeout: float = 900.0) -> None:
-    """Every rank has built its program (gloo's monitored barrier names a rank that did not)."""
+    """Every rank has built its program (gloo's monitored barrier names a rank that did not).
+    First, freed heap pages (the full weights each rank sliced) go back to the OS."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
     dist.monitored_barrier(group=CONTROL["group"], timeout=timedelta(seconds=timeout),
                            wait_all_ranks=True)
 

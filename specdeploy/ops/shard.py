@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["LAYER_TYPES", "TP_MODES", "Seg", "heads", "linear_col", "linear_partial", "linear_row",
-           "tp_param", "tp_reduce", "tp_split"]
+           "seg_index", "seg_units", "segs_of", "tp_param", "tp_reduce", "tp_split"]
 
 LAYER_TYPES = ("mha", "ssm", "delta", "mlp", "moe", "lm_head")
 # colwise: a producer's output rows (or a per-channel parameter); rowwise: a consumer's input
@@ -101,6 +101,42 @@ def linear_partial(mod: nn.Linear, x: torch.Tensor, layer_type: str) -> torch.Te
     only its bias must be added once."""
     return F.linear(x, mod.weight, None if mod.bias is None else tp_param(
         mod.bias, layer_type, "rowwise", 0))
+
+
+# ---- what one rank keeps (the shard transform's index math) ----------------------------------
+def seg_units(n: int, lead: int, tp: int, rank: int, what: str) -> list[int]:
+    """The units (of `n`) rank `rank` of `tp` keeps. `lead > 0`: they serve `lead` leading units
+    (KV heads → query heads); a rank keeps those its share of the leaders reads, one per leader
+    when the sharing is uneven (3 KV heads over 2 ranks), so its local GQA stays uniform."""
+    if lead == 0:
+        if n % tp:
+            raise ValueError(f"shard: {what}: {n} heads/units do not divide over "
+                             f"tensor_parallel_size={tp}")
+        k = n // tp
+        return list(range(rank * k, (rank + 1) * k))
+    if lead % tp or lead % n:
+        raise ValueError(f"shard: {what}: {lead} leading heads over {n} shared heads cannot split "
+                         f"over tensor_parallel_size={tp}")
+    per = lead // tp
+    need = [j * n // lead for j in range(rank * per, (rank + 1) * per)]
+    uniq = sorted(set(need))
+    if per % len(uniq) == 0 and all(need.count(u) == per // len(uniq) for u in uniq):
+        return uniq
+    return need
+
+
+def seg_index(segs: list[Seg], tp: int, rank: int, what: str) -> list[list[int]]:
+    """Per segment, the element indices (into the whole dimension) rank `rank` keeps."""
+    out, off = [], 0
+    for s in segs:
+        units = seg_units(s.size // s.unit, s.lead, tp, rank, what)
+        out.append([off + u * s.unit + e for u in units for e in range(s.unit)])
+        off += s.size
+    return out
+
+
+def segs_of(sizes, units, leads) -> list[Seg]:
+    return [Seg(*x) for x in zip(sizes, units, leads)]
 
 
 # ---- the hint ops (identity at world size 1; the shard transform replaces every one) ----------

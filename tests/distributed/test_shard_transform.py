@@ -12,11 +12,12 @@ from torch import fx
 
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.export import export_model
-from specdeploy.deploy.passes.shard import param_bytes, seg_units
+from specdeploy.deploy.passes.shard import param_bytes
 from specdeploy.deploy.pipeline import run_transform
 from specdeploy.distributed import DistConfig
 from specdeploy.loading import load_model
 from specdeploy.ops.collectives import ThreadGroup, thread_rank
+from specdeploy.ops.shard import seg_units
 
 _EXPORTED: dict[int, fx.GraphModule] = {}
 
@@ -145,3 +146,18 @@ def test_bad_divisibility_names_the_layer(tiny_dir):
     model = load_model(tiny_dir("llama"), dtype="float32")  # 4 query heads
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         _graph(model, DistConfig(3))
+
+
+def test_cache_sized_per_rank_and_reported(tiny_dir):
+    """One rank built alone (no process group: inspection, `deploy --list-transforms`): its KV
+    pages hold its KV heads only, half of the unsharded ones, and the report says so."""
+    from specdeploy.cache.handlers import PagedKV
+    from specdeploy.deploy.build import build
+
+    opts = dict(max_batch_size=2, max_seq_len=64, max_cache_gib=0.01, page_size=8)
+    one, two = build(tiny_dir("llama"), **opts), build(tiny_dir("llama"), dist=DistConfig(2),
+                                                         **opts)
+    kv = [[h.bytes_per_page(8) for h in d.resources if isinstance(h, PagedKV)] for d in (one, two)]
+    assert kv[0] and kv[1] == [b // 2 for b in kv[0]]
+    report = two.report()
+    assert "rank 0 of 2" in report and "tp=2 ep=1 rank 0" in report

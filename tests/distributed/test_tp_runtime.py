@@ -166,3 +166,23 @@ def test_server_killed_rank_errors_and_exits(kv3):
             proc.kill()
             proc.wait(10)
         proc.stderr.close()
+
+
+def test_torchrun_cli_generate(kv3):
+    """`torchrun --nproc-per-node 2 -m specdeploy generate --tensor-parallel-size 2`: env://
+    rendezvous, rank 1 serves inside `LLM` and exits; rank 0 prints the TP=1 tokens."""
+    path, _, _ = kv3
+    sp = SamplingParams(max_tokens=TOKENS)  # the CLI's greedy default (eos stops both alike)
+    want = LLM(str(path), **LIMITS).generate("hello world", sp)[0].token_ids
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun not installed next to this interpreter")
+    proc = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m",
+         "specdeploy", "generate", "--model", str(path), "--prompt", "hello world", "--json",
+         "--max-tokens", str(TOKENS), "--max-seq-len", "160", "--max-cache-gib",
+         "0.05", "--tensor-parallel-size", "2"],
+        capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]  # rank 0 only
+    assert json.loads(line)["token_ids"] == want

@@ -21,45 +21,10 @@ from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.graph import find_head, is_op, placeholders
 from specdeploy.deploy.pipeline import Done, Stage, register
 from specdeploy.distributed.config import DistConfig
-from specdeploy.ops.shard import Seg
+from specdeploy.ops.shard import seg_index, segs_of
 
 _ops = torch.ops.specdeploy
 HINTS = (_ops.tp_param, _ops.tp_split, _ops.tp_reduce)
-
-
-def seg_units(n: int, lead: int, tp: int, rank: int, what: str) -> list[int]:
-    """The units (of `n`) rank `rank` of `tp` keeps. `lead > 0`: they serve `lead` leading units
-    (KV heads → query heads); a rank keeps those its share of the leaders reads, one per leader
-    when the sharing is uneven (3 KV heads over 2 ranks), so its local GQA stays uniform."""
-    if lead == 0:
-        if n % tp:
-            raise ValueError(f"shard: {what}: {n} heads/units do not divide over "
-                             f"tensor_parallel_size={tp}")
-        k = n // tp
-        return list(range(rank * k, (rank + 1) * k))
-    if lead % tp or lead % n:
-        raise ValueError(f"shard: {what}: {lead} leading heads over {n} shared heads cannot split "
-                         f"over tensor_parallel_size={tp}")
-    per = lead // tp
-    need = [j * n // lead for j in range(rank * per, (rank + 1) * per)]
-    uniq = sorted(set(need))
-    if per % len(uniq) == 0 and all(need.count(u) == per // len(uniq) for u in uniq):
-        return uniq
-    return need
-
-
-def seg_index(segs: list[Seg], tp: int, rank: int, what: str) -> list[list[int]]:
-    """Per segment, the element indices (into the whole dimension) rank `rank` keeps."""
-    out, off = [], 0
-    for s in segs:
-        units = seg_units(s.size // s.unit, s.lead, tp, rank, what)
-        out.append([off + u * s.unit + e for u in units for e in range(s.unit)])
-        off += s.size
-    return out
-
-
-def _segs(sizes, units, leads) -> list[Seg]:
-    return [Seg(*x) for x in zip(sizes, units, leads)]
 
 
 def _what(node: fx.Node) -> str:
@@ -93,7 +58,7 @@ def _slice_param(w: torch.Tensor, node: fx.Node, d: DistConfig) -> torch.Tensor:
     if sum(sizes) != w.shape[dim]:
         raise RuntimeError(f"shard: {_what(node)}: segments {sizes} != dim {dim} of "
                            f"{tuple(w.shape)}")
-    idx = [i for part in seg_index(_segs(sizes, units, leads), tp, rank, _what(node))
+    idx = [i for part in seg_index(segs_of(sizes, units, leads), tp, rank, _what(node))
            for i in part]
     return w.detach().index_select(dim, torch.tensor(idx, device=w.device)).contiguous()
 
@@ -245,7 +210,7 @@ def shard(gm: fx.GraphModule, ctx: DeployContext) -> Done:
             _, lt, dim, pcounts, sizes, units, leads = n.args
             if lt == "moe":
                 raise ValueError("shard: tp_split hints on moe layers are not supported")
-            parts = seg_index(_segs(sizes, units, leads), d.tp_size, d.rank, _what(n))
+            parts = seg_index(segs_of(sizes, units, leads), d.tp_size, d.rank, _what(n))
             local, j = [], 0
             for c in pcounts:
                 local.append(sum(len(p) for p in parts[j:j + c]))
