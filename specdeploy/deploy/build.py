@@ -165,7 +165,8 @@ def _transform(module: nn.Module, ctx: DeployContext, hidden_size: int | None
                ) -> tuple[fx.GraphModule, PipelineResult]:
     """Export + the pipeline: the one path every program (target or drafter) takes."""
     max_tokens = max(2, ctx.max_seq_len * ctx.max_batch_size)
-    gm = export_model(module, max_tokens=max_tokens, hidden_size=hidden_size, dtype=ctx.dtype)
+    gm = export_model(module, max_tokens=max_tokens, hidden_size=hidden_size, dtype=ctx.dtype,
+                      keep_hints=ctx.dist is not None and ctx.dist.world_size > 1)
     name_inputs(gm)
     return gm, run_pipeline(gm, ctx)
 

@@ -15,12 +15,14 @@ import specdeploy.ops  # noqa: F401  (registers the canonical ops)
 
 def export_model(
     model: nn.Module, example_tokens: int = 8, max_tokens: int = 1 << 16,
-    hidden_size: int | None = None, dtype: torch.dtype = torch.float32,
+    hidden_size: int | None = None, dtype: torch.dtype = torch.float32, keep_hints: bool = False,
 ) -> fx.GraphModule:
     """Export `model` with T dynamic in [1, max_tokens]; returns a flat GraphModule.
 
     Inputs are (input_ids[1,T], position_ids[1,T]) and, for drafters (`hidden_size` set), a third
     one: hidden[1,T,hidden_size]. NOTE: the example uses T > 1 (export specializes sizes 0 and 1).
+    Sharding hints (ops/shard.py) are dropped unless `keep_hints` (the `shard` transform reads
+    them): a one-process graph is exactly what the model computes, for every transform.
     """
     ids = torch.zeros(1, example_tokens, dtype=torch.long)
     pos = torch.arange(example_tokens, dtype=torch.long)[None]
@@ -32,7 +34,12 @@ def export_model(
         dyn += ({1: tokens},)
     with torch.no_grad():
         ep = torch.export.export(model, args, dynamic_shapes=dyn, strict=False)
-    return _flatten_io(ep.module())
+    gm = _flatten_io(ep.module())
+    if not keep_hints:
+        from specdeploy.deploy.passes.shard import drop_hints
+
+        drop_hints(gm)
+    return gm
 
 
 def _flatten_io(gm: fx.GraphModule) -> fx.GraphModule:

@@ -36,7 +36,7 @@ PIPELINE = (
     ("cleanup", "cleanup_export"),
     ("capture_hidden", "capture_hidden_states"),
     ("gather_logits", "gather_logits"),
-    ("shard", "shard"),  # always: at world size 1 it drops the sharding hints
+    ("shard", "shard"),  # skips at world size 1 (export dropped the hints)
     ("quantize", "quantize_int8_weights"),
     ("insert_cache", "insert_cached_attention"),
     ("insert_cache", "insert_cached_ssm"),

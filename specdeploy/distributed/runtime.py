@@ -1,11 +1,12 @@
 """Ranks at run time: process groups, worker processes, rank 0's mirrored calls.
 
 Rank 0 runs the engine (scheduler, sampling, verification, HTTP server) on a `Leader`, which wraps
-its deployed model: each call that runs a graph (`forward`, `draft_forward`, `commit`) is sent to
-the other ranks once, with its arguments as rank 0 computed them (batch metadata, draft ids,
-accepted indices), and then run locally. Tokens are therefore decided on rank 0 alone and the
-workers only ever compute what rank 0 decided (AutoDeploy #13134: argmax diverging across ranks
-hung a run). Workers loop on `serve_worker` until rank 0 sends the stop message.
+its deployed model: each call that runs a graph (`forward`, `draft_forward`) is sent to the other
+ranks once (a `commit` of accepted drafts rides along with the next one), with its arguments as
+rank 0 computed them (batch metadata, draft ids, accepted indices), and then run locally. Tokens
+are therefore decided on rank 0 alone and the workers only ever compute what rank 0 decided
+(AutoDeploy #13134: argmax diverging across ranks hung a run). Workers loop on `serve_worker`
+until rank 0 sends the stop message.
 
 Two groups: the default one (gloo on CPU, NCCL on CUDA) carries the graphs' collectives under
 `timeout` seconds, so a dead or hung rank fails the step with an error naming it; a gloo control
@@ -33,6 +34,7 @@ from specdeploy.distributed.config import DistConfig
 from specdeploy.distributed.groups import CONTROL, free_port, init_group, recv, send
 
 MIRRORED = ("forward", "draft_forward", "commit")
+DEFERRED = ("commit",)  # no collective inside, nothing returned: rides with the next message
 
 
 class RankFailure(RuntimeError):
@@ -46,6 +48,7 @@ class Leader:
         self._local, self.dist = local, dist_cfg
         self._workers = workers or []  # subprocess.Popen of the ranks started here (not torchrun)
         self._failed: str | None = None
+        self._pending: list = []  # deferred calls, sent ahead of the next mirrored one
         self._on_failure: Callable[[], None] | None = None
         self.closed = False
 
@@ -63,7 +66,11 @@ class Leader:
         if self._failed:
             raise RankFailure(self._failed)
         try:
-            send((name, args, kwargs))
+            if name in DEFERRED:
+                self._pending.append((name, args, kwargs))
+            else:
+                send(self._pending + [(name, args, kwargs)])
+                self._pending = []
             return getattr(self._local, name)(*args, **kwargs)
         except Exception as e:
             self._failed = f"tensor-parallel step failed: {self._diagnose()} ({e})"
@@ -115,8 +122,8 @@ def serve_worker(deployed) -> None:
         msg = recv()
         if msg is None:
             break
-        name, args, kwargs = msg
-        getattr(deployed, name)(*args, **kwargs)
+        for name, args, kwargs in msg:
+            getattr(deployed, name)(*args, **kwargs)
 
 
 def _watch_parent(parent: int) -> None:

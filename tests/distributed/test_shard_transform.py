@@ -25,7 +25,7 @@ _EXPORTED: dict[int, fx.GraphModule] = {}
 def _graph(model, dist):
     """The exported graph (once per model) copied for one rank, then the shard transform."""
     if id(model) not in _EXPORTED:
-        gm = export_model(model, max_tokens=64)
+        gm = export_model(model, max_tokens=64, keep_hints=True)
         run_transform("cleanup_export", gm, DeployContext(model))
         _EXPORTED[id(model)] = gm
     # NOTE: a new GraphModule gets its own module tree (sharing the tensors, which the

@@ -120,6 +120,23 @@ def test_kv_replication_then_killed_rank(kv3):
         llm.shutdown()
 
 
+def test_hung_rank_times_out(kv3):
+    """A stopped (not dead) worker: the next collective waits `dist_timeout`, then fails."""
+    import signal
+
+    path, prompts, want = kv3
+    llm = LLM(str(path), tensor_parallel_size=2, dist_timeout=5, **LIMITS)
+    try:
+        assert _ids(llm.generate(prompts[:1], _params())) == want[:1]
+        os.kill(llm.deployed._workers[0].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match="collective timeout|rank 1"):
+            llm.generate(prompts[:1], _params())
+        assert time.monotonic() - t0 < 30
+    finally:
+        llm.shutdown()  # kills the stopped worker
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for task in os.listdir(f"/proc/{pid}/task"):

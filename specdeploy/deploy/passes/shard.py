@@ -5,8 +5,8 @@ For `ctx.dist = DistConfig(tp_size, ep_size, rank)` every `tp_param` hint slices
 takes the rank's sizes, every `tp_reduce` becomes an `all_reduce` collective, routed experts are
 split over EP groups (token → expert ids remapped, other experts' weights zeroed) and the LM head
 found behind the output becomes vocabulary-parallel (rows split, an `all_gather` of the logits).
-Layer types not in `shard_layers` keep their hints dropped: replicated on every rank. At world
-size 1 the transform only drops the hints, leaving the graph the model would have without them.
+Layer types not in `shard_layers` keep their hints dropped: replicated on every rank. Graphs
+exported for one process carry no hints (export drops them); the transform then skips.
 Shapes are re-propagated afterwards, so cache resources (CACHE stage) are sized per rank.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.graph import find_head, is_op, placeholders
-from specdeploy.deploy.pipeline import Done, Stage, register
+from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.distributed.config import DistConfig
 from specdeploy.ops.shard import seg_index, segs_of
 
@@ -182,14 +182,28 @@ def repropagate(gm: fx.GraphModule) -> None:
         p.meta.pop("val", None)
 
 
+def _hints(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if any(is_op(n, h) for h in HINTS)]
+
+
+def drop_hints(gm: fx.GraphModule) -> int:
+    """Every hint replaced by the plain op it stands for (one process: nothing is sharded)."""
+    hints = _hints(gm)
+    for n in hints:
+        _drop(gm, n)
+    if hints:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return len(hints)
+
+
 @register("shard", Stage.SHARD)
-def shard(gm: fx.GraphModule, ctx: DeployContext) -> Done:
+def shard(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     d = ctx.dist or DistConfig()
-    hints = [n for n in gm.graph.nodes if any(is_op(n, h) for h in HINTS)]
+    hints = _hints(gm)
     if d.world_size == 1:
-        for n in hints:
-            _drop(gm, n)
-        return Done(len(hints), "world size 1: hints dropped" if hints else "")
+        n = drop_hints(gm)  # exported with keep_hints but deployed alone
+        return Done(n, "world size 1: hints dropped") if n else Skipped("world size 1")
     before = param_bytes(gm)
     on = set(d.shard_layers)
     # EP remap reads the hint nodes, so it goes before they are replaced
