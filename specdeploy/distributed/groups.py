@@ -2,6 +2,7 @@
 group with a long timeout for rank 0's per-step messages (an idle server's workers may wait)."""
 from __future__ import annotations
 
+import pickle
 import socket
 import time
 from datetime import timedelta
@@ -20,24 +21,38 @@ def free_port() -> int:
 
 
 def init_group(rank: int, world: int, init_method: str, timeout: float, device=None) -> None:
-    """Join the default group (collectives) and the control group (per-step messages)."""
+    """Join the world (rendezvous under a generous timeout: ranks start at their own pace), the
+    compute group (the graphs' collectives, under `timeout`) and the control group (per-step
+    messages, no practical timeout)."""
+    from specdeploy.ops.collectives import set_group
+
     backend = "nccl" if device is not None and torch.device(device).type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout))
+                            timeout=timedelta(seconds=max(timeout, 600.0)))
+    set_group(dist.new_group(backend=backend, timeout=timedelta(seconds=timeout)))
     CONTROL["group"] = dist.new_group(backend="gloo", timeout=timedelta(days=7))
+    CONTROL["timeout"] = timeout
 
 
 def send(msg) -> None:
+    """Rank 0: `msg` to every rank, failing after the step timeout (a stopped rank never reads)."""
     t0 = time.perf_counter()
-    dist.broadcast_object_list([msg], src=0, group=CONTROL["group"])
+    data = pickle.dumps(msg)
+    timeout = timedelta(seconds=CONTROL["timeout"])
+    for t in (torch.tensor([len(data)], dtype=torch.int64),
+              torch.frombuffer(bytearray(data), dtype=torch.uint8)):
+        dist.broadcast(t, src=0, group=CONTROL["group"], async_op=True).wait(timeout)
     MESSAGES["seconds"] += time.perf_counter() - t0
     MESSAGES["count"] += 1
 
 
 def recv():
-    box = [None]
-    dist.broadcast_object_list(box, src=0, group=CONTROL["group"])
-    return box[0]
+    """A worker: the next message from rank 0 (waits as long as rank 0 is idle)."""
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(n, src=0, group=CONTROL["group"])
+    buf = torch.empty(int(n.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=CONTROL["group"])
+    return pickle.loads(buf.numpy().tobytes())
 
 
 def agree_min(value: float) -> float:

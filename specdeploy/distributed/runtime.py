@@ -8,11 +8,11 @@ are therefore decided on rank 0 alone and the workers only ever compute what ran
 (AutoDeploy #13134: argmax diverging across ranks hung a run). Workers loop on `serve_worker`
 until rank 0 sends the stop message.
 
-Two groups: the default one (gloo on CPU, NCCL on CUDA) carries the graphs' collectives under
-`timeout` seconds, so a dead or hung rank fails the step with an error naming it; a gloo control
-group with a long timeout carries the per-step messages, so an idle server's workers may wait
-for requests indefinitely (they exit when rank 0's process goes: its sockets close, and spawned
-workers also watch their parent).
+Groups (distributed/groups.py): a compute group (gloo on CPU, NCCL on CUDA) carries the graphs'
+collectives under `timeout` seconds, so a dead or hung rank fails the step with an error naming
+it; a gloo control group with a long timeout carries the per-step messages, so an idle server's
+workers may wait for requests indefinitely (they exit when rank 0's process goes: its sockets
+close, and spawned workers also watch their parent).
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class Leader:
                 send(None)
             except Exception:
                 pass
-        stop_workers(self._workers, timeout)
+        stop_workers(self._workers, 0.5 if self._failed else timeout)
         try:
             dist.destroy_process_group()
         except Exception:

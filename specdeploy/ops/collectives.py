@@ -2,7 +2,7 @@
 
 The `shard` transform inserts them where a sharded block's partial sums complete and behind a
 vocabulary-parallel LM head. They are opaque graph nodes like any canonical op; the kernel calls
-the current backend: torch.distributed's default group when it is initialized, else a
+the current backend: torch.distributed (the group set by `set_group`) when initialized, else a
 `ThreadGroup` installed for the calling thread (ranks simulated in one process, for tests), else
 world size 1 (identity). Time spent inside collectives is counted (`COLLECTIVE_TIME`) for benches.
 """
@@ -15,10 +15,16 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-__all__ = ["COLLECTIVE_TIME", "ThreadGroup", "thread_rank"]
+__all__ = ["COLLECTIVE_TIME", "ThreadGroup", "set_group", "thread_rank"]
 
 COLLECTIVE_TIME = {"seconds": 0.0, "calls": 0}
 _local = threading.local()
+_GROUP: list = [None]  # the process group of the graphs' collectives (None: the default one)
+
+
+def set_group(group) -> None:
+    """Collectives use `group` (distributed/groups.py: the one under the step timeout)."""
+    _GROUP[0] = group
 
 
 class ThreadGroup:
@@ -81,7 +87,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if sim is not None:
         return _timed(lambda: sim[0].all_reduce(sim[1], x.float()).to(x.dtype))
     y = x.float().contiguous() if x.dtype in (torch.float16, torch.bfloat16) else x.clone()
-    _timed(lambda: dist.all_reduce(y))
+    _timed(lambda: dist.all_reduce(y, group=_GROUP[0]))
     return y.to(x.dtype)
 
 
@@ -99,7 +105,7 @@ def all_gather(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
     if sim is not None:
         return _timed(lambda: sim[0].all_gather(sim[1], x, dim))
     parts = [torch.empty_like(x) for _ in range(world)]
-    _timed(lambda: dist.all_gather(parts, x.contiguous()))
+    _timed(lambda: dist.all_gather(parts, x.contiguous(), group=_GROUP[0]))
     return torch.cat(parts, dim)
 
 

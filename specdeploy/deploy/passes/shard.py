@@ -141,6 +141,11 @@ def _lm_head(gm: fx.GraphModule, d: DistConfig) -> str:
     target = src.target if len(src.users) == 1 and sum(
         1 for g in gm.graph.nodes if g.op == "get_attr" and g.target == src.target) == 1 \
         else f"{src.target}_vocab"
+    if target.endswith("_vocab") and not hasattr(gm, "lm_head"):
+        # a tied head's slice: named as a head, so name-based rules (quantize's lm_head
+        # exclusion) still see it as one
+        gm.add_submodule("lm_head", torch.nn.Module())
+        target = "lm_head.weight"
     _set_attr(gm, target, value)
     with gm.graph.inserting_before(head):
         head.update_arg(1, gm.graph.get_attr(target))
