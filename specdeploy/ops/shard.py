@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["LAYER_TYPES", "TP_MODES", "Seg", "heads", "linear_col", "linear_partial", "linear_row",
-           "seg_index", "seg_units", "segs_of", "tp_param", "tp_reduce", "tp_split"]
+           "piece_sizes", "seg_index", "seg_units", "segs_of", "tp_param", "tp_reduce", "tp_split"]
 
 LAYER_TYPES = ("mha", "ssm", "delta", "mlp", "moe", "lm_head")
 # colwise: a producer's output rows (or a per-channel parameter); rowwise: a consumer's input
@@ -154,15 +154,15 @@ def _(w, layer_type, tp_mode, dim, sizes, units, leads):
 @torch.library.custom_op("specdeploy::tp_split", mutates_args=())
 def _tp_split(x: torch.Tensor, layer_type: str, dim: int, counts: list[int], sizes: list[int],
               units: list[int], leads: list[int]) -> list[torch.Tensor]:
-    return [t.clone() for t in x.split(_piece_sizes(counts, sizes), dim)]
+    return [t.clone() for t in x.split(piece_sizes(counts, sizes), dim)]
 
 
 @_tp_split.register_fake
 def _(x, layer_type, dim, counts, sizes, units, leads):
-    return [t.clone() for t in x.split(_piece_sizes(counts, sizes), dim)]
+    return [t.clone() for t in x.split(piece_sizes(counts, sizes), dim)]
 
 
-def _piece_sizes(counts: list[int], sizes: list[int]) -> list[int]:
+def piece_sizes(counts: list[int], sizes: list[int]) -> list[int]:
     out, i = [], 0
     for c in counts:
         out.append(sum(sizes[i:i + c]))

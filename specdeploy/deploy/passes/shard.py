@@ -6,8 +6,8 @@ takes the rank's sizes, every `tp_reduce` becomes an `all_reduce` collective, ro
 split over EP groups (token → expert ids remapped, other experts' weights zeroed) and the LM head
 found behind the output becomes vocabulary-parallel (rows split, an `all_gather` of the logits).
 Layer types not in `shard_layers` keep their hints dropped: replicated on every rank. Graphs
-exported for one process carry no hints (export drops them); the transform then skips.
-Shapes are re-propagated afterwards, so cache resources (CACHE stage) are sized per rank.
+exported for one process carry no hints (export drops them); the transform then skips. Shapes
+are re-propagated afterwards, so cache resources (CACHE stage) are sized per rank.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.graph import find_head, is_op, placeholders
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.distributed.config import DistConfig
-from specdeploy.ops.shard import seg_index, segs_of
+from specdeploy.ops.shard import piece_sizes, seg_index, segs_of
 
 _ops = torch.ops.specdeploy
 HINTS = (_ops.tp_param, _ops.tp_split, _ops.tp_reduce)
@@ -83,7 +83,7 @@ def _replace_param(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor, n: in
     target = src.target if readers == [node] else f"{src.target}_tp{n}"
     _set_attr(gm, target, value)
     with gm.graph.inserting_before(node):
-        new = gm.graph.get_attr(target)
+        new = _like(gm.graph.get_attr(target), node)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
 
@@ -92,20 +92,24 @@ def _drop(gm: fx.GraphModule, node: fx.Node) -> None:
     """A hint left as the plain op it stands for (replicated layer types, world size 1)."""
     if is_op(node, _ops.tp_split):
         _, _, dim, counts, sizes, _, _ = node.args
-        out, i = [], 0
-        for c in counts:
-            out.append(sum(sizes[i:i + c]))
-            i += c
-        _split(gm, node, out, dim)
+        _split(gm, node, piece_sizes(counts, sizes), dim)
         return
     node.replace_all_uses_with(node.args[0])
     gm.graph.erase_node(node)
 
 
+def _like(new: fx.Node, old: fx.Node) -> fx.Node:
+    """`new` stands where `old` was: same module path (capture_hidden reads layers by it)."""
+    for key in ("nn_module_stack", "stack_trace", "val"):
+        if key in old.meta:
+            new.meta[key] = old.meta[key]
+    return new
+
+
 def _split(gm: fx.GraphModule, node: fx.Node, sizes: list[int], dim: int) -> None:
     with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(torch.ops.aten.split_with_sizes.default,
-                                     (node.args[0], sizes, dim))
+        new = _like(gm.graph.call_function(torch.ops.aten.split_with_sizes.default,
+                                           (node.args[0], sizes, dim)), node)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
 
@@ -150,7 +154,8 @@ def _lm_head(gm: fx.GraphModule, d: DistConfig) -> str:
     with gm.graph.inserting_before(head):
         head.update_arg(1, gm.graph.get_attr(target))
     with gm.graph.inserting_after(head):
-        gathered = gm.graph.call_function(_ops.all_gather.default, (head, -1, d.tp_size))
+        gathered = _like(gm.graph.call_function(_ops.all_gather.default, (head, -1, d.tp_size)),
+                         head)
     head.replace_all_uses_with(gathered, delete_user_cb=lambda u: u is not gathered)
     return f"lm_head vocab-parallel ({k} rows)"
 
@@ -211,8 +216,7 @@ def shard(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
         return Done(n, "world size 1: hints dropped") if n else Skipped("world size 1")
     before = param_bytes(gm)
     on = set(d.shard_layers)
-    # EP remap reads the hint nodes, so it goes before they are replaced
-    for moe in [n for n in gm.graph.nodes if is_op(n, _ops.moe_experts)]:
+    for moe in [n for n in gm.graph.nodes if is_op(n, _ops.moe_experts)]:  # EP: before hints go
         up = moe.args[3]
         if d.ep_size > 1 and is_op(up, _ops.tp_param) and up.args[1] in on and \
                 up.args[2] == "expert_colwise":
@@ -230,14 +234,10 @@ def shard(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
             if lt == "moe":
                 raise ValueError("shard: tp_split hints on moe layers are not supported")
             parts = seg_index(segs_of(sizes, units, leads), d.tp_size, d.rank, _what(n))
-            local, j = [], 0
-            for c in pcounts:
-                local.append(sum(len(p) for p in parts[j:j + c]))
-                j += c
-            _split(gm, n, local, dim)
+            _split(gm, n, piece_sizes(pcounts, [len(p) for p in parts]), dim)
         else:
             with gm.graph.inserting_before(n):
-                red = gm.graph.call_function(_ops.all_reduce.default, (n.args[0],))
+                red = _like(gm.graph.call_function(_ops.all_reduce.default, (n.args[0],)), n)
             n.replace_all_uses_with(red)
             gm.graph.erase_node(n)
     head = _lm_head(gm, d) if "lm_head" in on else "lm_head replicated"
