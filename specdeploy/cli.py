@@ -11,6 +11,7 @@ from specdeploy.cli_args import (
     add_model_args,
     add_sampling_args,
     llm_from_args,
+    parallel_kwargs,
     sampling_from_args,
 )
 from specdeploy.spec_args import spec_from_args
@@ -103,9 +104,15 @@ def cmd_deploy(args) -> int:
     if not args.list_transforms:
         print("deploy: nothing to do (use --list-transforms)", file=sys.stderr)
         return 2
-    print(describe(args.model, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
-                   max_cache_gib=args.max_cache_gib, spec=spec_from_args(args),
-                   kernels=args.kernels))
+    from specdeploy.llm import _dist_config
+
+    # with --tensor-parallel-size: rank 0's program alone (no other process is started)
+    par = parallel_kwargs(args)
+    dist = _dist_config(par["tensor_parallel_size"], par["expert_parallel_size"],
+                        par["shard_layers"])
+    print(describe(args.model, dtype=args.dtype, device=args.device,
+                   max_seq_len=args.max_seq_len, max_cache_gib=args.max_cache_gib,
+                   spec=spec_from_args(args), kernels=args.kernels, dist=dist))
     return 0
 
 

@@ -24,6 +24,29 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=("exact", "fast"), default="exact",
                    help="GGUF Q4_0/Q4_1/Q8_0 linears: the exact fp32 model (default) or fast "
                         "integer-dot kernels (8-bit activations, as llama.cpp)")
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (worker processes here, or torchrun's); rank 0 runs the engine")
+    p.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="MoE expert groups among the ranks (must divide the TP size)")
+    p.add_argument("--shard-layers", default=None,
+                   help="comma-separated layer types to shard (mha,ssm,delta,mlp,moe,lm_head; "
+                        "default all), the rest replicated")
+    p.add_argument("--dist-timeout", type=float, default=60.0,
+                   help="seconds a collective waits before a dead or hung rank fails the step")
+
+
+def parallel_kwargs(args) -> dict:
+    """LLM keyword arguments from `add_parallel_args`."""
+    layers = getattr(args, "shard_layers", None)
+    return dict(tensor_parallel_size=args.tensor_parallel_size,
+                expert_parallel_size=args.expert_parallel_size,
+                shard_layers=None if layers is None else tuple(
+                    s.strip() for s in layers.split(",") if s.strip()),
+                dist_timeout=args.dist_timeout)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -46,7 +69,8 @@ def llm_from_args(args, max_batch_size: int):
                max_seq_len=args.max_seq_len, spec=spec_from_args(args),
                max_cache_gib=args.max_cache_gib,
                backend=args.backend, progress=True, compile=args.compile, kernels=args.kernels,
-               quantize=None if args.quantize == "none" else args.quantize)
+               quantize=None if args.quantize == "none" else args.quantize,
+               **parallel_kwargs(args))
 
 
 def sampling_from_args(args, **extra):

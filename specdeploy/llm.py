@@ -29,6 +29,13 @@ class LLM:
         device: "cpu" (default), "cuda" or "cuda:N"; dtype "auto" is bfloat16 on CUDA.
         kernels: GGUF Q4_0/Q4_1/Q8_0 linears on the CPU: "exact" (default: the fp32 model, bit
             for bit) or "fast" (8-bit activations, integer dot products, as llama.cpp).
+        tensor_parallel_size / expert_parallel_size: ranks (worker processes started here, or
+            the processes of a torchrun launch) and MoE expert groups among them; rank 0 runs the
+            engine. Under torchrun, a rank > 0 serves as a worker inside this constructor and
+            exits the process when rank 0 is done.
+        shard_layers: the layer types sharded (default all: mha, ssm, delta, mlp, moe, lm_head);
+            the others are replicated on every rank.
+        dist_timeout: seconds a collective may wait before a dead or hung rank fails the step.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
@@ -37,7 +44,9 @@ class LLM:
                  max_cache_gib: float | None = None, max_num_tokens: int = 512,
                  backend: str = "graph", progress: bool = False, seed: int = 0,
                  quantize: str | None = None, compile: bool = False, device: str = "cpu",
-                 kernels: str = "exact"):
+                 kernels: str = "exact", tensor_parallel_size: int = 1,
+                 expert_parallel_size: int = 1, shard_layers: tuple[str, ...] | None = None,
+                 dist_timeout: float = 60.0):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
         from specdeploy.deploy.build import BuildOptions, build
@@ -46,7 +55,9 @@ class LLM:
                                max_seq_len=max_seq_len, page_size=page_size,
                                max_cache_gib=max_cache_gib, spec=spec, backend=backend,
                                quantize=quantize, compile=compile, device=device,
-                               kernels=kernels)
+                               kernels=kernels,
+                               dist=_dist_config(tensor_parallel_size, expert_parallel_size,
+                                                 shard_layers))
         self.spec = spec = options.spec
         log = _stderr_log if progress else (lambda msg: None)
         if model is None:
@@ -60,7 +71,14 @@ class LLM:
 
         self.tokenizer = load_tokenizer(self.model_path)
         log(f"loading and deploying the model (backend={backend}, dtype={dtype})")
-        self.deployed = build(self.model_path, options)
+        if options.dist is None:
+            self.deployed = build(self.model_path, options)
+        else:
+            from specdeploy.distributed.runtime import build_ranked
+
+            self.deployed = build_ranked(self.model_path, options, dist_timeout)
+            if self.deployed is None:  # a torchrun rank > 0: rank 0 has stopped it
+                sys.exit(0)
         lay = self.deployed.layout
         log(f"ready in {time.perf_counter() - t0:.1f}s: {lay.num_pages} pages x {lay.page_size} "
             f"tokens, {lay.num_slots} slots, cache {lay.total_bytes / 2**20:.1f} MiB")
@@ -185,11 +203,25 @@ class LLM:
                 self.engine.abort(rid)
                 self.engine.step()
 
+    def shutdown(self) -> None:
+        """Stop the worker ranks (tensor parallelism); also done at interpreter exit."""
+        close = getattr(self.deployed, "close", None)
+        if close is not None:
+            close()
+
     def stats(self) -> dict:
         d = self.engine.stats_dict()
         lay = self.deployed.layout
         d.update(page_size=lay.page_size, num_slots=lay.num_slots, cache_bytes=lay.total_bytes)
         return d
+
+
+def _dist_config(tp: int, ep: int, shard_layers):
+    if tp == 1 and ep == 1:
+        return None
+    from specdeploy.distributed import DistConfig
+
+    return DistConfig(tp, ep, **({} if shard_layers is None else {"shard_layers": shard_layers}))
 
 
 def _stderr_log(msg: str) -> None:

@@ -27,6 +27,7 @@ from specdeploy.deploy.passes.ggml_linears import KERNELS
 from specdeploy.deploy.pipeline import PipelineResult, run_pipeline
 from specdeploy.deploy.runner import GraphDeployed
 from specdeploy.deploy.spec import SpecDeployed, prepare_drafter
+from specdeploy.distributed.config import DistConfig
 
 BACKENDS = ("graph", "eager")
 QUANTIZE_METHODS = (None, "int8")
@@ -38,7 +39,9 @@ class BuildOptions:
     """How to deploy. `quantize="int8"` makes linear weights int8 (weight-only);
     `quant_exclude` replaces the default exclusion globs of the target (deploy/passes/quantize);
     `disabled` names transforms to skip (A/B runs); `vision` (None: whenever the checkpoint has
-    a vision tower) deploys a vision-language target (deploy/vlm.py)."""
+    a vision tower) deploys a vision-language target (deploy/vlm.py); `dist` the rank this
+    process builds (the `shard` transform slices the target and the drafter alike; None: one
+    process)."""
 
     dtype: str | torch.dtype = "auto"
     max_batch_size: int = 16
@@ -54,6 +57,7 @@ class BuildOptions:
     device: str | torch.device = "cpu"
     vision: bool | None = None
     kernels: str = "exact"  # GGUF-block linears: "exact" (the fp32 model) or "fast" (int-dot)
+    dist: DistConfig | None = None
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "page_size"):
@@ -71,8 +75,10 @@ class BuildOptions:
             raise ValueError(f"quantize: must be None or 'int8', got {self.quantize!r}")
         if isinstance(self.spec, dict):
             object.__setattr__(self, "spec", SpecConfig(**self.spec))
-        if self.backend != "graph" and (self.quantize or self.compile or self.spec):
-            raise ValueError("backend: quantize, compile and spec need the graph backend")
+        if self.backend != "graph" and (self.quantize or self.compile or self.spec or (
+                self.dist and self.dist.world_size > 1)):
+            raise ValueError("backend: quantize, compile, spec and tensor parallelism need the "
+                             "graph backend")
         object.__setattr__(self, "disabled", frozenset(self.disabled))
         object.__setattr__(self, "device", _device(self.device))
         if self.backend != "graph" and self.device.type != "cpu":
@@ -101,17 +107,27 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
                            with_mtp=own_mtp)
     dtype = resolve_dtype(opts.dtype, device=opts.device)
     model = model.to(opts.device)
+    if getattr(model, "prequant", None) is not None and opts.dist and opts.dist.world_size > 1:
+        # NOTE: the shard transform slices fp parameters; the FP8 / NVFP4 blocks and their
+        # scales are not sliced yet, and a half-sharded model would be silently wrong
+        raise ValueError("tensor_parallel_size: pre-quantized (FP8 / NVFP4) checkpoints are not "
+                         "sharded yet; run them with tensor_parallel_size=1")
     from specdeploy.deploy.vlm import has_vision
 
     hf_config = getattr(model, "hf_config", None) or {}
-    vision = opts.vision is not False and has_vision(hf_config)
+    sharded = opts.dist is not None and opts.dist.world_size > 1
+    if opts.vision and sharded:
+        # NOTE: the ranks receive ids, not rank 0's merged image embeddings (distributed/)
+        raise ValueError("vision: vision-language targets are not sharded yet; with "
+                         "tensor_parallel_size > 1 the checkpoint deploys text-only")
+    vision = opts.vision is not False and has_vision(hf_config) and not sharded
     if opts.vision and not vision:
         raise ValueError("vision: this checkpoint has no vision tower")
     embed = model.model.embed_tokens if vision else None
     common = dict(page_size=opts.page_size, max_batch_size=opts.max_batch_size,
-                  max_seq_len=opts.max_seq_len, max_cache_gib=opts.max_cache_gib,
+                  max_seq_len=opts.max_seq_len, max_cache_gib=_rank_budget(opts),
                   compile=opts.compile, disabled=opts.disabled, device=opts.device,
-                  kernels=opts.kernels)
+                  kernels=opts.kernels, dist=opts.dist)
     drafter = None if spec is None else prepare_drafter(model, spec, dtype, opts.quantize,
                                                         opts.device)
     target_ctx = DeployContext(
@@ -133,7 +149,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         programs.append((drafter.step, draft_ctx, model.cfg.hidden_size))
     transformed = [(_transform(m, ctx, hidden, vision), ctx) for m, ctx, hidden in programs]
     plan = plan_cache([h for (_, res), _ in transformed for h in res.resources], opts.page_size,
-                      opts.max_batch_size, opts.max_seq_len, opts.max_cache_gib,
+                      opts.max_batch_size, opts.max_seq_len, common["max_cache_gib"],
                       target_ctx.device)
     vocab = model.cfg.vocab_size
     deployed = []
@@ -166,6 +182,23 @@ def _device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def _rank_budget(opts: BuildOptions) -> float | None:
+    """Ranks must plan the same pages (rank 0's page tables address every rank's cache): without
+    an explicit budget they agree on the smallest free memory among them."""
+    d = opts.dist
+    if opts.max_cache_gib is not None or d is None or d.world_size == 1:
+        return opts.max_cache_gib
+    import torch.distributed as dist
+
+    from specdeploy.cache.plan import GIB, available_bytes
+
+    if not dist.is_initialized():
+        return opts.max_cache_gib  # one rank built alone (tests, inspection): its own budget
+    from specdeploy.distributed.groups import agree_min
+
+    return agree_min(available_bytes(torch.device("cpu")) * 0.5) / GIB
+
+
 def describe(model_path=None, options: BuildOptions | None = None, **overrides) -> str:
     """The ordered transform list with match counts and skip reasons, then the cache plan."""
     return build(model_path, options, **overrides).report()
@@ -185,7 +218,7 @@ def _transform(module: nn.Module, ctx: DeployContext, hidden_size: int | None,
     """Export + the pipeline: the one path every program (target or drafter) takes."""
     max_tokens = max(2, ctx.max_seq_len * ctx.max_batch_size)
     gm = export_model(module, max_tokens=max_tokens, hidden_size=hidden_size, dtype=ctx.dtype,
-                      mrope=mrope)
+                      mrope=mrope, keep_hints=ctx.dist is not None and ctx.dist.world_size > 1)
     name_inputs(gm)
     return gm, run_pipeline(gm, ctx)
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from specdeploy.distributed.config import DistConfig
+
 # NOTE: MoE routers stay fp: int8 noise there flips expert choices (a discrete jump). Drafters
 # are excluded by default too; SpecConfig.draft_quantize lifts that.
 TARGET_QUANT_EXCLUDE = ("lm_head", "*.gate", "*.shared_expert_gate")
@@ -33,3 +35,4 @@ class DeployContext:
     resource_prefix: str = ""  # keeps a drafter's cache names apart from the target's
     kernels: str = "exact"  # GGUF-block linears: "exact" fp32 or "fast" integer-dot (ggml_linears)
     kv_cache_dtype: torch.dtype | None = None  # None: `dtype`; float8 for an FP8 KV checkpoint
+    dist: DistConfig | None = None  # the rank this program is sharded for (None: world size 1)

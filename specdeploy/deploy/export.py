@@ -16,6 +16,7 @@ import specdeploy.ops  # noqa: F401  (registers the canonical ops)
 def export_model(
     model: nn.Module, example_tokens: int = 8, max_tokens: int = 1 << 16,
     hidden_size: int | None = None, dtype: torch.dtype = torch.float32, mrope: bool = False,
+    keep_hints: bool = False,
 ) -> fx.GraphModule:
     """Export `model` with T dynamic in [1, max_tokens]; returns a flat GraphModule.
 
@@ -23,6 +24,8 @@ def export_model(
     one: hidden[1,T,hidden_size]. `mrope`: positions are [3,1,T] (multimodal RoPE; the target
     of a vision-language model then takes its input embeddings as `hidden`).
     NOTE: the example uses T > 1 (export specializes sizes 0 and 1).
+    Sharding hints (ops/shard.py) are dropped unless `keep_hints` (the `shard` transform reads
+    them): a one-process graph is exactly what the model computes, for every transform.
     """
     ids = torch.zeros(1, example_tokens, dtype=torch.long)
     pos = torch.arange(example_tokens, dtype=torch.long)[None]
@@ -36,7 +39,12 @@ def export_model(
         dyn += ({1: tokens},)
     with torch.no_grad():
         ep = torch.export.export(model, args, dynamic_shapes=dyn, strict=False)
-    return _flatten_io(ep.module())
+    gm = _flatten_io(ep.module())
+    if not keep_hints:
+        from specdeploy.deploy.passes.shard import drop_hints
+
+        drop_hints(gm)
+    return gm
 
 
 def _flatten_io(gm: fx.GraphModule) -> fx.GraphModule:

@@ -23,8 +23,9 @@ from specdeploy.deploy.graph import finalize
 class Stage(enum.IntEnum):
     POST_EXPORT = 0  # clean-up of what torch.export leaves
     PATTERN = 1  # pattern matching: hidden-state capture, logits gathering
-    QUANTIZE = 2
-    SHARD = 3
+    # NOTE: sharding before quantization: int8 scales are then computed on each rank's slice
+    SHARD = 2
+    QUANTIZE = 3
     CACHE = 4  # canonical ops → cached ops + resources
     OPTIMIZE = 5  # fusions, weight packing, kernels on stored blocks
     COMPILE = 6  # how the graph is called: direct kernels or torch.compile
@@ -35,6 +36,7 @@ PIPELINE = (
     ("cleanup", "cleanup_export"),
     ("capture_hidden", "capture_hidden_states"),
     ("gather_logits", "gather_logits"),
+    ("shard", "shard"),  # skips at world size 1 (export dropped the hints)
     ("prequantized", "prequantized_weights"),  # a checkpoint's own FP8 / NVFP4 weights
     ("fp8_kv", "fp8_kv_scales"),
     ("quantize", "quantize_int8_weights"),

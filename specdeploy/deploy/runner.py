@@ -88,5 +88,9 @@ class GraphDeployed:
         return StepOutput(logits=out[0][0].float(), hidden=hidden)
 
     def report(self) -> str:
-        return "\n".join(["transforms (in order):", *format_infos(self.infos),
+        d = self.ctx.dist
+        ranked = [] if d is None or d.world_size == 1 else [
+            f"rank {d.rank} of {d.world_size} (tp={d.tp_size}, ep={d.ep_size}); the cache plan "
+            f"below is this rank's"]
+        return "\n".join(["transforms (in order):", *format_infos(self.infos), *ranked,
                           self.plan.summary()])

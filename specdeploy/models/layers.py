@@ -14,6 +14,7 @@ from torch import nn
 
 import specdeploy.ops  # noqa: F401  (registers torch.ops.specdeploy.*)
 from specdeploy.ops.rope import RopeCosSin, rope_cos_sin
+from specdeploy.ops.shard import linear_col, linear_row, tp_reduce
 
 __all__ = ["MLP", "RMSNorm", "RopeConfig", "RotaryEmbedding", "ACTIVATIONS"]
 
@@ -40,8 +41,9 @@ class MLP(nn.Module):
     """Gated MLP: `down_proj(act(gate_proj(x)) * up_proj(x))` (SwiGLU for act="silu")."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 act: str = "silu"):
+                 act: str = "silu", layer_type: str = "mlp"):
         super().__init__()
+        self.layer_type = layer_type  # sharding hint: column → row, one all-reduce
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}; supported: {sorted(ACTIVATIONS)}")
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
@@ -50,7 +52,9 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        t = self.layer_type
+        h = self.act(linear_col(self.gate_proj, x, t)) * linear_col(self.up_proj, x, t)
+        return tp_reduce(linear_row(self.down_proj, h, t), t)
 
 
 ROPE_TYPES = ("default", "linear", "llama3")

@@ -14,6 +14,7 @@ from torch import nn
 
 from specdeploy.checkpoint import CheckpointError
 from specdeploy.models.layers import MLP, RMSNorm, RopeConfig, RotaryEmbedding
+from specdeploy.ops.shard import heads, linear_col, linear_row, tp_reduce
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 
@@ -76,14 +77,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        (b, t, _), d, hq = x.shape, self.head_dim, self.num_heads
+        # sharding hints: heads split over ranks (-1 views follow), KV heads serve the q heads
+        q = linear_col(self.q_proj, x, "mha", [heads(hq, d)]).view(b, t, -1, d)
+        k = linear_col(self.k_proj, x, "mha", [heads(self.num_kv_heads, d, hq)]).view(b, t, -1, d)
+        v = linear_col(self.v_proj, x, "mha", [heads(self.num_kv_heads, d, hq)]).view(b, t, -1, d)
         q = torch.ops.specdeploy.rope(q, cos, sin)
         k = torch.ops.specdeploy.rope(k, cos, sin)
         o = torch.ops.specdeploy.attention(q, k, v, self.scale, 0)
-        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+        return tp_reduce(linear_row(self.o_proj, o.reshape(b, t, -1), "mha", [heads(hq, d)]),
+                         "mha")
 
 
 class DecoderLayer(nn.Module):

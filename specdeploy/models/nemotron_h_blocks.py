@@ -11,6 +11,16 @@ from torch import nn
 import specdeploy.ops  # noqa: F401  (registers torch.ops.specdeploy.*)
 from specdeploy.models.layers import RMSNorm
 from specdeploy.ops import route_sigmoid
+from specdeploy.ops.shard import (
+    Seg,
+    heads,
+    linear_col,
+    linear_partial,
+    linear_row,
+    tp_param,
+    tp_reduce,
+    tp_split,
+)
 
 if TYPE_CHECKING:
     from specdeploy.models.nemotron_h import Config
@@ -38,18 +48,26 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, (b, t, _), inner = self.cfg, x.shape, self.sizes[0]
-        z, xbc, dt = self.in_proj(x).split(self.sizes, dim=-1)
-        xbc, _ = _ops.causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, None,
-                                    "silu")
-        gn = (self.sizes[1] - inner) // 2
-        xs, B, C = xbc.split([inner, gn, gn], dim=-1)
+        # sharding hints: heads and groups split together (the gated norm's groups follow)
+        hs, gs, n1 = heads(c.mamba_num_heads, c.mamba_head_dim), heads(c.n_groups,
+                                                                      c.ssm_state_size), heads(
+            c.mamba_num_heads, 1)
+        z, xbc, dt = tp_split(linear_col(self.in_proj, x, "ssm", [hs, hs, gs, gs, n1]), "ssm",
+                              [[hs], [hs, gs, gs], [n1]])
+        conv_w, conv_b = (None if p is None else tp_param(p, "ssm", "colwise", 0, [hs, gs, gs])
+                          for p in (self.conv1d.weight, self.conv1d.bias))
+        xbc, _ = _ops.causal_conv1d(xbc, conv_w.squeeze(1), conv_b, None, "silu")
+        xs, B, C = tp_split(xbc, "ssm", [[hs], [gs], [gs]])
+        A_log, D, dt_bias = (tp_param(p, "ssm", "colwise", 0, [n1])
+                             for p in (self.A_log, self.D, self.dt_bias))
         y, _ = _ops.ssm_scan(
-            xs.reshape(b, t, c.mamba_num_heads, -1), dt, -torch.exp(self.A_log.float()),
-            B.reshape(b, t, c.n_groups, -1), C.reshape(b, t, c.n_groups, -1), self.D, self.dt_bias,
-            c.dt_min, c.dt_max, c.chunk_size, None)
-        y = _ops.gated_rms_norm(y.reshape(b, t, inner), z, self.norm.weight, c.eps,
-                                inner // c.n_groups, False)
-        return self.out_proj(y)
+            xs.reshape(b, t, -1, c.mamba_head_dim), dt, -torch.exp(A_log.float()),
+            B.reshape(b, t, -1, c.ssm_state_size), C.reshape(b, t, -1, c.ssm_state_size), D,
+            dt_bias, c.dt_min, c.dt_max, c.chunk_size, None)
+        y = _ops.gated_rms_norm(y.reshape(b, t, -1), z, tp_param(self.norm.weight, "ssm",
+                                                                 "colwise", 0, [hs]),
+                                c.eps, inner // c.n_groups, False)
+        return tp_reduce(linear_row(self.out_proj, y, "ssm", [hs]), "ssm")
 
 
 class Attention(nn.Module):
@@ -59,17 +77,19 @@ class Attention(nn.Module):
         super().__init__()
         h, d, hq, hkv, bias = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                cfg.num_key_value_heads, cfg.attention_bias)
-        self.head_dim, self.window = d, cfg.sliding_window
+        self.head_dim, self.window, self.heads = d, cfg.sliding_window, (hq, hkv)
         self.q_proj = nn.Linear(h, hq * d, bias=bias)
         self.k_proj = nn.Linear(h, hkv * d, bias=bias)
         self.v_proj = nn.Linear(h, hkv * d, bias=bias)
         self.o_proj = nn.Linear(hq * d, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = (*x.shape[:2], -1, self.head_dim)
-        q, k, v = (p(x).view(shape) for p in (self.q_proj, self.k_proj, self.v_proj))
+        shape, (hq, hkv), d = (*x.shape[:2], -1, self.head_dim), self.heads, self.head_dim
+        q, k, v = (linear_col(p, x, "mha", [s]).view(shape) for p, s in (
+            (self.q_proj, heads(hq, d)), (self.k_proj, heads(hkv, d, hq)),
+            (self.v_proj, heads(hkv, d, hq))))
         o = _ops.attention(q, k, v, self.head_dim**-0.5, self.window)
-        return self.o_proj(o.flatten(2))
+        return tp_reduce(linear_row(self.o_proj, o.flatten(2), "mha", [heads(hq, d)]), "mha")
 
 
 class MLP(nn.Module):
@@ -81,7 +101,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
+        h = F.relu(linear_col(self.up_proj, x, "mlp")).square()
+        return tp_reduce(linear_row(self.down_proj, h, "mlp"), "mlp")
 
 
 class MoE(nn.Module):
@@ -111,10 +132,14 @@ class MoE(nn.Module):
         r = route_sigmoid(logits, self.gate.e_score_correction_bias, c.num_experts_per_tok,
                           c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
         h = self.fc1_latent_proj(flat) if c.moe_latent_size else flat
-        y = _ops.moe_experts(h, r.ids, r.weights.to(h.dtype), self.experts.up_proj,
-                             self.experts.down_proj, "relu2")
-        y = self.fc2_latent_proj(y) if c.moe_latent_size else y
-        return y.view(x.shape) + self.shared_experts(x)
+        # sharding hints: experts over EP ranks, each expert's width over TP ranks
+        width = [Seg(c.moe_intermediate_size)]
+        w_up = tp_param(self.experts.up_proj, "moe", "expert_colwise", 1, width)
+        w_down = tp_param(self.experts.down_proj, "moe", "expert_rowwise", 2, width)
+        y = _ops.moe_experts(h, r.ids, r.weights.to(h.dtype), w_up, w_down, "relu2")
+        # the latent projection is linear: applied to each rank's partial sum (bias once)
+        y = linear_partial(self.fc2_latent_proj, y, "moe") if c.moe_latent_size else y
+        return tp_reduce(y, "moe").view(x.shape) + self.shared_experts(x)
 
 
 class Block(nn.Module):

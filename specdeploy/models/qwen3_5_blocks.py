@@ -18,6 +18,7 @@ from torch import nn
 import specdeploy.ops  # noqa: F401  (registers torch.ops.specdeploy.*)
 from specdeploy.models.layers import MLP, RMSNorm
 from specdeploy.ops import route_softmax_topk
+from specdeploy.ops.shard import Seg, heads, linear_col, linear_row, tp_param, tp_reduce, tp_split
 
 _ops = torch.ops.specdeploy
 
@@ -138,14 +139,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, gate = self.q_proj(x).view(b, t, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        (b, t, _), d, hq = x.shape, self.head_dim, self.n_heads
+        # sharding hints: heads split (q_proj rows are [query | gate] per head), KV serve q heads
+        q, gate = linear_col(self.q_proj, x, "mha", [heads(hq, 2 * d)]).view(
+            b, t, -1, 2 * d).chunk(2, dim=-1)
         q = _ops.rope(self.q_norm(q), cos, sin)
-        k = _ops.rope(self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        kv = [heads(self.n_kv, d, hq)]
+        k = _ops.rope(self.k_norm(linear_col(self.k_proj, x, "mha", kv).view(b, t, -1, d)), cos,
+                      sin)
+        v = linear_col(self.v_proj, x, "mha", kv).view(b, t, -1, d)
         o = _ops.attention(q, k, v, self.head_dim**-0.5)
         o = o.reshape(b, t, -1) * torch.sigmoid(gate.reshape(b, t, -1))
-        return self.o_proj(o)
+        return tp_reduce(linear_row(self.o_proj, o, "mha", [heads(hq, d)]), "mha")
 
 
 class GatedDeltaNet(nn.Module):
@@ -173,22 +178,27 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        qkv, _ = _ops.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[:, 0], None, None,
-                                    "silu")
-        kd = self.nk * self.dk
-        q = qkv[..., :kd].reshape(b, t, self.nk, self.dk)
-        k = qkv[..., kd : 2 * kd].reshape(b, t, self.nk, self.dk)
-        v = qkv[..., 2 * kd :].reshape(b, t, self.nv, self.dv)
+        # sharding hints: key heads and value heads split together (nk, nv divisible by TP)
+        qs, vs, n1 = heads(self.nk, self.dk), heads(self.nv, self.dv), [heads(self.nv, 1)]
+        conv_w = tp_param(self.conv1d.weight, "delta", "colwise", 0, [qs, qs, vs])
+        qkv, _ = _ops.causal_conv1d(linear_col(self.in_proj_qkv, x, "delta", [qs, qs, vs]),
+                                    conv_w[:, 0], None, None, "silu")
+        q, k, v = tp_split(qkv, "delta", [[qs], [qs], [vs]])
+        q, k = q.reshape(b, t, -1, self.dk), k.reshape(b, t, -1, self.dk)
+        v = v.reshape(b, t, -1, self.dv)
         if self.nv != self.nk:  # each key head serves nv/nk consecutive value heads
             q = q.repeat_interleave(self.nv // self.nk, dim=2)
             k = k.repeat_interleave(self.nv // self.nk, dim=2)
-        beta = torch.sigmoid(self.in_proj_b(x))
+        beta = torch.sigmoid(linear_col(self.in_proj_b, x, "delta", n1))
+        A_log, dt_bias = (tp_param(p, "delta", "colwise", 0, n1) for p in (self.A_log,
+                                                                            self.dt_bias))
         # fp32 so that exp(A_log) cannot overflow in half precision
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        g = -A_log.float().exp() * F.softplus(linear_col(self.in_proj_a, x, "delta", n1).float()
+                                              + dt_bias.float())
         o, _ = _ops.gated_delta_rule(q, k, v, g, beta, None, True, self.dk**-0.5)
-        z = self.in_proj_z(x).view(b, t, self.nv, self.dv)
+        z = linear_col(self.in_proj_z, x, "delta", [vs]).view(b, t, -1, self.dv)
         o = _ops.gated_rms_norm(o, z, self.norm.weight, self.eps, self.dv, True)  # norm, then gate
-        return self.out_proj(o.reshape(b, t, -1))
+        return tp_reduce(linear_row(self.out_proj, o.reshape(b, t, -1), "delta", [vs]), "delta")
 
 
 class Experts(nn.Module):
@@ -215,9 +225,13 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        route = route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
-        out = _ops.moe_experts(x, route.ids, route.weights, self.experts.gate_up_proj,
-                               self.experts.down_proj, "swiglu")
+        route = route_softmax_topk(self.gate(x), self.top_k, self.renormalize)  # replicated
+        # sharding hints: experts over EP ranks, each expert's width ([gate | up]) over TP ranks
+        i = self.experts.down_proj.shape[-1]
+        w_up = tp_param(self.experts.gate_up_proj, "moe", "expert_colwise", 1, [Seg(i), Seg(i)])
+        w_down = tp_param(self.experts.down_proj, "moe", "expert_rowwise", 2, [Seg(i)])
+        out = tp_reduce(_ops.moe_experts(x, route.ids, route.weights, w_up, w_down, "swiglu"),
+                        "moe")
         out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from specdeploy.ops import (  # noqa: F401  (registers ops)
     attention,
+    collectives,
     conv,
     gdn,
     moe,
     norm,
     quant_linear,
     rope,
+    shard,
     ssm,
 )
 from specdeploy.ops.attention import attention_mask, attention_ref

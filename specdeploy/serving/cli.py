@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from specdeploy.cli_args import DEVICE_HELP
+from specdeploy.cli_args import DEVICE_HELP, add_parallel_args, parallel_kwargs
 from specdeploy.spec_args import add_spec_args, spec_from_args
 
 
@@ -36,6 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info")
+    add_parallel_args(p)
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -60,8 +61,20 @@ def cmd_serve(args) -> int:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
               max_seq_len=args.max_seq_len, spec=spec, max_cache_gib=args.max_cache_gib,
-              backend=args.backend, progress=True, seed=args.seed)
+              backend=args.backend, progress=True, seed=args.seed, **parallel_kwargs(args))
+    if hasattr(llm.deployed, "on_failure"):  # a dead or hung rank: fail requests, then exit
+        llm.deployed.on_failure(_exit_soon)
     app = create_app(llm, model_name=args.served_model_name, api_key=args.api_key,
                      max_queue=args.max_queue, drain_timeout=args.drain_timeout)
     shutdown.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _exit_soon(delay: float = 1.0) -> None:
+    """SIGTERM to this process after `delay` (the failed requests' errors go out first): uvicorn
+    shuts down, and the server exits instead of serving with a rank missing."""
+    import signal
+    import time
+
+    time.sleep(delay)
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -34,6 +34,7 @@ from specdeploy.checkpoint.tiny import write_checkpoint
 from specdeploy.loading import assign_params, resolve_dtype
 from specdeploy.models.drafters import Drafter, DraftOutput
 from specdeploy.models.layers import MLP, RMSNorm, RopeConfig, RotaryEmbedding
+from specdeploy.ops.shard import heads, linear_col, linear_row, tp_reduce
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 
@@ -111,13 +112,17 @@ class Eagle3MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(h, i)
         self.head_dim, self.norm_before_residual = d, cfg.norm_before_residual
+        self.heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        a, (b, t, d) = self.self_attn, (x.shape[0], x.shape[1], self.head_dim)
-        q = torch.ops.specdeploy.rope(a.q_proj(x).view(b, t, -1, d), cos, sin)
-        k = torch.ops.specdeploy.rope(a.k_proj(x).view(b, t, -1, d), cos, sin)
-        o = torch.ops.specdeploy.attention(q, k, a.v_proj(x).view(b, t, -1, d), d**-0.5)
-        return a.o_proj(o.reshape(b, t, -1))
+        a, (b, t, d), (hq, hkv) = self.self_attn, (*x.shape[:2], self.head_dim), self.heads
+        q, k, v = (linear_col(p, x, "mha", [s]).view(b, t, -1, d) for p, s in (
+            (a.q_proj, heads(hq, d)), (a.k_proj, heads(hkv, d, hq)),
+            (a.v_proj, heads(hkv, d, hq))))
+        q = torch.ops.specdeploy.rope(q, cos, sin)
+        k = torch.ops.specdeploy.rope(k, cos, sin)
+        o = torch.ops.specdeploy.attention(q, k, v, d**-0.5)
+        return tp_reduce(linear_row(a.o_proj, o.reshape(b, t, -1), "mha", [heads(hq, d)]), "mha")
 
     def forward(self, embeds, hidden, cos, sin) -> torch.Tensor:
         normed = self.hidden_norm(hidden)

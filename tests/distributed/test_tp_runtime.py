@@ -1,0 +1,205 @@
+"""Tensor / expert parallelism end to end: 2 ranks as real processes (gloo on 127.0.0.1).
+
+Oracle: greedy output of the same checkpoint on one process (TP=1, no speculation), token for
+token, over a batch of mixed prompt lengths; speculative runs also with drafts forced to the
+oracle's tokens (all accepted: the mirrored `commit` path). Then a killed rank: the next step
+fails with an error naming it within a bounded time, for `LLM` and for the server.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from specdeploy import LLM, SamplingParams
+from specdeploy.deploy.passes.shard import param_bytes
+from specdeploy.distributed.groups import free_port
+from specdeploy.distributed.runtime import RankFailure
+from tests.spec.tiny_targets import Target
+
+LIMITS = dict(max_batch_size=4, max_seq_len=160, max_cache_gib=0.05, page_size=8)
+TOKENS = 10
+K = 3
+
+
+def _ids(outs):
+    return [o.token_ids for o in outs]
+
+
+def _params():
+    return SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    cache: dict = {}
+
+    def get(arch):
+        if arch not in cache:
+            t = Target(arch, root)
+            t.prompts = t.prompts[:3] + t.prompts[4:]  # lengths 1, 7, 33, 12
+            llm = LLM(str(t.path), **LIMITS)
+            t.baseline = _ids(llm.generate(t.prompts, _params()))
+            t.baseline_bytes = param_bytes(llm.deployed.gm)
+            cache[arch] = t
+        return cache[arch]
+
+    return get
+
+
+def _oracle(t):
+    by_prompt = {tuple(p): b for p, b in zip(t.prompts, t.baseline)}
+
+    def propose(seq, k):
+        cont = by_prompt[tuple(seq.prompt_ids)]
+        return (cont[len(seq.output_ids):len(seq.output_ids) + k] + [3] * k)[:k]
+
+    return propose
+
+
+CASES = [  # arch, speculation, tp, ep
+    ("llama", True, 2, 1),
+    ("nemotron_h", False, 2, 2),
+    ("nemotron_h", True, 2, 1),
+    ("qwen3_5_moe", False, 2, 1),
+    ("qwen3_5_moe", True, 2, 2),
+]
+
+
+@pytest.mark.parametrize("arch,spec,tp,ep", CASES,
+                         ids=[f"{a}-{'spec' if s else 'plain'}-tp{t}ep{e}" for a, s, t, e in CASES])
+def test_tp2_greedy_equals_tp1(targets, arch, spec, tp, ep):
+    t = targets(arch)
+    llm = LLM(str(t.path), spec=t.spec(K) if spec else None, tensor_parallel_size=tp,
+              expert_parallel_size=ep, dist_timeout=30, **LIMITS)
+    try:
+        assert _ids(llm.generate(t.prompts, _params())) == t.baseline
+        graph = llm.deployed.target.gm if spec else llm.deployed.gm
+        assert param_bytes(graph) < 0.75 * t.baseline_bytes  # sharded: rank 0 holds ~half
+        if spec:
+            llm.engine.reset_spec_stats()
+            llm.engine.fix_drafts(_oracle(t))
+            assert _ids(llm.generate(t.prompts, _params())) == t.baseline
+            assert llm.stats()["mean_accepted_length"] > 2
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def kv3(tmp_path_factory):
+    """6 query heads over 3 KV heads: on 2 ranks each keeps the KV heads of its 3 query heads."""
+    from specdeploy.models import llama
+
+    path = llama.make_tiny(tmp_path_factory.mktemp("kv3") / "m", config_overrides=dict(
+        num_attention_heads=6, num_key_value_heads=3, head_dim=8, hidden_size=48))
+    prompts = [[5, 9, 11] * n for n in (1, 9, 4)]
+    return path, prompts, _ids(LLM(str(path), **LIMITS).generate(prompts, _params()))
+
+
+def test_kv_replication_then_killed_rank(kv3):
+    path, prompts, want = kv3
+    llm = LLM(str(path), tensor_parallel_size=2, dist_timeout=10, **LIMITS)
+    try:
+        assert _ids(llm.generate(prompts, _params())) == want
+        worker = llm.deployed._workers[0]
+        worker.kill()
+        worker.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match="rank 1"):
+            llm.generate(prompts, _params())
+        assert time.monotonic() - t0 < 20
+        with pytest.raises(RankFailure):  # stays failed, at once
+            llm.generate(prompts, _params())
+    finally:
+        llm.shutdown()
+
+
+def test_hung_rank_times_out(kv3):
+    """A stopped (not dead) worker: the next collective waits `dist_timeout`, then fails."""
+    import signal
+
+    path, prompts, want = kv3
+    llm = LLM(str(path), tensor_parallel_size=2, dist_timeout=5, **LIMITS)
+    try:
+        assert _ids(llm.generate(prompts[:1], _params())) == want[:1]
+        os.kill(llm.deployed._workers[0].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match="collective timeout|rank 1"):
+            llm.generate(prompts[:1], _params())
+        assert time.monotonic() - t0 < 30
+    finally:
+        llm.shutdown()  # kills the stopped worker
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def _post(port: int, body: dict, timeout: float = 30) -> int:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_server_killed_rank_errors_and_exits(kv3):
+    path, _, _ = kv3
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdeploy", "serve", "--model", str(path), "--port", str(port),
+         "--tensor-parallel-size", "2", "--dist-timeout", "10", "--max-seq-len", "160",
+         "--max-batch-size", "4", "--max-cache-gib", "0.05", "--drain-timeout", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        body = {"prompt": [5, 9, 11], "max_tokens": 4}
+        assert _post(port, body) == 200
+        (worker,) = _children(proc.pid)
+        os.kill(worker, 9)
+        assert _post(port, body) >= 500
+        proc.wait(30)  # the server exits instead of serving with a rank missing
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stderr.close()
+
+
+def test_torchrun_cli_generate(kv3):
+    """`torchrun --nproc-per-node 2 -m specdeploy generate --tensor-parallel-size 2`: env://
+    rendezvous, rank 1 serves inside `LLM` and exits; rank 0 prints the TP=1 tokens."""
+    path, _, _ = kv3
+    sp = SamplingParams(max_tokens=TOKENS)  # the CLI's greedy default (eos stops both alike)
+    want = LLM(str(path), **LIMITS).generate("hello world", sp)[0].token_ids
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun not installed next to this interpreter")
+    proc = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m",
+         "specdeploy", "generate", "--model", str(path), "--prompt", "hello world", "--json",
+         "--max-tokens", str(TOKENS), "--max-seq-len", "160", "--max-cache-gib",
+         "0.05", "--tensor-parallel-size", "2"],
+        capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]  # rank 0 only
+    assert json.loads(line)["token_ids"] == want
