@@ -91,7 +91,8 @@ def cmd_deploy(args) -> int:
         print("deploy: nothing to do (use --list-transforms)", file=sys.stderr)
         return 2
     print(describe(args.model, dtype=args.dtype, max_seq_len=args.max_seq_len,
-                   max_cache_gib=args.max_cache_gib, spec=spec_from_args(args)))
+                   max_cache_gib=args.max_cache_gib, spec=spec_from_args(args),
+                   enable_prefix_caching=args.enable_prefix_caching))
     return 0
 
 

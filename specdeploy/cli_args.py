@@ -18,6 +18,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="weight-only int8 (lm_head, routers and the drafter excluded)")
     p.add_argument("--compile", action="store_true", help="torch.compile the deployed graph")
+    add_prefix_caching_arg(p)
+
+
+def add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="share cached prompt prefixes (KV pages, recurrent "
+                   "checkpoints); --no-enable-prefix-caching turns it off")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -40,6 +47,7 @@ def llm_from_args(args, max_batch_size: int):
                max_seq_len=args.max_seq_len, spec=spec_from_args(args),
                max_cache_gib=args.max_cache_gib,
                backend=args.backend, progress=True, compile=args.compile,
+               enable_prefix_caching=args.enable_prefix_caching,
                quantize=None if args.quantize == "none" else args.quantize)
 
 

@@ -26,6 +26,8 @@ class LLM:
         max_num_tokens: tokens fed per step (longer prompts are prefilled in chunks).
         backend: "graph" (the deployed, cached program) or "eager" (the uncached reference).
         progress: print loading stages to stderr.
+        enable_prefix_caching: share the KV pages (and recurrent-state checkpoints) of prompts
+            that start alike (vLLM's name); `stats()` reports queries and hits.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
@@ -33,7 +35,8 @@ class LLM:
                  spec: SpecConfig | dict | None = None, page_size: int = 16,
                  max_cache_gib: float | None = None, max_num_tokens: int = 512,
                  backend: str = "graph", progress: bool = False, seed: int = 0,
-                 quantize: str | None = None, compile: bool = False):
+                 quantize: str | None = None, compile: bool = False,
+                 enable_prefix_caching: bool = True):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
         from specdeploy.deploy.build import BuildOptions, build
@@ -41,7 +44,8 @@ class LLM:
         options = BuildOptions(dtype=dtype, max_batch_size=max_batch_size,
                                max_seq_len=max_seq_len, page_size=page_size,
                                max_cache_gib=max_cache_gib, spec=spec, backend=backend,
-                               quantize=quantize, compile=compile)
+                               quantize=quantize, compile=compile,
+                               enable_prefix_caching=enable_prefix_caching)
         self.spec = spec = options.spec
         log = _stderr_log if progress else (lambda msg: None)
         if model is None:

@@ -7,7 +7,7 @@ speculative *extend* segment (last accepted token + K drafts).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,13 @@ class Segment:
     slot: int  # state slot (recurrent layers)
     num_logits: int = 1  # logits wanted for the last `num_logits` tokens (0 = none, mid-prefill)
     kind: int = SEG_NORMAL
+    # prefix-cache checkpoints: (offset of a fed token, checkpoint slot) = save the recurrent
+    # states after that token (NORMAL segments; cache/prefix.py)
+    ckpt: Sequence[tuple[int, int]] = ()
+
+
+def _empty() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.long)
 
 
 @dataclass
@@ -41,6 +48,8 @@ class BatchMetadata:
     logits_idx: torch.Tensor  # [N] int64 indices into T
     num_tokens: int
     num_seqs: int
+    ckpt_tokens: torch.Tensor = field(default_factory=_empty)  # [W] host: flat token index
+    ckpt_slots: torch.Tensor = field(default_factory=_empty)  # [W]: checkpoint slot
 
     def to(self, device: torch.device | str) -> BatchMetadata:
         def mv(t: torch.Tensor) -> torch.Tensor:
@@ -49,7 +58,7 @@ class BatchMetadata:
         return BatchMetadata(
             mv(self.input_ids), mv(self.position_ids), mv(self.cu_seqlens), mv(self.cache_lens),
             mv(self.page_table), mv(self.slot_idx), mv(self.seg_kind), mv(self.logits_idx),
-            self.num_tokens, self.num_seqs,
+            self.num_tokens, self.num_seqs, self.ckpt_tokens, mv(self.ckpt_slots),
         )
 
 
@@ -63,6 +72,7 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
     logits_idx: list[int] = []
     max_pages = max(1, max(len(s.pages) for s in segments))
     table = []
+    ckpt: list[tuple[int, int]] = []
     for s in segments:
         n = len(s.token_ids)
         if n == 0:
@@ -73,6 +83,7 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
         cu.append(start + n)
         logits_idx.extend(range(start + n - s.num_logits, start + n))
         table.append(list(s.pages) + [0] * (max_pages - len(s.pages)))
+        ckpt.extend((start + off, slot) for off, slot in s.ckpt)
 
     def t(x):
         return torch.tensor(x, dtype=torch.long)
@@ -82,6 +93,7 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
         cache_lens=t([s.cache_len for s in segments]), page_table=t(table),
         slot_idx=t([s.slot for s in segments]), seg_kind=t([s.kind for s in segments]),
         logits_idx=t(logits_idx), num_tokens=len(ids), num_seqs=len(segments),
+        ckpt_tokens=t([c[0] for c in ckpt]), ckpt_slots=t([c[1] for c in ckpt]),
     )
 
 

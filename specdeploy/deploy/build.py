@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from specdeploy.cache.handlers import PagedKV
+from specdeploy.cache.handlers import Checkpoint, PagedKV
 from specdeploy.cache.plan import CachePlan, plan_cache
 from specdeploy.config import SpecConfig
 from specdeploy.deploy.context import DeployContext
@@ -36,7 +36,9 @@ Deployed = GraphDeployed | SpecDeployed | EagerDeployed
 class BuildOptions:
     """How to deploy. `quantize="int8"` makes linear weights int8 (weight-only);
     `quant_exclude` replaces the default exclusion globs of the target (deploy/passes/quantize);
-    `disabled` names transforms to skip (A/B runs)."""
+    `disabled` names transforms to skip (A/B runs). `enable_prefix_caching` (vLLM's name):
+    cached KV pages are shared by prompts that start alike, and recurrent layers get a
+    checkpoint pool with a checkpoint every `checkpoint_every` pages (cache/prefix.py)."""
 
     dtype: str | torch.dtype = "auto"
     max_batch_size: int = 16
@@ -49,9 +51,11 @@ class BuildOptions:
     quant_exclude: tuple[str, ...] | None = None
     disabled: frozenset[str] = frozenset()
     backend: str = "graph"
+    enable_prefix_caching: bool = True
+    checkpoint_every: int = 1
 
     def __post_init__(self):
-        for name in ("max_batch_size", "max_seq_len", "page_size"):
+        for name in ("max_batch_size", "max_seq_len", "page_size", "checkpoint_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
@@ -96,6 +100,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         model, dtype=dtype, quantize=opts.quantize,
         capture_layers=drafter.capture_layers if drafter else (),
         spec_steps=spec.max_draft_tokens + 1 if spec else 0,
+        prefix_caching=opts.enable_prefix_caching,
         **({} if opts.quant_exclude is None else {"quant_exclude": opts.quant_exclude}),
         **common)
     programs = [(model, target_ctx, None)]
@@ -108,7 +113,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     transformed = [(_transform(m, ctx, hidden), ctx) for m, ctx, hidden in programs]
     plan = plan_cache([h for (_, res), _ in transformed for h in res.resources], opts.page_size,
                       opts.max_batch_size, opts.max_seq_len, opts.max_cache_gib,
-                      target_ctx.device)
+                      target_ctx.device, checkpoint_every=opts.checkpoint_every)
     hf_config = getattr(model, "hf_config", None) or {}
     vocab = model.cfg.vocab_size
     deployed = []
@@ -118,7 +123,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         # of weights that quantization replaced.
         deployed.append(GraphDeployed(gm, dataclasses.replace(ctx, model=None), res.infos, plan,
                                       hf_config, vocab, res.resources, res.program,
-                                      time.perf_counter() - t0))
+                                      time.perf_counter() - t0, opts.enable_prefix_caching))
     if spec is None:
         return deployed[0]
     return SpecDeployed(deployed[0], deployed[1] if drafter else None,
@@ -155,6 +160,8 @@ def allocate(gm: fx.GraphModule, resources: list, plan: CachePlan, device) -> No
             k, v = h.allocate(plan.num_pages, plan.page_size, device)
             gm.register_buffer(f"{h.name}_k", k, persistent=False)
             gm.register_buffer(f"{h.name}_v", v, persistent=False)
+        elif isinstance(h, Checkpoint):
+            gm.register_buffer(h.name, h.allocate(plan.num_checkpoints, device), persistent=False)
         else:
             gm.register_buffer(h.name, h.allocate(plan.num_slots, device), persistent=False)
 

@@ -31,3 +31,4 @@ class DeployContext:
     compile: bool = False
     disabled: frozenset[str] = frozenset()
     resource_prefix: str = ""  # keeps a drafter's cache names apart from the target's
+    prefix_caching: bool = False  # recurrent cached ops also declare checkpoint pools
