@@ -150,6 +150,10 @@ class LLM:
                 self.engine.abort(rid)
                 self.engine.step()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name); False when prefix caching is off."""
+        return self.engine.reset_prefix_cache()
+
     def stats(self) -> dict:
         d = self.engine.stats_dict()
         lay = self.deployed.layout

@@ -187,6 +187,19 @@ class PrefixCache:
         self.free_ckpts.extend(self.pending.values())
         self.pending.clear()
 
+    def clear(self) -> list[int]:
+        """Forget every cached page and checkpoint (vLLM's reset_prefix_cache); pages still
+        referenced stay with their sequences as private pages. Returns the pages now free."""
+        freed = list(self.evictable)
+        self.key_of.clear()
+        self.page_of.clear()
+        self.evictable.clear()
+        self.ckpt_of.clear()
+        self.ckpt_lru.clear()
+        pending = set(self.pending.values())
+        self.free_ckpts = deque(s for s in range(self.num_checkpoints) if s not in pending)
+        return freed
+
     def stats(self) -> dict:
         return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,
                 "prefix_cache_pages": len(self.key_of),

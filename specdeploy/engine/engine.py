@@ -153,6 +153,12 @@ class Engine:
                 out.append((b - 1 - start, slot))
         return out
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (e.g. after writing the cache behind the engine's back);
+        False when prefix caching is off."""
+        self.blocks.reset_prefix_cache()
+        return self.prefix is not None
+
     def _prefix_after(self, batch: list[ScheduledSeq]) -> None:
         if self.prefix is None:
             return

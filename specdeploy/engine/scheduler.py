@@ -29,6 +29,10 @@ class BlockManager:
         """Pages a sequence can get: free ones and cached ones nobody references."""
         return len(self.free_pages) + (len(self.prefix.evictable) if self.prefix else 0)
 
+    def reset_prefix_cache(self) -> None:
+        if self.prefix is not None:
+            self.free_pages.extend(self.prefix.clear())
+
     def match(self, seq: Sequence) -> Hit:
         return NO_HIT if self.prefix is None else self.prefix.match(seq)
 

@@ -125,7 +125,8 @@ def test_summary_lists_handlers():
 
 def test_deployed_plan_bytes_from_config(tiny_dir):
     """nemotron_h "M*M-E*ME": 2 attention layers (Hkv 2, D 16), 3 Mamba layers (SSM state
-    [8, 16, 16] fp32, conv window [8·16 + 2·2·16, 3]); the allocated buffers match the plan."""
+    [8, 16, 16] fp32, conv window [8·16 + 2·2·16, 3]); the allocated buffers match the plan,
+    prefix-cache checkpoints (one per page, the budget allows it) included."""
     from specdeploy.deploy.build import build
 
     dep = build(tiny_dir("nemotron_h"), dtype="float32", max_batch_size=3,
@@ -139,6 +140,9 @@ def test_deployed_plan_bytes_from_config(tiny_dir):
     for i in range(3):
         want[f"ssm_{i}_state"] = 3 * 8 * 16 * 16 * F32
         want[f"conv_{i}_state"] = 3 * 192 * 3 * F32
+        want[f"ssm_{i}_ckpt"] = pages * 8 * 16 * 16 * F32
+        want[f"conv_{i}_ckpt"] = pages * 192 * 3 * F32
+    assert plan.num_checkpoints == pages
     assert plan.bytes_by_handler == want
     assert dep.layout.bytes_by_handler == want
     allocated = {name: t.nbytes for name, t in dep.gm.named_buffers()}
