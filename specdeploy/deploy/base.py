@@ -21,6 +21,7 @@ class CacheLayout:
     recurrent: bool = False  # recurrent states: a prefix hit needs a checkpoint
     num_checkpoints: int = 0
     checkpoint_every: int = 1
+    checkpoint_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:

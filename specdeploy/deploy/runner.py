@@ -37,7 +37,7 @@ class GraphDeployed:
         self.layout = CacheLayout(
             plan.page_size, plan.num_pages, plan.num_slots, dict(plan.bytes_by_handler),
             prefix_caching, any(isinstance(h, State) for h in resources),
-            plan.num_checkpoints, plan.checkpoint_every)
+            plan.num_checkpoints, plan.checkpoint_every, plan.bytes_by_kind.get("checkpoint", 0))
         spec_of = {h.shadows: h.name for h in resources if isinstance(h, SpecState)}
         # (state, its spec state or None, its checkpoint pool) buffer names
         self._ckpt = [(h.of, spec_of.get(h.of), h.name) for h in resources

@@ -267,5 +267,5 @@ class Engine:
         d["free_pages"] = self.blocks.num_free  # cached pages nobody holds are free to reuse
         d["num_pages"] = self.blocks.num_pages
         if self.prefix is not None:
-            d.update(self.prefix.stats())
+            d.update(self.prefix.stats(), checkpoint_bytes=self.deployed.layout.checkpoint_bytes)
         return d

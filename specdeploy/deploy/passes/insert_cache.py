@@ -109,7 +109,10 @@ def _insert_recurrent(gm, ctx, op, cached, kind, tensors, scalars, state_of) -> 
             new = gm.graph.call_function(cached, args)
         _replace_first_output(node, new)
         n += 1
-    return Done(n, resources=tuple(declared))
+    kinds: dict[str, int] = {}
+    for h in declared:
+        kinds[h.kind] = kinds.get(h.kind, 0) + 1
+    return Done(n, ", ".join(f"{k} ×{c}" for k, c in kinds.items()), resources=tuple(declared))
 
 
 def _ssm_state(a):  # [H, P, N], fp32
