@@ -28,6 +28,8 @@ class LLM:
         progress: print loading stages to stderr.
         enable_prefix_caching: share the KV pages (and recurrent-state checkpoints) of prompts
             that start alike (vLLM's name); `stats()` reports queries and hits.
+        checkpoint_every: pages between recurrent-state checkpoints (hybrid models): a hit
+            ends on a checkpointed boundary; fewer checkpoints cost less to write.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
@@ -36,7 +38,7 @@ class LLM:
                  max_cache_gib: float | None = None, max_num_tokens: int = 512,
                  backend: str = "graph", progress: bool = False, seed: int = 0,
                  quantize: str | None = None, compile: bool = False,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, checkpoint_every: int = 1):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
         from specdeploy.deploy.build import BuildOptions, build
@@ -45,7 +47,8 @@ class LLM:
                                max_seq_len=max_seq_len, page_size=page_size,
                                max_cache_gib=max_cache_gib, spec=spec, backend=backend,
                                quantize=quantize, compile=compile,
-                               enable_prefix_caching=enable_prefix_caching)
+                               enable_prefix_caching=enable_prefix_caching,
+                               checkpoint_every=checkpoint_every)
         self.spec = spec = options.spec
         log = _stderr_log if progress else (lambda msg: None)
         if model is None:

@@ -93,7 +93,7 @@ def run_cached(
         if extend and spec_state is None:
             raise RuntimeError("EXTEND segment but no spec-state resource was allocated")
         which, at = _checkpoint_rows(cu, idx, ckpt_tokens) if ckpt_tokens else ([], [])
-        state_at = torch.tensor(at, dtype=torch.long, device=dev) if which else None
+        state_at = torch.tensor(at, dtype=torch.long) if which else None  # host metadata
         y, final, states, at_states = core(xs, init, extend, state_at)
         if which:
             ckpt[ckpt_slots[torch.tensor(which, device=dev)]] = at_states.to(ckpt.dtype)

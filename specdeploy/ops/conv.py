@@ -80,7 +80,8 @@ def causal_conv1d_core(
     at = None
     if state_at is not None:  # the state after token i is the window xs[i+1 : i+W]
         windows = xs.unfold(-1, width - 1, 1)  # [B, C, T+1, W-1]
-        at = windows[state_at[:, 0], :, state_at[:, 1] + 1].to(x.dtype)
+        rows, tok = state_at[:, 0].to(x.device), state_at[:, 1].to(x.device)
+        at = windows[rows, :, tok + 1].to(x.dtype)
     if t == 1:  # decode: one window dot product; F.conv1d's setup costs more than the math
         y = (xs * weight.float()).sum(-1)
         if bias is not None:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specdeploy.ops.autograd import register_recompute_autograd
+from specdeploy.ops.scan_states import states_at
 
 __all__ = ["ScanOutput", "ssm_dt", "ssm_scan_ref", "ssm_scan_core"]
 
@@ -102,8 +103,9 @@ def ssm_scan_core(
     Within a chunk the scan is a masked "attention" (C_i·B_j) * exp(cumA_i - cumA_j) * delta_j;
     across chunks only the [B, H, P, N] state is carried, so cached variants pass per-sequence
     ``initial_state`` and, for speculative verification, ``return_states=True``.
-    ``state_at`` [W, 2] (batch row, token) asks for the state after a few tokens only (prefix-
-    cache checkpoints): each costs one chunk's worth of the within-chunk sum, not T states.
+    ``state_at`` [W, 2] host int64 (batch row, token) asks for the state after a few tokens
+    only (prefix-cache checkpoints; ops/scan_states.py): free at a chunk's or the segment's
+    last token, one within-chunk sum otherwise, never T states.
     chunk_size <= 0 means one chunk. Shapes as in :func:`ssm_scan_ref`; all outputs fp32.
     """
     b, t, h, p = x.shape
@@ -111,7 +113,9 @@ def ssm_scan_core(
     rep = h // B.shape[2]
     if t == 1:
         out = _ssm_step(x, delta, A, B, C, D, initial_state, rep, return_states)
-        return out if state_at is None else out._replace(at=out.final_state[state_at[:, 0]])
+        if state_at is None:
+            return out
+        return out._replace(at=out.final_state[state_at[:, 0].to(x.device)])
     size = max(1, min(chunk_size, t)) if chunk_size > 0 else max(1, t)
     xf, delta = x.float(), delta.float()
     # head-major [B, H, c, l, *] so every contraction below is a plain batched matmul
@@ -143,9 +147,9 @@ def ssm_scan_core(
         states = within + cum.exp()[..., None, None] * start[:, :, :, None]
         states = states.flatten(2, 3)[:, :, :t].transpose(1, 2)
     if state_at is not None:  # the rows of `states` above, for the asked tokens only
-        r, c, i = state_at[:, 0], state_at[:, 1] // size, state_at[:, 1] % size
-        within = torch.einsum("whj,whjp,whjn->whpn", decay[r, :, c, i], xs[r, :, c], Bc[r, :, c])
-        at = within + cum.exp()[r, :, c, i][..., None, None] * start[r, :, c]
+        # [W, H, P, l] @ [W, H, l, N]: one batched matmul (einsum would build x ⊗ B)
+        at = states_at(state_at, size, t, start, state, cum, lambda r, c, i: (
+            decay[r, :, c, i, :, None] * xs[r, :, c]).transpose(-1, -2) @ Bc[r, :, c])
     return ScanOutput(y.contiguous(), state, states, at)
 
 
