@@ -12,9 +12,11 @@ flight, batch 16, chunked prefill of 512 tokens, greedy, `--max-tokens` each):
 - warm: caching on, the system prompt cached by an earlier batch (new user turns).
 Then the cost of caching on prefills that hit nothing: distinct prompts of the same length,
 prefill only (`max_tokens=1`), caching on (cache reset first: page keys, registration and, on
-the hybrid, a checkpoint of every recurrent state at every page boundary) against off, runs
-interleaved, median of `--reps`. `tiny_hybrid` is a tiny random Qwen3.5-MoE (gated delta +
-conv + attention, MTP head); `default` is SmolLM2-135M (attention only: no checkpoints).
+the hybrid, a checkpoint of every recurrent state at its checkpointed page boundaries: by
+default every 4 pages of 16 = the gated-delta scan chunk, whose states come free, and also at
+every page) against off, runs interleaved: median wall time and min CPU time of `--reps`.
+`tiny_hybrid` is a tiny random Qwen3.5-MoE (gated delta + conv + attention, MTP head);
+`default` is SmolLM2-135M (attention only: no checkpoints).
 """
 from __future__ import annotations
 
@@ -119,10 +121,11 @@ def bench_model(name: str, args) -> dict:
         if spec is None:
             print(f"[{name}] prefill cost of caching", file=sys.stderr, flush=True)
             runs["cold_prefill_cost"] = _prefill_cost(on, off, tiny, args)
-            if tiny:  # checkpoints every 4 pages of 16 = the gated-delta scan chunk (64)
-                sparse = LLM(path, checkpoint_every=4, **common)
-                runs["cold_prefill_cost_every_4_pages"] = _prefill_cost(sparse, off, tiny, args)
-                del sparse
+            if tiny:  # the default aligns checkpoints with the scan chunk; every page costs more
+                dense = LLM(path, checkpoint_every=1, **common)
+                runs["cold_prefill_cost_every_page"] = _prefill_cost(dense, off, tiny, args)
+                runs["checkpoint_every_pages"] = on.deployed.plan.checkpoint_every
+                del dense
         out[spec_name] = runs
         del off, on
     if tmp is not None:

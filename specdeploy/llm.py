@@ -29,7 +29,8 @@ class LLM:
         enable_prefix_caching: share the KV pages (and recurrent-state checkpoints) of prompts
             that start alike (vLLM's name); `stats()` reports queries and hits.
         checkpoint_every: pages between recurrent-state checkpoints (hybrid models): a hit
-            ends on a checkpointed boundary; fewer checkpoints cost less to write.
+            ends on a checkpointed boundary; fewer checkpoints cost less to write. None: the
+            fewest pages spanning whole scan chunks (their states come free with the scan).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
@@ -38,7 +39,7 @@ class LLM:
                  max_cache_gib: float | None = None, max_num_tokens: int = 512,
                  backend: str = "graph", progress: bool = False, seed: int = 0,
                  quantize: str | None = None, compile: bool = False,
-                 enable_prefix_caching: bool = True, checkpoint_every: int = 1):
+                 enable_prefix_caching: bool = True, checkpoint_every: int | None = None):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
         from specdeploy.deploy.build import BuildOptions, build

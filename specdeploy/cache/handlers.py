@@ -82,6 +82,7 @@ class Checkpoint:
     shape: tuple[int, ...]
     dtype: torch.dtype
     of: str
+    align: int = 1  # the op's scan chunk: boundaries every `align` tokens cost no extra state
     kind: str = "checkpoint"
 
     def bytes_per_slot(self) -> int:

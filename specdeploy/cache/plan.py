@@ -73,15 +73,23 @@ class CachePlan:
 def plan_cache(
     handlers: list, page_size: int, max_batch_size: int, max_seq_len: int,
     max_cache_gib: float | None, device: torch.device, free_fraction: float = 0.5,
-    checkpoint_every: int = 1,
+    checkpoint_every: int | None = None,
 ) -> CachePlan:
     """Slots = max_batch_size (every running sequence needs one); pages fill what is left of the
     budget, capped at what max_batch_size sequences of max_seq_len tokens could ever use.
     Prefix-cache checkpoints (`Checkpoint` handlers) take what is left after that, up to one
     per `checkpoint_every` pages: running sequences never lose KV pages to checkpoints, and a
-    smaller pool only means fewer recurrent boundaries to hit (LRU, cache/prefix.py)."""
+    smaller pool only means fewer recurrent boundaries to hit (LRU, cache/prefix.py).
+    `checkpoint_every=None` checkpoints every k pages, k the fewest whose tokens are a multiple
+    of every scan chunk (`Checkpoint.align`): those boundary states cost no extra compute,
+    where a boundary inside a chunk costs an extra in-chunk sum and a full state copy
+    (bench/prefix_cache.py measures both)."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
+    ckpts = [h for h in handlers if isinstance(h, Checkpoint)]
+    if checkpoint_every is None:
+        align = math.lcm(1, *(h.align for h in ckpts))
+        checkpoint_every = align // math.gcd(align, page_size)
     if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every: must be a positive integer, got {checkpoint_every!r}")
     kv = [h for h in handlers if isinstance(h, PagedKV)]
@@ -110,7 +118,6 @@ def plan_cache(
                 f"max_cache_gib: the budget of {budget / GIB:.3f} GiB holds {num_pages} KV pages; "
                 f"one sequence of max_seq_len={max_seq_len} needs {pages_per_seq}"
             )
-    ckpts = [h for h in handlers if isinstance(h, Checkpoint)]
     num_ckpt = 0
     if ckpts:
         left = budget - slot_bytes - num_pages * page_bytes

@@ -38,7 +38,8 @@ class BuildOptions:
     `quant_exclude` replaces the default exclusion globs of the target (deploy/passes/quantize);
     `disabled` names transforms to skip (A/B runs). `enable_prefix_caching` (vLLM's name):
     cached KV pages are shared by prompts that start alike, and recurrent layers get a
-    checkpoint pool with a checkpoint every `checkpoint_every` pages (cache/prefix.py)."""
+    checkpoint pool with a checkpoint every `checkpoint_every` pages (None: the fewest pages
+    that span whole scan chunks; cache/plan.py)."""
 
     dtype: str | torch.dtype = "auto"
     max_batch_size: int = 16
@@ -52,11 +53,13 @@ class BuildOptions:
     disabled: frozenset[str] = frozenset()
     backend: str = "graph"
     enable_prefix_caching: bool = True
-    checkpoint_every: int = 1
+    checkpoint_every: int | None = None  # None: aligned to the scan chunks (cache/plan.py)
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "page_size", "checkpoint_every"):
             v = getattr(self, name)
+            if v is None and name == "checkpoint_every":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
         if self.backend not in BACKENDS:

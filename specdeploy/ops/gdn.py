@@ -160,12 +160,7 @@ def gated_delta_rule_core(
         states = within + cum.exp()[..., None, None] * start[:, :, :, None]
         states = states.flatten(2, 3)[:, :, :t].transpose(1, 2)
     if state_at is not None:  # the rows of `states` above, for the asked tokens only
-        def within(r, c, i):
-            us = torch.stack(updates, dim=2)  # [B, H, c, l, V]
-            # [W, H, K, l] @ [W, H, l, V]: one batched matmul (einsum would build k ⊗ u)
-            return (decay[r, :, c, i, :, None] * kc[r, :, c]).transpose(-1, -2) @ us[r, :, c]
-
-        at = states_at(state_at, size, t, start, state, cum, within)
+        at = states_at(state_at, size, t, start, state, cum, kc, torch.stack(updates, dim=2))
     return DeltaOutput(o.contiguous(), state, states, at)
 
 

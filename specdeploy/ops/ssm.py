@@ -147,9 +147,7 @@ def ssm_scan_core(
         states = within + cum.exp()[..., None, None] * start[:, :, :, None]
         states = states.flatten(2, 3)[:, :, :t].transpose(1, 2)
     if state_at is not None:  # the rows of `states` above, for the asked tokens only
-        # [W, H, P, l] @ [W, H, l, N]: one batched matmul (einsum would build x ⊗ B)
-        at = states_at(state_at, size, t, start, state, cum, lambda r, c, i: (
-            decay[r, :, c, i, :, None] * xs[r, :, c]).transpose(-1, -2) @ Bc[r, :, c])
+        at = states_at(state_at, size, t, start, state, cum, xs, Bc)
     return ScanOutput(y.contiguous(), state, states, at)
 
 

@@ -14,8 +14,9 @@ from specdeploy.ops.cached_recurrent import (
     cached_ssm_scan,
 )
 
-# (cached tokens before the step, tokens fed, checkpointed offsets); chunk size 4
-SEGMENTS = [(0, 19, [0, 3, 4, 10, 18]), (5, 11, [2, 10]), (7, 1, [0]), (3, 1, [])]
+# (cached tokens before the step, tokens fed, checkpointed offsets); chunk size 4: several
+# offsets in one chunk (chained), at chunk ends and at the last token (free), a decode token
+SEGMENTS = [(0, 19, [0, 1, 3, 4, 9, 10, 18]), (5, 11, [2, 5, 6, 10]), (7, 1, [0]), (3, 1, [])]
 CHUNK = 4
 
 

@@ -38,7 +38,7 @@ def _meta(gm: fx.GraphModule) -> dict[str, fx.Node]:
 CKPT_INPUTS = ("ckpt_tokens_host", "ckpt_slots")
 
 
-def _state_buffers(gm, ctx, node, base: str, shape, dtype, declared: list
+def _state_buffers(gm, ctx, node, base: str, shape, dtype, declared: list, align: int = 1
                    ) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
     """(state, spec state or None, prefix-cache checkpoint pool or None) buffers."""
     base = ctx.resource_prefix + base
@@ -48,7 +48,8 @@ def _state_buffers(gm, ctx, node, base: str, shape, dtype, declared: list
         handlers["spec"] = SpecState(f"{base}_spec_state", tuple(shape), dtype, ctx.spec_steps,
                                      shadows=state.name)
     if ctx.prefix_caching:
-        handlers["ckpt"] = Checkpoint(f"{base}_ckpt", tuple(shape), dtype, of=state.name)
+        handlers["ckpt"] = Checkpoint(f"{base}_ckpt", tuple(shape), dtype, of=state.name,
+                                      align=align)
     declared.extend(handlers.values())
     bufs = {k: add_buffer(gm, h.name, torch.zeros(0), node) for k, h in handlers.items()}
     return bufs["state"], bufs.get("spec"), bufs.get("ckpt")
@@ -100,7 +101,10 @@ def _insert_recurrent(gm, ctx, op, cached, kind, tensors, scalars, state_of) -> 
         if a["initial_state"] is not None:
             raise RuntimeError(f"{node.name}: plain model passes an initial {kind} state")
         shape, dtype = state_of(a)
-        state, spec, ckpt = _state_buffers(gm, ctx, node, f"{kind}_{n}", shape, dtype, declared)
+        # NOTE: a scan's boundary states are free at its chunk ends (ops/scan_states.py)
+        align = int(a.get("chunk_size") or 1)
+        state, spec, ckpt = _state_buffers(gm, ctx, node, f"{kind}_{n}", shape, dtype, declared,
+                                           align)
         args = (*(a[k] for k in tensors), state, spec, *(m[k] for k in _SLOT_META),
                 *(a[k] for k in scalars))
         if ckpt is not None:
