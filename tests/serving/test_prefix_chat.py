@@ -70,3 +70,14 @@ def test_stats_report_prefix_cache_and_turning_it_off(llm, tiny_llama_dir):
     assert a[0].token_ids == a[1].token_ids
     assert "prefix_cache_queries" not in off.stats()
     assert off.reset_prefix_cache() is False
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "bench", "deploy"])
+def test_no_enable_prefix_caching_flag(command):
+    from specdeploy.cli import build_parser
+
+    extra = ["--prompt", "x"] if command == "generate" else []
+    ap = build_parser()
+    assert ap.parse_args([command, *extra]).enable_prefix_caching is True
+    args = ap.parse_args([command, *extra, "--no-enable-prefix-caching"])
+    assert args.enable_prefix_caching is False
