@@ -111,9 +111,12 @@ def bench_model(name: str, args) -> dict:
         print(f"[{name} {spec_name}] building", file=sys.stderr, flush=True)
         off = LLM(path, spec=spec, enable_prefix_caching=False, **common)
         on = LLM(path, spec=spec, **common)
-        runs = {"off": _run(off, _prompts(on, tiny, args.system_tokens, args.num_requests, 1), sp)}
-        runs["cold"] = _run(on, _prompts(on, tiny, args.system_tokens, args.num_requests, 1), sp)
-        runs["warm"] = _run(on, _prompts(on, tiny, args.system_tokens, args.num_requests, 2), sp)
+        runs = {}
+        for run, llm, seed in (("off", off, 1), ("cold", on, 1), ("warm", on, 2)):
+            runs[run] = _run(llm, _prompts(on, tiny, args.system_tokens, args.num_requests,
+                                           seed), sp)
+            print(f"[{name} {spec_name}] {run}: {runs[run]['wall_s']:.1f} s", file=sys.stderr,
+                  flush=True)
         stats = on.stats()
         runs["checkpoint_pool"] = {k: stats[k] for k in ("checkpoint_slots", "checkpoint_bytes",
                                                           "checkpoints_used")}
