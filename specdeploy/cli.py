@@ -112,7 +112,8 @@ def cmd_deploy(args) -> int:
                         par["shard_layers"])
     print(describe(args.model, dtype=args.dtype, device=args.device,
                    max_seq_len=args.max_seq_len, max_cache_gib=args.max_cache_gib,
-                   spec=spec_from_args(args), kernels=args.kernels, dist=dist))
+                   spec=spec_from_args(args), kernels=args.kernels, dist=dist,
+                   enable_prefix_caching=args.enable_prefix_caching))
     return 0
 
 

@@ -25,6 +25,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF Q4_0/Q4_1/Q8_0 linears: the exact fp32 model (default) or fast "
                         "integer-dot kernels (8-bit activations, as llama.cpp)")
     add_parallel_args(p)
+    add_prefix_caching_arg(p)
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +50,12 @@ def parallel_kwargs(args) -> dict:
                 dist_timeout=args.dist_timeout)
 
 
+def add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="share cached prompt prefixes (KV pages, recurrent "
+                   "checkpoints); --no-enable-prefix-caching turns it off")
+
+
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -69,6 +76,7 @@ def llm_from_args(args, max_batch_size: int):
                max_seq_len=args.max_seq_len, spec=spec_from_args(args),
                max_cache_gib=args.max_cache_gib,
                backend=args.backend, progress=True, compile=args.compile, kernels=args.kernels,
+               enable_prefix_caching=args.enable_prefix_caching,
                quantize=None if args.quantize == "none" else args.quantize,
                **parallel_kwargs(args))
 

@@ -36,6 +36,11 @@ class LLM:
         shard_layers: the layer types sharded (default all: mha, ssm, delta, mlp, moe, lm_head);
             the others are replicated on every rank.
         dist_timeout: seconds a collective may wait before a dead or hung rank fails the step.
+        enable_prefix_caching: share the KV pages (and recurrent-state checkpoints) of prompts
+            that start alike (vLLM's name); `stats()` reports queries and hits.
+        checkpoint_every: pages between recurrent-state checkpoints (hybrid models): a hit
+            ends on a checkpointed boundary; fewer checkpoints cost less to write. None: the
+            fewest pages spanning whole scan chunks (their states come free with the scan).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
@@ -46,7 +51,8 @@ class LLM:
                  quantize: str | None = None, compile: bool = False, device: str = "cpu",
                  kernels: str = "exact", tensor_parallel_size: int = 1,
                  expert_parallel_size: int = 1, shard_layers: tuple[str, ...] | None = None,
-                 dist_timeout: float = 60.0):
+                 dist_timeout: float = 60.0, enable_prefix_caching: bool = True,
+                 checkpoint_every: int | None = None):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
         from specdeploy.deploy.build import BuildOptions, build
@@ -57,7 +63,9 @@ class LLM:
                                quantize=quantize, compile=compile, device=device,
                                kernels=kernels,
                                dist=_dist_config(tensor_parallel_size, expert_parallel_size,
-                                                 shard_layers))
+                                                 shard_layers),
+                               enable_prefix_caching=enable_prefix_caching,
+                               checkpoint_every=checkpoint_every)
         self.spec = spec = options.spec
         log = _stderr_log if progress else (lambda msg: None)
         if model is None:
@@ -208,6 +216,10 @@ class LLM:
         close = getattr(self.deployed, "close", None)
         if close is not None:
             close()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name); False when prefix caching is off."""
+        return self.engine.reset_prefix_cache()
 
     def stats(self) -> dict:
         d = self.engine.stats_dict()

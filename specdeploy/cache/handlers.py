@@ -74,6 +74,25 @@ class SpecState:
 
 
 @dataclass(frozen=True)
+class Checkpoint:
+    """Prefix-cache checkpoints of one recurrent `State` (`of`): [num_checkpoints, *shape], the
+    state after the last token of a cached page (cache/prefix.py). Pool size: `cache/plan.py`."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    of: str
+    align: int = 1  # the op's scan chunk: boundaries every `align` tokens cost no extra state
+    kind: str = "checkpoint"
+
+    def bytes_per_slot(self) -> int:
+        return _nbytes(self.shape, self.dtype)
+
+    def allocate(self, num_checkpoints: int, device) -> torch.Tensor:
+        return torch.zeros(num_checkpoints, *self.shape, dtype=self.dtype, device=device)
+
+
+@dataclass(frozen=True)
 class HiddenStates:
     """Captured target features for drafters: [max_tokens, width] (filled every step)."""
 

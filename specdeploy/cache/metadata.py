@@ -7,7 +7,7 @@ speculative *extend* segment (last accepted token + K drafts).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,13 @@ class Segment:
     # a request's images (vision/prompt.py MultimodalPrompt): its 3-D mRoPE positions and image
     # feature rows; None for text (positions equal on the three axes)
     mm: object | None = None
+    # prefix-cache checkpoints: (offset of a fed token, checkpoint slot) = save the recurrent
+    # states after that token (NORMAL segments; cache/prefix.py)
+    ckpt: Sequence[tuple[int, int]] = ()
+
+
+def _empty() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.long)
 
 
 @dataclass
@@ -48,6 +55,8 @@ class BatchMetadata:
     # and, per segment with images, (first token, MultimodalPrompt, cache_len, tokens) on the host
     mrope_positions: torch.Tensor | None = None
     mm_rows: list | None = None
+    ckpt_tokens: torch.Tensor = field(default_factory=_empty)  # [W] host: flat token index
+    ckpt_slots: torch.Tensor = field(default_factory=_empty)  # [W]: checkpoint slot
 
     def to(self, device: torch.device | str) -> BatchMetadata:
         def mv(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +66,8 @@ class BatchMetadata:
             mv(self.input_ids), mv(self.position_ids), mv(self.cu_seqlens), mv(self.cache_lens),
             mv(self.page_table), mv(self.slot_idx), mv(self.seg_kind), mv(self.logits_idx),
             self.num_tokens, self.num_seqs,
-            None if self.mrope_positions is None else mv(self.mrope_positions), self.mm_rows,
+            mrope_positions=None if self.mrope_positions is None else mv(self.mrope_positions),
+            mm_rows=self.mm_rows, ckpt_tokens=self.ckpt_tokens, ckpt_slots=mv(self.ckpt_slots),
         )
 
 
@@ -71,6 +81,7 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
     logits_idx: list[int] = []
     max_pages = max(1, max(len(s.pages) for s in segments))
     table = []
+    ckpt: list[tuple[int, int]] = []
     for s in segments:
         n = len(s.token_ids)
         if n == 0:
@@ -81,6 +92,7 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
         cu.append(start + n)
         logits_idx.extend(range(start + n - s.num_logits, start + n))
         table.append(list(s.pages) + [0] * (max_pages - len(s.pages)))
+        ckpt.extend((start + off, slot) for off, slot in s.ckpt)
 
     def t(x):
         return torch.tensor(x, dtype=torch.long)
@@ -90,6 +102,7 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
         cache_lens=t([s.cache_len for s in segments]), page_table=t(table),
         slot_idx=t([s.slot for s in segments]), seg_kind=t([s.kind for s in segments]),
         logits_idx=t(logits_idx), num_tokens=len(ids), num_seqs=len(segments),
+        ckpt_tokens=t([c[0] for c in ckpt]), ckpt_slots=t([c[1] for c in ckpt]),
     )
     if any(s.mm is not None for s in segments):
         _add_multimodal(meta, segments, cu)

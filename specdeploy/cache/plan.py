@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdeploy.cache.handlers import PagedKV, SpecState, State
+from specdeploy.cache.handlers import Checkpoint, PagedKV, SpecState, State
 
 GIB = 1 << 30
 
@@ -32,6 +32,8 @@ class CachePlan:
     num_pages: int
     num_slots: int
     budget_bytes: int
+    num_checkpoints: int = 0  # prefix-cache checkpoint slots of the recurrent states
+    checkpoint_every: int = 1  # pages between two checkpointed page boundaries
     bytes_by_handler: dict[str, int] = field(default_factory=dict)
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
     kind_by_handler: dict[str, str] = field(default_factory=dict)
@@ -46,6 +48,9 @@ class CachePlan:
             f"num_slots={self.num_slots} total={self.total_bytes / 2**20:.2f} MiB "
             f"(budget {self.budget_bytes / 2**20:.2f} MiB)"
         ]
+        if "checkpoint" in self.bytes_by_kind:
+            lines.append(f"  prefix-cache checkpoints: {self.num_checkpoints} slots, one every "
+                         f"{self.checkpoint_every} page(s)")
         for kind, b in sorted(self.bytes_by_kind.items()):
             share = b / self.total_bytes if self.total_bytes else 0.0
             lines.append(f"  {kind:<12} {b / 2**20:10.3f} MiB  ({share:.1%})")
@@ -68,11 +73,25 @@ class CachePlan:
 def plan_cache(
     handlers: list, page_size: int, max_batch_size: int, max_seq_len: int,
     max_cache_gib: float | None, device: torch.device, free_fraction: float = 0.5,
+    checkpoint_every: int | None = None,
 ) -> CachePlan:
     """Slots = max_batch_size (every running sequence needs one); pages fill what is left of the
-    budget, capped at what max_batch_size sequences of max_seq_len tokens could ever use."""
+    budget, capped at what max_batch_size sequences of max_seq_len tokens could ever use.
+    Prefix-cache checkpoints (`Checkpoint` handlers) take what is left after that, up to one
+    per `checkpoint_every` pages: running sequences never lose KV pages to checkpoints, and a
+    smaller pool only means fewer recurrent boundaries to hit (LRU, cache/prefix.py).
+    `checkpoint_every=None` checkpoints every k pages, k the fewest whose tokens are a multiple
+    of every scan chunk (`Checkpoint.align`): those boundary states cost no extra compute,
+    where a boundary inside a chunk costs an extra in-chunk sum and a full state copy
+    (bench/prefix_cache.py measures both)."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
+    ckpts = [h for h in handlers if isinstance(h, Checkpoint)]
+    if checkpoint_every is None:
+        align = math.lcm(1, *(h.align for h in ckpts))
+        checkpoint_every = align // math.gcd(align, page_size)
+    if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every: must be a positive integer, got {checkpoint_every!r}")
     kv = [h for h in handlers if isinstance(h, PagedKV)]
     slotted = [h for h in handlers if isinstance(h, (State, SpecState))]
     num_slots = max_batch_size
@@ -99,12 +118,20 @@ def plan_cache(
                 f"max_cache_gib: the budget of {budget / GIB:.3f} GiB holds {num_pages} KV pages; "
                 f"one sequence of max_seq_len={max_seq_len} needs {pages_per_seq}"
             )
-    plan = CachePlan(page_size, int(num_pages), num_slots, budget)
+    num_ckpt = 0
+    if ckpts:
+        left = budget - slot_bytes - num_pages * page_bytes
+        num_ckpt = max(0, min(-(-num_pages // checkpoint_every),
+                              left // sum(h.bytes_per_slot() for h in ckpts)))
+    plan = CachePlan(page_size, int(num_pages), num_slots, budget, int(num_ckpt),
+                     checkpoint_every)
     for h in kv:
         plan.bytes_by_handler[h.name] = h.bytes_per_page(page_size) * plan.num_pages
     for h in slotted:
         plan.bytes_by_handler[h.name] = h.bytes_per_slot() * num_slots
-    for h in kv + slotted:
+    for h in ckpts:
+        plan.bytes_by_handler[h.name] = h.bytes_per_slot() * plan.num_checkpoints
+    for h in kv + slotted + ckpts:
         plan.kind_by_handler[h.name] = h.kind
         by_kind = plan.bytes_by_kind
         by_kind[h.kind] = by_kind.get(h.kind, 0) + plan.bytes_by_handler[h.name]

@@ -17,6 +17,11 @@ class CacheLayout:
     num_pages: int
     num_slots: int
     bytes_by_handler: dict[str, int] = field(default_factory=dict)
+    prefix_caching: bool = False  # the engine shares cached prefix pages (cache/prefix.py)
+    recurrent: bool = False  # recurrent states: a prefix hit needs a checkpoint
+    num_checkpoints: int = 0
+    checkpoint_every: int = 1
+    checkpoint_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from specdeploy.cache.handlers import PagedKV
+from specdeploy.cache.handlers import Checkpoint, PagedKV
 from specdeploy.cache.plan import CachePlan, plan_cache
 from specdeploy.config import SpecConfig
 from specdeploy.deploy.context import DeployContext
@@ -41,7 +41,10 @@ class BuildOptions:
     `disabled` names transforms to skip (A/B runs); `vision` (None: whenever the checkpoint has
     a vision tower) deploys a vision-language target (deploy/vlm.py); `dist` the rank this
     process builds (the `shard` transform slices the target and the drafter alike; None: one
-    process)."""
+    process). `enable_prefix_caching` (vLLM's name): cached KV pages are shared by prompts
+    that start alike, and recurrent layers get a checkpoint pool with a checkpoint every
+    `checkpoint_every` pages (None: the fewest pages that span whole scan chunks;
+    cache/plan.py)."""
 
     dtype: str | torch.dtype = "auto"
     max_batch_size: int = 16
@@ -58,10 +61,14 @@ class BuildOptions:
     vision: bool | None = None
     kernels: str = "exact"  # GGUF-block linears: "exact" (the fp32 model) or "fast" (int-dot)
     dist: DistConfig | None = None
+    enable_prefix_caching: bool = True
+    checkpoint_every: int | None = None  # None: aligned to the scan chunks (cache/plan.py)
 
     def __post_init__(self):
-        for name in ("max_batch_size", "max_seq_len", "page_size"):
+        for name in ("max_batch_size", "max_seq_len", "page_size", "checkpoint_every"):
             v = getattr(self, name)
+            if v is None and name == "checkpoint_every":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
         if self.backend not in BACKENDS:
@@ -134,6 +141,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         model, dtype=dtype, quantize=opts.quantize, kv_cache_dtype=prequant_kv_dtype(model),
         capture_layers=drafter.capture_layers if drafter else (),
         spec_steps=spec.max_draft_tokens + 1 if spec else 0,
+        prefix_caching=opts.enable_prefix_caching,
         **({} if opts.quant_exclude is None else {"quant_exclude": opts.quant_exclude}),
         **common)
     programs = [(model, target_ctx, None)]
@@ -150,7 +158,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     transformed = [(_transform(m, ctx, hidden, vision), ctx) for m, ctx, hidden in programs]
     plan = plan_cache([h for (_, res), _ in transformed for h in res.resources], opts.page_size,
                       opts.max_batch_size, opts.max_seq_len, common["max_cache_gib"],
-                      target_ctx.device)
+                      target_ctx.device, checkpoint_every=opts.checkpoint_every)
     vocab = model.cfg.vocab_size
     deployed = []
     for (gm, res), ctx in transformed:
@@ -159,7 +167,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         # of weights that quantization replaced.
         deployed.append(GraphDeployed(gm, dataclasses.replace(ctx, model=None), res.infos, plan,
                                       hf_config, vocab, res.resources, res.program,
-                                      time.perf_counter() - t0))
+                                      time.perf_counter() - t0, opts.enable_prefix_caching))
         deployed[-1].mrope = vision
     out = deployed[0] if spec is None else SpecDeployed(
         deployed[0], deployed[1] if drafter else None, drafter.drafter if drafter else None, spec)
@@ -230,6 +238,8 @@ def allocate(gm: fx.GraphModule, resources: list, plan: CachePlan, device) -> No
             k, v = h.allocate(plan.num_pages, plan.page_size, device)
             gm.register_buffer(f"{h.name}_k", k, persistent=False)
             gm.register_buffer(f"{h.name}_v", v, persistent=False)
+        elif isinstance(h, Checkpoint):
+            gm.register_buffer(h.name, h.allocate(plan.num_checkpoints, device), persistent=False)
         else:
             gm.register_buffer(h.name, h.allocate(plan.num_slots, device), persistent=False)
 

@@ -36,3 +36,4 @@ class DeployContext:
     kernels: str = "exact"  # GGUF-block linears: "exact" fp32 or "fast" integer-dot (ggml_linears)
     kv_cache_dtype: torch.dtype | None = None  # None: `dtype`; float8 for an FP8 KV checkpoint
     dist: DistConfig | None = None  # the rank this program is sharded for (None: world size 1)
+    prefix_caching: bool = False  # recurrent cached ops also declare checkpoint pools

@@ -170,6 +170,13 @@ class SpecDeployed:
             state, per_token = getattr(self.target.gm, main), getattr(self.target.gm, spec)
             state[slots] = per_token[slots, accepted_idx]
 
+    def restore_states(self, slots: torch.Tensor, ckpts: torch.Tensor) -> None:
+        self.target.restore_states(slots, ckpts)
+
+    def checkpoint_spec(self, ckpts: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor
+                        ) -> None:
+        self.target.checkpoint_spec(ckpts, slots, idx)
+
     def report(self) -> str:
         lines = ["target:", self.target.report()]
         if self.draft is None:

@@ -6,6 +6,11 @@
 token with a drafter; one host synchronisation for the batch), `_commit` (how many tokens each
 sequence now has cached, and any state promotion) and `_after_step` (drafting for the next
 step). `_append` checks stops token by token, so a stop inside a multi-token run cuts it there.
+
+Prefix caching (cache/prefix.py) adds two calls around the forward: `_prefix_before` restores
+the recurrent states of admitted hits and asks the recurrent ops for checkpoints at the page
+boundaries the step's NORMAL segments cross; `_prefix_after` registers the pages that are now
+full of committed tokens.
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ from collections.abc import Iterable
 
 import torch
 
-from specdeploy.cache.metadata import Segment, build_metadata
+from specdeploy.cache.metadata import SEG_NORMAL, Segment, build_metadata
+from specdeploy.cache.prefix import PrefixCache
 from specdeploy.deploy.base import DeployedModel, StepOutput
 from specdeploy.engine.detokenizer import IncrementalDetokenizer
 from specdeploy.engine.metrics import EngineStats
@@ -35,7 +41,16 @@ class Engine:
         self.deployed = deployed
         self.tokenizer = tokenizer
         layout = deployed.layout
-        self.blocks = BlockManager(layout.num_pages, layout.page_size, layout.num_slots)
+        self.prefix = None
+        if getattr(layout, "prefix_caching", False):
+            self.prefix = PrefixCache(layout.num_pages, layout.page_size,
+                                      recurrent=layout.recurrent,
+                                      num_checkpoints=layout.num_checkpoints,
+                                      checkpoint_every=layout.checkpoint_every)
+        # a finishing sequence's last pages are cached unless a drafter still owes their rows
+        self._cache_on_finish = True
+        self.blocks = BlockManager(layout.num_pages, layout.page_size, layout.num_slots,
+                                   self.prefix)
         self.scheduler = Scheduler(self.blocks, max_batch_size, max_num_tokens)
         self.max_seq_len = deployed.max_seq_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -112,6 +127,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch:
             segs = self._segments(batch)  # propose
+            self._prefix_before(batch, segs)
             meta = build_metadata(segs)  # host tensors: the deployment copies what it needs
             tf = time.perf_counter()
             out = self.deployed.forward(meta)  # forward
@@ -129,9 +145,49 @@ class Engine:
                         self.fail(seq, e)
                     touched.append(seq)
             self._after_step(batch, segs, cached, out)  # draft the next step
+            self._prefix_after(batch)
             self.stats.forward_time_s += time.perf_counter() - tf
             self._count_step(meta.num_tokens, len(batch))
         return self._emit(touched, t0)
+
+    # ---- prefix caching ---------------------------------------------------------------------
+    def _prefix_before(self, batch: list[ScheduledSeq], segs: list[Segment]) -> None:
+        """Restore admitted hits' recurrent states (before anything could reuse their
+        checkpoint slots), then plan this step's checkpoints of NORMAL segments."""
+        if self.prefix is None:
+            return
+        if self.blocks.restores:
+            slots, ckpts = zip(*self.blocks.restores)
+            self.blocks.restores = []
+            dev = self.device
+            self.deployed.restore_states(torch.tensor(slots, device=dev),
+                                         torch.tensor(ckpts, device=dev))
+        for seg, s in zip(segs, batch):
+            if seg.kind == SEG_NORMAL:
+                seg.ckpt = self._checkpoints(s.seq, seg.cache_len, len(seg.token_ids))
+
+    def _checkpoints(self, seq: Sequence, start: int, n: int) -> list[tuple[int, int]]:
+        """(offset, slot) of each checkpointed boundary that tokens start..start+n-1 cross."""
+        out = []
+        for b in self.prefix.boundaries(start, n):
+            slot = self.prefix.take_checkpoint(seq, b)
+            if slot is not None:
+                out.append((b - 1 - start, slot))
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (e.g. after writing the cache behind the engine's back);
+        False when prefix caching is off."""
+        self.blocks.reset_prefix_cache()
+        return self.prefix is not None
+
+    def _prefix_after(self, batch: list[ScheduledSeq]) -> None:
+        if self.prefix is None:
+            return
+        for s in batch:
+            if not s.seq.finished:
+                self.prefix.register(s.seq, s.seq.num_cached)
+        self.prefix.end_step()
 
     def _count_step(self, num_tokens: int, batch_size: int) -> None:
         self.stats.num_steps += 1
@@ -251,6 +307,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         seq.metrics.finish_time = time.perf_counter()
+        if self.prefix is not None and self._cache_on_finish and seq.pages:
+            self.prefix.register(seq, seq.num_cached)
         self.scheduler.finish(seq)
         self.stats.num_finished += 1
 
@@ -258,6 +316,8 @@ class Engine:
         d = self.stats.as_dict()
         d["num_waiting"] = len(self.scheduler.waiting)
         d["num_running"] = len(self.scheduler.running)
-        d["free_pages"] = len(self.blocks.free_pages)
+        d["free_pages"] = self.blocks.num_free  # cached pages nobody holds are free to reuse
         d["num_pages"] = self.blocks.num_pages
+        if self.prefix is not None:
+            d.update(self.prefix.stats(), checkpoint_bytes=self.deployed.layout.checkpoint_bytes)
         return d

@@ -100,6 +100,8 @@ class Sequence:
         self.status = Status.WAITING
         self.num_cached = 0
         self.pages: list[int] = []
+        self.page_keys: list[bytes] = []  # prefix-cache keys of its full pages (cache/prefix.py)
+        self.num_offered_pages = 0  # of `pages`, those already offered to the prefix cache
         self.slot = -1
         self.finish_reason: str | None = None
         self.error: str | None = None  # set with finish_reason "error"

@@ -4,18 +4,55 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from specdeploy.cache.prefix import NO_HIT, Hit, PrefixCache
 from specdeploy.engine.request import Sequence, Status
 
 
 class BlockManager:
-    """Free lists of KV pages (`page_size` tokens each) and recurrent-state slots."""
+    """Free lists of KV pages (`page_size` tokens each) and recurrent-state slots. With a
+    `PrefixCache`, pages are reference-counted and cached ones stay until evicted (LRU) when the
+    free list runs dry; `restores` collects the (state slot, checkpoint) copies that admitted
+    hits need before the step's forward."""
 
-    def __init__(self, num_pages: int, page_size: int, num_slots: int):
+    def __init__(self, num_pages: int, page_size: int, num_slots: int,
+                 prefix: PrefixCache | None = None):
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_slots = num_slots
         self.free_pages = deque(range(num_pages))
         self.free_slots = deque(range(num_slots))
+        self.prefix = prefix
+        self.restores: list[tuple[int, int]] = []
+
+    @property
+    def num_free(self) -> int:
+        """Pages a sequence can get: free ones and cached ones nobody references."""
+        return len(self.free_pages) + (len(self.prefix.evictable) if self.prefix else 0)
+
+    def reset_prefix_cache(self) -> None:
+        if self.prefix is not None:
+            self.free_pages.extend(self.prefix.clear())
+
+    def match(self, seq: Sequence) -> Hit:
+        return NO_HIT if self.prefix is None else self.prefix.match(seq)
+
+    def can_admit(self, seq: Sequence, hit: Hit, total_tokens: int) -> bool:
+        """`seq` (its `num_cached` already set to the hit) can start with `hit` and grow."""
+        if hit.empty:
+            return self.can_grow(seq, total_tokens)
+        extra = self.pages_for(total_tokens) - len(hit.pages)
+        return extra <= len(self.free_pages) + self.prefix.free_after_hit(hit)
+
+    def admit(self, seq: Sequence, hit: Hit) -> None:
+        """Start `seq` (slot taken) on its cached pages; count the lookup."""
+        if self.prefix is None:
+            return
+        self.prefix.take(hit, len(seq))
+        seq.pages = list(hit.pages)
+        seq.num_offered_pages = len(hit.pages)
+        seq.num_cached = len(hit.pages) * self.page_size
+        if hit.checkpoint >= 0:
+            self.restores.append((seq.slot, hit.checkpoint))
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -24,17 +61,26 @@ class BlockManager:
         return max(0, self.pages_for(total_tokens) - len(seq.pages))
 
     def can_grow(self, seq: Sequence, total_tokens: int) -> bool:
-        return self.extra_pages(seq, total_tokens) <= len(self.free_pages)
+        return self.extra_pages(seq, total_tokens) <= self.num_free
 
     def grow(self, seq: Sequence, total_tokens: int) -> None:
         for _ in range(self.extra_pages(seq, total_tokens)):
-            seq.pages.append(self.free_pages.popleft())
+            if self.prefix is None:
+                seq.pages.append(self.free_pages.popleft())
+            elif self.free_pages:
+                seq.pages.append(self.free_pages.popleft())
+                self.prefix.new_page(seq.pages[-1])
+            else:
+                seq.pages.append(self.prefix.evict())
 
     def take_slot(self, seq: Sequence) -> None:
         seq.slot = self.free_slots.popleft()
 
     def free(self, seq: Sequence) -> None:
-        self.free_pages.extend(seq.pages)
+        if self.prefix is None:
+            self.free_pages.extend(seq.pages)
+        else:  # tail first: a prefix's later pages are evicted before its first ones
+            self.free_pages.extend(p for p in reversed(seq.pages) if self.prefix.release(p))
         seq.pages = []
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
@@ -107,12 +153,16 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_batch_size
                and self.blocks.free_slots and self.num_preemptions == preempted_before):
             seq = self.waiting[0]
+            hit = self.blocks.match(seq)  # cached prefix pages: their tokens are not fed
+            seq.num_cached = len(hit.pages) * self.blocks.page_size
             n = self._want(seq, budget)
             need = self._reserve(seq, n)
-            if not self.blocks.can_grow(seq, need):
+            if not self.blocks.can_admit(seq, hit, need):
+                seq.num_cached = 0
                 break  # FCFS: later requests do not overtake the head of the queue
             self.waiting.popleft()
             self.blocks.take_slot(seq)
+            self.blocks.admit(seq, hit)
             self.blocks.grow(seq, need)
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -7,7 +7,10 @@ A step, as `Engine.step` reads it:
 3. verify (`_verify`): `engine/verify.py` over the whole batch (greedy or rejection sampling);
    one host synchronisation copies every sequence's accepted count and next token.
 4. commit (`_commit`): KV by length bookkeeping (`num_cached += 1 + accepted`); recurrent state
-   by promoting the spec-state entry `accepted` (after the last kept token) into the slot.
+   by promoting the spec-state entry `accepted` (after the last kept token) into the slot. With
+   prefix caching, a checkpointed page boundary inside the kept tokens copies that token's spec
+   state into the checkpoint pool: only committed tokens, so a rejected draft never gets cached.
+   The drafter's KV shares the target's pages and so is cached alongside it (see `__init__`).
 5. append: token by token with stop checks (a stop inside an accepted run cuts it there).
 6. draft (`_after_step`): the draft source proposes the next step's drafts (engine/drafting.py).
 """
@@ -102,6 +105,11 @@ class SpecEngine(Engine):
         self.scheduler = SpecScheduler(self.blocks, self.scheduler.max_batch_size,
                                        self.scheduler.max_num_tokens)
         self.spec_stats = SpecStats(self.k)  # reset in place: the draft sources hold it
+        # NOTE: the drafter's KV lives in the target's pages, so a prefix hit serves it too (no
+        # recompute: that would need the target's hidden states of the whole hit span). Its row
+        # at position p reads token p+1, so a finishing sequence's last pages, whose rows the
+        # drafter has not caught up on, are not cached.
+        self._cache_on_finish = deployed.draft is None
         max_n = spec.prompt_lookup_max
         self.set_lookup((max_n, spec.prompt_lookup_min) if max_n else None,
                         spec.prompt_lookup_num_tokens)
@@ -242,7 +250,24 @@ class SpecEngine(Engine):
         if slots:
             dev = self.device
             self.deployed.commit(torch.tensor(slots, device=dev), torch.tensor(idx, device=dev))
+        if self.prefix is not None:
+            self._checkpoint_verified(batch, segs, cached)
         return cached
+
+    def _checkpoint_verified(self, batch: list[ScheduledSeq], segs: list[Segment],
+                             cached: list[int]) -> None:
+        """Checkpoints at boundaries inside the committed part of each verify segment."""
+        ckpts, slots, idx = [], [], []
+        for s, seg, n in zip(batch, segs, cached):
+            if seg.kind == SEG_EXTEND:
+                for off, ckpt in self._checkpoints(s.seq, seg.cache_len, n):
+                    ckpts.append(ckpt)
+                    slots.append(s.seq.slot)
+                    idx.append(off)
+        if ckpts:
+            dev = self.device
+            self.deployed.checkpoint_spec(*(torch.tensor(x, device=dev)
+                                            for x in (ckpts, slots, idx)))
 
     def _after_step(self, batch: list[ScheduledSeq], segs: list[Segment], cached: list[int],
                     out: StepOutput) -> None:

@@ -7,6 +7,12 @@ resource `spec_state[slot, i]` and leaves the main slot untouched; the engine la
 (accepted - 1). Segments of one length and kind are run as one batch (the decodes of a step,
 uniform extends), wherever they sit in the flattened batch; other segments run one by one.
 
+Prefix caching adds a checkpoint pool `ckpt[num_checkpoints, ...]`: for each fed token listed in
+`ckpt_tokens_host` (a NORMAL segment crossing a cached page boundary) the state after it goes to
+`ckpt[ckpt_slots[i]]`. The chunked scans already hold the state entering every chunk, so a
+boundary costs one within-chunk sum (`state_at` of the cores), never per-token states. EXTEND
+segments write no checkpoint here: the engine copies committed ones from `spec_state`.
+
 NOTE: `*_host` tensors are CPU metadata used only for control flow (no device sync).
 """
 from __future__ import annotations
@@ -20,9 +26,10 @@ from specdeploy.ops.conv import causal_conv1d_core
 from specdeploy.ops.gdn import gated_delta_rule_core
 from specdeploy.ops.ssm import ssm_dt, ssm_scan_core
 
-# core(inputs [S', n, ...] each, initial_state [S', ...] or None, return_states) ->
-#   (y [S', n, ...], final_state [S', ...], states [S', n, ...] or None)
-Core = Callable[[Sequence[torch.Tensor], torch.Tensor | None, bool], tuple]
+# core(inputs [S', n, ...] each, initial_state [S', ...] or None, return_states, state_at
+#   [W, 2] (row, token) or None) ->
+#   (y [S', n, ...], final_state [S', ...], states [S', n, ...] or None, at [W, ...] or None)
+Core = Callable[[Sequence[torch.Tensor], torch.Tensor | None, bool, torch.Tensor | None], tuple]
 
 
 def _groups(cu: list[int], kinds: list[int]) -> list[list[int]]:
@@ -34,15 +41,30 @@ def _groups(cu: list[int], kinds: list[int]) -> list[list[int]]:
     return list(by_shape.values())
 
 
+def _checkpoint_rows(cu: list[int], idx: list[int], tokens: list[int]
+                     ) -> tuple[list[int], list[list[int]]]:
+    """Of the checkpointed flat tokens, those inside the group's segments `idx`: their indices
+    in `tokens` and (row in the group, token offset in its segment)."""
+    which, at = [], []
+    for row, i in enumerate(idx):
+        for w, tok in enumerate(tokens):
+            if cu[i] <= tok < cu[i + 1]:
+                which.append(w)
+                at.append([row, tok - cu[i]])
+    return which, at
+
+
 def run_cached(
     inputs: Sequence[torch.Tensor], state: torch.Tensor, spec_state: torch.Tensor | None,
     cu_seqlens_host: torch.Tensor, cache_lens_host: torch.Tensor, slot_idx: torch.Tensor,
-    seg_kind_host: torch.Tensor, core: Core,
+    seg_kind_host: torch.Tensor, core: Core, ckpt: torch.Tensor | None = None,
+    ckpt_tokens_host: torch.Tensor | None = None, ckpt_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drive `core` over the segments of a flattened batch; inputs are [1, T, ...]."""
     cu = cu_seqlens_host.tolist()
     lens = cache_lens_host.tolist()
     kinds = seg_kind_host.tolist()
+    ckpt_tokens = [] if ckpt is None or ckpt_tokens_host is None else ckpt_tokens_host.tolist()
     groups = _groups(cu, kinds)
     dev = slot_idx.device
     out = None
@@ -70,7 +92,11 @@ def run_cached(
         extend = kinds[idx[0]] == SEG_EXTEND
         if extend and spec_state is None:
             raise RuntimeError("EXTEND segment but no spec-state resource was allocated")
-        y, final, states = core(xs, init, extend)
+        which, at = _checkpoint_rows(cu, idx, ckpt_tokens) if ckpt_tokens else ([], [])
+        state_at = torch.tensor(at, dtype=torch.long) if which else None  # host metadata
+        y, final, states, at_states = core(xs, init, extend, state_at)
+        if which:
+            ckpt[ckpt_slots[torch.tensor(which, device=dev)]] = at_states.to(ckpt.dtype)
         if extend and states.shape[1] > spec_state.shape[1]:
             raise RuntimeError(f"EXTEND segment of {states.shape[1]} tokens, but spec state "
                                f"holds {spec_state.shape[1]} (max draft tokens + 1)")
@@ -93,20 +119,21 @@ def run_cached(
 
 
 @torch.library.custom_op(
-    "specdeploy::cached_causal_conv1d", mutates_args=("conv_state", "spec_state")
+    "specdeploy::cached_causal_conv1d", mutates_args=("conv_state", "spec_state", "ckpt")
 )
 def cached_causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     conv_state: torch.Tensor, spec_state: torch.Tensor | None,
     cu_seqlens_host: torch.Tensor, cache_lens_host: torch.Tensor, slot_idx: torch.Tensor,
-    seg_kind_host: torch.Tensor, activation: str = "silu",
+    seg_kind_host: torch.Tensor, activation: str = "silu", ckpt: torch.Tensor | None = None,
+    ckpt_tokens_host: torch.Tensor | None = None, ckpt_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    def core(xs, init, return_states):
-        out = causal_conv1d_core(xs[0], weight, bias, init, activation, return_states)
-        return out.y, out.final_state, out.states
+    def core(xs, init, return_states, state_at):
+        out = causal_conv1d_core(xs[0], weight, bias, init, activation, return_states, state_at)
+        return out.y, out.final_state, out.states, out.at
 
     return run_cached([x], conv_state, spec_state, cu_seqlens_host, cache_lens_host, slot_idx,
-                      seg_kind_host, core)
+                      seg_kind_host, core, ckpt, ckpt_tokens_host, ckpt_slots)
 
 
 @cached_causal_conv1d.register_fake
@@ -117,22 +144,24 @@ def _cached_conv_fake(x, *args, **kwargs):
 # ---- Mamba2 SSM ------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("specdeploy::cached_ssm_scan", mutates_args=("ssm_state", "spec_state"))
+@torch.library.custom_op("specdeploy::cached_ssm_scan",
+                         mutates_args=("ssm_state", "spec_state", "ckpt"))
 def cached_ssm_scan(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor,
     spec_state: torch.Tensor | None, cu_seqlens_host: torch.Tensor, cache_lens_host: torch.Tensor,
     slot_idx: torch.Tensor, seg_kind_host: torch.Tensor, dt_min: float, dt_max: float,
-    chunk_size: int,
+    chunk_size: int, ckpt: torch.Tensor | None = None,
+    ckpt_tokens_host: torch.Tensor | None = None, ckpt_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    def core(xs, init, return_states):
+    def core(xs, init, return_states, state_at):
         xx, dd, bb, cc = xs
         out = ssm_scan_core(xx, ssm_dt(dd, dt_bias, dt_min, dt_max), A, bb, cc, D, chunk_size,
-                            init, return_states)
-        return out.y.to(x.dtype), out.final_state, out.states
+                            init, return_states, state_at)
+        return out.y.to(x.dtype), out.final_state, out.states, out.at
 
     return run_cached([x, dt, B, C], ssm_state, spec_state, cu_seqlens_host, cache_lens_host,
-                      slot_idx, seg_kind_host, core)
+                      slot_idx, seg_kind_host, core, ckpt, ckpt_tokens_host, ckpt_slots)
 
 
 @cached_ssm_scan.register_fake
@@ -144,20 +173,23 @@ def _cached_ssm_fake(x, *args, **kwargs):
 
 
 @torch.library.custom_op(
-    "specdeploy::cached_gated_delta_rule", mutates_args=("gdn_state", "spec_state")
+    "specdeploy::cached_gated_delta_rule", mutates_args=("gdn_state", "spec_state", "ckpt")
 )
 def cached_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     gdn_state: torch.Tensor, spec_state: torch.Tensor | None, cu_seqlens_host: torch.Tensor,
     cache_lens_host: torch.Tensor, slot_idx: torch.Tensor, seg_kind_host: torch.Tensor,
-    use_qk_l2norm: bool, scale: float, chunk_size: int = 64,
+    use_qk_l2norm: bool, scale: float, chunk_size: int = 64, ckpt: torch.Tensor | None = None,
+    ckpt_tokens_host: torch.Tensor | None = None, ckpt_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    def core(xs, init, return_states):
-        out = gated_delta_rule_core(*xs, init, use_qk_l2norm, scale, chunk_size, return_states)
-        return out.o.to(q.dtype), out.final_state, out.states
+    def core(xs, init, return_states, state_at):
+        out = gated_delta_rule_core(*xs, init, use_qk_l2norm, scale, chunk_size, return_states,
+                                    state_at)
+        return out.o.to(q.dtype), out.final_state, out.states, out.at
 
     return run_cached([q, k, v, g, beta], gdn_state, spec_state, cu_seqlens_host,
-                      cache_lens_host, slot_idx, seg_kind_host, core)
+                      cache_lens_host, slot_idx, seg_kind_host, core, ckpt, ckpt_tokens_host,
+                      ckpt_slots)
 
 
 @cached_gated_delta_rule.register_fake

@@ -16,6 +16,7 @@ class ConvOutput(NamedTuple):
     y: torch.Tensor  # [B, T, C] in x's dtype
     final_state: torch.Tensor  # [B, C, W-1]: the last W-1 inputs
     states: torch.Tensor | None  # [B, T, C, W-1]: state after each token (when asked)
+    at: torch.Tensor | None = None  # [W', C, W-1]: states at `state_at` (when asked)
 
 
 def _activate(y: torch.Tensor, activation: str) -> torch.Tensor:
@@ -65,15 +66,22 @@ def causal_conv1d_core(
     initial_state: torch.Tensor | None,
     activation: str,
     return_states: bool = False,
+    state_at: torch.Tensor | None = None,
 ) -> ConvOutput:
     """Vectorized conv (one F.conv1d over the state-prefixed sequence).
 
     Cached variants pass per-sequence ``initial_state`` (gathered from state slots) and, for
-    speculative verification, ``return_states=True`` to get the state after every token.
+    speculative verification, ``return_states=True`` to get the state after every token;
+    ``state_at`` [W', 2] (batch row, token): the states after those tokens only (prefix cache).
     """
     width = weight.shape[1]
     b, t, c = x.shape
     xs = torch.cat((_initial(x, width, initial_state).float(), x.float().transpose(1, 2)), dim=-1)
+    at = None
+    if state_at is not None:  # the state after token i is the window xs[i+1 : i+W]
+        windows = xs.unfold(-1, width - 1, 1)  # [B, C, T+1, W-1]
+        rows, tok = state_at[:, 0].to(x.device), state_at[:, 1].to(x.device)
+        at = windows[rows, :, tok + 1].to(x.dtype)
     if t == 1:  # decode: one window dot product; F.conv1d's setup costs more than the math
         y = (xs * weight.float()).sum(-1)
         if bias is not None:
@@ -81,7 +89,7 @@ def causal_conv1d_core(
         y = _activate(y, activation)[:, None].to(x.dtype)
         final_state = xs[..., 1:].to(x.dtype).contiguous()
         states = final_state[:, None] if return_states else None
-        return ConvOutput(y, final_state, states)
+        return ConvOutput(y, final_state, states, at)
     y = F.conv1d(xs, weight.float()[:, None, :], None if bias is None else bias.float(), groups=c)
     y = _activate(y, activation).transpose(1, 2).to(x.dtype)
     final_state = xs[..., t:].to(x.dtype).contiguous()
@@ -89,7 +97,7 @@ def causal_conv1d_core(
     if return_states:
         # window t+1 of length W-1 is the state after token t
         states = xs.unfold(-1, width - 1, 1)[:, :, 1:].transpose(1, 2).to(x.dtype).contiguous()
-    return ConvOutput(y.contiguous(), final_state, states)
+    return ConvOutput(y.contiguous(), final_state, states, at)
 
 
 def _causal_conv1d_kernel(

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from specdeploy.ops.autograd import register_recompute_autograd
+from specdeploy.ops.scan_states import states_at
 
 __all__ = ["DeltaOutput", "l2norm", "gated_delta_rule_ref", "gated_delta_rule_core"]
 
@@ -15,6 +16,7 @@ class DeltaOutput(NamedTuple):
     o: torch.Tensor  # [B, T, H, V] fp32
     final_state: torch.Tensor  # [B, H, K, V] fp32
     states: torch.Tensor | None  # [B, T, H, K, V] fp32: state after each token (when asked)
+    at: torch.Tensor | None = None  # [W, H, K, V] fp32: states at `state_at` (when asked)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -92,6 +94,7 @@ def gated_delta_rule_core(
     scale: float,
     chunk_size: int = 64,
     return_states: bool = False,
+    state_at: torch.Tensor | None = None,
 ) -> DeltaOutput:
     """Chunked gated delta rule (WY / UT form). Shapes as in :func:`gated_delta_rule_ref`.
 
@@ -101,7 +104,9 @@ def gated_delta_rule_core(
     so ``U = U0 - W S0`` where U0, W do not depend on S0 and are solved for all chunks at once.
     Then ``S_i = exp(c_i) S0 + sum_{j<=i} exp(c_i - c_j) k_j u_j^T`` gives outputs, the chunk's
     final state and (``return_states``) the state after every token. Only S0 is carried across
-    chunks, so cached variants pass per-sequence ``initial_state``. All outputs fp32.
+    chunks, so cached variants pass per-sequence ``initial_state``. ``state_at`` [W, 2] host
+    int64 (batch row, token) asks for S_i after a few tokens only (prefix-cache checkpoints;
+    ops/scan_states.py). All outputs fp32.
     """
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, use_qk_l2norm, scale)
     b, h, t, dk = kf.shape
@@ -113,7 +118,8 @@ def gated_delta_rule_core(
         delta = (vf[:, :, 0] - (k0[:, :, None, :] @ state)[:, :, 0]) * bf[:, :, 0, None]
         state = state + k0[..., None] * delta[..., None, :]
         o = (qf[:, :, 0, None, :] @ state)[:, :, 0]  # [B, H, V]
-        return DeltaOutput(o[:, None], state, state[:, None] if return_states else None)
+        at = None if state_at is None else state[state_at[:, 0].to(q.device)]
+        return DeltaOutput(o[:, None], state, state[:, None] if return_states else None, at)
     size = max(1, min(chunk_size, t)) if chunk_size > 0 else max(1, t)
     qc, kc, vc = _chunk(qf, size), _chunk(kf, size), _chunk(vf, size)  # [B, H, c, l, *]
     bc = _chunk(bf, size)[..., None]  # [B, H, c, l, 1]
@@ -145,14 +151,17 @@ def gated_delta_rule_core(
         updates.append(u)
         state = end_decay[:, :, c] * state + k_out[:, :, c].transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :t].transpose(1, 2)
-    states = None
-    if return_states:
+    states = at = None
+    if return_states or state_at is not None:
         start = torch.stack(starts, dim=2)  # [B, H, c, K, V]
+    if return_states:
         us = torch.stack(updates, dim=2)  # [B, H, c, l, V]
         within = torch.einsum("bhcij,bhcjk,bhcjv->bhcikv", decay, kc, us)
         states = within + cum.exp()[..., None, None] * start[:, :, :, None]
         states = states.flatten(2, 3)[:, :, :t].transpose(1, 2)
-    return DeltaOutput(o.contiguous(), state, states)
+    if state_at is not None:  # the rows of `states` above, for the asked tokens only
+        at = states_at(state_at, size, t, start, state, cum, kc, torch.stack(updates, dim=2))
+    return DeltaOutput(o.contiguous(), state, states, at)
 
 
 def _gated_delta_rule_kernel(

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specdeploy.ops.autograd import register_recompute_autograd
+from specdeploy.ops.scan_states import states_at
 
 __all__ = ["ScanOutput", "ssm_dt", "ssm_scan_ref", "ssm_scan_core"]
 
@@ -16,6 +17,7 @@ class ScanOutput(NamedTuple):
     y: torch.Tensor  # [B, T, H, P] fp32
     final_state: torch.Tensor  # [B, H, P, N] fp32
     states: torch.Tensor | None  # [B, T, H, P, N] fp32: state after each token (when asked)
+    at: torch.Tensor | None = None  # [W, H, P, N] fp32: states at `state_at` (when asked)
 
 
 def ssm_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
@@ -94,19 +96,26 @@ def ssm_scan_core(
     chunk_size: int,
     initial_state: torch.Tensor | None,
     return_states: bool = False,
+    state_at: torch.Tensor | None = None,
 ) -> ScanOutput:
     """Chunked SSD scan with an already discretized ``delta`` [B, T, H] (see :func:`ssm_dt`).
 
     Within a chunk the scan is a masked "attention" (C_i·B_j) * exp(cumA_i - cumA_j) * delta_j;
     across chunks only the [B, H, P, N] state is carried, so cached variants pass per-sequence
     ``initial_state`` and, for speculative verification, ``return_states=True``.
+    ``state_at`` [W, 2] host int64 (batch row, token) asks for the state after a few tokens
+    only (prefix-cache checkpoints; ops/scan_states.py): free at a chunk's or the segment's
+    last token, one within-chunk sum otherwise, never T states.
     chunk_size <= 0 means one chunk. Shapes as in :func:`ssm_scan_ref`; all outputs fp32.
     """
     b, t, h, p = x.shape
     n = B.shape[-1]
     rep = h // B.shape[2]
     if t == 1:
-        return _ssm_step(x, delta, A, B, C, D, initial_state, rep, return_states)
+        out = _ssm_step(x, delta, A, B, C, D, initial_state, rep, return_states)
+        if state_at is None:
+            return out
+        return out._replace(at=out.final_state[state_at[:, 0].to(x.device)])
     size = max(1, min(chunk_size, t)) if chunk_size > 0 else max(1, t)
     xf, delta = x.float(), delta.float()
     # head-major [B, H, c, l, *] so every contraction below is a plain batched matmul
@@ -132,12 +141,14 @@ def ssm_scan_core(
     start = torch.stack(starts, dim=2)  # [B, H, c, P, N]: state entering each chunk
     y = y + (Cc @ start.transpose(-1, -2)) * cum.exp()[..., None]
     y = y.flatten(2, 3)[:, :, :t].transpose(1, 2) + D.float()[:, None] * xf
-    states = None
+    states = at = None
     if return_states:
         within = torch.einsum("bhcij,bhcjp,bhcjn->bhcipn", decay, xs, Bc)
         states = within + cum.exp()[..., None, None] * start[:, :, :, None]
         states = states.flatten(2, 3)[:, :, :t].transpose(1, 2)
-    return ScanOutput(y.contiguous(), state, states)
+    if state_at is not None:  # the rows of `states` above, for the asked tokens only
+        at = states_at(state_at, size, t, start, state, cum, xs, Bc)
+    return ScanOutput(y.contiguous(), state, states, at)
 
 
 def _ssm_scan_kernel(

@@ -7,7 +7,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from specdeploy.cli_args import DEVICE_HELP, add_parallel_args, parallel_kwargs
+from specdeploy.cli_args import (
+    DEVICE_HELP,
+    add_parallel_args,
+    add_prefix_caching_arg,
+    parallel_kwargs,
+)
 from specdeploy.spec_args import add_spec_args, spec_from_args
 
 
@@ -25,6 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
     p.add_argument("--max-cache-gib", type=float, default=None)
     add_spec_args(p)
+    add_prefix_caching_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("SPECDEPLOY_API_KEY"),
@@ -61,7 +67,8 @@ def cmd_serve(args) -> int:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
               max_seq_len=args.max_seq_len, spec=spec, max_cache_gib=args.max_cache_gib,
-              backend=args.backend, progress=True, seed=args.seed, **parallel_kwargs(args))
+              backend=args.backend, progress=True, seed=args.seed,
+              enable_prefix_caching=args.enable_prefix_caching, **parallel_kwargs(args))
     if hasattr(llm.deployed, "on_failure"):  # a dead or hung rank: fail requests, then exit
         llm.deployed.on_failure(_exit_soon)
     app = create_app(llm, model_name=args.served_model_name, api_key=args.api_key,

@@ -115,9 +115,27 @@ class ServerMetrics:
         metric("cache_pages_total", "gauge", "KV-cache pages.", [("", pages)])
         metric("preemptions_total", "counter", "Sequences preempted for lack of cache pages.",
                [("", engine.get("num_preemptions", 0))])
+        if "prefix_cache_queries" in engine:
+            _prefix_metrics(metric, out, engine)
         if "draft_steps" in engine:
             _spec_metrics(metric, engine)
         return "\n".join(out) + "\n"
+
+
+def _prefix_metrics(metric, out: list[str], engine: dict) -> None:
+    # vLLM's own names as well, so dashboards built for vLLM read them unchanged
+    for name, key in (("queries", "prefix_cache_queries"), ("hits", "prefix_cache_hits")):
+        out += [f"# TYPE vllm:prefix_cache_{name}_total counter",
+                f"vllm:prefix_cache_{name}_total {engine.get(key, 0)}"]
+    metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+           [("", engine["prefix_cache_queries"])])
+    metric("prefix_cache_hits_total", "counter", "Of those, tokens found cached (not prefilled).",
+           [("", engine.get("prefix_cache_hits", 0))])
+    metric("prefix_cache_checkpoints_used", "gauge",
+           "Recurrent-state checkpoint slots holding a cached page boundary.",
+           [("", engine.get("checkpoints_used", 0))])
+    metric("prefix_cache_checkpoints_total", "gauge", "Recurrent-state checkpoint slots.",
+           [("", engine.get("checkpoint_slots", 0))])
 
 
 def _spec_metrics(metric, engine: dict) -> None:

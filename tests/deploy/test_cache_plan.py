@@ -125,11 +125,12 @@ def test_summary_lists_handlers():
 
 def test_deployed_plan_bytes_from_config(tiny_dir):
     """nemotron_h "M*M-E*ME": 2 attention layers (Hkv 2, D 16), 3 Mamba layers (SSM state
-    [8, 16, 16] fp32, conv window [8·16 + 2·2·16, 3]); the allocated buffers match the plan."""
+    [8, 16, 16] fp32, conv window [8·16 + 2·2·16, 3]); the allocated buffers match the plan,
+    prefix-cache checkpoints (one per page, the budget allows it) included."""
     from specdeploy.deploy.build import build
 
     dep = build(tiny_dir("nemotron_h"), dtype="float32", max_batch_size=3,
-                         max_seq_len=40, page_size=5, max_cache_gib=0.01)
+                         max_seq_len=40, page_size=5, max_cache_gib=0.01, checkpoint_every=1)
     plan = dep.plan
     pages = 3 * 8 + 1
     assert (plan.num_pages, plan.num_slots) == (pages, 3)
@@ -139,6 +140,9 @@ def test_deployed_plan_bytes_from_config(tiny_dir):
     for i in range(3):
         want[f"ssm_{i}_state"] = 3 * 8 * 16 * 16 * F32
         want[f"conv_{i}_state"] = 3 * 192 * 3 * F32
+        want[f"ssm_{i}_ckpt"] = pages * 8 * 16 * 16 * F32
+        want[f"conv_{i}_ckpt"] = pages * 192 * 3 * F32
+    assert plan.num_checkpoints == pages
     assert plan.bytes_by_handler == want
     assert dep.layout.bytes_by_handler == want
     allocated = {name: t.nbytes for name, t in dep.gm.named_buffers()}
@@ -167,3 +171,20 @@ def test_spec_deployment_plan_has_spec_state(tiny_dir, tmp_path):
     assert plan.bytes_by_kind["spec_state"] == 3 * 3 * (gdn + conv)
     assert any(n.startswith("draft_kv_cache") for n in plan.bytes_by_handler)
     assert plan.total_bytes <= plan.budget_bytes
+
+
+@pytest.mark.parametrize("page_size, every", [(16, 4), (64, 1), (48, 4), (128, 1)])
+def test_checkpoints_default_to_whole_scan_chunks(page_size, every):
+    """checkpoint_every=None: the fewest pages spanning whole chunks of every scan (64 and 32
+    tokens here), so boundary states come free with the scans."""
+    from specdeploy.cache.handlers import Checkpoint
+
+    f32 = torch.float32
+    handlers = [State("s", (4, 4), f32), Checkpoint("c", (4, 4), f32, "s", 64),
+                Checkpoint("d", (4, 4), f32, "s", 32), Checkpoint("e", (2,), f32, "s")]
+    plan = plan_cache(handlers, page_size, 2, 256, 0.01, torch.device("cpu"))
+    assert plan.checkpoint_every == every
+    assert plan.num_checkpoints == 0  # no KV pages to checkpoint
+    explicit = plan_cache(handlers, page_size, 2, 256, 0.01, torch.device("cpu"),
+                          checkpoint_every=1)
+    assert explicit.checkpoint_every == 1

@@ -29,6 +29,22 @@ def test_list_transforms(tiny_dir, capsys):
     for kind in ("paged_kv", "state"):
         assert re.search(rf"^\s+{kind}\s+[\d.]+ MiB", plan, re.M), kind
     assert re.search(r"3 × [\d,]+ B\s+gdn_0_state, gdn_1_state, gdn_2_state", plan)
+    # prefix caching (on by default): every recurrent state has a checkpoint pool
+    assert re.search(r"insert_cached_gdn\s+3 matches\s+\[state ×3, checkpoint ×3\]", out)
+    assert re.search(r"^\s+checkpoint\s+[\d.]+ MiB", plan, re.M)
+    assert re.search(r"3 × [\d,]+ B\s+gdn_0_ckpt, gdn_1_ckpt, gdn_2_ckpt", plan)
+    # the gated-delta scan's chunk is 64 tokens: 4 pages of 16 (their states come free)
+    assert re.search(r"prefix-cache checkpoints: \d+ slots, one every 4 page", plan)
+
+
+def test_list_transforms_without_prefix_caching(tiny_dir, capsys):
+    rc = main(["deploy", "--model", str(tiny_dir("nemotron_h")), "--list-transforms",
+               "--max-seq-len", "64", "--max-cache-gib", "0.01", "--dtype", "float32",
+               "--no-enable-prefix-caching"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert re.search(r"insert_cached_ssm\s+3 matches\s+\[state ×3\]", out)
+    assert "ckpt" not in out and "checkpoint" not in out
 
 
 def test_budget_too_small(tiny_dir, capsys):

@@ -36,7 +36,9 @@ def _budget_for_pages(target, pages, limits) -> float:
     probe = target.llm(3).deployed
     plan = probe.target.plan
     kv = sum(b for n, b in plan.bytes_by_handler.items() if "kv_cache" in n) / plan.num_pages
-    slots = sum(b for n, b in plan.bytes_by_handler.items() if "kv_cache" not in n)
+    # NOTE: prefix-cache checkpoints only take what is left after the pages: not budgeted here
+    slots = sum(b for n, b in plan.bytes_by_handler.items()
+                if "kv_cache" not in n and not n.endswith("_ckpt"))
     return (slots + kv * pages) / 2**30
 
 

@@ -7,7 +7,10 @@ from specdeploy.models.registry import family_module
 
 # arch → speculative method used with it
 METHODS = {"llama": "eagle3", "nemotron_h": "mtp", "qwen3_5_moe": "mtp"}
-LIMITS = dict(max_batch_size=8, max_seq_len=256, max_cache_gib=0.05, page_size=8)
+# NOTE: checkpoint_every=1: recurrent checkpoints at every page (the prefix-caching tests hit
+# page boundaries inside the scans' chunks)
+LIMITS = dict(max_batch_size=8, max_seq_len=256, max_cache_gib=0.05, page_size=8,
+              checkpoint_every=1)
 
 
 class Target:

@@ -12,7 +12,7 @@ from torch import fx
 
 import specdeploy.ops.cached_attention  # noqa: F401  (registers cached ops)
 import specdeploy.ops.cached_recurrent  # noqa: F401
-from specdeploy.cache.handlers import PagedKV, SpecState, State
+from specdeploy.cache.handlers import Checkpoint, PagedKV, SpecState, State
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.graph import (
     add_buffer,
@@ -35,16 +35,24 @@ def _meta(gm: fx.GraphModule) -> dict[str, fx.Node]:
     return {name: have.get(name) or add_placeholder(gm, name) for name in METADATA_INPUTS}
 
 
-def _state_buffers(gm, ctx, node, base: str, shape, dtype, declared: list
-                   ) -> tuple[fx.Node, fx.Node | None]:
+CKPT_INPUTS = ("ckpt_tokens_host", "ckpt_slots")
+
+
+def _state_buffers(gm, ctx, node, base: str, shape, dtype, declared: list, align: int = 1
+                   ) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
+    """(state, spec state or None, prefix-cache checkpoint pool or None) buffers."""
     base = ctx.resource_prefix + base
-    handlers = [State(f"{base}_state", tuple(shape), dtype)]
+    state = State(f"{base}_state", tuple(shape), dtype)
+    handlers = {"state": state}
     if ctx.spec_steps:
-        handlers.append(SpecState(f"{base}_spec_state", tuple(shape), dtype, ctx.spec_steps,
-                                  shadows=handlers[0].name))
-    declared.extend(handlers)
-    bufs = [add_buffer(gm, h.name, torch.zeros(0), node) for h in handlers]
-    return bufs[0], (bufs[1] if len(bufs) > 1 else None)
+        handlers["spec"] = SpecState(f"{base}_spec_state", tuple(shape), dtype, ctx.spec_steps,
+                                     shadows=state.name)
+    if ctx.prefix_caching:
+        handlers["ckpt"] = Checkpoint(f"{base}_ckpt", tuple(shape), dtype, of=state.name,
+                                      align=align)
+    declared.extend(handlers.values())
+    bufs = {k: add_buffer(gm, h.name, torch.zeros(0), node) for k, h in handlers.items()}
+    return bufs["state"], bufs.get("spec"), bufs.get("ckpt")
 
 
 def _replace_first_output(node: fx.Node, new: fx.Node) -> None:
@@ -93,14 +101,22 @@ def _insert_recurrent(gm, ctx, op, cached, kind, tensors, scalars, state_of) -> 
         if a["initial_state"] is not None:
             raise RuntimeError(f"{node.name}: plain model passes an initial {kind} state")
         shape, dtype = state_of(a)
-        state, spec = _state_buffers(gm, ctx, node, f"{kind}_{n}", shape, dtype, declared)
+        # NOTE: a scan's boundary states are free at its chunk ends (ops/scan_states.py)
+        align = int(a.get("chunk_size") or 1)
+        state, spec, ckpt = _state_buffers(gm, ctx, node, f"{kind}_{n}", shape, dtype, declared,
+                                           align)
         args = (*(a[k] for k in tensors), state, spec, *(m[k] for k in _SLOT_META),
                 *(a[k] for k in scalars))
+        if ckpt is not None:
+            args += (ckpt, *(add_placeholder(gm, k) for k in CKPT_INPUTS))
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(cached, args)
         _replace_first_output(node, new)
         n += 1
-    return Done(n, resources=tuple(declared))
+    kinds: dict[str, int] = {}
+    for h in declared:
+        kinds[h.kind] = kinds.get(h.kind, 0) + 1
+    return Done(n, ", ".join(f"{k} ×{c}" for k, c in kinds.items()), resources=tuple(declared))
 
 
 def _ssm_state(a):  # [H, P, N], fp32
