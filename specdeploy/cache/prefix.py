@@ -25,6 +25,8 @@ from array import array
 from collections import OrderedDict, deque
 from typing import NamedTuple
 
+import torch
+
 ROOT = b"specdeploy-prefix-v1"  # the key "before" the first page
 
 
@@ -44,7 +46,7 @@ def root_key(seq) -> bytes:
         return ROOT
     h = hashlib.blake2b(ROOT, digest_size=16)
     h.update(mm.pixel_values.detach().float().contiguous().cpu().numpy().tobytes())
-    h.update(array("q", mm.grid_thw.flatten().tolist()).tobytes())
+    h.update(array("q", torch.as_tensor(mm.grid_thw).flatten().tolist()).tobytes())
     return h.digest()
 
 

@@ -128,6 +128,9 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         raise ValueError("vision: vision-language targets are not sharded yet; with "
                          "tensor_parallel_size > 1 the checkpoint deploys text-only")
     vision = opts.vision is not False and has_vision(hf_config) and not sharded
+    # NOTE: off under tensor parallelism for now: restoring a hit's recurrent states is a host
+    # call on rank 0's program that the other ranks do not receive (distributed/runtime.py)
+    prefix_caching = opts.enable_prefix_caching and not sharded
     if opts.vision and not vision:
         raise ValueError("vision: this checkpoint has no vision tower")
     embed = model.model.embed_tokens if vision else None
@@ -141,7 +144,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         model, dtype=dtype, quantize=opts.quantize, kv_cache_dtype=prequant_kv_dtype(model),
         capture_layers=drafter.capture_layers if drafter else (),
         spec_steps=spec.max_draft_tokens + 1 if spec else 0,
-        prefix_caching=opts.enable_prefix_caching,
+        prefix_caching=prefix_caching,
         **({} if opts.quant_exclude is None else {"quant_exclude": opts.quant_exclude}),
         **common)
     programs = [(model, target_ctx, None)]
@@ -167,7 +170,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         # of weights that quantization replaced.
         deployed.append(GraphDeployed(gm, dataclasses.replace(ctx, model=None), res.infos, plan,
                                       hf_config, vocab, res.resources, res.program,
-                                      time.perf_counter() - t0, opts.enable_prefix_caching))
+                                      time.perf_counter() - t0, prefix_caching))
         deployed[-1].mrope = vision
     out = deployed[0] if spec is None else SpecDeployed(
         deployed[0], deployed[1] if drafter else None, drafter.drafter if drafter else None, spec)

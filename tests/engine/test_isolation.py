@@ -51,7 +51,7 @@ def test_sampling_failure_fails_one_sequence_only(llm, monkeypatch):
     assert bad.finish_reason == "error" and "injected sampling failure" in bad.error
     assert 0 < len(bad.token_ids) < 12
     eng = llm.engine
-    assert not eng.has_unfinished() and len(eng.blocks.free_pages) == eng.blocks.num_pages
+    assert not eng.has_unfinished() and eng.blocks.num_free == eng.blocks.num_pages
     assert eng.stats.num_errors >= 1
     monkeypatch.setattr(engine_mod, "sample", real)
     assert [o.token_ids for o in _solo(llm)] == [r.token_ids for r in solo]  # still usable
@@ -62,8 +62,8 @@ def test_detokenizer_failure_fails_one_sequence_only(llm, monkeypatch):
     eng = llm.engine
     real_add = eng.add_request
 
-    def add(prompt_ids, params=None, request_id=None):
-        rid = real_add(prompt_ids, params, request_id)
+    def add(prompt_ids, params=None, request_id=None, **kw):
+        rid = real_add(prompt_ids, params, request_id, **kw)
         if params is not None and params.seed == POISON_SEED:
             seq = eng._seqs[rid]
 
@@ -77,7 +77,7 @@ def test_detokenizer_failure_fails_one_sequence_only(llm, monkeypatch):
     outs = llm.generate(PROMPTS + ["poisoned"], _params() + [poison])
     assert [o.text for o in outs[:4]] == [r.text for r in solo]
     assert outs[4].finish_reason == "error" and "UnicodeDecodeError" in outs[4].error
-    assert len(eng.blocks.free_pages) == eng.blocks.num_pages
+    assert eng.blocks.num_free == eng.blocks.num_pages
 
 
 def test_failed_step_leaves_llm_usable(llm, monkeypatch):

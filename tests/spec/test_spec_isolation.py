@@ -27,7 +27,7 @@ def _run(target, llm):
     bad = outs[3]
     assert bad.finish_reason == "error" and "injected" in bad.error
     eng = llm.engine
-    assert not eng.has_unfinished() and len(eng.blocks.free_pages) == eng.blocks.num_pages
+    assert not eng.has_unfinished() and eng.blocks.num_free == eng.blocks.num_pages
     assert len(eng.blocks.free_slots) == eng.blocks.num_slots
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == want  # still usable
 
