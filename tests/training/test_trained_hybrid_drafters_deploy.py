@@ -4,10 +4,15 @@ path of the same deployment code). The VLM checkpoint deploys with its vision to
 image prompts too."""
 from __future__ import annotations
 
+import json
+
 import pytest
+from safetensors import safe_open
 
 from specdeploy import LLM, SamplingParams, SpecConfig
+from specdeploy.cli import main
 from tests.training.hybrid_setup import Hybrid
+from tests.training.test_train_tiny import WORDS
 from tests.vision.conftest import rand_image
 
 LIMITS = dict(max_batch_size=4, max_seq_len=256, max_cache_gib=0.05, page_size=8,
@@ -48,3 +53,29 @@ def test_trained_drafter_speculates_losslessly(hybrid, run):
         assert [o.token_ids for o in llm.chat(_chats(), GREEDY)] == hybrid.plain_chat
     stats = llm.stats()
     assert stats["draft_steps"] > 0 and stats["draft_tokens"] == 3 * stats["draft_steps"]
+
+
+@pytest.mark.parametrize("args", [["--method", "eagle3", "--fit-batches", "1"],
+                                  ["--method", "mtp", "--init-from-checkpoint"]],
+                         ids=["eagle3_warm_start", "mtp_init_from_checkpoint"])
+def test_train_drafter_command(args, tmp_path):
+    """`specdeploy train-drafter` end to end on a NemotronH checkpoint (its own loading and
+    tokenizer): a head that speculates losslessly, in the checkpoint's mtp.* layout for MTP."""
+    h = Hybrid("nemotron_h", tmp_path)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+        {"from": "human", "value": " ".join(WORDS[i % 5:i % 5 + 4])},
+        {"from": "gpt", "value": " ".join(WORDS * 2)}]}) + "\n" for i in range(20)))
+    out = tmp_path / "head"
+    assert main(["train-drafter", "--model", str(h.path), *args, "--out", str(out), "--data",
+                 str(data), "--max-steps", "3", "--batch-size", "2", "--seq-len", "48",
+                 "--draft-vocab-size", "64", "--no-progress", "--save-dtype", "fp32"]) == 0
+    if "mtp" in args:
+        with safe_open(f"{out}/model.safetensors", "pt") as f, \
+                safe_open(f"{h.path}/model.safetensors", "pt") as ref:
+            assert set(f.keys()) == {k for k in ref.keys() if k.startswith("mtp.")}
+    method = args[1]
+    want = [o.token_ids for o in LLM(str(h.path), **LIMITS).generate(PROMPTS, GREEDY)]
+    llm = LLM(str(h.path), spec=SpecConfig(method, 2, draft_model=str(out)), **LIMITS)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    assert llm.stats()["draft_steps"] > 0
