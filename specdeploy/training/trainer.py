@@ -134,6 +134,16 @@ def _initial_weights(path: str, method: str, target, aux_layers) -> dict:
             "partial": True}
 
 
+def _saved_module(target, objective: dict):
+    """A fresh hybrid MTP module shaped like a saved run's weights (its number of groups), for
+    resuming it or starting from it."""
+    from specdeploy.models.drafters.checkpoint_mtp import build_mtp
+
+    n = 1 + max(int(k.split(".")[2]) for k in objective if k.startswith("module.layers."))
+    per = len(getattr(target.cfg, "mtp_block_types", ())) or 1  # NemotronH: layers per group
+    return build_mtp(target, n // per)
+
+
 def build_objective(method: str, target, draft_ids: torch.Tensor, aux_layers, steps: int,
                     module=None):
     """`module`: an MTP module to train (the checkpoint's own, or a loaded head) instead of a
@@ -211,6 +221,9 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
         counts = batches.token_counts(target.cfg.vocab_size, cfg.vocab_samples)
         eos = [i for i in [getattr(tokenizer, "eos_token_id", None)] if i is not None]
         draft_ids = select_draft_vocab(counts, cfg.draft_vocab_size, always=eos)
+    saved = state if state is not None else init if init and "objective" in init else None
+    if module is None and saved is not None and cfg.method == "mtp" and not info.is_llama(target):
+        module = _saved_module(target, saved["objective"])
     obj = build_objective(cfg.method, target, draft_ids, aux_layers, cfg.ttt_steps,
                           module=module).to(device)
     params = [p for p in obj.parameters() if p.requires_grad]

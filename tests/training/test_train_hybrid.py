@@ -4,6 +4,8 @@ fine-tuned and written back in its `mtp.*` layout."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from specdeploy.models.drafters.eagle3 import load_eagle3
 from specdeploy.training.features import extract
 from specdeploy.training.hybrid_mtp import HybridMTPObjective
 from specdeploy.training.target_info import aux_layers, embedding
-from specdeploy.training.trainer import build_objective, train
+from specdeploy.training.trainer import TrainConfig, build_objective, train
 from specdeploy.training.ttt import KVSteps, shift
 from tests.training.hybrid_setup import MTP_GROUPS, Hybrid, chain_drafts
 from tests.training.test_train_tiny import CharTokenizer
@@ -203,3 +205,33 @@ def test_init_from_checkpoint_is_refused_where_it_cannot_apply(hybrid, tmp_path)
               target=target, **kw)
     with pytest.raises(ValueError, match="without an MTP module"):
         train(hybrid.config("mtp_ft", out=str(tmp_path / "b")), target=target, **kw)
+
+
+def test_resume_continues_a_fine_tuning_run(hybrid):
+    cfg, _ = hybrid.run("mtp_ft")
+    more = TrainConfig(**{**cfg.__dict__, "max_steps": 12})
+    meta = train(more, target=hybrid.target(with_mtp=True), tokenizer=CharTokenizer(),
+                 convs=hybrid.convs, log=lambda m: None)
+    assert meta["steps"] == 12 and meta["history"][-1]["step"] == 12
+    assert len(meta["history"]) == 12  # the first ten came from checkpoint.pt
+
+
+@pytest.mark.parametrize("exported", [False, True], ids=["run_dir", "exported_module"])
+def test_init_from_a_fine_tuned_module(hybrid, exported, tmp_path):
+    """From a two-group run's --out dir or from its exported mtp.* directory alone: 0 steps
+    later the written module is that module."""
+    cfg, _ = hybrid.run("mtp_ft")
+    src = Path(cfg.out)
+    if exported:
+        src = tmp_path / "exported"
+        src.mkdir()
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(Path(cfg.out) / name, src / name)
+    new = hybrid.config("mtp", out=str(tmp_path / "ft"), max_steps=0, init_from=str(src))
+    train(new, target=hybrid.target(), tokenizer=CharTokenizer(), convs=hybrid.convs,
+          log=lambda m: None)
+    with safe_open(f"{cfg.out}/model.safetensors", "pt") as a, \
+            safe_open(f"{new.out}/model.safetensors", "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for k in a.keys():
+            assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
