@@ -138,15 +138,15 @@ class HybridMTPObjective(nn.Module):
         self.register_buffer("train_ids", train_ids.clone(), persistent=False)
 
     def step(self, hidden_in, embeds, position_ids, kv: KVSteps, rows=None):
-        j = kv.step
-        g = min(j, self.groups - 1)
-        if j == 0:
+        g = min(kv.step, self.groups - 1)
+        if kv.step == 0:
             kv.stores["context"] = (hidden_in, embeds, position_ids)
-        elif g not in kv.stores.setdefault("seen", set()):
+        seen = kv.stores.setdefault("groups_seen", set())
+        if g not in seen and kv.step > 0:
             # NOTE: a group first used now needs its keys at the committed rows (see above)
-            self.group_fn(self.module, g, *kv.stores["context"][:2], kv,
-                          kv.stores["context"][2])
-        kv.stores.setdefault("seen", set()).add(g)
+            h0, e0, p0 = kv.stores["context"]
+            self.group_fn(self.module, g, h0, e0, kv, p0)
+        seen.add(g)
         hidden = self.group_fn(self.module, g, hidden_in, embeds, kv, position_ids)
         return hidden, (hidden if rows is None else hidden[rows]) @ self._head_rows.T
 
