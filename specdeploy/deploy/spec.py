@@ -68,6 +68,10 @@ def load_drafter(model: nn.Module, spec: SpecConfig) -> tuple[Drafter, tuple[int
             raise CheckpointError("method='mtp': the target has no MTP head (no mtp.* weights) "
                                   "and no draft_model was given; train one with "
                                   "`specdeploy train-drafter --method mtp`")
+        from specdeploy.models.drafters.checkpoint_mtp import is_checkpoint_mtp, load_checkpoint_mtp
+
+        if is_checkpoint_mtp(draft_model):  # a hybrid family's own module (mtp.* layout)
+            return load_checkpoint_mtp(draft_model, model), (FINAL,)
         from specdeploy.models.drafters.mtp_head import load_mtp_head
 
         return load_mtp_head(draft_model, model), (FINAL,)

@@ -29,6 +29,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--init-from", default=None,
                    help="start from the weights (and draft vocab) of another run's --out dir "
                    "or of an exported head (config.json + model.safetensors)")
+    p.add_argument("--init-from-checkpoint", action="store_true",
+                   help="--method mtp on a NemotronH / Qwen3.5 target: fine-tune the "
+                   "checkpoint's own MTP module(s) (mtp.*; group j trained for draft step j) "
+                   "and write them back in its mtp.* layout")
     p.add_argument("--cache-dir", default=None, help="cache target features here (bf16)")
     p.add_argument("--save-every-minutes", type=float, default=5.0)
     p.add_argument("--save-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
@@ -48,7 +52,7 @@ def cmd_train_drafter(args) -> int:
         draft_vocab_size=args.draft_vocab_size, batch_size=args.batch_size,
         seq_len=args.seq_len, num_samples=args.num_samples, ttt_steps=args.ttt_steps,
         lr=args.lr, warmup_steps=args.warmup_steps, fit_batches=args.fit_batches,
-        init_from=args.init_from,
+        init_from=args.init_from, init_from_checkpoint=args.init_from_checkpoint,
         cache_dir=args.cache_dir,
         save_every_minutes=args.save_every_minutes,
         save_dtype=args.save_dtype, device=args.device, seed=args.seed,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from specdeploy.models.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from specdeploy.training import target_info as info
 from specdeploy.training.features import Features
 from specdeploy.training.ttt import KVSteps, loss_row_logits, unrolled_loss
 
@@ -42,13 +43,13 @@ def make_drafter(target: nn.Module, draft_ids: torch.Tensor, aux_layers: tuple[i
                  init_from_target: bool = True, seed: int = 0) -> Eagle3Drafter:
     t = target.cfg
     cfg = Eagle3Config(
-        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-        head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps, vocab_size=t.vocab_size,
-        draft_vocab_size=int(draft_ids.shape[0]), target_hidden_size=t.hidden_size, rope=t.rope,
-        aux_layer_ids=tuple(aux_layers), max_position_embeddings=t.max_position_embeddings)
+        hidden_size=t.hidden_size, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim,
+        vocab_size=t.vocab_size, draft_vocab_size=int(draft_ids.shape[0]),
+        target_hidden_size=t.hidden_size, aux_layer_ids=tuple(aux_layers),
+        **info.eagle3_geometry(target))
     torch.manual_seed(seed)
-    drafter = Eagle3Drafter(cfg, embed_tokens=target.model.embed_tokens)
+    drafter = Eagle3Drafter(cfg, embed_tokens=info.embedding(target))
     drafter.init_buffers()
     d2t, t2d = vocab_maps(draft_ids, t.vocab_size)
     h = t.hidden_size
@@ -61,9 +62,12 @@ def make_drafter(target: nn.Module, draft_ids: torch.Tensor, aux_layers: tuple[i
         drafter.d2t.copy_(d2t)
         drafter.t2d.copy_(t2d)
         if init_from_target:
+            drafter.lm_head.weight.copy_(info.head_weight(target)[draft_ids])
+            drafter.norm.weight.copy_(info.final_norm(target).weight)
+            drafter.fc.weight[:, 2 * h:].add_(torch.eye(h))
+        if init_from_target and info.is_llama(target):
+            # NOTE: only a Llama target's last layer has the drafter's own shape to start from
             last, mid = target.model.layers[-1], drafter.midlayer
-            drafter.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
-            drafter.norm.weight.copy_(target.model.norm.weight)
             mid.hidden_norm.weight.copy_(last.input_layernorm.weight)
             for n in ("q_proj", "k_proj", "v_proj"):
                 getattr(mid.self_attn, n).weight[:, h:].copy_(
@@ -72,7 +76,6 @@ def make_drafter(target: nn.Module, draft_ids: torch.Tensor, aux_layers: tuple[i
             mid.post_attention_layernorm.load_state_dict(
                 last.post_attention_layernorm.state_dict())
             mid.mlp.load_state_dict(last.mlp.state_dict())
-            drafter.fc.weight[:, 2 * h:].add_(torch.eye(h))
     return drafter
 
 
@@ -108,10 +111,10 @@ class Eagle3Objective(nn.Module):
     def loss(self, feats: Features) -> tuple[torch.Tensor, dict]:
         target = self._target
         with torch.no_grad():
-            head = target.lm_head.weight[self.draft_ids]
+            head = info.head_weight(target)[self.draft_ids]
             target_logits = loss_row_logits(feats, head)
         first = self.drafter.fc(feats.aux.float())
-        return unrolled_loss(self.step, first, feats, target.model.embed_tokens, target_logits,
+        return unrolled_loss(self.step, first, feats, info.embedding(target), target_logits,
                              self.steps, self.drafter.cfg.head_dim**-0.5)
 
     @torch.no_grad()
@@ -131,7 +134,7 @@ class Eagle3Objective(nn.Module):
         w = dr.norm.weight.float()
         xtx = xty = 0.0  # float64 sums on the features' device, solved on the CPU
         for feats in batches:
-            emb = target.model.embed_tokens(feats.ids[:, 1:]).float()
+            emb = info.embedding(target)(feats.ids[:, 1:]).float()
             x = torch.cat([feats.aux[:, :-1].float(), _unit_rms(emb)], -1)
             y = feats.final[:, 1:].float() / w
             keep = feats.mask[:, 1:]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from specdeploy.models.drafters.eagle3 import default_aux_layers
 from specdeploy.training import data as data_mod
+from specdeploy.training import target_info as info
 from specdeploy.training.features import FeatureSource
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -43,6 +43,7 @@ class TrainConfig:
     vocab_samples: int = 2000
     fit_batches: int = 12  # closed-form warm start on this many batches (0: none)
     init_from: str | None = None  # start from another run's weights (fine-tuning on new data)
+    init_from_checkpoint: bool = False  # MTP: fine-tune the target checkpoint's own mtp.*
     save_dtype: str = "bf16"
     device: str | None = None
     seed: int = 0
@@ -63,7 +64,9 @@ def _lr_factor(cfg: TrainConfig, step: int, elapsed: float) -> float:
 
 def _export(obj, cfg: TrainConfig, out: Path, meta: dict) -> None:
     dtype = DTYPES[cfg.save_dtype]
-    if obj.method == "eagle3":
+    if hasattr(obj, "save"):  # a hybrid family's own MTP module, in the checkpoint's layout
+        obj.save(out, dtype)
+    elif obj.method == "eagle3":
         from specdeploy.models.drafters.eagle3 import save_eagle3
 
         save_eagle3(obj.export(dtype).cpu(), out)
@@ -100,14 +103,14 @@ def _initial_weights(path: str, method: str, target, aux_layers) -> dict:
 
         if not set(arch) & set(ARCHITECTURES):
             raise ValueError(f"init_from: {root} holds {arch}, not an eagle3 head")
-        head = load_eagle3(root, target_cfg=target.cfg, embed_tokens=target.model.embed_tokens,
+        head = load_eagle3(root, target_cfg=target.cfg, embed_tokens=info.embedding(target),
                            dtype=torch.float32)
         if tuple(head.cfg.aux_layer_ids) != tuple(aux_layers):
             raise ValueError(f"init_from: {root} fuses target layers {head.cfg.aux_layer_ids}, "
                              f"this run captures {tuple(aux_layers)}")
         draft_ids = head.draft_to_target(torch.arange(head.cfg.draft_vocab_size))
         prefix = "drafter."
-    else:
+    elif info.is_llama(target):
         from specdeploy.models.drafters.mtp_head import ARCHITECTURES, load_mtp_head
 
         if not set(arch) & set(ARCHITECTURES):
@@ -117,12 +120,41 @@ def _initial_weights(path: str, method: str, target, aux_layers) -> dict:
             raise ValueError(f"init_from: {root} has no draft vocab (mtp.d2t)")
         draft_ids = head.d2t + torch.arange(head.d2t.shape[0])
         prefix = "head."
+    else:  # a hybrid family's MTP module: the objective takes the loaded module as it is
+        from specdeploy.models.drafters.checkpoint_mtp import is_checkpoint_mtp, load_checkpoint_mtp
+
+        if not is_checkpoint_mtp(root):
+            raise ValueError(f"init_from: {root} holds {arch} without mtp.* tensors, not an MTP "
+                             f"module for this {type(target).__name__} target")
+        head = load_checkpoint_mtp(root, target, dtype=torch.float32)
+        # NOTE: the checkpoint layout has no training vocab: this run picks one from its data
+        return {"module": head, "draft_ids": None, "step": 0, "source": str(root)}
     weights = {prefix + k: v for k, v in head.state_dict().items() if _trained_tensor(k)}
     return {"objective": weights, "draft_ids": draft_ids, "step": 0, "source": str(root),
             "partial": True}
 
 
-def build_objective(method: str, target, draft_ids: torch.Tensor, aux_layers, steps: int):
+def _saved_module(target, objective: dict):
+    """A fresh hybrid MTP module shaped like a saved run's weights (its number of groups), for
+    resuming it or starting from it."""
+    from specdeploy.models.drafters.checkpoint_mtp import build_mtp
+
+    n = 1 + max(int(k.split(".")[2]) for k in objective if k.startswith("module.layers."))
+    per = len(getattr(target.cfg, "mtp_block_types", ())) or 1  # NemotronH: layers per group
+    return build_mtp(target, n // per)
+
+
+def build_objective(method: str, target, draft_ids: torch.Tensor, aux_layers, steps: int,
+                    module=None):
+    """`module`: an MTP module to train (the checkpoint's own, or a loaded head) instead of a
+    fresh one; hybrid targets train their family's MTP module, Llama targets the generic head."""
+    if method == "mtp" and not info.is_llama(target):
+        from specdeploy.training.hybrid_mtp import HybridMTPObjective
+
+        return HybridMTPObjective(target, draft_ids, steps, module=module)
+    if module is not None:
+        raise ValueError("init_from_checkpoint: only hybrid targets (NemotronH, Qwen3.5) ship an "
+                         "MTP module to start from")
     if method == "eagle3":
         from specdeploy.training.eagle3 import Eagle3Objective
 
@@ -150,8 +182,20 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
         torch.backends.cudnn.allow_tf32 = True
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = target if target is not None else specdeploy.load_model(cfg.model)
+    if cfg.init_from_checkpoint and (cfg.method != "mtp" or cfg.init_from):
+        raise ValueError("init_from_checkpoint: fine-tunes the target's own MTP module; it needs "
+                         "--method mtp and no --init-from")
+    target = target if target is not None else specdeploy.load_model(
+        cfg.model, with_mtp=cfg.init_from_checkpoint)
     target = target.to(device).eval().requires_grad_(False)
+    module = None
+    if cfg.init_from_checkpoint:
+        module = getattr(target, "mtp", None)
+        if module is None:
+            raise ValueError(f"init_from_checkpoint: the target ({type(target).__name__}) was "
+                             "loaded without an MTP module (load it with_mtp=True; its config "
+                             "must declare num_nextn_predict_layers / mtp_num_hidden_layers)")
+        del target.mtp  # NOTE: trained as the objective's module, never as part of the target
     tokenizer = tokenizer if tokenizer is not None else specdeploy.load_tokenizer(cfg.model)
     if convs is not None:
         train_convs, _, held_meta = data_mod.split_for_training(cfg.data, convs)
@@ -159,7 +203,7 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
         train_convs, held_meta = data_mod.load_training_data(cfg.data)
     batches = data_mod.TokenBatches(tokenizer, train_convs, cfg.batch_size, cfg.seq_len,
                                     cfg.num_samples, seed=cfg.seed + 1)
-    aux_layers = default_aux_layers(target.cfg.num_hidden_layers)
+    aux_layers = info.aux_layers(target)
     ckpt_file = out / "checkpoint.pt"
     state = torch.load(ckpt_file, map_location="cpu") if ckpt_file.exists() else None
     if state is not None:
@@ -171,16 +215,21 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
     if state is None and cfg.init_from:
         init = _initial_weights(cfg.init_from, cfg.method, target, aux_layers)
         draft_ids = init["draft_ids"]  # NOTE: the head's vocab comes with its weights
+        module = init.get("module")
         log(f"starting from the weights of {init['source']} (step {init['step']})")
-    elif state is None:
+    if state is None and (init is None or draft_ids is None):
         counts = batches.token_counts(target.cfg.vocab_size, cfg.vocab_samples)
         eos = [i for i in [getattr(tokenizer, "eos_token_id", None)] if i is not None]
         draft_ids = select_draft_vocab(counts, cfg.draft_vocab_size, always=eos)
-    obj = build_objective(cfg.method, target, draft_ids, aux_layers, cfg.ttt_steps).to(device)
+    saved = state if state is not None else init if init and "objective" in init else None
+    if module is None and saved is not None and cfg.method == "mtp" and not info.is_llama(target):
+        module = _saved_module(target, saved["objective"])
+    obj = build_objective(cfg.method, target, draft_ids, aux_layers, cfg.ttt_steps,
+                          module=module).to(device)
     params = [p for p in obj.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, elapsed0, history = 0, 0.0, []
-    if init is not None:
+    if init is not None and "objective" in init:
         if init.get("partial"):
             want = {k for k in obj.state_dict()
                     if k.startswith(("drafter.", "head.")) and _trained_tensor(k)}
@@ -197,7 +246,8 @@ def train(cfg: TrainConfig, target=None, tokenizer=None, convs=None, log=print) 
                            key={"model": str(cfg.model), "data": cfg.data,
                                 "split_seed": data_mod.SPLIT_SEED, "seed": cfg.seed})
     fit_s = state.get("fit_seconds", 0.0) if state is not None else 0.0
-    if state is None and init is None and cfg.fit_batches and hasattr(obj, "fit_linear"):
+    if state is None and init is None and module is None and cfg.fit_batches and hasattr(
+            obj, "fit_linear"):
         t0 = time.perf_counter()
         obj.fit_linear(source.get(i) for i in range(cfg.fit_batches))
         fit_s = time.perf_counter() - t0

@@ -27,6 +27,15 @@ class KVSteps:
 
     def __init__(self, scale: float):
         self.scale, self.keys, self.values = scale, [], []
+        # NOTE: for drafters with several attention layers (hybrid MTP groups): the unrolled
+        # step index, and per-layer stores (`layer`) plus whatever a step keeps across steps
+        self.step, self.stores = 0, {}
+
+    def layer(self, key, scale: float) -> KVSteps:
+        """The store of one attention layer of a multi-layer drafter (created empty)."""
+        if key not in self.stores:
+            self.stores[key] = KVSteps(scale)
+        return self.stores[key]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B,T,Hq,D] → [B,T,Hq,D]: causal over step 0, diagonal over steps 1..j."""
@@ -90,6 +99,7 @@ def unrolled_loss(step: StepFn, first_hidden: torch.Tensor, feats: Features, emb
     for j in range(steps):
         pos = (torch.arange(t, device=ids.device) + j).expand(b, t)
         valid = shift(mask, j + 1)
+        kv.step = j
         hidden, logits = step(hidden, shift(emb, j + 1), pos, kv, rows=valid)  # logits [N, Vs]
         n = valid.sum().clamp_min(1)
         ce = -(shift(p_target, j + 1)[valid] * F.log_softmax(logits.float(), -1)).sum(-1)

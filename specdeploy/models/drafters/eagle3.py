@@ -181,6 +181,8 @@ class Eagle3Drafter(Drafter):
         elif hidden_states.shape[-1] != cfg.hidden_size:
             raise ValueError(f"EAGLE-3: hidden_states last dim {hidden_states.shape[-1]}, expected "
                              f"{3 * cfg.target_hidden_size} (3 x target) or {cfg.hidden_size}")
+        if position_ids.dim() == 3:  # [3, B, T] multimodal positions (a VLM target): text
+            position_ids = position_ids[0]  # rows carry one position on all three axes
         cos, sin = self.rotary_emb(position_ids)
         h = self.midlayer(input_embeds.to(hidden_states.dtype), hidden_states, cos, sin)
         return DraftOutput(h, self.lm_head(self.norm(h)))
