@@ -37,12 +37,26 @@ def process(logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[list[int]],
     """logits [S, R, V] (row j: after the sequence's committed tokens + drafts[s][:j]; rows
     past len(drafts[s]) + 1 are padding, processed like the last one)."""
     logits = logits.float()
-    if any(s.matcher is not None for s in seqs):
-        logits = logits.masked_fill(~_grammar_allowed(logits, seqs, drafts), float("-inf"))
+    rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if rows:
+        logits = _on_rows(logits, rows, lambda x, sub: x.masked_fill(
+            ~_grammar_allowed(x, sub, [drafts[i] for i in rows]), float("-inf")), seqs)
     raw = logits
-    if any(s.params.penalized for s in seqs):
-        logits = _penalize(logits, seqs, drafts, eos_token_ids)
+    rows = [i for i, s in enumerate(seqs) if s.params.penalized]
+    if rows:
+        logits = _on_rows(logits, rows, lambda x, sub: _penalize(
+            x, sub, [drafts[i] for i in rows], eos_token_ids), seqs)
     return Processed(raw, logits)
+
+
+def _on_rows(logits: torch.Tensor, rows: list[int], fn, seqs: Seq[Sequence]) -> torch.Tensor:
+    """`fn(logits[rows], seqs[rows])` written back: the [S, R, V]-sized temporaries of a step
+    (counts, masks) are only as large as the requests that need them."""
+    sub = [seqs[i] for i in rows]
+    if len(rows) == len(seqs):
+        return fn(logits, sub)
+    idx = torch.tensor(rows, device=logits.device)
+    return logits.index_copy(0, idx, fn(logits[idx], sub))
 
 
 def _grammar_allowed(logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[list[int]]
