@@ -46,6 +46,11 @@ def process(logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[list[int]],
     if rows:
         logits = _on_rows(logits, rows, lambda x, sub: _penalize(
             x, sub, [drafts[i] for i in rows], eos_token_ids), seqs)
+        if any(seqs[i].matcher is not None and seqs[i].params.min_tokens for i in rows):
+            # NOTE: a grammar that can only end (EOS) before min_tokens: the grammar wins, the
+            # row keeps its mask alone (else nothing is allowed and the request would fail)
+            dead = (logits == float("-inf")).all(-1, keepdim=True)
+            logits = torch.where(dead, raw, logits)
     return Processed(raw, logits)
 
 

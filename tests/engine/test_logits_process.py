@@ -136,3 +136,16 @@ def test_grammar_masks_walks_and_ends_with_eos(tiny_tokenizer):
     for j in range(3):
         want = unpack_bitmask(g.bitmask(states[j]), 130)
         assert torch.equal(torch.isfinite(raw[j]), want)
+
+
+def test_a_grammar_that_must_end_wins_over_min_tokens(tiny_tokenizer):
+    from specdeploy.engine.grammar import GrammarCompiler, Matcher
+
+    tok = tiny_tokenizer
+    g = GrammarCompiler(tok, 128, [2]).compile(json.dumps({"type": "boolean"}))
+    seq = _seq([5], [], guided_json=json.dumps({"type": "boolean"}), min_tokens=10)
+    seq.matcher = Matcher(g)
+    for t in tok.encode("true", add_special_tokens=False):
+        seq.matcher.advance(t)
+    got = process(torch.zeros(1, 1, 128), [seq], [[]], EOS).logits[0, 0]
+    assert torch.isfinite(got).nonzero().flatten().tolist() == [2]  # EOS, the only way on
