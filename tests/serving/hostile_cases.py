@@ -44,6 +44,9 @@ SAMPLING_BAD = {
     "presence_penalty": [3, "1", NAN, [0.5]],
     "frequency_penalty": [-3, INF],
     "n": [17, 0, "1", True],
+    "repetition_penalty": [0, -1, "1.2", NAN],
+    "min_p": [1.5, -0.1],
+    "min_tokens": [-1, "3", 10**6, 1.5],
     "stream": ["yes", 1],
 }
 
