@@ -15,6 +15,7 @@ full of committed tokens.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 
@@ -24,6 +25,7 @@ from specdeploy.cache.metadata import SEG_NORMAL, Segment, build_metadata
 from specdeploy.cache.prefix import PrefixCache
 from specdeploy.deploy.base import DeployedModel, StepOutput
 from specdeploy.engine.detokenizer import IncrementalDetokenizer
+from specdeploy.engine.logits_process import logprob_pack, process, unpack_logprobs
 from specdeploy.engine.metrics import EngineStats
 from specdeploy.engine.params_check import check_for_model
 from specdeploy.engine.request import RequestOutput, SamplingParams, Sequence
@@ -59,6 +61,8 @@ class Engine:
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
+        self._grammar = None  # engine/grammar.py GrammarCompiler, built on first use
+        self._grammar_lock = threading.Lock()
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -92,6 +96,11 @@ class Engine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
         check_for_model(params, vocab)
+        matcher = None
+        if params.structured:
+            from specdeploy.engine.grammar import Matcher
+
+            matcher = Matcher(self.grammar_compiler().compile(params.guided_json))
         if request_id is not None and request_id in self._seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         detok = None
@@ -99,11 +108,29 @@ class Engine:
             detok = IncrementalDetokenizer(self.tokenizer.decode, prompt_ids)
         seq = Sequence(prompt_ids, params, detok, request_id, self.device)
         seq.mm = mm
+        seq.matcher = matcher
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_requests += 1
         self.stats.prompt_tokens += n
         return seq.request_id
+
+    def grammar_compiler(self):
+        """The structured-output compiler for this tokenizer (thread-safe: the server compiles
+        a request's schema while parsing it, so a bad schema is a 400 and the engine thread
+        finds it compiled)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                if self.tokenizer is None:
+                    raise ValueError("response_format: structured output needs a tokenizer")
+                try:
+                    from specdeploy.engine.grammar import GrammarCompiler
+                except ImportError:
+                    raise ValueError("response_format: structured output needs outlines-core "
+                                     "(pip install outlines-core)") from None
+                self._grammar = GrammarCompiler(self.tokenizer, self.deployed.vocab_size,
+                                                self.eos_token_ids)
+            return self._grammar
 
     def abort(self, request_id: str) -> bool:
         seq = self._seqs.get(request_id)
@@ -238,17 +265,35 @@ class Engine:
         (the exception in its place) and the others keep their tokens. Seeded rows draw the
         same either way (one generator per row)."""
         try:
-            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                          self.generator).tolist()
+            return self._sample_rows(logits, seqs)
         except Exception:
             out: list[int | Exception] = []
             for i, s in enumerate(seqs):
                 try:
-                    out.append(int(sample(logits[i:i + 1], [s.params], [s.generator],
-                                          self.generator)[0]))
+                    out.append(self._sample_rows(logits[i:i + 1], [s])[0])
                 except Exception as e:
                     out.append(e)
             return out
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Process (engine/logits_process.py), sample, and the logprobs of the rows that ask
+        (`seq.new_logprobs`); ids and logprobs reach the host in one copy."""
+        proc = process(logits[:, None], seqs, [[]] * len(seqs), self.eos_token_ids)
+        ids = sample(proc.logits[:, 0], [s.params for s in seqs], [s.generator for s in seqs],
+                     self.generator)
+        asks = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not asks:
+            return ids.tolist()
+        n = max(seqs[i].params.logprobs for i in asks)
+        idx = torch.tensor(asks, device=ids.device)
+        pack = logprob_pack(proc.raw[idx], ids[idx][:, None], n)
+        host = torch.cat((ids.double(), pack.flatten())).tolist()
+        out = [int(t) for t in host[:len(seqs)]]
+        w = 1 + 2 * n if n else 1
+        for r, i in enumerate(asks):
+            row = host[len(seqs) + r * w:len(seqs) + (r + 1) * w]
+            seqs[i].new_logprobs = [unpack_logprobs(row, n, seqs[i].params.logprobs, out[i])]
+        return out
 
     def _commit(self, batch: list[ScheduledSeq], segs: list[Segment],
                 tokens: list[list[int]]) -> list[int]:
@@ -265,8 +310,13 @@ class Engine:
     def _append(self, seq: Sequence, tokens: list[int], now: float) -> None:
         p = seq.params
         m = seq.metrics
-        for t in tokens:
+        new_lp, seq.new_logprobs = seq.new_logprobs, []
+        for j, t in enumerate(tokens):
+            if seq.matcher is not None:  # raises if the grammar forbids t: it alone fails
+                seq.matcher.advance(t)
             seq.output_ids.append(t)
+            if seq.logprobs is not None and j < len(new_lp):
+                seq.logprobs.append(new_lp[j])
             self.stats.generated_tokens += 1
             if m.first_token_time is None:
                 m.first_token_time = now
@@ -277,7 +327,9 @@ class Engine:
             if seq.detok is not None:
                 prev = len(seq.text)
                 seq.text += seq.detok.add(t)
-                if p.stop and self._check_stop_strings(seq, prev):
+                # NOTE: vLLM checks stop strings only from min_tokens on, like stop tokens
+                if p.stop and len(seq.output_ids) >= p.min_tokens and \
+                        self._check_stop_strings(seq, prev):
                     return
             if len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_seq_len:
                 if seq.detok is not None:

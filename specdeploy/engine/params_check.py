@@ -9,6 +9,7 @@ The bounds keep every value the sampler can see finite and representable: `top_k
 """
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Sequence
@@ -22,6 +23,9 @@ MAX_STOP = 16  # stop strings per request: each one is scanned on every new toke
 MAX_STOP_CHARS = 512  # per stop string: the server's hold-back scan is quadratic in it
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # top-N per token (OpenAI's top_logprobs bound; vLLM's default max_logprobs)
+MAX_REPETITION_PENALTY = 100.0  # beyond it every seen token is already out of reach
+MAX_SCHEMA_CHARS = 64 * 1024
 
 
 def _fail(name: str, expect: str, v: Any) -> ValueError:
@@ -92,10 +96,35 @@ def stop_token_ids(v: Any) -> tuple[int, ...]:
     return tuple(as_int("stop_token_ids", t, 0, MAX_TOP_K) for t in v)
 
 
+def repetition_penalty(v: Any) -> float:
+    r = as_float("repetition_penalty", v, 0.0, MAX_REPETITION_PENALTY)
+    if r == 0.0:
+        raise _fail("repetition_penalty", f"in (0, {MAX_REPETITION_PENALTY}]", v)
+    return r
+
+
+def guided_json(v: Any) -> str | None:
+    """A JSON schema (object or its JSON text) → compact JSON text (hashable, a cache key)."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError:
+            raise _fail("guided_json", "a JSON schema (an object or its JSON text)", v) from None
+    if not isinstance(v, dict):
+        raise _fail("guided_json", "a JSON schema (an object or its JSON text)", v)
+    text = json.dumps(v, separators=(",", ":"))  # key order kept: it orders the output
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"guided_json: schema over {MAX_SCHEMA_CHARS} characters")
+    return text
+
+
 def check_sampling(p) -> dict[str, Any]:
     """The normalized fields of a `SamplingParams` (raises ValueError naming the first bad one)."""
+    max_tokens = as_int("max_tokens", p.max_tokens, 1, MAX_TOKENS_LIMIT)
     return {
-        "max_tokens": as_int("max_tokens", p.max_tokens, 1, MAX_TOKENS_LIMIT),
+        "max_tokens": max_tokens,
         "temperature": temperature(p.temperature),
         "top_p": top_p(p.top_p),
         "top_k": as_int("top_k", p.top_k, 0, MAX_TOP_K),
@@ -103,6 +132,15 @@ def check_sampling(p) -> dict[str, Any]:
         "stop": stop_strings(p.stop),
         "stop_token_ids": stop_token_ids(p.stop_token_ids),
         "ignore_eos": as_bool("ignore_eos", p.ignore_eos),
+        "min_p": as_float("min_p", p.min_p, 0.0, 1.0),
+        "min_tokens": as_int("min_tokens", p.min_tokens, 0, max_tokens),
+        "presence_penalty": as_float("presence_penalty", p.presence_penalty, -2.0, 2.0),
+        "frequency_penalty": as_float("frequency_penalty", p.frequency_penalty, -2.0, 2.0),
+        "repetition_penalty": repetition_penalty(p.repetition_penalty),
+        "logprobs": None if p.logprobs is None else as_int("logprobs", p.logprobs, 0,
+                                                           MAX_LOGPROBS),
+        "guided_json": guided_json(p.guided_json),
+        "json_object": as_bool("json_object", p.json_object),
     }
 
 

@@ -30,14 +30,35 @@ class SamplingParams:
     stop: str | Seq[str] | None = None
     stop_token_ids: Seq[int] | None = None
     ignore_eos: bool = False
+    # vLLM semantics (engine/logits_process.py): penalties before temperature; min_p after it
+    min_p: float = 0.0
+    min_tokens: int = 0  # EOS and stop_token_ids (and stop strings) wait for this many tokens
+    presence_penalty: float = 0.0  # over the generated tokens
+    frequency_penalty: float = 0.0  # over the generated tokens, per occurrence
+    repetition_penalty: float = 1.0  # over prompt + generated: positive / r, negative * r
+    logprobs: int | None = None  # the target's raw logprobs of each token, plus the top N
+    guided_json: str | dict | None = None  # a JSON schema the output must follow
+    json_object: bool = False  # the output is a JSON object (any)
 
     def __post_init__(self):
         for name, value in check_sampling(self).items():  # engine/params_check.py: the rules
             object.__setattr__(self, name, value)
+        if self.guided_json is not None and self.json_object:
+            raise ValueError("guided_json: give a schema or json_object, not both")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Changes the target's logits before sampling (engine/logits_process.py)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+
+    @property
+    def structured(self) -> bool:
+        return self.guided_json is not None or self.json_object
 
 
 @dataclass
@@ -54,6 +75,9 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # why a request finished with "error" (it alone failed)
+    # with SamplingParams.logprobs: per token, {id: logprob} of the sampled token and the top N
+    # (top N first, best first; vLLM's shape without its Logprob objects)
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -114,6 +138,10 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.spec = SpecSeqState()
         self.mm = None  # its images (vision/prompt.py MultimodalPrompt), on a VLM target
+        self.matcher = None  # grammar state (engine/grammar.py Matcher), structured output
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.new_logprobs: list[dict[int, float]] = []  # this step's, one per new token
+        self.prompt_seen: torch.Tensor | None = None  # [V] bool, for repetition_penalty
         self._emitted_tokens = 0  # for delta_* in outputs
         self._emitted_text = 0
 
@@ -146,6 +174,7 @@ class Sequence:
             token_ids=list(self.output_ids), finish_reason=self.finish_reason,
             metrics=self.metrics, delta_text=self.text[self._emitted_text:],
             delta_token_ids=self.output_ids[self._emitted_tokens:], error=self.error,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )
         self._emitted_tokens = len(self.output_ids)
         self._emitted_text = len(self.text)

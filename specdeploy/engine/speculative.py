@@ -30,6 +30,7 @@ from specdeploy.engine.drafting import (
     ModelDrafter,
 )
 from specdeploy.engine.engine import Engine
+from specdeploy.engine.logits_process import logprob_pack, process, unpack_logprobs
 from specdeploy.engine.lookup import Lookup
 from specdeploy.engine.request import Sequence
 from specdeploy.engine.scheduler import ScheduledSeq, Scheduler
@@ -225,12 +226,48 @@ class SpecEngine(Engine):
         """`logits` [N, V] of the step, `index` [S, K+1] the rows of each sequence."""
         drafts = Drafts.of([s.spec.drafts for s in seqs], [s.spec.draft_probs for s in seqs],
                            self.deployed.vocab_size)
-        if all(s.params.greedy for s in seqs):  # argmaxes only: no [S, K+1, V] gather
+        plain = all(not s.params.penalized and s.matcher is None and s.params.logprobs is None
+                    for s in seqs)
+        if plain and all(s.params.greedy for s in seqs):  # argmaxes only: no [S, K+1, V] gather
             num, nxt = verify_greedy(logits.argmax(-1)[index], drafts)
+            return torch.stack((num, nxt)).tolist()  # the step's one host synchronisation
+        # grammar masks, min_tokens and penalties: row j sees the drafts before it
+        proc = process(logits[index], seqs, [s.spec.drafts for s in seqs], self.eos_token_ids)
+        if all(s.params.greedy for s in seqs):
+            num, nxt = verify_greedy(proc.logits.argmax(-1), drafts)
         else:
-            num, nxt = verify(logits[index], drafts, [s.params for s in seqs],
+            num, nxt = verify(proc.logits, drafts, [s.params for s in seqs],
                               [s.generator for s in seqs], self.generator)
-        return torch.stack((num, nxt)).tolist()  # the step's one host synchronisation
+        head = torch.stack((num, nxt))
+        asks = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not asks:
+            return head.tolist()
+        return self._with_logprobs(proc.raw, drafts, head, seqs, asks)
+
+    def _with_logprobs(self, raw: torch.Tensor, drafts: Drafts, head: torch.Tensor,
+                       seqs: list[Sequence], asks: list[int]) -> list[list[int]]:
+        """The target's (raw) logprobs at each emitted token: row j's at draft j while j is
+        accepted, then the next token's; copied with (num, next) in one host transfer."""
+        s, k1, _ = raw.shape
+        dev = raw.device
+        ids = torch.full((s, k1), -1, dtype=torch.long)
+        ids[:, :min(k1, drafts.ids.shape[1])] = drafts.ids[:, :k1]
+        num, nxt = head[0], head[1]
+        j = torch.arange(k1, device=dev)[None]
+        tokens = torch.where(j < num[:, None], ids.to(dev), nxt[:, None])
+        n = max(seqs[i].params.logprobs for i in asks)
+        idx = torch.tensor(asks, device=dev)
+        pack = logprob_pack(raw[idx], tokens[idx], n)  # [A, K+1, 1 + 2n]
+        host = torch.cat((head.double().flatten(), pack.flatten())).tolist()
+        num_h, nxt_h = [int(x) for x in host[:s]], [int(x) for x in host[s:2 * s]]
+        w = pack.shape[-1]
+        for r, i in enumerate(asks):
+            seq, base = seqs[i], 2 * s + r * k1 * w
+            toks = seq.spec.drafts[:num_h[i]] + [nxt_h[i]]
+            seq.new_logprobs = [
+                unpack_logprobs(host[base + t * w:base + (t + 1) * w], n, seq.params.logprobs,
+                                tok) for t, tok in enumerate(toks)]
+        return [num_h, nxt_h]
 
     def _commit(self, batch: list[ScheduledSeq], segs: list[Segment],
                 tokens: list[list[int]]) -> list[int]:
@@ -291,3 +328,18 @@ class SpecEngine(Engine):
                 except Exception as e:
                     w.seq.spec.clear()
                     self.fail(w.seq, e)
+        for w in work:
+            if w.seq.matcher is not None and w.seq.spec.drafts:
+                _cut_to_grammar(w.seq)
+
+
+def _cut_to_grammar(seq: Sequence) -> None:
+    """Drop the drafts from the first one the sequence's grammar forbids (verifying fewer
+    drafts is still exact; a forbidden one could only be rejected). The committed grammar
+    state is not moved: accepted tokens advance it in `_append`, rejected drafts never did."""
+    st = seq.spec
+    n = len(seq.matcher.walk(st.drafts)) - 1
+    if n < len(st.drafts):
+        st.drafts = st.drafts[:n]
+        if st.draft_probs is not None:
+            st.draft_probs = st.draft_probs[:n] if n else None

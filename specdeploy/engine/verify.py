@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specdeploy.engine.request import SamplingParams
-from specdeploy.engine.sampler import _filter_top_k_top_p
+from specdeploy.engine.sampler import filter_logits
 
 
 @dataclass(frozen=True)
@@ -62,17 +62,12 @@ class Drafts:
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """logits [S, R, V] → the distributions `sample` draws from (temperature, top-k, top-p),
+    """logits [S, R, V] → the distributions `sample` draws from (temperature, min-p, top-k, top-p),
     per row's params; greedy rows get temperature 1 (their probabilities are not used)."""
     s, r, v = logits.shape
     dev = logits.device
     temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
-    scaled = (logits.float() / temp[:, None, None]).reshape(s * r, v)
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=dev).repeat_interleave(r)
-        top_p = torch.tensor([p.top_p for p in params], device=dev,
-                             dtype=scaled.dtype).repeat_interleave(r)
-        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+    scaled = filter_logits((logits.float() / temp[:, None, None]).reshape(s * r, v), params, r)
     return scaled.softmax(-1).reshape(s, r, v)
 
 

@@ -60,7 +60,8 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         model_name=model_name or default_model_name(llm), max_seq_len=engine.max_seq_len,
         kv_capacity=blocks.num_pages * blocks.page_size - engine.scheduler.lookahead,
         vocab_size=engine.deployed.vocab_size, max_token_chars=max_token_chars(tokenizer),
-        vision=engine.deployed if hasattr(engine.deployed, "image_features") else None)
+        vision=engine.deployed if hasattr(engine.deployed, "image_features") else None,
+        grammar=lambda schema: engine.grammar_compiler().compile(schema))
     metrics = ServerMetrics()
     loop = EngineLoop(engine, metrics, max_batch_size=engine.scheduler.max_batch_size,
                       max_queue=max_queue)
@@ -189,6 +190,7 @@ async def _stream(req: P.GenerationRequest, handle: Handle, rid: str, created: i
     n = len(req.prompts)
     done, completion_tokens = 0, 0
     sent = [0] * n  # characters of each choice's text already streamed
+    sent_lp = [0] * n  # tokens whose logprobs were streamed
     if req.chat:
         for i in range(n):
             yield P.sse(P.chunk_body(req, rid, created, i, None, None, first=True))
@@ -202,15 +204,21 @@ async def _stream(req: P.GenerationRequest, handle: Handle, rid: str, created: i
         # what may become one is held back, so a stream always spells the non-streamed answer.
         end = len(out.text) if out.finished else (
             len(out.text) - _held_back(out.text, req.params[i].stop))
+        # NOTE: a chunk carries the logprobs of every token since the last one that did
+        lp = None
+        if out.logprobs is not None and (end > sent[i] or out.finished):
+            lp = req.logprobs(i, out.token_ids[sent_lp[i]:], out.logprobs[sent_lp[i]:], sent[i])
+            sent_lp[i] = len(out.logprobs)
         if end > sent[i]:
-            yield P.sse(P.chunk_body(req, rid, created, i, out.text[sent[i]:end], None))
-            sent[i] = end
+            yield P.sse(P.chunk_body(req, rid, created, i, out.text[sent[i]:end], None,
+                                     logprobs=lp))
+            sent[i], lp = end, None
         if out.finished:
             done += 1
             completion_tokens += len(out.token_ids)
-            yield P.sse(P.chunk_body(req, rid, created, i, None, out.finish_reason))
+            yield P.sse(P.chunk_body(req, rid, created, i, None, out.finish_reason, logprobs=lp))
     if req.include_usage:
-        prompt_tokens = sum(len(p) for p in req.prompts)
+        prompt_tokens = req.prompt_tokens
         yield P.sse(P.usage_chunk(req, rid, created, P.usage(prompt_tokens, completion_tokens)))
     yield P.sse("[DONE]")
 
@@ -219,7 +227,7 @@ async def _collect(request: Request, req: P.GenerationRequest, handle: Handle, r
                    created: int, loop: EngineLoop):
     """Wait for every prompt's output; a client that leaves aborts its requests."""
     n = len(req.prompts)
-    texts, reasons, ntok = [""] * n, [None] * n, [0] * n
+    texts, reasons, ntok, lps = [""] * n, [None] * n, [0] * n, [None] * n
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         done = 0
@@ -239,10 +247,11 @@ async def _collect(request: Request, req: P.GenerationRequest, handle: Handle, r
                 texts[ev.index] = ev.output.text
                 reasons[ev.index] = ev.output.finish_reason
                 ntok[ev.index] = len(ev.output.token_ids)
+                lps[ev.index] = req.logprobs(ev.index, ev.output.token_ids, ev.output.logprobs)
     finally:
         gone.cancel()
-    use = P.usage(sum(len(p) for p in req.prompts), sum(ntok))
-    return JSONResponse(P.response_body(req, rid, created, texts, reasons, use))
+    use = P.usage(req.prompt_tokens, sum(ntok))
+    return JSONResponse(P.response_body(req, rid, created, texts, reasons, use, lps))
 
 
 async def _disconnected(request: Request) -> None:

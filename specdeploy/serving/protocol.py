@@ -8,13 +8,22 @@ here first.
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from specdeploy.engine import SamplingParams
 from specdeploy.engine.params_check import check_for_model
+from specdeploy.serving import sampling_fields as F
+from specdeploy.serving.logprobs_format import format_logprobs
+from specdeploy.serving.responses import (  # noqa: F401  (the app reads them as P.*)
+    chunk_body,
+    new_id,
+    now,
+    response_body,
+    sse,
+    usage,
+    usage_chunk,
+)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
@@ -57,6 +66,7 @@ class Limits:
     # context * this cannot fit, so it is refused before the tokenizer spends seconds on it.
     max_token_chars: int | None = None
     vision: Any = None  # a vision-language deployment (deploy/vlm.py): image parts accepted
+    grammar: Any = None  # schema (None: any object) → compiled grammar; raises ValueError
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -71,11 +81,22 @@ class GenerationRequest:
 
     chat: bool
     model: str
-    prompts: list[list[int]]
-    params: list[SamplingParams]  # per prompt (chat's default max_tokens depends on its length)
+    prompts: list[list[int]]  # per choice: prompt i's n choices are i * n .. i * n + n - 1
+    params: list[SamplingParams]  # per choice (chat's default max_tokens depends on its length)
     stream: bool
     include_usage: bool
-    mm: list | None = None  # per prompt: its images (vision/prompt.py MultimodalPrompt) or None
+    mm: list | None = None  # per choice: its images (vision/prompt.py MultimodalPrompt) or None
+    n: int = 1
+    tokenizer: Any = None  # spells the tokens of logprobs
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Usage counts each prompt once, however many choices it has (as OpenAI, vLLM)."""
+        return sum(len(p) for p in self.prompts[::self.n])
+
+    def logprobs(self, index: int, token_ids: list[int], logprobs, offset: int = 0):
+        return format_logprobs(self.chat, self.tokenizer, token_ids, logprobs,
+                               self.params[index].logprobs, offset)
 
 
 # ---- parsing ------------------------------------------------------------------------------------
@@ -141,19 +162,6 @@ def _int(body: dict, name: str, default: int | None, lo: int | None = None,
     return v
 
 
-def _float(body: dict, name: str, default: float, lo: float, hi: float,
-           lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise bad(name, f"must be a number, got {json.dumps(v)}", "invalid_type")
-    if not (lo < v if lo_open else lo <= v) or v > hi:
-        left = "(" if lo_open else "["
-        raise bad(name, f"must be in {left}{lo}, {hi}], got {v}", "invalid_value")
-    return float(v)
-
-
 def _bool(body: dict, name: str, default: bool) -> bool:
     v = body.get(name)
     if v is None:
@@ -174,12 +182,6 @@ def _common(body: dict) -> tuple[bool, bool]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "must be a string", "invalid_type")
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise bad("n", f"only n=1 is supported, got {n}", "unsupported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        _float(body, name, 0.0, -2.0, 2.0)
-        _unsupported(body, name, (None, 0, 0.0))
     _unsupported(body, "logit_bias")
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
@@ -193,21 +195,33 @@ def _common(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _sampling(body: dict, max_tokens: int, limits: Limits) -> SamplingParams:
-    """The rules are SamplingParams' own (engine/params_check.py); only the API's spellings are
-    translated here: top_k -1 (vLLM) means off, like 0, and OpenAI's temperature default is 1."""
+def _sampling(body: dict, max_tokens: int, limits: Limits, chat: bool) -> list[SamplingParams]:
+    """One SamplingParams per choice (`n`; choice j seeded with seed + j). The rules are
+    SamplingParams' own (engine/params_check.py); only the API's spellings are translated here
+    (and in sampling_fields.py): top_k -1 (vLLM) means off, like 0, and OpenAI's temperature
+    default is 1. A structured-output schema is compiled here, so a bad one is a 400."""
     top_k = body.get("top_k")
     try:
-        params = SamplingParams(
+        n, extra = F.num_choices(body), F.sampling_kwargs(body, chat)
+        params = [SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.get("temperature") is None else body["temperature"],
             top_p=1.0 if body.get("top_p") is None else body["top_p"],
             top_k=0 if top_k is None or (top_k == -1 and _is_int(top_k)) else top_k,
-            seed=body.get("seed"), stop=body.get("stop"), stop_token_ids=body.get("stop_token_ids"),
-            ignore_eos=False if body.get("ignore_eos") is None else body["ignore_eos"])
-        check_for_model(params, limits.vocab_size)
+            seed=F.choice_seed(body.get("seed"), j), stop=body.get("stop"),
+            stop_token_ids=body.get("stop_token_ids"),
+            ignore_eos=False if body.get("ignore_eos") is None else body["ignore_eos"], **extra)
+            for j in range(n)]
+        check_for_model(params[0], limits.vocab_size)
+    except F.FieldError as e:
+        raise bad(e.param, e.message, e.code) from None
     except ValueError as e:  # messages start with the field's name
-        raise bad(str(e).split(":", 1)[0], str(e).split(": ", 1)[-1], "invalid_value") from None
+        raise bad(F.field_of(e), str(e).split(": ", 1)[-1], "invalid_value") from None
+    if params[0].structured and limits.grammar is not None:
+        try:
+            limits.grammar(params[0].guided_json)
+        except ValueError as e:
+            raise bad("response_format", str(e).split(": ", 1)[-1], "invalid_value") from None
     return params
 
 
@@ -261,7 +275,6 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
     for name in ("echo",):
         _unsupported(body, name, (None, False))
     _unsupported(body, "best_of", (None, 1))
-    _unsupported(body, "logprobs")
     _unsupported(body, "suffix", (None, ""))
     if "prompt" not in body or body["prompt"] is None:
         raise bad("prompt", "is required", "missing_required_parameter")
@@ -285,9 +298,15 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
                       "invalid_type")
         _check_prompt(p, limits, "prompt")
         prompts.append(p)
-    params = [_sampling(body, _max_tokens(body, "max_tokens", len(p), limits, 16), limits)
-              for p in prompts]
-    return GenerationRequest(False, model, prompts, params, stream, include_usage)
+    choices = [_sampling(body, _max_tokens(body, "max_tokens", len(p), limits, 16), limits,
+                         False) for p in prompts]
+    n = len(choices[0])
+    if n * len(prompts) > MAX_PROMPTS:
+        raise bad("n", f"at most {MAX_PROMPTS} choices (prompts x n) per request",
+                  "invalid_value")
+    return GenerationRequest(False, model, [p for p in prompts for _ in range(n)],
+                             [sp for c in choices for sp in c], stream, include_usage, None, n,
+                             tokenizer)
 
 
 def _message(i: int, m: Any, images: list | None = None, vision: Any = None) -> dict:
@@ -335,13 +354,8 @@ def _text_chars(content: str | list) -> int:
 def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
     stream, include_usage = _common(body)
     model = _model(body, limits)
-    _unsupported(body, "logprobs", (None, False))
-    _unsupported(body, "top_logprobs")
     _unsupported(body, "tools")
     _unsupported(body, "tool_choice", (None, "none"))
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("response_format", "only {\"type\": \"text\"} is supported", "unsupported")
     msgs = body.get("messages")
     if msgs is None:
         raise bad("messages", "is required", "missing_required_parameter")
@@ -369,66 +383,7 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
     _check_prompt(ids, limits, "messages")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    params = _sampling(body, _max_tokens(body, field, len(ids), limits, None), limits)
-    return GenerationRequest(True, model, [ids], [params], stream, include_usage,
-                             None if mm is None else [mm])
-
-
-# ---- responses ----------------------------------------------------------------------------------
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def response_body(req: GenerationRequest, rid: str, created: int, texts: list[str],
-                  reasons: list[str], use: dict) -> dict:
-    if req.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                    "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
-        obj = "chat.completion"
-    else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model,
-            "choices": choices, "usage": use}
-
-
-def chunk_body(req: GenerationRequest, rid: str, created: int, index: int, text: str | None,
-               finish_reason: str | None, first: bool = False) -> dict:
-    """One streamed chunk; a chat stream's first chunk of a choice carries the role."""
-    if req.chat:
-        delta: dict = {"role": "assistant", "content": ""} if first else {}
-        if text:
-            delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "text_completion"
-    body = {"id": rid, "object": obj, "created": created, "model": req.model,
-            "choices": [choice]}
-    if req.include_usage:
-        body["usage"] = None
-    return body
-
-
-def usage_chunk(req: GenerationRequest, rid: str, created: int, use: dict) -> dict:
-    obj = "chat.completion.chunk" if req.chat else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
-            "usage": use}
-
-
-def sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
-
-
-def now() -> int:
-    return int(time.time())
+    params = _sampling(body, _max_tokens(body, field, len(ids), limits, None), limits, True)
+    n = len(params)
+    return GenerationRequest(True, model, [ids] * n, params, stream, include_usage,
+                             None if mm is None else [mm] * n, n, tokenizer)

@@ -18,6 +18,14 @@ BAD = {
     "stop": [5, [5], [""], ["a"] * 17, ["x" * 513], b"ab", [None]],
     "stop_token_ids": [["5"], [True], 5, "12", [-1], [1.5], [10**30]],
     "ignore_eos": ["yes", 1, 0, None],
+    "min_p": [-0.1, 1.5, NAN, "0.1", True],
+    "min_tokens": [-1, 17, 2.0, True],  # at most max_tokens (16)
+    "presence_penalty": [2.5, -2.5, NAN, "1"],
+    "frequency_penalty": [INF, True],
+    "repetition_penalty": [0, 0.0, -1.0, 101.0, NAN],
+    "logprobs": [-1, 21, 2.0, True],
+    "guided_json": ["{not json", "[1]", 5, ["a"]],
+    "json_object": ["yes", 1],
 }
 
 
@@ -44,3 +52,12 @@ def test_model_bounds():
         check_for_model(SamplingParams(top_k=101), 100)
     with pytest.raises(ValueError, match="^stop_token_ids: "):
         check_for_model(SamplingParams(stop_token_ids=[100]), 100)
+
+
+def test_schema_normalized_and_exclusive():
+    schema = {"type": "object", "properties": {"b": {}, "a": {}}}
+    p = SamplingParams(guided_json=schema)
+    assert p.guided_json == '{"type":"object","properties":{"b":{},"a":{}}}'  # order kept
+    assert p.structured and not p.penalized and SamplingParams(min_tokens=1).penalized
+    with pytest.raises(ValueError, match="^guided_json: "):
+        SamplingParams(guided_json=schema, json_object=True)

@@ -41,9 +41,12 @@ SAMPLING_BAD = {
     "stop": [5, [5], [""], ["a"] * 17, "x" * 600, {"a": 1}, [["a"]]],
     "stop_token_ids": [["5"], [True], 5, [-1], [10**30], [128], "12"],
     "ignore_eos": ["yes", 1],
-    "presence_penalty": [3, "1", NAN, 0.5],
+    "presence_penalty": [3, "1", NAN, [0.5]],
     "frequency_penalty": [-3, INF],
-    "n": [2, 0, "1", True],
+    "n": [17, 0, "1", True],
+    "repetition_penalty": [0, -1, "1.2", NAN],
+    "min_p": [1.5, -0.1],
+    "min_tokens": [-1, "3", 10**6, 1.5],
     "stream": ["yes", 1],
 }
 
@@ -72,7 +75,7 @@ def completion_cases():
             _with(COMP, prompt=p), 400, "prompt") for p in BAD_PROMPTS]
     out.append(("prompt missing", "POST", "/v1/completions", JSON, _with(COMP, prompt=_DROP),
                 400, "prompt"))
-    for field, v in (("echo", True), ("best_of", 2), ("logprobs", 2), ("suffix", "x"),
+    for field, v in (("echo", True), ("best_of", 2), ("logprobs", 21), ("suffix", "x"),
                      ("logit_bias", {"1": 5}), ("stream_options", {"include_usage": True})):
         out.append((f"{field} unsupported", "POST", "/v1/completions", JSON,
                     _with(COMP, **{field: v}), 400, field))
@@ -114,9 +117,11 @@ def chat_cases():
         ("content huge", _msgs({"role": "user", "content": "y" * 5000}), "messages"),
         ("tools", _with(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
         ("tool_choice", _with(CHAT, tool_choice="auto"), "tool_choice"),
-        ("response_format", _with(CHAT, response_format={"type": "json_object"}),
+        ("response_format", _with(CHAT, response_format={"type": "regex"}),
          "response_format"),
-        ("logprobs", _with(CHAT, logprobs=True), "logprobs"),
+        ("response_format schema", _with(CHAT, response_format={"type": "json_schema"}),
+         "response_format"),
+        ("logprobs", _with(CHAT, logprobs="yes"), "logprobs"),
         ("top_logprobs", _with(CHAT, top_logprobs=3), "top_logprobs"),
         ("max_completion_tokens str", _with(CHAT, max_completion_tokens="5"),
          "max_completion_tokens"),

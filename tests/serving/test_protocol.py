@@ -43,8 +43,8 @@ def test_parse_defaults_and_limits():
     assert e.value.param == "max_tokens"
     with pytest.raises(P.APIError) as e:
         P.parse_chat({"messages": [{"role": "user", "content": "x"}],
-                      "frequency_penalty": 0.5}, tok, LIMITS)
-    assert e.value.param == "frequency_penalty" and e.value.code == "unsupported"
+                      "frequency_penalty": 2.5}, tok, LIMITS)
+    assert e.value.param == "frequency_penalty" and e.value.code == "invalid_value"
     assert P.APIError(429, "full").body()["error"]["type"] == "rate_limit_error"
 
 

@@ -231,7 +231,7 @@ BAD = [  # (endpoint, raw body, status, param)
     ("completions", {"prompt": [1, 2, 999999]}, 400, "prompt"),
     ("completions", {"prompt": "x" * 600}, 400, "prompt"),
     ("completions", {"prompt": [5] * 300}, 400, "prompt"),
-    ("completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
@@ -243,7 +243,7 @@ BAD = [  # (endpoint, raw body, status, param)
     ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
-    ("completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("chat/completions", {"max_tokens": 4}, 400, "messages"),
     ("chat/completions", {"messages": []}, 400, "messages"),
@@ -252,7 +252,7 @@ BAD = [  # (endpoint, raw body, status, param)
      "messages[0].role"),
     ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400,
      "messages[0].content"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 17}, 400, "n"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
                           "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, 400,
@@ -273,7 +273,7 @@ def test_bad_inputs_get_their_status_and_the_server_keeps_answering(srv, refs):
         assert err["message"]
     http.close()
     with pytest.raises(openai.BadRequestError) as e:  # the client sees the same
-        srv.client().completions.create(model=MODEL, prompt="hi", max_tokens=4, n=2)
+        srv.client().completions.create(model=MODEL, prompt="hi", max_tokens=4, n=0)
     assert e.value.status_code == 400 and e.value.param == "n"
     r = srv.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
                                         temperature=0)

@@ -1,0 +1,188 @@
+"""Structured output: JSON (a schema, or any object) as a token-level automaton over the target's
+vocabulary, used to mask the target's logits and to cut drafts that leave the grammar.
+
+The grammar library is outlines-core (Rust, no dependencies, CPU wheels): a JSON schema becomes a
+regex, the regex an `Index` (a DFA over token ids). We chose it over xgrammar because xgrammar
+pulls triton and apache-tvm-ffi into a CPU-only install, and because the `Index` is stateless:
+a sequence's matcher is one state id, so walking drafts is reading transitions from a copy of
+it, and "rollback" of rejected drafts is simply not advancing the committed state.
+
+Masks are bitmasks ([ceil(V / 32)] int32, bit t = token t allowed), built once per (index,
+state) and cached: a JSON automaton has few states and the steps revisit them constantly.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from functools import lru_cache
+
+import torch
+
+# Any JSON object for `response_format: {"type": "json_object"}`, values nested two levels.
+# NOTE: outlines' own regex for `{"type": "object"}` nests arbitrarily deep and takes seconds to
+# compile even for a 2k-token vocabulary; this bounded one compiles in well under a second.
+_STR = r'"([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])*"'
+_NUM = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+_SCALAR = rf"({_STR}|{_NUM}|true|false|null)"
+_WS = r"[ \n]?"
+_FLAT = (rf"({_SCALAR}|\[{_WS}({_SCALAR}({_WS},{_WS}{_SCALAR})*)?{_WS}\]"
+         rf"|\{{{_WS}({_STR}{_WS}:{_WS}{_SCALAR}({_WS},{_WS}{_STR}{_WS}:{_WS}{_SCALAR})*)?"
+         rf"{_WS}\}})")
+JSON_OBJECT_REGEX = (rf"\{{{_WS}({_STR}{_WS}:{_WS}{_FLAT}({_WS},{_WS}{_STR}{_WS}:{_WS}{_FLAT})*)?"
+                     rf"{_WS}\}}")
+
+
+class GrammarError(ValueError):
+    """A schema the grammar library cannot compile (the server answers 400)."""
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level alphabet (printable stand-ins for bytes) → byte."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    chars = {b: chr(b) for b in keep}
+    n = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + n)
+            n += 1
+    return {c: b for b, c in chars.items()}
+
+
+def token_bytes(tokenizer) -> dict[int, bytes]:
+    """Each ordinary token's bytes (specials left out: the grammar never emits them). Byte-level
+    BPE vocabularies are decoded from their alphabet; others by decoding the token alone (a
+    token that is part of a multi-byte character then cannot be used inside the grammar)."""
+    backend = tokenizer.backend
+    special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+    vocab = backend.get_vocab(with_added_tokens=True)
+    out: dict[int, bytes] = {}
+    if type(backend.decoder).__name__ == "ByteLevel":
+        dec = _byte_decoder()
+        for tok, i in vocab.items():
+            if tok not in special and all(c in dec for c in tok):
+                out[i] = bytes(dec[c] for c in tok)
+        return out
+    for tok, i in vocab.items():
+        if tok in special:
+            continue
+        text = tokenizer.decode([i])
+        if text and "\ufffd" not in text:
+            out[i] = text.encode()
+    return out
+
+
+class GrammarCompiler:
+    """Compiles JSON grammars for one tokenizer and model vocabulary (thread-safe: the server
+    compiles while parsing a request, the engine thread reads the cache)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        import outlines_core as oc
+
+        self.vocab_size = vocab_size
+        self.eos = sorted(int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size)
+        if not self.eos:
+            raise GrammarError("structured output needs an end-of-sequence token")
+        by_bytes: dict[bytes, list[int]] = {}
+        for i, b in token_bytes(tokenizer).items():
+            if i < vocab_size and i not in self.eos:
+                by_bytes.setdefault(b, []).append(i)
+        self._vocab = oc.Vocabulary(self.eos[0], by_bytes)
+        self._lock = threading.Lock()
+        self._cache: dict[str, Grammar] = {}
+
+    def compile(self, schema: str | None) -> Grammar:
+        """`schema`: a JSON schema (canonical JSON text), or None for any JSON object."""
+        key = "" if schema is None else schema
+        with self._lock:
+            g = self._cache.get(key)
+        if g is None:
+            g = Grammar(self._index(schema), self.vocab_size, self.eos)
+            with self._lock:
+                self._cache.setdefault(key, g)
+                if len(self._cache) > 64:  # bound the memory of one-off schemas
+                    self._cache.pop(next(iter(self._cache)))
+        return g
+
+    def _index(self, schema: str | None):
+        import outlines_core as oc
+
+        try:
+            regex = JSON_OBJECT_REGEX if schema is None else _schema_regex(schema)
+            return oc.Index(regex, self._vocab)
+        except Exception as e:  # the library raises ValueError / its own errors
+            raise GrammarError(f"cannot compile the JSON schema: {e}") from None
+
+
+@lru_cache(maxsize=256)
+def _schema_regex(schema: str) -> str:
+    from outlines_core.json_schema import build_regex_from_schema
+
+    json.loads(schema)
+    return build_regex_from_schema(schema)
+
+
+class Grammar:
+    """A compiled grammar: transitions and (cached) allowed-token bitmasks per state."""
+
+    def __init__(self, index, vocab_size: int, eos: list[int]):
+        self.index, self.vocab_size, self.eos = index, vocab_size, eos
+        self.initial = index.get_initial_state()
+        self.words = (vocab_size + 31) // 32
+        self._masks: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def next_state(self, state: int, token: int) -> int | None:
+        """The state after `token`, None if the grammar forbids it (an end-of-sequence token is
+        allowed in a final state and keeps it)."""
+        if token in self.eos:
+            return state if self.index.is_final_state(state) else None
+        return self.index.get_next_state(state, token)
+
+    def bitmask(self, state: int) -> torch.Tensor:
+        """[words] int32 of the tokens allowed in `state` (EOS ids in final states)."""
+        m = self._masks.get(state)
+        if m is None:
+            allowed = list(self.index.get_allowed_tokens(state) or ())
+            if self.index.is_final_state(state):
+                allowed += self.eos
+            bits = torch.zeros(self.words * 32, dtype=torch.bool)
+            if allowed:
+                bits[torch.tensor(allowed, dtype=torch.long)] = True
+            weights = (1 << torch.arange(32, dtype=torch.int64))
+            m = (bits.view(self.words, 32).long() * weights).sum(-1)
+            m = torch.where(m >= 2**31, m - 2**32, m).to(torch.int32)  # two's complement
+            with self._lock:
+                self._masks[state] = m
+        return m
+
+
+class Matcher:
+    """One sequence's position in its grammar: the state after its committed tokens."""
+
+    def __init__(self, grammar: Grammar):
+        self.grammar = grammar
+        self.state = grammar.initial
+
+    def advance(self, token: int) -> None:
+        nxt = self.grammar.next_state(self.state, token)
+        if nxt is None:
+            raise ValueError(f"response_format: token {token} is not allowed by the grammar")
+        self.state = nxt
+
+    def walk(self, drafts: list[int]) -> list[int]:
+        """States after each accepted prefix of `drafts` (state before the first draft first),
+        stopping before the first draft the grammar forbids: len = 1 + drafts that fit."""
+        states = [self.state]
+        for t in drafts:
+            nxt = self.grammar.next_state(states[-1], t)
+            if nxt is None:
+                break
+            states.append(nxt)
+        return states
+
+
+def unpack_bitmask(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., words] int32 → [..., vocab_size] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=masks.device)
+    bits = (masks[..., None] >> shifts) & 1
+    return bits.bool().flatten(-2)[..., :vocab_size]

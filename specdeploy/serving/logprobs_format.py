@@ -1,0 +1,63 @@
+"""Logprobs in OpenAI's response shapes, from `RequestOutput.logprobs` (engine: the target's raw
+logprobs, vLLM's default `logprobs_mode`: before penalties and temperature, after the grammar
+mask).
+
+Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`; completions:
+`{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`. A logprob of
+-inf (a token the grammar forbids, among the top N) is reported as -9999.0, as vLLM does: JSON
+has no infinity.
+"""
+from __future__ import annotations
+
+FLOOR = -9999.0
+
+
+def _lp(x: float) -> float:
+    return max(x, FLOOR)
+
+
+def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
+                  top_n: int) -> dict:
+    def item(t: int, lp: float) -> dict:
+        text = tokenizer.decode([t])
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode())}
+
+    content = []
+    for t, entry in zip(token_ids, logprobs):
+        content.append({**item(t, entry[t]),
+                        "top_logprobs": [item(i, lp) for i, lp in _top(entry, top_n)]})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
+                        top_n: int, offset: int = 0) -> dict:
+    """`offset`: characters of the choice's text before these tokens (streaming chunks)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for t, entry in zip(token_ids, logprobs):
+        text = tokenizer.decode([t])
+        tokens.append(text)
+        lps.append(_lp(entry[t]))
+        # NOTE: keyed by text, as OpenAI's shape is: two ids spelling alike keep the better
+        top: dict[str, float] = {}
+        for i, lp in _top(entry, top_n):
+            top.setdefault(tokenizer.decode([i]), _lp(lp))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def format_logprobs(chat: bool, tokenizer, token_ids: list[int],
+                    logprobs: list[dict[int, float]] | None, top_n: int | None,
+                    offset: int = 0) -> dict | None:
+    if logprobs is None or top_n is None:
+        return None
+    n = len(logprobs)
+    if chat:
+        return chat_logprobs(tokenizer, token_ids[:n], logprobs, top_n)
+    return completion_logprobs(tokenizer, token_ids[:n], logprobs, top_n, offset)

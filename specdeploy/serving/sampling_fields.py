@@ -1,0 +1,127 @@
+"""Request fields that reach the engine's logits: `n`, logprobs, penalties, `min_p`,
+`min_tokens` and structured output (OpenAI's names and vLLM's extensions).
+
+Only the API's spellings are translated here; the value rules are `SamplingParams`' own
+(engine/params_check.py), so a bad value is a 400 naming its field either way.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from specdeploy.engine.params_check import MAX_LOGPROBS, MAX_SEED
+
+MAX_N = 16  # choices per prompt (each one is an engine request and holds a batch slot)
+_PASS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
+
+
+class FieldError(ValueError):
+    """`ValueError("<field>: message")` whose field is the API's name, not the engine's."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_value"):
+        super().__init__(f"{param}: {message}")
+        self.param, self.message, self.code = param, message, code
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def num_choices(body: dict) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise FieldError("n", f"must be an integer in [1, {MAX_N}], got {json.dumps(n)}")
+    return n
+
+
+def choice_seed(seed: Any, j: int) -> Any:
+    """Choice j of a seeded request draws from seed + j (vLLM's convention for n > 1): the
+    choices differ and each is reproducible. An invalid seed is left for the rules to refuse."""
+    if j == 0 or not _is_int(seed) or not 0 <= seed <= MAX_SEED:
+        return seed
+    return (seed + j) % (MAX_SEED + 1)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Top-N logprobs per token: chat `logprobs: true` + `top_logprobs: N`; completions
+    `logprobs: N` (an integer). None: no logprobs."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if lp is not None and not isinstance(lp, bool):
+            raise FieldError("logprobs", f"must be a boolean, got {json.dumps(lp)}",
+                             "invalid_type")
+        if top is not None:
+            if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+                raise FieldError("top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], "
+                                 f"got {json.dumps(top)}")
+            if not lp:
+                raise FieldError("top_logprobs", "needs logprobs: true")
+        return (top or 0) if lp else None
+    if lp is None:
+        return None
+    if not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS:
+        raise FieldError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got "
+                         f"{json.dumps(lp)}")
+    return lp
+
+
+def _structured(body: dict) -> dict:
+    """`response_format` (OpenAI), `guided_json` (vLLM, older) or `structured_outputs: {"json":
+    ...}` / `{"json_object": true}` (vLLM) → SamplingParams' guided_json / json_object."""
+    found: dict = {}
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found = {"json_object": True}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise FieldError("response_format", "json_schema needs `json_schema.schema`, "
+                                 "a JSON schema object")
+            found = {"guided_json": schema}
+        elif kind != "text":
+            raise FieldError("response_format", "must be {\"type\": \"text\"}, "
+                             "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", ...}",
+                             "unsupported")
+    for name, value in (("guided_json", body.get("guided_json")),
+                        ("structured_outputs", body.get("structured_outputs"))):
+        if value is None:
+            continue
+        if found:
+            raise FieldError(name, "give one of response_format, guided_json and "
+                             "structured_outputs")
+        if name == "guided_json":
+            found = {"guided_json": value}
+            continue
+        if not isinstance(value, dict):
+            raise FieldError(name, "must be an object", "invalid_type")
+        extra = sorted(k for k, v in value.items() if v is not None and k not in ("json",
+                                                                                 "json_object"))
+        if extra:
+            raise FieldError(f"{name}.{extra[0]}", "is not supported (json and json_object "
+                             "are)", "unsupported")
+        if value.get("json") is not None:
+            found = {"guided_json": value["json"]}
+        elif value.get("json_object"):
+            found = {"json_object": True}
+    return found
+
+
+def sampling_kwargs(body: dict, chat: bool) -> dict:
+    """SamplingParams keyword arguments for the fields this module owns."""
+    kw = {name: body[name] for name in _PASS if body.get(name) is not None}
+    lp = _logprobs(body, chat)
+    if lp is not None:
+        kw["logprobs"] = lp
+    kw.update(_structured(body))
+    return kw
+
+
+def field_of(error: ValueError) -> str:
+    """The API field a SamplingParams error names (its own names, but guided_json)."""
+    name = str(error).split(":", 1)[0]
+    return "response_format" if name in ("guided_json", "json_object") else name
