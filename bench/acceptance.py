@@ -251,14 +251,16 @@ def main() -> None:
     args.draft_min_probs = [float(p) for p in args.draft_min_probs.split(",") if p]
     if args.threads:
         torch.set_num_threads(args.threads)
+    from specdeploy.default_model import resolve_model_name
     from specdeploy.tokenizer import load_tokenizer
 
+    name, args.model = args.model, resolve_model_name(args.model)  # e.g. "hybrid-demo"
     tok = load_tokenizer(args.model)
     prompts = heldout_prompts(tok, max(args.num_prompts, args.speed_prompts),
                               args.max_prompt_tokens)
     t0 = time.perf_counter()
     result = {"machine": machine(), "command": " ".join(sys.argv),
-              "model": args.model or "default (SmolLM2-135M-Instruct)",
+              "model": name or "default (SmolLM2-135M-Instruct)",
               "heldout_prompts": args.num_prompts, "max_tokens": args.max_tokens,
               "acceptance": acceptance(args, prompts[:args.num_prompts])}
     if not args.skip_speed:

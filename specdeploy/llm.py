@@ -72,7 +72,9 @@ class LLM:
             from specdeploy.default_model import default_model_path
 
             model = default_model_path()
-        self.model_path = Path(model)
+        from specdeploy.default_model import resolve_model_name
+
+        self.model_path = Path(resolve_model_name(model))
         t0 = time.perf_counter()
         log(f"loading tokenizer from {self.model_path}")
         from specdeploy.tokenizer import load_tokenizer
