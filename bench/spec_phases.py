@@ -98,11 +98,14 @@ def main() -> None:
     ap.add_argument("--lookups", default="0",
                     help="n-gram lookup drafts per head: 0 (off) and/or MAX:MIN, e.g. 0,4:2")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--model", default=None, help="default: the default model; or hybrid-demo")
+    ap.add_argument("--draft-dtype", default="bfloat16", help="'none': the target's")
     args = ap.parse_args()
+    draft_dtype = None if args.draft_dtype == "none" else args.draft_dtype
     torch.set_num_threads(args.threads)
 
     def make(spec):
-        return LLM(None, dtype="float32", max_batch_size=1, max_seq_len=1024, spec=spec)
+        return LLM(args.model, dtype="float32", max_batch_size=1, max_seq_len=1024, spec=spec)
 
     base = make(None)
     _, held = data.split(data.load_conversations("sharegpt"))
@@ -114,7 +117,8 @@ def main() -> None:
             mx, mn = (int(x) for x in (lk.split(":") + ["2"])[:2]) if lk != "0" else (0, 0)
             name = m if not mx else f"{m}+lookup{mx}:{mn}"
             llms[name] = make(SpecConfig(m, args.k, draft_model=getattr(args, f"{m}_dir"),
-                                         draft_dtype="bfloat16", draft_quantize="int8",
+                                         draft_dtype=draft_dtype,
+                                         draft_quantize="int8" if draft_dtype else None,
                                          prompt_lookup_max=mx, prompt_lookup_min=mn if mx else 2))
     for llm in llms.values():  # warm-up
         llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))
