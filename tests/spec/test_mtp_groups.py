@@ -19,8 +19,9 @@ from specdeploy import LLM, SamplingParams, SpecConfig
 from specdeploy.models.registry import family_module
 
 K = 3  # past G = 2: step 2 shows the policy beyond the last group
+# NOTE: checkpoint_every=1: recurrent checkpoints at every page, so a 21-token prompt can hit
 LIMITS = dict(dtype="float32", max_batch_size=4, max_seq_len=96, max_cache_gib=0.05,
-              page_size=8)
+              page_size=8, checkpoint_every=1)
 EXPECTED_GROUPS = {  # draft step j -> group, for G = 1, 2
     ("nemotron_h", 1): [0, 0, 0], ("nemotron_h", 2): [0, 1, 1],
     ("qwen3_5_moe", 1): [0, 0, 0], ("qwen3_5_moe", 2): [0, 1, 0],
@@ -60,11 +61,23 @@ def test_groups_deployed(case):
     d = case.llm.deployed
     assert d.num_groups == case.groups == case.model.mtp.num_groups
     assert [d.group_of(j) for j in range(K)] == EXPECTED_GROUPS[(case.arch, case.groups)]
-    # each group its own KV, all in the one cache plan
-    kv = [n for n in d.target.plan.bytes_by_handler if "kv_cache" in n]
-    for g in range(case.groups):
-        prefix = "draft_" if g == 0 else f"draft{g}_"
-        assert any(n.startswith(prefix + "kv_cache") for n in kv), kv
+    # each group its own KV (the same shapes: one attention layer per group), all in the one
+    # cache plan, which sizes its pages for all of them
+    plan = d.target.plan
+    kv = {n: b for n, b in plan.bytes_by_handler.items() if plan.kind_by_handler[n] == "paged_kv"}
+    per_group = [sorted(b for n, b in kv.items() if n.startswith(_prefix(g)))
+                 for g in range(case.groups)]
+    assert per_group[0] and all(p == per_group[0] for p in per_group), kv
+    assert not any(n.startswith(_prefix(case.groups)) for n in kv)
+    assert plan.bytes_by_kind["paged_kv"] == sum(kv.values())
+    handlers = [h for gd in (d.target, *d.drafts) for h in gd.resources
+                if hasattr(h, "num_kv_heads")]
+    assert sum(h.bytes_per_page(plan.page_size) for h in handlers) * plan.num_pages == sum(
+        kv.values())
+
+
+def _prefix(group: int) -> str:
+    return "draft_" if group == 0 else f"draft{group}_"
 
 
 def test_deployed_drafts_equal_module_drafts(case, monkeypatch):
@@ -81,8 +94,10 @@ def test_deployed_drafts_equal_module_drafts(case, monkeypatch):
 
     monkeypatch.setattr(d, "draft_forward", recording)
     g = torch.Generator().manual_seed(0)
-    for n, steps in ((9, 1), (21, 3)):
-        prompt = torch.randint(3, 100, (n,), generator=g).tolist()
+    long = torch.randint(3, 100, (21,), generator=g).tolist()
+    hits = case.llm.stats()["prefix_cache_hits"]
+    # the last prompt again: a prefix-cache hit serves every group's KV from the shared pages
+    for prompt, steps in ((long[:9], 1), (long, 3), (long, 2)):
         eng.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
         for _ in range(steps):
             calls.clear()
@@ -99,6 +114,7 @@ def test_deployed_drafts_equal_module_drafts(case, monkeypatch):
         torch.testing.assert_close(got, want_logits, atol=1e-5, rtol=1e-5)
         while eng.has_unfinished():
             eng.step()
+    assert case.llm.stats()["prefix_cache_hits"] > hits
 
 
 def test_greedy_spec_equals_non_spec(case):
