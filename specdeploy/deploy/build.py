@@ -26,7 +26,7 @@ from specdeploy.deploy.graph import placeholders
 from specdeploy.deploy.passes.ggml_linears import KERNELS
 from specdeploy.deploy.pipeline import PipelineResult, run_pipeline
 from specdeploy.deploy.runner import GraphDeployed
-from specdeploy.deploy.spec import SpecDeployed, prepare_drafter
+from specdeploy.deploy.spec import SpecDeployed, prepare_drafter, resource_prefix
 from specdeploy.distributed.config import DistConfig
 
 BACKENDS = ("graph", "eager")
@@ -152,12 +152,13 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         from specdeploy.deploy.vlm import TextFromEmbeds
 
         programs = [(TextFromEmbeds(model), target_ctx, model.cfg.hidden_size)]
-    if drafter is not None:
+    # one drafter program per MTP group, each with its own KV (all in the one cache plan)
+    for g, step in enumerate(drafter.steps if drafter is not None else ()):
         draft_ctx = DeployContext(
-            drafter.step, dtype=drafter.dtype, quantize=drafter.quantize,
-            resource_prefix="draft_", **common,
+            step, dtype=drafter.dtype, quantize=drafter.quantize,
+            resource_prefix=resource_prefix(g), **common,
             **({} if drafter.quant_exclude is None else {"quant_exclude": drafter.quant_exclude}))
-        programs.append((drafter.step, draft_ctx, model.cfg.hidden_size))
+        programs.append((step, draft_ctx, model.cfg.hidden_size))
     transformed = [(_transform(m, ctx, hidden, vision), ctx) for m, ctx, hidden in programs]
     plan = plan_cache([h for (_, res), _ in transformed for h in res.resources], opts.page_size,
                       opts.max_batch_size, opts.max_seq_len, common["max_cache_gib"],
@@ -173,7 +174,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
                                       time.perf_counter() - t0, prefix_caching))
         deployed[-1].mrope = vision
     out = deployed[0] if spec is None else SpecDeployed(
-        deployed[0], deployed[1] if drafter else None, drafter.drafter if drafter else None, spec)
+        deployed[0], deployed[1:], drafter.drafter if drafter else None, spec)
     return _with_vision(out, model_path, embed, dtype) if vision else out
 
 
