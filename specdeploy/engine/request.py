@@ -40,6 +40,22 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request, shaped as vLLM's `CompletionOutput`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None = None
+    logprobs: list | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 @dataclass
 class RequestOutput:
     """A request's state as returned to callers. `text`/`token_ids` are cumulative; `delta_*` is
@@ -58,6 +74,11 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape: `out.outputs[0].text` / `.token_ids` (one completion per request)."""
+        return [CompletionOutput(0, self.text, list(self.token_ids), self.finish_reason)]
 
 
 class Status(enum.Enum):

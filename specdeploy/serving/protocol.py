@@ -1,48 +1,24 @@
-"""OpenAI request parsing and response bodies.
+"""OpenAI request parsing: the fields both endpoints share, and `/v1/completions`.
 
 Requests are parsed by hand from the JSON body (not with pydantic models) so every rejection is a
 400 with an OpenAI-style body that names the offending field, and nothing invalid reaches the
 engine: the limits the engine would enforce (`max_seq_len`, KV capacity, vocabulary) are checked
-here first.
+here first. Chat requests: chat.py; the body's JSON: body.py; response bodies: responses.py;
+which fields are known: fields.py.
 """
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specdeploy.engine import SamplingParams
 from specdeploy.engine.params_check import check_for_model
+from specdeploy.serving.errors import APIError, bad
+from specdeploy.serving.fields import check_fields
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+__all__ = ["APIError", "GenerationRequest", "Limits", "bad", "parse_completion"]
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
-MAX_JSON_DEPTH = 32  # no request needs more; deeper is an attack on the parser's recursion
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-                404: "invalid_request_error", 413: "invalid_request_error",
-                429: "rate_limit_error"}
-
-
-class APIError(Exception):
-    """An HTTP error with an OpenAI-style body `{"error": {message, type, param, code}}`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or _ERROR_TYPES.get(status, "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def bad(param: str | None, message: str, code: str | None = None) -> APIError:
-    return APIError(400, f"{param}: {message}" if param else message, param, code)
 
 
 @dataclass(frozen=True)
@@ -57,6 +33,9 @@ class Limits:
     # context * this cannot fit, so it is refused before the tokenizer spends seconds on it.
     max_token_chars: int | None = None
     vision: Any = None  # a vision-language deployment (deploy/vlm.py): image parts accepted
+    # generation_config.json's sampling defaults (model_defaults.py): used where a request
+    # leaves a field unset, before OpenAI's own defaults
+    sampling_defaults: dict = field(default_factory=dict)
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -76,52 +55,6 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     mm: list | None = None  # per prompt: its images (vision/prompt.py MultimodalPrompt) or None
-
-
-# ---- parsing ------------------------------------------------------------------------------------
-def parse_json(raw: bytes) -> dict:
-    """The body as a dict; 400 for invalid UTF-8 or JSON, nesting deeper than MAX_JSON_DEPTH
-    and lone surrogates (`"\\ud800"` is valid JSON but no text: tokenizers and the UTF-8
-    encoder of our own error bodies fail on it)."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(None, f"could not parse the JSON body of the request ({e})",
-                  "invalid_json") from None
-    except RecursionError:
-        raise bad(None, f"JSON nested deeper than {MAX_JSON_DEPTH} levels",
-                  "invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad(None, "the request body must be a JSON object", "invalid_json")
-    _check_tree(body)
-    return body
-
-
-def _check_tree(body: dict) -> None:
-    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
-    while stack:
-        node, depth, path = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise bad(None, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        for k, v in items:
-            if isinstance(k, str) and not _is_text(k):  # name the parent: the key is not text
-                raise bad(path or None, "has a key with a lone surrogate (not valid Unicode "
-                          "text)", "invalid_value")
-            where = f"{path}.{k}".lstrip(".") if isinstance(k, str) else f"{path}[{k}]"
-            if isinstance(v, str) and not _is_text(v):
-                raise bad(where, "contains a lone surrogate (not valid Unicode text)",
-                          "invalid_value")
-            if isinstance(v, (dict, list)):
-                stack.append((v, depth + 1, where))
-
-
-def _is_text(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _is_int(v: Any) -> bool:
@@ -195,14 +128,15 @@ def _common(body: dict) -> tuple[bool, bool]:
 
 def _sampling(body: dict, max_tokens: int, limits: Limits) -> SamplingParams:
     """The rules are SamplingParams' own (engine/params_check.py); only the API's spellings are
-    translated here: top_k -1 (vLLM) means off, like 0, and OpenAI's temperature default is 1."""
-    top_k = body.get("top_k")
+    translated here: top_k -1 (vLLM) means off, like 0, and OpenAI's temperature default is 1.
+    A field the request leaves unset takes the checkpoint's generation_config default first."""
+    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **limits.sampling_defaults}
+    sampled = {k: defaults[k] if body.get(k) is None else body[k] for k in defaults}
+    top_k = sampled["top_k"]
+    sampled["top_k"] = 0 if top_k == -1 and _is_int(top_k) else top_k
     try:
         params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.get("temperature") is None else body["temperature"],
-            top_p=1.0 if body.get("top_p") is None else body["top_p"],
-            top_k=0 if top_k is None or (top_k == -1 and _is_int(top_k)) else top_k,
+            max_tokens=max_tokens, **sampled,
             seed=body.get("seed"), stop=body.get("stop"), stop_token_ids=body.get("stop_token_ids"),
             ignore_eos=False if body.get("ignore_eos") is None else body["ignore_eos"])
         check_for_model(params, limits.vocab_size)
@@ -256,7 +190,9 @@ def _model(body: dict, limits: Limits) -> str:
 
 
 def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
+    check_fields(body, "completion", bad)
     stream, include_usage = _common(body)
+    specials = _bool(body, "add_special_tokens", True)
     model = _model(body, limits)
     for name in ("echo",):
         _unsupported(body, name, (None, False))
@@ -279,7 +215,7 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
             if not p:
                 raise bad("prompt", "must not be empty", "invalid_value")
             _check_chars(len(p), limits, "prompt")
-            p = list(tokenizer.encode(p))
+            p = list(tokenizer.encode(p, add_special_tokens=specials))
         elif not (isinstance(p, list) and all(_is_int(t) for t in p)):
             raise bad("prompt", "must be a string, a list of token ids or a list of those",
                       "invalid_type")
@@ -289,146 +225,3 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
               for p in prompts]
     return GenerationRequest(False, model, prompts, params, stream, include_usage)
 
-
-def _message(i: int, m: Any, images: list | None = None, vision: Any = None) -> dict:
-    field = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise bad(field, "must be an object with `role` and `content`", "invalid_type")
-    role = m.get("role")
-    if role not in ROLES:
-        raise bad(f"{field}.role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
-                  "invalid_value")
-    content = m.get("content")
-    if isinstance(content, list):  # content parts: text, and image_url on a VLM
-        texts, parts = [], []
-        for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") == "image_url" and images is not None:
-                from specdeploy.vision.chat import served_image_url
-
-                if vision is None:
-                    raise bad(f"{field}.content[{j}]", "this model takes no images (text parts "
-                              "only)", "unsupported")
-                images.append(served_image_url(part, bad, f"{field}.content[{j}].image_url.url"))
-                parts.append({"type": "image"})
-                continue
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise bad(f"{field}.content[{j}]", "only {\"type\": \"text\", \"text\": ...} "
-                          "parts are supported", "unsupported")
-            texts.append(part["text"])
-            parts.append({"type": "text", "text": part["text"]})
-        content = parts if len(parts) > len(texts) else "".join(texts)
-    elif content is None and role == "assistant":
-        content = ""
-    elif not isinstance(content, str):
-        raise bad(f"{field}.content", "must be a string or a list of text parts",
-                  "invalid_type")
-    return {"role": role, "content": content}
-
-
-def _text_chars(content: str | list) -> int:
-    if isinstance(content, str):
-        return len(content)
-    return sum(len(p.get("text", "")) for p in content)
-
-
-def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
-    stream, include_usage = _common(body)
-    model = _model(body, limits)
-    _unsupported(body, "logprobs", (None, False))
-    _unsupported(body, "top_logprobs")
-    _unsupported(body, "tools")
-    _unsupported(body, "tool_choice", (None, "none"))
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("response_format", "only {\"type\": \"text\"} is supported", "unsupported")
-    msgs = body.get("messages")
-    if msgs is None:
-        raise bad("messages", "is required", "missing_required_parameter")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("messages", "must be a non-empty list of messages", "invalid_type")
-    images: list = []
-    conversation = [_message(i, m, images, limits.vision) for i, m in enumerate(msgs)]
-    _check_chars(sum(_text_chars(m["content"]) for m in conversation), limits, "messages")
-    try:
-        rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-    except Exception as e:  # the template may reject a conversation (roles, order)
-        raise bad("messages", f"the chat template rejected the conversation: {e}",
-                  "invalid_value") from None
-    ids = list(tokenizer.encode(rendered)) if isinstance(rendered, str) else list(rendered)
-    mm = None
-    if images:
-        from specdeploy.vision import ImageError
-        from specdeploy.vision.chat import build_prompt
-
-        try:
-            mm = build_prompt(limits.vision, ids, images, "messages")
-        except ImageError as e:
-            raise APIError(400, str(e), "messages", "invalid_image") from None
-        ids = mm.ids
-    _check_prompt(ids, limits, "messages")
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    params = _sampling(body, _max_tokens(body, field, len(ids), limits, None), limits)
-    return GenerationRequest(True, model, [ids], [params], stream, include_usage,
-                             None if mm is None else [mm])
-
-
-# ---- responses ----------------------------------------------------------------------------------
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def response_body(req: GenerationRequest, rid: str, created: int, texts: list[str],
-                  reasons: list[str], use: dict) -> dict:
-    if req.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                    "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
-        obj = "chat.completion"
-    else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model,
-            "choices": choices, "usage": use}
-
-
-def chunk_body(req: GenerationRequest, rid: str, created: int, index: int, text: str | None,
-               finish_reason: str | None, first: bool = False) -> dict:
-    """One streamed chunk; a chat stream's first chunk of a choice carries the role."""
-    if req.chat:
-        delta: dict = {"role": "assistant", "content": ""} if first else {}
-        if text:
-            delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "text_completion"
-    body = {"id": rid, "object": obj, "created": created, "model": req.model,
-            "choices": [choice]}
-    if req.include_usage:
-        body["usage"] = None
-    return body
-
-
-def usage_chunk(req: GenerationRequest, rid: str, created: int, use: dict) -> dict:
-    obj = "chat.completion.chunk" if req.chat else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
-            "usage": use}
-
-
-def sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
-
-
-def now() -> int:
-    return int(time.time())

@@ -5,16 +5,17 @@ import pytest
 
 from specdeploy.serving import protocol as P
 from specdeploy.serving.app import _held_back
+from specdeploy.serving.chat import parse_chat
 from specdeploy.serving.metrics import ServerMetrics, parse_text
 
 LIMITS = P.Limits(model_name="m", max_seq_len=32, kv_capacity=24, vocab_size=100)
 
 
 class CharTokenizer:
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):
         return [ord(c) % 100 for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 
@@ -30,7 +31,7 @@ def test_parse_defaults_and_limits():
     r = P.parse_completion({"prompt": "abc"}, tok, LIMITS)
     assert r.prompts == [tok.encode("abc")] and r.params[0].max_tokens == 16
     assert r.params[0].temperature == 1.0 and not r.stream
-    r = P.parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    r = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                       "top_k": -1, "stop": "x"}, tok, LIMITS)
     n = len(r.prompts[0])
     assert r.params[0].max_tokens == 24 - n  # the KV cache is the binding limit here
@@ -42,7 +43,7 @@ def test_parse_defaults_and_limits():
         P.parse_completion({"prompt": "abc", "max_tokens": 22}, tok, LIMITS)
     assert e.value.param == "max_tokens"
     with pytest.raises(P.APIError) as e:
-        P.parse_chat({"messages": [{"role": "user", "content": "x"}],
+        parse_chat({"messages": [{"role": "user", "content": "x"}],
                       "frequency_penalty": 0.5}, tok, LIMITS)
     assert e.value.param == "frequency_penalty" and e.value.code == "unsupported"
     assert P.APIError(429, "full").body()["error"]["type"] == "rate_limit_error"

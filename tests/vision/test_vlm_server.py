@@ -86,8 +86,9 @@ def test_more_images_than_placeholders_is_400(srv):
 
 def test_text_model_refuses_image_parts():
     from specdeploy.serving import protocol as P
+    from specdeploy.serving.chat import parse_chat
 
     limits = P.Limits("m", max_seq_len=64, kv_capacity=64, vocab_size=128)
     with pytest.raises(P.APIError, match="this model takes no images") as e:
-        P.parse_chat({"messages": _msgs("data:image/png;base64,AAAA")}, None, limits)
+        parse_chat({"messages": _msgs("data:image/png;base64,AAAA")}, None, limits)
     assert e.value.status == 400 and e.value.param == "messages[0].content[1]"

@@ -1,0 +1,67 @@
+"""Response and streamed-chunk bodies of the OpenAI endpoints."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from specdeploy.serving.protocol import GenerationRequest
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response_body(req: GenerationRequest, rid: str, created: int, texts: list[str],
+                  reasons: list[str], use: dict) -> dict:
+    if req.chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": t},
+                    "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        obj = "chat.completion"
+    else:
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model,
+            "choices": choices, "usage": use}
+
+
+def chunk_body(req: GenerationRequest, rid: str, created: int, index: int, text: str | None,
+               finish_reason: str | None, first: bool = False) -> dict:
+    """One streamed chunk; a chat stream's first chunk of a choice carries the role."""
+    if req.chat:
+        delta: dict = {"role": "assistant", "content": ""} if first else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "text_completion"
+    body = {"id": rid, "object": obj, "created": created, "model": req.model,
+            "choices": [choice]}
+    if req.include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(req: GenerationRequest, rid: str, created: int, use: dict) -> dict:
+    obj = "chat.completion.chunk" if req.chat else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+            "usage": use}
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def now() -> int:
+    return int(time.time())
