@@ -90,7 +90,7 @@ def _template_options(body: dict) -> dict:
             raise bad("documents", "must be a list", "invalid_type")
         kwargs["documents"] = docs
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
+    if choice not in (None, "none"):
         raise bad("tool_choice", f"{json.dumps(choice)} is not supported by this server "
                   "(no tool-call parsing)", "unsupported")
     if tools:
