@@ -63,6 +63,7 @@ class BuildOptions:
     dist: DistConfig | None = None
     enable_prefix_caching: bool = True
     checkpoint_every: int | None = None  # None: aligned to the scan chunks (cache/plan.py)
+    progress: bool = False  # a tqdm bar while the checkpoint's tensors load
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "page_size", "checkpoint_every"):
@@ -81,7 +82,7 @@ class BuildOptions:
         if self.quantize not in QUANTIZE_METHODS:
             raise ValueError(f"quantize: must be None or 'int8', got {self.quantize!r}")
         if isinstance(self.spec, dict):
-            object.__setattr__(self, "spec", SpecConfig(**self.spec))
+            object.__setattr__(self, "spec", SpecConfig.from_dict(self.spec))
         if self.backend != "graph" and (self.quantize or self.compile or self.spec or (
                 self.dist and self.dist.world_size > 1)):
             raise ValueError("backend: quantize, compile, spec and tensor parallelism need the "
@@ -111,7 +112,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         own_mtp = (spec is not None and spec.method == "mtp" and spec.draft_model is None
                    and _declares_mtp(model_path))
         model = load_model(model_path, dtype=resolve_dtype(opts.dtype, device=opts.device),
-                           with_mtp=own_mtp)
+                           with_mtp=own_mtp, progress=opts.progress)
     dtype = resolve_dtype(opts.dtype, device=opts.device)
     model = model.to(opts.device)
     if getattr(model, "prequant", None) is not None and opts.dist and opts.dist.world_size > 1:
@@ -282,7 +283,7 @@ def _eager(model_path, opts: BuildOptions) -> EagerDeployed:
     from specdeploy.loading import load_model_from_reader
 
     reader = open_checkpoint(default_model_path() if model_path is None else model_path)
-    model = load_model_from_reader(reader, opts.dtype)
+    model = load_model_from_reader(reader, opts.dtype, progress=opts.progress)
     cfg = reader.config.get("text_config", reader.config)
     vocab = int(cfg.get("vocab_size") or model.get_output_embeddings().out_features)
     layout = eager_layout(cfg, opts.max_batch_size, opts.max_seq_len, opts.page_size,
