@@ -49,17 +49,29 @@ def percentiles(xs: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
     return {f"p{p}": float(torch.quantile(t, p / 100)) for p in ps}
 
 
-def run_closed_loop(llm, prompt_ids: list[list[int]], sp, concurrency: int) -> dict:
-    """Keep `concurrency` requests in flight until all are done; return the measurements."""
+def run_closed_loop(llm, prompt_ids: list[list[int]], sp, concurrency: int,
+                    progress: bool = False) -> dict:
+    """Keep `concurrency` requests in flight until all are done; return the measurements.
+    `progress`: a tqdm bar of finished requests on stderr."""
     eng = llm.engine
     pending = list(prompt_ids)
     done = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompt_ids), desc="bench", unit="req", dynamic_ncols=True)
     t0 = time.perf_counter()
     while pending or eng.has_unfinished():
         while pending and len(eng.scheduler.running) + len(eng.scheduler.waiting) < concurrency:
             eng.add_request(pending.pop(0), sp)
-        done.extend(o for o in eng.step() if o.finished)
+        finished = [o for o in eng.step() if o.finished]
+        done.extend(finished)
+        if bar is not None and finished:
+            bar.update(len(finished))
     wall = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
     out_tokens = sum(len(o.token_ids) for o in done)
     ttft = [o.metrics.ttft for o in done if o.metrics.ttft is not None]
     itl = [x for o in done for x in o.metrics.inter_token_latencies()]
@@ -96,13 +108,37 @@ def run_bench(args) -> dict:
     limit = min(args.max_prompt_tokens, llm.engine.max_seq_len - args.max_tokens)
     ids = [llm.tokenizer.encode(p)[:limit] for p in prompts]
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)  # greedy
-    result = run_closed_loop(llm, ids, sp, args.concurrency)
+    result = run_closed_loop(llm, ids, sp, args.concurrency, progress=True)
     result.update(
         model=str(llm.model_path), dataset=args.dataset, concurrency=args.concurrency,
         max_tokens=args.max_tokens, peak_rss_mib=peak_rss_mib(), machine=machine(),
         command=" ".join(sys.argv),
         stats=llm.stats())
     return result
+
+
+def summary_table(result: dict) -> str:
+    """A `run_bench` result for people: one aligned `name  value` table."""
+    ms = lambda v: "-" if v is None else f"{1000 * v:.1f} ms"  # noqa: E731
+    ttft, itl, stats = result.get("ttft_s", {}), result.get("itl_s", {}), result.get("stats", {})
+    rows = [("model", result.get("model", "-")),
+            ("requests / concurrency", f"{result.get('num_requests')} / "
+                                       f"{result.get('concurrency')}"),
+            ("prompt / output tokens", f"{result.get('prompt_tokens')} / "
+                                       f"{result.get('output_tokens')}"),
+            ("wall time", f"{result.get('wall_s', 0.0):.2f} s"),
+            ("output throughput", f"{result.get('output_tokens_per_s', 0.0):.1f} tokens/s"),
+            ("TTFT p50 / p90 / p99", " / ".join(ms(ttft.get(p)) for p in ("p50", "p90", "p99"))),
+            ("ITL p50 / p90 / p99", " / ".join(ms(itl.get(p)) for p in ("p50", "p90", "p99")))]
+    if "draft_steps" in stats:
+        rows += [("mean accepted length", f"{stats.get('mean_accepted_length', 0.0):.2f}"),
+                 ("draft acceptance rate", f"{100 * stats.get('acceptance_rate', 0.0):.1f}%"),
+                 ("acceptance per position", ", ".join(
+                     f"{a:.2f}" for a in stats.get("acceptance_per_position", [])) or "-")]
+    if "peak_rss_mib" in result:
+        rows.append(("peak RSS", f"{result['peak_rss_mib']:.0f} MiB"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def hf_model_from_checkpoint(path):

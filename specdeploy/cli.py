@@ -1,4 +1,4 @@
-"""The `specdeploy` command: generate, chat, bench, deploy, make-tiny."""
+"""The `specdeploy` command: generate, chat, bench, plot, deploy, make-tiny, serve, ..."""
 from __future__ import annotations
 
 import argparse
@@ -104,33 +104,48 @@ def cmd_deploy(args) -> int:
     if not args.list_transforms:
         print("deploy: nothing to do (use --list-transforms)", file=sys.stderr)
         return 2
-    from specdeploy.llm import _dist_config
-
     # with --tensor-parallel-size: rank 0's program alone (no other process is started)
+    from specdeploy.checkpoint import open_checkpoint
+    from specdeploy.default_model import default_model_path
+    from specdeploy.llm import _dist_config
+    from specdeploy.model_defaults import resolve_max_len
+
     par = parallel_kwargs(args)
     dist = _dist_config(par["tensor_parallel_size"], par["expert_parallel_size"],
                         par["shard_layers"])
+    max_len = resolve_max_len(open_checkpoint(args.model or default_model_path()).config,
+                              max_seq_len=args.max_seq_len)
     print(describe(args.model, dtype=args.dtype, device=args.device,
-                   max_seq_len=args.max_seq_len, max_cache_gib=args.max_cache_gib,
+                   max_seq_len=max_len, max_cache_gib=args.max_cache_gib,
                    spec=spec_from_args(args), kernels=args.kernels, dist=dist,
                    enable_prefix_caching=args.enable_prefix_caching))
     return 0
 
 
 def cmd_bench(args) -> int:
-    from specdeploy.bench import run_bench
+    from specdeploy.bench import run_bench, summary_table
 
     result = run_bench(args)
+    # the table for people (stderr with --json, so stdout stays one JSON object)
+    print(summary_table(result), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
-    else:
-        for k, v in result.items():
-            print(f"{k}: {v}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from specdeploy.plot import plot_bench
+
+    for path in plot_bench(args.bench_json, args.out):
+        print(path)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specdeploy.version import version
+
     ap = argparse.ArgumentParser(prog="specdeploy", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"specdeploy {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
@@ -157,8 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are cut")
     b.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--json", action="store_true", help="stdout: one JSON object (the table "
+                   "goes to stderr)")
     b.set_defaults(func=cmd_bench)
+
+    pl = sub.add_parser("plot", help="PNG charts of a bench JSON (needs matplotlib: the "
+                        "`plot` extra)")
+    pl.add_argument("bench_json", help="the JSON of `specdeploy bench --json` or bench/*.py")
+    pl.add_argument("--out", required=True, help="directory for the PNG files")
+    pl.set_defaults(func=cmd_plot)
 
     d = sub.add_parser("deploy", help="show the transform pipeline and cache plan")
     add_model_args(d)
@@ -187,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from specdeploy.config_file import expand_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -7,13 +7,25 @@ import argparse
 from specdeploy.spec_args import add_spec_args, spec_from_args
 
 DEVICE_HELP = "cpu (default), cuda or cuda:N; dtype auto = float32 on cpu, bfloat16 on cuda"
+MODEL_HELP = ("HF directory, .gguf file or Hub id (org/name) already in the local Hugging Face "
+              "cache (default: SmolLM2-135M)")
+DTYPE_HELP = "auto, float32 (float, fp32), bfloat16 (bf16), float16 (half, fp16)"
+
+
+def add_context_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-model-len", "--max-seq-len", dest="max_seq_len", type=int,
+                   default=None, help="prompt + output tokens per sequence (default: the model's "
+                   "max_position_embeddings, at most 2048; more than it is refused)")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults: auto (the checkpoint's generation_config.json), "
+                        "vllm (ignore it) or a directory holding one")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
-    p.add_argument("--max-seq-len", type=int, default=2048)
+    add_context_args(p)
     p.add_argument("--max-cache-gib", type=float, default=None)
     p.add_argument("--backend", choices=("graph", "eager"), default="graph")
     add_spec_args(p)
@@ -77,6 +89,7 @@ def llm_from_args(args, max_batch_size: int):
                max_cache_gib=args.max_cache_gib,
                backend=args.backend, progress=True, compile=args.compile, kernels=args.kernels,
                enable_prefix_caching=args.enable_prefix_caching,
+               generation_config=args.generation_config,
                quantize=None if args.quantize == "none" else args.quantize,
                **parallel_kwargs(args))
 

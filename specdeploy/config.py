@@ -6,6 +6,25 @@ from dataclasses import dataclass
 SPEC_METHODS = ("mtp", "eagle3", "ngram")
 DRAFT_DTYPES = (None, "float32", "bfloat16", "float16")
 DRAFT_QUANTIZE = (None, "int8")
+# vLLM's `speculative_config.method` names → ours. Every "<family>_mtp" of vLLM is the
+# checkpoint's own MTP head, which our "mtp" deploys for any family that ships one.
+VLLM_METHODS = {"eagle3": "eagle3", "ngram": "ngram", "[ngram]": "ngram", "mtp": "mtp",
+                "deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp",
+                "glm4_moe_mtp": "mtp", "mimo_mtp": "mtp", "ernie_mtp": "mtp"}
+# speculative_config keys we read (vLLM's names and ours); any other key is refused by name
+VLLM_SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
+                  "prompt_lookup_min")
+
+
+def spec_method(name: str) -> str:
+    """Our method for one of ours or of vLLM's names (refusing the rest by name)."""
+    if name in SPEC_METHODS:
+        return name
+    if isinstance(name, str) and (name in VLLM_METHODS or name.endswith("_mtp")):
+        return VLLM_METHODS.get(name, "mtp")
+    raise ValueError(f"method: must be one of {', '.join(SPEC_METHODS)} (or vLLM's "
+                     f"{', '.join(k for k in VLLM_METHODS if k not in SPEC_METHODS)}), "
+                     f"got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -16,6 +35,9 @@ class SpecConfig:
     target, nothing to train; a sequence whose tail did not occur before decodes plainly that
     step. It turns lookup on (`prompt_lookup_max` 4 unless given).
 
+    vLLM's spellings work too: `model=` is `draft_model`, `num_speculative_tokens=` is
+    `num_draft_tokens`, and its method names ("deepseek_mtp", ...) map to ours;
+    `SpecConfig.from_dict` reads a vLLM `speculative_config` dict.
     `draft_model` is the EAGLE-3 drafter checkpoint (MTP heads come from the target checkpoint);
     `capture_layers` overrides which target layers feed an EAGLE-3 drafter.
     `prompt_lookup_max` > 0 adds n-gram lookup drafts (vLLM's names): when the sequence's last
@@ -45,11 +67,23 @@ class SpecConfig:
     draft_dtype: str | None = None
     draft_quantize: str | None = None
     draft_min_prob: float = 0.0
+    model: str | None = None  # vLLM's name for draft_model (folded into it)
+    num_speculative_tokens: int | None = None  # vLLM's name for num_draft_tokens (folded)
 
     def __post_init__(self):
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"method: must be one of {', '.join(SPEC_METHODS)}, "
-                             f"got {self.method!r}")
+        object.__setattr__(self, "method", spec_method(self.method))
+        for alias, name in (("model", "draft_model"), ("num_speculative_tokens",
+                                                        "num_draft_tokens")):
+            v = getattr(self, alias)
+            if v is None:
+                continue
+            ours = getattr(self, name)
+            default = 3 if name == "num_draft_tokens" else None
+            if ours != default and ours != v:
+                raise ValueError(f"{alias}: {v!r} conflicts with {name}={ours!r} (the same "
+                                 "setting; give one)")
+            object.__setattr__(self, name, str(v) if alias == "model" else v)
+            object.__setattr__(self, alias, None)
         if self.method == "ngram":
             if self.draft_model is not None:
                 raise ValueError("draft_model: method='ngram' drafts by n-gram lookup and takes "
@@ -86,6 +120,23 @@ class SpecConfig:
             object.__setattr__(self, "capture_layers", layers)
         if self.draft_model is not None:
             object.__setattr__(self, "draft_model", str(self.draft_model))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpecConfig:
+        """From a dict of our field names or vLLM's `speculative_config` keys (`--speculative-
+        config '{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}'`)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config: must be a JSON object, got {d!r}")
+        import dataclasses
+
+        known = {f.name for f in dataclasses.fields(cls)} | set(VLLM_SPEC_KEYS)
+        unknown = sorted(k for k in d if k not in known)
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)} "
+                             f"(supported: {', '.join(sorted(known))})")
+        if "method" not in d:
+            raise ValueError("speculative_config: needs `method`")
+        return cls(**d)
 
     @property
     def max_draft_tokens(self) -> int:

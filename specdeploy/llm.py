@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from specdeploy.chat_template import chat_ids
 from specdeploy.config import SpecConfig
 from specdeploy.engine import Engine, RequestOutput, SamplingParams
 from specdeploy.tokenizer import eos_token_ids
@@ -21,8 +22,15 @@ class LLM:
     and generate with continuous batching.
 
     Args:
-        max_batch_size: sequences decoded together (state slots).
-        max_seq_len: prompt + output tokens per sequence.
+        model: a HF directory, a `.gguf` file, or a Hub id (`org/name`) already in the local
+            Hugging Face cache (never downloaded).
+        max_batch_size: sequences decoded together (state slots); `max_num_seqs` is vLLM's
+            name for it.
+        max_model_len / max_seq_len (the same): prompt + output tokens per sequence; default
+            the model's `max_position_embeddings`, at most 2048 (model_defaults.py).
+        generation_config: "auto" (the checkpoint's generation_config.json sampling defaults
+            apply where a request leaves them unset), "vllm" (ignore it) or a directory.
+        spec / speculative_config (vLLM's dict: method, model, num_speculative_tokens, ...).
         max_num_tokens: tokens fed per step (longer prompts are prefilled in chunks).
         backend: "graph" (the deployed, cached program) or "eager" (the uncached reference).
         progress: print loading stages to stderr.
@@ -44,7 +52,7 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
-                 max_batch_size: int = 16, max_seq_len: int = 2048,
+                 max_batch_size: int = 16, max_seq_len: int | None = None,
                  spec: SpecConfig | dict | None = None, page_size: int = 16,
                  max_cache_gib: float | None = None, max_num_tokens: int = 512,
                  backend: str = "graph", progress: bool = False, seed: int = 0,
@@ -52,10 +60,33 @@ class LLM:
                  kernels: str = "exact", tensor_parallel_size: int = 1,
                  expert_parallel_size: int = 1, shard_layers: tuple[str, ...] | None = None,
                  dist_timeout: float = 60.0, enable_prefix_caching: bool = True,
-                 checkpoint_every: int | None = None):
+                 checkpoint_every: int | None = None, max_model_len: int | None = None,
+                 generation_config: str | os.PathLike | None = "auto",
+                 speculative_config: dict | SpecConfig | None = None,
+                 max_num_seqs: int | None = None):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
+        from specdeploy.checkpoint import open_checkpoint
+        from specdeploy.checkpoint.hub import resolve_model_path
         from specdeploy.deploy.build import BuildOptions, build
+        from specdeploy.model_defaults import generation_defaults, resolve_max_len
+
+        if speculative_config is not None:
+            if spec is not None:
+                raise ValueError("speculative_config: give spec or speculative_config, not both")
+            spec = speculative_config
+        if isinstance(spec, dict):
+            spec = SpecConfig.from_dict(spec)
+        if max_num_seqs is not None:
+            max_batch_size = max_num_seqs
+        if model is None:
+            from specdeploy.default_model import default_model_path
+
+            model = default_model_path()
+        from specdeploy.default_model import resolve_model_name
+
+        model = resolve_model_path(resolve_model_name(model))  # a shipped name, a Hub id
+        max_seq_len = resolve_max_len(open_checkpoint(model).config, max_model_len, max_seq_len)
 
         options = BuildOptions(dtype=dtype, max_batch_size=max_batch_size,
                                max_seq_len=max_seq_len, page_size=page_size,
@@ -65,16 +96,12 @@ class LLM:
                                dist=_dist_config(tensor_parallel_size, expert_parallel_size,
                                                  shard_layers),
                                enable_prefix_caching=enable_prefix_caching,
-                               checkpoint_every=checkpoint_every)
+                               checkpoint_every=checkpoint_every, progress=progress)
         self.spec = spec = options.spec
         log = _stderr_log if progress else (lambda msg: None)
-        if model is None:
-            from specdeploy.default_model import default_model_path
-
-            model = default_model_path()
-        from specdeploy.default_model import resolve_model_name
-
-        self.model_path = Path(resolve_model_name(model))
+        self.model_path = Path(model)
+        self.max_model_len = max_seq_len
+        self.sampling_defaults = generation_defaults(self.model_path, generation_config)
         t0 = time.perf_counter()
         log(f"loading tokenizer from {self.model_path}")
         from specdeploy.tokenizer import load_tokenizer
@@ -134,10 +161,17 @@ class LLM:
         return ids
 
     # ---- generation -----------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without `sampling_params` samples with: greedy, unless the
+        checkpoint's generation_config.json says otherwise (`generation_config=`)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 images: list | None = None) -> list[RequestOutput]:
-        """Generate for one prompt or a batch; outputs are in prompt order. `images` (a VLM):
+                 images: list | None = None, *, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
+        """Generate for one prompt or a batch; outputs are in prompt order. `use_tqdm`: a
+        progress bar of finished requests and tokens/s on stderr. `images` (a VLM):
         the images of one prompt, or one list per prompt (PIL images, paths, file:// or data
         URLs, bytes), each filling one image placeholder of its prompt in order (the chat
         template's `<|vision_start|><|image_pad|><|vision_end|>`)."""
@@ -150,30 +184,40 @@ class LLM:
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts: no prompts given")
-        sp = sampling_params or SamplingParams()
+        sp = sampling_params or self.get_default_sampling_params()
         params = list(sp) if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
         if images is not None and not all(isinstance(x, (list, tuple)) for x in images):
             raise ValueError("images: give one list of images per prompt")
         ids = self._add_all(prompts, params, images)
         done: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(ids)) if use_tqdm else None
         try:
             while len(done) < len(ids):
                 for out in self.engine.step():
+                    if bar is not None and out.delta_token_ids:
+                        bar.set_postfix_str(f"{_rate(bar, len(out.delta_token_ids))} tok/s")
                     if out.finished:
                         done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
         except BaseException:  # a failed step must not leave these queued for the next call
             for rid in ids:
                 self.engine.abort(rid)
             self.engine.step()
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None
-             ) -> list[RequestOutput]:
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             use_tqdm: bool = False, **template) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them. Content may be a
         list of OpenAI-style parts: text, and (a VLM) `image_url` parts with a data URL, a local
-        path or file:// URL, or {"type": "image", "image": <PIL image>}."""
+        path or file:// URL, or {"type": "image", "image": <PIL image>}. `template`: as
+        `chat_ids` (add_generation_prompt, continue_final_message, chat_template,
+        chat_template_kwargs, tools)."""
         from specdeploy.vision.chat import split_images
 
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -181,26 +225,34 @@ class LLM:
             raise ValueError("messages: empty conversation")
         split = [split_images(c) for c in convs]
         images = [imgs for _, imgs in split]
-        return self.generate([self.chat_ids(c) for c, _ in split], sampling_params,
-                             images if any(images) else None)
+        return self.generate([self.chat_ids(c, **template) for c, _ in split], sampling_params,
+                             images if any(images) else None, use_tqdm=use_tqdm)
 
-    def chat_ids(self, conversation: list[dict]) -> list[int]:
+    def chat_ids(self, conversation: list[dict], *, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False, chat_template: str | None = None,
+                 chat_template_kwargs: dict | None = None, tools: list | None = None
+                 ) -> list[int]:
+        """The prompt ids of a conversation (vLLM's names): `continue_final_message` leaves the
+        last (assistant) message open to be continued; `chat_template_kwargs` are template
+        variables (e.g. {"enable_thinking": False} for Qwen3.5); `tools` are written by
+        templates that describe tools (no tool-call parsing happens)."""
         if not hasattr(self.deployed, "image_features"):
             from specdeploy.vision.chat import text_only
 
             conversation = text_only(conversation)
-        out = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-        if not isinstance(out, str):
-            return list(out)
-        # The template already wrote any BOS/special tokens as text (as transformers does).
-        return list(self.tokenizer.encode(out, add_special_tokens=False))
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        return chat_ids(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        chat_template=chat_template, template_kwargs=kwargs)
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
                         ) -> Iterator[RequestOutput]:
         """Yield an output (cumulative `text`/`token_ids`, new part in `delta_*`) each time the
         request gains tokens; the last one has `finish_reason` set. Closing the iterator early
         aborts the request."""
-        (rid,) = self._add_all([prompt], [sampling_params or SamplingParams()])
+        (rid,) = self._add_all([prompt], [sampling_params or self.get_default_sampling_params()])
         finished = False
         try:
             while not finished:
@@ -236,6 +288,21 @@ def _dist_config(tp: int, ep: int, shard_layers):
     from specdeploy.distributed import DistConfig
 
     return DistConfig(tp, ep, **({} if shard_layers is None else {"shard_layers": shard_layers}))
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="generating", unit="req", dynamic_ncols=True)
+    bar.tokens = 0
+    return bar
+
+
+def _rate(bar, new_tokens: int) -> str:
+    """Output tokens per second since the bar started (tqdm's own rate counts requests)."""
+    bar.tokens += new_tokens
+    elapsed = bar.format_dict.get("elapsed") or 0.0
+    return f"{bar.tokens / elapsed:.1f}" if elapsed > 0 else "-"
 
 
 def _stderr_log(msg: str) -> None:

@@ -13,8 +13,10 @@ from specdeploy.checkpoint.prequant import open_prequantized
 from specdeploy.models.registry import module_for_config
 
 SKIP_FINITE_ENV = "SPECDEPLOY_SKIP_FINITE_CHECK"  # =1: skip the NaN/inf scan (huge checkpoints)
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# vLLM's spellings too: half = float16, float = float32
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict | None = None,
@@ -32,14 +34,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict | None = None
 
 def assign_params(
     model: nn.Module, params: dict[str, Callable[[], torch.Tensor]], dtype: torch.dtype,
-    source: str = "checkpoint", check_finite: bool | None = None,
+    source: str = "checkpoint", check_finite: bool | None = None, progress: bool = False,
 ) -> None:
     """Materialize `model` (built on the meta device) from lazy tensors, one tensor at a time.
 
     Errors name the missing tensors, the mismatching tensor with both shapes, or a floating
     tensor with NaN/inf values once cast (a corrupt file, or an overflow in the cast): such a
     model would answer garbage, never an error. `check_finite` None = on unless
-    $SPECDEPLOY_SKIP_FINITE_CHECK=1 (one extra pass over the weights).
+    $SPECDEPLOY_SKIP_FINITE_CHECK=1 (one extra pass over the weights). `progress`: a tqdm bar
+    over the tensors (a big checkpoint takes minutes).
     """
     if check_finite is None:
         check_finite = os.environ.get(SKIP_FINITE_ENV) != "1"
@@ -50,7 +53,13 @@ def assign_params(
         more = f" (+{len(missing) - 12} more)" if len(missing) > 12 else ""
         shown = ", ".join(missing[:12]) + more
         raise CheckpointError(f"{source}: missing tensors for {len(missing)} parameters: {shown}")
-    for name, thunk in params.items():
+    items = params.items()
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, total=len(params), desc="loading tensors", unit="tensor",
+                     dynamic_ncols=True)
+    for name, thunk in items:
         if name not in expected:
             continue  # e.g. MTP weights when the MTP head is not built
         want = expected[name]
@@ -89,7 +98,8 @@ def _set_tensor(model: nn.Module, name: str, t: torch.Tensor, is_param: bool) ->
 
 
 def load_model(
-    path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto", with_mtp: bool = False
+    path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
+    with_mtp: bool = False, progress: bool = False,
 ) -> nn.Module:
     """Load a plain model from a HF directory or a `.gguf` file; `None` = the default model.
 
@@ -100,11 +110,12 @@ def load_model(
 
         path = default_model_path()
     reader = open_checkpoint(path)
-    return load_model_from_reader(reader, dtype, with_mtp=with_mtp)
+    return load_model_from_reader(reader, dtype, with_mtp=with_mtp, progress=progress)
 
 
 def load_model_from_reader(
-    reader: CheckpointReader, dtype: str | torch.dtype = "auto", with_mtp: bool = False
+    reader: CheckpointReader, dtype: str | torch.dtype = "auto", with_mtp: bool = False,
+    progress: bool = False,
 ) -> nn.Module:
     fam = module_for_config(reader.config)
     cfg = fam.Config.from_hf(reader.config)
@@ -118,7 +129,7 @@ def load_model_from_reader(
         fam.checkpoint_to_params(reader, cfg)
     if prequant is not None:
         params = reader.wrap_params(params, prequant)
-    assign_params(model, params, torch_dtype, source=str(reader.path))
+    assign_params(model, params, torch_dtype, source=str(reader.path), progress=progress)
     _init_nonpersistent(model)
     if prequant is not None:
         attach_prequant(model, prequant)

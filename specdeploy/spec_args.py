@@ -3,11 +3,16 @@ and `specdeploy serve`."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from specdeploy.config import DRAFT_DTYPES, DRAFT_QUANTIZE, SPEC_METHODS, SpecConfig
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's form, instead of --spec ...: e.g. '{\"method\": \"eagle3\", "
+                        "\"model\": DIR, \"num_speculative_tokens\": 3}' (methods eagle3, "
+                        "mtp / deepseek_mtp / ..._mtp, ngram; prompt_lookup_max/min)")
     p.add_argument("--spec", choices=("none", *SPEC_METHODS), default="none",
                    help="drafter: mtp, eagle3, or ngram (n-gram lookup drafts only, no drafter)")
     p.add_argument("--num-draft-tokens", type=int, default=3)
@@ -29,6 +34,15 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args) -> SpecConfig | None:
+    raw = getattr(args, "speculative_config", None)
+    if raw is not None:
+        if args.spec != "none":
+            raise ValueError("speculative-config: give --spec or --speculative-config, not both")
+        try:
+            d = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative-config: not valid JSON ({e})") from None
+        return SpecConfig.from_dict(d)
     if args.spec == "none":
         return None
     return SpecConfig(args.spec, num_draft_tokens=args.num_draft_tokens,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
+from specdeploy.chat_template import render
 from specdeploy.checkpoint import CheckpointError
 
 __all__ = ["Tokenizer", "load_tokenizer"]
@@ -54,36 +54,18 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs) -> str:
-        """Render `messages` with the checkpoint's Jinja template (sandboxed, as transformers)."""
-        if not self.chat_template:
+                            continue_final_message: bool = False,
+                            chat_template: str | None = None, **kwargs) -> str:
+        """Render `messages` with the checkpoint's Jinja template (sandboxed, as transformers);
+        `kwargs` are template variables (`tools`, `documents`, `enable_thinking`, ...);
+        `chat_template` replaces the checkpoint's."""
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("this tokenizer has no chat template; pass a raw prompt instead")
         variables = {k: v for k, v in self.special_tokens.items() if v is not None}
         variables.update(kwargs)
-        return _compile(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables)
-
-
-@lru_cache(maxsize=8)
-def _compile(template: str):
-    from jinja2.exceptions import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson escapes HTML characters, which changes the prompt
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
+        return render(template, messages, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message, variables=variables)
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
@@ -92,7 +74,9 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
         from specdeploy.default_model import default_model_path
 
         path = default_model_path()
-    p = Path(path)
+    from specdeploy.checkpoint.hub import resolve_model_path
+
+    p = resolve_model_path(path)
     if p.is_file() and p.suffix == ".gguf":
         return _from_gguf(p)
     if p.is_dir():

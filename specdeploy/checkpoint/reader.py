@@ -73,8 +73,10 @@ class CheckpointReader:
 
 
 def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
-    """Open a HF directory or a `.gguf` file."""
-    p = Path(path)
+    """Open a HF directory or a `.gguf` file (or a Hub id already in the local HF cache)."""
+    from specdeploy.checkpoint.hub import resolve_model_path
+
+    p = resolve_model_path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
     if p.is_file() and p.suffix == ".gguf":

@@ -26,7 +26,7 @@ from specdeploy.deploy.graph import placeholders
 from specdeploy.deploy.passes.ggml_linears import KERNELS
 from specdeploy.deploy.pipeline import PipelineResult, run_pipeline
 from specdeploy.deploy.runner import GraphDeployed
-from specdeploy.deploy.spec import SpecDeployed, prepare_drafter
+from specdeploy.deploy.spec import SpecDeployed, prepare_drafter, resource_prefix
 from specdeploy.distributed.config import DistConfig
 
 BACKENDS = ("graph", "eager")
@@ -63,6 +63,7 @@ class BuildOptions:
     dist: DistConfig | None = None
     enable_prefix_caching: bool = True
     checkpoint_every: int | None = None  # None: aligned to the scan chunks (cache/plan.py)
+    progress: bool = False  # a tqdm bar while the checkpoint's tensors load
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "page_size", "checkpoint_every"):
@@ -81,7 +82,7 @@ class BuildOptions:
         if self.quantize not in QUANTIZE_METHODS:
             raise ValueError(f"quantize: must be None or 'int8', got {self.quantize!r}")
         if isinstance(self.spec, dict):
-            object.__setattr__(self, "spec", SpecConfig(**self.spec))
+            object.__setattr__(self, "spec", SpecConfig.from_dict(self.spec))
         if self.backend != "graph" and (self.quantize or self.compile or self.spec or (
                 self.dist and self.dist.world_size > 1)):
             raise ValueError("backend: quantize, compile, spec and tensor parallelism need the "
@@ -111,7 +112,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         own_mtp = (spec is not None and spec.method == "mtp" and spec.draft_model is None
                    and _declares_mtp(model_path))
         model = load_model(model_path, dtype=resolve_dtype(opts.dtype, device=opts.device),
-                           with_mtp=own_mtp)
+                           with_mtp=own_mtp, progress=opts.progress)
     dtype = resolve_dtype(opts.dtype, device=opts.device)
     model = model.to(opts.device)
     if getattr(model, "prequant", None) is not None and opts.dist and opts.dist.world_size > 1:
@@ -152,12 +153,13 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         from specdeploy.deploy.vlm import TextFromEmbeds
 
         programs = [(TextFromEmbeds(model), target_ctx, model.cfg.hidden_size)]
-    if drafter is not None:
+    # one drafter program per MTP group, each with its own KV (all in the one cache plan)
+    for g, step in enumerate(drafter.steps if drafter is not None else ()):
         draft_ctx = DeployContext(
-            drafter.step, dtype=drafter.dtype, quantize=drafter.quantize,
-            resource_prefix="draft_", **common,
+            step, dtype=drafter.dtype, quantize=drafter.quantize,
+            resource_prefix=resource_prefix(g), **common,
             **({} if drafter.quant_exclude is None else {"quant_exclude": drafter.quant_exclude}))
-        programs.append((drafter.step, draft_ctx, model.cfg.hidden_size))
+        programs.append((step, draft_ctx, model.cfg.hidden_size))
     transformed = [(_transform(m, ctx, hidden, vision), ctx) for m, ctx, hidden in programs]
     plan = plan_cache([h for (_, res), _ in transformed for h in res.resources], opts.page_size,
                       opts.max_batch_size, opts.max_seq_len, common["max_cache_gib"],
@@ -173,7 +175,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
                                       time.perf_counter() - t0, prefix_caching))
         deployed[-1].mrope = vision
     out = deployed[0] if spec is None else SpecDeployed(
-        deployed[0], deployed[1] if drafter else None, drafter.drafter if drafter else None, spec)
+        deployed[0], deployed[1:], drafter.drafter if drafter else None, spec)
     return _with_vision(out, model_path, embed, dtype) if vision else out
 
 
@@ -281,7 +283,7 @@ def _eager(model_path, opts: BuildOptions) -> EagerDeployed:
     from specdeploy.loading import load_model_from_reader
 
     reader = open_checkpoint(default_model_path() if model_path is None else model_path)
-    model = load_model_from_reader(reader, opts.dtype)
+    model = load_model_from_reader(reader, opts.dtype, progress=opts.progress)
     cfg = reader.config.get("text_config", reader.config)
     vocab = int(cfg.get("vocab_size") or model.get_output_embeddings().out_features)
     layout = eager_layout(cfg, opts.max_batch_size, opts.max_seq_len, opts.page_size,

@@ -3,7 +3,9 @@
 `prepare_drafter` loads the drafter (EAGLE-3, a trained MTP head, or the checkpoint's own MTP
 module) and wraps it as `DraftStep`, the program that deploy/build.py exports and transforms
 through the same path as the target, under the name `eagle_drafter` whatever its kind (so target
-exclusions never match it), with its own paged KV sharing the target's page tables. The target
+exclusions never match it), with its own paged KV sharing the target's page tables: one program
+per MTP group of a checkpoint with several (`Drafter.num_groups`; draft step j runs group
+`Drafter.group_of(j)`), each with its own KV (`draft_kv_*`, then `draft1_kv_*`, ...). The target
 gets hidden-state capture and spec-state resources on every recurrent cached op. For
 `method="ngram"` there is no drafter: drafts come from lookup.
 """
@@ -29,22 +31,25 @@ from specdeploy.models.drafters.eagle3 import default_aux_layers
 
 
 class DraftStep(nn.Module):
-    """The drafter program that gets exported: (ids, positions, hidden[H]) → (logits, hidden).
+    """The drafter program that gets exported: (ids, positions, hidden[H]) → (logits, hidden),
+    through the drafter's group `group` (the export traces only that group's layers).
 
     The drafter's borrowed target modules (embedding, LM head) are registered here as
     `shared_*` (the same Parameter objects as the target's), so export sees them as parameters.
     """
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, group: int = 0):
         super().__init__()
         self.eagle_drafter = drafter
+        # NOTE: step `group` runs group `group` under every policy (they agree below G)
+        self.group = group
         for name, mod in drafter.borrowed.items():
             self.add_module(f"shared_{name}", mod)
 
     def forward(self, input_ids, position_ids, hidden):
         # NOTE: the embedding is the target's (its dtype); a drafter may run at another one
         embeds = self.eagle_drafter.embed(input_ids).to(hidden.dtype)
-        out = self.eagle_drafter(hidden, embeds, position_ids)
+        out = self.eagle_drafter(hidden, embeds, position_ids, step=self.group)
         return out.logits, out.hidden
 
 
@@ -94,11 +99,20 @@ class DrafterProgram:
     """What build.py needs to export and transform the drafter next to the target."""
 
     drafter: Drafter
-    step: DraftStep
+    steps: tuple[DraftStep, ...]  # one program per MTP group (EAGLE-3, trained heads: one)
     capture_layers: tuple[int, ...]
     dtype: torch.dtype
     quantize: str | None
     quant_exclude: tuple[str, ...] | None  # None: the context's default (drafter excluded)
+
+    @property
+    def step(self) -> DraftStep:
+        return self.steps[0]
+
+
+def resource_prefix(group: int) -> str:
+    """Cache names of drafter group `group`: `draft_*` (group 0, as before groups), `draft1_*`."""
+    return "draft_" if group == 0 else f"draft{group}_"
 
 
 def prepare_drafter(model: nn.Module, spec: SpecConfig, dtype: torch.dtype,
@@ -118,18 +132,22 @@ def prepare_drafter(model: nn.Module, spec: SpecConfig, dtype: torch.dtype,
         head = copy.deepcopy(drafter.borrowed["lm_head"]).to(draft_dtype).requires_grad_(False)
         drafter.borrow(lm_head=head)
     # NOTE: the default exclusions keep drafters unquantized; draft_quantize lifts them
-    return DrafterProgram(drafter, DraftStep(drafter), layers, draft_dtype,
+    steps = tuple(DraftStep(drafter, g) for g in range(drafter.num_groups))
+    return DrafterProgram(drafter, steps, layers, draft_dtype,
                           spec.draft_quantize or quantize,
                           TARGET_QUANT_EXCLUDE if spec.draft_quantize else None)
 
 
 class SpecDeployed:
-    """Target + drafter programs over one cache plan (no drafter for method="ngram"). See
-    engine/speculative.py for the step."""
+    """Target + drafter programs over one cache plan (no drafter for method="ngram"). `drafts`
+    holds one program per drafter group (`draft` is group 0's). See engine/speculative.py for
+    the step."""
 
-    def __init__(self, target: GraphDeployed, draft: GraphDeployed | None,
+    def __init__(self, target: GraphDeployed, drafts: list[GraphDeployed],
                  drafter: Drafter | None, spec: SpecConfig):
-        self.target, self.draft, self.drafter, self.spec = target, draft, drafter, spec
+        self.target, self.drafts, self.drafter, self.spec = target, list(drafts), drafter, spec
+        self.draft = self.drafts[0] if self.drafts else None
+        self.num_groups = len(self.drafts)
         self.num_draft_tokens = spec.num_draft_tokens  # the drafter's chain length
         self.method = spec.method
         self.d2t = None if drafter is None else drafter.d2t
@@ -148,10 +166,16 @@ class SpecDeployed:
         """Target features → the drafter's hidden input (EAGLE-3 fuses layers with `fc`)."""
         return self.drafter.project(captured)
 
-    def draft_forward(self, meta: BatchMetadata, hidden: torch.Tensor) -> StepOutput:
-        """Drafter step; returns logits over the *target* vocabulary order only when d2t is None
-        (use `to_target` on argmaxes otherwise) and the hidden rows at `meta.logits_idx`."""
-        out = self.draft.forward(meta, hidden)
+    def group_of(self, step: int) -> int:
+        """The drafter group (program) that drafts step `step` (0: the catch-up's)."""
+        return self.drafter.group_of(step)
+
+    def draft_forward(self, meta: BatchMetadata, hidden: torch.Tensor, group: int = 0
+                      ) -> StepOutput:
+        """Drafter step through group `group`; returns logits over the *target* vocabulary
+        order only when d2t is None (use `to_target` on argmaxes otherwise) and the hidden rows
+        at `meta.logits_idx`."""
+        out = self.drafts[group].forward(meta, hidden)
         return StepOutput(out.logits, out.hidden[meta.logits_idx.to(out.hidden.device)])
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -185,4 +209,7 @@ class SpecDeployed:
         lines = ["target:", self.target.report()]
         if self.draft is None:
             return "\n".join(lines + ["drafter: none (n-gram lookup)"])
-        return "\n".join(lines + ["drafter (eagle_drafter):", *format_infos(self.draft.infos)])
+        for g, draft in enumerate(self.drafts):
+            group = f", MTP group {g} of {self.num_groups}" if self.num_groups > 1 else ""
+            lines += [f"drafter (eagle_drafter{group}):", *format_infos(draft.infos)]
+        return "\n".join(lines)

@@ -101,10 +101,16 @@ class ModelDrafter:
                 for w in work]
         if not any(s.num_logits for s in segs):
             segs[-1].num_logits = 1
-        # the catch-up: every committed position enters the drafter's KV
-        out = d.draft_forward(build_metadata(segs), d.project(captured[rows]))
+        # the catch-up: every committed position enters the drafter's KV, that of every group
+        # of a multi-group MTP module (each group's later steps attend over them too)
+        meta, feats = build_metadata(segs), d.project(captured[rows])
+        out = d.draft_forward(meta, feats)
+        for g in range(1, getattr(d, "num_groups", 1)):
+            d.draft_forward(meta, feats, group=g)
         drafting = [(w.seq, w.start + len(w.next_ids)) for w in work if w.wants]
-        logits, h = out.logits[:len(drafting)], out.hidden[:len(drafting)]
+        # hist[:, r]: the hidden input of chain row r (at position pos + r, fed draft r + 1)
+        logits, hist = out.logits[:len(drafting)], out.hidden[:len(drafting), None]
+        fed = {}  # group -> chain rows its KV holds
         committed = {id(seq): seq.all_ids for seq, _ in drafting} if self.lookup else {}
         for step in range(self.k):
             if self.lookup is not None:
@@ -115,26 +121,33 @@ class ModelDrafter:
                 keep = [i for i, (seq, _) in enumerate(drafting) if not self.lookup.complete(
                     seq, committed[id(seq)], d.vocab_size, self.device)]
                 if len(keep) < len(drafting):
-                    drafting, logits, h = self._keep(drafting, keep, logits, h)
+                    drafting, logits, hist = self._keep(drafting, keep, logits, hist)
             if not drafting:
                 break
             going = self._draft(drafting, logits, step)  # the drafter forward's one host sync
             if not all(going):
                 # NOTE: a sequence left without drafts decodes plainly next step
                 self.stats.undrafted_steps += sum(not seq.spec.drafts for seq, _ in drafting)
-                drafting, logits, h = self._keep(
-                    drafting, [i for i, ok in enumerate(going) if ok], logits, h)
+                drafting, logits, hist = self._keep(
+                    drafting, [i for i, ok in enumerate(going) if ok], logits, hist)
             if step == self.k - 1 or not drafting:
                 break
-            segs = [Segment([seq.spec.drafts[-1]], pos + step, seq.pages, seq.slot, 1,
+            # draft step `step + 1` runs its group over the chain rows it has not seen yet
+            # (every row but the newest when the group changes), so its attention sees what
+            # the module's own causal forward over [committed rows, chain rows] would
+            g = d.group_of(step + 1) if hasattr(d, "group_of") else 0
+            first = fed.get(g, 0)
+            segs = [Segment(seq.spec.drafts[first:step + 1], pos + first, seq.pages, seq.slot, 1,
                             mm=seq.mm) for seq, pos in drafting]
-            out = d.draft_forward(build_metadata(segs), h)
-            logits, h = out.logits, out.hidden
+            out = d.draft_forward(build_metadata(segs),
+                                  hist[:, first:].reshape(-1, hist.shape[-1]), group=g)
+            fed[g] = step + 1
+            logits, hist = out.logits, torch.cat((hist, out.hidden[:, None]), 1)
 
     @staticmethod
-    def _keep(drafting, keep: list[int], logits, h):
+    def _keep(drafting, keep: list[int], logits, hist):
         idx = torch.tensor(keep, dtype=torch.long, device=logits.device)
-        return [drafting[i] for i in keep], logits[idx], h[idx]
+        return [drafting[i] for i in keep], logits[idx], hist[idx]
 
     def _draft(self, drafting, logits: torch.Tensor, step: int) -> list[bool]:
         """Append each sequence's next draft (target ids; for sampled requests drawn from the

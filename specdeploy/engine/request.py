@@ -61,6 +61,22 @@ class SamplingParams:
         return self.guided_json is not None or self.json_object
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request, shaped as vLLM's `CompletionOutput`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None = None
+    logprobs: list | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 @dataclass
 class RequestOutput:
     """A request's state as returned to callers. `text`/`token_ids` are cumulative; `delta_*` is
@@ -82,6 +98,15 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape: `out.outputs[0].text` / `.token_ids` / `.logprobs` (one completion per
+        request; `cumulative_logprob` sums the sampled tokens' logprobs when they were asked)."""
+        lps = self.logprobs
+        cum = None if lps is None else sum(e[t] for t, e in zip(self.token_ids, lps) if t in e)
+        return [CompletionOutput(0, self.text, list(self.token_ids), self.finish_reason,
+                                 cum, None if lps is None else list(lps))]
 
 
 class Status(enum.Enum):

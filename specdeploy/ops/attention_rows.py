@@ -31,7 +31,9 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         return None, "SPECDEPLOY_ATTENTION_KERNEL=0"
     missing = [f for f in ("avx2", "fma") if f not in _gl._cpu_flags()]
     if missing:
-        return None, f"this CPU lacks {', '.join(missing)}"
+        why = f"this CPU lacks {', '.join(missing)}"
+        _gl.warn_unbuilt("the batch-invariant attention kernel", why)
+        return None, why
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
     errors, cache = [], _gl._cache_dir()
     for openmp in (True, False):

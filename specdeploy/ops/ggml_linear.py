@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -129,10 +129,14 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("SPECDEPLOY_GGML_KERNELS", "1") == "0":
         return None, "SPECDEPLOY_GGML_KERNELS=0"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"needs x86-64 Linux (this is {platform.system()} {platform.machine()})"
+        why = f"needs x86-64 Linux (this is {platform.system()} {platform.machine()})"
+        warn_unbuilt("the exact GGUF block kernel", why)
+        return None, why
     missing = [f for f in _CPU_FLAGS if f not in _cpu_flags()]
     if missing:
-        return None, f"this CPU lacks {', '.join(missing)}"
+        why = f"this CPU lacks {', '.join(missing)}"
+        warn_unbuilt("the exact GGUF block kernel", why)
+        return None, why
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
     errors, cache = [], _cache_dir()
     for openmp in (True, False):  # NOTE: a compiler without OpenMP still gets a 1-thread kernel
@@ -158,9 +162,12 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
 
 
 def warn_unbuilt(what: str, why: str) -> None:
-    """The one visible line when a kernel cannot be built here (callers then fall back)."""
-    warnings.warn(f"specdeploy: cannot build {what}, falling back: {why}", RuntimeWarning,
-                  stacklevel=3)
+    """The one visible line when a kernel cannot be built or used here (callers then fall back
+    to torch). A log record, not `warnings.warn`: that prints the source line under it, and a
+    filter can hide it; with no logging configured Python prints the bare message on stderr.
+    Once per kernel and process (the callers' `_library` is cached)."""
+    logging.getLogger("specdeploy").warning("specdeploy: cannot build %s, falling back to "
+                                            "torch: %s", what, why)
 
 
 def kernel_unavailable() -> str | None:

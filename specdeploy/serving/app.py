@@ -1,6 +1,6 @@
-"""The FastAPI app: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/health`,
-`/metrics`. `create_app(llm)` serves an `LLM` (its engine then belongs to the app's engine thread:
-do not call `llm.generate` while the app runs)."""
+"""The FastAPI app: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/tokenize`,
+`/detokenize`, `/version`, `/health`, `/metrics`. `create_app(llm)` serves an `LLM` (its engine
+then belongs to the app's engine thread: do not call `llm.generate` while the app runs)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,13 +16,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specdeploy.serving import protocol as P
+from specdeploy.serving import responses as R
+from specdeploy.serving import tokenize as T
+from specdeploy.serving.body import parse_json
+from specdeploy.serving.chat import parse_chat
 from specdeploy.serving.engine_loop import EngineLoop, Handle
 from specdeploy.serving.metrics import CONTENT_TYPE, ServerMetrics
+from specdeploy.version import version
 
 MAX_BODY_BYTES = 16 * 2**20
 MAX_HEADER_BYTES = 16 * 2**10  # as h11's default limit on an incomplete request head
 log = logging.getLogger("specdeploy.serving")
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+             "/version", "/health", "/metrics")
 
 
 def default_model_name(llm) -> str:
@@ -43,13 +49,15 @@ def max_token_chars(tokenizer) -> int | None:
 
 def create_app(llm, *, model_name: str | None = None, api_key: str | None = None,
                max_queue: int = 256, drain_timeout: float = 30.0,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES,
+               stats_log_interval: float | None = None) -> FastAPI:
     """Args:
         model_name: the id clients pass as `model` (default: the checkpoint's name).
         api_key: when set, `/v1/*` needs `Authorization: Bearer <api_key>` (else 401).
         max_queue: requests that may wait for a place in the batch beyond it (else 429).
         drain_timeout: seconds shutdown waits for in-flight requests before aborting them.
         max_body_bytes: larger request bodies get 413, however they are sent (chunked too).
+        stats_log_interval: seconds between speculative-decoding log lines (None: none).
     """
     if max_queue < 0:
         raise ValueError(f"max_queue: must be >= 0, got {max_queue}")
@@ -61,15 +69,24 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         kv_capacity=blocks.num_pages * blocks.page_size - engine.scheduler.lookahead,
         vocab_size=engine.deployed.vocab_size, max_token_chars=max_token_chars(tokenizer),
         vision=engine.deployed if hasattr(engine.deployed, "image_features") else None,
-        grammar=lambda schema: engine.grammar_compiler().compile(schema))
-    metrics = ServerMetrics()
+        grammar=lambda schema: engine.grammar_compiler().compile(schema),
+        sampling_defaults=dict(getattr(llm, "sampling_defaults", {}) or {}))
+    metrics = ServerMetrics(limits.model_name)
     loop = EngineLoop(engine, metrics, max_batch_size=engine.scheduler.max_batch_size,
                       max_queue=max_queue)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop.start()
+        stats = None
+        if stats_log_interval:
+            from specdeploy.serving.stats_log import run_periodically
+
+            stats = asyncio.ensure_future(run_periodically(lambda: loop.snapshot,
+                                                           stats_log_interval))
         yield
+        if stats is not None:
+            stats.cancel()
         # NOTE: a server that drained already (serving/shutdown.py) left nothing to wait for
         await asyncio.to_thread(loop.shutdown, drain_timeout if loop.accepting else 0.0)
 
@@ -124,6 +141,23 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
             "id": limits.model_name, "object": "model", "created": 0, "owned_by": "specdeploy",
             "max_model_len": limits.max_seq_len}]}
 
+    @app.get("/version")
+    async def version_route():
+        return {"version": version()}
+
+    async def tokenizer_call(request: Request, fn):
+        auth(request)
+        raw = await _read_body(request, max_body_bytes)
+        return await asyncio.to_thread(lambda: fn(parse_json(raw), tokenizer, limits))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await tokenizer_call(request, T.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await tokenizer_call(request, T.detokenize)
+
     async def generate(request: Request, parse):
         auth(request)
         if not loop.accepting:  # before reading the body: nothing will run it
@@ -131,14 +165,14 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         raw = await _read_body(request, max_body_bytes)
         # NOTE: off the event loop: walking a big body and tokenizing a long prompt must not
         # stall other streams
-        req = await asyncio.to_thread(lambda: parse(P.parse_json(raw), tokenizer, limits))
+        req = await asyncio.to_thread(lambda: parse(parse_json(raw), tokenizer, limits))
         handle = loop.submit(req.prompts, req.params, req.mm)
         try:
             await handle.accepted()
         except BaseException:
             loop.abort(handle)
             raise
-        rid, created = P.new_id(req.chat), P.now()
+        rid, created = R.new_id(req.chat), R.now()
         if req.stream:
             return _SSEResponse(_stream(req, handle, rid, created), on_close=lambda: (
                 None if handle.done else loop.abort(handle)))
@@ -150,7 +184,7 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(request, P.parse_chat)
+        return await generate(request, parse_chat)
 
     return app
 
@@ -193,11 +227,11 @@ async def _stream(req: P.GenerationRequest, handle: Handle, rid: str, created: i
     sent_lp = [0] * n  # tokens whose logprobs were streamed
     if req.chat:
         for i in range(n):
-            yield P.sse(P.chunk_body(req, rid, created, i, None, None, first=True))
+            yield R.sse(R.chunk_body(req, rid, created, i, None, None, first=True))
     while done < n:
         ev = await handle.queue.get()
         if ev.error is not None:
-            yield P.sse(P.APIError(500, ev.error).body())
+            yield R.sse(P.APIError(500, ev.error).body())
             return
         out, i = ev.output, ev.index
         # NOTE: the cumulative text, not `delta_text`: a stop string cuts the final text, and
@@ -210,17 +244,17 @@ async def _stream(req: P.GenerationRequest, handle: Handle, rid: str, created: i
             lp = req.logprobs(i, out.token_ids[sent_lp[i]:], out.logprobs[sent_lp[i]:], sent[i])
             sent_lp[i] = len(out.logprobs)
         if end > sent[i]:
-            yield P.sse(P.chunk_body(req, rid, created, i, out.text[sent[i]:end], None,
+            yield R.sse(R.chunk_body(req, rid, created, i, out.text[sent[i]:end], None,
                                      logprobs=lp))
             sent[i], lp = end, None
         if out.finished:
             done += 1
             completion_tokens += len(out.token_ids)
-            yield P.sse(P.chunk_body(req, rid, created, i, None, out.finish_reason, logprobs=lp))
+            yield R.sse(R.chunk_body(req, rid, created, i, None, out.finish_reason, logprobs=lp))
     if req.include_usage:
         prompt_tokens = req.prompt_tokens
-        yield P.sse(P.usage_chunk(req, rid, created, P.usage(prompt_tokens, completion_tokens)))
-    yield P.sse("[DONE]")
+        yield R.sse(R.usage_chunk(req, rid, created, R.usage(prompt_tokens, completion_tokens)))
+    yield R.sse("[DONE]")
 
 
 async def _collect(request: Request, req: P.GenerationRequest, handle: Handle, rid: str,
@@ -250,8 +284,8 @@ async def _collect(request: Request, req: P.GenerationRequest, handle: Handle, r
                 lps[ev.index] = req.logprobs(ev.index, ev.output.token_ids, ev.output.logprobs)
     finally:
         gone.cancel()
-    use = P.usage(req.prompt_tokens, sum(ntok))
-    return JSONResponse(P.response_body(req, rid, created, texts, reasons, use, lps))
+    use = R.usage(req.prompt_tokens, sum(ntok))
+    return JSONResponse(R.response_body(req, rid, created, texts, reasons, use, lps))
 
 
 async def _disconnected(request: Request) -> None:

@@ -9,6 +9,9 @@ import os
 
 from specdeploy.cli_args import (
     DEVICE_HELP,
+    DTYPE_HELP,
+    MODEL_HELP,
+    add_context_args,
     add_parallel_args,
     add_prefix_caching_arg,
     parallel_kwargs,
@@ -19,15 +22,24 @@ from specdeploy.spec_args import add_spec_args, spec_from_args
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve /v1/completions, /v1/chat/completions, "
-                              "/v1/models, /health and /metrics.")
-    p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
+                              "/v1/models, /tokenize, /detokenize, /version, /health and "
+                              "/metrics (vLLM's flags and conventions; `specdeploy serve MODEL`).")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help=f"{MODEL_HELP}; the same as --model")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--config", metavar="FILE.yaml", help="options from a YAML file (keys are "
+                   "the long option names); command-line flags override them")
     p.add_argument("--served-model-name", default=None,
                    help="the `model` id clients use (default: the checkpoint's name)")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--backend", choices=("graph", "eager"), default="graph")
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together")
+    add_context_args(p)
+    p.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=int,
+                   default=32, help="requests decoded together")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) replacing the "
+                        "checkpoint's")
     p.add_argument("--max-cache-gib", type=float, default=None)
     add_spec_args(p)
     add_prefix_caching_arg(p)
@@ -41,7 +53,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds shutdown waits for in-flight requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info")
+    p.add_argument("--stats-log-interval", type=float, default=10.0,
+                   help="seconds between the one-line speculative-decoding log (0: off)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic speculative-decoding log (vLLM's flag)")
     add_parallel_args(p)
     p.set_defaults(func=cmd_serve)
     return p
@@ -54,7 +70,11 @@ def cmd_serve(args) -> int:
         raise ValueError(f"max-queue: must be >= 0, got {args.max_queue}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"port: must be in [0, 65535], got {args.port}")
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"model: given twice ({args.model_tag} and --model {args.model})")
+    model = args.model_tag or args.model
     spec = spec_from_args(args)
+    template = _chat_template(args.chat_template)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {args.threads}")
@@ -65,16 +85,33 @@ def cmd_serve(args) -> int:
     from specdeploy.serving import shutdown
     from specdeploy.serving.app import create_app
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
+    llm = LLM(model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
               max_seq_len=args.max_seq_len, spec=spec, max_cache_gib=args.max_cache_gib,
               backend=args.backend, progress=True, seed=args.seed,
+              generation_config=args.generation_config,
               enable_prefix_caching=args.enable_prefix_caching, **parallel_kwargs(args))
+    if template is not None:
+        llm.tokenizer.chat_template = template
     if hasattr(llm.deployed, "on_failure"):  # a dead or hung rank: fail requests, then exit
         llm.deployed.on_failure(_exit_soon)
     app = create_app(llm, model_name=args.served_model_name, api_key=args.api_key,
-                     max_queue=args.max_queue, drain_timeout=args.drain_timeout)
+                     max_queue=args.max_queue, drain_timeout=args.drain_timeout,
+                     stats_log_interval=None if args.disable_log_stats
+                     or args.stats_log_interval <= 0 else args.stats_log_interval)
     shutdown.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _chat_template(value: str | None) -> str | None:
+    """vLLM's --chat-template: a path to a template file, or the template text itself."""
+    if value is None:
+        return None
+    if "{" not in value:  # not Jinja: a path
+        try:
+            return open(value).read()
+        except OSError as e:
+            raise ValueError(f"chat-template: cannot read {value} ({e.strerror})") from None
+    return value
 
 
 def _exit_soon(delay: float = 1.0) -> None:

@@ -1,57 +1,26 @@
-"""OpenAI request parsing and response bodies.
+"""OpenAI request parsing: the fields both endpoints share, and `/v1/completions`.
 
 Requests are parsed by hand from the JSON body (not with pydantic models) so every rejection is a
 400 with an OpenAI-style body that names the offending field, and nothing invalid reaches the
 engine: the limits the engine would enforce (`max_seq_len`, KV capacity, vocabulary) are checked
-here first.
+here first. Chat requests: chat.py; the body's JSON: body.py; response bodies: responses.py;
+which fields are known: fields.py.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specdeploy.engine import SamplingParams
 from specdeploy.engine.params_check import check_for_model
 from specdeploy.serving import sampling_fields as F
+from specdeploy.serving.errors import APIError, bad
+from specdeploy.serving.fields import check_fields
 from specdeploy.serving.logprobs_format import format_logprobs
-from specdeploy.serving.responses import (  # noqa: F401  (the app reads them as P.*)
-    chunk_body,
-    new_id,
-    now,
-    response_body,
-    sse,
-    usage,
-    usage_chunk,
-)
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+__all__ = ["APIError", "GenerationRequest", "Limits", "bad", "parse_completion"]
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
-MAX_JSON_DEPTH = 32  # no request needs more; deeper is an attack on the parser's recursion
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-                404: "invalid_request_error", 413: "invalid_request_error",
-                429: "rate_limit_error"}
-
-
-class APIError(Exception):
-    """An HTTP error with an OpenAI-style body `{"error": {message, type, param, code}}`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or _ERROR_TYPES.get(status, "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def bad(param: str | None, message: str, code: str | None = None) -> APIError:
-    return APIError(400, f"{param}: {message}" if param else message, param, code)
 
 
 @dataclass(frozen=True)
@@ -67,6 +36,9 @@ class Limits:
     max_token_chars: int | None = None
     vision: Any = None  # a vision-language deployment (deploy/vlm.py): image parts accepted
     grammar: Any = None  # schema (None: any object) → compiled grammar; raises ValueError
+    # generation_config.json's sampling defaults (model_defaults.py): used where a request
+    # leaves a field unset, before OpenAI's own defaults
+    sampling_defaults: dict = field(default_factory=dict)
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -77,7 +49,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A validated completion or chat request: one engine request per prompt."""
+    """A validated completion or chat request: one engine request per choice (`n` per prompt)."""
 
     chat: bool
     model: str
@@ -97,52 +69,6 @@ class GenerationRequest:
     def logprobs(self, index: int, token_ids: list[int], logprobs, offset: int = 0):
         return format_logprobs(self.chat, self.tokenizer, token_ids, logprobs,
                                self.params[index].logprobs, offset)
-
-
-# ---- parsing ------------------------------------------------------------------------------------
-def parse_json(raw: bytes) -> dict:
-    """The body as a dict; 400 for invalid UTF-8 or JSON, nesting deeper than MAX_JSON_DEPTH
-    and lone surrogates (`"\\ud800"` is valid JSON but no text: tokenizers and the UTF-8
-    encoder of our own error bodies fail on it)."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(None, f"could not parse the JSON body of the request ({e})",
-                  "invalid_json") from None
-    except RecursionError:
-        raise bad(None, f"JSON nested deeper than {MAX_JSON_DEPTH} levels",
-                  "invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad(None, "the request body must be a JSON object", "invalid_json")
-    _check_tree(body)
-    return body
-
-
-def _check_tree(body: dict) -> None:
-    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
-    while stack:
-        node, depth, path = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise bad(None, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        for k, v in items:
-            if isinstance(k, str) and not _is_text(k):  # name the parent: the key is not text
-                raise bad(path or None, "has a key with a lone surrogate (not valid Unicode "
-                          "text)", "invalid_value")
-            where = f"{path}.{k}".lstrip(".") if isinstance(k, str) else f"{path}[{k}]"
-            if isinstance(v, str) and not _is_text(v):
-                raise bad(where, "contains a lone surrogate (not valid Unicode text)",
-                          "invalid_value")
-            if isinstance(v, (dict, list)):
-                stack.append((v, depth + 1, where))
-
-
-def _is_text(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _is_int(v: Any) -> bool:
@@ -199,18 +125,19 @@ def _sampling(body: dict, max_tokens: int, limits: Limits, chat: bool) -> list[S
     """One SamplingParams per choice (`n`; choice j seeded with seed + j). The rules are
     SamplingParams' own (engine/params_check.py); only the API's spellings are translated here
     (and in sampling_fields.py): top_k -1 (vLLM) means off, like 0, and OpenAI's temperature
-    default is 1. A structured-output schema is compiled here, so a bad one is a 400."""
-    top_k = body.get("top_k")
+    default is 1. A field the request leaves unset takes the checkpoint's generation_config
+    default first. A structured-output schema is compiled here, so a bad one is a 400."""
+    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **limits.sampling_defaults}
+    sampled = {k: defaults[k] if body.get(k) is None else body[k] for k in defaults}
+    top_k = sampled["top_k"]
+    sampled["top_k"] = 0 if top_k == -1 and _is_int(top_k) else top_k
     try:
         n, extra = F.num_choices(body), F.sampling_kwargs(body, chat)
         params = [SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.get("temperature") is None else body["temperature"],
-            top_p=1.0 if body.get("top_p") is None else body["top_p"],
-            top_k=0 if top_k is None or (top_k == -1 and _is_int(top_k)) else top_k,
+            max_tokens=max_tokens, **{**sampled, **extra},
             seed=F.choice_seed(body.get("seed"), j), stop=body.get("stop"),
             stop_token_ids=body.get("stop_token_ids"),
-            ignore_eos=False if body.get("ignore_eos") is None else body["ignore_eos"], **extra)
+            ignore_eos=False if body.get("ignore_eos") is None else body["ignore_eos"])
             for j in range(n)]
         check_for_model(params[0], limits.vocab_size)
     except F.FieldError as e:
@@ -270,7 +197,9 @@ def _model(body: dict, limits: Limits) -> str:
 
 
 def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
+    check_fields(body, "completion", bad)
     stream, include_usage = _common(body)
+    specials = _bool(body, "add_special_tokens", True)
     model = _model(body, limits)
     for name in ("echo",):
         _unsupported(body, name, (None, False))
@@ -292,7 +221,7 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
             if not p:
                 raise bad("prompt", "must not be empty", "invalid_value")
             _check_chars(len(p), limits, "prompt")
-            p = list(tokenizer.encode(p))
+            p = list(tokenizer.encode(p, add_special_tokens=specials))
         elif not (isinstance(p, list) and all(_is_int(t) for t in p)):
             raise bad("prompt", "must be a string, a list of token ids or a list of those",
                       "invalid_type")
@@ -307,83 +236,3 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
     return GenerationRequest(False, model, [p for p in prompts for _ in range(n)],
                              [sp for c in choices for sp in c], stream, include_usage, None, n,
                              tokenizer)
-
-
-def _message(i: int, m: Any, images: list | None = None, vision: Any = None) -> dict:
-    field = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise bad(field, "must be an object with `role` and `content`", "invalid_type")
-    role = m.get("role")
-    if role not in ROLES:
-        raise bad(f"{field}.role", f"must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
-                  "invalid_value")
-    content = m.get("content")
-    if isinstance(content, list):  # content parts: text, and image_url on a VLM
-        texts, parts = [], []
-        for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") == "image_url" and images is not None:
-                from specdeploy.vision.chat import served_image_url
-
-                if vision is None:
-                    raise bad(f"{field}.content[{j}]", "this model takes no images (text parts "
-                              "only)", "unsupported")
-                images.append(served_image_url(part, bad, f"{field}.content[{j}].image_url.url"))
-                parts.append({"type": "image"})
-                continue
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise bad(f"{field}.content[{j}]", "only {\"type\": \"text\", \"text\": ...} "
-                          "parts are supported", "unsupported")
-            texts.append(part["text"])
-            parts.append({"type": "text", "text": part["text"]})
-        content = parts if len(parts) > len(texts) else "".join(texts)
-    elif content is None and role == "assistant":
-        content = ""
-    elif not isinstance(content, str):
-        raise bad(f"{field}.content", "must be a string or a list of text parts",
-                  "invalid_type")
-    return {"role": role, "content": content}
-
-
-def _text_chars(content: str | list) -> int:
-    if isinstance(content, str):
-        return len(content)
-    return sum(len(p.get("text", "")) for p in content)
-
-
-def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
-    stream, include_usage = _common(body)
-    model = _model(body, limits)
-    _unsupported(body, "tools")
-    _unsupported(body, "tool_choice", (None, "none"))
-    msgs = body.get("messages")
-    if msgs is None:
-        raise bad("messages", "is required", "missing_required_parameter")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("messages", "must be a non-empty list of messages", "invalid_type")
-    images: list = []
-    conversation = [_message(i, m, images, limits.vision) for i, m in enumerate(msgs)]
-    _check_chars(sum(_text_chars(m["content"]) for m in conversation), limits, "messages")
-    try:
-        rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-    except Exception as e:  # the template may reject a conversation (roles, order)
-        raise bad("messages", f"the chat template rejected the conversation: {e}",
-                  "invalid_value") from None
-    ids = list(tokenizer.encode(rendered)) if isinstance(rendered, str) else list(rendered)
-    mm = None
-    if images:
-        from specdeploy.vision import ImageError
-        from specdeploy.vision.chat import build_prompt
-
-        try:
-            mm = build_prompt(limits.vision, ids, images, "messages")
-        except ImageError as e:
-            raise APIError(400, str(e), "messages", "invalid_image") from None
-        ids = mm.ids
-    _check_prompt(ids, limits, "messages")
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    params = _sampling(body, _max_tokens(body, field, len(ids), limits, None), limits, True)
-    n = len(params)
-    return GenerationRequest(True, model, [ids] * n, params, stream, include_usage,
-                             None if mm is None else [mm] * n, n, tokenizer)

@@ -1,4 +1,5 @@
-"""OpenAI response bodies: whole responses, streamed chunks, usage and SSE framing."""
+"""Response and streamed-chunk bodies of the OpenAI endpoints: whole responses, streamed chunks
+(with their logprobs, logprobs_format.py), usage and SSE framing."""
 from __future__ import annotations
 
 import json

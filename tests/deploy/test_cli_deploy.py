@@ -51,6 +51,6 @@ def test_list_transforms_without_prefix_caching(tiny_dir, capsys):
 
 def test_budget_too_small(tiny_dir, capsys):
     rc = main(["deploy", "--model", str(tiny_dir("llama")), "--list-transforms",
-               "--max-seq-len", "2048", "--max-cache-gib", "0.0001"])
+               "--max-seq-len", "512", "--max-cache-gib", "0.0001"])
     assert rc == 2
     assert "max_cache_gib" in capsys.readouterr().err

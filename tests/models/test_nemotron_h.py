@@ -172,7 +172,8 @@ def test_mtp_matches_reference(tmp_path, mtp_layers):
     pos = torch.arange(11).expand(2, 11)
     for step in range(mtp_layers + 1):
         out = model.mtp(hidden, embeds, pos, step=step)
-        want_h, want_logits = _mtp_ref(w, model.cfg, hidden, embeds, step % mtp_layers)
+        # draft step j runs group min(j, G - 1) (drafters/nemotron_h_mtp.py)
+        want_h, want_logits = _mtp_ref(w, model.cfg, hidden, embeds, min(step, mtp_layers - 1))
         assert out.hidden.shape == (2, 11, 64) and out.logits.shape == (2, 11, 128)
         assert (out.hidden - want_h).abs().max().item() <= 1e-5
         assert (out.logits - want_logits).abs().max().item() <= 1e-5

@@ -122,17 +122,37 @@ def test_switched_off_by_environment(fresh_library, monkeypatch):
         gl.ggml_linear(torch.randn(1, 32), _weight("q8_0", 2, 32)[0])
 
 
-def test_compiler_failure_is_reported(fresh_library, monkeypatch):
+def _kernel_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "specdeploy" and "cannot build" in r.getMessage()]
+
+
+def test_compiler_failure_is_reported(fresh_library, monkeypatch, caplog):
     # as on an x86-64 Linux with AVX2 (where a compile is attempted), whatever this machine is
     monkeypatch.setattr(gl.platform, "system", lambda: "Linux")
     monkeypatch.setattr(gl.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(gl, "_cpu_flags", lambda: set(gl._CPU_FLAGS))
     monkeypatch.setenv("CC", "false")
-    with pytest.warns(RuntimeWarning, match="cannot build the exact GGUF block kernel") as rec:
+    with caplog.at_level("WARNING", logger="specdeploy"):
         why = gl.kernel_unavailable()
+        gl.kernel_unavailable()  # cached: no second line
     assert why is not None and "failed" in why
-    assert len(rec) == 1 and "\n" not in str(rec[0].message)  # one visible line
+    lines = _kernel_lines(caplog)
+    assert len(lines) == 1 and "\n" not in lines[0]  # one visible line
+    assert "cannot build the exact GGUF block kernel" in lines[0]
     assert list(fresh_library.glob("*.so")) == []  # nothing half-written left behind
+
+
+def test_unsupported_cpu_warns_in_one_line(fresh_library, monkeypatch, caplog):
+    """A CPU without AVX2 (or not x86-64) cannot run the kernel: one log line says so, where
+    it used to fall back in silence."""
+    monkeypatch.setattr(gl.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(gl.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(gl, "_cpu_flags", lambda: {"sse2"})
+    with caplog.at_level("WARNING", logger="specdeploy"):
+        assert "lacks avx2" in gl.kernel_unavailable()
+    lines = _kernel_lines(caplog)
+    assert len(lines) == 1 and "lacks avx2" in lines[0] and "\n" not in lines[0]
 
 
 @needs_kernel

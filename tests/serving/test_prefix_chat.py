@@ -17,7 +17,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, dtype="float32", max_batch_size=4, max_seq_len=1024, page_size=4)
+    return LLM(tiny_llama_dir, dtype="float32", max_batch_size=4, max_seq_len=512, page_size=4)
 
 
 def _turn2(answer: str) -> list[dict]:

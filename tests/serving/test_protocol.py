@@ -5,16 +5,17 @@ import pytest
 
 from specdeploy.serving import protocol as P
 from specdeploy.serving.app import _held_back
+from specdeploy.serving.chat import parse_chat
 from specdeploy.serving.metrics import ServerMetrics, parse_text
 
 LIMITS = P.Limits(model_name="m", max_seq_len=32, kv_capacity=24, vocab_size=100)
 
 
 class CharTokenizer:
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):
         return [ord(c) % 100 for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 
@@ -30,7 +31,7 @@ def test_parse_defaults_and_limits():
     r = P.parse_completion({"prompt": "abc"}, tok, LIMITS)
     assert r.prompts == [tok.encode("abc")] and r.params[0].max_tokens == 16
     assert r.params[0].temperature == 1.0 and not r.stream
-    r = P.parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    r = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                       "top_k": -1, "stop": "x"}, tok, LIMITS)
     n = len(r.prompts[0])
     assert r.params[0].max_tokens == 24 - n  # the KV cache is the binding limit here
@@ -42,10 +43,34 @@ def test_parse_defaults_and_limits():
         P.parse_completion({"prompt": "abc", "max_tokens": 22}, tok, LIMITS)
     assert e.value.param == "max_tokens"
     with pytest.raises(P.APIError) as e:
-        P.parse_chat({"messages": [{"role": "user", "content": "x"}],
-                      "frequency_penalty": 2.5}, tok, LIMITS)
+        parse_chat({"messages": [{"role": "user", "content": "x"}],
+                    "frequency_penalty": 2.5}, tok, LIMITS)
     assert e.value.param == "frequency_penalty" and e.value.code == "invalid_value"
     assert P.APIError(429, "full").body()["error"]["type"] == "rate_limit_error"
+
+
+def test_generation_config_defaults_reach_the_sampling_fields():
+    """generation_config's min_p / repetition_penalty fill unset fields; a request's own value
+    wins; n choices each get them (and their own seed); the field table refuses none of them."""
+    import dataclasses
+
+    tok = CharTokenizer()
+    limits = dataclasses.replace(LIMITS, sampling_defaults={
+        "temperature": 0.5, "min_p": 0.1, "repetition_penalty": 1.2})
+    r = P.parse_completion({"prompt": "abc", "n": 2, "seed": 7, "logprobs": 1}, tok, limits)
+    assert [p.seed for p in r.params] == [7, 8] and r.n == 2 and len(r.prompts) == 2
+    assert all(p.min_p == 0.1 and p.repetition_penalty == 1.2 and p.temperature == 0.5
+               and p.logprobs == 1 for p in r.params)
+    r = parse_chat({"messages": [{"role": "user", "content": "x"}], "min_p": 0.3,
+                    "repetition_penalty": 1.0, "presence_penalty": 0.5, "min_tokens": 2,
+                    "logprobs": True, "top_logprobs": 2}, tok, limits)
+    p = r.params[0]
+    assert (p.min_p, p.repetition_penalty, p.presence_penalty, p.min_tokens, p.logprobs) == (
+        0.3, 1.0, 0.5, 2, 2)
+    for field, value in (("guided_regex", "a+"), ("guided_choice", ["a"])):
+        with pytest.raises(P.APIError) as e:
+            P.parse_completion({"prompt": "abc", field: value}, tok, LIMITS)
+        assert e.value.param == field and e.value.code == "unsupported"
 
 
 def test_metrics_text():

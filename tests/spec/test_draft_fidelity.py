@@ -51,8 +51,8 @@ def test_engine_drafts_equal_module_drafts(llama, steps, monkeypatch):
     seen = []
     draft_forward = llm.deployed.draft_forward
 
-    def recording(meta, hidden):  # one sequence: every draft forward gives its draft's logits
-        out = draft_forward(meta, hidden)
+    def recording(meta, hidden, **kw):  # one sequence: each draft forward gives a draft's logits
+        out = draft_forward(meta, hidden, **kw)
         seen.append(out.logits.clone())
         return out
 

@@ -36,7 +36,7 @@ def test_one_sync_per_step_and_drafter_forward(target, lookup, features, monkeyp
     if llm.deployed.draft is not None:
         draft_forward = llm.deployed.draft_forward
         monkeypatch.setattr(llm.deployed, "draft_forward",
-                            lambda m, h: (forwards.append(1), draft_forward(m, h))[1])
+                            lambda m, h, **kw: (forwards.append(1), draft_forward(m, h, **kw))[1])
     _requests(eng, target.prompts[:4], features)
     try:
         for _ in range(3):  # prefill (chunks of the 100-token prompt) and first drafts

@@ -24,19 +24,27 @@ def _msgs(url: str) -> list[dict]:
                                          {"type": "image_url", "image_url": {"url": url}}]}]
 
 
+IMAGE_URL = _data_url(rand_image(48, 33, 5))
+
+
 @pytest.fixture(scope="module")
-def srv(vlm_llm):
+def want(vlm_llm):
+    """LLM.chat's answer, computed before the server starts: while it runs, its engine thread
+    owns the engine, and a second caller stepping the same engine races it."""
+    return vlm_llm.chat(_msgs(IMAGE_URL), SamplingParams(max_tokens=8))[0]
+
+
+@pytest.fixture(scope="module")
+def srv(vlm_llm, want):
     from specdeploy.serving.app import create_app
 
     with running(create_app(vlm_llm, model_name="vlm", api_key=KEY)) as s:
         yield s
 
 
-def test_openai_client_image_equals_llm_chat(srv, vlm_llm):
-    url = _data_url(rand_image(48, 33, 5))
-    r = srv.client().chat.completions.create(model="vlm", messages=_msgs(url), max_tokens=8,
+def test_openai_client_image_equals_llm_chat(srv, want):
+    r = srv.client().chat.completions.create(model="vlm", messages=_msgs(IMAGE_URL), max_tokens=8,
                                              temperature=0)
-    want = vlm_llm.chat(_msgs(url), SamplingParams(max_tokens=8))[0]
     assert r.choices[0].message.content == want.text
     assert r.usage.prompt_tokens == len(want.prompt_token_ids)
 
@@ -86,8 +94,9 @@ def test_more_images_than_placeholders_is_400(srv):
 
 def test_text_model_refuses_image_parts():
     from specdeploy.serving import protocol as P
+    from specdeploy.serving.chat import parse_chat
 
     limits = P.Limits("m", max_seq_len=64, kv_capacity=64, vocab_size=128)
     with pytest.raises(P.APIError, match="this model takes no images") as e:
-        P.parse_chat({"messages": _msgs("data:image/png;base64,AAAA")}, None, limits)
+        parse_chat({"messages": _msgs("data:image/png;base64,AAAA")}, None, limits)
     assert e.value.status == 400 and e.value.param == "messages[0].content[1]"

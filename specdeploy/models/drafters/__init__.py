@@ -5,6 +5,11 @@ checkpoint MTP modules): `embed`, `project` (captured target features → its hi
 `borrowed` (the target's modules it reads, e.g. embedding and LM head, which it does not own),
 `d2t` (draft-vocab offsets to target ids, None when it drafts over the target's vocabulary) and
 `forward(hidden, embeds, position_ids, step) -> DraftOutput`.
+
+A checkpoint's MTP module may hold several groups of layers (`num_groups`, one per
+`num_nextn_predict_layers` / `mtp_num_hidden_layers`); draft step j runs group `group_of(j)` and
+a deployment exports one program (with its own paged KV) per group. EAGLE-3 and trained MTP
+heads have one group.
 """
 from __future__ import annotations
 
@@ -34,13 +39,30 @@ class Borrowed(dict):
         return Borrowed(self)
 
 
+GROUP_POLICIES = ("last", "cycle")
+
+
+def group_of(step: int, num_groups: int, policy: str) -> int:
+    """The group that drafts step `step` (0-based): "last" = min(step, G-1) (group j at step j,
+    the last group once they run out), "cycle" = step mod G. Both agree while step < G."""
+    if policy not in GROUP_POLICIES:
+        raise ValueError(f"MTP group policy: one of {GROUP_POLICIES}, got {policy!r}")
+    return min(step, num_groups - 1) if policy == "last" else step % num_groups
+
+
 class Drafter(nn.Module):
     """Base of every drafter module. Subclasses call `borrow(...)`, set `d2t` (a buffer or None)
-    and define `forward`."""
+    and define `forward`; multi-group MTP modules set `num_groups` and `group_policy`."""
+
+    num_groups: int = 1
+    group_policy: str = "last"
 
     def __init__(self):
         super().__init__()
         self.borrowed = Borrowed()
+
+    def group_of(self, step: int) -> int:
+        return group_of(step, self.num_groups, self.group_policy)
 
     def borrow(self, **modules: nn.Module | None) -> None:
         self.borrowed.update({k: m for k, m in modules.items() if m is not None})
@@ -60,4 +82,4 @@ class Drafter(nn.Module):
         return F.linear(hidden, self.borrowed["lm_head"].weight)
 
 
-__all__ = ["Borrowed", "DraftOutput", "Drafter"]
+__all__ = ["GROUP_POLICIES", "Borrowed", "DraftOutput", "Drafter", "group_of"]

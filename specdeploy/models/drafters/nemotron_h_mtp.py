@@ -10,8 +10,12 @@ One draft step (as vLLM's `nemotron_h_mtp.py` and SGLang compute it; checked Nov
     hidden = final_layernorm(x);  logits = lm_head(hidden)   # shared lm_head, no extra norm
 `hidden` is post-`final_layernorm` and is what the next draft step gets as `h` (vLLM feeds back
 the layer-stack output). The first step's `h` is the target's final-normed (`norm_f`) hidden.
-Peers (vLLM, SGLang) use only group 0; with several groups draft step k here uses group
-k % num_nextn_predict_layers (DeepSeek-style depth).
+Several groups (checked Dec 2026): vLLM's `nemotron_h_mtp.py` asserts num_nextn_predict_layers
+== 1; TensorRT-LLM's "MTP vanilla" (blog 2, DeepSeek-R1 MTP) applies module j at draft step j,
+each module with its own KV, for as many steps as there are modules. Nothing defines a step past
+the last group, so draft step j runs group min(j, G-1) (`group_policy = "last"`): a group >= 1
+was trained on an MTP output as its `h`, which is what later steps feed it, whereas group 0
+expects the target's hidden. Each group is its own deployed program with its own paged KV.
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ class MTP(Drafter):
             raise ValueError("NemotronH MTP: the config has num_nextn_predict_layers = 0")
         kinds, n = cfg.mtp_block_types, len(cfg.mtp_block_types)
         self.group_len = n
+        self.num_groups = cfg.num_nextn_predict_layers
         self.layers = nn.ModuleList(
             MTPLayer(cfg, kinds[i % n], first=i % n == 0, last=i % n == n - 1)
             for i in range(cfg.num_nextn_predict_layers * n))
@@ -59,8 +64,7 @@ class MTP(Drafter):
 
     def forward(self, hidden_states: torch.Tensor, input_embeds: torch.Tensor,
                 position_ids: torch.Tensor | None = None, step: int = 0) -> DraftOutput:
-        groups = len(self.layers) // self.group_len
-        start = (step % groups) * self.group_len
+        start = self.group_of(step) * self.group_len
         group = self.layers[start:start + self.group_len]
         first = group[0]
         x = first.eh_proj(torch.cat([first.enorm(input_embeds), first.hnorm(hidden_states)], -1))

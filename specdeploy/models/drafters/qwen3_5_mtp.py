@@ -5,7 +5,10 @@ Checked against vLLM `qwen3_5_mtp.py` / `qwen3_next_mtp.py` and SGLang `qwen3_ne
   its LM head; vLLM/SGLang pass the model's normed output to the proposer), `input_embeds` the
   target embedding of the next token.
 - `fc` [H, 2H] is applied to cat(pre_fc_norm_embedding(emb), pre_fc_norm_hidden(h)): embedding
-  first. Then `layers[step % n]` (a full-attention decoder layer with MoE) and `norm`.
+  first. Then `layers[step % n]` (a full-attention decoder layer with MoE) and `norm`: with
+  `mtp_num_hidden_layers` = n > 1, vLLM's `qwen3_next_mtp.py` picks
+  `layers[spec_step_idx % num_mtp_layers]` (as its `deepseek_mtp.py` does), so draft step j runs
+  layer j mod n here (`group_policy = "cycle"`); `fc` and the norms are shared by all steps.
 - Output: `hidden` is *after* `mtp.norm` (vLLM returns the normed state, feeds it to the LM head
   and, as the drafter's hidden, to the next draft step); logits = shared LM head(hidden).
 - All MTP RMSNorms (pre_fc_norm_*, norm, the layer's norms, q/k norms) are stored zero-centred
@@ -24,11 +27,14 @@ from specdeploy.ops import rope_cos_sin
 
 
 class MTP(Drafter):
-    """`forward(hidden_states[B,T,H], input_embeds[B,T,H], position_ids[B,T]) -> DraftOutput`.
+    """`forward(hidden_states[B,T,H], input_embeds[B,T,H], position_ids[B,T], step=0)
+    -> DraftOutput`; each of the `mtp_num_hidden_layers` layers is a group (`group_of(step)`).
 
     `embed_tokens` / `lm_head` are the target's modules (anything with `.weight` [V, H]),
     borrowed: outside the module tree, so not this drafter's parameters.
     """
+
+    group_policy = "cycle"
 
     def __init__(self, cfg: Config, embed_tokens: nn.Module, lm_head: nn.Module):
         super().__init__()
@@ -41,6 +47,7 @@ class MTP(Drafter):
         self.pre_fc_norm_hidden = RMSNorm(h, eps)
         n = max(1, cfg.mtp_num_hidden_layers)
         self.layers = nn.ModuleList(DecoderLayer(cfg, "full_attention") for _ in range(n))
+        self.num_groups = n
         self.norm = RMSNorm(h, eps)
         self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
 
@@ -62,6 +69,6 @@ class MTP(Drafter):
         x = torch.cat(
             (self.pre_fc_norm_embedding(input_embeds), self.pre_fc_norm_hidden(hidden_states)), -1
         )
-        x = self.layers[step % len(self.layers)](self.fc(x), cos, sin)
+        x = self.layers[self.group_of(step)](self.fc(x), cos, sin)
         hidden = self.norm(x)
         return DraftOutput(hidden, self.output_logits(hidden))
