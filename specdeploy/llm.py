@@ -83,9 +83,7 @@ class LLM:
             from specdeploy.default_model import default_model_path
 
             model = default_model_path()
-        from specdeploy.default_model import resolve_model_name
-
-        model = resolve_model_path(resolve_model_name(model))  # a shipped name, a Hub id
+        model = resolve_model_path(model)  # a shipped name, a Hub id
         max_seq_len = resolve_max_len(open_checkpoint(model).config, max_model_len, max_seq_len)
 
         options = BuildOptions(dtype=dtype, max_batch_size=max_batch_size,

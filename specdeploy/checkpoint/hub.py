@@ -31,7 +31,11 @@ def is_repo_id(model: str | os.PathLike) -> bool:
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
     """`model` as a local path: itself if it exists, else the cached snapshot of a Hub id (a
-    snapshot holding no config.json but one .gguf file resolves to that file)."""
+    snapshot holding no config.json but one .gguf file resolves to that file); a shipped
+    model's name (`hybrid-demo`) is its directory in the package."""
+    from specdeploy.default_model import resolve_model_name
+
+    model = resolve_model_name(model)
     if not is_repo_id(model):
         return Path(model)
     cache = hub_cache_dir()
