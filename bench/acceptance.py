@@ -251,7 +251,7 @@ def main() -> None:
     args.draft_min_probs = [float(p) for p in args.draft_min_probs.split(",") if p]
     if args.threads:
         torch.set_num_threads(args.threads)
-    from specdeploy.default_model import resolve_model_name
+    from specdeploy.checkpoint.shipped import resolve_model_name
     from specdeploy.tokenizer import load_tokenizer
 
     name, args.model = args.model, resolve_model_name(args.model)  # e.g. "hybrid-demo"

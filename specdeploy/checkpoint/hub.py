@@ -33,7 +33,7 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     """`model` as a local path: itself if it exists, else the cached snapshot of a Hub id (a
     snapshot holding no config.json but one .gguf file resolves to that file); a shipped
     model's name (`hybrid-demo`) is its directory in the package."""
-    from specdeploy.default_model import resolve_model_name
+    from specdeploy.checkpoint.shipped import resolve_model_name
 
     model = resolve_model_name(model)
     if not is_repo_id(model):

@@ -5,8 +5,8 @@ The module is exactly what deployment loads (models/drafters/nemotron_h_mtp.py, 
 written back in the checkpoint's `mtp.*` layout (models/drafters/checkpoint_mtp.py). Training is
 the unrolled training-time test of training/ttt.py, with the same soft cross-entropy over the
 training vocab and hidden regression as the generic head (training/mtp.py). With G groups,
-unrolled step j runs the group the deployment drafts it with (`Drafter.group_of`: NemotronH
-min(j, G-1), Qwen3.5 j mod G; group j at step j while j < G).
+unrolled step j runs group min(j, G-1) (group j predicts at step j; the last one carries on;
+see `step` for Qwen3.5's j mod G past the last group).
 
 Attention during the unrolled steps: each attention layer has its own KV (`KVSteps.layer`). A
 group's keys at the committed rows are its keys on the target's features (step-0 inputs) —
@@ -139,9 +139,11 @@ class HybridMTPObjective(nn.Module):
         self.register_buffer("train_ids", train_ids.clone(), persistent=False)
 
     def step(self, hidden_in, embeds, position_ids, kv: KVSteps, rows=None):
-        # the deployed rule (models/drafters: NemotronH min(j, G-1), Qwen3.5 j mod G)
-        g = self.module.group_of(kv.step) if hasattr(self.module, "group_of") else min(
-            kv.step, self.groups - 1)
+        # NOTE: min(j, G-1), NemotronH's deployed rule. Qwen3.5 deploys j mod G (vLLM's
+        # convention), feeding a re-used group the draft rows it skipped; training only unrolls
+        # each group's own diagonal, so past step G-1 it keeps training the last group. The two
+        # agree for j < G and whenever G = 1 (the released Qwen3.5 checkpoints).
+        g = min(kv.step, self.groups - 1)
         if kv.step == 0:
             kv.stores["context"] = (hidden_in, embeds, position_ids)
         seen = kv.stores.setdefault("groups_seen", set())

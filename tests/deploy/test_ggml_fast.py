@@ -67,14 +67,16 @@ def test_fast_rows_are_batch_invariant_and_near_the_fp32_model(tiny_gguf):
     assert not torch.equal(exact[21:], one_by_one[21:])  # "fast" did change the kernel
 
 
-def test_kernels_option_is_checked_and_falls_back_with_a_warning(tiny_gguf, monkeypatch):
+def test_kernels_option_is_checked_and_falls_back_with_a_warning(tiny_gguf, monkeypatch, caplog):
     _, path = tiny_gguf
     with pytest.raises(ValueError, match="kernels: one of exact, fast, got 'int4'"):
         build(str(path), kernels="int4", **LIMITS)
     monkeypatch.setattr(ggml_int, "default_isa", lambda: "scalar")  # as on a CPU without AVX2
     monkeypatch.delenv("SPECDEPLOY_GGML_ISA", raising=False)
-    with pytest.warns(RuntimeWarning, match="no SIMD integer path on this CPU"):
+    with caplog.at_level("WARNING", logger="specdeploy"):  # one log line (ops.warn_unbuilt)
         dep = build(str(path), kernels="fast", **LIMITS)
+    lines = [r.getMessage() for r in caplog.records if "no SIMD integer path" in r.getMessage()]
+    assert len(lines) == 1, lines
     info = {i.name: i for i in dep.infos}["ggml_linears"]
     assert "exact fp32 kernel; fast unavailable" in info.detail
     assert pass_mod.KERNELS == ("exact", "fast")

@@ -14,7 +14,7 @@ import torch
 
 from specdeploy import LLM, SamplingParams, SpecConfig
 from specdeploy.cache.metadata import Segment, build_metadata
-from specdeploy.default_model import shipped_model_path
+from specdeploy.checkpoint.shipped import shipped_model_path
 from specdeploy.training import data
 
 K = 3
