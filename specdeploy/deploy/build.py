@@ -18,6 +18,7 @@ from torch import fx, nn
 
 from specdeploy.cache.handlers import Checkpoint, PagedKV
 from specdeploy.cache.plan import CachePlan, plan_cache
+from specdeploy.checkpoint import CheckpointError
 from specdeploy.config import SpecConfig
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.eager import EagerDeployed, eager_layout
@@ -113,6 +114,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
                    and _declares_mtp(model_path))
         model = load_model(model_path, dtype=resolve_dtype(opts.dtype, device=opts.device),
                            with_mtp=own_mtp, progress=opts.progress)
+        if own_mtp:
+            _own_mtp_draft_vocab(model, model_path)
     dtype = resolve_dtype(opts.dtype, device=opts.device)
     model = model.to(opts.device)
     if getattr(model, "prequant", None) is not None and opts.dist and opts.dist.world_size > 1:
@@ -289,3 +292,26 @@ def _eager(model_path, opts: BuildOptions) -> EagerDeployed:
     layout = eager_layout(cfg, opts.max_batch_size, opts.max_seq_len, opts.page_size,
                           opts.max_cache_gib, next(model.parameters()).element_size())
     return EagerDeployed(model, vocab, opts.max_seq_len, reader.config, layout)
+
+
+DRAFT_VOCAB_FILE = "mtp_draft_vocab.json"
+
+
+def _own_mtp_draft_vocab(model: nn.Module, model_path) -> None:
+    """A checkpoint directory may ship `mtp_draft_vocab.json` ({"ids": [...]}, target ids): its
+    own MTP head then drafts over those tokens only (models/drafters `set_draft_vocab`)."""
+    import json
+    from pathlib import Path
+
+    f = Path(model_path) / DRAFT_VOCAB_FILE
+    if not f.is_file() or getattr(model, "mtp", None) is None:
+        return
+    try:
+        ids = torch.tensor(json.loads(f.read_text())["ids"], dtype=torch.long)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{f}: expected {{\"ids\": [token ids]}} ({e})") from None
+    if ids.numel() == 0 or ids.min() < 0 or ids.max() >= model.lm_head.weight.shape[0]:
+        raise CheckpointError(f"{f}: ids must be a non-empty list of token ids in "
+                              f"[0, {model.lm_head.weight.shape[0]})")
+    model.mtp.set_draft_vocab(ids)
+

@@ -67,6 +67,28 @@ def test_loads_by_name(plain):
     assert mine.eos_token_ids == teacher.eos_token_ids
 
 
+def test_ships_a_draft_vocab(spec):
+    """`mtp_draft_vocab.json`: the MTP head drafts over 8k of the 49k tokens (its step is bound
+    by reading LM-head rows); drafts map back to exactly those target ids."""
+    import json
+
+    ids = json.loads((shipped_model_path("hybrid-demo") / "mtp_draft_vocab.json").read_text())
+    want = torch.tensor(sorted(set(ids["ids"])))
+    d = spec.deployed
+    assert d.d2t is not None and torch.equal(d.to_target(torch.arange(len(want))), want)
+
+
+def test_bad_draft_vocab_is_named(tmp_path):
+    from specdeploy.checkpoint import CheckpointError
+    from specdeploy.models import nemotron_h
+
+    path = nemotron_h.make_tiny(tmp_path / "nh", mtp_layers=1)
+    (path / "mtp_draft_vocab.json").write_text('{"ids": [1, 2, 100000]}')
+    with pytest.raises(CheckpointError, match="mtp_draft_vocab.json: ids must be"):
+        LLM(str(path), spec=SpecConfig("mtp", 2), max_batch_size=2, max_seq_len=64,
+            max_cache_gib=0.01, page_size=8)
+
+
 def test_acceptance_and_lossless(plain, spec, prompts):
     want = [o.token_ids for o in plain.generate(prompts, GREEDY)]
     before = spec.stats()

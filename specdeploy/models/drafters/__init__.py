@@ -79,7 +79,25 @@ class Drafter(nn.Module):
         return next(self.parameters()).dtype
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self._modules.get("draft_head")  # set_draft_vocab: logits over the draft vocab
+        if head is not None:
+            return head(hidden)
         return F.linear(hidden, self.borrowed["lm_head"].weight)
+
+    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
+        """Draft over these target ids only: a copy of their LM-head rows, and `d2t` offsets
+        that map draft ids back (EAGLE-3's convention; the deployment maps argmaxes and q).
+        A drafter step on a CPU is bound by reading the LM head: a 49k x 256 fp32 head is
+        50 MB, 8k rows of it 8 MB. Lossless whatever the set: the target verifies."""
+        ids = torch.as_tensor(draft_ids, dtype=torch.long).unique().sort().values
+        head = self.borrowed.pop("lm_head")  # NOTE: its rows are copied; it is not read after
+        w = head.weight.detach()[ids.to(head.weight.device)].clone()
+        self.draft_head = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device,
+                                    dtype=w.dtype)
+        with torch.no_grad():
+            self.draft_head.weight.copy_(w)
+        self.draft_head.requires_grad_(False)
+        self.d2t = ids - torch.arange(ids.shape[0])
 
 
 __all__ = ["GROUP_POLICIES", "Borrowed", "DraftOutput", "Drafter", "group_of"]
