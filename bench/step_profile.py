@@ -1,0 +1,130 @@
+"""Where a decode step and a verify step of the deployed graph spend their time, by op kind.
+
+    .venv/bin/python bench/step_profile.py [--model PATH] [--kernels exact,fast] [--k 3]
+        [--threads 1] [--reps 30] [--json-out FILE]
+
+One greedy request on the default model feeds the graph; the feeds of one decode step (1 row)
+and of one verify step (1 + K rows, the drafts faked from the plain continuation) are captured
+and replayed. Each replay runs the graph node by node (`torch.fx.Interpreter`), timing every
+node; node times are summed per kind (linears, attention, recurrent, norm, rope, embedding, the
+rest: views, adds, muls, casts). The plain graph call is timed too: its wall time minus the sum
+of node times of an interpreted run estimates what the interpreter adds, not the deployment.
+"non_linear_share" is everything but the linears over the graph call's wall time (the Python
+of the engine step around the graph is measured by bench/spec_phases.py, not here).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import fx
+
+from specdeploy import LLM, SamplingParams, SpecConfig
+from specdeploy.bench import machine, print_json
+
+KINDS = (("linear", ("linear", "ggml", "int8", "mm", "packed", "matmul", "addmm", "q4", "q8")),
+         ("attention", ("attention", "sdpa")), ("recurrent", ("ssm", "conv", "delta", "gdn")),
+         ("norm", ("norm",)), ("rope", ("rope", "rotary")), ("embedding", ("embedding",)),
+         ("moe", ("moe",)))
+
+
+def kind_of(node: fx.Node) -> str:
+    name = getattr(node.target, "__name__", str(node.target)).lower()
+    for kind, keys in KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "other"
+
+
+class TimedInterpreter(fx.Interpreter):
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.times: dict[str, float] = {}
+
+    def run_node(self, n):
+        if n.op != "call_function":
+            return super().run_node(n)
+        t = time.perf_counter()
+        out = super().run_node(n)
+        k = kind_of(n)
+        self.times[k] = self.times.get(k, 0.0) + time.perf_counter() - t
+        return out
+
+
+def capture_feeds(llm: LLM, k: int) -> tuple[dict[str, list], object]:
+    """The feeds of one decode step (1 row) and one verify step (1 + k rows: k fixed drafts
+    of a lookup-only deployment, so the target sees a real extend segment)."""
+    target = llm.engine.deployed.target
+    feeds: list[tuple[int, list]] = []
+    orig = target._feed
+
+    def feed(meta, hidden=None):
+        f = orig(meta, hidden)
+        feeds.append((int(meta.input_ids.numel()), f))
+        return f
+
+    target._feed = feed
+    prompt = list(range(1000, 1040))
+    llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))  # no match: decodes
+    llm.engine.fix_drafts(lambda seq, n: [7] * n)
+    llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.engine.fix_drafts(None)
+    target._feed = orig
+    decode = next(f for n, f in feeds if n == 1)
+    verify = next(f for n, f in feeds if n == 1 + k)
+    return {"decode": decode, "verify": verify}, target
+
+
+def profile(target, feed, reps: int) -> dict:
+    gm = target.gm
+    walls, node_runs = [], []
+    with torch.inference_mode():
+        for _ in range(3):
+            target._fn(*feed)
+        for _ in range(reps):
+            t = time.perf_counter()
+            target._fn(*feed)
+            walls.append(time.perf_counter() - t)
+        for _ in range(max(3, reps // 3)):
+            it = TimedInterpreter(gm)
+            it.run(*feed)
+            node_runs.append(it.times)
+    kinds = sorted({k for r in node_runs for k in r})
+    med = {k: statistics.median(r.get(k, 0.0) for r in node_runs) * 1e3 for k in kinds}
+    wall = statistics.median(walls) * 1e3
+    nodes = sum(med.values())
+    linear = med.get("linear", 0.0)
+    return {"graph_call_ms": round(wall, 3), "sum_node_ms": round(nodes, 3),
+            "ms_by_kind": {k: round(v, 3) for k, v in med.items()},
+            "share_by_kind": {k: round(v / nodes, 4) for k, v in med.items()},
+            "non_linear_share": round(1 - linear / wall, 4) if wall else None,
+            "non_linear_share_of_nodes": round(1 - linear / nodes, 4) if nodes else None,
+            "num_call_nodes": sum(1 for n in gm.graph.nodes if n.op == "call_function")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--kernels", default="exact,fast")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--note", default="")
+    ap.add_argument("--json-out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    rows = {}
+    for kern in a.kernels.split(","):
+        llm = LLM(a.model, max_batch_size=1, max_seq_len=512, kernels=kern,
+                  spec=SpecConfig("ngram", a.k), enable_prefix_caching=False)
+        feeds, target = capture_feeds(llm, a.k)
+        rows[kern] = {name: profile(target, f, a.reps) for name, f in feeds.items()}
+        del llm, feeds, target
+    print_json({"bench": "step_profile", "machine": machine(), "threads": a.threads,
+                "k": a.k, "note": a.note, "results": rows}, a.json_out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""C kernels for the row-wise small ops of a step (RMSNorm, RoPE): one call instead of 5-6
+torch ops, whose dispatch dominates these ops at decode sizes (`row_kernels.c`).
+
+Used by the CPU fp32 kernels of `rms_norm` and `rope` when nothing needs their gradient (the
+training backward recomputes through torch). Compiled on first use like the GGUF kernels (same
+cache, same one-line warning when it cannot be built; then torch runs them). Portable C: no CPU
+feature is required. SPECDEPLOY_ROW_KERNELS=0 turns them off.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from specdeploy.ops import ggml_linear as _gl
+
+SOURCE = Path(__file__).with_name("row_kernels.c")
+_FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
+_I64, _P, _F, _I = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("SPECDEPLOY_ROW_KERNELS", "1") == "0":
+        return None
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    errors, cache = [], _gl._cache_dir()
+    for openmp in (True, False):
+        path = cache / f"row_kernels-{digest}{'-omp' if openmp else ''}.so"
+        if not path.exists():
+            err = _gl._compile(path, openmp, source=SOURCE, flags=_FLAGS, libs=("-lm",))
+            if err:
+                errors.append(err)
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        lib.rms_norm_rows.argtypes = [_P, _I64, _I64, _I64, _P, _F, _P, _I]
+        lib.rms_norm_rows.restype = None
+        lib.rope_rows.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _I]
+        lib.rope_rows.restype = None
+        return lib
+    _gl.warn_unbuilt("the row kernels (RMSNorm, RoPE)", "; ".join(errors))
+    return None
+
+
+def _usable(*ts: torch.Tensor) -> bool:
+    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+            and _library() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm over the last dim, or None when the kernel does not take these tensors."""
+    n = x.shape[-1]
+    if not _usable(x, weight) or weight.numel() != n or x.numel() == 0:
+        return None
+    x2 = x.reshape(-1, n)  # a view for the usual layouts (rows with a stride, last dim dense)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _library().rms_norm_rows(x2.data_ptr(), x2.shape[0], n, x2.stride(0), w.data_ptr(),
+                             float(eps), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotate-half RoPE of x [B, T, H, D] with cos/sin [B, T, R], or None when the kernel does
+    not take these tensors."""
+    if not _usable(x, cos, sin) or x.dim() != 4 or x.numel() == 0:
+        return None
+    b, t, h, d = x.shape
+    r = cos.shape[-1]
+    if r % 2 or r > d or tuple(cos.shape) != (b, t, r) or sin.shape != cos.shape:
+        return None
+    x3 = x.reshape(b * t, h, d)  # a view when tokens are strided rows of dense heads
+    if x3.stride(2) != 1 or x3.stride(1) != d:
+        x3 = x3.contiguous()
+    c, s = cos.reshape(b * t, r).contiguous(), sin.reshape(b * t, r).contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _library().rope_rows(x3.data_ptr(), b * t, h, d, x3.stride(0), c.data_ptr(), s.data_ptr(),
+                         r, out.data_ptr(), torch.get_num_threads())
+    return out

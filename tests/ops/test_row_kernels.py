@@ -1,0 +1,61 @@
+"""The C row kernels (RMSNorm, RoPE) against the torch formulas they replace."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdeploy.ops import row_kernels as rk
+from specdeploy.ops.norm import _rms_norm_kernel, rms_norm_ref
+from specdeploy.ops.rope import _rope_kernel, rope_ref, rotate_half
+
+pytestmark = pytest.mark.skipif(rk._library() is None, reason="no C compiler here")
+
+
+@pytest.mark.parametrize("t", [1, 2, 5, 17, 70])
+@pytest.mark.parametrize("heads,d,rot", [(9, 64, 64), (3, 24, 24), (2, 40, 16)])
+def test_rope_bit_identical_to_torch(t, heads, d, rot):
+    g = torch.Generator().manual_seed(t * 7 + d)
+    # q as the model sees it: a strided slice of a fused qkv output
+    qkv = torch.randn(1, t, 3 * heads * d, generator=g)
+    x = qkv[..., heads * d: 2 * heads * d].unflatten(-1, (heads, d))
+    cos, sin = torch.randn(1, t, rot, generator=g), torch.randn(1, t, rot, generator=g)
+    out = rk.rope(x, cos, sin)
+    assert out is not None
+    if rot == d:  # the torch kernel's own formula, rounding for rounding
+        want = x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
+    else:
+        want = rope_ref(x, cos, sin)
+    assert torch.equal(out, want)
+    assert torch.equal(_rope_kernel(x, cos, sin), want)
+
+
+@pytest.mark.parametrize("t", [1, 3, 16, 65])
+@pytest.mark.parametrize("n", [7, 64, 576, 1001])
+def test_rms_norm_matches_ref_and_is_batch_invariant(t, n):
+    g = torch.Generator().manual_seed(t + n)
+    x = torch.randn(1, t, n, generator=g) * 3
+    w = torch.randn(n, generator=g)
+    out = rk.rms_norm(x, w, 1e-6)
+    want = rms_norm_ref(x.double(), w.double(), 1e-6)
+    # fp32 sums of n squares: a few ulps from the fp64 value
+    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)
+    for i in range(t):  # each row alone gives the same bits (decode row vs verify row)
+        assert torch.equal(rk.rms_norm(x[:, i:i + 1], w, 1e-6), out[:, i:i + 1])
+    strided = torch.randn(1, t, 2 * n, generator=g)[..., :n]
+    torch.testing.assert_close(rk.rms_norm(strided, w, 1e-6), rms_norm_ref(strided, w, 1e-6),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_not_taken_where_torch_must_run():
+    x, w = torch.randn(2, 8), torch.randn(8)
+    assert rk.rms_norm(x.double(), w.double(), 1e-6) is None  # fp64
+    assert rk.rms_norm(x, torch.randn(4), 1e-6) is None  # weight of another size
+    xg = x.clone().requires_grad_(True)
+    assert rk.rms_norm(xg, w, 1e-6) is None  # training: autograd goes through torch
+    out = _rms_norm_kernel(xg, w, 1e-6)
+    out.sum().backward()
+    assert xg.grad is not None and torch.isfinite(xg.grad).all()
+    q = torch.randn(1, 2, 3, 8)
+    assert rk.rope(q, torch.randn(1, 2, 6), torch.randn(1, 2, 6)) is not None
+    assert rk.rope(q, torch.randn(1, 2, 5), torch.randn(1, 2, 5)) is None  # odd rotary dims
+    assert rk.rope(q, torch.randn(1, 1, 8), torch.randn(1, 1, 8)) is None  # broadcast cos
