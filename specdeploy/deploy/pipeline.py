@@ -47,6 +47,7 @@ PIPELINE = (
     ("ggml_linears", "ggml_linears"),  # before fusion: it fuses its own groups
     ("fuse_linears", "fuse_parallel_linears"),
     ("pack_linears", "pack_linear_weights"),
+    ("fuse_rows", "fuse_row_ops"),
     ("compile", "call_kernels_directly"),
     ("compile", "compile_model"),
 )

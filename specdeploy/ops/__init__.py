@@ -11,6 +11,7 @@ from specdeploy.ops import (  # noqa: F401  (registers ops)
     attention,
     collectives,
     conv,
+    fused_rows,
     gdn,
     moe,
     norm,

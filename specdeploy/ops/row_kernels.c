@@ -54,3 +54,27 @@ void rope_rows(const float *x, int64_t t, int64_t heads, int64_t d, int64_t x_st
         }
     }
 }
+
+/* sum[r, :] = a[r, :] + b[r, :] (torch's rounding) and out[r, :] = RMSNorm of that row, as
+ * rms_norm_rows computes it; a, b rows dense (`n` apart). */
+void add_rms_norm_rows(const float *a, const float *b, int64_t rows, int64_t n, const float *w,
+                       float eps, float *sum, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= 64 && threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = sum + r * n;
+        for (int64_t i = 0; i < n; i++) s[i] = a[r * n + i] + b[r * n + i];
+        rms_norm_rows(s, 1, n, n, w, eps, out + r * n, 1);
+    }
+}
+
+/* out[r, i] = silu(x[r, i]) * x[r, n + i] for i < n: the gate and up halves of one fused
+ * projection row (rows `x_stride` apart). silu(v) = v / (1 + e^-v). */
+void silu_mul_rows(const float *x, int64_t rows, int64_t n, int64_t x_stride, float *out,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= 64 && threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * x_stride, *u = g + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    }
+}

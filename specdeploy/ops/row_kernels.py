@@ -1,4 +1,5 @@
-"""C kernels for the row-wise small ops of a step (RMSNorm, RoPE): one call instead of 5-6
+"""C kernels for the row-wise small ops of a step (RMSNorm, RoPE, residual add + RMSNorm,
+SiLU-gated product): one call instead of 5-6
 torch ops, whose dispatch dominates these ops at decode sizes (`row_kernels.c`).
 
 Used by the CPU fp32 kernels of `rms_norm` and `rope` when nothing needs their gradient (the
@@ -45,6 +46,10 @@ def _library() -> ctypes.CDLL | None:
         lib.rms_norm_rows.restype = None
         lib.rope_rows.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _I]
         lib.rope_rows.restype = None
+        lib.add_rms_norm_rows.argtypes = [_P, _P, _I64, _I64, _P, _F, _P, _P, _I]
+        lib.add_rms_norm_rows.restype = None
+        lib.silu_mul_rows.argtypes = [_P, _I64, _I64, _I64, _P, _I]
+        lib.silu_mul_rows.restype = None
         return lib
     _gl.warn_unbuilt("the row kernels (RMSNorm, RoPE)", "; ".join(errors))
     return None
@@ -87,4 +92,32 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     out = torch.empty(x.shape, dtype=torch.float32)
     _library().rope_rows(x3.data_ptr(), b * t, h, d, x3.stride(0), c.data_ptr(), s.data_ptr(),
                          r, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(a + b, RMSNorm(a + b)), or None when the kernel does not take these tensors."""
+    n = a.shape[-1]
+    if (not _usable(a, b, weight) or a.shape != b.shape or weight.numel() != n
+            or a.numel() == 0):
+        return None
+    a2, b2, w = a.reshape(-1, n).contiguous(), b.reshape(-1, n).contiguous(), weight.contiguous()
+    total, out = torch.empty(a.shape), torch.empty(a.shape)
+    _library().add_rms_norm_rows(a2.data_ptr(), b2.data_ptr(), a2.shape[0], n, w.data_ptr(),
+                                 float(eps), total.data_ptr(), out.data_ptr(),
+                                 torch.get_num_threads())
+    return total, out
+
+
+def silu_mul(x: torch.Tensor, n: int) -> torch.Tensor | None:
+    """silu(x[..., :n]) * x[..., n:2n], or None when the kernel does not take this tensor."""
+    if not _usable(x) or x.shape[-1] < 2 * n or x.numel() == 0 or x.stride(-1) != 1:
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(*x.shape[:-1], n)
+    _library().silu_mul_rows(x2.data_ptr(), x2.shape[0], n, x2.stride(0), out.data_ptr(),
+                             torch.get_num_threads())
     return out
