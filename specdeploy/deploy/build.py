@@ -132,9 +132,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         raise ValueError("vision: vision-language targets are not sharded yet; with "
                          "tensor_parallel_size > 1 the checkpoint deploys text-only")
     vision = opts.vision is not False and has_vision(hf_config) and not sharded
-    # NOTE: off under tensor parallelism for now: restoring a hit's recurrent states is a host
-    # call on rank 0's program that the other ranks do not receive (distributed/runtime.py)
-    prefix_caching = opts.enable_prefix_caching and not sharded
+    prefix_caching = opts.enable_prefix_caching
     if opts.vision and not vision:
         raise ValueError("vision: this checkpoint has no vision tower")
     embed = model.model.embed_tokens if vision else None

@@ -2,7 +2,8 @@
 
 Rank 0 runs the engine (scheduler, sampling, verification, HTTP server) on a `Leader`, which wraps
 its deployed model: each call that runs a graph (`forward`, `draft_forward`) is sent to the other
-ranks once (a `commit` of accepted drafts rides along with the next one), with its arguments as
+ranks once (a `commit` of accepted drafts and prefix caching's state restores and checkpoints
+ride along with the next one), with its arguments as
 rank 0 computed them (batch metadata, draft ids, accepted indices), and then run locally. Tokens
 are therefore decided on rank 0 alone and the workers only ever compute what rank 0 decided
 (AutoDeploy #13134: argmax diverging across ranks hung a run). Workers loop on `serve_worker`
@@ -33,8 +34,11 @@ import torch.distributed as dist
 from specdeploy.distributed.config import DistConfig
 from specdeploy.distributed.groups import CONTROL, free_port, init_group, recv, send
 
-MIRRORED = ("forward", "draft_forward", "commit")
-DEFERRED = ("commit",)  # no collective inside, nothing returned: rides with the next message
+# host calls that change a rank's cache state (spec commits, prefix hits' state restores and
+# verified checkpoints) have no collective inside and return nothing: they ride, in order,
+# ahead of the next graph call, which is the first to read what they wrote
+MIRRORED = ("forward", "draft_forward", "commit", "restore_states", "checkpoint_spec")
+DEFERRED = ("commit", "restore_states", "checkpoint_spec")
 
 
 class RankFailure(RuntimeError):
