@@ -155,3 +155,14 @@ def repropagate(gm: fx.GraphModule) -> None:
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
     for p in bare:
         p.meta.pop("val", None)
+
+
+def weight_bytes(gms: list[fx.GraphModule]) -> int:
+    """Bytes of the weights the graphs hold together (a shared tensor once), without the cache
+    buffers allocated on the root after the pipeline (registered non-persistent)."""
+    seen = {}
+    for gm in gms:
+        for name, t in (*gm.named_parameters(), *gm.named_buffers()):
+            if name not in gm._non_persistent_buffers_set:
+                seen[t.data_ptr()] = t
+    return sum(t.numel() * t.element_size() for t in seen.values())

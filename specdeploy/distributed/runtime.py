@@ -120,6 +120,36 @@ def _built_barrier(timeout: float = 900.0) -> None:
                            wait_all_ranks=True)
 
 
+def _rss() -> tuple[int, int]:
+    """(resident, of which anonymous) bytes of this process (file pages: the mmap'd checkpoint)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, val = line.partition(":")
+            if key in ("VmRSS", "RssAnon"):
+                fields[key] = int(val.split()[0]) * 1024
+    return fields.get("VmRSS", 0), fields.get("RssAnon", 0)
+
+
+def rank_memory(deployed, rss_before: int) -> list[dict]:
+    """Every rank's weight memory after its build (gathered on each rank; rank 0 reports it):
+    weight bytes held at load (peak) and kept by its graphs, peak / current RSS."""
+    import resource
+
+    from specdeploy.deploy.graph import weight_bytes
+
+    gms = [g.gm for g in (getattr(deployed, "target", None), *getattr(deployed, "drafts", ()))
+           if g is not None] or [deployed.gm]
+    rss, anon = _rss()
+    mine = {"rank": dist.get_rank(), "weight_bytes": weight_bytes(gms), "rss_bytes": rss,
+            "rss_anon_bytes": anon, "rss_before_build_bytes": rss_before,
+            "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            **getattr(deployed, "load_stats", {})}
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine, group=CONTROL["group"])
+    return out
+
+
 def serve_worker(deployed) -> None:
     """A worker rank: run what rank 0 sends until it sends the stop message (None)."""
     while True:
@@ -163,8 +193,10 @@ def worker_main(argv: list[str]) -> None:
     from specdeploy.deploy.build import build
 
     opts = dataclasses.replace(options, dist=options.dist.for_rank(rank))
+    rss_before = _rss()[0]
     deployed = build(model_path, opts)
     _built_barrier()
+    rank_memory(deployed, rss_before)
     serve_worker(deployed)
     dist.destroy_process_group()
 
@@ -210,8 +242,10 @@ def build_ranked(model_path, options, timeout: float = 60.0):
 
     me, procs = start(model_path, options, timeout)
     try:
+        rss_before = _rss()[0]
         deployed = build(model_path, dataclasses.replace(options, dist=me))
         _built_barrier()
+        memory = rank_memory(deployed, rss_before)
     except BaseException:
         stop_workers(procs, 0.1)
         raise
@@ -220,6 +254,7 @@ def build_ranked(model_path, options, timeout: float = 60.0):
         dist.destroy_process_group()
         return None
     leader = Leader(deployed, me, procs)
+    leader.rank_memory = memory  # per rank: weight bytes at load and kept, RSS
     import atexit
 
     atexit.register(leader.close)  # before multiprocessing's own exit handler kills daemons

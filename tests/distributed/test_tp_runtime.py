@@ -49,6 +49,7 @@ def targets(tmp_path_factory):
             llm = LLM(str(t.path), **LIMITS)
             t.baseline = _ids(llm.generate(t.prompts, _params()))
             t.baseline_bytes = param_bytes(llm.deployed.gm)
+            t.loaded_bytes = llm.deployed.load_stats["load_peak_bytes"]  # the whole model
             llm.reset_prefix_cache()
             t.shared_cold = llm.generate([SHARED[1]], _lp_params())[0]
             cache[arch] = t
@@ -59,6 +60,26 @@ def targets(tmp_path_factory):
 
 _PREFIX = [(7 * i) % 90 + 5 for i in range(43)]  # 5 pages and 3 tokens: a hit mid-page
 SHARED = (_PREFIX + [11, 12, 13, 14, 15, 16, 17, 18, 19], _PREFIX + [21, 22, 23, 24, 25, 26])
+
+
+def _check_rank_memory(t, ranks):
+    """Per-rank loading: each rank held its share of the checkpoint's weights while loading
+    (plus one whole tensor being sliced), never the whole model. Llama's share is exact: the
+    embedding and norms replicated, everything else (vocab-parallel head included) halved."""
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["load_peak_bytes"] < 0.75 * t.loaded_bytes, (r, t.loaded_bytes)
+    if t.arch != "llama":
+        return
+    from specdeploy.loading import load_model
+
+    sizes = {n: p.numel() * p.element_size() for n, p in load_model(t.path).named_parameters()}
+    replicated = sum(b for n, b in sizes.items() if "embed_tokens" in n or "norm" in n)
+    share = replicated + (sum(sizes.values()) - replicated) // 2
+    assert share < 0.75 * sum(sizes.values())
+    for r in ranks:
+        assert r["load_resident_bytes"] == share
+        assert share <= r["load_peak_bytes"] <= share + max(sizes.values())
 
 
 def _lp_params():
@@ -110,6 +131,7 @@ def test_tp2_greedy_equals_tp1(targets, arch, spec, tp, ep):
         assert _ids(llm.generate(t.prompts, _params())) == t.baseline
         graph = llm.deployed.target.gm if spec else llm.deployed.gm
         assert param_bytes(graph) < 0.75 * t.baseline_bytes  # sharded: rank 0 holds ~half
+        _check_rank_memory(t, llm.deployed.rank_memory)
         _check_prefix_hits(llm, t.shared_cold)
         if spec:
             llm.engine.reset_spec_stats()
