@@ -1,6 +1,7 @@
-"""TP=1 vs TP=2 on this machine: per-rank resident memory, decode tokens/s at batch 1 and 16, and
-time per step in collectives (rank 0's all-reduce / all-gather inside the graph) and in rank 0's
-per-step messages to the workers.
+"""TP=1 vs TP=2 on this machine: per-rank memory (weights held while loading, with per-rank
+loading; RSS peak and steady), decode tokens/s at batch 1 and 16, and time per step in
+collectives (rank 0's all-reduce / all-gather inside the graph) and in rank 0's per-step messages
+to the workers.
 
     .venv/bin/python bench/tp_scaling.py [--models default,hybrid] [--tokens 32]
         [--json-out bench/results/tp_scaling.json]
@@ -76,12 +77,41 @@ def decode_rate(engine: Engine, batch: int, tokens: int, vocab: int) -> dict:
             "message_ms_per_step": round(1e3 * (MESSAGES["seconds"] - m0["seconds"]) / steps, 3)}
 
 
+def _memory_one(deployed, rss_before: int) -> dict:
+    """TP=1's row of what `rank_memory` gathers from every rank under TP."""
+    import resource
+
+    from specdeploy.deploy.graph import weight_bytes
+    from specdeploy.distributed.runtime import _rss
+
+    rss, anon = _rss()
+    return {"rank": 0, "weight_bytes": weight_bytes([deployed.gm]), "rss_bytes": rss,
+            "rss_anon_bytes": anon, "rss_before_build_bytes": rss_before,
+            "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            **deployed.load_stats}
+
+
+def _mib(m: dict) -> dict:
+    """Bytes as MiB; `load_peak`: weights held at once while loading (per-rank loading: the
+    rank's share plus one whole tensor), `kept`: the graphs' weights after the pipeline
+    (packed copies included), RSS right after the build and its peak (export's transients
+    too), `rss_peak_growth`: the peak over the RSS before the build started."""
+    f = {k[:-len("_bytes")] + "_mib": round(v / 2**20, 1) for k, v in m.items()
+         if k.endswith("_bytes")}
+    f["rss_peak_growth_mib"] = round(f["rss_peak_mib"] - f["rss_before_build_mib"], 1)
+    return {"rank": m["rank"], **f}
+
+
 def run(path: str, tp: int, shard_layers, tokens: int) -> dict:
     opts = BuildOptions(dtype="float32", max_batch_size=16, max_seq_len=256, page_size=16,
                         max_cache_gib=0.25, disabled=frozenset({"ggml_linears"}))
     torch.set_num_threads(1)
     if tp == 1:
+        from specdeploy.distributed.runtime import _rss
+
+        rss_before = _rss()[0]
         deployed, workers = build(path, opts), []
+        memory = [_memory_one(deployed, rss_before)]
     else:
         from specdeploy.distributed.runtime import build_ranked
 
@@ -89,10 +119,11 @@ def run(path: str, tp: int, shard_layers, tokens: int) -> dict:
         opts = BuildOptions(**{**opts.__dict__, "dist": DistConfig(tp, 1, 0, shard_layers)})
         deployed = build_ranked(path, opts, timeout=120)
         workers = deployed._workers
+        memory = deployed.rank_memory
     gm = deployed.gm
     tok = load_tokenizer(path)
     out = {"tp": tp, "shard_layers": list(shard_layers), "rank0_weight_mib": round(
-        param_bytes(gm) / 2**20, 2)}
+        param_bytes(gm) / 2**20, 2), "memory_per_rank": [_mib(m) for m in memory]}
     rates = []
     for batch in (1, 16):
         engine = Engine(deployed, tok, max_batch_size=16, max_num_tokens=512, seed=0,
@@ -103,7 +134,7 @@ def run(path: str, tp: int, shard_layers, tokens: int) -> dict:
     import ctypes
 
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # rank 0; the workers' RSS is as they left it
-    out["rss_mib_per_rank"] = [round(rss_mib(os.getpid()), 1)] + [
+    out["steady_rss_mib_per_rank"] = [round(rss_mib(os.getpid()), 1)] + [
         round(rss_mib(p.pid), 1) for p in workers]
     if tp > 1:
         deployed.close()
@@ -116,8 +147,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--tp", type=int, default=None, help="run one TP size (internal)")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--note", default="", help="recorded with the result (e.g. a shared machine)")
     args = p.parse_args(argv)
-    result = {"machine": machine(), "tokens": args.tokens, "runs": []}
+    result = {"machine": machine(), "load_avg_at_start": os.getloadavg(), "note": args.note,
+              "tokens": args.tokens, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             from specdeploy.default_model import default_model_path

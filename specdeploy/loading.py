@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from specdeploy.checkpoint import CheckpointError, CheckpointReader, open_checkpoint
+from specdeploy.checkpoint.lazy import LazyWeights
 from specdeploy.checkpoint.prequant import attach as attach_prequant
 from specdeploy.checkpoint.prequant import open_prequantized
 from specdeploy.models.registry import module_for_config
@@ -35,6 +36,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict | None = None
 def assign_params(
     model: nn.Module, params: dict[str, Callable[[], torch.Tensor]], dtype: torch.dtype,
     source: str = "checkpoint", check_finite: bool | None = None, progress: bool = False,
+    lazy: LazyWeights | None = None,
 ) -> None:
     """Materialize `model` (built on the meta device) from lazy tensors, one tensor at a time.
 
@@ -42,7 +44,9 @@ def assign_params(
     tensor with NaN/inf values once cast (a corrupt file, or an overflow in the cast): such a
     model would answer garbage, never an error. `check_finite` None = on unless
     $SPECDEPLOY_SKIP_FINITE_CHECK=1 (one extra pass over the weights). `progress`: a tqdm bar
-    over the tensors (a big checkpoint takes minutes).
+    over the tensors (a big checkpoint takes minutes). `lazy`: nothing is read yet; each
+    parameter becomes a placeholder that the `shard` transform reads its rank's slice of
+    (checkpoint/lazy.py), with the same checks then.
     """
     if check_finite is None:
         check_finite = os.environ.get(SKIP_FINITE_ENV) != "1"
@@ -63,19 +67,26 @@ def assign_params(
         if name not in expected:
             continue  # e.g. MTP weights when the MTP head is not built
         want = expected[name]
-        t = thunk()
-        if tuple(t.shape) != tuple(want.shape):
-            raise CheckpointError(
-                f"{source}: tensor {name!r} has shape {tuple(t.shape)}, model expects "
-                f"{tuple(want.shape)}"
-            )
-        keep_dtype = not want.dtype.is_floating_point
-        t = t.to(want.dtype if keep_dtype else dtype)
-        if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(
-                f"{source}: tensor {name!r} has non-finite values (NaN or inf) as {t.dtype}; "
-                f"set {SKIP_FINITE_ENV}=1 to load it anyway")
+        to = dtype if want.dtype.is_floating_point else want.dtype
+
+        def load(name=name, thunk=thunk, shape=tuple(want.shape), to=to):
+            return _checked(name, thunk(), shape, to, source, check_finite)
+
+        t = load() if lazy is None else lazy.placeholder(name, want.shape, to, load)
         _set_tensor(model, name, t, is_param=isinstance(want, nn.Parameter))
+
+
+def _checked(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, source: str,
+             check_finite: bool) -> torch.Tensor:
+    if tuple(t.shape) != shape:
+        raise CheckpointError(
+            f"{source}: tensor {name!r} has shape {tuple(t.shape)}, model expects {shape}")
+    t = t.to(dtype)
+    if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise CheckpointError(
+            f"{source}: tensor {name!r} has non-finite values (NaN or inf) as {t.dtype}; "
+            f"set {SKIP_FINITE_ENV}=1 to load it anyway")
+    return t
 
 
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -99,23 +110,25 @@ def _set_tensor(model: nn.Module, name: str, t: torch.Tensor, is_param: bool) ->
 
 def load_model(
     path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
-    with_mtp: bool = False, progress: bool = False,
+    with_mtp: bool = False, progress: bool = False, lazy: LazyWeights | None = None,
 ) -> nn.Module:
     """Load a plain model from a HF directory or a `.gguf` file; `None` = the default model.
 
     Returns the family's `Model` in eval mode; `model(input_ids[B,T])` gives logits [B,T,V].
+    `lazy`: placeholders for every weight, read later (per-rank loading, checkpoint/lazy.py).
     """
     if path is None:
         from specdeploy.default_model import default_model_path
 
         path = default_model_path()
     reader = open_checkpoint(path)
-    return load_model_from_reader(reader, dtype, with_mtp=with_mtp, progress=progress)
+    return load_model_from_reader(reader, dtype, with_mtp=with_mtp, progress=progress,
+                                  lazy=lazy)
 
 
 def load_model_from_reader(
     reader: CheckpointReader, dtype: str | torch.dtype = "auto", with_mtp: bool = False,
-    progress: bool = False,
+    progress: bool = False, lazy: LazyWeights | None = None,
 ) -> nn.Module:
     fam = module_for_config(reader.config)
     cfg = fam.Config.from_hf(reader.config)
@@ -129,15 +142,18 @@ def load_model_from_reader(
         fam.checkpoint_to_params(reader, cfg)
     if prequant is not None:
         params = reader.wrap_params(params, prequant)
-    assign_params(model, params, torch_dtype, source=str(reader.path), progress=progress)
+    assign_params(model, params, torch_dtype, source=str(reader.path), progress=progress,
+                  lazy=lazy)
     _init_nonpersistent(model)
     if prequant is not None:
         attach_prequant(model, prequant)
     model.hf_config = reader.config  # NOTE: the raw dict; deployment reads eos / limits from it
     # GGUF Q4_0 / Q4_1 / Q8_0 weights also keep their blocks: the deploy pipeline's CPU kernels
     # compute with them (deploy/passes/ggml_linears.py); only for fp32 loads, whose values they
-    # match exactly
-    model.ggml_weights = _ggml_weights(model, reader) if torch_dtype == torch.float32 else {}
+    # match exactly. NOTE: not for per-rank loading: the kernels find blocks by the loaded
+    # tensor, and a rank's slices are new tensors (their linears run the fp32 path)
+    model.ggml_weights = _ggml_weights(model, reader) if torch_dtype == torch.float32 and \
+        lazy is None else {}
     return model.eval()
 
 

@@ -109,14 +109,19 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
 
     t0 = time.perf_counter()
     spec = opts.spec
+    lazy = _per_rank_loading(opts, model)
     if model is None:
         own_mtp = (spec is not None and spec.method == "mtp" and spec.draft_model is None
                    and _declares_mtp(model_path))
         model = load_model(model_path, dtype=resolve_dtype(opts.dtype, device=opts.device),
-                           with_mtp=own_mtp, progress=opts.progress)
+                           with_mtp=own_mtp, progress=opts.progress, lazy=lazy)
         if own_mtp:
-            _own_mtp_draft_vocab(model, model_path)
+            _own_mtp_draft_vocab(model, model_path, lazy)
     dtype = resolve_dtype(opts.dtype, device=opts.device)
+    if lazy is not None and spec is not None and spec.draft_dtype and \
+            resolve_dtype(spec.draft_dtype) != dtype:
+        lazy.materialize_module(model)  # the drafter casts (copies) target weights it borrows
+    loaded = _weight_bytes(model) if lazy is None else 0
     model = model.to(opts.device)
     if getattr(model, "prequant", None) is not None and opts.dist and opts.dist.world_size > 1:
         # NOTE: the shard transform slices fp parameters; the FP8 / NVFP4 blocks and their
@@ -132,16 +137,14 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         raise ValueError("vision: vision-language targets are not sharded yet; with "
                          "tensor_parallel_size > 1 the checkpoint deploys text-only")
     vision = opts.vision is not False and has_vision(hf_config) and not sharded
-    # NOTE: off under tensor parallelism for now: restoring a hit's recurrent states is a host
-    # call on rank 0's program that the other ranks do not receive (distributed/runtime.py)
-    prefix_caching = opts.enable_prefix_caching and not sharded
+    prefix_caching = opts.enable_prefix_caching
     if opts.vision and not vision:
         raise ValueError("vision: this checkpoint has no vision tower")
     embed = model.model.embed_tokens if vision else None
     common = dict(page_size=opts.page_size, max_batch_size=opts.max_batch_size,
                   max_seq_len=opts.max_seq_len, max_cache_gib=_rank_budget(opts),
                   compile=opts.compile, disabled=opts.disabled, device=opts.device,
-                  kernels=opts.kernels, dist=opts.dist)
+                  kernels=opts.kernels, dist=opts.dist, lazy=lazy)
     drafter = None if spec is None else prepare_drafter(model, spec, dtype, opts.quantize,
                                                         opts.device)
     target_ctx = DeployContext(
@@ -173,13 +176,33 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         allocate(gm, res.resources, plan, ctx.device)
         # NOTE: the graph owns the weights now; holding the plain model would pin the fp copies
         # of weights that quantization replaced.
-        deployed.append(GraphDeployed(gm, dataclasses.replace(ctx, model=None), res.infos, plan,
+        deployed.append(GraphDeployed(gm, dataclasses.replace(ctx, model=None, lazy=None),
+                                      res.infos, plan,
                                       hf_config, vocab, res.resources, res.program,
                                       time.perf_counter() - t0, prefix_caching))
         deployed[-1].mrope = vision
     out = deployed[0] if spec is None else SpecDeployed(
         deployed[0], deployed[1:], drafter.drafter if drafter else None, spec)
+    # what this process held in weights while loading (per rank under TP: distributed/)
+    out.load_stats = lazy.stats() if lazy is not None else {
+        "load_peak_bytes": loaded, "load_resident_bytes": loaded, "load_read_bytes": loaded}
     return _with_vision(out, model_path, embed, dtype) if vision else out
+
+
+def _per_rank_loading(opts: BuildOptions, model: nn.Module | None):
+    """A sharded CPU build loads lazily: each rank reads only what it keeps (checkpoint/lazy)."""
+    from specdeploy.checkpoint.lazy import LazyWeights
+
+    d = opts.dist
+    if model is not None or d is None or d.world_size == 1 or opts.device.type != "cpu" or \
+            "shard" in opts.disabled:
+        return None
+    return LazyWeights()
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    seen = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in seen.values())
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -297,7 +320,7 @@ def _eager(model_path, opts: BuildOptions) -> EagerDeployed:
 DRAFT_VOCAB_FILE = "mtp_draft_vocab.json"
 
 
-def _own_mtp_draft_vocab(model: nn.Module, model_path) -> None:
+def _own_mtp_draft_vocab(model: nn.Module, model_path, lazy=None) -> None:
     """A checkpoint directory may ship `mtp_draft_vocab.json` ({"ids": [...]}, target ids): its
     own MTP head then drafts over those tokens only (models/drafters `set_draft_vocab`)."""
     import json
@@ -313,5 +336,7 @@ def _own_mtp_draft_vocab(model: nn.Module, model_path) -> None:
     if ids.numel() == 0 or ids.min() < 0 or ids.max() >= model.lm_head.weight.shape[0]:
         raise CheckpointError(f"{f}: ids must be a non-empty list of token ids in "
                               f"[0, {model.lm_head.weight.shape[0]})")
+    if lazy is not None:  # its rows are copied now, before the shard transform runs
+        lazy.materialize_module(model.lm_head)
     model.mtp.set_draft_vocab(ids)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from specdeploy.checkpoint.lazy import LazyWeights
 from specdeploy.distributed.config import DistConfig
 
 # NOTE: MoE routers stay fp: int8 noise there flips expert choices (a discrete jump). Drafters
@@ -37,3 +38,5 @@ class DeployContext:
     kv_cache_dtype: torch.dtype | None = None  # None: `dtype`; float8 for an FP8 KV checkpoint
     dist: DistConfig | None = None  # the rank this program is sharded for (None: world size 1)
     prefix_caching: bool = False  # recurrent cached ops also declare checkpoint pools
+    # per-rank loading: the weights' loaders, read by the shard transform (checkpoint/lazy.py)
+    lazy: LazyWeights | None = None

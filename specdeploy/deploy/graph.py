@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 
 def is_op(node: fx.Node, op) -> bool:
@@ -122,3 +123,46 @@ def find_head(gm: fx.GraphModule) -> fx.Node:
     if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
         raise RuntimeError(f"gather_logits: expected the output to come from a linear, got {node}")
     return node
+
+
+def param_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the weights the graph reads (cache buffers are not allocated yet)."""
+    seen = {id(t): t for t in (*gm.parameters(), *gm.buffers())}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def drop_unused_attrs(gm: fx.GraphModule) -> None:
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in [n for n, _ in (*gm.named_parameters(remove_duplicate=False),
+                                *gm.named_buffers(remove_duplicate=False))]:
+        if name not in used:
+            mod_name, _, leaf = name.rpartition(".")
+            mod = gm.get_submodule(mod_name) if mod_name else gm
+            mod._parameters.pop(leaf, None)
+            mod._buffers.pop(leaf, None)
+
+
+def repropagate(gm: fx.GraphModule) -> None:
+    """Recompute every node's fake value (shapes changed with the slices)."""
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    mode = placeholders(gm)[0].meta["val"].fake_mode
+    # inputs added by earlier transforms (logits_idx: an index vector) carry no fake value
+    bare = [p for p in placeholders(gm) if "val" not in p.meta]
+    with mode:
+        vals = [p.meta.get("val") if "val" in p.meta else torch.zeros(2, dtype=torch.long)
+                for p in placeholders(gm)]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
+    for p in bare:
+        p.meta.pop("val", None)
+
+
+def weight_bytes(gms: list[fx.GraphModule]) -> int:
+    """Bytes of the weights the graphs hold together (a shared tensor once), without the cache
+    buffers allocated on the root after the pipeline (registered non-persistent)."""
+    seen = {}
+    for gm in gms:
+        for name, t in (*gm.named_parameters(), *gm.named_buffers()):
+            if name not in gm._non_persistent_buffers_set:
+                seen[t.data_ptr()] = t
+    return sum(t.numel() * t.element_size() for t in seen.values())

@@ -2,7 +2,8 @@
 
 Rank 0 runs the engine (scheduler, sampling, verification, HTTP server) on a `Leader`, which wraps
 its deployed model: each call that runs a graph (`forward`, `draft_forward`) is sent to the other
-ranks once (a `commit` of accepted drafts rides along with the next one), with its arguments as
+ranks once (a `commit` of accepted drafts and prefix caching's state restores and checkpoints
+ride along with the next one), with its arguments as
 rank 0 computed them (batch metadata, draft ids, accepted indices), and then run locally. Tokens
 are therefore decided on rank 0 alone and the workers only ever compute what rank 0 decided
 (AutoDeploy #13134: argmax diverging across ranks hung a run). Workers loop on `serve_worker`
@@ -33,8 +34,11 @@ import torch.distributed as dist
 from specdeploy.distributed.config import DistConfig
 from specdeploy.distributed.groups import CONTROL, free_port, init_group, recv, send
 
-MIRRORED = ("forward", "draft_forward", "commit")
-DEFERRED = ("commit",)  # no collective inside, nothing returned: rides with the next message
+# host calls that change a rank's cache state (spec commits, prefix hits' state restores and
+# verified checkpoints) have no collective inside and return nothing: they ride, in order,
+# ahead of the next graph call, which is the first to read what they wrote
+MIRRORED = ("forward", "draft_forward", "commit", "restore_states", "checkpoint_spec")
+DEFERRED = ("commit", "restore_states", "checkpoint_spec")
 
 
 class RankFailure(RuntimeError):
@@ -116,6 +120,36 @@ def _built_barrier(timeout: float = 900.0) -> None:
                            wait_all_ranks=True)
 
 
+def _rss() -> tuple[int, int]:
+    """(resident, of which anonymous) bytes of this process (file pages: the mmap'd checkpoint)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, val = line.partition(":")
+            if key in ("VmRSS", "RssAnon"):
+                fields[key] = int(val.split()[0]) * 1024
+    return fields.get("VmRSS", 0), fields.get("RssAnon", 0)
+
+
+def rank_memory(deployed, rss_before: int) -> list[dict]:
+    """Every rank's weight memory after its build (gathered on each rank; rank 0 reports it):
+    weight bytes held at load (peak) and kept by its graphs, peak / current RSS."""
+    import resource
+
+    from specdeploy.deploy.graph import weight_bytes
+
+    gms = [g.gm for g in (getattr(deployed, "target", None), *getattr(deployed, "drafts", ()))
+           if g is not None] or [deployed.gm]
+    rss, anon = _rss()
+    mine = {"rank": dist.get_rank(), "weight_bytes": weight_bytes(gms), "rss_bytes": rss,
+            "rss_anon_bytes": anon, "rss_before_build_bytes": rss_before,
+            "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            **getattr(deployed, "load_stats", {})}
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine, group=CONTROL["group"])
+    return out
+
+
 def serve_worker(deployed) -> None:
     """A worker rank: run what rank 0 sends until it sends the stop message (None)."""
     while True:
@@ -159,8 +193,10 @@ def worker_main(argv: list[str]) -> None:
     from specdeploy.deploy.build import build
 
     opts = dataclasses.replace(options, dist=options.dist.for_rank(rank))
+    rss_before = _rss()[0]
     deployed = build(model_path, opts)
     _built_barrier()
+    rank_memory(deployed, rss_before)
     serve_worker(deployed)
     dist.destroy_process_group()
 
@@ -206,8 +242,10 @@ def build_ranked(model_path, options, timeout: float = 60.0):
 
     me, procs = start(model_path, options, timeout)
     try:
+        rss_before = _rss()[0]
         deployed = build(model_path, dataclasses.replace(options, dist=me))
         _built_barrier()
+        memory = rank_memory(deployed, rss_before)
     except BaseException:
         stop_workers(procs, 0.1)
         raise
@@ -216,6 +254,7 @@ def build_ranked(model_path, options, timeout: float = 60.0):
         dist.destroy_process_group()
         return None
     leader = Leader(deployed, me, procs)
+    leader.rank_memory = memory  # per rank: weight bytes at load and kept, RSS
     import atexit
 
     atexit.register(leader.close)  # before multiprocessing's own exit handler kills daemons

@@ -161,3 +161,48 @@ def test_cache_sized_per_rank_and_reported(tiny_dir):
     assert kv[0] and kv[1] == [b // 2 for b in kv[0]]
     report = two.report()
     assert "rank 0 of 2" in report and "tp=2 ep=1 rank 0" in report
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5_moe"])
+def test_per_rank_loading_reads_the_same_slices(tiny_dir, family):
+    """Placeholders (checkpoint/lazy.py) sharded for each rank give exactly the weights of the
+    fully loaded model sharded (oracle), while holding only the rank's share at once."""
+    from specdeploy.checkpoint.lazy import LazyWeights
+
+    model = _model(tiny_dir, family)
+    for r in range(2):
+        lazy = LazyWeights()
+        lazy_model = load_model(tiny_dir(family), dtype="float32", lazy=lazy)
+        assert all(lazy.is_lazy(p) for p in lazy_model.parameters())
+        gm = export_model(lazy_model, max_tokens=64, keep_hints=True)
+        run_transform("cleanup_export", gm, DeployContext(lazy_model))
+        run_transform("shard", gm, DeployContext(lazy_model, dist=DistConfig(2, rank=r),
+                                                 lazy=lazy))
+        want = dict(_graph(model, DistConfig(2, rank=r))[0].named_parameters())
+        got = dict(gm.named_parameters())
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+        for name, b in _graph(model, DistConfig(2, rank=r))[0].named_buffers():
+            assert torch.equal(dict(gm.named_buffers())[name], b), name
+        kept = param_bytes(gm)  # weights and buffers (e_score_correction_bias, inv_freq)
+        largest = max(p.numel() * p.element_size() for p in model.parameters())
+        params = sum(p.numel() * p.element_size() for p in gm.parameters())
+        assert params <= lazy.resident <= kept
+        assert lazy.resident <= lazy.peak <= lazy.resident + largest
+
+
+def test_weight_read_before_loading_is_refused(tiny_dir):
+    """A weight computed from a placeholder (NaN) or a placeholder never read is an error."""
+    from specdeploy.checkpoint.lazy import LazyWeights, check_loaded
+
+    lazy = LazyWeights()
+    m = load_model(tiny_dir("llama"), dtype="float32", lazy=lazy)
+    w = m.lm_head.weight
+    with pytest.raises(RuntimeError, match="computed from a weight before it was loaded"):
+        check_loaded([("draft_head", w[:3].clone())], lazy)
+    with pytest.raises(RuntimeError, match="never loaded"):
+        check_loaded([("lm_head.weight", w)], lazy)
+    full = lazy.materialize(w)
+    assert torch.equal(full, load_model(tiny_dir("llama"), dtype="float32").lm_head.weight)
+    check_loaded([("lm_head.weight", full)], lazy)

@@ -22,7 +22,9 @@ from specdeploy.distributed.groups import free_port
 from specdeploy.distributed.runtime import RankFailure
 from tests.spec.tiny_targets import Target
 
-LIMITS = dict(max_batch_size=4, max_seq_len=160, max_cache_gib=0.05, page_size=8)
+# checkpoint_every=1: recurrent targets checkpoint at every page, so a short shared prefix hits
+LIMITS = dict(max_batch_size=4, max_seq_len=160, max_cache_gib=0.05, page_size=8,
+              checkpoint_every=1)
 TOKENS = 10
 K = 3
 
@@ -47,10 +49,57 @@ def targets(tmp_path_factory):
             llm = LLM(str(t.path), **LIMITS)
             t.baseline = _ids(llm.generate(t.prompts, _params()))
             t.baseline_bytes = param_bytes(llm.deployed.gm)
+            t.loaded_bytes = llm.deployed.load_stats["load_peak_bytes"]  # the whole model
+            llm.reset_prefix_cache()
+            t.shared_cold = llm.generate([SHARED[1]], _lp_params())[0]
             cache[arch] = t
         return cache[arch]
 
     return get
+
+
+_PREFIX = [(7 * i) % 90 + 5 for i in range(43)]  # 5 pages and 3 tokens: a hit mid-page
+SHARED = (_PREFIX + [11, 12, 13, 14, 15, 16, 17, 18, 19], _PREFIX + [21, 22, 23, 24, 25, 26])
+
+
+def _check_rank_memory(t, ranks):
+    """Per-rank loading: each rank held its share of the checkpoint's weights while loading
+    (plus one whole tensor being sliced), never the whole model. Llama's share is exact: the
+    embedding and norms replicated, everything else (vocab-parallel head included) halved."""
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["load_peak_bytes"] < 0.75 * t.loaded_bytes, (r, t.loaded_bytes)
+    if t.arch != "llama":
+        return
+    from specdeploy.loading import load_model
+
+    sizes = {n: p.numel() * p.element_size() for n, p in load_model(t.path).named_parameters()}
+    replicated = sum(b for n, b in sizes.items() if "embed_tokens" in n or "norm" in n)
+    share = replicated + (sum(sizes.values()) - replicated) // 2
+    assert share < 0.75 * sum(sizes.values())
+    for r in ranks:
+        assert r["load_resident_bytes"] == share
+        assert share <= r["load_peak_bytes"] <= share + max(sizes.values())
+
+
+def _lp_params():
+    return SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=0)
+
+
+def _check_prefix_hits(llm, want):
+    """Prefix caching under TP: the second prompt hits the first's pages (and, on recurrent
+    targets, restores checkpointed states on every rank) and answers as the TP=1 cold run:
+    the same tokens and their logprobs within 1e-4 (a tiny random model's greedy tokens barely
+    move with a stale state on one rank; its logprobs move by ~1e-3)."""
+    llm.reset_prefix_cache()
+    llm.generate([SHARED[0]], _params())
+    before = llm.stats()["prefix_cache_hits"]
+    got = llm.generate([SHARED[1]], _lp_params())[0]
+    assert llm.stats()["prefix_cache_hits"] - before == 40  # the 5 full shared pages
+    assert got.token_ids == want.token_ids
+    lp = [d[i] for d, i in zip(got.logprobs, got.token_ids)]
+    ref = [d[i] for d, i in zip(want.logprobs, want.token_ids)]
+    assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-4, (lp, ref)
 
 
 def _oracle(t):
@@ -82,9 +131,12 @@ def test_tp2_greedy_equals_tp1(targets, arch, spec, tp, ep):
         assert _ids(llm.generate(t.prompts, _params())) == t.baseline
         graph = llm.deployed.target.gm if spec else llm.deployed.gm
         assert param_bytes(graph) < 0.75 * t.baseline_bytes  # sharded: rank 0 holds ~half
+        _check_rank_memory(t, llm.deployed.rank_memory)
+        _check_prefix_hits(llm, t.shared_cold)
         if spec:
             llm.engine.reset_spec_stats()
             llm.engine.fix_drafts(_oracle(t))
+            # the same prompts again: their cached pages hit (restored states on every rank)
             assert _ids(llm.generate(t.prompts, _params())) == t.baseline
             assert llm.stats()["mean_accepted_length"] > 2
     finally:

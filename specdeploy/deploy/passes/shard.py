@@ -15,10 +15,10 @@ import operator
 
 import torch
 from torch import fx
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from specdeploy.checkpoint.lazy import LazyWeights, check_loaded
 from specdeploy.deploy.context import DeployContext
-from specdeploy.deploy.graph import find_head, is_op, placeholders
+from specdeploy.deploy.graph import drop_unused_attrs, find_head, is_op, param_bytes, repropagate
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.distributed.config import DistConfig
 from specdeploy.ops.shard import piece_sizes, seg_index, segs_of
@@ -38,29 +38,48 @@ def _get_attr(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
     return operator.attrgetter(node.target)(gm)
 
 
-def _slice_param(w: torch.Tensor, node: fx.Node, d: DistConfig) -> torch.Tensor:
-    """The rank's slice of `w` for one `tp_param` hint."""
+def _slice_param(w: torch.Tensor, node: fx.Node, d: DistConfig, lazy: LazyWeights | None
+                 ) -> torch.Tensor:
+    """The rank's slice of `w` for one `tp_param` hint (of a lazy `w`: read just for this)."""
     _, layer_type, mode, dim, sizes, units, leads = node.args
     if not w.is_floating_point():  # a pre-quantized weight would need its scales sliced too
         raise ValueError(f"shard: {_what(node)} is {w.dtype}; only floating-point weights shard")
     dim = dim % w.dim()
     if not sizes:  # a rowwise bias: added once, by rank 0
-        return w.detach().clone() if d.rank == 0 else torch.zeros_like(w)
-    tp, rank = d.tp_size, d.rank
+        if d.rank != 0:
+            return torch.zeros(w.shape, dtype=w.dtype, device=w.device)
+        return _read(w, lambda full: full.detach().clone(), lazy)
+    tp, rank, lo, hi = d.tp_size, d.rank, 0, w.shape[0]
     if mode.startswith("expert_"):
         e = w.shape[0]
         if e % d.ep_size:
             raise ValueError(f"shard: {_what(node)}: {e} experts do not divide over "
                              f"expert_parallel_size={d.ep_size}")
         k, ep_rank = e // d.ep_size, d.rank // d.moe_tp
-        w = w[ep_rank * k:(ep_rank + 1) * k]
+        lo, hi = ep_rank * k, (ep_rank + 1) * k
         tp, rank = d.moe_tp, d.rank % d.moe_tp
-    if sum(sizes) != w.shape[dim]:
+    if sum(sizes) != w[lo:hi].shape[dim]:
         raise RuntimeError(f"shard: {_what(node)}: segments {sizes} != dim {dim} of "
-                           f"{tuple(w.shape)}")
-    idx = [i for part in seg_index(segs_of(sizes, units, leads), tp, rank, _what(node))
-           for i in part]
-    return w.detach().index_select(dim, torch.tensor(idx, device=w.device)).contiguous()
+                           f"{tuple(w[lo:hi].shape)}")
+    idx = torch.tensor([i for part in seg_index(segs_of(sizes, units, leads), tp, rank,
+                                                 _what(node)) for i in part], device=w.device)
+    return _read(w, lambda full: full.detach()[lo:hi].index_select(dim, idx).contiguous(), lazy)
+
+
+def _read(w: torch.Tensor, fn, lazy: LazyWeights | None) -> torch.Tensor:
+    return lazy.slice(w, fn) if lazy is not None and lazy.is_lazy(w) else fn(w)
+
+
+def _materialize(gm: fx.GraphModule, lazy: LazyWeights | None) -> None:
+    """Per-rank loading: what the rank keeps whole (replicated) is read now, after the slices
+    (so a rank never holds more than its share and one whole tensor)."""
+    if lazy is None:
+        return
+    named = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]
+    for name, t in named:
+        if lazy.is_lazy(t):
+            _set_attr(gm, name, lazy.materialize(t))
+    check_loaded([*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()], lazy)
 
 
 def _set_attr(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
@@ -132,7 +151,7 @@ def _expert_remap(gm: fx.GraphModule, moe: fx.Node, e_local: int, d: DistConfig)
     moe.update_arg(2, kept)
 
 
-def _lm_head(gm: fx.GraphModule, d: DistConfig) -> str:
+def _lm_head(gm: fx.GraphModule, d: DistConfig, lazy: LazyWeights | None) -> str:
     head = find_head(gm)
     w = _get_attr(gm, head.args[1])
     if len(head.args) > 2 and head.args[2] is not None:
@@ -140,7 +159,7 @@ def _lm_head(gm: fx.GraphModule, d: DistConfig) -> str:
     if w.shape[0] % d.tp_size:
         return f"lm_head replicated (vocab {w.shape[0]} % {d.tp_size})"
     k = w.shape[0] // d.tp_size
-    value = w.detach()[d.rank * k:(d.rank + 1) * k].contiguous()
+    value = _read(w, lambda full: full.detach()[d.rank * k:(d.rank + 1) * k].contiguous(), lazy)
     src = head.args[1]
     target = src.target if len(src.users) == 1 and sum(
         1 for g in gm.graph.nodes if g.op == "get_attr" and g.target == src.target) == 1 \
@@ -158,38 +177,6 @@ def _lm_head(gm: fx.GraphModule, d: DistConfig) -> str:
                          head)
     head.replace_all_uses_with(gathered, delete_user_cb=lambda u: u is not gathered)
     return f"lm_head vocab-parallel ({k} rows)"
-
-
-def param_bytes(gm: fx.GraphModule) -> int:
-    """Bytes of the weights the graph reads (cache buffers are not allocated yet)."""
-    seen = {id(t): t for t in (*gm.parameters(), *gm.buffers())}
-    return sum(t.numel() * t.element_size() for t in seen.values())
-
-
-def _drop_unused_attrs(gm: fx.GraphModule) -> None:
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    for name in [n for n, _ in (*gm.named_parameters(remove_duplicate=False),
-                                *gm.named_buffers(remove_duplicate=False))]:
-        if name not in used:
-            mod_name, _, leaf = name.rpartition(".")
-            mod = gm.get_submodule(mod_name) if mod_name else gm
-            mod._parameters.pop(leaf, None)
-            mod._buffers.pop(leaf, None)
-
-
-def repropagate(gm: fx.GraphModule) -> None:
-    """Recompute every node's fake value (shapes changed with the slices)."""
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    mode = placeholders(gm)[0].meta["val"].fake_mode
-    # inputs added by earlier transforms (logits_idx: an index vector) carry no fake value
-    bare = [p for p in placeholders(gm) if "val" not in p.meta]
-    with mode:
-        vals = [p.meta.get("val") if "val" in p.meta else torch.zeros(2, dtype=torch.long)
-                for p in placeholders(gm)]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
-    for p in bare:
-        p.meta.pop("val", None)
 
 
 def _hints(gm: fx.GraphModule) -> list[fx.Node]:
@@ -228,7 +215,7 @@ def shard(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
             continue
         counts[n.args[1]] = counts.get(n.args[1], 0) + 1
         if is_op(n, _ops.tp_param):
-            _replace_param(gm, n, _slice_param(_get_attr(gm, n.args[0]), n, d), i)
+            _replace_param(gm, n, _slice_param(_get_attr(gm, n.args[0]), n, d, ctx.lazy), i)
         elif is_op(n, _ops.tp_split):
             _, lt, dim, pcounts, sizes, units, leads = n.args
             if lt == "moe":
@@ -240,8 +227,9 @@ def shard(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
                 red = _like(gm.graph.call_function(_ops.all_reduce.default, (n.args[0],)), n)
             n.replace_all_uses_with(red)
             gm.graph.erase_node(n)
-    head = _lm_head(gm, d) if "lm_head" in on else "lm_head replicated"
-    _drop_unused_attrs(gm)
+    head = _lm_head(gm, d, ctx.lazy) if "lm_head" in on else "lm_head replicated"
+    drop_unused_attrs(gm)
+    _materialize(gm, ctx.lazy)
     repropagate(gm)
     after = param_bytes(gm)
     per_type = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
