@@ -21,6 +21,7 @@ from specdeploy.cache.plan import CachePlan, plan_cache
 from specdeploy.checkpoint import CheckpointError
 from specdeploy.config import SpecConfig
 from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.deferred import materialize_deferred
 from specdeploy.deploy.eager import EagerDeployed, eager_layout
 from specdeploy.deploy.export import export_model
 from specdeploy.deploy.graph import placeholders
@@ -113,7 +114,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         own_mtp = (spec is not None and spec.method == "mtp" and spec.draft_model is None
                    and _declares_mtp(model_path))
         model = load_model(model_path, dtype=resolve_dtype(opts.dtype, device=opts.device),
-                           with_mtp=own_mtp, progress=opts.progress)
+                           with_mtp=own_mtp, progress=opts.progress,
+                           defer_blocks=_defer_blocks(opts))
         if own_mtp:
             _own_mtp_draft_vocab(model, model_path)
     dtype = resolve_dtype(opts.dtype, device=opts.device)
@@ -164,6 +166,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
             **({} if drafter.quant_exclude is None else {"quant_exclude": drafter.quant_exclude}))
         programs.append((step, draft_ctx, model.cfg.hidden_size))
     transformed = [(_transform(m, ctx, hidden, vision), ctx) for m, ctx, hidden in programs]
+    for (gm, _), _ in transformed:  # NOTE: no deferred zero is ever computed with
+        materialize_deferred(gm, model)
     plan = plan_cache([h for (_, res), _ in transformed for h in res.resources], opts.page_size,
                       opts.max_batch_size, opts.max_seq_len, common["max_cache_gib"],
                       target_ctx.device, checkpoint_every=opts.checkpoint_every)
@@ -180,6 +184,19 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     out = deployed[0] if spec is None else SpecDeployed(
         deployed[0], deployed[1:], drafter.drafter if drafter else None, spec)
     return _with_vision(out, model_path, embed, dtype) if vision else out
+
+
+def _defer_blocks(opts: BuildOptions) -> bool:
+    """Whether GGUF block-quantized weights may load without their fp32 values: where
+    `ggml_linears` will run and read only the blocks (deploy/deferred.py). Not with a drafter
+    model (it may read the target's embedding or head in its own way), quantize, sharding."""
+    from specdeploy.ops.ggml_linear import kernel_unavailable
+
+    return (opts.device.type == "cpu" and not opts.compile and opts.quantize is None
+            and (opts.dist is None or opts.dist.world_size == 1)
+            and "ggml_linears" not in opts.disabled
+            and (opts.spec is None or opts.spec.method == "ngram")
+            and kernel_unavailable() is None)
 
 
 def _device(device: str | torch.device) -> torch.device:
