@@ -179,11 +179,9 @@ def _defer_blocks(model: nn.Module, blocks: dict, params: dict, source
 
 def placeholder(shape: tuple[int, ...]) -> torch.Tensor:
     """fp32 zeros of `shape` over fresh anonymous memory: no page is resident until written."""
-    import math
-    import mmap
+    from specdeploy.cache.handlers import lazy_zeros
 
-    n = math.prod(shape)
-    return torch.frombuffer(mmap.mmap(-1, max(4, 4 * n)), dtype=torch.float32)[:n].view(shape)
+    return lazy_zeros(shape, torch.float32, "cpu")
 
 
 def _num_layers(hf: dict) -> int:

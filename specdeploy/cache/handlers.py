@@ -47,8 +47,10 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
     import mmap
 
     n = math.prod(shape)
-    nbytes = max(1, n * torch.empty((), dtype=dtype).element_size())
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype)[:n].view(shape)
+    size = torch.empty((), dtype=dtype).element_size()
+    # NOTE: private, so a forked process gets its own copy on write, never a shared cache
+    buf = mmap.mmap(-1, max(size, n * size), flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)[:n].view(shape)
 
 
 @dataclass(frozen=True)

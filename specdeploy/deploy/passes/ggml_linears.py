@@ -21,8 +21,8 @@ fp32 weights. A weight matches by identity with the loaded parameter that has bl
 (`model.ggml_weights`, set by the loader for GGUF files loaded as fp32); one a transform replaced
 (quantized, sharded) does not match and keeps its path. `build` loads those parameters deferred
 (`model.ggml_deferred`: never-written placeholders, not resident) where this pass will run; a
-placeholder the graph still reads after it is filled from its blocks (`materialize_deferred`). Skipped when compiling, off the CPU, and
-where the kernel cannot be built here (the report says why).
+placeholder still read afterwards is filled from its blocks (`materialize_deferred`). Skipped
+when compiling, off the CPU, and where the kernel cannot be built (the report says why).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from torch import fx
 
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.deferred import deferred_ptrs, materialize_deferred
-from specdeploy.deploy.graph import attr_tensor, split_fused_output
+from specdeploy.deploy.graph import attr_tensor, drop_unread_params, split_fused_output
 from specdeploy.deploy.passes.pack_linears import packable
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import ggml_int
@@ -43,8 +43,8 @@ from specdeploy.ops.ggml_linear import (
     dequantize,
     ggml_embedding,
     ggml_linear,
-    scratch,
     kernel_unavailable,
+    scratch,
     warn_unbuilt,
 )
 
@@ -101,7 +101,7 @@ def _weight_map(ctx: DeployContext) -> dict:
 
 
 def _blocks_of(gm, node, weights) -> GGMLWeight | None:
-    w = attr_tensor(gm, node.args[1])
+    w = attr_tensor(gm, node.args[0 if node.target is _EMBEDDING else 1])
     if w is None or w.dtype != torch.float32:
         return None
     return weights.get((w.data_ptr(), tuple(w.shape), w.stride()))
@@ -159,12 +159,12 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     attrs = {node.args[1].target for members in todo for node, _ in members}
     for members in todo:
         _replace(gm, members, isa)
-    n_emb, emb_bytes, tables = _embeddings(gm, weights)
-    freed = _drop_attrs(gm, attrs | tables)
+    n_emb, emb_bytes, tables = _embeddings(gm, weights, deferred)
+    freed = drop_unread_params(gm, attrs | tables)
     filled = materialize_deferred(gm, ctx.model)
     n_nodes = sum(len(members) for members in todo)
     stored = sum(gw.blocks.nbytes for members in todo for _, gw in members)
-    return Done(n_nodes + n_emb, f"{n_nodes} linears on {stored / 2**20:.0f} MiB of blocks "
+    return Done(n_nodes, f"{n_nodes} linears on {stored / 2**20:.0f} MiB of blocks "
                 f"(<= {MAX_ROWS} rows {note}; above: dequantized one weight at a time), "
                 f"{n_emb} embeddings on {emb_bytes / 2**20:.0f} MiB; fp32 copies dropped "
                 f"-{freed / 2**20:.0f} MiB"
@@ -215,18 +215,18 @@ def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]],
     split_fused_output(gm, out, nodes, [g.shape[0] for _, g in members])
 
 
-def _embeddings(gm: fx.GraphModule, weights: dict) -> tuple[int, int, set]:
-    """Embedding lookups whose table has blocks gather their rows from the blocks: (lookups,
-    block bytes, the tables' get_attr targets)."""
+def _embeddings(gm: fx.GraphModule, weights: dict, deferred: dict) -> tuple[int, int, set]:
+    """Embedding lookups whose table has blocks (still its values) gather their rows from the
+    blocks: (lookups, block bytes, the tables' get_attr targets)."""
     n, stored, tables = 0, {}, set()
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is _EMBEDDING:
-            gw = _blocks_of(gm, node, weights)
-            if gw is None:
+            gw, w = _blocks_of(gm, node, weights), attr_tensor(gm, node.args[0])
+            if gw is None or (w.data_ptr() not in deferred and not _same_values(w, gw)):
                 continue
             tables.add(node.args[0].target)
             with gm.graph.inserting_before(node):
-                out = gm.graph.call_function(ggml_embedding, (node.args[1], gw))
+                out = gm.graph.call_function(_embedding_fn(gw), (node.args[1],))
             out.meta = dict(node.meta)
             node.replace_all_uses_with(out)
             gm.graph.erase_node(node)
@@ -234,19 +234,8 @@ def _embeddings(gm: fx.GraphModule, weights: dict) -> tuple[int, int, set]:
     return n, sum(stored.values()), tables
 
 
-def _drop_attrs(gm: fx.GraphModule, targets: set) -> int:
-    """Erase the unread get_attr nodes among `targets` and their parameters, so the graph holds
-    no fp32 copy of weights now read from blocks; bytes freed."""
-    live, freed = set(), 0
-    for node in list(gm.graph.nodes):
-        if node.op == "get_attr":
-            if not node.users and node.target in targets:
-                gm.graph.erase_node(node)
-            else:
-                live.add(node.target)
-    for name, t in list(gm.named_parameters(remove_duplicate=False)):
-        if name not in live and name in targets:
-            owner, _, leaf = name.rpartition(".")
-            if (gm.get_submodule(owner) if owner else gm)._parameters.pop(leaf, None) is not None:
-                freed += t.nbytes
-    return freed
+def _embedding_fn(weight: GGMLWeight):
+    def embedding_on_blocks(ids: torch.Tensor) -> torch.Tensor:
+        return ggml_embedding(ids, weight)
+
+    return embedding_on_blocks
