@@ -33,6 +33,7 @@ from specdeploy.distributed.config import DistConfig
 
 BACKENDS = ("graph", "eager")
 QUANTIZE_METHODS = (None, "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 Deployed = GraphDeployed | SpecDeployed | EagerDeployed
 
 
@@ -62,6 +63,9 @@ class BuildOptions:
     device: str | torch.device = "cpu"
     vision: bool | None = None
     kernels: str = "exact"  # GGUF-block linears: "exact" (the fp32 model) or "fast" (int-dot)
+    # the target's paged KV: "auto" = bfloat16 with kernels="fast" on an fp32 CPU deployment
+    # (attention reads it back exactly as fp32), else the model dtype (the exact path: fp32)
+    kv_cache_dtype: str = "auto"
     dist: DistConfig | None = None
     enable_prefix_caching: bool = True
     checkpoint_every: int | None = None  # None: aligned to the scan chunks (cache/plan.py)
@@ -81,6 +85,9 @@ class BuildOptions:
             raise ValueError(f"max_cache_gib: must be > 0, got {self.max_cache_gib!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels: one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.quantize not in QUANTIZE_METHODS:
             raise ValueError(f"quantize: must be None or 'int8', got {self.quantize!r}")
         if isinstance(self.spec, dict):
@@ -147,7 +154,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     drafter = None if spec is None else prepare_drafter(model, spec, dtype, opts.quantize,
                                                         opts.device)
     target_ctx = DeployContext(
-        model, dtype=dtype, quantize=opts.quantize, kv_cache_dtype=prequant_kv_dtype(model),
+        model, dtype=dtype, quantize=opts.quantize,
+        kv_cache_dtype=prequant_kv_dtype(model) or _kv_dtype(opts, dtype),
         capture_layers=drafter.capture_layers if drafter else (),
         spec_steps=spec.max_draft_tokens + 1 if spec else 0,
         prefix_caching=prefix_caching,
@@ -184,6 +192,14 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     out = deployed[0] if spec is None else SpecDeployed(
         deployed[0], deployed[1:], drafter.drafter if drafter else None, spec)
     return _with_vision(out, model_path, embed, dtype) if vision else out
+
+
+def _kv_dtype(opts: BuildOptions, dtype: torch.dtype) -> torch.dtype | None:
+    """The target's KV dtype (None: the model dtype); see BuildOptions.kv_cache_dtype."""
+    if opts.kv_cache_dtype != "auto":
+        return getattr(torch, opts.kv_cache_dtype)
+    fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32
+    return torch.bfloat16 if fast_cpu else None
 
 
 def _defer_blocks(opts: BuildOptions) -> bool:
