@@ -277,6 +277,13 @@ class LLM:
         d = self.engine.stats_dict()
         lay = self.deployed.layout
         d.update(page_size=lay.page_size, num_slots=lay.num_slots, cache_bytes=lay.total_bytes)
+        from specdeploy.deploy.memory import process_memory
+
+        programs = [getattr(self.deployed, "target", self.deployed),
+                    *getattr(self.deployed, "drafts", ())]
+        d["weight_bytes"] = sum(p.weight_bytes().total for p in programs
+                                if hasattr(p, "weight_bytes"))
+        d.update({f"{k}_bytes": v for k, v in process_memory().items()})
         return d
 
 

@@ -189,9 +189,23 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
                                       hf_config, vocab, res.resources, res.program,
                                       time.perf_counter() - t0, prefix_caching))
         deployed[-1].mrope = vision
+    _return_freed_memory()
     out = deployed[0] if spec is None else SpecDeployed(
         deployed[0], deployed[1:], drafter.drafter if drafter else None, spec)
     return _with_vision(out, model_path, embed, dtype) if vision else out
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap the build freed (export, loading buffers) back to the OS (glibc only):
+    otherwise it stays resident though nothing uses it (~50 MB for the default model)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass  # not glibc: nothing to do
 
 
 def _kv_dtype(opts: BuildOptions, dtype: torch.dtype) -> torch.dtype | None:

@@ -7,7 +7,8 @@ speculative decoding must give greedy plain decoding's tokens.
 
 Compiled on first use like the GGUF kernels (same cache, same one-line warning when it cannot
 be built); needs x86-64 with AVX2 + FMA + F16C, fp32 queries, fp32 / bf16 / fp16 caches (read
-exactly as fp32), head sizes that are multiples of 8 (up to 256). `unavailable()` says why not; the caller then runs its per-row SDPA fallback.
+exactly as fp32), head sizes that are multiples of 8 (up to 256). `unavailable()` says why not;
+the caller then runs its per-row SDPA fallback.
 """
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    pages: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
     """q [T, Hq, D]: one sequence's rows at positions pos0 .. pos0 + T - 1, each attending the
-    keys up to itself; caches [num_pages, page_size, Hkv, D(v)] fp32 / bf16 / fp16; pages: that sequence's
-    page table row (int64). -> [T, Hq, Dv]."""
+    keys up to itself; caches [num_pages, page_size, Hkv, D(v)] fp32 / bf16 / fp16; pages: that
+    sequence's page table row (int64). -> [T, Hq, Dv]."""
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"attention kernel unavailable: {why}")

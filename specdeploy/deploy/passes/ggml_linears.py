@@ -157,8 +157,11 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
                 todo.append([(node, gw)])
         todo.extend(fusable.values())
     attrs = {node.args[1].target for members in todo for node, _ in members}
+    stacked = {}  # id(member blocks) -> its view of the stacked copy
     for members in todo:
-        _replace(gm, members, isa)
+        stacked.update(_replace(gm, members, isa))
+    named = ctx.model.ggml_weights  # NOTE: the loaded copies go now, not when the model does
+    named.update({n: stacked[id(g)] for n, g in named.items() if id(g) in stacked})
     n_emb, emb_bytes, tables = _embeddings(gm, weights, deferred)
     freed = drop_unread_params(gm, attrs | tables)
     filled = materialize_deferred(gm, ctx.model)
@@ -195,8 +198,9 @@ def _bias(node: fx.Node):
 
 
 def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]],
-             isa: str | None) -> None:
-    """One kernel call for `members` (linears of one input, in graph order)."""
+             isa: str | None) -> dict[int, GGMLWeight]:
+    """One kernel call for `members` (linears of one input, in graph order); returns
+    id(member's blocks) -> its row view of the stacked copy (fused members only)."""
     nodes = [n for n, _ in members]
     gw = members[0][1] if len(members) == 1 else concat_rows([g for _, g in members])
     views, start = [], 0  # NOTE: the members as row views of the one stacked copy
@@ -211,8 +215,9 @@ def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]],
         out.meta = dict(nodes[0].meta)
         nodes[0].replace_all_uses_with(out)
         gm.graph.erase_node(nodes[0])
-        return
+        return {}
     split_fused_output(gm, out, nodes, [g.shape[0] for _, g in members])
+    return {id(g): view for (_, g), view in zip(members, views)}
 
 
 def _embeddings(gm: fx.GraphModule, weights: dict, deferred: dict) -> tuple[int, int, set]:
