@@ -50,8 +50,11 @@ from specdeploy.ops.ggml_linear import (
 
 _LINEAR = torch.ops.aten.linear.default
 _EMBEDDING = torch.ops.aten.embedding.default
-# Above this many rows the fp32 GEMM wins (bench/results/linear_rows_q4_1.json: about even at
-# 16 rows, fp32 ahead at 32)
+# Above this many rows the fp32 GEMM wins for the exact kernel (bench/results/
+# linear_rows_q4_1.json: about even at 16 rows, fp32 ahead at 32). The integer-dot kernels
+# ("fast") take every row count: bench/linear_rows.py --threads 1 --clock cpu, ms of CPU for 30
+# layers, int-dot avx2 / dequantize + GEMM: 64 rows 337 / 696, 256 rows 1277 / 1328
+# (bench/results/linear_rows_one_copy.json; a shared 2-core machine)
 MAX_ROWS = 16
 
 
@@ -60,15 +63,15 @@ KERNELS = ("exact", "fast")
 
 def ggml_linear_fn(weight: GGMLWeight, members: list[GGMLWeight], bias: torch.Tensor | None,
                    isa: str | None = None):
-    """x -> x @ W^T (+ bias): the blocks up to MAX_ROWS rows (the exact kernel, or with `isa`
-    the integer-dot one on that ISA path), else `dequant_linear` per fused member (views of
-    `weight`'s rows), concatenated along the output."""
+    """x -> x @ W^T (+ bias): with `isa`, the integer-dot kernel on that ISA path at every row
+    count; else the exact kernel up to MAX_ROWS rows and above that `dequant_linear` per fused
+    member (views of `weight`'s rows), concatenated along the output."""
     bias = None if bias is None else bias.detach()
 
     def linear_on_blocks(x: torch.Tensor) -> torch.Tensor:
+        if isa is not None:  # every row count: faster than dequantizing (see MAX_ROWS)
+            return ggml_int.ggml_linear_int(x, weight, bias, isa)
         if x.numel() // x.shape[-1] <= MAX_ROWS:
-            if isa is not None:
-                return ggml_int.ggml_linear_int(x, weight, bias, isa)
             return ggml_linear(x, weight, bias)
         if len(members) == 1:
             return dequant_linear(x, members[0], bias)
@@ -168,9 +171,10 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     n_nodes = sum(len(members) for members in todo)
     stored = sum(gw.blocks.nbytes for members in todo for _, gw in members)
     return Done(n_nodes, f"{n_nodes} linears on {stored / 2**20:.0f} MiB of blocks "
-                f"(<= {MAX_ROWS} rows {note}; above: dequantized one weight at a time), "
-                f"{n_emb} embeddings on {emb_bytes / 2**20:.0f} MiB; fp32 copies dropped "
-                f"-{freed / 2**20:.0f} MiB"
+                + (f"({note}, every row count), " if isa else f"(<= {MAX_ROWS} rows {note}; "
+                   "above: dequantized one weight at a time), ")
+                + f"{n_emb} embeddings on {emb_bytes / 2**20:.0f} MiB; fp32 parameters out of "
+                f"the graph: {freed / 2**20:.0f} MiB"
                 + (f"; {filled} deferred weights filled from blocks" if filled else "")
                 + (f"; {stale} weights changed since loading left fp32" if stale else ""))
 
