@@ -11,7 +11,7 @@ from specdeploy.checkpoint import CheckpointError, CheckpointReader, open_checkp
 from specdeploy.checkpoint.prequant import attach as attach_prequant
 from specdeploy.checkpoint.prequant import open_prequantized
 from specdeploy.models.registry import module_for_config
-from specdeploy.ops.ggml_linear import KINDS
+from specdeploy.ops.ggml_linear import KINDS, kernel_unavailable
 
 SKIP_FINITE_ENV = "SPECDEPLOY_SKIP_FINITE_CHECK"  # =1: skip the NaN/inf scan (huge checkpoints)
 # vLLM's spellings too: half = float16, float = float32
@@ -142,7 +142,8 @@ def load_model_from_reader(
     # match exactly
     blocks = _ggml_weights(model, reader) if torch_dtype == torch.float32 else {}
     deferred = {}
-    if defer_blocks and prequant is None:
+    # NOTE: the kernel is asked for only when there are blocks (no warning for other formats)
+    if defer_blocks and prequant is None and blocks and kernel_unavailable() is None:
         deferred = _defer_blocks(model, blocks, params, reader.path)
     assign_params(model, params, torch_dtype, source=str(reader.path), progress=progress)
     _init_nonpersistent(model)

@@ -219,14 +219,12 @@ def _kv_dtype(opts: BuildOptions, dtype: torch.dtype) -> torch.dtype | None:
 def _defer_blocks(opts: BuildOptions) -> bool:
     """Whether GGUF block-quantized weights may load without their fp32 values: where
     `ggml_linears` will run and read only the blocks (deploy/deferred.py). Not with a drafter
-    model (it may read the target's embedding or head in its own way), quantize, sharding."""
-    from specdeploy.ops.ggml_linear import kernel_unavailable
-
+    model (it may read the target's embedding or head in its own way), quantize, sharding.
+    The loader checks the last condition, that the block kernel is built here."""
     return (opts.device.type == "cpu" and not opts.compile and opts.quantize is None
             and (opts.dist is None or opts.dist.world_size == 1)
             and "ggml_linears" not in opts.disabled
-            and (opts.spec is None or opts.spec.method == "ngram")
-            and kernel_unavailable() is None)
+            and (opts.spec is None or opts.spec.method == "ngram"))
 
 
 def _device(device: str | torch.device) -> torch.device:
