@@ -2,7 +2,9 @@
 step (30 layers' worth of distinct SmolLM2-sized weights), for the ways `pack_linear_weights`
 can run a linear: plain `F.linear`, W @ x^T, and a oneDNN-packed weight; and `q4_1`, the same
 weights quantized to GGUF Q4_1 blocks and run by `ggml_linears` (ops/ggml_kernels.c; left out
-where that kernel cannot be built); and `q4_1_int_<isa>`, the integer-dot kernels
+where that kernel cannot be built), `q4_1_dequant` those blocks dequantized one weight at a
+time into a reused buffer and multiplied (`ggml_linears`' path above MAX_ROWS rows); and
+`q4_1_int_<isa>`, the integer-dot kernels
 (ops/ggml_kernels_int.c) on the same blocks, per ISA path this CPU runs. Prints one JSON
 object (median of --reps, milliseconds for all 30 layers).
 
@@ -67,6 +69,10 @@ def main() -> None:
         from specdeploy.ops.ggml_linear import ggml_linear
 
         kinds["q4_1"] = lambda x, w, p: ggml_linear(x, blocks[id(w)])
+        from specdeploy.deploy.passes.ggml_linears import dequant_linear
+
+        # the one-copy fp32 path of prefill: dequantize into the reused buffer, then the GEMM
+        kinds["q4_1_dequant"] = lambda x, w, p: dequant_linear(x, blocks[id(w)], None)
         from specdeploy.ops import ggml_int
 
         for isa in ggml_int.supported_isas():  # the integer-dot kernels, each ISA path

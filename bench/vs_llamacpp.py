@@ -23,10 +23,10 @@ llama.cpp (each round's ratio taken within the round). The JSON carries the CPU 
 the thread count, the load average before and after (other work on the machine), and how far
 each configuration's tokens agree with llama.cpp's.
 
-Memory: every configuration is a deployment of its own (today ~1 GB each: fp32 + packed copies
-of the weights), all alive at once; the full default set took 6.3 GB and was OOM-killed on a
-24 GB machine other jobs shared. Until one copy of the weights lands, run fewer --configs per
-process on a shared machine.
+Memory: every configuration is a deployment of its own, all alive at once. Before one copy of
+the weights (issue 21) each took ~1 GB (fp32 + packed copies) and the full default set was
+OOM-killed on a shared 24 GB machine; now a default-model deployment holds its GGUF blocks only
+(~0.3 GB resident beyond torch; bench/memory.py).
 """
 from __future__ import annotations
 

@@ -37,6 +37,9 @@ class LLM:
         device: "cpu" (default), "cuda" or "cuda:N"; dtype "auto" is bfloat16 on CUDA.
         kernels: GGUF Q4_0/Q4_1/Q8_0 linears on the CPU: "exact" (default: the fp32 model, bit
             for bit) or "fast" (8-bit activations, integer dot products, as llama.cpp).
+        kv_cache_dtype: "auto" (bfloat16 with kernels="fast" on the CPU, else the model dtype),
+            "float32", "bfloat16" or "float16". The KV cache is planned for max_batch_size x
+            max_seq_len (capped by max_cache_gib); on the CPU its memory is backed as written.
         tensor_parallel_size / expert_parallel_size: ranks (worker processes started here, or
             the processes of a torchrun launch) and MoE expert groups among them; rank 0 runs the
             engine. Under torchrun, a rank > 0 serves as a worker inside this constructor and
@@ -63,7 +66,7 @@ class LLM:
                  checkpoint_every: int | None = None, max_model_len: int | None = None,
                  generation_config: str | os.PathLike | None = "auto",
                  speculative_config: dict | SpecConfig | None = None,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, kv_cache_dtype: str = "auto"):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
         from specdeploy.checkpoint import open_checkpoint
@@ -90,7 +93,7 @@ class LLM:
                                max_seq_len=max_seq_len, page_size=page_size,
                                max_cache_gib=max_cache_gib, spec=spec, backend=backend,
                                quantize=quantize, compile=compile, device=device,
-                               kernels=kernels,
+                               kernels=kernels, kv_cache_dtype=kv_cache_dtype,
                                dist=_dist_config(tensor_parallel_size, expert_parallel_size,
                                                  shard_layers),
                                enable_prefix_caching=enable_prefix_caching,
@@ -277,6 +280,13 @@ class LLM:
         d = self.engine.stats_dict()
         lay = self.deployed.layout
         d.update(page_size=lay.page_size, num_slots=lay.num_slots, cache_bytes=lay.total_bytes)
+        from specdeploy.deploy.memory import process_memory
+
+        programs = [getattr(self.deployed, "target", self.deployed),
+                    *getattr(self.deployed, "drafts", ())]
+        d["weight_bytes"] = sum(p.weight_bytes().total for p in programs
+                                if hasattr(p, "weight_bytes"))
+        d.update({f"{k}_bytes": v for k, v in process_memory().items()})
         return d
 
 

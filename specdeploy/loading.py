@@ -12,6 +12,7 @@ from specdeploy.checkpoint.lazy import LazyWeights
 from specdeploy.checkpoint.prequant import attach as attach_prequant
 from specdeploy.checkpoint.prequant import open_prequantized
 from specdeploy.models.registry import module_for_config
+from specdeploy.ops.ggml_linear import KINDS, kernel_unavailable
 
 SKIP_FINITE_ENV = "SPECDEPLOY_SKIP_FINITE_CHECK"  # =1: skip the NaN/inf scan (huge checkpoints)
 # vLLM's spellings too: half = float16, float = float32
@@ -111,11 +112,13 @@ def _set_tensor(model: nn.Module, name: str, t: torch.Tensor, is_param: bool) ->
 def load_model(
     path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
     with_mtp: bool = False, progress: bool = False, lazy: LazyWeights | None = None,
+    defer_blocks: bool = False,
 ) -> nn.Module:
     """Load a plain model from a HF directory or a `.gguf` file; `None` = the default model.
 
     Returns the family's `Model` in eval mode; `model(input_ids[B,T])` gives logits [B,T,V].
     `lazy`: placeholders for every weight, read later (per-rank loading, checkpoint/lazy.py).
+    `defer_blocks`: see `load_model_from_reader`.
     """
     if path is None:
         from specdeploy.default_model import default_model_path
@@ -123,13 +126,18 @@ def load_model(
         path = default_model_path()
     reader = open_checkpoint(path)
     return load_model_from_reader(reader, dtype, with_mtp=with_mtp, progress=progress,
-                                  lazy=lazy)
+                                  lazy=lazy, defer_blocks=defer_blocks)
 
 
 def load_model_from_reader(
     reader: CheckpointReader, dtype: str | torch.dtype = "auto", with_mtp: bool = False,
-    progress: bool = False, lazy: LazyWeights | None = None,
+    progress: bool = False, lazy: LazyWeights | None = None, defer_blocks: bool = False,
 ) -> nn.Module:
+    """`defer_blocks` (fp32 GGUF loads only; `build` asks for it where the `ggml_linears`
+    transform computes with the blocks): block-quantized weights are never dequantized here but
+    left as zero placeholders that take no memory, listed in `model.ggml_deferred`; whatever
+    still reads one after the pipeline gets it filled from the blocks (deploy/deferred.py). The
+    eager model itself is then not usable as it is."""
     fam = module_for_config(reader.config)
     cfg = fam.Config.from_hf(reader.config)
     torch_dtype = resolve_dtype(dtype, reader.config)
@@ -142,19 +150,55 @@ def load_model_from_reader(
         fam.checkpoint_to_params(reader, cfg)
     if prequant is not None:
         params = reader.wrap_params(params, prequant)
+    # GGUF Q4_0 / Q4_1 / Q8_0 weights also keep their blocks: the deploy pipeline's CPU kernels
+    # compute with them (deploy/passes/ggml_linears.py); only for fp32 loads, whose values they
+    # match exactly. NOTE: not for per-rank loading: the kernels find blocks by the loaded
+    # tensor, and a rank's slices are new tensors (their linears run the fp32 path)
+    blocks = _ggml_weights(model, reader) if torch_dtype == torch.float32 and lazy is None \
+        else {}
+    deferred = {}
+    # NOTE: the kernel is asked for only when there are blocks (no warning for other formats)
+    if defer_blocks and prequant is None and blocks and kernel_unavailable() is None:
+        deferred = _defer_blocks(model, blocks, params, reader.path)
     assign_params(model, params, torch_dtype, source=str(reader.path), progress=progress,
                   lazy=lazy)
     _init_nonpersistent(model)
     if prequant is not None:
         attach_prequant(model, prequant)
     model.hf_config = reader.config  # NOTE: the raw dict; deployment reads eos / limits from it
-    # GGUF Q4_0 / Q4_1 / Q8_0 weights also keep their blocks: the deploy pipeline's CPU kernels
-    # compute with them (deploy/passes/ggml_linears.py); only for fp32 loads, whose values they
-    # match exactly. NOTE: not for per-rank loading: the kernels find blocks by the loaded
-    # tensor, and a rank's slices are new tensors (their linears run the fp32 path)
-    model.ggml_weights = _ggml_weights(model, reader) if torch_dtype == torch.float32 and \
-        lazy is None else {}
+    model.ggml_weights, model.ggml_deferred = blocks, deferred
     return model.eval()
+
+
+def _defer_blocks(model: nn.Module, blocks: dict, params: dict, source
+                  ) -> dict[str, torch.Tensor]:
+    """Placeholders for the parameters with `blocks` (taken out of `params`); their blocks'
+    fp16 scales are checked finite, as assign_params checks loaded values."""
+    out, aliases = {}, {}
+    for alias, p in model.named_parameters(remove_duplicate=False):  # tied heads: every name
+        aliases.setdefault(id(p), []).append(alias)
+    params_of = dict(model.named_parameters())
+    for name, w in blocks.items():
+        if name not in params:
+            continue
+        scales = w.blocks.view(w.shape[0], -1, KINDS[w.kind][1])[..., :2 if w.kind != "q4_1"
+                                                                  else 4]
+        if not bool(torch.isfinite(scales.contiguous().view(torch.float16)).all()):
+            raise CheckpointError(f"{source}: tensor {name!r} has non-finite block scales")
+        out[name] = placeholder(w.shape)
+        p = nn.Parameter(out[name], requires_grad=False)
+        for alias in aliases[id(params_of[name])]:
+            owner, _, leaf = alias.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, leaf, p)
+        del params[name]
+    return out
+
+
+def placeholder(shape: tuple[int, ...]) -> torch.Tensor:
+    """fp32 zeros of `shape` over fresh anonymous memory: no page is resident until written."""
+    from specdeploy.cache.handlers import lazy_zeros
+
+    return lazy_zeros(shape, torch.float32, "cpu")
 
 
 def _num_layers(hf: dict) -> int:

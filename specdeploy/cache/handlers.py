@@ -30,11 +30,27 @@ class PagedKV:
         return _nbytes((page_size, self.num_kv_heads, self.head_dim + self.v_head_dim), self.dtype)
 
     def allocate(self, num_pages: int, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.zeros(num_pages, page_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
-                        device=device)
-        v = torch.zeros(num_pages, page_size, self.num_kv_heads, self.v_head_dim,
-                        dtype=self.dtype, device=device)
+        k = lazy_zeros((num_pages, page_size, self.num_kv_heads, self.head_dim), self.dtype,
+                       device)
+        v = lazy_zeros((num_pages, page_size, self.num_kv_heads, self.v_head_dim), self.dtype,
+                       device)
         return k, v
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros that take memory as they are written. On the CPU: fresh anonymous memory, whose
+    pages the OS backs only when first written, so a KV cache planned for max_batch_size x
+    max_seq_len costs what the sequences actually fill (its pages are handed out in order;
+    resident memory grows with use up to the plan, never past it). Elsewhere torch.zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import mmap
+
+    n = math.prod(shape)
+    size = torch.empty((), dtype=dtype).element_size()
+    # NOTE: private, so a forked process gets its own copy on write, never a shared cache
+    buf = mmap.mmap(-1, max(size, n * size), flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)[:n].view(shape)
 
 
 @dataclass(frozen=True)

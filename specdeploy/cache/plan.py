@@ -46,7 +46,8 @@ class CachePlan:
         lines = [
             f"cache plan: page_size={self.page_size} num_pages={self.num_pages} "
             f"num_slots={self.num_slots} total={self.total_bytes / 2**20:.2f} MiB "
-            f"(budget {self.budget_bytes / 2**20:.2f} MiB)"
+            f"(budget {self.budget_bytes / 2**20:.2f} MiB; on the CPU the paged KV is reserved, "
+            f"its memory backed as pages are first written)"
         ]
         if "checkpoint" in self.bytes_by_kind:
             lines.append(f"  prefix-cache checkpoints: {self.num_checkpoints} slots, one every "

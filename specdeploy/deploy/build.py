@@ -21,6 +21,7 @@ from specdeploy.cache.plan import CachePlan, plan_cache
 from specdeploy.checkpoint import CheckpointError
 from specdeploy.config import SpecConfig
 from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.deferred import materialize_deferred
 from specdeploy.deploy.eager import EagerDeployed, eager_layout
 from specdeploy.deploy.export import export_model
 from specdeploy.deploy.graph import placeholders
@@ -32,6 +33,7 @@ from specdeploy.distributed.config import DistConfig
 
 BACKENDS = ("graph", "eager")
 QUANTIZE_METHODS = (None, "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 Deployed = GraphDeployed | SpecDeployed | EagerDeployed
 
 
@@ -61,6 +63,9 @@ class BuildOptions:
     device: str | torch.device = "cpu"
     vision: bool | None = None
     kernels: str = "exact"  # GGUF-block linears: "exact" (the fp32 model) or "fast" (int-dot)
+    # the target's paged KV: "auto" = bfloat16 with kernels="fast" on an fp32 CPU deployment
+    # (attention reads it back exactly as fp32), else the model dtype (the exact path: fp32)
+    kv_cache_dtype: str = "auto"
     dist: DistConfig | None = None
     enable_prefix_caching: bool = True
     checkpoint_every: int | None = None  # None: aligned to the scan chunks (cache/plan.py)
@@ -80,6 +85,9 @@ class BuildOptions:
             raise ValueError(f"max_cache_gib: must be > 0, got {self.max_cache_gib!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels: one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.quantize not in QUANTIZE_METHODS:
             raise ValueError(f"quantize: must be None or 'int8', got {self.quantize!r}")
         if isinstance(self.spec, dict):
@@ -114,7 +122,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         own_mtp = (spec is not None and spec.method == "mtp" and spec.draft_model is None
                    and _declares_mtp(model_path))
         model = load_model(model_path, dtype=resolve_dtype(opts.dtype, device=opts.device),
-                           with_mtp=own_mtp, progress=opts.progress, lazy=lazy)
+                           with_mtp=own_mtp, progress=opts.progress, lazy=lazy,
+                           defer_blocks=_defer_blocks(opts))
         if own_mtp:
             _own_mtp_draft_vocab(model, model_path, lazy)
     dtype = resolve_dtype(opts.dtype, device=opts.device)
@@ -148,7 +157,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     drafter = None if spec is None else prepare_drafter(model, spec, dtype, opts.quantize,
                                                         opts.device)
     target_ctx = DeployContext(
-        model, dtype=dtype, quantize=opts.quantize, kv_cache_dtype=prequant_kv_dtype(model),
+        model, dtype=dtype, quantize=opts.quantize,
+        kv_cache_dtype=prequant_kv_dtype(model) or _kv_dtype(opts, dtype),
         capture_layers=drafter.capture_layers if drafter else (),
         spec_steps=spec.max_draft_tokens + 1 if spec else 0,
         prefix_caching=prefix_caching,
@@ -167,6 +177,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
             **({} if drafter.quant_exclude is None else {"quant_exclude": drafter.quant_exclude}))
         programs.append((step, draft_ctx, model.cfg.hidden_size))
     transformed = [(_transform(m, ctx, hidden, vision), ctx) for m, ctx, hidden in programs]
+    for (gm, _), _ in transformed:  # NOTE: no deferred zero is ever computed with
+        materialize_deferred(gm, model)
     plan = plan_cache([h for (_, res), _ in transformed for h in res.resources], opts.page_size,
                       opts.max_batch_size, opts.max_seq_len, common["max_cache_gib"],
                       target_ctx.device, checkpoint_every=opts.checkpoint_every)
@@ -181,6 +193,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
                                       hf_config, vocab, res.resources, res.program,
                                       time.perf_counter() - t0, prefix_caching))
         deployed[-1].mrope = vision
+    _return_freed_memory()
     out = deployed[0] if spec is None else SpecDeployed(
         deployed[0], deployed[1:], drafter.drafter if drafter else None, spec)
     # what this process held in weights while loading (per rank under TP: distributed/)
@@ -203,6 +216,38 @@ def _per_rank_loading(opts: BuildOptions, model: nn.Module | None):
 def _weight_bytes(model: nn.Module) -> int:
     seen = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
     return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap the build freed (export, loading buffers) back to the OS (glibc only):
+    otherwise it stays resident though nothing uses it (~50 MB for the default model)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass  # not glibc: nothing to do
+
+
+def _kv_dtype(opts: BuildOptions, dtype: torch.dtype) -> torch.dtype | None:
+    """The target's KV dtype (None: the model dtype); see BuildOptions.kv_cache_dtype."""
+    if opts.kv_cache_dtype != "auto":
+        return getattr(torch, opts.kv_cache_dtype)
+    fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32
+    return torch.bfloat16 if fast_cpu else None
+
+
+def _defer_blocks(opts: BuildOptions) -> bool:
+    """Whether GGUF block-quantized weights may load without their fp32 values: where
+    `ggml_linears` will run and read only the blocks (deploy/deferred.py). Not with a drafter
+    model (it may read the target's embedding or head in its own way), quantize, sharding.
+    The loader checks the last condition, that the block kernel is built here."""
+    return (opts.device.type == "cpu" and not opts.compile and opts.quantize is None
+            and (opts.dist is None or opts.dist.world_size == 1)
+            and "ggml_linears" not in opts.disabled
+            and (opts.spec is None or opts.spec.method == "ngram"))
 
 
 def _device(device: str | torch.device) -> torch.device:

@@ -166,3 +166,29 @@ def weight_bytes(gms: list[fx.GraphModule]) -> int:
             if name not in gm._non_persistent_buffers_set:
                 seen[t.data_ptr()] = t
     return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def drop_unread_params(gm: fx.GraphModule, targets: set) -> int:
+    """Erase the unread get_attr nodes among `targets` and every parameter name over their
+    storage (a tied head has two) that nothing reads any more (a transform read the weight
+    another way): the graph then holds no reference to them. Bytes freed."""
+    gone = {_attr(gm, t).untyped_storage().data_ptr() for t in targets}
+    live, freed = set(), {}
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr":
+            if not node.users and node.target in targets:
+                gm.graph.erase_node(node)
+            else:
+                live.add(_attr(gm, node.target).untyped_storage().data_ptr())
+    for name, t in list(gm.named_parameters(remove_duplicate=False)):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in gone and ptr not in live:
+            owner, _, leaf = name.rpartition(".")
+            (gm.get_submodule(owner) if owner else gm)._parameters.pop(leaf, None)
+            freed[ptr] = t.untyped_storage().nbytes()
+    return sum(freed.values())
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    owner, _, leaf = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, leaf)

@@ -116,4 +116,25 @@ class GraphDeployed:
             f"rank {d.rank} of {d.world_size} (tp={d.tp_size}, ep={d.ep_size}); the cache plan "
             f"below is this rank's"]
         return "\n".join(["transforms (in order):", *format_infos(self.infos), *ranked,
-                          self.plan.summary()])
+                          self.memory_line(), self.plan.summary()])
+
+    def weight_bytes(self):
+        """Bytes of the weights this program holds (deploy/memory.py)."""
+        from specdeploy.deploy.memory import weight_bytes
+
+        cache = set()
+        for h in self.resources:
+            cache |= {h.name, f"{h.name}_k", f"{h.name}_v"}
+        return weight_bytes(self.gm, cache)
+
+    def memory_line(self) -> str:
+        from specdeploy.deploy.memory import process_memory
+
+        w, mem = self.weight_bytes(), process_memory()
+        line = (f"weights resident: {w.total / 2**20:.1f} MiB ({w.params / 2**20:.1f} MiB graph "
+                f"tensors, {w.closures / 2**20:.1f} MiB held by transforms: GGUF blocks, "
+                f"packed copies)")
+        if mem:
+            line += (f"; process resident {mem['rss'] / 2**20:.0f} MiB, peak "
+                     f"{mem['peak_rss'] / 2**20:.0f} MiB")
+        return line

@@ -78,7 +78,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         if self.prefix is None:
-            self.free_pages.extend(seq.pages)
+            # NOTE: reused first, in order: a CPU KV cache is backed as pages are first
+            # written (cache/handlers.py lazy_zeros), so memory stays at the peak in use
+            self.free_pages.extendleft(reversed(seq.pages))
         else:  # tail first: a prefix's later pages are evicted before its first ones
             self.free_pages.extend(p for p in reversed(seq.pages) if self.prefix.release(p))
         seq.pages = []

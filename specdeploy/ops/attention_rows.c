@@ -5,8 +5,9 @@
  * up to its position only, whatever the other rows and the thread count: a row's output is
  * bit-identical in a 1-row decode and in a K + 1-row verify step (batch invariance; one SDPA
  * over the segment sums in another order). Keys and values are read in place from the paged
- * cache [num_pages, page_size, Hkv, D] (fp32). Built at run time by attention_rows.py; AVX2 +
- * FMA required (checked there), -ffp-contract=off.
+ * cache [num_pages, page_size, Hkv, D], fp32, bf16 or fp16 (`kv`: KV_F32 / KV_BF16 / KV_F16;
+ * each value widened exactly to fp32, all arithmetic in fp32). Built at run time by
+ * attention_rows.py; AVX2 + FMA + F16C required (checked there), -ffp-contract=off.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -16,7 +17,17 @@
 #include <omp.h>
 #endif
 
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+
+/* 8 cache values at p as fp32 (exact: bf16 and fp16 widen without rounding) */
+AVX2 static inline __m256 load8(const uint8_t *p, const int kv) {
+    if (kv == KV_F32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (kv == KV_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
 
 AVX2 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -49,27 +60,29 @@ AVX2 static inline __m256 exp_neg(__m256 x) {
 }
 
 /* one (row, head): q [D], scores scratch [pos + 1], out [Dv] */
-AVX2 static void one(const float *q, int D, int Dv, const float *k_cache, const float *v_cache,
-                     int page_size, int Hkv, int g, const int64_t *pages, int pos, float scale,
-                     float *s, float *out) {
-    const size_t row_k = (size_t)Hkv * D, row_v = (size_t)Hkv * Dv;
+AVX2 static inline __attribute__((always_inline)) void one(
+    const float *q, int D, int Dv, const uint8_t *k_cache, const uint8_t *v_cache, int page_size,
+    int Hkv, int g, const int64_t *pages, int pos, float scale, float *s, float *out,
+    const int kv) {
+    const size_t es = kv == KV_F32 ? 4 : 2;
+    const size_t row_k = (size_t)Hkv * D * es, row_v = (size_t)Hkv * Dv * es;
     float m = -INFINITY;
     /* scores, 4 keys at a time for 4 independent fma chains; each key's own arithmetic is the
      * same in a group of 4 or alone */
     int j = 0;
     for (; j + 4 <= pos + 1; j += 4) {
-        const float *k[4];
+        const uint8_t *k[4];
         __m256 acc[4];
         for (int u = 0; u < 4; u++) {
             const int jj = j + u;
             const size_t slot = (size_t)pages[jj / page_size] * page_size + jj % page_size;
-            k[u] = k_cache + slot * row_k + (size_t)g * D;
+            k[u] = k_cache + slot * row_k + (size_t)g * D * es;
             acc[u] = _mm256_setzero_ps();
         }
         for (int d = 0; d < D; d += 8) {
             const __m256 qv = _mm256_loadu_ps(q + d);
             for (int u = 0; u < 4; u++)
-                acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[u] + d), acc[u]);
+                acc[u] = _mm256_fmadd_ps(qv, load8(k[u] + d * es, kv), acc[u]);
         }
         for (int u = 0; u < 4; u++) {
             s[j + u] = hsum8(acc[u]) * scale;
@@ -78,10 +91,10 @@ AVX2 static void one(const float *q, int D, int Dv, const float *k_cache, const 
     }
     for (; j <= pos; j++) {
         const size_t slot = (size_t)pages[j / page_size] * page_size + j % page_size;
-        const float *k = k_cache + slot * row_k + (size_t)g * D;
+        const uint8_t *k = k_cache + slot * row_k + (size_t)g * D * es;
         __m256 acc = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d * es, kv), acc);
         s[j] = hsum8(acc) * scale;
         m = s[j] > m ? s[j] : m;
     }
@@ -113,21 +126,42 @@ AVX2 static void one(const float *q, int D, int Dv, const float *k_cache, const 
     for (int c = 0; c < nv; c++) o[c] = _mm256_setzero_ps();
     for (j = 0; j <= pos; j++) {
         const size_t slot = (size_t)pages[j / page_size] * page_size + j % page_size;
-        const float *v = v_cache + slot * row_v + (size_t)g * Dv;
+        const uint8_t *v = v_cache + slot * row_v + (size_t)g * Dv * es;
         const __m256 p = _mm256_set1_ps(s[j]);
         for (int c = 0; c < nv; c++)
-            o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
+            o[c] = _mm256_fmadd_ps(p, load8(v + 8 * c * es, kv), o[c]);
     }
     const __m256 inv = _mm256_set1_ps(1.f / sum);
     for (int c = 0; c < nv; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(o[c], inv));
 }
 
+/* one (row, head) per cache dtype: each compiles to its own loop */
+AVX2 static void one_f32(const float *q, int D, int Dv, const uint8_t *k, const uint8_t *v,
+                         int ps, int Hkv, int g, const int64_t *pages, int pos, float scale,
+                         float *s, float *out) {
+    one(q, D, Dv, k, v, ps, Hkv, g, pages, pos, scale, s, out, KV_F32);
+}
+AVX2 static void one_bf16(const float *q, int D, int Dv, const uint8_t *k, const uint8_t *v,
+                          int ps, int Hkv, int g, const int64_t *pages, int pos, float scale,
+                          float *s, float *out) {
+    one(q, D, Dv, k, v, ps, Hkv, g, pages, pos, scale, s, out, KV_BF16);
+}
+AVX2 static void one_f16(const float *q, int D, int Dv, const uint8_t *k, const uint8_t *v,
+                         int ps, int Hkv, int g, const int64_t *pages, int pos, float scale,
+                         float *s, float *out) {
+    one(q, D, Dv, k, v, ps, Hkv, g, pages, pos, scale, s, out, KV_F16);
+}
+
 /* q [T, Hq, D], out [T, Hq, Dv] row-major fp32; row t sits at position pos0 + t (it attends
- * keys 0..pos0 + t); pages: the sequence's page table. D and Dv multiples of 8, Dv <= 256
- * (checked by the caller). Returns 0, or -1 when scratch memory could not be had. */
-int attention_rows(const float *q, int T, int Hq, int D, int Dv, const float *k_cache,
-                   const float *v_cache, int page_size, int Hkv, const int64_t *pages, int pos0,
-                   float scale, float *out, int nthreads) {
+ * keys 0..pos0 + t); pages: the sequence's page table; kv: the caches' dtype. D and Dv
+ * multiples of 8, Dv <= 256 (checked by the caller). Returns 0, or -1 when scratch memory
+ * could not be had. */
+int attention_rows(const float *q, int T, int Hq, int D, int Dv, const void *k_cache,
+                   const void *v_cache, int page_size, int Hkv, const int64_t *pages, int pos0,
+                   float scale, float *out, int nthreads, int kv) {
+    void (*fn)(const float *, int, int, const uint8_t *, const uint8_t *, int, int, int,
+               const int64_t *, int, float, float *, float *) =
+        kv == KV_BF16 ? one_bf16 : kv == KV_F16 ? one_f16 : one_f32;
     const int maxpos = pos0 + T - 1;
     const int rep = Hq / Hkv, items = T * Hq;
     int failed = 0;
@@ -140,8 +174,9 @@ int attention_rows(const float *q, int T, int Hq, int D, int Dv, const float *k_
         for (int it = 0; it < items; it++) {
             const int t = it / Hq, h = it % Hq;
             if (s)
-                one(q + ((size_t)t * Hq + h) * D, D, Dv, k_cache, v_cache, page_size, Hkv,
-                    h / rep, pages, pos0 + t, scale, s, out + ((size_t)t * Hq + h) * Dv);
+                fn(q + ((size_t)t * Hq + h) * D, D, Dv, (const uint8_t *)k_cache,
+                   (const uint8_t *)v_cache, page_size, Hkv, h / rep, pages, pos0 + t, scale, s,
+                   out + ((size_t)t * Hq + h) * Dv);
         }
         free(s);
     }

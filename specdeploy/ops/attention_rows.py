@@ -6,8 +6,9 @@ round activations to 8 bits, which can blow that up into a different greedy toke
 speculative decoding must give greedy plain decoding's tokens.
 
 Compiled on first use like the GGUF kernels (same cache, same one-line warning when it cannot
-be built); needs x86-64 with AVX2 + FMA, fp32 caches, head sizes that are multiples of 8 (up
-to 256). `unavailable()` says why not; the caller then runs its per-row SDPA fallback.
+be built); needs x86-64 with AVX2 + FMA + F16C, fp32 queries, fp32 / bf16 / fp16 caches (read
+exactly as fp32), head sizes that are multiples of 8 (up to 256). `unavailable()` says why not;
+the caller then runs its per-row SDPA fallback.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 from specdeploy.ops import ggml_linear as _gl
 
 SOURCE = Path(__file__).with_name("attention_rows.c")
+_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the C file's KV_* values, in order
 _FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 
 
@@ -29,7 +31,7 @@ _FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("SPECDEPLOY_ATTENTION_KERNEL", "1") == "0":
         return None, "SPECDEPLOY_ATTENTION_KERNEL=0"
-    missing = [f for f in ("avx2", "fma") if f not in _gl._cpu_flags()]
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in _gl._cpu_flags()]
     if missing:
         why = f"this CPU lacks {', '.join(missing)}"
         _gl.warn_unbuilt("the batch-invariant attention kernel", why)
@@ -52,7 +54,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                        ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
-                       ctypes.c_int]
+                       ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
         return lib, None
     why = "; ".join(errors)
@@ -67,7 +69,8 @@ def unavailable() -> str | None:
 def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the kernel takes these tensors (else the caller's fallback runs)."""
     d, dv = k_cache.shape[-1], v_cache.shape[-1]
-    return (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    return (q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in _KV_DTYPES
             and q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
             and d % 8 == 0 and dv % 8 == 0 and dv <= 256 and q.shape[-2] % k_cache.shape[2] == 0
             and _library()[0] is not None)
@@ -76,8 +79,8 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    pages: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
     """q [T, Hq, D]: one sequence's rows at positions pos0 .. pos0 + T - 1, each attending the
-    keys up to itself; caches [num_pages, page_size, Hkv, D(v)] fp32; pages: that sequence's
-    page table row (int64). -> [T, Hq, Dv]."""
+    keys up to itself; caches [num_pages, page_size, Hkv, D(v)] fp32 / bf16 / fp16; pages: that
+    sequence's page table row (int64). -> [T, Hq, Dv]."""
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"attention kernel unavailable: {why}")
@@ -91,7 +94,8 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out = torch.empty(t, hq, dv, dtype=torch.float32)
     rc = lib.attention_rows(q.data_ptr(), t, hq, d, dv, k_cache.data_ptr(), v_cache.data_ptr(),
                             k_cache.shape[1], k_cache.shape[2], pages.data_ptr(), pos0,
-                            float(scale), out.data_ptr(), torch.get_num_threads())
+                            float(scale), out.data_ptr(), torch.get_num_threads(),
+                            _KV_DTYPES.index(k_cache.dtype))
     if rc != 0:
         raise MemoryError("attention_rows: no scratch memory for the scores")
     return out

@@ -156,3 +156,36 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
     free(xsum);
     return 0;
 }
+
+/* out[i, :] = the fp32 values of weight row rows[i] (rows NULL: row i), i < R: exactly gguf's
+ * dequantization, d * q (+ m) rounded as numpy does (a product, then a sum; -ffp-contract=off
+ * keeps them two operations). The fp32 path of prefill chunks dequantizes one layer at a time
+ * into a reused buffer with this, and embeddings gather their rows from the blocks. */
+void ggml_dequant(int kind, const uint8_t *w, const int64_t *rows, int R, int K, float *out,
+                  int nthreads) {
+    const int nb = K / 32, bytes = kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : 18;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int i = 0; i < R; i++) {
+        const uint8_t *row = w + (size_t)(rows ? rows[i] : i) * nb * bytes;
+        float *o = out + (size_t)i * K;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * bytes;
+            const float d = half_at(blk);
+            float *ob = o + b * 32;
+            if (kind == Q8_0) {
+                for (int j = 0; j < 32; j++) ob[j] = d * (float)(int8_t)blk[2 + j];
+            } else if (kind == Q4_1) {
+                const float m = half_at(blk + 2);
+                for (int j = 0; j < 16; j++) {
+                    ob[j] = d * (float)(blk[4 + j] & 0x0F) + m;
+                    ob[j + 16] = d * (float)(blk[4 + j] >> 4) + m;
+                }
+            } else {
+                for (int j = 0; j < 16; j++) {
+                    ob[j] = d * (float)((blk[2 + j] & 0x0F) - 8);
+                    ob[j + 16] = d * (float)((blk[2 + j] >> 4) - 8);
+                }
+            }
+        }
+    }
+}

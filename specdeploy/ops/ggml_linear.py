@@ -155,6 +155,9 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         fn.restype = ctypes.c_int
+        lib.ggml_dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        lib.ggml_dequant.restype = None
         return lib, None
     why = "; ".join(errors)
     warn_unbuilt("the exact GGUF block kernel", why)
@@ -195,3 +198,47 @@ def ggml_linear(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | None =
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], n)
+
+
+def dequantize(weight: GGMLWeight, rows: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 values of `weight` ([N, K]; with `rows` int64 [R] those rows, [R, K]), bit for
+    bit what gguf's dequantization gives, written into `out` when given (a reused buffer of at
+    least that many elements; the result is a view of it)."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"ggml kernels unavailable: {why}")
+    n, k = weight.shape
+    if rows is not None:
+        rows = rows.reshape(-1).to(torch.int64).contiguous()
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+            raise IndexError(f"ggml dequantize: rows outside [0, {n})")
+    r = n if rows is None else rows.numel()
+    if out is None:
+        out = torch.empty(r, k, dtype=torch.float32)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < r * k:
+        raise ValueError(f"ggml dequantize: out must be contiguous fp32 with >= {r * k} elements")
+    out = out.view(-1)[:r * k].view(r, k)
+    if r:
+        lib.ggml_dequant(KINDS[weight.kind][0], weight.blocks.data_ptr(),
+                         None if rows is None else rows.data_ptr(), r, k, out.data_ptr(),
+                         torch.get_num_threads())
+    return out
+
+
+def ggml_embedding(ids: torch.Tensor, weight: GGMLWeight) -> torch.Tensor:
+    """`embedding(ids, W)` with W in GGUF blocks: the rows of `ids`, dequantized (exactly the
+    fp32 table's rows). ids [...] int -> [..., K] fp32."""
+    return dequantize(weight, ids).view(*ids.shape, weight.shape[1])
+
+
+_SCRATCH: list[torch.Tensor] = [torch.empty(0)]
+
+
+def scratch(numel: int) -> torch.Tensor:
+    """A flat fp32 buffer of at least `numel` elements, reused by every caller (the fp32 GEMM
+    path of prefill dequantizes one weight at a time into it): one layer's weight resident,
+    not the model's. Callers use it before the next call; the engine runs one step at a time."""
+    if _SCRATCH[0].numel() < numel:
+        _SCRATCH[0] = torch.empty(numel, dtype=torch.float32)
+    return _SCRATCH[0]

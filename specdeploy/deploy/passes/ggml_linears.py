@@ -5,7 +5,10 @@ A decode step streams every weight once; the default model's are 540 MB as fp32 
 blocks. `ops/ggml_linear.py` expands each block in registers to the exact fp32 weight values,
 so this changes where the weights are read from, not the model. Up to MAX_ROWS input rows (decode
 and verify steps at small batch) run on the blocks; prefill chunks and large batches, where a
-GEMM over fp32 weights is faster, keep the fp32 path (`pack_linears.packed_linear_fn`).
+GEMM over fp32 weights is faster, dequantize one weight at a time into one reused buffer and run
+the GEMM there (`dequant_linear`; oneDNN as `pack_linears` did with its packed copies, so the
+same bits). The blocks are the only copy of these weights the deployment keeps: the fp32
+parameters leave the graph, and the embedding gathers its rows from its blocks too.
 `python bench/linear_rows.py --threads 2` measures both per row count, side by side.
 
 `ctx.kernels` picks the kernel on the blocks: "exact" (the default) keeps the fp32 model bit for
@@ -16,8 +19,10 @@ module). Both keep rows batch-invariant, so greedy speculative = greedy plain ei
 Linears reading one input (q/k/v, gate/up) share one kernel call, as `fuse_linears` does for
 fp32 weights. A weight matches by identity with the loaded parameter that has blocks
 (`model.ggml_weights`, set by the loader for GGUF files loaded as fp32); one a transform replaced
-(quantized, sharded) does not match and keeps its path. Skipped when compiling, off the CPU, and
-where the kernel cannot be built here (the report says why).
+(quantized, sharded) does not match and keeps its path. `build` loads those parameters deferred
+(`model.ggml_deferred`: never-written placeholders, not resident) where this pass will run; a
+placeholder still read afterwards is filled from its blocks (`materialize_deferred`). Skipped
+when compiling, off the CPU, and where the kernel cannot be built (the report says why).
 """
 from __future__ import annotations
 
@@ -27,44 +32,66 @@ import torch
 from torch import fx
 
 from specdeploy.deploy.context import DeployContext
-from specdeploy.deploy.graph import attr_tensor, split_fused_output
-from specdeploy.deploy.passes.pack_linears import pack_fits, packable, packed_linear_fn
+from specdeploy.deploy.deferred import deferred_ptrs, materialize_deferred
+from specdeploy.deploy.graph import attr_tensor, drop_unread_params, split_fused_output
+from specdeploy.deploy.passes.pack_linears import packable
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import ggml_int
 from specdeploy.ops.ggml_linear import (
     GGMLWeight,
     concat_rows,
+    dequantize,
+    ggml_embedding,
     ggml_linear,
     kernel_unavailable,
+    scratch,
     warn_unbuilt,
 )
 
 _LINEAR = torch.ops.aten.linear.default
-# Above this many rows the fp32 GEMM wins (bench/results/linear_rows_q4_1.json: about even at
-# 16 rows, fp32 ahead at 32)
+_EMBEDDING = torch.ops.aten.embedding.default
+# Above this many rows the fp32 GEMM wins for the exact kernel (bench/results/
+# linear_rows_q4_1.json: about even at 16 rows, fp32 ahead at 32). The integer-dot kernels
+# ("fast") take every row count: bench/linear_rows.py --threads 1 --clock cpu, ms of CPU for 30
+# layers, int-dot avx2 / dequantize + GEMM: 64 rows 337 / 696, 256 rows 1277 / 1328
+# (bench/results/linear_rows_one_copy.json; a shared 2-core machine)
 MAX_ROWS = 16
 
 
 KERNELS = ("exact", "fast")
 
 
-def ggml_linear_fn(weight: GGMLWeight, fallbacks: list, bias: torch.Tensor | None,
+def ggml_linear_fn(weight: GGMLWeight, members: list[GGMLWeight], bias: torch.Tensor | None,
                    isa: str | None = None):
-    """x -> x @ W^T (+ bias): the blocks up to MAX_ROWS rows (the exact kernel, or with `isa`
-    the integer-dot one on that ISA path), else the fp32 `fallbacks` (one per fused member,
-    concatenated along the output)."""
+    """x -> x @ W^T (+ bias): with `isa`, the integer-dot kernel on that ISA path at every row
+    count; else the exact kernel up to MAX_ROWS rows and above that `dequant_linear` per fused
+    member (views of `weight`'s rows), concatenated along the output."""
     bias = None if bias is None else bias.detach()
 
     def linear_on_blocks(x: torch.Tensor) -> torch.Tensor:
+        if isa is not None:  # every row count: faster than dequantizing (see MAX_ROWS)
+            return ggml_int.ggml_linear_int(x, weight, bias, isa)
         if x.numel() // x.shape[-1] <= MAX_ROWS:
-            if isa is not None:
-                return ggml_int.ggml_linear_int(x, weight, bias, isa)
             return ggml_linear(x, weight, bias)
-        if len(fallbacks) == 1:
-            return fallbacks[0](x)
-        return torch.cat([f(x) for f in fallbacks], -1)
+        if len(members) == 1:
+            return dequant_linear(x, members[0], bias)
+        return torch.cat([dequant_linear(x, m, None) for m in members], -1)
 
     return linear_on_blocks
+
+
+def dequant_linear(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """x @ W^T (+ bias) through W dequantized into the reused buffer: oneDNN on its blocked
+    layout for weights `pack_linears` packed (the bits of its packed path), else aten.linear."""
+    n, k = weight.shape
+    w = dequantize(weight, out=scratch(n * k))
+    if packable(w) and torch.backends.mkldnn.is_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        x2 = x.reshape(-1, k)
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+        return y.view(*x.shape[:-1], n)
+    return torch.nn.functional.linear(x, w, bias)
 
 
 def _weight_map(ctx: DeployContext) -> dict:
@@ -77,7 +104,7 @@ def _weight_map(ctx: DeployContext) -> dict:
 
 
 def _blocks_of(gm, node, weights) -> GGMLWeight | None:
-    w = attr_tensor(gm, node.args[1])
+    w = attr_tensor(gm, node.args[0 if node.target is _EMBEDDING else 1])
     if w is None or w.dtype != torch.float32:
         return None
     return weights.get((w.data_ptr(), tuple(w.shape), w.stride()))
@@ -105,6 +132,7 @@ def _not_here(ctx: DeployContext) -> str | None:
 @register("ggml_linears", Stage.OPTIMIZE, skip_if=_not_here)
 def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     weights = _weight_map(ctx) if ctx.model is not None else {}
+    deferred = deferred_ptrs(ctx.model)
     if not weights:
         return Skipped("no GGUF Q4_0 / Q4_1 / Q8_0 weights")
     why = kernel_unavailable()
@@ -117,7 +145,8 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is _LINEAR:
             gw = _blocks_of(gm, node, weights)
-            if gw is not None and not _same_values(attr_tensor(gm, node.args[1]), gw):
+            w = attr_tensor(gm, node.args[1]) if gw is not None else None
+            if gw is not None and w.data_ptr() not in deferred and not _same_values(w, gw):
                 stale, gw = stale + 1, None  # NOTE: edited since loading: keep the fp32 path
             if gw is not None:
                 groups.setdefault(node.args[0], []).append((node, gw))
@@ -130,27 +159,24 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
             else:
                 todo.append([(node, gw)])
         todo.extend(fusable.values())
-    # the fp32 path above MAX_ROWS rows, one per weight (a tied head shares it), packed for
-    # oneDNN within pack_linears' memory budget
-    weight_of = {node: attr_tensor(gm, node.args[1]) for members in todo for node, _ in members}
-    pack = pack_fits(sum({w.data_ptr(): w.nbytes for w in weight_of.values()}.values()))
-    fp32, fallback_of, packed = {}, {}, {}
-    for node, w in weight_of.items():
-        b = attr_tensor(gm, _bias(node))
-        key = (w.data_ptr(), None if b is None else b.data_ptr())
-        if key not in fp32:
-            fp32[key] = packed_linear_fn(w, b, pack and packable(w))
-            if pack and packable(w):
-                packed[w.data_ptr()] = w.nbytes
-        fallback_of[node] = fp32[key]
+    attrs = {node.args[1].target for members in todo for node, _ in members}
+    stacked = {}  # id(member blocks) -> its view of the stacked copy
     for members in todo:
-        _replace(gm, members, [fallback_of[node] for node, _ in members], isa)
-    n_nodes = len(fallback_of)
+        stacked.update(_replace(gm, members, isa))
+    named = ctx.model.ggml_weights  # NOTE: the loaded copies go now, not when the model does
+    named.update({n: stacked[id(g)] for n, g in named.items() if id(g) in stacked})
+    n_emb, emb_bytes, tables = _embeddings(gm, weights, deferred)
+    freed = drop_unread_params(gm, attrs | tables)
+    filled = materialize_deferred(gm, ctx.model)
+    n_nodes = sum(len(members) for members in todo)
     stored = sum(gw.blocks.nbytes for members in todo for _, gw in members)
-    return Done(n_nodes, f"{n_nodes} linears on {stored / 2**20:.0f} MiB of blocks (<= "
-                         f"{MAX_ROWS} rows, {note}); fp32 above, oneDNN-packed copies "
-                         f"+{sum(packed.values()) / 2**20:.0f} MiB"
-                         + (f"; {stale} weights changed since loading left fp32" if stale else ""))
+    return Done(n_nodes, f"{n_nodes} linears on {stored / 2**20:.0f} MiB of blocks "
+                + (f"({note}, every row count), " if isa else f"(<= {MAX_ROWS} rows {note}; "
+                   "above: dequantized one weight at a time), ")
+                + f"{n_emb} embeddings on {emb_bytes / 2**20:.0f} MiB; fp32 parameters out of "
+                f"the graph: {freed / 2**20:.0f} MiB"
+                + (f"; {filled} deferred weights filled from blocks" if filled else "")
+                + (f"; {stale} weights changed since loading left fp32" if stale else ""))
 
 
 def _fast_isa(kernels: str) -> tuple[str | None, str]:
@@ -175,17 +201,50 @@ def _bias(node: fx.Node):
     return node.args[2] if len(node.args) > 2 else None
 
 
-def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], fallbacks: list,
-             isa: str | None) -> None:
-    """One kernel call for `members` (linears of one input, in graph order)."""
+def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]],
+             isa: str | None) -> dict[int, GGMLWeight]:
+    """One kernel call for `members` (linears of one input, in graph order); returns
+    id(member's blocks) -> its row view of the stacked copy (fused members only)."""
     nodes = [n for n, _ in members]
     gw = members[0][1] if len(members) == 1 else concat_rows([g for _, g in members])
+    views, start = [], 0  # NOTE: the members as row views of the one stacked copy
+    for _, g in members:
+        views.append(GGMLWeight(g.kind, gw.blocks[start:start + g.shape[0]], g.shape))
+        start += g.shape[0]
     bias = attr_tensor(gm, _bias(nodes[0])) if len(nodes) == 1 else None
     with gm.graph.inserting_before(nodes[0]):
-        out = gm.graph.call_function(ggml_linear_fn(gw, fallbacks, bias, isa), (nodes[0].args[0],))
+        fn = ggml_linear_fn(gw, views, bias, isa)
+        out = gm.graph.call_function(fn, (nodes[0].args[0],))
     if len(nodes) == 1:
         out.meta = dict(nodes[0].meta)
         nodes[0].replace_all_uses_with(out)
         gm.graph.erase_node(nodes[0])
-        return
+        return {}
     split_fused_output(gm, out, nodes, [g.shape[0] for _, g in members])
+    return {id(g): view for (_, g), view in zip(members, views)}
+
+
+def _embeddings(gm: fx.GraphModule, weights: dict, deferred: dict) -> tuple[int, int, set]:
+    """Embedding lookups whose table has blocks (still its values) gather their rows from the
+    blocks: (lookups, block bytes, the tables' get_attr targets)."""
+    n, stored, tables = 0, {}, set()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is _EMBEDDING:
+            gw, w = _blocks_of(gm, node, weights), attr_tensor(gm, node.args[0])
+            if gw is None or (w.data_ptr() not in deferred and not _same_values(w, gw)):
+                continue
+            tables.add(node.args[0].target)
+            with gm.graph.inserting_before(node):
+                out = gm.graph.call_function(_embedding_fn(gw), (node.args[1],))
+            out.meta = dict(node.meta)
+            node.replace_all_uses_with(out)
+            gm.graph.erase_node(node)
+            n, stored[id(gw)] = n + 1, gw.blocks.nbytes
+    return n, sum(stored.values()), tables
+
+
+def _embedding_fn(weight: GGMLWeight):
+    def embedding_on_blocks(ids: torch.Tensor) -> torch.Tensor:
+        return ggml_embedding(ids, weight)
+
+    return embedding_on_blocks

@@ -1,0 +1,89 @@
+"""Where a deployment's bytes are: weights it holds (fp tensors, GGUF blocks, packed copies),
+its cache, and the process's resident memory (what `deploy --list-transforms`, `LLM.stats()`
+and bench/memory.py report).
+
+Transforms keep some weights outside the graph's parameters, in the closures they call (GGUF
+blocks in `ggml_linears`, oneDNN-packed copies in `pack_linears`); those are counted by walking
+the closures of the graph's call_function targets.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import fx
+
+
+class WeightBytes(NamedTuple):
+    params: int  # the graph's parameters and non-cache buffers (fp weights, norms, int8, ...)
+    closures: int  # tensors transforms hold in what the graph calls (GGUF blocks, packed copies)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.closures
+
+
+def _nbytes(t: torch.Tensor) -> tuple[int, int]:
+    """(identity, bytes) of a tensor's storage; opaque (oneDNN) tensors count their elements."""
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return id(t), t.numel() * t.element_size()
+
+
+def _closure_tensors(fn, out: dict, depth: int = 0) -> None:
+    if depth > 3:
+        return
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        items = v if isinstance(v, (tuple, list)) else (v,)
+        for x in items:
+            if isinstance(x, torch.Tensor):
+                k, b = _nbytes(x)
+                out[k] = b
+            elif isinstance(x, tuple):  # GGMLWeight and other NamedTuples of tensors
+                _closure_tensors_of(x, out)
+            elif callable(x):
+                _closure_tensors(x, out, depth + 1)
+
+
+def _closure_tensors_of(tup: tuple, out: dict) -> None:
+    for x in tup:
+        if isinstance(x, torch.Tensor):
+            k, b = _nbytes(x)
+            out[k] = b
+
+
+def weight_bytes(gm: fx.GraphModule, cache_names: set[str] = frozenset()) -> WeightBytes:
+    """Bytes of the weights `gm` holds; buffers named in `cache_names` (the KV and state
+    buffers the cache plan allocated) are the cache's, not weights."""
+    params: dict = {}
+    for name, t in (*gm.named_parameters(), *gm.named_buffers()):
+        if name not in cache_names:
+            k, b = _nbytes(t)
+            params[k] = b
+    closures: dict = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            _closure_tensors(node.target, closures)
+    closures = {k: b for k, b in closures.items() if k not in params}
+    return WeightBytes(sum(params.values()), sum(closures.values()))
+
+
+def process_memory() -> dict[str, int]:
+    """This process's resident bytes now (`rss`) and at its peak (`peak_rss`), from
+    /proc/self/status (VmRSS / VmHWM); empty where that file does not exist."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = {"VmRSS:": "rss", "VmHWM:": "peak_rss"}.get(line.split(":")[0] + ":")
+                if key:
+                    out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
