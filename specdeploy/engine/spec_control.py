@@ -126,17 +126,22 @@ class CostController:
             glob[j] += ag * (hit - glob[j])
 
     # ---- decisions ------------------------------------------------------------------------------
+    def _cost(self, rows: int, chain: list[int], draft: bool) -> float:
+        """A step of `rows` verified rows where `chain[s]` sequences draft more than s drafts:
+        the target forward, and with `draft` the drafter's catch-up (about two rows per
+        drafting sequence: its last token and an accepted draft) and its chain forwards (k - 1
+        for k drafts: the catch-up drafts the first)."""
+        t = self.cost.target_s(rows)
+        if draft and self.drafter and chain[0]:
+            t += self.cost.draft_s(2 * chain[0])
+            t += sum(self.cost.draft_s(c) for c in chain[1:] if c)
+        return t
+
     def step_cost(self, ks: list[int], fixed_rows: int = 0, draft: bool = True) -> float:
         """The modelled seconds of a step verifying `ks` drafts per sequence (plus `fixed_rows`
-        other rows): the target forward, and with `draft` the drafter's catch-up (about two
-        rows per drafting sequence: its last token and an accepted draft) and its chain
-        forwards (k - 1 for k drafts: the catch-up drafts the first)."""
-        t = self.cost.target_s(fixed_rows + sum(1 + k for k in ks))
-        n = sum(k > 0 for k in ks)
-        if draft and self.drafter and n:
-            t += self.cost.draft_s(2 * n)
-            t += sum(self.cost.draft_s(sum(k > s for k in ks)) for s in range(1, max(ks)))
-        return t
+        other rows)."""
+        chain = [sum(k > s for k in ks) for s in range(max(ks, default=0) + 1)]
+        return self._cost(fixed_rows + sum(1 + k for k in ks), chain, draft)
 
     def allocate(self, accs: list[list[float]], cap: list[int], fixed_rows: int = 0,
                  draft: bool = True) -> list[int]:
@@ -144,26 +149,40 @@ class CostController:
         round the move that best improves the ratio: one sequence raised to any k up to its
         cap, or the m below k that gain most from it raised to k (a drafter forward is shared
         by the batch, so drafting may pay only for several at once). Exact at batch 1; drafts
-        that cannot pay leave k at 0."""
-        ks = [0] * len(accs)
-        best = len(accs) / self.step_cost(ks, fixed_rows, draft)
+        that cannot pay leave k at 0. NOTE: host arithmetic, O(B K^2) a round."""
+        n, top = len(accs), max(cap, default=0)
+        gain = [[expected_tokens(a, k) for k in range(c + 1)] for a, c in zip(accs, cap)]
+        ks, chain = [0] * n, [0] * (top + 1)
+        rows, tokens = fixed_rows + n, float(n)
+        best = tokens / self._cost(rows, chain, draft)
         while True:
-            moves = [{i: k} for i in range(len(accs)) for k in range(ks[i] + 1, cap[i] + 1)]
-            for k in range(1, max(cap, default=0) + 1) if len(accs) > 1 else ():
-                up = sorted((i for i in range(len(accs)) if ks[i] < k <= cap[i]),
-                            key=lambda i: expected_tokens(accs[i], ks[i])
-                            - expected_tokens(accs[i], k))
-                moves += [dict.fromkeys(up[:m], k) for m in range(2, len(up) + 1)]
             pick = None
-            for mv in moves:
-                trial = [mv.get(i, k) for i, k in enumerate(ks)]
-                e = sum(expected_tokens(a, k) for a, k in zip(accs, trial))
-                r = e / self.step_cost(trial, fixed_rows, draft)
-                if r > best * (1 + 1e-9):
-                    best, pick = r, trial
+            for i in range(n):  # one sequence up
+                trial = list(chain)
+                for k in range(ks[i] + 1, cap[i] + 1):
+                    trial[k - 1] += 1
+                    r = (tokens + gain[i][k] - gain[i][ks[i]]) / self._cost(
+                        rows + k - ks[i], trial, draft)
+                    if r > best * (1 + 1e-9):
+                        best, pick = r, [(i, k)]
+            for k in range(1, top + 1) if n > 1 else ():  # the best m up to k
+                up = sorted((i for i in range(n) if ks[i] < k <= cap[i]),
+                            key=lambda i: gain[i][ks[i]] - gain[i][k])
+                trial, r_rows, e = list(chain), rows, tokens
+                for m, i in enumerate(up):
+                    for s in range(ks[i], k):
+                        trial[s] += 1
+                    r_rows, e = r_rows + k - ks[i], e + gain[i][k] - gain[i][ks[i]]
+                    r = e / self._cost(r_rows, trial, draft)
+                    if m and r > best * (1 + 1e-9):
+                        best, pick = r, [(j, k) for j in up[:m + 1]]
             if pick is None:
                 return ks
-            ks = pick
+            for i, k in pick:
+                for s in range(ks[i], k):
+                    chain[s] += 1
+                rows, tokens = rows + k - ks[i], tokens + gain[i][k] - gain[i][ks[i]]
+                ks[i] = k
 
     def plan(self, seqs: list) -> None:
         """Before drafting: `seq.spec.limit` (drafter drafts) for each sequence that decodes
