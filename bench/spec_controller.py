@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the default model; or hybrid-demo")
     ap.add_argument("--methods", default="eagle3,mtp,ngram")
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--fixed", default=None, help="fixed K' < K to run, e.g. 1 (default: all)")
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -75,8 +76,9 @@ def main() -> None:
         t = time.perf_counter()
         llm.engine.set_controller("cost")
         calib[m] = round(time.perf_counter() - t, 2)
+        print(f"{m}: calibrated in {calib[m]} s", file=sys.stderr, flush=True)
         cost = llm.engine.controller  # one controller for all prompts: its global EMAs learn
-        for k in range(1, args.k):
+        for k in range(1, args.k) if args.fixed is None else map(int, args.fixed.split(",")):
             settings[f"{m}_k{k}"] = (llm, FixedK(k))
         settings[f"{m}_k{args.k}"] = (llm, "off")
         settings[f"{m}_cost"] = (llm, cost)
@@ -95,6 +97,8 @@ def main() -> None:
             (o,) = llm.generate([p], sp)
             rows[name]["s"] += time.perf_counter() - t
             rows[name]["tokens"] += len(o.token_ids)
+            print(f"{name}: {rows[name]['tokens'] / rows[name]['s']:.2f} tok/s so far",
+                  file=sys.stderr, flush=True)
             if ctl is not None:
                 s = llm.stats()
                 prev = rows[name]["steps_by_num_drafts"] or [0] * len(s["steps_by_num_drafts"])
