@@ -6,6 +6,7 @@ from dataclasses import dataclass
 SPEC_METHODS = ("mtp", "eagle3", "ngram")
 DRAFT_DTYPES = (None, "float32", "bfloat16", "float16")
 DRAFT_QUANTIZE = (None, "int8")
+CONTROLLERS = ("off", "cost")  # SpecConfig.controller (engine/spec_control.py)
 # vLLM's `speculative_config.method` names → ours. Every "<family>_mtp" of vLLM is the
 # checkpoint's own MTP head, which our "mtp" deploys for any family that ships one.
 VLLM_METHODS = {"eagle3": "eagle3", "ngram": "ngram", "[ngram]": "ngram", "mtp": "mtp",
@@ -55,6 +56,9 @@ class SpecConfig:
     the first draft whose chain probability (the product of the drafter's top probabilities)
     is below it. Verify rows and draft steps that would rarely be accepted are skipped; with
     lookup on, K can then be set for lookup drafts (long runs) while the drafter stops early.
+    `controller="cost"` chooses per step and per sequence how many of the K drafts to draft
+    and verify, 0 included, from this machine's measured step costs (timed when the engine is
+    built) and the sequence's recent acceptance (engine/spec_control.py); "off": always K.
     """
 
     method: str
@@ -67,6 +71,7 @@ class SpecConfig:
     draft_dtype: str | None = None
     draft_quantize: str | None = None
     draft_min_prob: float = 0.0
+    controller: str = "off"
     model: str | None = None  # vLLM's name for draft_model (folded into it)
     num_speculative_tokens: int | None = None  # vLLM's name for num_draft_tokens (folded)
 
@@ -112,6 +117,9 @@ class SpecConfig:
         p = self.draft_min_prob
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p < 1.0:
             raise ValueError(f"draft_min_prob: must be a number in [0, 1), got {p!r}")
+        if self.controller not in CONTROLLERS:
+            raise ValueError(f"controller: must be one of {', '.join(CONTROLLERS)}, "
+                             f"got {self.controller!r}")
         if self.capture_layers is not None:
             layers = tuple(self.capture_layers)
             if not layers or any(not isinstance(i, int) or i < 0 for i in layers):

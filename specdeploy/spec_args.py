@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdeploy.config import DRAFT_DTYPES, DRAFT_QUANTIZE, SPEC_METHODS, SpecConfig
+from specdeploy.config import CONTROLLERS, DRAFT_DTYPES, DRAFT_QUANTIZE, SPEC_METHODS, SpecConfig
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -31,6 +31,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-min-prob", type=float, default=0.0,
                    help="stop a drafter chain once its probability falls below this (0: K "
                         "drafts always; try 0.1)")
+    p.add_argument("--spec-controller", choices=CONTROLLERS, default="off",
+                   help="cost: choose per step how many drafts to verify (0 included) from "
+                        "this machine's measured step costs and recent acceptance; off: K")
 
 
 def spec_from_args(args) -> SpecConfig | None:
@@ -51,4 +54,5 @@ def spec_from_args(args) -> SpecConfig | None:
                       prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                       draft_dtype=args.draft_dtype,
                       draft_quantize=None if args.draft_quantize == "none" else args.draft_quantize,
-                      draft_min_prob=args.draft_min_prob)
+                      draft_min_prob=args.draft_min_prob,
+                      controller=getattr(args, "spec_controller", "off"))

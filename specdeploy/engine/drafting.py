@@ -95,15 +95,33 @@ class ModelDrafter:
         if not work:
             return
         d = self.d
-        rows = torch.cat([torch.arange(a, b) for *_, (a, b), _ in work]).to(captured.device)
-        # NOTE: `mm`: the drafter sees the target's (multimodal RoPE) positions
-        segs = [Segment(w.next_ids, w.start, w.seq.pages, w.seq.slot, int(w.wants), mm=w.seq.mm)
-                for w in work]
+        # A sequence the controller gives no drafter drafts (`limit` 0) defers its catch-up:
+        # its rows wait (`spec.behind`) for its next drafting step, whose catch-up feeds them
+        # first. NOTE: with prefix caching its pages may register before the drafter's rows are
+        # written; a request that hits them gets worse drafts, never other output.
+        later = [w for w in work if w.wants and w.seq.spec.limit == 0]
+        for w in later:
+            _defer(w, captured)
+            if self.lookup is not None:  # it still takes a lookup match: that costs no forward
+                self.lookup.complete(w.seq, w.seq.all_ids, d.vocab_size, self.device)
+        work = [w for w in work if not (w.wants and w.seq.spec.limit == 0)]
+        if not work:
+            return
+        segs, pieces = [], []
+        for w in work:
+            a, b = w.rows
+            start, ids, rows = w.start, w.next_ids, captured[a:b]
+            if w.seq.spec.behind is not None:
+                start, old, feats = w.seq.spec.behind
+                ids, rows, w.seq.spec.behind = old + list(ids), torch.cat((feats, rows)), None
+            # NOTE: `mm`: the drafter sees the target's (multimodal RoPE) positions
+            segs.append(Segment(ids, start, w.seq.pages, w.seq.slot, int(w.wants), mm=w.seq.mm))
+            pieces.append(rows)
         if not any(s.num_logits for s in segs):
             segs[-1].num_logits = 1
         # the catch-up: every committed position enters the drafter's KV, that of every group
         # of a multi-group MTP module (each group's later steps attend over them too)
-        meta, feats = build_metadata(segs), d.project(captured[rows])
+        meta, feats = build_metadata(segs), d.project(torch.cat(pieces))
         out = d.draft_forward(meta, feats)
         for g in range(1, getattr(d, "num_groups", 1)):
             d.draft_forward(meta, feats, group=g)
@@ -125,6 +143,9 @@ class ModelDrafter:
             if not drafting:
                 break
             going = self._draft(drafting, logits, step)  # the drafter forward's one host sync
+            # the controller's limit: a chain that has its drafts stops (not "undrafted")
+            going = [g and (seq.spec.limit is None or len(seq.spec.drafts) < seq.spec.limit)
+                     for g, (seq, _) in zip(going, drafting)]
             if not all(going):
                 # NOTE: a sequence left without drafts decodes plainly next step
                 self.stats.undrafted_steps += sum(not seq.spec.drafts for seq, _ in drafting)
@@ -187,3 +208,15 @@ class ModelDrafter:
                 st.draft_probs = row if st.draft_probs is None else torch.cat((st.draft_probs,
                                                                                  row))
         return going
+
+
+def _defer(w: DraftWork, captured: torch.Tensor) -> None:
+    """Keep a work item's captured rows for the sequence's next catch-up (copied: the step's
+    buffer is the next step's)."""
+    st, (a, b) = w.seq.spec, w.rows
+    rows = captured[a:b].clone()
+    if st.behind is None:
+        st.behind = (w.start, list(w.next_ids), rows)
+    else:
+        start, ids, feats = st.behind
+        st.behind = (start, ids + list(w.next_ids), torch.cat((feats, rows)))

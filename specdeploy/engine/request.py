@@ -16,6 +16,7 @@ from specdeploy.engine.params_check import check_sampling
 
 if TYPE_CHECKING:
     from specdeploy.engine.lookup import NgramIndex
+    from specdeploy.engine.spec_control import SeqControl
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,14 @@ class SpecSeqState:
     lookup_n: int | None = None  # drafts its next lookup match makes (None: K)
     ngram_index: NgramIndex | None = None
     chain_prob: float = 1.0  # product of the drafter's top probabilities so far
+    # the cost controller (engine/spec_control.py): drafter drafts wanted next step (None: K),
+    # its acceptance estimates, and the drafter's deferred catch-up (start, ids, captured rows)
+    limit: int | None = None
+    control: SeqControl | None = None
+    behind: tuple[int, list[int], torch.Tensor] | None = None
 
     def clear(self) -> None:
-        self.drafts, self.draft_probs, self.from_lookup = [], None, False
+        self.drafts, self.draft_probs, self.from_lookup, self.limit = [], None, False, None
 
 
 _ids = itertools.count()

@@ -34,6 +34,13 @@ from specdeploy.engine.logits_process import logprob_pack, process, unpack_logpr
 from specdeploy.engine.lookup import Lookup
 from specdeploy.engine.request import Sequence
 from specdeploy.engine.scheduler import ScheduledSeq, Scheduler
+from specdeploy.engine.spec_control import (
+    CONTROLLERS,
+    CostController,
+    MeasuredCost,
+    calibrate,
+    cut_drafts,
+)
 from specdeploy.engine.verify import Drafts, verify, verify_greedy
 
 
@@ -51,17 +58,20 @@ class SpecStats:
     lookup_steps: int = 0  # verify segments whose drafts came from n-gram lookup
     lookup_accepted_tokens: int = 0
     undrafted_steps: int = 0  # decode steps left without drafts by the confidence stop
+    controlled_steps: int = 0  # decode steps the cost controller left without drafts
+    steps_by_num_drafts: list[int] = field(default_factory=list)  # decode steps by drafts
 
     def __post_init__(self):
         self.max_k = max(self.max_k, self.k)
         self.accepted_per_position = [0] * self.max_k
+        self.steps_by_num_drafts = [0] * (self.max_k + 1)
 
     def reset(self, max_k: int) -> None:
         """Fresh counters in place (the draft sources hold this object)."""
         self.__init__(self.k, max_k)
 
     def as_dict(self) -> dict:
-        n = self.draft_steps + self.undrafted_steps
+        n = self.draft_steps + self.undrafted_steps + self.controlled_steps
         steps = max(n, 1)
         return {
             "num_draft_tokens": self.k, "draft_steps": self.draft_steps,
@@ -73,6 +83,8 @@ class SpecStats:
             "lookup_steps": self.lookup_steps,
             "lookup_accepted_tokens": self.lookup_accepted_tokens,
             "undrafted_steps": self.undrafted_steps,
+            "controlled_steps": self.controlled_steps,
+            "steps_by_num_drafts": list(self.steps_by_num_drafts),
         }
 
 
@@ -90,13 +102,16 @@ class SpecScheduler(Scheduler):
 
     def preempt(self, seq: Sequence) -> None:
         seq.spec.clear()  # recomputed from scratch with the prefill
+        seq.spec.behind = None
         super().preempt(seq)
 
 
 class SpecEngine(Engine):
     """`deployed` is a `SpecDeployed`. `set_lookup((max n, min n), tokens)` turns on n-gram
     lookup drafts (engine/lookup.py) ahead of the drafter's; a match drafts `tokens` (default
-    K). `fix_drafts(fn)` makes `fn(seq, max drafts)` propose instead (tests, benches)."""
+    K). `fix_drafts(fn)` makes `fn(seq, max drafts)` propose instead (tests, benches), every
+    draft verified. `set_controller` turns the cost controller on or off (engine/spec_control.py;
+    `SpecConfig.controller`)."""
 
     def __init__(self, deployed, tokenizer=None, **kw):
         super().__init__(deployed, tokenizer, **kw)
@@ -111,9 +126,12 @@ class SpecEngine(Engine):
         # at position p reads token p+1, so a finishing sequence's last pages, whose rows the
         # drafter has not caught up on, are not cached.
         self._cache_on_finish = deployed.draft is None
+        self.controller: CostController | None = None
+        self._measured: MeasuredCost | None = None  # calibrated once, on first use
         max_n = spec.prompt_lookup_max
         self.set_lookup((max_n, spec.prompt_lookup_min) if max_n else None,
                         spec.prompt_lookup_num_tokens)
+        self.set_controller(getattr(spec, "controller", "off"))
 
     # ---- configuration ------------------------------------------------------------------------
     def set_lookup(self, lookup: tuple[int, int] | None, num_tokens: int | None = None) -> None:
@@ -129,6 +147,24 @@ class SpecEngine(Engine):
         self.reset_spec_stats()
         self.own_source = self._own_source()
         self.source: DraftSource = self.own_source
+        if getattr(self, "controller", None) is not None:  # sized by the longest verify
+            self.set_controller(self.controller)
+
+    def set_controller(self, controller: str | CostController | None) -> None:
+        """"cost": the cost controller over this machine's measured costs (calibrated on first
+        use, ~1 s on the default model); a `CostController` (e.g. over a synthetic cost
+        model; it is resized to this engine's K); "off" / None: every draft is verified."""
+        if controller in (None, "off"):
+            self.controller = None
+            return
+        if controller == "cost":
+            if self._measured is None:
+                self._measured = calibrate(self)
+            controller = CostController(self._measured, self.k, self.max_k)
+        elif not isinstance(controller, CostController):
+            raise ValueError(f"controller: must be one of {', '.join(CONTROLLERS)} or a "
+                             f"CostController, got {controller!r}")
+        self.controller = controller.resized(self.k, self.max_k, self.deployed.draft is not None)
 
     def _own_source(self) -> DraftSource:
         d = self.deployed
@@ -215,6 +251,8 @@ class SpecEngine(Engine):
             st.accepted_tokens += a
             for j in range(a):
                 st.accepted_per_position[j] += 1
+            if self.controller is not None:
+                self.controller.observe(seq, a, len(drafted), seq.spec.from_lookup)
             if seq.spec.from_lookup:
                 st.lookup_steps += 1
                 st.lookup_accepted_tokens += a
@@ -318,6 +356,11 @@ class SpecEngine(Engine):
                     work.append(DraftWork(seq, start, nxt, (tok, tok + n),
                                           seq.num_cached == len(seq) - 1))
             tok += len(seg.token_ids)
+        ctl = self.controller if not isinstance(self.source, FixedDrafter) else None
+        wanting = [w.seq for w in work if w.wants]
+        if ctl is not None:
+            ctl.plan(wanting)
+        st, undrafted = self.spec_stats, self.spec_stats.undrafted_steps
         try:
             self.source.propose(work, out.hidden)
         except Exception:  # one sequence's drafting failed: again one by one, it alone fails
@@ -331,15 +374,19 @@ class SpecEngine(Engine):
         for w in work:
             if w.seq.matcher is not None and w.seq.spec.drafts:
                 _cut_to_grammar(w.seq)
+        if ctl is not None:
+            ctl.cut(wanting)
+            bare = sum(not seq.spec.drafts for seq in wanting if not seq.finished)
+            st.controlled_steps += max(bare - (st.undrafted_steps - undrafted), 0)
+        for seq in wanting:
+            if not seq.finished:
+                st.steps_by_num_drafts[min(len(seq.spec.drafts), self.max_k)] += 1
 
 
 def _cut_to_grammar(seq: Sequence) -> None:
     """Drop the drafts from the first one the sequence's grammar forbids (verifying fewer
     drafts is still exact; a forbidden one could only be rejected). The committed grammar
     state is not moved: accepted tokens advance it in `_append`, rejected drafts never did."""
-    st = seq.spec
-    n = len(seq.matcher.walk(st.drafts)) - 1
-    if n < len(st.drafts):
-        st.drafts = st.drafts[:n]
-        if st.draft_probs is not None:
-            st.draft_probs = st.draft_probs[:n] if n else None
+    n = len(seq.matcher.walk(seq.spec.drafts)) - 1
+    if n < len(seq.spec.drafts):
+        cut_drafts(seq.spec, n)

@@ -1,0 +1,301 @@
+"""Cost-aware speculation: how many drafts each sequence verifies next step, 0 included.
+
+A fixed K pays for every draft whether or not it is accepted: on a CPU a verify step over 1 + K
+rows and the drafter's K forwards can cost more than the tokens they win (bench/spec_phases.py:
+a K=3 MTP step of hybrid-demo costs more than its accepted length buys at 2 threads). The
+controller chooses, per step and per sequence, the number of drafts k that maximises the
+expected tokens per second of the step,
+
+    E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j   over   cost = target(rows) + drafter forwards,
+
+from a cost model measured on this machine (`calibrate`: the deployed programs timed by row
+count) and the sequence's recent conditional acceptance a_j per draft position (an EMA, started
+from a global one). Drafter drafts are planned before drafting (`plan` sets `seq.spec.limit`,
+so a skipped draft costs no forward; a sequence at 0 also defers the drafter's catch-up,
+engine/drafting.py), n-gram lookup drafts, which cost no forward, are cut after matching
+(`cut`). A sequence at 0 probes with one draft every `probe_every` steps so that acceptance
+that comes back is seen.
+
+Lossless: the controller only chooses how many drafts are proposed; the target verifies them as
+ever (greedy or rejection sampling), and its decisions read host data only (no extra sync).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specdeploy.config import CONTROLLERS
+
+__all__ = ["CONTROLLERS", "CostController", "CostModel", "MeasuredCost", "calibrate"]
+
+
+class CostModel(Protocol):
+    """Seconds of one target forward over `rows` rows, and of one drafter forward."""
+
+    def target_s(self, rows: int) -> float: ...
+
+    def draft_s(self, rows: int) -> float: ...
+
+
+def _interp(table: dict[int, float], x: int) -> float:
+    """Piecewise linear in rows; below the table its first value, above it the last slope."""
+    xs = sorted(table)
+    if x <= xs[0]:
+        return table[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if x <= b:
+            return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
+    if len(xs) == 1:
+        return table[xs[0]] * x / xs[0]  # one point: proportional (an over-estimate of cost)
+    a, b = xs[-2], xs[-1]
+    return table[b] + max(table[b] - table[a], 0.0) * (x - b) / (b - a)
+
+
+@dataclass
+class MeasuredCost:
+    """Median seconds by row count (`calibrate`), interpolated."""
+
+    target: dict[int, float]
+    draft: dict[int, float] = field(default_factory=dict)  # empty: no drafter (n-gram lookup)
+
+    def target_s(self, rows: int) -> float:
+        return _interp(self.target, rows)
+
+    def draft_s(self, rows: int) -> float:
+        return _interp(self.draft, rows) if self.draft else 0.0
+
+
+@dataclass
+class SeqControl:
+    """A sequence's controller state: conditional acceptance per draft position for drafter
+    and lookup drafts, and steps since it last verified drafts of each kind."""
+
+    model: list[float]
+    lookup: list[float]
+    idle: int = 0
+    idle_lookup: int = 0
+
+
+def expected_tokens(acc: list[float], k: int) -> float:
+    """Tokens a verify of k drafts yields (bonus included), acceptance `acc` conditional."""
+    e, p = 1.0, 1.0
+    for a in acc[:k]:
+        p *= a
+        e += p
+    return e
+
+
+class CostController:
+    """`cost` a `CostModel`; `k` the drafter's chain length, `max_k` the longest verify (lookup
+    runs); `drafter`: draft forwards cost (False for method="ngram"). `probe_every` 0: never
+    probe (tests)."""
+
+    def __init__(self, cost: CostModel, k: int, max_k: int, drafter: bool = True,
+                 probe_every: int = 16, alpha: float = 0.3, prior: float = 0.6):
+        self.cost, self.k, self.max_k, self.drafter = cost, k, max_k, drafter
+        self.probe_every, self.alpha = probe_every, alpha
+        # global EMAs (slower), a new sequence's starting point
+        self.glob = {"model": [prior] * max_k, "lookup": [prior] * max_k}
+
+    def resized(self, k: int, max_k: int, drafter: bool) -> CostController:
+        """This controller for an engine of chain length `k`, verifies up to `max_k` drafts."""
+        self.k, self.drafter = k, drafter
+        if max_k != self.max_k:
+            self.max_k = max_k
+            self.glob = {n: (g + g[-1:] * max_k)[:max_k] for n, g in self.glob.items()}
+        return self
+
+    def state(self, seq) -> SeqControl:
+        c = seq.spec.control
+        if c is None or len(c.lookup) != self.max_k:
+            c = seq.spec.control = SeqControl(list(self.glob["model"]), list(self.glob["lookup"]))
+        return c
+
+    # ---- acceptance -----------------------------------------------------------------------------
+    def observe(self, seq, accepted: int, drafted: int, from_lookup: bool) -> None:
+        """After a verify: positions 1..accepted+1 were seen (accepted, then one rejected)."""
+        kind = "lookup" if from_lookup else "model"
+        own, glob = getattr(self.state(seq), kind), self.glob[kind]
+        a, ag = self.alpha, self.alpha / 3
+        for j in range(min(accepted + 1, drafted, self.max_k)):
+            hit = float(j < accepted)
+            own[j] += a * (hit - own[j])
+            glob[j] += ag * (hit - glob[j])
+
+    # ---- decisions ------------------------------------------------------------------------------
+    def _cost(self, rows: int, chain: list[int], draft: bool) -> float:
+        """A step of `rows` verified rows where `chain[s]` sequences draft more than s drafts:
+        the target forward, and with `draft` the drafter's catch-up (about two rows per
+        drafting sequence: its last token and an accepted draft) and its chain forwards (k - 1
+        for k drafts: the catch-up drafts the first)."""
+        t = self.cost.target_s(rows)
+        if draft and self.drafter and chain[0]:
+            t += self.cost.draft_s(2 * chain[0])
+            t += sum(self.cost.draft_s(c) for c in chain[1:] if c)
+        return t
+
+    def step_cost(self, ks: list[int], fixed_rows: int = 0, draft: bool = True) -> float:
+        """The modelled seconds of a step verifying `ks` drafts per sequence (plus `fixed_rows`
+        other rows)."""
+        chain = [sum(k > s for k in ks) for s in range(max(ks, default=0) + 1)]
+        return self._cost(fixed_rows + sum(1 + k for k in ks), chain, draft)
+
+    def allocate(self, accs: list[list[float]], cap: list[int], fixed_rows: int = 0,
+                 draft: bool = True) -> list[int]:
+        """Drafts per sequence maximising expected tokens per second of the step: greedy, each
+        round the move that best improves the ratio: one sequence raised to any k up to its
+        cap, or the m below k that gain most from it raised to k (a drafter forward is shared
+        by the batch, so drafting may pay only for several at once). Exact at batch 1; drafts
+        that cannot pay leave k at 0. NOTE: host arithmetic, O(B K^2) a round."""
+        n, top = len(accs), max(cap, default=0)
+        gain = [[expected_tokens(a, k) for k in range(c + 1)] for a, c in zip(accs, cap)]
+        ks, chain = [0] * n, [0] * (top + 1)
+        rows, tokens = fixed_rows + n, float(n)
+        best = tokens / self._cost(rows, chain, draft)
+        while True:
+            pick = None
+            for i in range(n):  # one sequence up
+                trial = list(chain)
+                for k in range(ks[i] + 1, cap[i] + 1):
+                    trial[k - 1] += 1
+                    r = (tokens + gain[i][k] - gain[i][ks[i]]) / self._cost(
+                        rows + k - ks[i], trial, draft)
+                    if r > best * (1 + 1e-9):
+                        best, pick = r, [(i, k)]
+            for k in range(1, top + 1) if n > 1 else ():  # the best m up to k
+                up = sorted((i for i in range(n) if ks[i] < k <= cap[i]),
+                            key=lambda i: gain[i][ks[i]] - gain[i][k])
+                trial, r_rows, e = list(chain), rows, tokens
+                for m, i in enumerate(up):
+                    for s in range(ks[i], k):
+                        trial[s] += 1
+                    r_rows, e = r_rows + k - ks[i], e + gain[i][k] - gain[i][ks[i]]
+                    r = e / self._cost(r_rows, trial, draft)
+                    if m and r > best * (1 + 1e-9):
+                        best, pick = r, [(j, k) for j in up[:m + 1]]
+            if pick is None:
+                return ks
+            for i, k in pick:
+                for s in range(ks[i], k):
+                    chain[s] += 1
+                rows, tokens = rows + k - ks[i], tokens + gain[i][k] - gain[i][ks[i]]
+                ks[i] = k
+
+    def plan(self, seqs: list) -> None:
+        """Before drafting: `seq.spec.limit` (drafter drafts) for each sequence that decodes
+        next step; a sequence at 0 probes with one draft every `probe_every` steps."""
+        if not seqs:
+            return
+        ctl = [self.state(s) for s in seqs]
+        ks = self.allocate([c.model for c in ctl], [self.k] * len(seqs)) if self.drafter else [
+            0] * len(seqs)
+        for s, c, k in zip(seqs, ctl, ks):
+            c.idle = 0 if k else c.idle + 1
+            if self.drafter and not k and self.probe_every and c.idle >= self.probe_every:
+                k, c.idle = 1, 0
+            s.spec.limit = k
+
+    def cut(self, seqs: list) -> None:
+        """After drafting: lookup drafts (no forward to pay) cut to what pays, given the rows
+        the other sequences verify."""
+        rows = sum(1 + len(s.spec.drafts) for s in seqs)
+        for s in seqs:
+            st = s.spec
+            n = len(st.drafts)
+            if not (st.from_lookup and n):
+                continue
+            c = self.state(s)
+            others = rows - 1 - n
+            (k,) = self.allocate([c.lookup], [n], others, draft=False)
+            c.idle_lookup = 0 if k else c.idle_lookup + 1
+            if not k and self.probe_every and c.idle_lookup >= self.probe_every:
+                k, c.idle_lookup = 1, 0
+            if k < n:
+                cut_drafts(st, k)
+            rows -= n - k
+
+
+def cut_drafts(st, n: int) -> None:
+    """Keep a sequence's first `n` drafts (verifying fewer drafts is still exact)."""
+    st.drafts = st.drafts[:n]
+    if st.draft_probs is not None:
+        st.draft_probs = st.draft_probs[:n] if n else None
+    if not n:
+        st.from_lookup = False
+
+
+# ---- calibration ------------------------------------------------------------------------------
+def calibrate(engine, batches: tuple[int, ...] = (1, 3), reps: int = 3,
+              prompt_len: int = 16) -> MeasuredCost:
+    """Times the deployed target and drafter forwards on this machine by row count: for each
+    batch size, dummy greedy requests decode with 0..K (and the longest lookup run) fixed
+    drafts (engine.fix_drafts), each for `reps` steps after a warm-up one; medians per row
+    count, the first forward at each row count left out. The engine is left as it was (its
+    stats, draft source and prefix cache reset; the requests aborted)."""
+    d = engine.deployed
+    samples: dict[str, dict[int, list[float]]] = {"target": defaultdict(list),
+                                                  "draft": defaultdict(list)}
+    saved = {}
+
+    def timed(name: str, attr: str):
+        fn = getattr(d, attr)
+        saved[attr] = fn
+
+        def run(meta, *a, **kw):
+            t = time.perf_counter()
+            out = fn(meta, *a, **kw)
+            # NOTE: the first forward at a row count is a warm-up (shape specialisation)
+            seen = samples[name].setdefault(-meta.num_tokens, [])
+            dt = time.perf_counter() - t
+            (samples[name][meta.num_tokens] if seen else seen).append(dt)
+            return out
+        setattr(d, attr, run)
+
+    from specdeploy.engine.request import SamplingParams
+
+    controller, source = engine.controller, engine.source
+    engine.controller = None
+    kmax = engine.max_k
+    schedule = [k for k in sorted({*range(engine.k + 1), kmax}) for _ in range(reps + 1)]
+    want = {"k": 0}
+    engine.fix_drafts(lambda seq, n: [seq.all_ids[-1]] * min(want["k"], n))
+    timed("target", "forward")
+    if getattr(d, "draft_forward", None) is not None and d.draft is not None:
+        timed("draft", "draft_forward")
+    vocab = d.vocab_size
+    try:
+        for b in batches:
+            if b > engine.scheduler.max_batch_size:
+                break
+            ids = [f"__calibrate_{b}_{i}" for i in range(b)]
+            room = min(engine.max_seq_len - prompt_len - kmax - 1,
+                       engine.blocks.num_pages * engine.blocks.page_size // b - prompt_len
+                       - 2 * kmax - 2)
+            if room < len(schedule):
+                break
+            sp = SamplingParams(max_tokens=min(len(schedule) * (kmax + 1) + 2, room),
+                                ignore_eos=True)
+            for i, rid in enumerate(ids):
+                prompt = [(7 + 13 * i + j) % vocab for j in range(prompt_len)]
+                engine.add_request(prompt, sp, request_id=rid)
+            engine.step()  # the prefill
+            for k in schedule + schedule[-1:]:  # a step verifies the previous step's drafts
+                want["k"] = k
+                engine.step()
+            for rid in ids:
+                engine.abort(rid)
+            while engine.has_unfinished():
+                engine.step()
+    finally:
+        for attr, fn in saved.items():
+            setattr(d, attr, fn)
+        engine.source, engine.controller = source, controller
+        engine.reset_spec_stats()
+        engine.stats.__init__()  # in place: others may hold it
+        engine.reset_prefix_cache()
+    med = {name: {r: statistics.median(v) for r, v in t.items() if r > 0 and v}
+           for name, t in samples.items()}
+    return MeasuredCost(med["target"], med["draft"])
