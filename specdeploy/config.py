@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPEC_METHODS = ("mtp", "eagle3", "ngram")
+SPEC_METHODS = ("mtp", "eagle3", "ngram", "auto")  # auto: spec_auto.py picks one
 DRAFT_DTYPES = (None, "float32", "bfloat16", "float16")
 DRAFT_QUANTIZE = (None, "int8")
 CONTROLLERS = ("off", "cost")  # SpecConfig.controller (engine/spec_control.py)
@@ -31,6 +31,10 @@ def spec_method(name: str) -> str:
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding: `method` drafts `num_draft_tokens` (K) tokens per step.
+
+    `method="auto"` deploys the fastest lossless configuration measured for this target
+    (spec_auto.py): the checkpoint's own MTP head where it has one, the default model's
+    benchmarked setting, else n-gram lookup; fields given explicitly override its choice.
 
     `method="ngram"` drafts by n-gram lookup alone (vLLM's "ngram"), with no drafter model: any
     target, nothing to train; a sequence whose tail did not occur before decodes plainly that
@@ -89,6 +93,9 @@ class SpecConfig:
                                  "setting; give one)")
             object.__setattr__(self, name, str(v) if alias == "model" else v)
             object.__setattr__(self, alias, None)
+        if self.method == "auto" and self.draft_model is not None:
+            raise ValueError("draft_model: method='auto' picks the drafter itself; give a "
+                             "method with a draft_model")
         if self.method == "ngram":
             if self.draft_model is not None:
                 raise ValueError("draft_model: method='ngram' drafts by n-gram lookup and takes "

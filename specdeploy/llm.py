@@ -88,6 +88,9 @@ class LLM:
             model = default_model_path()
         model = resolve_model_path(model)  # a shipped name, a Hub id
         max_seq_len = resolve_max_len(open_checkpoint(model).config, max_model_len, max_seq_len)
+        from specdeploy.spec_auto import resolve_auto
+
+        spec = resolve_auto(spec, model, str(device).split(":")[0])
 
         options = BuildOptions(dtype=dtype, max_batch_size=max_batch_size,
                                max_seq_len=max_seq_len, page_size=page_size,

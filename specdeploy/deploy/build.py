@@ -110,6 +110,14 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     `model_path=None` is the embedded default model. Options come as a `BuildOptions`, as
     keyword overrides of it, or both."""
     opts = dataclasses.replace(options or BuildOptions(), **overrides)
+    if opts.spec is not None and opts.spec.method == "auto":
+        if model is not None:
+            raise ValueError("spec: method='auto' is chosen from the checkpoint; build from a "
+                             "path, or give the method")
+        from specdeploy.spec_auto import resolve_auto
+
+        opts = dataclasses.replace(opts, spec=resolve_auto(opts.spec, model_path,
+                                                           opts.device.type))
     if opts.backend == "eager":
         return _eager(model_path, opts)
     from specdeploy.checkpoint.prequant import prequant_kv_dtype

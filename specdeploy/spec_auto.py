@@ -1,0 +1,72 @@
+"""`SpecConfig("auto")`: the fastest lossless speculative configuration measured for a target.
+
+Resolved from the checkpoint alone, before loading (the loader's choices depend on the method):
+- a checkpoint that declares MTP layers: its own MTP head, with n-gram lookup;
+- the embedded default model: what `bench/vs_llamacpp.py` measured fastest on a CPU
+  (`DEFAULT_MODEL`; the run that chose it is cited in docs/benchmarks.md);
+- anything else: n-gram lookup, which needs no drafter and costs no draft forwards.
+Every choice runs the cost controller (engine/spec_control.py), which drafts nothing where
+drafts do not pay on this machine. Fields the caller set away from their defaults win (a field
+left at its default cannot be told from one not given: for K drafts every step, name the method
+with controller="off").
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from specdeploy.config import SpecConfig
+
+_LOOKUP = dict(prompt_lookup_max=4, prompt_lookup_num_tokens=16)
+# the drafter's precision on a CPU: a draft forward is bound by reading the drafter's weights
+_CPU_DRAFTER = dict(draft_dtype="bfloat16", draft_quantize="int8")
+DEFAULT_MODEL = dict(method="mtp", num_draft_tokens=3, controller="cost", **_LOOKUP,
+                     **_CPU_DRAFTER)
+OWN_MTP = dict(method="mtp", num_draft_tokens=3, controller="cost", **_LOOKUP)
+LOOKUP_ONLY = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
+
+
+def _declares_mtp(config: dict) -> bool:
+    cfg = config.get("text_config", config)
+    return any(int(cfg.get(k) or 0) > 0
+               for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers"))
+
+
+def _is_default_model(path) -> bool:
+    from specdeploy.default_model import default_model_path
+
+    if path is None:
+        return True
+    try:
+        return Path(os.fspath(path)).resolve() == Path(default_model_path()).resolve()
+    except (OSError, TypeError):
+        return False
+
+
+def choice_for(model_path, device: str = "cpu") -> dict:
+    """The SpecConfig fields "auto" stands for on this target."""
+    from specdeploy.checkpoint import open_checkpoint
+    from specdeploy.default_model import default_model_path
+
+    config = open_checkpoint(default_model_path() if model_path is None else model_path).config
+    if _declares_mtp(config):
+        return dict(OWN_MTP)
+    if _is_default_model(model_path):
+        return dict(DEFAULT_MODEL) if device == "cpu" else {
+            k: v for k, v in DEFAULT_MODEL.items() if k not in _CPU_DRAFTER}
+    return dict(LOOKUP_ONLY)
+
+
+def resolve_auto(spec: SpecConfig | None, model_path, device: str = "cpu") -> SpecConfig | None:
+    """`spec` itself unless its method is "auto"; then the measured choice for this target,
+    with the fields the caller set (away from SpecConfig's defaults) kept."""
+    if spec is None or spec.method != "auto":
+        return spec
+    defaults = SpecConfig("ngram")  # only its non-method fields are compared
+    given = {f.name: getattr(spec, f.name) for f in dataclasses.fields(SpecConfig)
+             if f.name not in ("method", "model", "num_speculative_tokens", "prompt_lookup_max")
+             and getattr(spec, f.name) != getattr(defaults, f.name)}
+    if spec.prompt_lookup_max:
+        given["prompt_lookup_max"] = spec.prompt_lookup_max
+    return SpecConfig(**{**choice_for(model_path, device), **given})
