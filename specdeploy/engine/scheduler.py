@@ -113,6 +113,12 @@ class Scheduler:
         self.max_batch_size = min(max_batch_size, blocks.num_slots)
         self.max_num_tokens = max_num_tokens
         self.lookahead = lookahead
+        # NOTE: a prefill cut by the budget ends on a checkpointed boundary, so the next chunk
+        # starts on one too: scans chunk from a segment's start, and with pages of the scan
+        # chunk every checkpoint is then a chunk end whose state comes free (ops/scan_states.py)
+        p = blocks.prefix
+        self.align = (blocks.page_size * p.checkpoint_every
+                      if p is not None and p.recurrent and p.num_checkpoints else 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -124,7 +130,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _want(self, seq: Sequence, budget: int) -> int:
-        return min(seq.num_pending, budget)
+        n = min(seq.num_pending, budget)
+        if n < seq.num_pending and self.align > 1:
+            end = (seq.num_cached + n) // self.align * self.align
+            if end > seq.num_cached:
+                n = end - seq.num_cached
+        return n
 
     def _reserve(self, seq: Sequence, n: int) -> int:
         """Cache positions a step feeding `n` tokens needs (drafts reserve `lookahead` more)."""

@@ -22,19 +22,21 @@ def test_preempting_speculating_sequences_is_lossless(target):
     prompts = target.prompts * 3
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in target.llm().generate(prompts, params)]
-    # NOTE: ~12 pages of 8 tokens for up to 8 running sequences: decoding must preempt
+    # NOTE: KV for ~192 tokens (12 pages of 16, 3 of 64) for up to 8 running sequences of up
+    # to 124: decoding must preempt
     tight = dict(LIMITS, max_seq_len=160)
-    tight["max_cache_gib"] = _budget_for_pages(target, 24, tight)
+    tight["max_cache_gib"] = _budget_for_tokens(target, 192)
     llm = LLM(str(target.path), spec=target.spec(3), **tight)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert llm.stats()["num_preemptions"] > 0
 
 
-def _budget_for_pages(target, pages, limits) -> float:
-    """A cache budget (GiB) holding the recurrent slots plus about `pages` KV pages."""
+def _budget_for_tokens(target, tokens) -> float:
+    """A cache budget (GiB) holding the recurrent slots plus KV pages for `tokens` tokens."""
     probe = target.llm(3).deployed
     plan = probe.target.plan
+    pages = -(-tokens // plan.page_size) + 0.5  # NOTE: half a page of slack against rounding
     kv = sum(b for n, b in plan.bytes_by_handler.items() if "kv_cache" in n) / plan.num_pages
     # NOTE: prefix-cache checkpoints only take what is left after the pages: not budgeted here
     slots = sum(b for n, b in plan.bytes_by_handler.items()
