@@ -22,10 +22,10 @@ def test_preempting_speculating_sequences_is_lossless(target):
     prompts = target.prompts * 3
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in target.llm().generate(prompts, params)]
-    # NOTE: KV for ~192 tokens (12 pages of 16, 3 of 64) for up to 8 running sequences of up
-    # to 124: decoding must preempt
-    tight = dict(LIMITS, max_seq_len=160)
-    tight["max_cache_gib"] = _budget_for_tokens(target, 192)
+    # NOTE: ~24 pages of 8 tokens for up to 8 running sequences: decoding must preempt (pages
+    # of 8, not the default 16 / 64: sequences must outgrow their pages often)
+    tight = dict(LIMITS, max_seq_len=160, page_size=8)
+    tight["max_cache_gib"] = _budget_for_tokens(target, 24 * 8 + 4)
     llm = LLM(str(target.path), spec=target.spec(3), **tight)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
@@ -36,12 +36,12 @@ def _budget_for_tokens(target, tokens) -> float:
     """A cache budget (GiB) holding the recurrent slots plus KV pages for `tokens` tokens."""
     probe = target.llm(3).deployed
     plan = probe.target.plan
-    pages = -(-tokens // plan.page_size) + 0.5  # NOTE: half a page of slack against rounding
-    kv = sum(b for n, b in plan.bytes_by_handler.items() if "kv_cache" in n) / plan.num_pages
+    kv_per_token = sum(b for n, b in plan.bytes_by_handler.items()
+                       if "kv_cache" in n) / plan.num_pages / plan.page_size
     # NOTE: prefix-cache checkpoints only take what is left after the pages: not budgeted here
     slots = sum(b for n, b in plan.bytes_by_handler.items()
                 if "kv_cache" not in n and not n.endswith("_ckpt"))
-    return (slots + kv * pages) / 2**30
+    return (slots + kv_per_token * tokens) / 2**30
 
 
 def test_requests_arriving_mid_batch(target):
