@@ -79,8 +79,8 @@ def default_page_size(handlers: list, attention_only: int = 16) -> int:
     recurrent states; else the smallest multiple of every scan chunk (`State.align`) that is
     at least that, so every page boundary is a chunk boundary and a recurrent checkpoint at
     every page comes free with the prefill scans (vLLM sizes hybrid pages the same way).
-    NOTE: measured on CPU (bench/prefix_cache.py), shrinking the SSD chunk to the page instead
-    slows the Mamba2 prefill scan (chunk 16: 1.7x of chunk 64)."""
+    NOTE: the other way round, shrinking the scan chunk to a 16-token page, slows the Mamba2
+    prefill scan on CPU (chunk 16: 1.7x the time of chunk 64; bench/scan_chunk.py)."""
     align = math.lcm(1, *(h.align for h in handlers if isinstance(h, State)))
     return align * -(-attention_only // align)
 
@@ -99,7 +99,7 @@ def plan_cache(
     scan chunk (`Checkpoint.align`; `default_page_size` makes it so) and memory holds one per
     page. An unaligned page size falls back to every k pages, k the fewest whose tokens span
     whole chunks: a boundary inside a chunk would cost an extra in-chunk sum and a state copy
-    (+90-300 % of the op, bench/prefix_cache.py). A budget too small for one per k pages
+    (+70-300 % of the op, bench/scan_chunk.py). A budget too small for one per k pages
     spaces them out further (a multiple of k) rather than leave late pages uncovered."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
