@@ -125,7 +125,7 @@ def bench_model(name: str, args) -> dict:
     n = args.num_requests if name != "default" else args.num_requests_default
     out = {}
     for spec_name, spec in (("plain", None), (f"mtp_k{args.k}", SpecConfig("mtp", args.k))):
-        if spec is not None and args.no_mtp:
+        if spec is not None and (args.no_mtp or args.prefill_cost_only):
             continue
         print(f"[{name} {spec_name}] building", file=sys.stderr, flush=True)
         off = LLM(path, spec=spec, enable_prefix_caching=False, **common)
@@ -134,7 +134,7 @@ def bench_model(name: str, args) -> dict:
             llm.generate(_prompts(on, tiny, 64, 1, 99), SamplingParams(max_tokens=4))
             llm.reset_prefix_cache()
         rounds = {"off": [], "cold": [], "warm": []}
-        for r in range(args.rounds):
+        for r in range(0 if args.prefill_cost_only else args.rounds):
             # warm always right after its round's cold; off first, then last
             order = ["off", "cold", "warm"] if r % 2 == 0 else ["cold", "warm", "off"]
             for run in order:
@@ -146,7 +146,7 @@ def bench_model(name: str, args) -> dict:
                                         sp))
                 print(f"[{name} {spec_name}] round {r} {run}: {rounds[run][-1]['wall_s']:.1f} s",
                       file=sys.stderr, flush=True)
-        runs = {run: _median_runs(rs) for run, rs in rounds.items()}
+        runs = {run: _median_runs(rs) for run, rs in rounds.items() if rs}
         runs["rounds"] = rounds
         stats = on.stats()
         plan = getattr(on.deployed, "target", on.deployed).plan
@@ -174,6 +174,8 @@ def main(argv=None) -> int:
                     help="requests for the default model (slower: fewer on a small machine)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-mtp", action="store_true", help="plain decoding only")
+    ap.add_argument("--prefill-cost-only", action="store_true",
+                    help="only the cold-prefill cost of caching (implies --no-mtp)")
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--k", type=int, default=3)

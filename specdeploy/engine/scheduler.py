@@ -130,11 +130,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _want(self, seq: Sequence, budget: int) -> int:
+        """Tokens to feed `seq` this step; 0: wait for a step with room to reach a boundary
+        (a chunk starting off the boundaries would put every later one inside a scan chunk)."""
         n = min(seq.num_pending, budget)
         if n < seq.num_pending and self.align > 1:
             end = (seq.num_cached + n) // self.align * self.align
             if end > seq.num_cached:
                 n = end - seq.num_cached
+            elif self.max_num_tokens >= self.align:  # a later step reaches one
+                n = 0
         return n
 
     def _reserve(self, seq: Sequence, n: int) -> int:
@@ -150,6 +154,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._want(seq, budget)
+            if n == 0:
+                i += 1
+                continue
             need = self._reserve(seq, n)
             while not self.blocks.can_grow(seq, need) and self.running[-1] is not seq:
                 self.preempt(self.running[-1])
@@ -168,7 +175,7 @@ class Scheduler:
             seq.num_cached = len(hit.pages) * self.blocks.page_size
             n = self._want(seq, budget)
             need = self._reserve(seq, n)
-            if not self.blocks.can_admit(seq, hit, need):
+            if n == 0 or not self.blocks.can_admit(seq, hit, need):
                 seq.num_cached = 0
                 break  # FCFS: later requests do not overtake the head of the queue
             self.waiting.popleft()

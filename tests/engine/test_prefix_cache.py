@@ -167,3 +167,21 @@ def test_cut_prefill_chunks_end_on_checkpointed_boundaries(recurrent, every, bud
         s.seq.num_cached += s.num_tokens
         fed.append(s.num_tokens)
     assert fed == want
+
+
+def test_a_prefill_that_cannot_reach_a_boundary_waits_a_step():
+    """Budget 13, pages of 4 with a checkpoint every 2 (8 tokens): after a 12-token prefill
+    uses the step, the next prompt is not started on the 1 token left (its chunks would all
+    start off the boundaries); it starts next step, on a boundary."""
+    blocks, _ = _blocks(num_pages=16, recurrent=True, num_checkpoints=8, every=2)
+    sched = Scheduler(blocks, max_batch_size=2, max_num_tokens=13)
+    a, b = _seq(range(10, 22)), _seq(range(50, 70))  # 12 and 20 tokens
+    sched.add(a)
+    sched.add(b)
+    steps = []
+    while a.num_pending or b.num_pending:
+        batch = sched.schedule()
+        for s in batch:
+            s.seq.num_cached += s.num_tokens
+        steps.append([(s.seq is a, s.num_tokens) for s in batch])
+    assert steps == [[(True, 12)], [(False, 8)], [(False, 12)]]
