@@ -119,6 +119,8 @@ class Scheduler:
         p = blocks.prefix
         self.align = (blocks.page_size * p.checkpoint_every
                       if p is not None and p.recurrent and p.num_checkpoints else 1)
+        self._held: set[int] = set()  # ids of prefills held back this step (at most one step)
+        self._held_last: set[int] = set()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -131,13 +133,15 @@ class Scheduler:
 
     def _want(self, seq: Sequence, budget: int) -> int:
         """Tokens to feed `seq` this step; 0: wait for a step with room to reach a boundary
-        (a chunk starting off the boundaries would put every later one inside a scan chunk)."""
+        (a chunk starting off the boundaries would put every later one inside a scan chunk);
+        never two steps running, so a prefill next to busy decodes is not starved."""
         n = min(seq.num_pending, budget)
         if n < seq.num_pending and self.align > 1:
             end = (seq.num_cached + n) // self.align * self.align
             if end > seq.num_cached:
                 n = end - seq.num_cached
-            elif self.max_num_tokens >= self.align:  # a later step reaches one
+            elif self.max_num_tokens >= self.align and id(seq) not in self._held_last:
+                self._held.add(id(seq))
                 n = 0
         return n
 
@@ -148,6 +152,7 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_tokens
+        self._held_last, self._held = self._held, set()
         out: list[ScheduledSeq] = []
         preempted_before = self.num_preemptions
         i = 0
