@@ -1,22 +1,24 @@
 """Prefix caching: TTFT and throughput of requests sharing a long system prompt, and what caching
 costs a cold prefill. Prints one JSON object (and writes it with --json-out).
 
-    python bench/prefix_cache.py [--models default tiny_hybrid] [--num-requests 32]
-        [--system-tokens 1000] [--k 3] [--json-out bench/results/prefix_cache.json]
+    python bench/prefix_cache.py [--models default hybrid_demo tiny_hybrid] [--num-requests 32]
+        [--system-tokens 1000] [--k 3] [--rounds 2] [--json-out bench/results/prefix_cache.json]
 
-Per model, with and without MTP speculation, three runs of the same closed loop (all requests in
-flight, batch 16, chunked prefill of 512 tokens, greedy, `--max-tokens` each):
+Per model, with and without MTP speculation, `--rounds` rounds of three runs of the same closed
+loop (all requests in flight, batch 16, chunked prefill of 512 tokens, greedy, `--max-tokens`
+each), their order rotated every round (the machine may be shared): medians over rounds.
 - off: `enable_prefix_caching=False`;
-- cold: caching on, empty cache (the first request computes the system prompt; requests
-  admitted after its first chunk already hit it);
-- warm: caching on, the system prompt cached by an earlier batch (new user turns).
+- cold: caching on, cache reset (the first request computes the system prompt; requests
+  admitted after its first chunks already hit it);
+- warm: caching on, the system prompt cached by the round's cold run (new user turns).
 Then the cost of caching on prefills that hit nothing: distinct prompts of the same length,
 prefill only (`max_tokens=1`), caching on (cache reset first: page keys, registration and, on
-the hybrid, a checkpoint of every recurrent state at its checkpointed page boundaries: by
-default every 4 pages of 16 = the gated-delta scan chunk, whose states come free, and also at
-every page) against off, runs interleaved: median wall time and min CPU time of `--reps`.
+the hybrids, a checkpoint of every recurrent state at every page boundary: the default pages
+are the scan chunk, so those states come free) against off, runs interleaved: median wall
+time and min CPU time of `--reps`.
 `tiny_hybrid` is a tiny random Qwen3.5-MoE (gated delta + conv + attention, MTP head);
-`default` is SmolLM2-135M (attention only: no checkpoints).
+`hybrid_demo` the shipped 18M NemotronH (Mamba2 + conv + attention, MTP head); `default` is
+SmolLM2-135M (attention only: no checkpoints; its shipped MTP head).
 """
 from __future__ import annotations
 
@@ -92,13 +94,27 @@ def _prefill_cost(on: LLM, off: LLM, tiny: bool, args) -> dict:
     return {"prompts": 8, "prompt_tokens": args.system_tokens, "reps": args.reps,
             "on_wall_s": m_on, "off_wall_s": m_off, "on_prefill_tok_per_s": tokens / m_on,
             "off_prefill_tok_per_s": tokens / m_off, "wall_slowdown": m_on / m_off - 1,
-            "on_cpu_s": cpu_on, "off_cpu_s": cpu_off, "cpu_slowdown": cpu_on / cpu_off - 1}
+            "on_cpu_s": cpu_on, "off_cpu_s": cpu_off, "cpu_slowdown": cpu_on / cpu_off - 1,
+            # NOTE: each rep's on / off pair ran back to back: their ratio cancels slow drifts
+            "median_rep_ratio": statistics.median(a / b for a, b in zip(t_on, t_off)),
+            "median_rep_cpu_ratio": statistics.median(a / b for a, b in zip(c_on, c_off))}
+
+
+def _median_runs(runs: list[dict]) -> dict:
+    """Per-key medians of a few runs' measurements (nested percentiles too)."""
+    out = {}
+    for key, v in runs[0].items():
+        if isinstance(v, dict):
+            out[key] = _median_runs([r[key] for r in runs])
+        elif isinstance(v, (int, float)):
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
 
 
 def bench_model(name: str, args) -> dict:
     tiny = name == "tiny_hybrid"
     tmp = None
-    path = None
+    path = {"default": None, "hybrid_demo": "hybrid-demo"}.get(name)
     if tiny:
         from specdeploy.models.registry import family_module
 
@@ -106,29 +122,42 @@ def bench_model(name: str, args) -> dict:
         path = family_module("qwen3_5_moe").make_tiny(tmp.name, seed=0, mtp_layers=1)
     common = dict(max_batch_size=16, max_seq_len=2048, max_cache_gib=args.max_cache_gib)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    n = args.num_requests if name != "default" else args.num_requests_default
     out = {}
     for spec_name, spec in (("plain", None), (f"mtp_k{args.k}", SpecConfig("mtp", args.k))):
+        if spec is not None and (args.no_mtp or args.prefill_cost_only):
+            continue
         print(f"[{name} {spec_name}] building", file=sys.stderr, flush=True)
         off = LLM(path, spec=spec, enable_prefix_caching=False, **common)
         on = LLM(path, spec=spec, **common)
-        runs = {}
-        for run, llm, seed in (("off", off, 1), ("cold", on, 1), ("warm", on, 2)):
-            runs[run] = _run(llm, _prompts(on, tiny, args.system_tokens, args.num_requests,
-                                           seed), sp)
-            print(f"[{name} {spec_name}] {run}: {runs[run]['wall_s']:.1f} s", file=sys.stderr,
-                  flush=True)
+        for llm in (off, on):  # NOTE: first calls pay one-time costs; keep them out of "off"
+            llm.generate(_prompts(on, tiny, 64, 1, 99), SamplingParams(max_tokens=4))
+            llm.reset_prefix_cache()
+        rounds = {"off": [], "cold": [], "warm": []}
+        for r in range(0 if args.prefill_cost_only else args.rounds):
+            # warm always right after its round's cold; off first, then last
+            order = ["off", "cold", "warm"] if r % 2 == 0 else ["cold", "warm", "off"]
+            for run in order:
+                llm = off if run == "off" else on
+                if run == "cold":
+                    on.reset_prefix_cache()
+                seed = 10 * r + (2 if run == "warm" else 1)
+                rounds[run].append(_run(llm, _prompts(on, tiny, args.system_tokens, n, seed),
+                                        sp))
+                print(f"[{name} {spec_name}] round {r} {run}: {rounds[run][-1]['wall_s']:.1f} s",
+                      file=sys.stderr, flush=True)
+        runs = {run: _median_runs(rs) for run, rs in rounds.items() if rs}
+        runs["rounds"] = rounds
         stats = on.stats()
+        plan = getattr(on.deployed, "target", on.deployed).plan
         runs["checkpoint_pool"] = {k: stats[k] for k in ("checkpoint_slots", "checkpoint_bytes",
                                                           "checkpoints_used")}
+        runs["page_size"] = plan.page_size
+        runs["checkpoint_every_pages"] = plan.checkpoint_every
         runs["cache_bytes"] = stats["cache_bytes"]
         if spec is None:
             print(f"[{name}] prefill cost of caching", file=sys.stderr, flush=True)
             runs["cold_prefill_cost"] = _prefill_cost(on, off, tiny, args)
-            if tiny:  # the default aligns checkpoints with the scan chunk; every page costs more
-                dense = LLM(path, checkpoint_every=1, **common)
-                runs["cold_prefill_cost_every_page"] = _prefill_cost(dense, off, tiny, args)
-                runs["checkpoint_every_pages"] = on.deployed.plan.checkpoint_every
-                del dense
         out[spec_name] = runs
         del off, on
     if tmp is not None:
@@ -138,9 +167,15 @@ def bench_model(name: str, args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["default", "tiny_hybrid"],
-                    choices=("default", "tiny_hybrid"))
+    ap.add_argument("--models", nargs="+", default=["default", "hybrid_demo", "tiny_hybrid"],
+                    choices=("default", "hybrid_demo", "tiny_hybrid"))
     ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--num-requests-default", type=int, default=32,
+                    help="requests for the default model (slower: fewer on a small machine)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-mtp", action="store_true", help="plain decoding only")
+    ap.add_argument("--prefill-cost-only", action="store_true",
+                    help="only the cold-prefill cost of caching (implies --no-mtp)")
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--k", type=int, default=3)

@@ -49,14 +49,16 @@ class LLM:
         dist_timeout: seconds a collective may wait before a dead or hung rank fails the step.
         enable_prefix_caching: share the KV pages (and recurrent-state checkpoints) of prompts
             that start alike (vLLM's name); `stats()` reports queries and hits.
+        page_size: tokens per KV page; None: 16, or the scan chunk for hybrid models (64 for
+            Mamba2 / gated delta), so each page boundary's recurrent states come free.
         checkpoint_every: pages between recurrent-state checkpoints (hybrid models): a hit
-            ends on a checkpointed boundary; fewer checkpoints cost less to write. None: the
-            fewest pages spanning whole scan chunks (their states come free with the scan).
+            ends on a checkpointed boundary. None: every page when memory allows (the cache
+            plan in `deploy --list-transforms` says when it spaced them out).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
                  max_batch_size: int = 16, max_seq_len: int | None = None,
-                 spec: SpecConfig | dict | None = None, page_size: int = 16,
+                 spec: SpecConfig | dict | None = None, page_size: int | None = None,
                  max_cache_gib: float | None = None, max_num_tokens: int = 512,
                  backend: str = "graph", progress: bool = False, seed: int = 0,
                  quantize: str | None = None, compile: bool = False, device: str = "cpu",

@@ -60,6 +60,7 @@ class State:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    align: int = 1  # the op's scan chunk: its states at multiples of it come free (Checkpoint)
     kind: str = "state"
 
     def bytes_per_slot(self) -> int:

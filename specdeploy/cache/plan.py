@@ -34,6 +34,7 @@ class CachePlan:
     budget_bytes: int
     num_checkpoints: int = 0  # prefix-cache checkpoint slots of the recurrent states
     checkpoint_every: int = 1  # pages between two checkpointed page boundaries
+    checkpoint_why: str = ""  # why that spacing (summary line)
     bytes_by_handler: dict[str, int] = field(default_factory=dict)
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
     kind_by_handler: dict[str, str] = field(default_factory=dict)
@@ -50,8 +51,11 @@ class CachePlan:
             f"its memory backed as pages are first written)"
         ]
         if "checkpoint" in self.bytes_by_kind:
-            lines.append(f"  prefix-cache checkpoints: {self.num_checkpoints} slots, one every "
-                         f"{self.checkpoint_every} page(s)")
+            pool = self.bytes_by_kind["checkpoint"]
+            lines.append(f"  prefix-cache checkpoints: {self.num_checkpoints} slots "
+                         f"({pool / 2**20:.3f} MiB), one every {self.checkpoint_every} page(s) "
+                         f"= {self.checkpoint_every * self.page_size} tokens"
+                         + (f": {self.checkpoint_why}" if self.checkpoint_why else ""))
         for kind, b in sorted(self.bytes_by_kind.items()):
             share = b / self.total_bytes if self.total_bytes else 0.0
             lines.append(f"  {kind:<12} {b / 2**20:10.3f} MiB  ({share:.1%})")
@@ -71,6 +75,17 @@ class CachePlan:
         return out
 
 
+def default_page_size(handlers: list, attention_only: int = 16) -> int:
+    """Tokens per KV page when none is asked for: `attention_only` for targets without
+    recurrent states; else the smallest multiple of every scan chunk (`State.align`) that is
+    at least that, so every page boundary is a chunk boundary and a recurrent checkpoint at
+    every page comes free with the prefill scans (vLLM sizes hybrid pages the same way).
+    NOTE: the other way round, shrinking the scan chunk to a 16-token page, slows the Mamba2
+    prefill scan on CPU (chunk 16: 1.7x the time of chunk 64; bench/scan_chunk.py)."""
+    align = math.lcm(1, *(h.align for h in handlers if isinstance(h, State)))
+    return align * -(-attention_only // align)
+
+
 def plan_cache(
     handlers: list, page_size: int, max_batch_size: int, max_seq_len: int,
     max_cache_gib: float | None, device: torch.device, free_fraction: float = 0.5,
@@ -81,16 +96,24 @@ def plan_cache(
     Prefix-cache checkpoints (`Checkpoint` handlers) take what is left after that, up to one
     per `checkpoint_every` pages: running sequences never lose KV pages to checkpoints, and a
     smaller pool only means fewer recurrent boundaries to hit (LRU, cache/prefix.py).
-    `checkpoint_every=None` checkpoints every k pages, k the fewest whose tokens are a multiple
-    of every scan chunk (`Checkpoint.align`): those boundary states cost no extra compute,
-    where a boundary inside a chunk costs an extra in-chunk sum and a full state copy
-    (bench/prefix_cache.py measures both)."""
+    `checkpoint_every=None` checkpoints every page when the page size is a multiple of every
+    scan chunk (`Checkpoint.align`; `default_page_size` makes it so) and memory holds one per
+    page. An unaligned page size falls back to every k pages, k the fewest whose tokens span
+    whole chunks: a boundary inside a chunk would cost an extra in-chunk sum and a state copy
+    (+70-300 % of the op, bench/scan_chunk.py). A budget too small for one per k pages
+    spaces them out further (a multiple of k) rather than leave late pages uncovered."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     ckpts = [h for h in handlers if isinstance(h, Checkpoint)]
-    if checkpoint_every is None:
+    auto, why = checkpoint_every is None, ""
+    if auto:
         align = math.lcm(1, *(h.align for h in ckpts))
         checkpoint_every = align // math.gcd(align, page_size)
+        if checkpoint_every == 1:
+            why = "every page boundary is a scan-chunk boundary"
+        else:
+            why = (f"page_size {page_size} is not a multiple of the scan chunk {align}; "
+                   "boundaries inside a chunk would cost extra states")
     if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every: must be a positive integer, got {checkpoint_every!r}")
     kv = [h for h in handlers if isinstance(h, PagedKV)]
@@ -122,10 +145,16 @@ def plan_cache(
     num_ckpt = 0
     if ckpts:
         left = budget - slot_bytes - num_pages * page_bytes
-        num_ckpt = max(0, min(-(-num_pages // checkpoint_every),
-                              left // sum(h.bytes_per_slot() for h in ckpts)))
+        fits = max(0, left // sum(h.bytes_per_slot() for h in ckpts))
+        base = checkpoint_every
+        while auto and fits and -(-num_pages // checkpoint_every) > fits:
+            checkpoint_every += base
+        if checkpoint_every != base:
+            why = (f"spaced out: the budget holds {fits} checkpoints, one per {base} page(s) "
+                   f"would take {-(-num_pages // base)}")
+        num_ckpt = min(-(-num_pages // checkpoint_every), fits)
     plan = CachePlan(page_size, int(num_pages), num_slots, budget, int(num_ckpt),
-                     checkpoint_every)
+                     checkpoint_every, why)
     for h in kv:
         plan.bytes_by_handler[h.name] = h.bytes_per_page(page_size) * plan.num_pages
     for h in slotted:

@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 
 from specdeploy.cache.handlers import Checkpoint, PagedKV
-from specdeploy.cache.plan import CachePlan, plan_cache
+from specdeploy.cache.plan import CachePlan, default_page_size, plan_cache
 from specdeploy.checkpoint import CheckpointError
 from specdeploy.config import SpecConfig
 from specdeploy.deploy.context import DeployContext
@@ -44,15 +44,16 @@ class BuildOptions:
     `disabled` names transforms to skip (A/B runs); `vision` (None: whenever the checkpoint has
     a vision tower) deploys a vision-language target (deploy/vlm.py); `dist` the rank this
     process builds (the `shard` transform slices the target and the drafter alike; None: one
-    process). `enable_prefix_caching` (vLLM's name): cached KV pages are shared by prompts
-    that start alike, and recurrent layers get a checkpoint pool with a checkpoint every
-    `checkpoint_every` pages (None: the fewest pages that span whole scan chunks;
-    cache/plan.py)."""
+    process). `page_size` None: 16 tokens for attention-only targets, the scan chunk (64 for
+    Mamba2 / gated delta) for targets with recurrent layers (`cache.plan.default_page_size`).
+    `enable_prefix_caching` (vLLM's name): cached KV pages are shared by prompts that start
+    alike, and recurrent layers get a checkpoint pool with a checkpoint every
+    `checkpoint_every` pages (None: every page when memory allows; cache/plan.py)."""
 
     dtype: str | torch.dtype = "auto"
     max_batch_size: int = 16
     max_seq_len: int = 2048
-    page_size: int = 16
+    page_size: int | None = None  # None: per architecture (see above)
     max_cache_gib: float | None = None
     spec: SpecConfig | None = None
     compile: bool = False
@@ -68,13 +69,13 @@ class BuildOptions:
     kv_cache_dtype: str = "auto"
     dist: DistConfig | None = None
     enable_prefix_caching: bool = True
-    checkpoint_every: int | None = None  # None: aligned to the scan chunks (cache/plan.py)
+    checkpoint_every: int | None = None  # None: every page when memory allows (cache/plan.py)
     progress: bool = False  # a tqdm bar while the checkpoint's tensors load
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "page_size", "checkpoint_every"):
             v = getattr(self, name)
-            if v is None and name == "checkpoint_every":
+            if v is None and name in ("page_size", "checkpoint_every"):
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {v!r}")
@@ -187,17 +188,21 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     transformed = [(_transform(m, ctx, hidden, vision), ctx) for m, ctx, hidden in programs]
     for (gm, _), _ in transformed:  # NOTE: no deferred zero is ever computed with
         materialize_deferred(gm, model)
-    plan = plan_cache([h for (_, res), _ in transformed for h in res.resources], opts.page_size,
-                      opts.max_batch_size, opts.max_seq_len, common["max_cache_gib"],
-                      target_ctx.device, checkpoint_every=opts.checkpoint_every)
+    resources = [h for (_, res), _ in transformed for h in res.resources]
+    # NOTE: no transform reads ctx.page_size; the page size is chosen from what the cached ops
+    # declared (their scan chunks), then recorded in each program's context
+    page_size = opts.page_size or default_page_size(resources)
+    plan = plan_cache(resources, page_size, opts.max_batch_size, opts.max_seq_len,
+                      common["max_cache_gib"], target_ctx.device,
+                      checkpoint_every=opts.checkpoint_every)
     vocab = model.cfg.vocab_size
     deployed = []
     for (gm, res), ctx in transformed:
         allocate(gm, res.resources, plan, ctx.device)
         # NOTE: the graph owns the weights now; holding the plain model would pin the fp copies
         # of weights that quantization replaced.
-        deployed.append(GraphDeployed(gm, dataclasses.replace(ctx, model=None, lazy=None),
-                                      res.infos, plan,
+        ctx = dataclasses.replace(ctx, model=None, lazy=None, page_size=page_size)
+        deployed.append(GraphDeployed(gm, ctx, res.infos, plan,
                                       hf_config, vocab, res.resources, res.program,
                                       time.perf_counter() - t0, prefix_caching))
         deployed[-1].mrope = vision
@@ -365,7 +370,7 @@ def _eager(model_path, opts: BuildOptions) -> EagerDeployed:
     model = load_model_from_reader(reader, opts.dtype, progress=opts.progress)
     cfg = reader.config.get("text_config", reader.config)
     vocab = int(cfg.get("vocab_size") or model.get_output_embeddings().out_features)
-    layout = eager_layout(cfg, opts.max_batch_size, opts.max_seq_len, opts.page_size,
+    layout = eager_layout(cfg, opts.max_batch_size, opts.max_seq_len, opts.page_size or 16,
                           opts.max_cache_gib, next(model.parameters()).element_size())
     return EagerDeployed(model, vocab, opts.max_seq_len, reader.config, layout)
 

@@ -115,6 +115,14 @@ class Scheduler:
         self.max_batch_size = min(max_batch_size, blocks.num_slots)
         self.max_num_tokens = max_num_tokens
         self.lookahead = lookahead
+        # NOTE: a prefill cut by the budget ends on a checkpointed boundary, so the next chunk
+        # starts on one too: scans chunk from a segment's start, and with pages of the scan
+        # chunk every checkpoint is then a chunk end whose state comes free (ops/scan_states.py)
+        p = blocks.prefix
+        self.align = (blocks.page_size * p.checkpoint_every
+                      if p is not None and p.recurrent and p.num_checkpoints else 1)
+        self._held: set[int] = set()  # ids of prefills held back this step (at most one step)
+        self._held_last: set[int] = set()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -126,7 +134,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _want(self, seq: Sequence, budget: int) -> int:
-        return min(seq.num_pending, budget)
+        """Tokens to feed `seq` this step; 0: wait for a step with room to reach a boundary
+        (a chunk starting off the boundaries would put every later one inside a scan chunk);
+        never two steps running, so a prefill next to busy decodes is not starved."""
+        n = min(seq.num_pending, budget)
+        if n < seq.num_pending and self.align > 1:
+            end = (seq.num_cached + n) // self.align * self.align
+            if end > seq.num_cached:
+                n = end - seq.num_cached
+            elif self.max_num_tokens >= self.align and id(seq) not in self._held_last:
+                self._held.add(id(seq))
+                n = 0
+        return n
 
     def _reserve(self, seq: Sequence, n: int) -> int:
         """Cache positions a step feeding `n` tokens needs (drafts reserve `lookahead` more)."""
@@ -135,12 +154,16 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_tokens
+        self._held_last, self._held = self._held, set()
         out: list[ScheduledSeq] = []
         preempted_before = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._want(seq, budget)
+            if n == 0:
+                i += 1
+                continue
             need = self._reserve(seq, n)
             while not self.blocks.can_grow(seq, need) and self.running[-1] is not seq:
                 self.preempt(self.running[-1])
@@ -159,7 +182,7 @@ class Scheduler:
             seq.num_cached = len(hit.pages) * self.blocks.page_size
             n = self._want(seq, budget)
             need = self._reserve(seq, n)
-            if not self.blocks.can_admit(seq, hit, need):
+            if n == 0 or not self.blocks.can_admit(seq, hit, need):
                 seq.num_cached = 0
                 break  # FCFS: later requests do not overtake the head of the queue
             self.waiting.popleft()

@@ -175,8 +175,9 @@ def test_spec_deployment_plan_has_spec_state(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("page_size, every", [(16, 4), (64, 1), (48, 4), (128, 1)])
 def test_checkpoints_default_to_whole_scan_chunks(page_size, every):
-    """checkpoint_every=None: the fewest pages spanning whole chunks of every scan (64 and 32
-    tokens here), so boundary states come free with the scans."""
+    """checkpoint_every=None: every page when pages are whole chunks of every scan (64 and 32
+    tokens here); an unaligned page size falls back to the fewest pages spanning whole chunks,
+    so boundary states still come free with the scans."""
     from specdeploy.cache.handlers import Checkpoint
 
     f32 = torch.float32
@@ -184,7 +185,41 @@ def test_checkpoints_default_to_whole_scan_chunks(page_size, every):
                 Checkpoint("d", (4, 4), f32, "s", 32), Checkpoint("e", (2,), f32, "s")]
     plan = plan_cache(handlers, page_size, 2, 256, 0.01, torch.device("cpu"))
     assert plan.checkpoint_every == every
+    assert ("scan-chunk boundary" if every == 1 else "not a multiple") in plan.checkpoint_why
     assert plan.num_checkpoints == 0  # no KV pages to checkpoint
     explicit = plan_cache(handlers, page_size, 2, 256, 0.01, torch.device("cpu"),
                           checkpoint_every=1)
     assert explicit.checkpoint_every == 1
+
+
+def test_default_page_size_is_the_scan_chunk_for_hybrids():
+    """16 tokens without recurrent states (and with chunk-free ones: conv); with scans, the
+    smallest multiple of every chunk that is >= 16."""
+    from specdeploy.cache.plan import default_page_size
+
+    f32 = torch.float32
+    kv = PagedKV("kv", 2, 16, 16, f32)
+    assert default_page_size([kv]) == 16
+    assert default_page_size([kv, State("conv", (8, 3), f32)]) == 16
+    assert default_page_size([kv, State("ssm", (4, 4), f32, 64)]) == 64
+    assert default_page_size([State("a", (4,), f32, 64), State("b", (4,), f32, 128)]) == 128
+    assert default_page_size([State("a", (4,), f32, 8)]) == 16
+
+
+def test_checkpoints_space_out_when_the_budget_is_short():
+    """Every page wanted; a budget left for about a third of the pages' checkpoints spaces
+    them every 3 pages (covering every cached prefix) and says so in the summary."""
+    from specdeploy.cache.handlers import Checkpoint
+
+    f32 = torch.float32
+    kv, ck = PagedKV("kv", 1, 64, 64, f32), Checkpoint("c", (64, 64), f32, "s", 16)
+    page, ckpt = kv.bytes_per_page(16), ck.bytes_per_slot()  # 8 KiB, 16 KiB
+    # 2 sequences of 160 tokens: 21 pages; room for 7 checkpoints after them
+    budget = (21 * page + 7 * ckpt + 100) / 2**30
+    plan = plan_cache([kv, ck], 16, 2, 160, budget, torch.device("cpu"))
+    assert (plan.num_pages, plan.checkpoint_every, plan.num_checkpoints) == (21, 3, 7)
+    assert "spaced out" in plan.checkpoint_why and "one every 3 page(s)" in plan.summary()
+    roomy = plan_cache([kv, ck], 16, 2, 160, 1.0, torch.device("cpu"))
+    assert (roomy.checkpoint_every, roomy.num_checkpoints) == (1, 21)
+    assert "prefix-cache checkpoints: 21 slots (0.328 MiB), one every 1 page(s)" in \
+        roomy.summary()

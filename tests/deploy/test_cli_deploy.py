@@ -33,8 +33,11 @@ def test_list_transforms(tiny_dir, capsys):
     assert re.search(r"insert_cached_gdn\s+3 matches\s+\[state ×3, checkpoint ×3\]", out)
     assert re.search(r"^\s+checkpoint\s+[\d.]+ MiB", plan, re.M)
     assert re.search(r"3 × [\d,]+ B\s+gdn_0_ckpt, gdn_1_ckpt, gdn_2_ckpt", plan)
-    # the gated-delta scan's chunk is 64 tokens: 4 pages of 16 (their states come free)
-    assert re.search(r"prefix-cache checkpoints: \d+ slots, one every 4 page", plan)
+    # the gated-delta scan's chunk is 64 tokens: pages of 64 by default, a checkpoint at each
+    # (their states come free), the pool's bytes and the reason shown
+    assert re.search(r"page_size=64 ", plan)
+    assert re.search(r"prefix-cache checkpoints: \d+ slots \([\d.]+ MiB\), one every 1 page\(s\) "
+                     r"= 64 tokens: every page boundary is a scan-chunk boundary", plan)
 
 
 def test_list_transforms_without_prefix_caching(tiny_dir, capsys):

@@ -143,3 +143,45 @@ def test_checkpoint_every_is_validated(bad):
 
     with pytest.raises(ValueError, match="checkpoint_every"):
         BuildOptions(checkpoint_every=bad)
+
+
+
+@pytest.mark.parametrize("recurrent, every, budget, want", [
+    (True, 1, 13, [12, 12, 6]),  # cut chunks end on (checkpointed) page boundaries
+    (True, 2, 13, [8, 8, 8, 6]),  # ... on checkpointed ones only
+    (True, 1, 3, [3, 1] * 6 + [3, 3]),  # a budget under one step: each boundary ends a chunk
+    (False, 1, 13, [13, 13, 4]),  # attention only: nothing to align
+])
+def test_cut_prefill_chunks_end_on_checkpointed_boundaries(recurrent, every, budget, want):
+    """With recurrent checkpoints a prefill cut by the token budget stops at the last
+    checkpointed boundary it reaches, so the next chunk's scan starts on one (with pages of the
+    scan chunk its boundary states are then chunk ends: free)."""
+    blocks, _ = _blocks(num_pages=16, recurrent=recurrent, num_checkpoints=8 if recurrent else 0,
+                        every=every)
+    sched = Scheduler(blocks, max_batch_size=2, max_num_tokens=budget)
+    seq = _seq(range(10, 40))  # 30 tokens
+    sched.add(seq)
+    fed = []
+    while seq.num_pending:
+        (s,) = sched.schedule()
+        s.seq.num_cached += s.num_tokens
+        fed.append(s.num_tokens)
+    assert fed == want
+
+
+def test_a_prefill_that_cannot_reach_a_boundary_waits_a_step():
+    """Budget 13, pages of 4 with a checkpoint every 2 (8 tokens): after a 12-token prefill
+    uses the step, the next prompt is not started on the 1 token left (its chunks would all
+    start off the boundaries); it starts next step, on a boundary."""
+    blocks, _ = _blocks(num_pages=16, recurrent=True, num_checkpoints=8, every=2)
+    sched = Scheduler(blocks, max_batch_size=2, max_num_tokens=13)
+    a, b = _seq(range(10, 22)), _seq(range(50, 70))  # 12 and 20 tokens
+    sched.add(a)
+    sched.add(b)
+    steps = []
+    while a.num_pending or b.num_pending:
+        batch = sched.schedule()
+        for s in batch:
+            s.seq.num_cached += s.num_tokens
+        steps.append([(s.seq is a, s.num_tokens) for s in batch])
+    assert steps == [[(True, 12)], [(False, 8)], [(False, 12)]]

@@ -22,24 +22,26 @@ def test_preempting_speculating_sequences_is_lossless(target):
     prompts = target.prompts * 3
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in target.llm().generate(prompts, params)]
-    # NOTE: ~12 pages of 8 tokens for up to 8 running sequences: decoding must preempt
-    tight = dict(LIMITS, max_seq_len=160)
-    tight["max_cache_gib"] = _budget_for_pages(target, 24, tight)
+    # NOTE: ~24 pages of 8 tokens for up to 8 running sequences: decoding must preempt (pages
+    # of 8, not the default 16 / 64: sequences must outgrow their pages often)
+    tight = dict(LIMITS, max_seq_len=160, page_size=8)
+    tight["max_cache_gib"] = _budget_for_tokens(target, 24 * 8 + 4)
     llm = LLM(str(target.path), spec=target.spec(3), **tight)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert llm.stats()["num_preemptions"] > 0
 
 
-def _budget_for_pages(target, pages, limits) -> float:
-    """A cache budget (GiB) holding the recurrent slots plus about `pages` KV pages."""
+def _budget_for_tokens(target, tokens) -> float:
+    """A cache budget (GiB) holding the recurrent slots plus KV pages for `tokens` tokens."""
     probe = target.llm(3).deployed
     plan = probe.target.plan
-    kv = sum(b for n, b in plan.bytes_by_handler.items() if "kv_cache" in n) / plan.num_pages
+    kv_per_token = sum(b for n, b in plan.bytes_by_handler.items()
+                       if "kv_cache" in n) / plan.num_pages / plan.page_size
     # NOTE: prefix-cache checkpoints only take what is left after the pages: not budgeted here
     slots = sum(b for n, b in plan.bytes_by_handler.items()
                 if "kv_cache" not in n and not n.endswith("_ckpt"))
-    return (slots + kv * pages) / 2**30
+    return (slots + kv_per_token * tokens) / 2**30
 
 
 def test_requests_arriving_mid_batch(target):

@@ -7,10 +7,11 @@ from specdeploy.models.registry import family_module
 
 # arch → speculative method used with it
 METHODS = {"llama": "eagle3", "nemotron_h": "mtp", "qwen3_5_moe": "mtp"}
-# NOTE: checkpoint_every=1: recurrent checkpoints at every page (the prefix-caching tests hit
-# page boundaries inside the scans' chunks)
-LIMITS = dict(max_batch_size=8, max_seq_len=256, max_cache_gib=0.05, page_size=8,
-              checkpoint_every=1)
+# NOTE: the default page size (16 tokens; the scan chunk on hybrids: 16 for the tiny NemotronH,
+# 64 for the tiny Qwen3.5 gated delta) and checkpoint spacing (every page): the deployed path
+LIMITS = dict(max_batch_size=8, max_seq_len=256, max_cache_gib=0.05)
+# the page size each tiny target deploys with by default
+PAGE_SIZE = {"llama": 16, "nemotron_h": 16, "qwen3_5_moe": 64}
 
 
 class Target:

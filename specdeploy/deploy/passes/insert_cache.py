@@ -42,7 +42,7 @@ def _state_buffers(gm, ctx, node, base: str, shape, dtype, declared: list, align
                    ) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
     """(state, spec state or None, prefix-cache checkpoint pool or None) buffers."""
     base = ctx.resource_prefix + base
-    state = State(f"{base}_state", tuple(shape), dtype)
+    state = State(f"{base}_state", tuple(shape), dtype, align)
     handlers = {"state": state}
     if ctx.spec_steps:
         handlers["spec"] = SpecState(f"{base}_spec_state", tuple(shape), dtype, ctx.spec_steps,
