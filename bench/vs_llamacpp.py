@@ -56,6 +56,14 @@ SPECS = {
     "eagle3": lambda: SpecConfig("eagle3", 3, **DRAFTER),
     "eagle3+lookup": lambda: SpecConfig("eagle3", 3, prompt_lookup_max=4,
                                         prompt_lookup_num_tokens=16, **DRAFTER),
+    # the same with the cost controller (engine/spec_control.py), and what "auto" resolves to
+    "lookup+ctl": lambda: SpecConfig("ngram", 3, prompt_lookup_num_tokens=16, controller="cost"),
+    "mtp+lookup+ctl": lambda: SpecConfig("mtp", 3, prompt_lookup_max=4,
+                                         prompt_lookup_num_tokens=16, controller="cost",
+                                         **DRAFTER),
+    "eagle3+ctl": lambda: SpecConfig("eagle3", 3, controller="cost", **DRAFTER),
+    "mtp": lambda: SpecConfig("mtp", 3, **DRAFTER),
+    "auto": lambda: SpecConfig("auto"),
 }
 
 

@@ -1,6 +1,6 @@
-"""`make demo`: the embedded default model on a few chat prompts, without and with speculative
-decoding (the EAGLE-3 head shipped for it, alone and with n-gram lookup drafts): text, tokens/s
-and the mean accepted length."""
+"""`make demo`: the embedded default model on a few chat prompts, without speculative decoding
+and with `SpecConfig("auto")` (its fastest measured lossless configuration): text, tokens/s, the
+speedup and the mean accepted length."""
 from __future__ import annotations
 
 import time
@@ -14,7 +14,7 @@ PROMPTS = [
 ]
 
 
-def run(llm: LLM, label: str) -> list[str]:
+def run(llm: LLM, label: str) -> tuple[list[str], float]:
     sp = SamplingParams(max_tokens=64)
     texts, tokens, wall = [], 0, 0.0
     for prompt in PROMPTS:  # one at a time: the batch size 1 rate
@@ -34,27 +34,30 @@ def run(llm: LLM, label: str) -> list[str]:
         line += (f", mean accepted length {stats['mean_accepted_length']:.2f} "
                  f"(per position {per})")
     print(line)
-    return texts
+    return texts, tokens / wall
 
 
-# The drafter in bf16 with int8 weights: a draft step on a CPU is bound by reading its weights,
-# and drafts never change the output (the fp32 target verifies them).
-DRAFTER = dict(draft_dtype="bfloat16", draft_quantize="int8")
+def describe(spec) -> str:
+    parts = [spec.method, f"K={spec.num_draft_tokens}"]
+    if spec.method != "ngram" and spec.prompt_lookup_max:
+        parts.append("+ n-gram lookup")
+    if spec.controller == "cost":
+        parts.append("cost controller")
+    return ", ".join(parts)
 
 
 def main() -> None:
-    plain = run(LLM(max_batch_size=1, max_seq_len=1024, progress=True), "no speculation")
-    spec = LLM(max_batch_size=1, max_seq_len=1024, progress=True,
-               spec=SpecConfig("eagle3", num_draft_tokens=3, **DRAFTER))
-    texts = run(spec, "EAGLE-3, K=3")
-    del spec
-    # lookup runs start at K and double while accepted whole, up to 16 drafts
-    hybrid = LLM(max_batch_size=1, max_seq_len=1024, progress=True,
-                 spec=SpecConfig("eagle3", num_draft_tokens=3, prompt_lookup_max=4,
-                                 prompt_lookup_num_tokens=16, **DRAFTER))
-    texts_lookup = run(hybrid, "EAGLE-3 + n-gram lookup, K=3")
-    print("\ngreedy outputs identical with and without speculation:",
-          texts == plain and texts_lookup == plain)
+    # SpecConfig("auto"): the fastest lossless configuration bench/vs_llamacpp.py measured for
+    # the default model (specdeploy/spec_auto.py), with the controller that drafts only where
+    # drafts pay on this machine
+    plain_llm = LLM(max_batch_size=1, max_seq_len=1024, progress=True)
+    plain, plain_rate = run(plain_llm, "no speculation")
+    del plain_llm
+    spec = LLM(max_batch_size=1, max_seq_len=1024, progress=True, spec=SpecConfig("auto"))
+    label = f"speculative ({describe(spec.spec)})"
+    texts, rate = run(spec, label)
+    print(f"\nspeculative decoding: {rate / plain_rate:.2f}x the tokens/s of no speculation")
+    print("greedy outputs identical with and without speculation:", texts == plain)
 
 
 if __name__ == "__main__":
