@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check specdeploy tests bench
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=30
 
 lint: $(STAMP)
 	$(BIN)/ruff check specdeploy tests bench

@@ -13,7 +13,7 @@ def test_demo_prints_both_runs(monkeypatch, capsys):
     demo.main()
     out = capsys.readouterr().out
     assert re.search(r"\[no speculation\] \d+ tokens in [\d.]+ s = [\d.]+ tokens/s\n", out)
-    assert re.search(r"\[speculative \(mtp, K=3, \+ n-gram lookup, cost controller\)\] \d+ "
-                     r"tokens in [\d.]+ s = [\d.]+ tokens/s, mean accepted length [\d.]+", out)
+    assert re.search(r"\[speculative \(ngram, K=3, cost controller\)\] \d+ tokens in [\d.]+ s "
+                     r"= [\d.]+ tokens/s, mean accepted length [\d.]+", out)
     assert re.search(r"speculative decoding: [\d.]+x the tokens/s of no speculation", out)
     assert "greedy outputs identical with and without speculation: True" in out

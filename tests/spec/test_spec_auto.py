@@ -21,7 +21,6 @@ def ckpts(tmp_path_factory):
 def test_choice_per_target(ckpts):
     assert choice_for(None) == DEFAULT_MODEL  # the embedded default model: the bench's pick
     assert choice_for(None, device="cuda")["method"] == DEFAULT_MODEL["method"]
-    assert "draft_quantize" not in choice_for(None, device="cuda")  # int8 drafts: a CPU choice
     assert choice_for(ckpts["nemotron_h"])["method"] == "mtp"  # its own MTP layers
     assert choice_for(ckpts["llama"])["method"] == "ngram"  # nothing to draft with
     for path in (None, ckpts["llama"], ckpts["nemotron_h"]):
