@@ -40,7 +40,15 @@ print(json.dumps({"rss_after_import": torch_mem.get("rss"), "rss_after_build": b
 _LLAMACPP = r"""
 import json, sys
 from llama_cpp import Llama
-from specdeploy.deploy.memory import process_memory
+# NOTE: not specdeploy's helper: importing specdeploy imports torch (~230 MB), which llama.cpp
+# does not need and which would be counted against it
+def process_memory():
+    out = {}
+    for line in open("/proc/self/status"):
+        key = {"VmRSS": "rss", "VmHWM": "peak_rss"}.get(line.split(":")[0])
+        if key:
+            out[key] = int(line.split()[1]) * 1024
+    return out
 llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), verbose=False)
 out = llm(sys.argv[3], max_tokens=int(sys.argv[4]), temperature=0)
 m = process_memory()
