@@ -48,7 +48,9 @@ PIPELINE = (
     ("fuse_linears", "fuse_parallel_linears"),
     ("pack_linears", "pack_linear_weights"),
     ("fuse_rows", "fuse_row_ops"),
+    ("fuse_attention", "fuse_rope_attention"),
     ("compile", "call_kernels_directly"),
+    ("compile", "flatten_attrs"),
     ("compile", "compile_model"),
 )
 

@@ -182,3 +182,79 @@ int attention_rows(const float *q, int T, int Hq, int D, int Dv, const void *k_c
     }
     return failed ? -1 : 0;
 }
+
+/* fp32 -> bf16 / fp16 bits as torch's .to() rounds them (to nearest even; NaN stays NaN) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+AVX2 static inline uint16_t to_f16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+
+/* `n` fp32 values into the cache's dtype at dst */
+AVX2 static void store_row(uint8_t *dst, const float *src, int n, const int kv) {
+    if (kv == KV_F32) {
+        __builtin_memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    uint16_t *h = (uint16_t *)dst;
+    for (int i = 0; i < n; i++) h[i] = kv == KV_BF16 ? to_bf16(src[i]) : to_f16(src[i]);
+}
+
+/* A step's attention of a Llama-type layer after its fused q/k/v projection and RoPE, in one
+ * call: the new keys and values go into the paged cache, then every (row, head) attends as
+ * attention_rows does (the same `one`, so the same bits). Segments are the step's sequences,
+ * each up to a few rows (decode, verify):
+ *   qk [T, Hq + Hkv, D] fp32: the roped queries then keys of each token (dense rows);
+ *   v: token t's values at v + t * v_stride (fp32, Hkv * Dv);
+ *   slots [T]: flat cache row (page * page_size + offset) of each token;
+ *   cu [S + 1], lens [S]: segment s is tokens cu[s]..cu[s+1]-1 at positions lens[s] + i;
+ *   page_table [S, P] (row stride P); out [T, Hq, Dv].
+ * Returns 0, -1 without scratch memory, -2 when a position lies outside its pages. */
+int write_attend_rows(const float *qk, const float *v, int64_t v_stride, int T, int Hq, int Hkv,
+                      int D, int Dv, void *k_cache, void *v_cache, int page_size,
+                      const int64_t *slots, int S, const int64_t *cu, const int64_t *lens,
+                      const int64_t *page_table, int P, float scale, float *out, int nthreads,
+                      int kv) {
+    const size_t es = kv == KV_F32 ? 4 : 2;
+    const size_t row_k = (size_t)Hkv * D * es, row_v = (size_t)Hkv * Dv * es;
+    int maxpos = 0;
+    for (int s = 0; s < S; s++) {
+        const int last = (int)(lens[s] + cu[s + 1] - cu[s]) - 1;
+        if (last >= P * page_size) return -2;
+        maxpos = last > maxpos ? last : maxpos;
+    }
+    for (int t = 0; t < T; t++) {
+        store_row((uint8_t *)k_cache + (size_t)slots[t] * row_k,
+                  qk + ((size_t)t * (Hq + Hkv) + Hq) * D, Hkv * D, kv);
+        store_row((uint8_t *)v_cache + (size_t)slots[t] * row_v, v + (size_t)t * v_stride,
+                  Hkv * Dv, kv);
+    }
+    void (*fn)(const float *, int, int, const uint8_t *, const uint8_t *, int, int, int,
+               const int64_t *, int, float, float *, float *) =
+        kv == KV_BF16 ? one_bf16 : kv == KV_F16 ? one_f16 : one_f32;
+    int *seg = (int *)malloc(sizeof(int) * (size_t)(T > 0 ? T : 1));
+    if (!seg) return -1;
+    for (int s = 0; s < S; s++)
+        for (int64_t t = cu[s]; t < cu[s + 1]; t++) seg[t] = s;
+    const int rep = Hq / Hkv, items = T * Hq;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        float *sc = (float *)malloc(sizeof(float) * ((size_t)maxpos + 1));
+        failed |= !sc;
+#pragma omp for schedule(static)
+        for (int it = 0; it < items; it++) {
+            const int t = it / Hq, h = it % Hq, s = seg[t];
+            if (sc)
+                fn(qk + ((size_t)t * (Hq + Hkv) + h) * D, D, Dv, (const uint8_t *)k_cache,
+                   (const uint8_t *)v_cache, page_size, Hkv, h / rep, page_table + (size_t)s * P,
+                   (int)(lens[s] + t - cu[s]), scale, sc, out + ((size_t)t * Hq + h) * Dv);
+        }
+        free(sc);
+    }
+    free(seg);
+    return failed ? -1 : 0;
+}

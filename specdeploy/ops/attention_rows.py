@@ -99,3 +99,44 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if rc != 0:
         raise MemoryError("attention_rows: no scratch memory for the scores")
     return out
+
+
+def _write_attend_fn():
+    lib, _ = _library()
+    if lib is None:
+        return None
+    fn = lib.write_attend_rows
+    if not fn.argtypes:
+        P, I = ctypes.c_void_p, ctypes.c_int  # noqa: N806
+        fn.argtypes = [P, P, ctypes.c_int64, I, I, I, I, I, P, P, I, P, I, P, P, P, I,
+                       ctypes.c_float, P, I, I]
+        fn.restype = I
+    return fn
+
+
+def write_attend_rows(qk: torch.Tensor, qkv: torch.Tensor, v_offset: int, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor, cu_host: torch.Tensor,
+                      lens_host: torch.Tensor, page_table: torch.Tensor, scale: float
+                      ) -> torch.Tensor:
+    """The keys qk[:, Hq:] and values qkv[0, :, v_offset:] into the caches at `slots`, then each
+    row of qk[:, :Hq] attending its segment's keys up to itself, as `attention_rows` computes
+    it (the same bits). qk [T, Hq + Hkv, D] fp32 dense; qkv [1, T, W] fp32, last dim dense;
+    slots [T], cu_host [S + 1], lens_host [S], page_table [S, P]: int64, dense, on the CPU.
+    The caller checks `fits` for the caches. -> [T, Hq, Dv]."""
+    fn = _write_attend_fn()
+    if fn is None:
+        raise RuntimeError(f"attention kernel unavailable: {unavailable()}")
+    t, heads, d = qk.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+    hq = heads - hkv
+    out = torch.empty(t, hq, dv, dtype=torch.float32)
+    rc = fn(qk.data_ptr(), qkv.data_ptr() + 4 * v_offset, qkv.stride(1), t, hq, hkv, d, dv,
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], slots.data_ptr(),
+            lens_host.shape[0], cu_host.data_ptr(), lens_host.data_ptr(), page_table.data_ptr(),
+            page_table.shape[1], float(scale), out.data_ptr(), torch.get_num_threads(),
+            _KV_DTYPES.index(k_cache.dtype))
+    if rc == -2:
+        raise ValueError("write_attend_rows: a position lies outside its sequence's pages")
+    if rc != 0:
+        raise MemoryError("write_attend_rows: no scratch memory for the scores")
+    return out

@@ -127,3 +127,39 @@ def ggml_linear_int(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | No
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], n)
+
+
+def bound_linear(weight: GGMLWeight, bias: torch.Tensor | None, isa: str):
+    """`x -> ggml_linear_int(x, weight, bias, isa)` with everything that does not depend on x
+    checked and looked up once: a decode step calls ~120 of these, where ggml_linear_int's
+    per-call checks and lookups were a tenth of the kernel's own time. Inputs it does not take
+    (not fp32 CPU, wrong width) go through ggml_linear_int, which names the problem."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"integer ggml kernels unavailable: {why}")
+    if isa not in ISAS:
+        raise ValueError(f"isa: one of {', '.join(ISAS)}, got {isa!r}")
+    if not lib.ggml_int_isa_supported(ISAS.index(isa)):
+        raise ValueError(f"isa {isa!r}: this CPU / build runs {', '.join(supported_isas())}")
+    fn, kind, isa_i = lib.ggml_linear_int, KINDS[weight.kind][0], ISAS.index(isa)
+    n, k = weight.shape
+    blocks = weight.blocks  # NOTE: the closure keeps the blocks alive for their pointer
+    w_ptr, f32 = blocks.data_ptr(), torch.float32
+    empty, threads = torch.empty, torch.get_num_threads
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is not f32 or x.shape[-1] != k or x.device.type != "cpu":
+            return ggml_linear_int(x, weight, bias, isa)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        rows = x.numel() // k
+        # NOTE: y in its final shape, no reshape / view: each torch call costs ~2 us here
+        y = empty((*x.shape[:-1], n), dtype=f32)
+        if rows and fn(kind, isa_i, x.data_ptr(), rows, k, w_ptr, n, y.data_ptr(), threads()):
+            raise MemoryError("ggml_linear_int: no scratch memory for the quantized rows")
+        if bias is not None:
+            y += bias
+        return y
+
+    linear.blocks = blocks
+    return linear

@@ -55,10 +55,19 @@ def _library() -> ctypes.CDLL | None:
     return None
 
 
+_F32 = torch.float32
+
+
 def _usable(*ts: torch.Tensor) -> bool:
-    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
-            and _library() is not None)
+    # NOTE: called ~150 times a decode step: plain loops and `is`, no generator expressions
+    for t in ts:
+        if t.dtype is not _F32 or t.device.type != "cpu":
+            return False
+    if torch.is_grad_enabled():
+        for t in ts:
+            if t.requires_grad:
+                return False
+    return _library() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -102,9 +111,10 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     if (not _usable(a, b, weight) or a.shape != b.shape or weight.numel() != n
             or a.numel() == 0):
         return None
-    a2, b2, w = a.reshape(-1, n).contiguous(), b.reshape(-1, n).contiguous(), weight.contiguous()
-    total, out = torch.empty(a.shape), torch.empty(a.shape)
-    _library().add_rms_norm_rows(a2.data_ptr(), b2.data_ptr(), a2.shape[0], n, w.data_ptr(),
+    # NOTE: contiguous() returns the tensor itself when it already is: no copies at decode
+    a2, b2, w = a.contiguous(), b.contiguous(), weight.contiguous()
+    total, out = torch.empty(a.shape, dtype=_F32), torch.empty(a.shape, dtype=_F32)
+    _library().add_rms_norm_rows(a2.data_ptr(), b2.data_ptr(), a2.numel() // n, n, w.data_ptr(),
                                  float(eps), total.data_ptr(), out.data_ptr(),
                                  torch.get_num_threads())
     return total, out
@@ -114,10 +124,14 @@ def silu_mul(x: torch.Tensor, n: int) -> torch.Tensor | None:
     """silu(x[..., :n]) * x[..., n:2n], or None when the kernel does not take this tensor."""
     if not _usable(x) or x.shape[-1] < 2 * n or x.numel() == 0 or x.stride(-1) != 1:
         return None
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(*x.shape[:-1], n)
-    _library().silu_mul_rows(x2.data_ptr(), x2.shape[0], n, x2.stride(0), out.data_ptr(),
+    if x.is_contiguous():  # the usual case: no reshape (a torch call) needed
+        x2, rows, stride = x, x.numel() // x.shape[-1], x.shape[-1]
+    else:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        rows, stride = x2.shape[0], x2.stride(0)
+    out = torch.empty((*x.shape[:-1], n), dtype=_F32)
+    _library().silu_mul_rows(x2.data_ptr(), rows, n, stride, out.data_ptr(),
                              torch.get_num_threads())
     return out

@@ -67,10 +67,12 @@ def ggml_linear_fn(weight: GGMLWeight, members: list[GGMLWeight], bias: torch.Te
     count; else the exact kernel up to MAX_ROWS rows and above that `dequant_linear` per fused
     member (views of `weight`'s rows), concatenated along the output."""
     bias = None if bias is None else bias.detach()
+    if isa is not None:  # every row count: faster than dequantizing (see MAX_ROWS)
+        fast = ggml_int.bound_linear(weight, bias, isa)
+        fast.__name__ = fast.__qualname__ = "linear_on_blocks"  # the graph's node names
+        return fast
 
     def linear_on_blocks(x: torch.Tensor) -> torch.Tensor:
-        if isa is not None:  # every row count: faster than dequantizing (see MAX_ROWS)
-            return ggml_int.ggml_linear_int(x, weight, bias, isa)
         if x.numel() // x.shape[-1] <= MAX_ROWS:
             return ggml_linear(x, weight, bias)
         if len(members) == 1:

@@ -1,0 +1,97 @@
+"""fuse_rope_attention: one qkv_attention op per Llama-type layer, giving the unfused chain's bits
+(oracle: the chain itself, `qkv_attention_ref`, and the graph built without the pass)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
+from specdeploy.deploy.build import build
+from specdeploy.loading import load_model
+from specdeploy.models.registry import family_module
+from specdeploy.ops import attention_rows, row_kernels
+from specdeploy.ops.qkv_attention import qkv_attention_ref
+
+pytestmark = pytest.mark.skipif(
+    attention_rows.unavailable() is not None or row_kernels._library() is None,
+    reason=f"C kernels unavailable here: {attention_rows.unavailable()}")
+LIMITS = dict(max_batch_size=3, max_seq_len=64, page_size=4, max_cache_gib=0.01)
+
+
+def _count(gm, name):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function"
+               and name in getattr(n.target, "__name__", str(n.target)))
+
+
+def _steps():
+    """Prefill chunks (one > 16 rows: the chain's path), then decodes of 3 sequences, then a
+    verify-like step (extend segments of 1-4 rows) beside a decode."""
+    a, b, c = list(range(5, 26)), list(range(30, 37)), list(range(40, 43))
+    pages = {0: list(range(0, 8)), 1: list(range(8, 16)), 2: list(range(16, 24))}
+    yield [Segment(a, 0, pages[0], 0, num_logits=len(a)), Segment(b, 0, pages[1], 1)]
+    yield [Segment(c, 0, pages[2], 2, num_logits=3)]
+    lens = {0: len(a), 1: len(b), 2: len(c)}
+    for step in range(3):
+        yield [Segment([50 + step + s], lens[s] + step, pages[s], s) for s in range(3)]
+    for s in range(3):
+        lens[s] += 3
+    yield [Segment([60, 61, 62, 63], lens[0], pages[0], 0, num_logits=4, kind=SEG_EXTEND),
+           Segment([64], lens[1], pages[1], 1),
+           Segment([65, 66], lens[2], pages[2], 2, num_logits=2, kind=SEG_EXTEND)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_fused_graph_gives_the_unfused_bits(tmp_path, kv_dtype):
+    family_module("llama").make_tiny(tmp_path, seed=0)
+    fused = build(str(tmp_path), kv_cache_dtype=kv_dtype, **LIMITS)
+    info = {i.name: i for i in fused.infos}["fuse_rope_attention"]
+    assert info.num_matches == 2  # both layers of the tiny llama
+    assert _count(fused.gm, "qkv_attention") == 2 and _count(fused.gm, "cached_attention") == 0
+    assert _count(fused.gm, "rope") == 0
+    base = build(model=load_model(str(tmp_path)), kv_cache_dtype=kv_dtype,
+                 disabled=frozenset({"fuse_rope_attention"}), **LIMITS)
+    assert _count(base.gm, "cached_attention") == 2
+    for segs in _steps():
+        meta = build_metadata(segs)
+        got, want = fused.forward(meta).logits, base.forward(meta).logits
+        assert torch.equal(got, want), (segs, (got - want).abs().max())
+
+
+def _caches(dtype, g, pages=24, ps=4, hkv=2, d=16):
+    k = torch.randn(pages, ps, hkv, d, generator=g).to(dtype)
+    return k, torch.randn(pages, ps, hkv, d, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens_rows", [((5,), (1,)), ((3, 9, 0), (1, 1, 1)),
+                                       ((6, 2, 10), (4, 1, 3)), ((7,), (20,))])
+def test_op_equals_the_chain(dtype, lens_rows, monkeypatch):
+    """Fast path (segments <= 16 rows) and the chain's own path (a 20-row chunk): outputs and
+    both caches bit-equal to the chain; partial rotary (12 of 16 dims); GQA 4 q heads on 2."""
+    g = torch.Generator().manual_seed(sum(lens_rows[0]) + len(lens_rows[1]))
+    lens, rows = lens_rows
+    hq, hkv, d, ps = 4, 2, 16, 4
+    t = sum(rows)
+    qkv = torch.randn(1, t, (hq + 2 * hkv) * d, generator=g)
+    pos = [n + i for n, r in zip(lens, rows) for i in range(r)]
+    cos = torch.randn(1, t, 12, generator=g)
+    sin = torch.randn(1, t, 12, generator=g)
+    # each sequence its own 8 pages, not in order (page_table.flip: the paged reads are tested)
+    page_table = torch.arange(8 * len(lens)).view(len(lens), 8).flip(1).contiguous()
+    cu = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
+    seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(rows))
+    p = torch.tensor(pos)
+    slots = page_table[seg, p // ps] * ps + p % ps
+    lens_t = torch.tensor(lens)
+    k1, v1 = _caches(dtype, g)
+    k2, v2 = k1.clone(), v1.clone()
+    args = (cu, cu, lens_t, lens_t, page_table, 0.25, 0, slots, hq, hkv, d)
+    calls = []
+    real = attention_rows.write_attend_rows
+    monkeypatch.setattr(attention_rows, "write_attend_rows",
+                        lambda *a: calls.append(1) or real(*a))
+    got = torch.ops.specdeploy.qkv_attention(qkv, cos, sin, k1, v1, *args)
+    assert len(calls) == (max(rows) <= 16)  # the C path for short segments only
+    want = qkv_attention_ref(qkv, cos, sin, k2, v2, *args)
+    assert torch.equal(got, want)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
