@@ -47,8 +47,8 @@ from fast_kernels_agreement import first_divergence  # noqa: E402
 from specdeploy import LLM, SamplingParams, SpecConfig  # noqa: E402
 from specdeploy.bench import machine, peak_rss_mib, print_json  # noqa: E402
 
-# the demo's drafter precision: a draft step on a CPU is bound by reading the drafter's weights
-DRAFTER = dict(draft_dtype="bfloat16", draft_quantize="int8")
+# the CPU drafter precision (spec_auto._CPU_DRAFTER): a draft step is bound by reading its weights
+DRAFTER = dict(draft_quantize="q8_0")
 SPECS = {
     "lookup": lambda: SpecConfig("ngram", 3, prompt_lookup_num_tokens=16),
     "mtp+lookup": lambda: SpecConfig("mtp", 3, prompt_lookup_max=4, prompt_lookup_num_tokens=16,

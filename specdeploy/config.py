@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 SPEC_METHODS = ("mtp", "eagle3", "ngram", "auto")  # auto: spec_auto.py picks one
 DRAFT_DTYPES = (None, "float32", "bfloat16", "float16")
-DRAFT_QUANTIZE = (None, "int8")
+DRAFT_QUANTIZE = (None, "int8", "q8_0")
 CONTROLLERS = ("off", "cost")  # SpecConfig.controller (engine/spec_control.py)
 # vLLM's `speculative_config.method` names → ours. Every "<family>_mtp" of vLLM is the
 # checkpoint's own MTP head, which our "mtp" deploys for any family that ships one.
@@ -120,7 +120,8 @@ class SpecConfig:
             raise ValueError(f"draft_dtype: must be None or one of {', '.join(DRAFT_DTYPES[1:])}, "
                              f"got {self.draft_dtype!r}")
         if self.draft_quantize not in DRAFT_QUANTIZE:
-            raise ValueError(f"draft_quantize: must be None or 'int8', got {self.draft_quantize!r}")
+            raise ValueError(f"draft_quantize: must be None, 'int8' or 'q8_0', got "
+                             f"{self.draft_quantize!r}")
         p = self.draft_min_prob
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p < 1.0:
             raise ValueError(f"draft_min_prob: must be a number in [0, 1), got {p!r}")

@@ -131,11 +131,44 @@ def prepare_drafter(model: nn.Module, spec: SpecConfig, dtype: torch.dtype,
         # embedding stays shared (a lookup reads one row; DraftStep casts it).
         head = copy.deepcopy(drafter.borrowed["lm_head"]).to(draft_dtype).requires_grad_(False)
         drafter.borrow(lm_head=head)
-    # NOTE: the default exclusions keep drafters unquantized; draft_quantize lifts them
     steps = tuple(DraftStep(drafter, g) for g in range(drafter.num_groups))
+    if draft_dtype == torch.float32:
+        on_blocks = _drafter_blocks(model, drafter, spec.draft_quantize == "q8_0")
+        for step in steps:  # read by deploy/passes/ggml_linears.py
+            step.ggml_tensors, step.ggml_weights = on_blocks, {}
+    if spec.draft_quantize == "q8_0":  # the blocks kernels run it (above), not int8 linears
+        return DrafterProgram(drafter, steps, layers, draft_dtype, quantize, None)
+    # NOTE: the default exclusions keep drafters unquantized; draft_quantize lifts them
     return DrafterProgram(drafter, steps, layers, draft_dtype,
                           spec.draft_quantize or quantize,
                           TARGET_QUANT_EXCLUDE if spec.draft_quantize else None)
+
+
+def _drafter_blocks(model: nn.Module, drafter: Drafter, q8_0: bool) -> list:
+    """(fp32 tensor, its GGUF blocks) pairs for the block kernels of the drafter's graph:
+    the target's block-quantized weights the drafter borrows (its embedding, a tied LM head:
+    the same values, so the same drafter), and with `q8_0` the drafter's own linears, quantized
+    to Q8_0 here and their fp32 weights set to the dequantized values (every path then runs the
+    same quantized drafter; drafts never change what is accepted). A draft forward on a CPU is
+    bound by reading its weights: the default model's MTP head reads the 49,152-row head."""
+    from specdeploy.ops.ggml_linear import dequantize, quantize_q8_0
+
+    pairs = []
+    target_blocks = getattr(model, "ggml_weights", None) or {}
+    borrowed = {id(p) for m in drafter.borrowed.values() for p in m.parameters()}
+    for name, p in model.named_parameters():
+        if id(p) in borrowed and name in target_blocks and p.dtype == torch.float32:
+            pairs.append((p, target_blocks[name]))
+    if q8_0:
+        with torch.no_grad():
+            for mod in drafter.modules():
+                w = getattr(mod, "weight", None)
+                if (isinstance(mod, nn.Linear) and w is not None and w.dtype == torch.float32
+                        and w.dim() == 2 and w.shape[1] % 32 == 0):
+                    gw = quantize_q8_0(w)
+                    w.copy_(dequantize(gw))
+                    pairs.append((w, gw))
+    return pairs
 
 
 class SpecDeployed:

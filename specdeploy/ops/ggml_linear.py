@@ -226,6 +226,24 @@ def dequantize(weight: GGMLWeight, rows: torch.Tensor | None = None,
     return out
 
 
+def quantize_q8_0(w: torch.Tensor) -> GGMLWeight:
+    """[N, K] fp32 -> Q8_0 blocks as gguf's (and llama.cpp's reference) quantizer writes them:
+    per block of 32, d = max|x| / 127 in fp32, q = x * (1 / d) rounded half away from zero,
+    d stored as fp16. Used for weights that come as fp32 but run on the block kernels (a
+    drafter's linears: `SpecConfig(draft_quantize="q8_0")`)."""
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"quantize_q8_0: the input size must be a multiple of 32, got {k}")
+    x = w.detach().to(torch.float32).reshape(n, k // 32, 32)
+    d = x.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    v = x * inv
+    q = torch.trunc(v + torch.copysign(torch.full_like(v, 0.5), v)).to(torch.int8)
+    blocks = torch.cat([d.to(torch.float16).view(torch.uint8).reshape(n, k // 32, 2),
+                        q.view(torch.uint8)], -1)
+    return make_weight("q8_0", blocks.reshape(n, -1), (n, k))
+
+
 def ggml_embedding(ids: torch.Tensor, weight: GGMLWeight) -> torch.Tensor:
     """`embedding(ids, W)` with W in GGUF blocks: the rows of `ids`, dequantized (exactly the
     fp32 table's rows). ids [...] int -> [..., K] fp32."""

@@ -159,3 +159,21 @@ def test_unsupported_cpu_warns_in_one_line(fresh_library, monkeypatch, caplog):
 def test_builds_into_the_cache_dir(fresh_library):
     assert gl.kernel_unavailable() is None
     assert len(list(fresh_library.glob("ggml_kernels-*.so"))) == 1
+
+
+def test_quantize_q8_0_writes_ggufs_bytes():
+    """quantize_q8_0 against gguf's own quantizer (an independent implementation): the same
+    bytes, including all-zero blocks, tiny values and exact .5 ties before rounding."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 96, generator=g) * 3
+    w[0, :32] = 0
+    w[1, 5] = 1e-30
+    w[2, :32] = torch.arange(32) - 12.7  # ties: x / d lands on .5 for some values
+    w[3, :32] = torch.linspace(-127, 127, 32)
+    got = gl.quantize_q8_0(w)
+    want = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(got.blocks.numpy(), want.reshape(40, -1))
+    deq = gguf.quants.dequantize(want, gguf.GGMLQuantizationType.Q8_0)
+    assert torch.equal(gl.dequantize(got), torch.from_numpy(deq))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gl.quantize_q8_0(torch.zeros(4, 48))

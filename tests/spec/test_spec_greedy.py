@@ -155,6 +155,32 @@ def test_low_precision_drafter_stays_lossless(target, baseline):
     assert borrowed["embed_tokens"].weight.dtype == torch.float32  # the target's embedding
 
 
+def test_q8_0_drafter_stays_lossless(target, baseline):
+    """draft_quantize="q8_0": the drafter's own linears quantized to Q8_0 at load and run on the
+    block kernels (the CPU drafter setting): output equals the non-speculative path's, the
+    drafter's fp32 weights are exactly their Q8_0 values (oracle: dequantizing them again is
+    the identity), and its graph computes on blocks."""
+    from specdeploy import LLM, SpecConfig
+    from specdeploy.ops.ggml_linear import dequantize, quantize_q8_0
+    from tests.spec.tiny_targets import LIMITS
+
+    spec = SpecConfig(target.method, 3, draft_model=target.spec(3).draft_model,
+                      draft_quantize="q8_0")
+    llm = LLM(str(target.path), spec=spec, **LIMITS)
+    d = llm.deployed
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert _ids(llm.generate(target.prompts, params)) == [b[:MAX_TOKENS] for b in baseline]
+    assert llm.stats()["draft_steps"] > 0
+    info = {i.name: i for i in d.draft.infos}["ggml_linears"]
+    assert info.num_matches > 0 and not info.skipped, info
+    linears = [m.weight for m in d.drafter.modules() if isinstance(m, torch.nn.Linear)
+               and m.weight.shape[1] % 32 == 0]
+    assert linears
+    for w in linears:
+        assert torch.equal(dequantize(quantize_q8_0(w)), w)
+    assert {p.dtype for p in d.target.gm.parameters()} == {torch.float32}
+
+
 def test_draft_precision_is_validated():
     from specdeploy import SpecConfig
 

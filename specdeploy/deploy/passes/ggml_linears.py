@@ -102,6 +102,9 @@ def _weight_map(ctx: DeployContext) -> dict:
     for name, p in ctx.model.named_parameters():
         if name in named:
             out[(p.data_ptr(), tuple(p.shape), p.stride())] = named[name]
+    # a drafter's: weights it borrows from the target and its own Q8_0 ones (deploy/spec.py)
+    for p, gw in getattr(ctx.model, "ggml_tensors", ()):
+        out[(p.data_ptr(), tuple(p.shape), p.stride())] = gw
     return out
 
 
