@@ -38,7 +38,11 @@
 enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2 };             /* ggml_linear.py's KINDS */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
 #define TILE 16
-#define ROW_GROUP 4 /* rows sharing one unpacking of a tile's block */
+/* rows sharing one unpacking of a tile's block: as many as the accumulators fit in registers
+ * (AVX2: 16 ymm, AVX-512: 32 zmm) */
+#define AVX2_ROWS 4
+#define AVX512_ROWS 8
+#define ROW_GROUP 8 /* the most of either */
 
 typedef struct {
     const int8_t *q;  /* [R, K] the quantized rows */
@@ -311,30 +315,34 @@ AVX2_ATTR INLINE void tile_avx2(const act_t *a, int K, const uint8_t *tile, int 
     half_avx2(a, K, tile, N, y, r0, rg, kind, 1);
 }
 
-/* tiles t0..t1, every row group; rg and kind constant in each inlined call */
-#define TILES_FN(NAME, TILE_OP, KIND, ATTR)                                                     \
+/* tiles t0..t1, every group of up to G rows; rg and kind constant in each inlined call */
+#define TILES_FN(NAME, TILE_OP, KIND, G, ATTR)                                                  \
     ATTR static void NAME(const act_t *a, int R, int K, const uint8_t *w, int t0, int t1, int N,  \
                           float *y) {                                                           \
         const size_t tile_bytes = (size_t)(K / 32) * TILE * block_bytes(KIND);                  \
         for (int t = t0; t < t1; t++) {                                                         \
             const uint8_t *tile = w + (size_t)t * tile_bytes;                                   \
             float *yt = y + (size_t)t * TILE;                                                   \
-            for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {                                         \
-                switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {                              \
+            for (int r0 = 0; r0 < R; r0 += G) {                                                 \
+                switch (R - r0 < G ? R - r0 : G) {                                              \
                 case 1: TILE_OP(a, K, tile, N, yt, r0, 1, KIND); break;                         \
                 case 2: TILE_OP(a, K, tile, N, yt, r0, 2, KIND); break;                         \
                 case 3: TILE_OP(a, K, tile, N, yt, r0, 3, KIND); break;                         \
-                default: TILE_OP(a, K, tile, N, yt, r0, 4, KIND); break;                        \
+                case 4: TILE_OP(a, K, tile, N, yt, r0, 4, KIND); break;                         \
+                case 5: TILE_OP(a, K, tile, N, yt, r0, 5, KIND); break;                         \
+                case 6: TILE_OP(a, K, tile, N, yt, r0, 6, KIND); break;                         \
+                case 7: TILE_OP(a, K, tile, N, yt, r0, 7, KIND); break;                         \
+                default: TILE_OP(a, K, tile, N, yt, r0, 8, KIND); break;                        \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
     }
-TILES_FN(q4_1_avx2, tile_avx2, Q4_1, AVX2_ATTR)
-TILES_FN(q8_0_avx2, tile_avx2, Q8_0, AVX2_ATTR)
-TILES_FN(q4_0_avx2, tile_avx2, Q4_0, AVX2_ATTR)
-TILES_FN(q4_1_avx512, tile_avx512, Q4_1, AVX512_ATTR)
-TILES_FN(q8_0_avx512, tile_avx512, Q8_0, AVX512_ATTR)
-TILES_FN(q4_0_avx512, tile_avx512, Q4_0, AVX512_ATTR)
+TILES_FN(q4_1_avx2, tile_avx2, Q4_1, AVX2_ROWS, AVX2_ATTR)
+TILES_FN(q8_0_avx2, tile_avx2, Q8_0, AVX2_ROWS, AVX2_ATTR)
+TILES_FN(q4_0_avx2, tile_avx2, Q4_0, AVX2_ROWS, AVX2_ATTR)
+TILES_FN(q4_1_avx512, tile_avx512, Q4_1, AVX512_ROWS, AVX512_ATTR)
+TILES_FN(q8_0_avx512, tile_avx512, Q8_0, AVX512_ROWS, AVX512_ATTR)
+TILES_FN(q4_0_avx512, tile_avx512, Q4_0, AVX512_ROWS, AVX512_ATTR)
 #endif /* SD_X86 */
 
 /* 1 when this build and this CPU can run `isa` */
