@@ -193,3 +193,21 @@ def tiled_linear_fn(tw: TiledWeight, bias: torch.Tensor | None, isa: str):
 
     linear.packed = packed
     return linear
+
+
+class TiledMember(NamedTuple):
+    """Outputs start .. start + shape[0] of a tiled (possibly fused) weight: what a repacked
+    weight's name maps to once its GGUF blocks are gone (`member_rows` gives its values)."""
+
+    tiled: TiledWeight
+    start: int
+    shape: tuple[int, int]
+
+
+def member_rows(m: TiledMember, ids: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The member's rows `ids` (all when None) dequantized: `tiled_rows` of the whole weight."""
+    ids = torch.arange(m.shape[0]) if ids is None else ids.reshape(-1).to(torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= m.shape[0]):
+        raise IndexError(f"member_rows: ids outside [0, {m.shape[0]})")
+    return tiled_rows(m.tiled, ids + m.start if m.start else ids, out)
