@@ -6,15 +6,13 @@
  * pays for its own reduction and scale; R rows cost nearly R times one row. Here one vector
  * holds 16 outputs' sums: per block the 8 groups of 4 weight bytes of all 16 outputs are
  * unpacked once and each row broadcasts its 4 activation bytes of a group to all lanes, so a
- * dot product step serves 16 outputs and the unpacked weights serve up to ROW_GROUP rows.
+ * dot product step serves 16 outputs and the unpacked weights serve a group of rows.
  *
- * Layout of one tile (16 outputs n0..n0+15), per block b, TB bytes (= 16 GGUF blocks):
- *     16 fp16 d (as stored) | Q4_1: 16 fp16 m | quants
- * quants, per group g of 4 inputs (values 4g..4g+3 of the block): 16 outputs x 4 bytes = 64 B.
- * Q8_0 stores the 8 groups as signed bytes; 4-bit kinds store group g (low nibbles) and g + 4
- * (high nibbles) in one 64-byte vector j = g, which is GGUF's own qs[4j .. 4j + 3] per output
- * (low nibble of qs[i] = value i, high = value i + 16), so unpacking is one `and` and one
- * `srli_epi16 + and`.
+ * Layout, per tile of 16 outputs and block b (the bytes of 16 GGUF blocks): 16 fp16 d (as
+ * stored) | Q4_1: 16 fp16 m | per group g of 4 inputs (values 4g..4g+3), 16 outputs x 4 bytes.
+ * Q8_0 stores the 8 groups as signed bytes; 4-bit kinds store groups g (low nibbles) and g + 4
+ * (high) in one 64-byte vector, per output GGUF's own qs[4g .. 4g + 3] (low nibble of qs[i] =
+ * value i, high = value i + 16): unpacking is one `and` and one `srli_epi16 + and`.
  *
  * Per (output, row, block) the integer dot product p is exact; then, per output lane, in block
  * order: scale = d_w * d_x (one rounding), acc = fma(float(p), scale, acc), for Q4_1 also
@@ -38,8 +36,7 @@
 enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2 };             /* ggml_linear.py's KINDS */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
 #define TILE 16
-/* rows sharing one unpacking of a tile's block: as many as the accumulators fit in registers
- * (AVX2: 16 ymm, AVX-512: 32 zmm) */
+/* rows sharing one unpacking of a tile's block: what the accumulators leave of 16 ymm / 32 zmm */
 #define AVX2_ROWS 4
 #define AVX512_ROWS 8
 #define ROW_GROUP 8 /* the most of either */
@@ -73,8 +70,7 @@ static float half_to_float(uint16_t h) { /* exact; portable (no F16C) */
 
 static float half_at(const uint8_t *p) {
     uint16_t h;
-    memcpy(&h, p, 2);
-    return half_to_float(h);
+    return memcpy(&h, p, 2), half_to_float(h);
 }
 
 /* ggml_kernels_int.c's quantize_rows (the same q, d, s) plus the integer block sums S */
@@ -194,8 +190,7 @@ static void tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_t *
 
 static inline int32_t group_at(const int8_t *q) { /* 4 activation bytes as one int32 */
     int32_t v;
-    memcpy(&v, q, 4);
-    return v;
+    return memcpy(&v, q, 4), v;
 }
 
 /* AVX2: half a tile (8 outputs) per ymm; no dpbusd, so maddubs (u8 x s8 -> saturating int16
@@ -316,6 +311,7 @@ AVX2_ATTR INLINE void tile_avx2(const act_t *a, int K, const uint8_t *tile, int 
 }
 
 /* tiles t0..t1, every group of up to G rows; rg and kind constant in each inlined call */
+#define ROWS_CASE(OP, KIND, RG) case RG: OP(a, K, tile, N, yt, r0, RG, KIND); break;
 #define TILES_FN(NAME, TILE_OP, KIND, G, ATTR)                                                  \
     ATTR static void NAME(const act_t *a, int R, int K, const uint8_t *w, int t0, int t1, int N,  \
                           float *y) {                                                           \
@@ -325,14 +321,10 @@ AVX2_ATTR INLINE void tile_avx2(const act_t *a, int K, const uint8_t *tile, int 
             float *yt = y + (size_t)t * TILE;                                                   \
             for (int r0 = 0; r0 < R; r0 += G) {                                                 \
                 switch (R - r0 < G ? R - r0 : G) {                                              \
-                case 1: TILE_OP(a, K, tile, N, yt, r0, 1, KIND); break;                         \
-                case 2: TILE_OP(a, K, tile, N, yt, r0, 2, KIND); break;                         \
-                case 3: TILE_OP(a, K, tile, N, yt, r0, 3, KIND); break;                         \
-                case 4: TILE_OP(a, K, tile, N, yt, r0, 4, KIND); break;                         \
-                case 5: TILE_OP(a, K, tile, N, yt, r0, 5, KIND); break;                         \
-                case 6: TILE_OP(a, K, tile, N, yt, r0, 6, KIND); break;                         \
-                case 7: TILE_OP(a, K, tile, N, yt, r0, 7, KIND); break;                         \
-                default: TILE_OP(a, K, tile, N, yt, r0, 8, KIND); break;                        \
+                ROWS_CASE(TILE_OP, KIND, 1) ROWS_CASE(TILE_OP, KIND, 2)                         \
+                ROWS_CASE(TILE_OP, KIND, 3) ROWS_CASE(TILE_OP, KIND, 4)                         \
+                ROWS_CASE(TILE_OP, KIND, 5) ROWS_CASE(TILE_OP, KIND, 6)                         \
+                ROWS_CASE(TILE_OP, KIND, 7) ROWS_CASE(TILE_OP, KIND, 8)                         \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
@@ -363,21 +355,14 @@ int ggml_tiled_isa_supported(int isa) {
 static void run_tiles(int kind, int isa, const act_t *a, int R, int K, const uint8_t *w, int t0,
                       int t1, int N, float *y) {
 #ifdef SD_X86
-    if (isa == ISA_AVX512) {
-        if (kind == Q4_1) q4_1_avx512(a, R, K, w, t0, t1, N, y);
-        else if (kind == Q8_0) q8_0_avx512(a, R, K, w, t0, t1, N, y);
-        else q4_0_avx512(a, R, K, w, t0, t1, N, y);
-        return;
-    }
-    if (isa == ISA_AVX2) {
-        if (kind == Q4_1) q4_1_avx2(a, R, K, w, t0, t1, N, y);
-        else if (kind == Q8_0) q8_0_avx2(a, R, K, w, t0, t1, N, y);
-        else q4_0_avx2(a, R, K, w, t0, t1, N, y);
-        return;
-    }
+    typedef void (*tiles_fn)(const act_t *, int, int, const uint8_t *, int, int, int, float *);
+    static const tiles_fn simd[2][3] = {{q4_1_avx2, q8_0_avx2, q4_0_avx2},      /* by kind */
+                                        {q4_1_avx512, q8_0_avx512, q4_0_avx512}};
+    if (isa == ISA_AVX2 || isa == ISA_AVX512) simd[isa - 1][kind](a, R, K, w, t0, t1, N, y);
+    else
 #endif
+        tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
     (void)isa;
-    tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
 }
 
 /* kind: Q4_1, Q8_0 or Q4_0; x [R, K] and y [R, N] row-major fp32, N % 16 == 0, K % 32 == 0;
