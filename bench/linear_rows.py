@@ -5,7 +5,8 @@ weights quantized to GGUF Q4_1 blocks and run by `ggml_linears` (ops/ggml_kernel
 where that kernel cannot be built), `q4_1_dequant` those blocks dequantized one weight at a
 time into a reused buffer and multiplied (`ggml_linears`' path above MAX_ROWS rows); and
 `q4_1_int_<isa>`, the integer-dot kernels
-(ops/ggml_kernels_int.c) on the same blocks, per ISA path this CPU runs. Prints one JSON
+(ops/ggml_kernels_int.c) on the same blocks, per ISA path this CPU runs, and `q4_1_tiled_<isa>`
+the same model on those blocks repacked in tiles of 16 outputs (ops/ggml_tiled.c). Prints one JSON
 object (median of --reps, milliseconds for all 30 layers).
 
     python bench/linear_rows.py [--rows 1 2 4 6 8 16 64 256] [--reps 5] [--threads 1]
@@ -78,6 +79,14 @@ def main() -> None:
         for isa in ggml_int.supported_isas():  # the integer-dot kernels, each ISA path
             kinds[f"q4_1_int_{isa}"] = (
                 lambda x, w, p, isa=isa: ggml_int.ggml_linear_int(x, blocks[id(w)], isa=isa))
+        from specdeploy.ops import ggml_tiled
+
+        tiled = {k: ggml_tiled.repack(v) for k, v in blocks.items()} \
+            if ggml_tiled.kernel_unavailable() is None else {}
+        for isa in ggml_tiled.supported_isas() if tiled else ():  # the same, tiled
+            if isa != "scalar":  # NOTE: the reference path, far too slow to time here
+                kinds[f"q4_1_tiled_{isa}"] = (lambda x, w, p, isa=isa: ggml_tiled.tiled_linear(
+                    x, tiled[id(w)], isa=isa))
     out = {}
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}

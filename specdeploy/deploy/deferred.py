@@ -12,9 +12,10 @@ from __future__ import annotations
 from torch import fx
 
 from specdeploy.ops.ggml_linear import GGMLWeight, dequantize
+from specdeploy.ops.ggml_tiled import TiledMember, member_rows
 
 
-def deferred_ptrs(model) -> dict[int, GGMLWeight]:
+def deferred_ptrs(model) -> dict[int, GGMLWeight | TiledMember]:
     """data_ptr -> blocks of the model's placeholders not filled yet."""
     pending = getattr(model, "ggml_deferred", None) or {}
     blocks = getattr(model, "ggml_weights", None) or {}
@@ -31,7 +32,16 @@ def materialize_deferred(gm: fx.GraphModule, model) -> int:
     for t in (*gm.parameters(), *gm.buffers()):
         name = by_ptr.get(t.untyped_storage().data_ptr())
         if name is not None and name in pending:
-            dequantize(model.ggml_weights[name], out=pending.pop(name))
+            fill_from_blocks(model.ggml_weights[name], pending.pop(name))
             n += 1
     return n
+
+
+def fill_from_blocks(w: GGMLWeight | TiledMember, out) -> None:
+    """`out` (fp32, w's shape) := w's values; ggml_linears repacks the blocks of the weights the
+    tiled kernel runs (TiledMember: their rows of the tiled copy), same values either way."""
+    if isinstance(w, TiledMember):
+        member_rows(w, out=out)
+    else:
+        dequantize(w, out=out)
 

@@ -51,11 +51,13 @@ def _closure_tensors(fn, out: dict, depth: int = 0) -> None:
                 _closure_tensors(x, out, depth + 1)
 
 
-def _closure_tensors_of(tup: tuple, out: dict) -> None:
+def _closure_tensors_of(tup: tuple, out: dict, depth: int = 0) -> None:
     for x in tup:
         if isinstance(x, torch.Tensor):
             k, b = _nbytes(x)
             out[k] = b
+        elif isinstance(x, tuple) and depth < 3:  # a TiledMember holds its TiledWeight
+            _closure_tensors_of(x, out, depth + 1)
 
 
 def weight_bytes(gm: fx.GraphModule, cache_names: set[str] = frozenset()) -> WeightBytes:

@@ -15,7 +15,9 @@ a target attribute and chosen at run time from what the CPU reports (`supported_
 row's output does not depend on the other rows or the thread count, so greedy speculative
 decoding still equals greedy plain decoding within a deployment. Compiled on first use into
 the same cache as the exact kernel; where it cannot be built, one warning says why and callers
-keep the exact kernel (or fp32).
+keep the exact kernel (or fp32). `ggml_tiled.py` runs this model over weights repacked in tiles
+of 16 outputs (several rows for little more than one); `ggml_linears` uses it wherever a kernel
+call has N % 16 == 0 outputs and keeps this kernel for the others.
 """
 from __future__ import annotations
 

@@ -13,10 +13,11 @@ import torch
 from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, Segment, build_metadata
 from specdeploy.config import SpecConfig
 from specdeploy.deploy.build import build
+from specdeploy.deploy.deferred import fill_from_blocks
 from specdeploy.deploy.passes import ggml_linears as pass_mod
 from specdeploy.loading import load_model
 from specdeploy.models import llama
-from specdeploy.ops import ggml_int
+from specdeploy.ops import ggml_int, ggml_tiled
 from specdeploy.ops.ggml_linear import kernel_unavailable
 from tests.checkpoint.test_gguf import Q, _tiny_llama_gguf
 
@@ -54,6 +55,7 @@ def test_fast_rows_are_batch_invariant_and_near_the_fp32_model(tiny_gguf):
     dep = build(str(path), kernels="fast", **LIMITS)
     info = {i.name: i for i in dep.infos}["ggml_linears"]
     assert f"integer-dot kernel, {ggml_int.default_isa()}" in info.detail
+    assert "tiled: 15 of 15 linears" in info.detail  # every kernel call has N % 16 == 0
     ids = torch.randint(3, 128, (50,), generator=torch.Generator().manual_seed(0)).tolist()
     prefill = (21, SEG_NORMAL)
     one_by_one = _logits(dep, ids, [prefill] + [(1, SEG_NORMAL)] * 20)
@@ -119,3 +121,29 @@ def test_greedy_speculative_equals_plain_on_fast_kernels(tiny_gguf, method, tmp_
     assert [o.token_ids for o in fast.generate(prompts, params)] == want
     stats = fast.stats()
     assert stats.get("draft_tokens", 0) + stats.get("lookup_steps", 0) > 0
+
+
+def test_tiled_copy_replaces_the_blocks_and_others_keep_the_gguf_order_kernel(tmp_path):
+    """A tied Q8_0 head of 136 outputs (not a multiple of 16) keeps ggml_int on its blocks and
+    the embedding gathers from them; the other calls run tiled. Either way one copy: the fast
+    deployment holds the exact one's bytes, and the named map gives every weight's values."""
+    src = llama.make_tiny(tmp_path / "st", seed=2,
+                          config_overrides={"tie_word_embeddings": True, "vocab_size": 136})
+    path = _tiny_llama_gguf(src, tmp_path / "tiny.gguf", Q.Q8_0)
+    fast, exact = (build(str(path), kernels=k, **LIMITS) for k in ("fast", "exact"))
+    info = {i.name: i for i in fast.infos}["ggml_linears"]
+    assert "tiled: 14 of 15 linears" in info.detail and "1 embeddings" in info.detail
+    assert fast.weight_bytes() == exact.weight_bytes()
+    model = load_model(path, defer_blocks=True)
+    want = {n: p.detach().clone() for n, p in load_model(path).named_parameters()}
+    build(str(path), kernels="fast", model=model, **LIMITS)
+    named = model.ggml_weights
+    assert sum(isinstance(w, ggml_tiled.TiledMember) for w in named.values()) == 14
+    for name, w in named.items():
+        out = torch.empty(w.shape)
+        fill_from_blocks(w, out)
+        assert torch.equal(out, want[name]), name
+    ids = torch.randint(3, 136, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    steps = [(8, SEG_NORMAL), (1, SEG_NORMAL), (3, SEG_EXTEND)]
+    one = _logits(fast, ids, [(8, SEG_NORMAL)] + [(1, SEG_NORMAL)] * 4)
+    assert torch.equal(one, _logits(fast, ids, steps))

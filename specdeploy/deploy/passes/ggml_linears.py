@@ -14,7 +14,12 @@ parameters leave the graph, and the embedding gathers its rows from its blocks t
 `ctx.kernels` picks the kernel on the blocks: "exact" (the default) keeps the fp32 model bit for
 bit as above; "fast" quantizes each input row to 8-bit blocks and runs integer dot products
 (`ops/ggml_int.py`, as llama.cpp does; a slightly different model, its error bound in that
-module). Both keep rows batch-invariant, so greedy speculative = greedy plain either way.
+module). Both keep rows batch-invariant, so greedy speculative = greedy plain either way. With
+"fast", a kernel call of N % 16 == 0 outputs (all of the default model's) runs on its weights
+repacked in tiles of 16 outputs (`ops/ggml_tiled.py`: rows share the unpacked weights, so a
+verify step of K + 1 rows costs little more than a decode step); the packed copy replaces the
+blocks, a tied embedding gathers from it, and `model.ggml_weights` then names the members' rows
+of it (`TiledMember`). Other calls keep `ggml_int` on the blocks.
 
 Linears reading one input (q/k/v, gate/up) share one kernel call, as `fuse_linears` does for
 fp32 weights. A weight matches by identity with the loaded parameter that has blocks
@@ -34,66 +39,27 @@ from torch import fx
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.deferred import deferred_ptrs, materialize_deferred
 from specdeploy.deploy.graph import attr_tensor, drop_unread_params, split_fused_output
-from specdeploy.deploy.passes.pack_linears import packable
+from specdeploy.deploy.passes.ggml_calls import (  # noqa: F401 (MAX_ROWS, dequant_linear: API)
+    MAX_ROWS,
+    dequant_linear,
+    embedding_fn,
+    ggml_linear_fn,
+    tiled_fn,
+)
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
-from specdeploy.ops import ggml_int
+from specdeploy.ops import ggml_int, ggml_tiled
 from specdeploy.ops.ggml_linear import (
     GGMLWeight,
     concat_rows,
-    dequantize,
-    ggml_embedding,
     ggml_linear,
     kernel_unavailable,
-    scratch,
     warn_unbuilt,
 )
+from specdeploy.ops.ggml_tiled import TILE, TiledMember, repack
 
 _LINEAR = torch.ops.aten.linear.default
 _EMBEDDING = torch.ops.aten.embedding.default
-# Above this many rows the fp32 GEMM wins for the exact kernel (bench/results/
-# linear_rows_q4_1.json: about even at 16 rows, fp32 ahead at 32). The integer-dot kernels
-# ("fast") take every row count: bench/linear_rows.py --threads 1 --clock cpu, ms of CPU for 30
-# layers, int-dot avx2 / dequantize + GEMM: 64 rows 337 / 696, 256 rows 1277 / 1328
-# (bench/results/linear_rows_one_copy.json; a shared 2-core machine)
-MAX_ROWS = 16
-
-
 KERNELS = ("exact", "fast")
-
-
-def ggml_linear_fn(weight: GGMLWeight, members: list[GGMLWeight], bias: torch.Tensor | None,
-                   isa: str | None = None):
-    """x -> x @ W^T (+ bias): with `isa`, the integer-dot kernel on that ISA path at every row
-    count; else the exact kernel up to MAX_ROWS rows and above that `dequant_linear` per fused
-    member (views of `weight`'s rows), concatenated along the output."""
-    bias = None if bias is None else bias.detach()
-    if isa is not None:  # every row count: faster than dequantizing (see MAX_ROWS)
-        fast = ggml_int.bound_linear(weight, bias, isa)
-        fast.__name__ = fast.__qualname__ = "linear_on_blocks"  # the graph's node names
-        return fast
-
-    def linear_on_blocks(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // x.shape[-1] <= MAX_ROWS:
-            return ggml_linear(x, weight, bias)
-        if len(members) == 1:
-            return dequant_linear(x, members[0], bias)
-        return torch.cat([dequant_linear(x, m, None) for m in members], -1)
-
-    return linear_on_blocks
-
-
-def dequant_linear(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | None
-                   ) -> torch.Tensor:
-    """x @ W^T (+ bias) through W dequantized into the reused buffer: oneDNN on its blocked
-    layout for weights `pack_linears` packed (the bits of its packed path), else aten.linear."""
-    n, k = weight.shape
-    w = dequantize(weight, out=scratch(n * k))
-    if packable(w) and torch.backends.mkldnn.is_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        x2 = x.reshape(-1, k)
-        y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
-        return y.view(*x.shape[:-1], n)
-    return torch.nn.functional.linear(x, w, bias)
 
 
 def _weight_map(ctx: DeployContext) -> dict:
@@ -144,7 +110,35 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     if why:
         return Skipped(f"kernel unavailable: {why}")
     isa, note = _fast_isa(ctx.kernels)
-    # linears on blocks, grouped by their input (one kernel call per group)
+    todo, stale = _kernel_calls(gm, weights, deferred)
+    attrs = {node.args[1].target for members in todo for node, _ in members}
+    n_nodes = sum(len(members) for members in todo)
+    stored = sum(gw.blocks.nbytes for members in todo for _, gw in members)
+    tile = isa is not None and ggml_tiled.kernel_unavailable() is None
+    named, n_tiled = ctx.model.ggml_weights, 0
+    while todo:  # NOTE: each call's loaded copies go as soon as it has its own, not at the end
+        views = _replace(gm, todo.pop(0), isa, tile)
+        n_tiled += sum(isinstance(v, TiledMember) for v in views.values())
+        for d in (named, weights, deferred):
+            d.update({key: views[id(g)] for key, g in d.items() if id(g) in views})
+    n_emb, emb_bytes, tables = _embeddings(gm, weights, deferred)
+    freed = drop_unread_params(gm, attrs | tables)
+    filled = materialize_deferred(gm, ctx.model)
+    if tile:
+        note += f", tiled: {n_tiled} of {n_nodes} linears"
+    return Done(n_nodes, f"{n_nodes} linears on {stored / 2**20:.0f} MiB of blocks "
+                + (f"({note}, every row count), " if isa else f"(<= {MAX_ROWS} rows {note}; "
+                   "above: dequantized one weight at a time), ")
+                + f"{n_emb} embeddings on {emb_bytes / 2**20:.0f} MiB; fp32 parameters out of "
+                f"the graph: {freed / 2**20:.0f} MiB"
+                + (f"; {filled} deferred weights filled from blocks" if filled else "")
+                + (f"; {stale} weights changed since loading left fp32" if stale else ""))
+
+
+def _kernel_calls(gm: fx.GraphModule, weights: dict, deferred: dict) -> tuple[list, int]:
+    """The linears on blocks as kernel calls (lists of (node, blocks)): grouped by their input,
+    the bias-free members of a group that share a kind fuse. And how many weights changed
+    since loading (left on the fp32 path)."""
     groups: dict[fx.Node, list[tuple[fx.Node, GGMLWeight]]] = {}
     stale = 0
     for node in list(gm.graph.nodes):
@@ -155,7 +149,7 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
                 stale, gw = stale + 1, None  # NOTE: edited since loading: keep the fp32 path
             if gw is not None:
                 groups.setdefault(node.args[0], []).append((node, gw))
-    todo = []  # kernel calls: the bias-free members of a group that share a kind fuse
+    todo = []
     for members in groups.values():
         fusable: dict[tuple, list] = {}
         for node, gw in members:
@@ -164,24 +158,7 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
             else:
                 todo.append([(node, gw)])
         todo.extend(fusable.values())
-    attrs = {node.args[1].target for members in todo for node, _ in members}
-    stacked = {}  # id(member blocks) -> its view of the stacked copy
-    for members in todo:
-        stacked.update(_replace(gm, members, isa))
-    named = ctx.model.ggml_weights  # NOTE: the loaded copies go now, not when the model does
-    named.update({n: stacked[id(g)] for n, g in named.items() if id(g) in stacked})
-    n_emb, emb_bytes, tables = _embeddings(gm, weights, deferred)
-    freed = drop_unread_params(gm, attrs | tables)
-    filled = materialize_deferred(gm, ctx.model)
-    n_nodes = sum(len(members) for members in todo)
-    stored = sum(gw.blocks.nbytes for members in todo for _, gw in members)
-    return Done(n_nodes, f"{n_nodes} linears on {stored / 2**20:.0f} MiB of blocks "
-                + (f"({note}, every row count), " if isa else f"(<= {MAX_ROWS} rows {note}; "
-                   "above: dequantized one weight at a time), ")
-                + f"{n_emb} embeddings on {emb_bytes / 2**20:.0f} MiB; fp32 parameters out of "
-                f"the graph: {freed / 2**20:.0f} MiB"
-                + (f"; {filled} deferred weights filled from blocks" if filled else "")
-                + (f"; {stale} weights changed since loading left fp32" if stale else ""))
+    return todo, stale
 
 
 def _fast_isa(kernels: str) -> tuple[str | None, str]:
@@ -206,50 +183,55 @@ def _bias(node: fx.Node):
     return node.args[2] if len(node.args) > 2 else None
 
 
-def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]],
-             isa: str | None) -> dict[int, GGMLWeight]:
+def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], isa: str | None,
+             tile: bool) -> dict[int, GGMLWeight | TiledMember]:
     """One kernel call for `members` (linears of one input, in graph order); returns
-    id(member's blocks) -> its row view of the stacked copy (fused members only)."""
-    nodes = [n for n, _ in members]
-    gw = members[0][1] if len(members) == 1 else concat_rows([g for _, g in members])
-    views, start = [], 0  # NOTE: the members as row views of the one stacked copy
-    for _, g in members:
-        views.append(GGMLWeight(g.kind, gw.blocks[start:start + g.shape[0]], g.shape))
-        start += g.shape[0]
+    id(member's blocks) -> what holds its values now: its rows of the tiled copy (`tile` and a
+    multiple of 16 outputs), else its row view of the stacked copy (fused members only)."""
+    nodes, weights = [n for n, _ in members], [g for _, g in members]
     bias = attr_tensor(gm, _bias(nodes[0])) if len(nodes) == 1 else None
-    with gm.graph.inserting_before(nodes[0]):
+    views, start = [], 0
+    if tile and sum(g.shape[0] for g in weights) % TILE == 0:
+        tw = repack(weights)
+        fn = tiled_fn(tw, bias, isa)
+        for g in weights:
+            views.append(TiledMember(tw, start, g.shape))
+            start += g.shape[0]
+    else:
+        gw = weights[0] if len(weights) == 1 else concat_rows(weights)
+        for g in weights:  # NOTE: the members as row views of the one stacked copy
+            views.append(GGMLWeight(g.kind, gw.blocks[start:start + g.shape[0]], g.shape))
+            start += g.shape[0]
         fn = ggml_linear_fn(gw, views, bias, isa)
+    with gm.graph.inserting_before(nodes[0]):
         out = gm.graph.call_function(fn, (nodes[0].args[0],))
+    done = {id(g): view for g, view in zip(weights, views)}
     if len(nodes) == 1:
         out.meta = dict(nodes[0].meta)
         nodes[0].replace_all_uses_with(out)
         gm.graph.erase_node(nodes[0])
-        return {}
-    split_fused_output(gm, out, nodes, [g.shape[0] for _, g in members])
-    return {id(g): view for (_, g), view in zip(members, views)}
+        return done if isinstance(views[0], TiledMember) else {}
+    split_fused_output(gm, out, nodes, [g.shape[0] for g in weights])
+    return done
 
 
 def _embeddings(gm: fx.GraphModule, weights: dict, deferred: dict) -> tuple[int, int, set]:
     """Embedding lookups whose table has blocks (still its values) gather their rows from the
-    blocks: (lookups, block bytes, the tables' get_attr targets)."""
+    blocks, or from the tiled copy of a tied head's: (lookups, bytes, the tables' targets)."""
     n, stored, tables = 0, {}, set()
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is _EMBEDDING:
             gw, w = _blocks_of(gm, node, weights), attr_tensor(gm, node.args[0])
-            if gw is None or (w.data_ptr() not in deferred and not _same_values(w, gw)):
+            # NOTE: a tiled table was checked as the head's linear (same parameter)
+            if gw is None or (not isinstance(gw, TiledMember) and w.data_ptr() not in deferred
+                              and not _same_values(w, gw)):
                 continue
             tables.add(node.args[0].target)
             with gm.graph.inserting_before(node):
-                out = gm.graph.call_function(_embedding_fn(gw), (node.args[1],))
+                out = gm.graph.call_function(embedding_fn(gw), (node.args[1],))
             out.meta = dict(node.meta)
             node.replace_all_uses_with(out)
             gm.graph.erase_node(node)
-            n, stored[id(gw)] = n + 1, gw.blocks.nbytes
+            held = gw.tiled.packed if isinstance(gw, TiledMember) else gw.blocks
+            n, stored[held.data_ptr()] = n + 1, held.nbytes
     return n, sum(stored.values()), tables
-
-
-def _embedding_fn(weight: GGMLWeight):
-    def embedding_on_blocks(ids: torch.Tensor) -> torch.Tensor:
-        return ggml_embedding(ids, weight)
-
-    return embedding_on_blocks

@@ -1,0 +1,398 @@
+/* y[R, N] = x[R, K] @ W^T over GGUF weights (Q4_1, Q8_0, Q4_0) repacked in tiles of 16 outputs,
+ * x quantized per row to 8-bit blocks of 32 as in ggml_kernels_int.c (d = max|x| / 127 fp32,
+ * q = rint(x * 127 / max|x|), Q4_1's offset m meets the exact fp32 block sum of x).
+ *
+ * Why tiles: ggml_kernels_int.c keeps one output per accumulator, so every (output, block, row)
+ * pays for its own reduction and scale; R rows cost nearly R times one row. Here one vector
+ * holds 16 outputs' sums: per block the 8 groups of 4 weight bytes of all 16 outputs are
+ * unpacked once and each row broadcasts its 4 activation bytes of a group to all lanes, so a
+ * dot product step serves 16 outputs and the unpacked weights serve a group of rows.
+ *
+ * Layout, per tile of 16 outputs and block b (the bytes of 16 GGUF blocks): 16 fp16 d (as
+ * stored) | Q4_1: 16 fp16 m | per group g of 4 inputs (values 4g..4g+3), 16 outputs x 4 bytes.
+ * Q8_0 stores the 8 groups as signed bytes; 4-bit kinds store groups g (low nibbles) and g + 4
+ * (high) in one 64-byte vector, per output GGUF's own qs[4g .. 4g + 3] (low nibble of qs[i] =
+ * value i, high = value i + 16): unpacking is one `and` and one `srli_epi16 + and`.
+ *
+ * Per (output, row, block) the integer dot product p is exact; then, per output lane, in block
+ * order: scale = d_w * d_x (one rounding), acc = fma(float(p), scale, acc), for Q4_1 also
+ * macc = fma(m, s_x, macc); y = acc + macc (Q4_1) or acc. The scalar C, AVX2 and AVX-512 paths
+ * perform exactly those fp32 operations (per lane), so they are bit-identical, and an output
+ * never depends on R or the thread count (batch invariance). No -m flags: the SIMD functions
+ * carry target attributes. Must be compiled with -ffp-contract=off. Built by ggml_tiled.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#define SD_X86 1
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2 };             /* ggml_linear.py's KINDS */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
+#define TILE 16
+/* rows sharing one unpacking of a tile's block: what the accumulators leave of 16 ymm / 32 zmm */
+#define AVX2_ROWS 4
+#define AVX512_ROWS 8
+#define ROW_GROUP 8 /* the most of either */
+
+typedef struct {
+    const int8_t *q;  /* [R, K] the quantized rows */
+    const float *d;   /* [R, nb] block scales */
+    const float *s;   /* [R, nb] exact block sums of x (Q4_1) */
+    const int32_t *S; /* [R, nb] integer block sums of q (the shift of signed kinds) */
+} act_t;
+
+static int block_bytes(int kind) { return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : 18; }
+static int quant_off(int kind) { return kind == Q4_1 ? 64 : 32; } /* in a tile block */
+
+static float half_to_float(uint16_t h) { /* exact; portable (no F16C) */
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    uint32_t bits;
+    if (e == 0x1F) bits = sign | 0x7F800000u | (m << 13);
+    else if (e) bits = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m) bits = sign;
+    else { /* subnormal half: normalize */
+        int shift = 0;
+        uint32_t mm = m;
+        while (!(mm & 0x400)) { mm <<= 1; shift++; }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mm & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float half_at(const uint8_t *p) {
+    uint16_t h;
+    return memcpy(&h, p, 2), half_to_float(h);
+}
+
+/* ggml_kernels_int.c's quantize_rows (the same q, d, s) plus the integer block sums S */
+static void quantize_rows(const float *x, int R, int K, int8_t *q, float *d, float *s,
+                          int32_t *S) {
+    const int nb = K / 32;
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)r * K + b * 32;
+            float amax = 0.f, sum = 0.f;
+            for (int i = 0; i < 32; i++) {
+                const float a = fabsf(xb[i]);
+                amax = a > amax ? a : amax;
+                sum += xb[i];
+            }
+            const float id = amax > 0.f ? 127.f / amax : 0.f;
+            int8_t *qb = q + (size_t)r * K + b * 32;
+            int32_t isum = 0;
+            for (int i = 0; i < 32; i++) {
+                qb[i] = (int8_t)lrintf(xb[i] * id);
+                isum += qb[i];
+            }
+            /* NOTE: a NaN / inf in x must not vanish into q = 0: it poisons the block's scale */
+            d[(size_t)r * nb + b] = isfinite(sum) ? amax / 127.f : NAN;
+            s[(size_t)r * nb + b] = sum;
+            S[(size_t)r * nb + b] = isum;
+        }
+}
+
+/* ---- repacking and dequantized rows (portable C) ---- */
+
+/* GGUF rows src[rows, K / 32 blocks] -> outputs row0 .. row0 + rows - 1 of the tiled copy dst
+ * (callers stack fused weights by calling this per member, no stacked GGUF copy in between) */
+void ggml_tiled_repack(int kind, const uint8_t *src, int rows, int K, uint8_t *dst, int row0,
+                       int nthreads) {
+    const int nb = K / 32, bytes = block_bytes(kind), tb = TILE * bytes, qo = quant_off(kind);
+    const int qsrc = kind == Q4_1 ? 4 : 2, vecs = kind == Q8_0 ? 8 : 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int i = 0; i < rows; i++) {
+        const int n = row0 + i, o = n % TILE;
+        const uint8_t *row = src + (size_t)i * nb * bytes;
+        uint8_t *tile = dst + (size_t)(n / TILE) * nb * tb;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * bytes;
+            uint8_t *t = tile + (size_t)b * tb;
+            memcpy(t + 2 * o, blk, 2);
+            if (kind == Q4_1) memcpy(t + 32 + 2 * o, blk + 2, 2);
+            for (int j = 0; j < vecs; j++) memcpy(t + qo + 64 * j + 4 * o, blk + qsrc + 4 * j, 4);
+        }
+    }
+}
+
+/* rows `ids` of the tiled weight, dequantized as gguf does (d * q + m: a product, then a sum) */
+void ggml_tiled_rows(int kind, const uint8_t *w, int K, const int64_t *ids, int R, float *out,
+                     int nthreads) {
+    const int nb = K / 32, tb = TILE * block_bytes(kind), qo = quant_off(kind);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int r = 0; r < R; r++) {
+        const int64_t n = ids[r];
+        const int o = (int)(n % TILE);
+        const uint8_t *tile = w + (size_t)(n / TILE) * nb * tb;
+        float *y = out + (size_t)r * K;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *t = tile + (size_t)b * tb, *qs = t + qo + 4 * o;
+            const float d = half_at(t + 2 * o), m = kind == Q4_1 ? half_at(t + 32 + 2 * o) : 0.f;
+            float *yb = y + b * 32;
+            for (int g = 0; g < 8; g++)
+                for (int i = 0; i < 4; i++) {
+                    float v;
+                    if (kind == Q8_0) v = d * (float)(int8_t)qs[64 * g + i];
+                    else {
+                        const uint8_t byte = qs[64 * (g & 3) + i];
+                        const int q = g < 4 ? byte & 0x0F : byte >> 4;
+                        v = kind == Q4_1 ? d * (float)q + m : d * (float)(q - 8);
+                    }
+                    yb[4 * g + i] = v;
+                }
+        }
+    }
+}
+
+/* ---- portable scalar path ---- */
+static void tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_t *w, int t0, int t1,
+                         int N, float *y) {
+    const int nb = K / 32, tb = TILE * block_bytes(kind), qo = quant_off(kind);
+    for (int t = t0; t < t1; t++)
+        for (int o = 0; o < TILE; o++)
+            for (int r = 0; r < R; r++) {
+                float acc = 0.f, macc = 0.f;
+                for (int b = 0; b < nb; b++) {
+                    const uint8_t *blk = w + ((size_t)t * nb + b) * tb, *qs = blk + qo + 4 * o;
+                    const int8_t *qx = a->q + (size_t)r * K + b * 32;
+                    const size_t rb = (size_t)r * nb + b;
+                    int32_t p = 0;
+                    for (int g = 0; g < 8; g++)
+                        for (int i = 0; i < 4; i++) {
+                            int wv;
+                            if (kind == Q8_0) wv = (int8_t)qs[64 * g + i];
+                            else {
+                                const uint8_t byte = qs[64 * (g & 3) + i];
+                                wv = (g < 4 ? byte & 0x0F : byte >> 4) - (kind == Q4_0 ? 8 : 0);
+                            }
+                            p += wv * qx[4 * g + i];
+                        }
+                    const float scale = half_at(blk + 2 * o) * a->d[rb];
+                    acc = fmaf((float)p, scale, acc);
+                    if (kind == Q4_1) macc = fmaf(half_at(blk + 32 + 2 * o), a->s[rb], macc);
+                }
+                y[(size_t)r * N + (size_t)t * TILE + o] = kind == Q4_1 ? acc + macc : acc;
+            }
+}
+
+#ifdef SD_X86
+#define AVX2_ATTR __attribute__((target("avx2,fma,f16c")))
+#define AVX512_ATTR __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define INLINE static inline __attribute__((always_inline))
+
+static inline int32_t group_at(const int8_t *q) { /* 4 activation bytes as one int32 */
+    int32_t v;
+    return memcpy(&v, q, 4), v;
+}
+
+/* AVX2: half a tile (8 outputs) per ymm; no dpbusd, so maddubs (u8 x s8 -> saturating int16
+ * pairs) and madd with ones. 4-bit weights are 0..15: a pair is <= 2 * 15 * 127 and the 8
+ * groups' pairs add up in int16 without saturating (<= 30480) before one madd. Q8_0 goes in as
+ * |w| times sign(q, w) (a pair <= 2 * 128 * 127 < 32767; w + 128 would saturate). */
+AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int N, float *y,
+                                int r0, const int rg, const int kind, const int h) {
+    const int nb = K / 32, tb = TILE * block_bytes(kind), qo = quant_off(kind);
+    const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
+    __m256 acc[ROW_GROUP], macc[ROW_GROUP];
+    for (int r = 0; r < rg; r++) acc[r] = macc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        /* half h: scales 16 h bytes on, quants 32 h bytes on in every 64-byte vector */
+        const uint8_t *blk = tile + (size_t)b * tb + 16 * h, *qs = blk + 16 * h + qo;
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 m = kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)))
+                                      : _mm256_setzero_ps();
+        __m256i wv[8], wabs[8];
+        if (kind == Q8_0)
+            for (int g = 0; g < 8; g++) {
+                wv[g] = _mm256_loadu_si256((const __m256i *)(qs + 64 * g));
+                wabs[g] = _mm256_abs_epi8(wv[g]);
+            }
+        else
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * j));
+                wv[j] = _mm256_and_si256(v, mask);
+                wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            }
+        for (int r = 0; r < rg; r++) {
+            const size_t rb = (size_t)(r0 + r) * nb + b;
+            const int8_t *qx = a->q + rb * 32;
+            __m256i p;
+            if (kind == Q8_0) {
+                __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+                for (int g = 0; g < 8; g += 2) {
+                    const __m256i x0 = _mm256_set1_epi32(group_at(qx + 4 * g));
+                    const __m256i x1 = _mm256_set1_epi32(group_at(qx + 4 * g + 4));
+                    p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                        wabs[g], _mm256_sign_epi8(x0, wv[g])), ones));
+                    p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                        wabs[g + 1], _mm256_sign_epi8(x1, wv[g + 1])), ones));
+                }
+                p = _mm256_add_epi32(p0, p1);
+            } else {
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                for (int g = 0; g < 8; g += 2) {
+                    s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(
+                        wv[g], _mm256_set1_epi32(group_at(qx + 4 * g))));
+                    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(
+                        wv[g + 1], _mm256_set1_epi32(group_at(qx + 4 * g + 4))));
+                }
+                p = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+                if (kind == Q4_0) p = _mm256_sub_epi32(p, _mm256_set1_epi32(8 * a->S[rb]));
+            }
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[rb]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
+            if (kind == Q4_1) macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s[rb]), macc[r]);
+        }
+    }
+    for (int r = 0; r < rg; r++)
+        _mm256_storeu_ps(y + (size_t)(r0 + r) * N + 8 * h,
+                         kind == Q4_1 ? _mm256_add_ps(acc[r], macc[r]) : acc[r]);
+}
+
+/* AVX-512 VNNI: a whole tile per zmm, dpbusd (u8 x s8, 4 products per int32 lane, no
+ * saturation). Signed kinds go in unsigned (Q4_0: the nibble, w + 8; Q8_0: w + 128 by flipping
+ * the sign bit) and shift * S comes off in int32, exactly. */
+AVX512_ATTR INLINE void tile_avx512(const act_t *a, int K, const uint8_t *tile, int N, float *y,
+                                    int r0, const int rg, const int kind) {
+    const int nb = K / 32, tb = TILE * block_bytes(kind), qo = quant_off(kind);
+    const int shift = kind == Q8_0 ? 128 : 8;
+    const __m512i mask = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[ROW_GROUP], macc[ROW_GROUP];
+    for (int r = 0; r < rg; r++) acc[r] = macc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = tile + (size_t)b * tb, *qs = blk + qo;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 m = kind == Q4_1
+            ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))) : _mm512_setzero_ps();
+        __m512i wv[8];
+        if (kind == Q8_0)
+            for (int g = 0; g < 8; g++)
+                wv[g] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(qs + 64 * g)), flip);
+        else
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(qs + 64 * j));
+                wv[j] = _mm512_and_si512(v, mask);
+                wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            }
+        for (int r = 0; r < rg; r++) {
+            const size_t rb = (size_t)(r0 + r) * nb + b;
+            const int8_t *qx = a->q + rb * 32;
+            __m512i p0 = _mm512_setzero_si512(), p1 = _mm512_setzero_si512();
+            for (int g = 0; g < 8; g += 2) { /* two chains: dpbusd's latency */
+                p0 = _mm512_dpbusd_epi32(p0, wv[g], _mm512_set1_epi32(group_at(qx + 4 * g)));
+                p1 = _mm512_dpbusd_epi32(p1, wv[g + 1],
+                                         _mm512_set1_epi32(group_at(qx + 4 * g + 4)));
+            }
+            __m512i p = _mm512_add_epi32(p0, p1);
+            if (kind != Q4_1) p = _mm512_sub_epi32(p, _mm512_set1_epi32(shift * a->S[rb]));
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[rb]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc[r]);
+            if (kind == Q4_1) macc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->s[rb]), macc[r]);
+        }
+    }
+    for (int r = 0; r < rg; r++)
+        _mm512_storeu_ps(y + (size_t)(r0 + r) * N,
+                         kind == Q4_1 ? _mm512_add_ps(acc[r], macc[r]) : acc[r]);
+}
+
+/* AVX2 runs a tile as two halves of 8 outputs */
+AVX2_ATTR INLINE void tile_avx2(const act_t *a, int K, const uint8_t *tile, int N, float *y,
+                                int r0, const int rg, const int kind) {
+    half_avx2(a, K, tile, N, y, r0, rg, kind, 0);
+    half_avx2(a, K, tile, N, y, r0, rg, kind, 1);
+}
+
+/* tiles t0..t1, every group of up to G rows; rg and kind constant in each inlined call */
+#define ROWS_CASE(OP, KIND, RG) case RG: OP(a, K, tile, N, yt, r0, RG, KIND); break;
+#define TILES_FN(NAME, TILE_OP, KIND, G, ATTR)                                                  \
+    ATTR static void NAME(const act_t *a, int R, int K, const uint8_t *w, int t0, int t1, int N,  \
+                          float *y) {                                                           \
+        const size_t tile_bytes = (size_t)(K / 32) * TILE * block_bytes(KIND);                  \
+        for (int t = t0; t < t1; t++) {                                                         \
+            const uint8_t *tile = w + (size_t)t * tile_bytes;                                   \
+            float *yt = y + (size_t)t * TILE;                                                   \
+            for (int r0 = 0; r0 < R; r0 += G) {                                                 \
+                switch (R - r0 < G ? R - r0 : G) {                                              \
+                ROWS_CASE(TILE_OP, KIND, 1) ROWS_CASE(TILE_OP, KIND, 2)                         \
+                ROWS_CASE(TILE_OP, KIND, 3) ROWS_CASE(TILE_OP, KIND, 4)                         \
+                ROWS_CASE(TILE_OP, KIND, 5) ROWS_CASE(TILE_OP, KIND, 6)                         \
+                ROWS_CASE(TILE_OP, KIND, 7) ROWS_CASE(TILE_OP, KIND, 8)                         \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+    }
+TILES_FN(q4_1_avx2, tile_avx2, Q4_1, AVX2_ROWS, AVX2_ATTR)
+TILES_FN(q8_0_avx2, tile_avx2, Q8_0, AVX2_ROWS, AVX2_ATTR)
+TILES_FN(q4_0_avx2, tile_avx2, Q4_0, AVX2_ROWS, AVX2_ATTR)
+TILES_FN(q4_1_avx512, tile_avx512, Q4_1, AVX512_ROWS, AVX512_ATTR)
+TILES_FN(q8_0_avx512, tile_avx512, Q8_0, AVX512_ROWS, AVX512_ATTR)
+TILES_FN(q4_0_avx512, tile_avx512, Q4_0, AVX512_ROWS, AVX512_ATTR)
+#endif /* SD_X86 */
+
+/* 1 when this build and this CPU can run `isa` */
+int ggml_tiled_isa_supported(int isa) {
+    if (isa == ISA_SCALAR) return 1;
+#ifdef SD_X86
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                     __builtin_cpu_supports("f16c");
+    if (isa == ISA_AVX2) return avx2;
+    if (isa == ISA_AVX512)
+        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+    return 0;
+}
+
+static void run_tiles(int kind, int isa, const act_t *a, int R, int K, const uint8_t *w, int t0,
+                      int t1, int N, float *y) {
+#ifdef SD_X86
+    typedef void (*tiles_fn)(const act_t *, int, int, const uint8_t *, int, int, int, float *);
+    static const tiles_fn simd[2][3] = {{q4_1_avx2, q8_0_avx2, q4_0_avx2},      /* by kind */
+                                        {q4_1_avx512, q8_0_avx512, q4_0_avx512}};
+    if (isa == ISA_AVX2 || isa == ISA_AVX512) simd[isa - 1][kind](a, R, K, w, t0, t1, N, y);
+    else
+#endif
+        tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
+    (void)isa;
+}
+
+/* kind: Q4_1, Q8_0 or Q4_0; x [R, K] and y [R, N] row-major fp32, N % 16 == 0, K % 32 == 0;
+ * w: the tiled copy. Returns 0, -1 when scratch memory could not be had, -2 for an ISA this
+ * build / CPU cannot run, -3 for N % 16 != 0 (y untouched then). */
+int ggml_tiled_linear(int kind, int isa, const float *x, int R, int K, const uint8_t *w, int N,
+                      float *y, int nthreads) {
+    if (!ggml_tiled_isa_supported(isa)) return -2;
+    if (N % TILE) return -3;
+    const int nb = K / 32, tiles = N / TILE;
+    /* one allocation: q (R * K bytes), then d, s, S (R * nb 4-byte values each), 64-aligned */
+    const size_t qbytes = ((size_t)R * K + 63) / 64 * 64;
+    const size_t fbytes = (12 * (size_t)R * nb + 63) / 64 * 64;
+    uint8_t *scratch = (uint8_t *)aligned_alloc(64, qbytes + fbytes + 64);
+    if (!scratch) return -1;
+    float *d = (float *)(scratch + qbytes), *s = d + (size_t)R * nb;
+    int32_t *S = (int32_t *)(s + (size_t)R * nb);
+    quantize_rows(x, R, K, (int8_t *)scratch, d, s, S);
+    const act_t a = {(const int8_t *)scratch, d, s, S};
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const int per = (tiles + nt - 1) / nt; /* a contiguous range of tiles per thread */
+        const int t0 = t * per, t1 = t0 + per < tiles ? t0 + per : tiles;
+        if (t0 < t1) run_tiles(kind, isa, &a, R, K, w, t0, t1, N, y);
+    }
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,213 @@
+"""Integer-dot GGUF linears over weights repacked in tiles of 16 outputs (issue 21).
+
+`ggml_int.py` runs the same model (x quantized per row to 8-bit blocks, exact integer block dot
+products, fp32 scales; its error bound holds here) over the GGUF blocks as stored, one output
+per accumulator, so R rows cost nearly R times one row and a speculative verify step of 1 + K
+rows cost about two decode steps. Here (`ggml_tiled.c`, layout in its header) the weights are
+repacked once, as llama.cpp does, so that one vector holds 16 outputs' sums and the unpacked
+weights of a block serve up to 4 rows: several rows cost little more than one.
+
+The packed copy replaces the blocks (same bytes). Scalar C, AVX2 and AVX-512 VNNI paths give
+bit-identical outputs, independent of the other rows and the thread count, so greedy speculative
+decoding still equals greedy plain decoding. The outputs are not those of `ggml_int` (the fp32
+sums run in another order), so a deployment uses one kernel per weight, at every row count.
+Compiled on first use next to the other kernels; where it cannot be built, one warning says why
+and callers keep `ggml_int`.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from specdeploy.ops import ggml_linear as _gl
+from specdeploy.ops.ggml_int import ISAS
+from specdeploy.ops.ggml_linear import KINDS, GGMLWeight
+
+SOURCE = Path(__file__).with_name("ggml_tiled.c")
+# NOTE: no -m flags (the SIMD functions carry their targets); -ffp-contract=off keeps the
+# scalar path's fp32 operations the ones the SIMD paths perform
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+TILE = 16
+_P, _I = ctypes.c_void_p, ctypes.c_int
+
+
+class TiledWeight(NamedTuple):
+    """A [N, K] weight repacked in tiles of 16 outputs (`packed`: uint8 [N / 16, tile bytes])."""
+
+    kind: str  # "q4_1" | "q8_0" | "q4_0"
+    packed: torch.Tensor
+    shape: tuple[int, int]
+
+
+@lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("SPECDEPLOY_GGML_KERNELS", "1") == "0":
+        return None, "SPECDEPLOY_GGML_KERNELS=0"
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    errors, cache = [], _gl._cache_dir()
+    for openmp in (True, False):  # NOTE: a compiler without OpenMP still gets a 1-thread kernel
+        path = cache / f"ggml_tiled-{digest}{'-omp' if openmp else ''}.so"
+        if not path.exists():
+            err = _gl._compile(path, openmp, source=SOURCE, flags=_FLAGS, libs=("-lm",))
+            if err:
+                errors.append(err)
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        for name, args in (("ggml_tiled_linear", [_I, _I, _P, _I, _I, _P, _I, _P, _I]),
+                           ("ggml_tiled_isa_supported", [_I])):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, _I
+        for name, args in (("ggml_tiled_repack", [_I, _P, _I, _I, _P, _I, _I]),
+                           ("ggml_tiled_rows", [_I, _P, _I, _P, _I, _P, _I])):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
+        return lib, None
+    why = "; ".join(errors)
+    _gl.warn_unbuilt("the tiled integer-dot GGUF kernels", why)
+    return None, why
+
+
+def _lib() -> ctypes.CDLL:
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"tiled ggml kernels unavailable: {why}")
+    return lib
+
+
+def kernel_unavailable() -> str | None:
+    """None when the tiled kernels are built and loaded here, else why not."""
+    return _library()[1]
+
+
+def supported_isas() -> list[str]:
+    """The ISA paths this build and this CPU run, slowest first (scalar is always there)."""
+    lib, _ = _library()
+    return [] if lib is None else [n for i, n in enumerate(ISAS) if lib.ggml_tiled_isa_supported(i)]
+
+
+def repack(weight: GGMLWeight | list[GGMLWeight]) -> TiledWeight:
+    """The tiled copy of `weight` (a list: weights of one kind and K stacked along the outputs,
+    repacked straight from each, no stacked GGUF copy in between). N % 16 != 0 raises
+    ValueError (callers keep the GGUF blocks and `ggml_int` then)."""
+    members = weight if isinstance(weight, list) else [weight]
+    kinds = {(w.kind, w.shape[1]) for w in members}
+    if len(kinds) != 1:
+        raise ValueError(f"tiled repack: cannot stack mixed kinds / input sizes {sorted(kinds)}")
+    (kind, k), n = kinds.pop(), sum(w.shape[0] for w in members)
+    if n % TILE:
+        raise ValueError(f"tiled repack: {n} outputs (shape {(n, k)}) are not a multiple of "
+                         f"{TILE}")
+    lib = _lib()
+    packed = torch.empty(n // TILE, TILE * k // 32 * KINDS[kind][1], dtype=torch.uint8)
+    row0 = 0
+    for w in members:
+        blocks = w.blocks.contiguous()
+        lib.ggml_tiled_repack(KINDS[kind][0], blocks.data_ptr(), w.shape[0], k,
+                              packed.data_ptr(), row0, torch.get_num_threads())
+        row0 += w.shape[0]
+    return TiledWeight(kind, packed, (n, k))
+
+
+def tiled_rows(tw: TiledWeight, ids: torch.Tensor, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """fp32 [len(ids), K]: rows `ids` of `tw` dequantized, the exact fp32 values gguf gives
+    (d * q + m), written into `out` when given (contiguous fp32 of that many elements)."""
+    n, k = tw.shape
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise IndexError(f"tiled_rows: ids outside [0, {n})")
+    if out is None:
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != ids.numel() * k:
+        raise ValueError(f"tiled_rows: out must be contiguous fp32 of {ids.numel() * k} elements")
+    if ids.numel():
+        _lib().ggml_tiled_rows(KINDS[tw.kind][0], tw.packed.data_ptr(), k, ids.data_ptr(),
+                               ids.numel(), out.data_ptr(), torch.get_num_threads())
+    return out.view(ids.numel(), k)
+
+
+def tiled_linear(x: torch.Tensor, tw: TiledWeight, bias: torch.Tensor | None = None,
+                 isa: str | None = None) -> torch.Tensor:
+    """`x[..., K] @ W^T (+ bias)` on the tiled copy; x fp32 on the CPU (checked, named)."""
+    from specdeploy.ops.ggml_int import default_isa
+
+    lib = _lib()
+    isa = default_isa() if isa is None else isa
+    if isa not in ISAS:
+        raise ValueError(f"isa: one of {', '.join(ISAS)}, got {isa!r}")
+    n, k = tw.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+        raise ValueError(f"tiled_linear: x must be fp32 on the CPU with last dim {k}, got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if x2.shape[0]:
+        rc = lib.ggml_tiled_linear(KINDS[tw.kind][0], ISAS.index(isa), x2.data_ptr(),
+                                   x2.shape[0], k, tw.packed.data_ptr(), n, y.data_ptr(),
+                                   torch.get_num_threads())
+        if rc == -2:
+            raise ValueError(f"isa {isa!r}: this CPU / build runs {', '.join(supported_isas())}")
+        if rc != 0:
+            raise MemoryError("tiled_linear: no scratch memory for the quantized rows")
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], n)
+
+
+def tiled_linear_fn(tw: TiledWeight, bias: torch.Tensor | None, isa: str):
+    """`x -> tiled_linear(x, tw, bias, isa)` with everything that does not depend on x checked
+    and looked up once (as `ggml_int.bound_linear`: a decode step calls ~120 of these). Inputs
+    it does not take go through tiled_linear, which names the problem."""
+    lib = _lib()
+    if isa not in ISAS:
+        raise ValueError(f"isa: one of {', '.join(ISAS)}, got {isa!r}")
+    if not lib.ggml_tiled_isa_supported(ISAS.index(isa)):
+        raise ValueError(f"isa {isa!r}: this CPU / build runs {', '.join(supported_isas())}")
+    fn, kind, isa_i = lib.ggml_tiled_linear, KINDS[tw.kind][0], ISAS.index(isa)
+    n, k = tw.shape
+    packed = tw.packed  # NOTE: the closure keeps the packed copy alive for its pointer
+    w_ptr, f32 = packed.data_ptr(), torch.float32
+    empty, threads = torch.empty, torch.get_num_threads
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is not f32 or x.shape[-1] != k or x.device.type != "cpu":
+            return tiled_linear(x, tw, bias, isa)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        rows = x.numel() // k
+        # NOTE: y in its final shape, no reshape / view: each torch call costs ~2 us here
+        y = empty((*x.shape[:-1], n), dtype=f32)
+        if rows and fn(kind, isa_i, x.data_ptr(), rows, k, w_ptr, n, y.data_ptr(), threads()):
+            raise MemoryError("tiled_linear: no scratch memory for the quantized rows")
+        if bias is not None:
+            y += bias
+        return y
+
+    linear.packed = packed
+    return linear
+
+
+class TiledMember(NamedTuple):
+    """Outputs start .. start + shape[0] of a tiled (possibly fused) weight: what a repacked
+    weight's name maps to once its GGUF blocks are gone (`member_rows` gives its values)."""
+
+    tiled: TiledWeight
+    start: int
+    shape: tuple[int, int]
+
+
+def member_rows(m: TiledMember, ids: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The member's rows `ids` (all when None) dequantized: `tiled_rows` of the whole weight."""
+    ids = torch.arange(m.shape[0]) if ids is None else ids.reshape(-1).to(torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= m.shape[0]):
+        raise IndexError(f"member_rows: ids outside [0, {m.shape[0]})")
+    return tiled_rows(m.tiled, ids + m.start if m.start else ids, out)
