@@ -62,6 +62,10 @@ SPECS = {
                                          prompt_lookup_num_tokens=16, controller="cost",
                                          **DRAFTER),
     "eagle3+ctl": lambda: SpecConfig("eagle3", 3, controller="cost", **DRAFTER),
+    "eagle3+lookup+ctl": lambda: SpecConfig("eagle3", 3, prompt_lookup_max=4,
+                                            prompt_lookup_num_tokens=16, controller="cost",
+                                            **DRAFTER),
+    "mtp+ctl": lambda: SpecConfig("mtp", 3, controller="cost", **DRAFTER),
     "mtp": lambda: SpecConfig("mtp", 3, **DRAFTER),
     "auto": lambda: SpecConfig("auto"),
 }

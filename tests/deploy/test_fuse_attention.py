@@ -95,3 +95,24 @@ def test_op_equals_the_chain(dtype, lens_rows, monkeypatch):
     want = qkv_attention_ref(qkv, cos, sin, k2, v2, *args)
     assert torch.equal(got, want)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_flatten_attrs_reads_the_same_tensors(tmp_path):
+    """flatten_attrs: no dotted get_attr is left, the outputs equal the graph built without it,
+    and the flat attributes are the registered tensors themselves (an in-place update through
+    the module path is what the graph reads)."""
+    family_module("llama").make_tiny(tmp_path, seed=1)
+    flat = build(str(tmp_path), **LIMITS)
+    info = {i.name: i for i in flat.infos}["flatten_attrs"]
+    assert info.num_matches > 0
+    assert not [n for n in flat.gm.graph.nodes if n.op == "get_attr" and "." in n.target]
+    base = build(model=load_model(str(tmp_path)), disabled=frozenset({"flatten_attrs"}), **LIMITS)
+    assert [n for n in base.gm.graph.nodes if n.op == "get_attr" and "." in n.target]
+    meta = lambda: build_metadata([Segment(list(range(5, 14)), 0, list(range(4)), 0)])  # noqa: E731
+    assert torch.equal(flat.forward(meta()).logits, base.forward(meta()).logits)
+    for node in flat.gm.graph.nodes:
+        if node.op == "get_attr" and node.target.startswith("_flat_"):
+            registered = dict(flat.gm.named_parameters(remove_duplicate=False))
+            registered.update(dict(flat.gm.named_buffers(remove_duplicate=False)))
+            assert any(t is getattr(flat.gm, node.target) for t in registered.values())
+            break

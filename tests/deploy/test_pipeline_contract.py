@@ -78,10 +78,11 @@ def test_stages_in_order_and_optimize_apart_from_compile():
     items = transforms()
     assert [t.stage for t in items] == sorted(t.stage for t in items)
     stage = {t.name: t.stage for t in items}
-    for name in ("ggml_linears", "fuse_parallel_linears", "pack_linear_weights"):
+    for name in ("ggml_linears", "fuse_parallel_linears", "pack_linear_weights",
+                 "fuse_row_ops", "fuse_rope_attention"):
         assert stage[name] == Stage.OPTIMIZE
-    assert {n for n, s in stage.items() if s == Stage.COMPILE} == {"call_kernels_directly",
-                                                                   "compile_model"}
+    assert {n for n, s in stage.items() if s == Stage.COMPILE} == {
+        "call_kernels_directly", "flatten_attrs", "compile_model"}
 
 
 def test_list_transforms_shows_each_skip_reason_once(tiny_dir, capsys):
