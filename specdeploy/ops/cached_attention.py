@@ -179,9 +179,15 @@ def cached_attention_impl(
     if sliding_window == 0 and page_table.device.type == "cpu":
         # NOTE: batch invariance: the rows of a short segment (a verify step, a decode in a
         # mixed step) go through `_rows` as a 1-row decode does, so each is bit-identical to
-        # plain decoding's row at its position. Longer segments (prefill chunks) take the
-        # one-call path below.
-        done = {s for s in range(num_seqs) if cu[s + 1] - cu[s] <= INVARIANT_ROWS}
+        # plain decoding's row at its position. Where the C kernel runs, prefill chunks do
+        # too: a prompt's rows are then the same bits however the scheduler cut it into
+        # chunks (one SDPA per chunk sums in another order per cut, ~1e-7, which the fast
+        # kernels' 8-bit activation rounding blew up into other greedy tokens at batch 16:
+        # a logprob moved by 0.3). It costs ~5% of a 1,716-token prefill here. Without the
+        # C kernel, longer segments take the one-call path below (a per-row SDPA would not).
+        every = attention_rows.fits(q, k_cache, v_cache)
+        done = {s for s in range(num_seqs)
+                if every or cu[s + 1] - cu[s] <= INVARIANT_ROWS}
         for s in done:
             out[0, cu[s]:cu[s + 1]] = _rows(q[0, cu[s]:cu[s + 1]], k_cache, v_cache,
                                             page_table[s], lens[s], scale)

@@ -4,19 +4,19 @@ RoPE on q and k, the new keys and values into the paged cache, paged attention.
 What it replaces (`deploy/passes/fuse_attention.py` matches it): three slices of the fused
 projection, three views, two `rope` calls and one `cached_attention`, nine graph nodes a layer
 whose torch dispatch and Python cost more than their arithmetic at decode sizes. On the CPU,
-when every segment is short (decode, verify, the decodes of a mixed step: `cached_attention`'s
-batch-invariant `_rows` path), it is two C calls: RoPE over the q and k heads of every token at
+where `cached_attention` takes its batch-invariant `_rows` path for every segment (the C
+attention kernel fits: decode, verify and prefill chunks alike), it is two C calls: RoPE over the q and k heads of every token at
 once (row_kernels.c, the same function `rope` runs), then the cache writes and attention
 (attention_rows.c's `write_attend_rows`, the same per-(row, head) code `_rows` runs). So it
-gives the unfused chain's bits exactly; anything else (prefill chunks, sliding windows, other
-dtypes or devices) runs that chain itself (`qkv_attention_ref`).
+gives the unfused chain's bits exactly; anything else (sliding windows, other dtypes or
+devices) runs that chain itself (`qkv_attention_ref`).
 """
 from __future__ import annotations
 
 import torch
 
 from specdeploy.ops import attention_rows, row_kernels
-from specdeploy.ops.cached_attention import INVARIANT_ROWS, cached_attention_impl
+from specdeploy.ops.cached_attention import cached_attention_impl
 from specdeploy.ops.rope import _rope_kernel
 
 __all__ = ["qkv_attention_ref"]
@@ -36,13 +36,6 @@ def qkv_attention_ref(qkv, cos, sin, k_cache, v_cache, cu_seqlens, cu_seqlens_ho
                                  k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens,
                                  cache_lens_host, page_table, scale, sliding_window,
                                  slot_mapping)
-
-
-def _short_segments(cu_host: torch.Tensor, t: int) -> bool:
-    if t <= INVARIANT_ROWS:
-        return True
-    cu = cu_host.tolist()
-    return max(b - a for a, b in zip(cu, cu[1:])) <= INVARIANT_ROWS
 
 
 def _fast(qkv, cos, sin, k_cache, v_cache, cu_host, lens_host, page_table, slot_mapping,
@@ -73,8 +66,7 @@ def _step_fits(cu_host, lens_host, page_table, slot_mapping, k_cache, v_cache, h
     ok = (all(x.dtype is _I64 and x.is_contiguous() and x.device.type == "cpu"
               for x in (cu_host, lens_host, page_table, slot_mapping))
           and row_kernels._library() is not None
-          and attention_rows.fits(slot_mapping.new_empty(0, hq, d, dtype=_F32), k_cache, v_cache)
-          and _short_segments(cu_host, slot_mapping.shape[0]))
+          and attention_rows.fits(slot_mapping.new_empty(0, hq, d, dtype=_F32), k_cache, v_cache))
     _last_step[0], _last_step[1] = slot_mapping, (key, ok)
     return ok
 

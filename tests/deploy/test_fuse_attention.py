@@ -24,7 +24,7 @@ def _count(gm, name):
 
 
 def _steps():
-    """Prefill chunks (one > 16 rows: the chain's path), then decodes of 3 sequences, then a
+    """Prefill chunks (one of 21 rows), then decodes of 3 sequences, then a
     verify-like step (extend segments of 1-4 rows) beside a decode."""
     a, b, c = list(range(5, 26)), list(range(30, 37)), list(range(40, 43))
     pages = {0: list(range(0, 8)), 1: list(range(8, 16)), 2: list(range(16, 24))}
@@ -66,8 +66,8 @@ def _caches(dtype, g, pages=24, ps=4, hkv=2, d=16):
 @pytest.mark.parametrize("lens_rows", [((5,), (1,)), ((3, 9, 0), (1, 1, 1)),
                                        ((6, 2, 10), (4, 1, 3)), ((7,), (20,))])
 def test_op_equals_the_chain(dtype, lens_rows, monkeypatch):
-    """Fast path (segments <= 16 rows) and the chain's own path (a 20-row chunk): outputs and
-    both caches bit-equal to the chain; partial rotary (12 of 16 dims); GQA 4 q heads on 2."""
+    """The C path (decode, verify and a 20-row prefill chunk alike): outputs and both caches
+    bit-equal to the chain; partial rotary (12 of 16 dims); GQA 4 q heads on 2."""
     g = torch.Generator().manual_seed(sum(lens_rows[0]) + len(lens_rows[1]))
     lens, rows = lens_rows
     hq, hkv, d, ps = 4, 2, 16, 4
@@ -91,7 +91,7 @@ def test_op_equals_the_chain(dtype, lens_rows, monkeypatch):
     monkeypatch.setattr(attention_rows, "write_attend_rows",
                         lambda *a: calls.append(1) or real(*a))
     got = torch.ops.specdeploy.qkv_attention(qkv, cos, sin, k1, v1, *args)
-    assert len(calls) == (max(rows) <= 16)  # the C path for short segments only
+    assert len(calls) == 1  # the C path for every segment length (prefill chunks too)
     want = qkv_attention_ref(qkv, cos, sin, k2, v2, *args)
     assert torch.equal(got, want)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -69,6 +69,22 @@ def test_fast_rows_are_batch_invariant_and_near_the_fp32_model(tiny_gguf):
     assert not torch.equal(exact[21:], one_by_one[21:])  # "fast" did change the kernel
 
 
+def test_fast_prefill_is_the_same_bits_however_it_is_chunked(tiny_gguf):
+    """A prompt prefilled whole, in 13-token chunks, and in chunks of 1 (decode rows) gives the
+    same last-row logits bit for bit: every attention row is computed on its own
+    (cached_attention `_rows`), so the scheduler's cut cannot move a greedy token. Before, one
+    SDPA per chunk summed in another order per cut and the 8-bit activation rounding of the
+    fast kernels turned that into other tokens at batch 16."""
+    _, path = tiny_gguf
+    dep = build(str(path), kernels="fast", **LIMITS)
+    ids = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    cuts = {"whole": [40], "13": [13, 13, 13, 1], "ones": [1] * 40}
+    last = {}
+    for name, sizes in cuts.items():
+        last[name] = _logits(dep, ids, [(n, SEG_NORMAL) for n in sizes])[-1]
+    assert torch.equal(last["whole"], last["13"]) and torch.equal(last["whole"], last["ones"])
+
+
 def test_kernels_option_is_checked_and_falls_back_with_a_warning(tiny_gguf, monkeypatch, caplog):
     _, path = tiny_gguf
     with pytest.raises(ValueError, match="kernels: one of exact, fast, got 'int4'"):
