@@ -4,11 +4,11 @@ RoPE on q and k, the new keys and values into the paged cache, paged attention.
 What it replaces (`deploy/passes/fuse_attention.py` matches it): three slices of the fused
 projection, three views, two `rope` calls and one `cached_attention`, nine graph nodes a layer
 whose torch dispatch and Python cost more than their arithmetic at decode sizes. On the CPU,
-where `cached_attention` takes its batch-invariant `_rows` path for every segment (the C
-attention kernel fits: decode, verify and prefill chunks alike), it is two C calls: RoPE over
-the q and k heads of every token at once (row_kernels.c, the same function `rope` runs), then
-the cache writes and attention (attention_rows.c's `write_attend_rows`, the same per-(row, head) code `_rows` runs). So it
-gives the unfused chain's bits exactly; anything else (sliding windows, other dtypes or
+where the C attention kernel fits (then `cached_attention` attends every segment row by row:
+decode, verify and prefill chunks alike), it is two C calls: RoPE over the q and k heads of
+every token at once (row_kernels.c, the same function `rope` runs), then the cache writes and
+attention (attention_rows.c's `write_attend_rows`, the same per-(row, head) code as `_rows`).
+So it gives the unfused chain's bits exactly; anything else (sliding windows, other dtypes or
 devices) runs that chain itself (`qkv_attention_ref`).
 """
 from __future__ import annotations
