@@ -33,9 +33,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="weight-only int8 (lm_head, routers and the drafter excluded)")
     p.add_argument("--compile", action="store_true", help="torch.compile the deployed graph")
-    p.add_argument("--kernels", choices=("exact", "fast"), default="exact",
-                   help="GGUF Q4_0/Q4_1/Q8_0 linears: the exact fp32 model (default) or fast "
-                        "integer-dot kernels (8-bit activations, as llama.cpp)")
+    p.add_argument("--kernels", choices=("exact", "fast"), default="fast",
+                   help="GGUF Q4_0/Q4_1/Q8_0 linears: fast integer-dot kernels (default; 8-bit "
+                        "activations, as llama.cpp) or the exact fp32 model")
     add_parallel_args(p)
     add_prefix_caching_arg(p)
 

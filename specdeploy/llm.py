@@ -35,8 +35,9 @@ class LLM:
         backend: "graph" (the deployed, cached program) or "eager" (the uncached reference).
         progress: print loading stages to stderr.
         device: "cpu" (default), "cuda" or "cuda:N"; dtype "auto" is bfloat16 on CUDA.
-        kernels: GGUF Q4_0/Q4_1/Q8_0 linears on the CPU: "exact" (default: the fp32 model, bit
-            for bit) or "fast" (8-bit activations, integer dot products, as llama.cpp).
+        kernels: GGUF Q4_0/Q4_1/Q8_0 linears on the CPU: "fast" (default: 8-bit activations,
+            integer dot products, as llama.cpp) or "exact" (the fp32 model, bit for bit: the
+            oracle against transformers). Other weights are unaffected.
         kv_cache_dtype: "auto" (bfloat16 with kernels="fast" on the CPU, else the model dtype),
             "float32", "bfloat16" or "float16". The KV cache is planned for max_batch_size x
             max_seq_len (capped by max_cache_gib); on the CPU its memory is backed as written.
@@ -62,7 +63,7 @@ class LLM:
                  max_cache_gib: float | None = None, max_num_tokens: int = 512,
                  backend: str = "graph", progress: bool = False, seed: int = 0,
                  quantize: str | None = None, compile: bool = False, device: str = "cpu",
-                 kernels: str = "exact", tensor_parallel_size: int = 1,
+                 kernels: str = "fast", tensor_parallel_size: int = 1,
                  expert_parallel_size: int = 1, shard_layers: tuple[str, ...] | None = None,
                  dist_timeout: float = 60.0, enable_prefix_caching: bool = True,
                  checkpoint_every: int | None = None, max_model_len: int | None = None,

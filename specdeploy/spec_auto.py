@@ -26,6 +26,23 @@ _CPU_DRAFTER = dict(draft_quantize="q8_0")
 # bench/results/vs_llamacpp.json (2 cores, AVX2, batch 1, decode tokens/s vs plain 26.3):
 # lookup + controller 31.5 (1.20x), MTP + lookup + controller 30.0, EAGLE-3 + controller 26.1
 DEFAULT_MODEL = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
+# bench/results/vs_llamacpp.json (2 cores, AVX-512 VNNI, 2026-12-02, decode tokens/s; plain
+# 153.6): fixed n-gram lookup 222.9 (1.45x), lookup + controller 205.8, auto as above 203.3,
+# MTP + lookup + controller 207.4. Where the tiled kernels' AVX-512 path runs, a 4-row verify
+# costs ~1.1-1.3x a decode row (bench/results/linear_rows_tiled.json) and fixed drafts pay; on
+# AVX2 it costs ~2x and the controller's caution wins (the row above).
+DEFAULT_MODEL_CHEAP_VERIFY = dict(method="ngram", num_draft_tokens=3, prompt_lookup_num_tokens=16)
+
+
+def _cheap_verify() -> bool:
+    from specdeploy.ops import ggml_tiled
+
+    return ggml_tiled.kernel_unavailable() is None and "avx512_vnni" in ggml_tiled.supported_isas()
+
+
+def default_model_choice() -> dict:
+    """What "auto" stands for on the embedded default model on this CPU."""
+    return dict(DEFAULT_MODEL_CHEAP_VERIFY if _cheap_verify() else DEFAULT_MODEL)
 OWN_MTP = dict(method="mtp", num_draft_tokens=3, controller="cost", **_LOOKUP)
 LOOKUP_ONLY = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
 
@@ -56,8 +73,9 @@ def choice_for(model_path, device: str = "cpu") -> dict:
     if _declares_mtp(config):
         return dict(OWN_MTP)
     if _is_default_model(model_path):
-        return dict(DEFAULT_MODEL) if device == "cpu" else {
-            k: v for k, v in DEFAULT_MODEL.items() if k not in _CPU_DRAFTER}
+        choice = default_model_choice()
+        return choice if device == "cpu" else {
+            k: v for k, v in choice.items() if k not in _CPU_DRAFTER}
     return dict(LOOKUP_ONLY)
 
 
