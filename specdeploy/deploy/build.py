@@ -167,7 +167,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
                                                         opts.device)
     target_ctx = DeployContext(
         model, dtype=dtype, quantize=opts.quantize,
-        kv_cache_dtype=prequant_kv_dtype(model) or _kv_dtype(opts, dtype),
+        kv_cache_dtype=prequant_kv_dtype(model) or _kv_dtype(opts, dtype, model),
         capture_layers=drafter.capture_layers if drafter else (),
         spec_steps=spec.max_draft_tokens + 1 if spec else 0,
         prefix_caching=prefix_caching,
@@ -244,12 +244,17 @@ def _return_freed_memory() -> None:
         pass  # not glibc: nothing to do
 
 
-def _kv_dtype(opts: BuildOptions, dtype: torch.dtype) -> torch.dtype | None:
-    """The target's KV dtype (None: the model dtype); see BuildOptions.kv_cache_dtype."""
+def _kv_dtype(opts: BuildOptions, dtype: torch.dtype, model: nn.Module | None = None
+              ) -> torch.dtype | None:
+    """The target's KV dtype (None: the model dtype); see BuildOptions.kv_cache_dtype. "auto"
+    is bf16 where the fast kernels run a GGUF model's blocks on the CPU (that path is already
+    llama.cpp's model, 8-bit activations; llama.cpp keeps an f16 KV), else the model dtype:
+    `kernels="fast"` is LLM()'s default and leaves every other checkpoint's numerics alone."""
     if opts.kv_cache_dtype != "auto":
         return getattr(torch, opts.kv_cache_dtype)
     fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32
-    return torch.bfloat16 if fast_cpu else None
+    has_blocks = bool(getattr(model, "ggml_weights", None)) if model is not None else True
+    return torch.bfloat16 if fast_cpu and has_blocks else None
 
 
 def _defer_blocks(opts: BuildOptions) -> bool:
