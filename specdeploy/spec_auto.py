@@ -23,26 +23,13 @@ _LOOKUP = dict(prompt_lookup_max=4, prompt_lookup_num_tokens=16)
 # Q8_0 blocks on the integer-dot kernels: 0.92 ms per EAGLE-3 draft forward vs 4.1 ms in fp32
 # and ~3 ms in bf16 + int8 (1 thread, AVX-512, 2026-12-02)
 _CPU_DRAFTER = dict(draft_quantize="q8_0")
-# bench/results/vs_llamacpp.json (2 cores, AVX2, batch 1, decode tokens/s vs plain 26.3):
-# lookup + controller 31.5 (1.20x), MTP + lookup + controller 30.0, EAGLE-3 + controller 26.1
+# bench/results/vs_llamacpp.json (2 cores, AVX-512 VNNI, batch 1, 2026-12-02, decode tokens/s
+# vs plain 115.8): fixed lookup 158.9 (1.37x), lookup + controller 157.7 (1.36x), MTP + lookup
+# + controller 155.5, EAGLE-3 + controller 115.8. At 16 concurrent requests fixed lookup fell to
+# 0.84x plain (bench/results/vs_llamacpp_concurrent.json), where the controller cuts drafts
+# that cannot pay: lookup + controller it is. (An AVX2 machine measured the same order before:
+# lookup + controller 1.20x plain.)
 DEFAULT_MODEL = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
-# bench/results/vs_llamacpp.json (2 cores, AVX-512 VNNI, 2026-12-02, decode tokens/s; plain
-# 153.6): fixed n-gram lookup 222.9 (1.45x), lookup + controller 205.8, auto as above 203.3,
-# MTP + lookup + controller 207.4. Where the tiled kernels' AVX-512 path runs, a 4-row verify
-# costs ~1.1-1.3x a decode row (bench/results/linear_rows_tiled.json) and fixed drafts pay; on
-# AVX2 it costs ~2x and the controller's caution wins (the row above).
-DEFAULT_MODEL_CHEAP_VERIFY = dict(method="ngram", num_draft_tokens=3, prompt_lookup_num_tokens=16)
-
-
-def _cheap_verify() -> bool:
-    from specdeploy.ops import ggml_tiled
-
-    return ggml_tiled.kernel_unavailable() is None and "avx512_vnni" in ggml_tiled.supported_isas()
-
-
-def default_model_choice() -> dict:
-    """What "auto" stands for on the embedded default model on this CPU."""
-    return dict(DEFAULT_MODEL_CHEAP_VERIFY if _cheap_verify() else DEFAULT_MODEL)
 OWN_MTP = dict(method="mtp", num_draft_tokens=3, controller="cost", **_LOOKUP)
 LOOKUP_ONLY = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
 
@@ -73,9 +60,8 @@ def choice_for(model_path, device: str = "cpu") -> dict:
     if _declares_mtp(config):
         return dict(OWN_MTP)
     if _is_default_model(model_path):
-        choice = default_model_choice()
-        return choice if device == "cpu" else {
-            k: v for k, v in choice.items() if k not in _CPU_DRAFTER}
+        return dict(DEFAULT_MODEL) if device == "cpu" else {
+            k: v for k, v in DEFAULT_MODEL.items() if k not in _CPU_DRAFTER}
     return dict(LOOKUP_ONLY)
 
 

@@ -3,15 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from specdeploy import LLM, SamplingParams, SpecConfig, spec_auto
+from specdeploy import LLM, SamplingParams, SpecConfig
 from specdeploy.models.registry import family_module
-from specdeploy.ops import ggml_tiled
-from specdeploy.spec_auto import (
-    DEFAULT_MODEL,
-    DEFAULT_MODEL_CHEAP_VERIFY,
-    choice_for,
-    resolve_auto,
-)
+from specdeploy.spec_auto import DEFAULT_MODEL, choice_for, resolve_auto
 
 LIMITS = dict(max_batch_size=2, max_seq_len=96, max_cache_gib=0.02, dtype="float32")
 
@@ -24,18 +18,12 @@ def ckpts(tmp_path_factory):
                                                                   mtp_layers=1)}
 
 
-def test_choice_per_target(ckpts, monkeypatch):
-    # the embedded default model: the bench's pick for this CPU's kernels
-    for cheap, want in ((True, DEFAULT_MODEL_CHEAP_VERIFY), (False, DEFAULT_MODEL)):
-        monkeypatch.setattr(spec_auto, "_cheap_verify", lambda cheap=cheap: cheap)
-        assert choice_for(None) == want
-        assert choice_for(None, device="cuda")["method"] == want["method"]
-    monkeypatch.undo()
-    assert spec_auto._cheap_verify() == (
-        "avx512_vnni" in ggml_tiled.supported_isas())  # AVX-512 VNNI: fixed lookup drafts
+def test_choice_per_target(ckpts):
+    assert choice_for(None) == DEFAULT_MODEL  # the embedded default model: the bench's pick
+    assert choice_for(None, device="cuda")["method"] == DEFAULT_MODEL["method"]
     assert choice_for(ckpts["nemotron_h"])["method"] == "mtp"  # its own MTP layers
     assert choice_for(ckpts["llama"])["method"] == "ngram"  # nothing to draft with
-    for path in (ckpts["llama"], ckpts["nemotron_h"]):
+    for path in (None, ckpts["llama"], ckpts["nemotron_h"]):
         assert choice_for(path)["controller"] == "cost"
 
 
