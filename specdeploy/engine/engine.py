@@ -159,6 +159,7 @@ class Engine:
             tf = time.perf_counter()
             out = self.deployed.forward(meta)  # forward
             tokens = self._verify(batch, segs, out)  # verify (the step's one host sync)
+            self._timed(segs, meta.num_tokens, time.perf_counter() - tf)
             cached = self._commit(batch, segs, tokens)  # commit
             now = time.perf_counter()
             for sched, new in zip(batch, tokens):  # append
@@ -176,6 +177,10 @@ class Engine:
             self.stats.forward_time_s += time.perf_counter() - tf
             self._count_step(meta.num_tokens, len(batch))
         return self._emit(touched, t0)
+
+    def _timed(self, segs: list[Segment], rows: int, seconds: float) -> None:
+        """A step's forward and verification took `seconds` (SpecEngine's controller learns
+        from it)."""
 
     # ---- prefix caching ---------------------------------------------------------------------
     def _prefix_before(self, batch: list[ScheduledSeq], segs: list[Segment]) -> None:

@@ -21,6 +21,7 @@ ever (greedy or rejection sampling), and its decisions read host data only (no e
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -56,13 +57,51 @@ def _interp(table: dict[int, float], x: int) -> float:
 
 @dataclass
 class MeasuredCost:
-    """Median seconds by row count (`calibrate`), interpolated."""
+    """Seconds of a target forward by row count: the calibration table (`calibrate`, medians),
+    refined by the engine's own steps (`observe`), interpolated.
+
+    Why refine: `calibrate` times dummy requests with 16-token contexts at batch 1 and 3, but
+    a real step's rows attend hundreds of keys, and a batch of 16 sits past the table, where its
+    last slope is extrapolated. Each decode / verify step's measured seconds update an EMA at
+    its row count (`alpha`). The model then interpolates over the measured row counts, and over
+    the table's other row counts scaled by the nearest measured one's measured / table ratio (so
+    a row count never seen keeps the table's shape at the measured level); the result is made
+    non-decreasing in rows (one noisy point must not price an extra row below zero)."""
 
     target: dict[int, float]
     draft: dict[int, float] = field(default_factory=dict)  # empty: no drafter (n-gram lookup)
+    alpha: float = 0.1
+    seen: dict[int, float] = field(default_factory=dict)  # row count -> EMA of measured seconds
+    _merged: dict[int, float] | None = field(default=None, repr=False)
 
     def target_s(self, rows: int) -> float:
-        return _interp(self.target, rows)
+        if not self.seen:
+            return _interp(self.target, rows)
+        if self._merged is None:
+            self._merged = self._merge()
+        return _interp(self._merged, rows)
+
+    def _merge(self) -> dict[int, float]:
+        xs = sorted(self.seen)
+        ratio = {x: self.seen[x] / t if (t := _interp(self.target, x)) > 0 else 1.0 for x in xs}
+        pts = dict(self.seen)
+        for r, v in self.target.items():
+            if r not in pts:
+                near = min(xs, key=lambda x: (abs(x - r), -x))
+                pts[r] = v * ratio[near]
+        out, top = {}, 0.0
+        for r in sorted(pts):
+            top = max(top, pts[r])
+            out[r] = top
+        return out
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """One step of `rows` target rows took `seconds` (forward and verification)."""
+        if not (rows > 0 and seconds > 0 and math.isfinite(seconds)):
+            return
+        old = self.seen.get(rows)
+        self.seen[rows] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._merged = None
 
     def draft_s(self, rows: int) -> float:
         return _interp(self.draft, rows) if self.draft else 0.0
@@ -129,6 +168,12 @@ class CostController:
             hit = float(j < accepted)
             own[j] += a * (hit - own[j])
             glob[j] += ag * (hit - glob[j])
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A verify / decode step's measured time, for cost models that learn (MeasuredCost)."""
+        learn = getattr(self.cost, "observe", None)
+        if learn is not None:
+            learn(rows, seconds)
 
     # ---- decisions ------------------------------------------------------------------------------
     def _cost(self, rows: int, chain: list[int], draft: bool) -> float:

@@ -197,6 +197,12 @@ class SpecEngine(Engine):
     def stats_dict(self) -> dict:
         return {**super().stats_dict(), **self.spec_stats.as_dict()}
 
+    def _timed(self, segs: list[Segment], rows: int, seconds: float) -> None:
+        # NOTE: decode and verify steps only; a prefill chunk's rows cost another amount each
+        ctl = self.controller
+        if ctl is not None and all(s.kind == SEG_EXTEND or len(s.token_ids) == 1 for s in segs):
+            ctl.observe_step(rows, seconds)
+
     # ---- the step hooks -----------------------------------------------------------------------
     def _segments(self, batch: list[ScheduledSeq]) -> list[Segment]:
         segs = super()._segments(batch)

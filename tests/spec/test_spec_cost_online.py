@@ -1,0 +1,88 @@
+"""The controller's cost model learns from the engine's own steps (engine/spec_control.py
+`MeasuredCost.observe`): a calibration table that under-prices rows (short contexts, small
+batches) is corrected by measured step times, so drafts that the table says pay but the real
+steps say cannot are dropped. Oracles: exact arithmetic on the EMA, the allocation of a
+controller over the true cost, and the rows each engine step actually ran."""
+from __future__ import annotations
+
+import pytest
+
+from specdeploy import SamplingParams
+from specdeploy.engine.spec_control import CostController, MeasuredCost
+
+
+def test_observe_is_an_ema_and_the_model_goes_through_it():
+    m = MeasuredCost({1: 1.0, 4: 2.0, 16: 5.0}, {}, alpha=0.5)
+    assert m.target_s(4) == 2.0 and m.target_s(10) == 3.5  # nothing measured: the table
+    m.observe(4, 4.0)  # first measurement: itself; the other rows scaled by its ratio (2)
+    assert [m.target_s(r) for r in (1, 4, 10, 16, 20)] == [2.0, 4.0, 7.0, 10.0, 12.0]
+    m.observe(4, 2.0)  # EMA: halfway
+    assert m.seen[4] == 3.0 and m.target_s(4) == 3.0 and m.target_s(16) == 7.5
+    m.observe(10, 9.0)  # 1 takes 4's ratio (1.5), 16 takes 10's (9 / 3.5, the table at 10)
+    assert [m.target_s(r) for r in (1, 4, 7, 10)] == [1.5, 3.0, 6.0, 9.0]
+    assert m.target_s(16) == pytest.approx(5.0 * 9.0 / 3.5, rel=1e-12)
+    m.observe(7, 1.0)  # a noisy point below its neighbour: the model stays non-decreasing
+    assert m.target_s(7) == 3.0 and m.target_s(10) == 9.0
+    for bad in ((0, 1.0), (4, 0.0), (4, float("nan")), (4, float("inf"))):
+        m.observe(*bad)
+    assert m.seen == {4: 3.0, 7: 1.0, 10: 9.0}
+
+
+def test_learned_costs_stop_drafts_the_table_overprices():
+    """Batch 16: the table (marginal row 0.01 of a 1.0 step) lets drafts at acceptance 0.4 pay;
+    real steps cost 0.1 a row on top of it at 16..80 rows, where no such draft can pay
+    (each extra row costs as much as a plain sequence's token). After the engine reports real
+    times the controller verifies none, as a controller over the true costs does."""
+    table = {r: 1.0 + 0.01 * r for r in (1, 4, 16, 32, 64, 96)}
+
+    def true_s(rows):
+        return 1.0 + 0.1 * rows
+
+    m = MeasuredCost(dict(table), {})
+    c = CostController(m, 3, 3, drafter=False)
+    accs, cap = [[0.4] * 3] * 16, [3] * 16
+    assert sum(c.allocate(accs, cap, draft=False)) > 0  # the table says drafts pay
+    for _ in range(30):
+        for rows in (16, 20, 32, 48, 64):
+            c.observe_step(rows, true_s(rows))
+    assert c.allocate(accs, cap, draft=False) == [0] * 16
+
+    class True_:
+        def target_s(self, rows):
+            return true_s(rows)
+
+        def draft_s(self, rows):
+            return 0.0
+
+    assert CostController(True_(), 3, 3, drafter=False).allocate(accs, cap, draft=False) == (
+        [0] * 16)
+    # cost models without `observe` (synthetic ones) are left alone
+    CostController(True_(), 3, 3).observe_step(16, 1.0)
+
+
+def test_engine_reports_decode_and_verify_steps_only(target):
+    """The rows the controller learns from are exactly the engine's decode / verify steps'
+    (a prefill step's rows are not: another cost per row)."""
+    llm = target.llm(3)
+    eng, d = llm.engine, llm.deployed
+    m = MeasuredCost({1: 1e-3, 4: 2e-3, 16: 5e-3}, {})
+    seen, ran = [], []
+    learn = m.observe
+    m.observe = lambda rows, s: (seen.append(rows), learn(rows, s))[1]
+    fwd = d.forward
+    d.forward = lambda meta: (ran.append(meta.num_tokens), fwd(meta))[1]
+    eng.set_controller(CostController(m, 3, 3))
+    eng.reset_prefix_cache()  # the prompt is prefilled whole, not served from the cache
+    try:
+        prompt = max(target.prompts, key=len)
+        assert len(prompt) > 4
+        eng.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+        eng.step()  # the prefill
+        assert seen == [] and ran == [len(prompt)]
+        while eng.has_unfinished():
+            eng.step()
+        assert seen == ran[1:] and all(r <= 4 for r in seen)
+        assert set(m.seen) == set(seen) and all(v > 0 for v in m.seen.values())
+    finally:
+        d.forward = fwd
+        eng.set_controller(None)
