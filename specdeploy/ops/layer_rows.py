@@ -11,8 +11,10 @@ take: what the chain's own fast-path checks reject), it runs the chain's callabl
 
 Memory: the intermediates of a layer live in one scratch buffer shared by the fused layers of a
 graph (they run one after another), held up to HELD_ROWS rows and allocated per call above that
-(prefill chunks, where the arithmetic dwarfs an allocation); the two results are fresh tensors,
-as they flow on to the next layer and may be read elsewhere (captured hidden states).
+(prefill chunks, where the arithmetic dwarfs an allocation). The two results flow on to the next
+layer: where the pass found that layer to be their only reader (`out_parity`), they are two
+held pairs taken in turn (layer i writes pair i % 2 while it reads pair (i - 1) % 2, which no
+one reads after it); elsewhere (the last layer, captured hidden states) they are fresh tensors.
 """
 from __future__ import annotations
 
@@ -125,6 +127,18 @@ class Shared:
         self.work, self.work_ptr, self.work_floats = None, 0, 0
         self.key: tuple = ()
         self.step, self.step_addr, self.rows, self.rot = _Step(), 0, 0, 0
+        self.pairs: list = [(), ()]  # per parity: (shape, res, normed)
+
+    def outputs(self, shape: tuple, parity: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's two results [1, R, H]: pair `parity`, reallocated when R or H changes, or
+        fresh ones (no parity, or a step above HELD_ROWS rows)."""
+        if parity is None or shape[1] > HELD_ROWS:
+            return torch.empty(shape, dtype=_F32), torch.empty(shape, dtype=_F32)
+        pair = self.pairs[parity]
+        if not pair or pair[0] != shape:
+            pair = self.pairs[parity] = (shape, torch.empty(shape, dtype=_F32),
+                                         torch.empty(shape, dtype=_F32))
+        return pair[1], pair[2]
 
     def scratch(self, rows: int, per_row: int) -> tuple[torch.Tensor | None, int]:
         """(a buffer to keep alive for the call or None, its address) of rows * per_row floats:
@@ -179,10 +193,12 @@ def _linear(call: TiledCall) -> _Linear:
 
 def decoder_layer_fn(chain: LayerChain, calls: tuple[TiledCall, ...], shared: Shared,
                      hq: int, hkv: int, d: int, n_ff: int, scale: float, eps_post: float,
-                     eps_next: float):
+                     eps_next: float, out_parity: int | None = None):
     """The graph's callable for one layer: (res, normed, the attention's arguments after qkv,
     the reshape's shape, w_post, eps_post, n_ff, w_next, eps_next) -> (res3, normed3).
-    `calls`: the q/k/v, o, gate/up and down linears' fixed kernel arguments (no biases)."""
+    `calls`: the q/k/v, o, gate/up and down linears' fixed kernel arguments (no biases).
+    `out_parity`: results in `shared`'s held pair of that parity (only where the next fused
+    layer, of the other parity, is their only reader), else fresh."""
     lib, fns, why = _library()
     if lib is None:
         raise RuntimeError(f"fused decoder layer unavailable: {why}")
@@ -190,7 +206,7 @@ def decoder_layer_fn(chain: LayerChain, calls: tuple[TiledCall, ...], shared: Sh
     h = o.n
     layer = _Layer(*fns, _linear(qkv), _linear(o), _linear(gu), _linear(dn), hq, hkv, d, 0,
                    n_ff, 0, 0, None, None, None, None, scale, eps_post, eps_next)
-    addr, run, empty = ctypes.addressof(layer), lib.decoder_layer_rows, torch.empty
+    addr, run, outputs = ctypes.addressof(layer), lib.decoder_layer_rows, shared.outputs
     seen: list = [None, None, None, None, 0]  # k_cache, v_cache, w_post, w_next, floats/row
 
     def see(k_cache, v_cache, w_post, w_next) -> bool:
@@ -228,7 +244,7 @@ def decoder_layer_fn(chain: LayerChain, calls: tuple[TiledCall, ...], shared: Sh
                 and (seen[4] if (k_cache is seen[0] and v_cache is seen[1]
                                  and w_post is seen[2] and w_next is seen[3])
                      else see(k_cache, v_cache, w_post, w_next))):
-            res3, normed3 = empty((1, rows, h), dtype=_F32), empty((1, rows, h), dtype=_F32)
+            res3, normed3 = outputs((1, rows, h), out_parity)
             held, work = shared.scratch(rows, seen[4])  # noqa: F841 (alive for the call)
             rc = run(addr, step, res.data_ptr(), normed.data_ptr(), res3.data_ptr(),
                      normed3.data_ptr(), work)
@@ -244,5 +260,5 @@ def decoder_layer_fn(chain: LayerChain, calls: tuple[TiledCall, ...], shared: Sh
         return run_chain(chain, res, normed, attn_args, shape, w_post, eps_post_, n_ff_,
                          w_next, eps_next_)
 
-    decoder_layer.chain = chain
+    decoder_layer.chain, decoder_layer.out_parity = chain, out_parity
     return decoder_layer

@@ -25,7 +25,8 @@ OFF = frozenset({"fuse_decoder_layers"})
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     d = tmp_path_factory.mktemp("fuse_layer")
-    src = llama.make_tiny(d / "st", seed=11)
+    # NOTE: 4 layers, so that consecutive layers hand results over in reused buffers
+    src = llama.make_tiny(d / "st", seed=11, config_overrides={"num_hidden_layers": 4})
     return src, _tiny_llama_gguf(src, d / "tiny.gguf", Q.Q4_1)
 
 
@@ -91,7 +92,7 @@ def test_fallback_runs_the_chain_and_gives_its_bits(tiny_gguf, monkeypatch):
     for segs in _steps():
         meta = build_metadata(segs)
         assert torch.equal(fused.forward(meta).logits, base.forward(meta).logits)
-    assert len(ran) == 6 * 2  # six steps, two layers
+    assert len(ran) == 6 * 4  # six steps, four layers
 
 
 def test_the_pass_fuses_every_layer_and_leaves_no_chain(tiny_gguf):
@@ -99,7 +100,7 @@ def test_the_pass_fuses_every_layer_and_leaves_no_chain(tiny_gguf):
     dep = build(str(path), **LIMITS)
     info = {i.name: i for i in dep.infos}["fuse_decoder_layers"]
     layers = dep.hf_config["num_hidden_layers"]
-    assert info.num_matches == layers == len(_fused(dep.gm)) == 2
+    assert info.num_matches == layers == len(_fused(dep.gm)) == 4
     chain = (_qkv_attention_kernel, _add_rms_norm_kernel, _silu_mul_kernel)
     left = [n for n in dep.gm.graph.nodes if n.op == "call_function" and n.target in chain]
     assert not left, left
@@ -107,6 +108,27 @@ def test_the_pass_fuses_every_layer_and_leaves_no_chain(tiny_gguf):
              and hasattr(n.target, "tiled_call")]
     assert len(tiled) == 1  # the LM head; every layer's four linears are inside the fused op
     assert not [m for m in map(fuse_layers._match, dep.gm.graph.nodes) if m is not None]
+
+
+def _parities(gm):
+    return [n.target.out_parity for n in _fused(gm)]
+
+
+def test_results_reuse_a_buffer_only_where_the_next_layer_alone_reads_them(tiny_gguf, tmp_path):
+    """Layer i's results are read by layer i + 1 only: held pair i % 2; the last layer's feed
+    the LM head: fresh. An EAGLE-3 target's captured residuals are fresh too."""
+    from specdeploy.models.drafters.eagle3 import make_tiny_eagle3
+
+    src, path = tiny_gguf
+    dep = build(str(path), **LIMITS)
+    assert _parities(dep.gm) == [0, 1, 0, None]
+    assert "3 writing reused buffers" in {i.name: i for i in dep.infos}[
+        "fuse_decoder_layers"].detail
+    spec = SpecConfig("eagle3", 2, draft_model=str(make_tiny_eagle3(src, tmp_path / "e3")),
+                      capture_layers=(0, 2))
+    target = build(str(path), spec=spec, **LIMITS).target
+    assert {i.name: i for i in target.infos}["capture_hidden_states"].num_matches == 2
+    assert _parities(target.gm) == [None, 1, None, None]
 
 
 def test_exact_kernels_keep_their_chain(tiny_gguf):
@@ -132,7 +154,7 @@ def test_greedy_speculative_equals_plain_with_the_fused_layer(tiny_gguf, monkeyp
     fast = LLM(str(path), spec=spec, **limits)
     for llm in (plain, fast):
         target = getattr(llm.deployed, "target", llm.deployed)
-        assert len(_fused(target.gm)) == 2
+        assert len(_fused(target.gm)) == 4
     prompts = [[5, 6, 7, 8] * 6, [9, 4] * 3 + [9], list(range(10, 30))]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(prompts, params)]

@@ -96,14 +96,27 @@ def _match(attn: fx.Node):
     return (qkv, attn, reshape, o, post, *halves, gu, silu, dn, nxt), calls
 
 
-def _fuse(gm: fx.GraphModule, chain: tuple, calls: tuple, shared: layer_rows.Shared) -> None:
+def _read_by_next(chain: tuple, following: tuple | None) -> bool:
+    """Whether the layer's two results are read by the next matched layer only (its residual
+    add and its q/k/v projection): then they may live in a buffer reused two layers on."""
+    if following is None:
+        return False
+    nxt, (qkv, post) = chain[-1], (following[0], following[4])
+    halves = _halves(nxt)
+    return (halves is not None and set(halves[0].users) == {post} and post.args[0] is halves[0]
+            and set(halves[1].users) == {qkv} and qkv.args[0] is halves[1])
+
+
+def _fuse(gm: fx.GraphModule, chain: tuple, calls: tuple, shared: layer_rows.Shared,
+          out_parity: int | None) -> None:
     qkv, attn, reshape, o, post, res2, normed2, gu, silu, dn, nxt = chain
     rest = attn.args[1:]
     callables = layer_rows.LayerChain(qkv.target, attn.target, reshape.target, o.target,
                                       post.target, gu.target, silu.target, dn.target, nxt.target)
     fn = layer_rows.decoder_layer_fn(callables, calls, shared, hq=rest[-3], hkv=rest[-2],
                                      d=rest[-1], n_ff=silu.args[1], scale=rest[9],
-                                     eps_post=post.args[3], eps_next=nxt.args[3])
+                                     eps_post=post.args[3], eps_next=nxt.args[3],
+                                     out_parity=out_parity)
     fn.__name__ = fn.__qualname__ = "decoder_layer"  # the graph's node names
     args = (post.args[0], qkv.args[0], *rest, reshape.args[1], post.args[2], post.args[3],
             silu.args[1], nxt.args[2], nxt.args[3])
@@ -126,8 +139,13 @@ def fuse_decoder_layers(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skippe
     if why is not None:
         return Skipped(f"fused layer kernel unavailable: {why}")
     shared = layer_rows.Shared()  # NOTE: one scratch per graph: its layers run in turn
-    for chain, calls in found:
-        _fuse(gm, chain, calls, shared)
+    # NOTE: decided before any rewrite, on the chains' own nodes; parity by position, so a
+    # layer never writes the pair it reads
+    reuse = [_read_by_next(c, f[0] if f else None)
+             for (c, _), f in zip(found, [*found[1:], None])]
+    for i, ((chain, calls), held) in enumerate(zip(found, reuse)):
+        _fuse(gm, chain, calls, shared, i % 2 if held else None)
     gm.graph.lint()
     gm.recompile()
-    return Done(len(found), f"{len(found)} decoder layers in one C call each")
+    return Done(len(found), f"{len(found)} decoder layers in one C call each, "
+                            f"{sum(reuse)} writing reused buffers")
