@@ -131,6 +131,18 @@ def test_results_reuse_a_buffer_only_where_the_next_layer_alone_reads_them(tiny_
     assert _parities(target.gm) == [None, 1, None, None]
 
 
+def test_switched_off_the_pass_says_why(tiny_gguf, monkeypatch):
+    _, path = tiny_gguf
+    monkeypatch.setenv("SPECDEPLOY_LAYER_KERNEL", "0")
+    layer_rows._library.cache_clear()
+    try:
+        dep = build(str(path), **LIMITS)
+    finally:
+        layer_rows._library.cache_clear()
+    info = {i.name: i for i in dep.infos}["fuse_decoder_layers"]
+    assert info.skipped and "SPECDEPLOY_LAYER_KERNEL=0" in info.detail and not _fused(dep.gm)
+
+
 def test_exact_kernels_keep_their_chain(tiny_gguf):
     _, path = tiny_gguf
     dep = build(str(path), **{**LIMITS, "kernels": "exact"})
