@@ -7,8 +7,11 @@ One greedy request on the default model feeds the graph; the feeds of one decode
 and of one verify step (1 + K rows, the drafts faked from the plain continuation) are captured
 and replayed. Each replay runs the graph node by node (`torch.fx.Interpreter`), timing every
 node; node times are summed per kind (linears, attention, recurrent, norm, rope, embedding, the
-rest: views, adds, muls, casts). The plain graph call is timed too: its wall time minus the sum
-of node times of an interpreted run estimates what the interpreter adds, not the deployment.
+rest: views, adds, muls, casts). A fused decoder layer (`fuse_decoder_layers`: its linears,
+attention and norms in one C call) is its own kind, "layer", which "non_linear_share" counts
+as not linear (the linears left are the LM head's). The plain graph call is timed too: its
+wall time minus the sum of node times of an interpreted run estimates what the interpreter
+adds, not the deployment.
 "non_linear_share" is everything but the linears over the graph call's wall time (the Python
 of the engine step around the graph is measured by bench/spec_phases.py, not here).
 """
@@ -24,7 +27,8 @@ from torch import fx
 from specdeploy import LLM, SamplingParams, SpecConfig
 from specdeploy.bench import machine, print_json
 
-KINDS = (("linear", ("linear", "ggml", "int8", "mm", "packed", "matmul", "addmm", "q4", "q8")),
+KINDS = (("layer", ("decoder_layer",)),
+         ("linear", ("linear", "ggml", "int8", "mm", "packed", "matmul", "addmm", "q4", "q8")),
          ("attention", ("attention", "sdpa")), ("recurrent", ("ssm", "conv", "delta", "gdn")),
          ("norm", ("norm",)), ("rope", ("rope", "rotary")), ("embedding", ("embedding",)),
          ("moe", ("moe",)))

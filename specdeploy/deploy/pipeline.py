@@ -51,6 +51,7 @@ PIPELINE = (
     ("fuse_attention", "fuse_rope_attention"),
     ("compile", "call_kernels_directly"),
     ("compile", "flatten_attrs"),
+    ("fuse_layers", "fuse_decoder_layers"),  # after both: it matches direct kernel calls
     ("compile", "compile_model"),
 )
 

@@ -192,7 +192,20 @@ def tiled_linear_fn(tw: TiledWeight, bias: torch.Tensor | None, isa: str):
         return y
 
     linear.packed = packed
+    # what a fused decoder layer (ops/layer_rows.py) needs to make this same kernel call itself
+    linear.tiled_call = TiledCall(kind, isa_i, w_ptr, n, k, bias)
     return linear
+
+
+class TiledCall(NamedTuple):
+    """A `tiled_linear_fn` closure's fixed arguments of `ggml_tiled_linear` (and its bias)."""
+
+    kind: int
+    isa: int
+    w_ptr: int
+    n: int
+    k: int
+    bias: torch.Tensor | None
 
 
 class TiledMember(NamedTuple):

@@ -13,6 +13,8 @@
   module instead. The tensors are the same objects, still registered where they were (state
   dicts, parameter counts and in-place updates see them); only replacing a parameter object
   after deployment would go unseen, and nothing does that.
+- `fuse_decoder_layers` (fuse_layers.py, between these two and `compile_model`): on the tiled
+  GGUF kernels, each Llama-type layer's remaining ~9 direct kernel calls become one C call.
 """
 from __future__ import annotations
 
