@@ -48,7 +48,8 @@ def spec_config(args, method: str, k: int, draft: str | None) -> SpecConfig:
     longest = max([t or 0 for _, (lk, t), _ in variants(args, method) if lk] + [0])
     return SpecConfig(method, k, draft_model=draft, draft_dtype=args.draft_dtype,
                       draft_quantize=args.draft_quantize, prompt_lookup_max=4 if longest else 0,
-                      prompt_lookup_num_tokens=max(longest, k) if longest else None)
+                      prompt_lookup_num_tokens=max(longest, k) if longest else None,
+                      controller="off")
 
 
 def spec_llm(args, method: str, k: int, draft: str | None) -> LLM:

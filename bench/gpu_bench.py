@@ -102,8 +102,10 @@ def main() -> None:
     hf_rate = hf_decode_rate(hf, prompt, args.tokens, args.device)
     del probe
     rows = {"plain": bs1(args, None, prompt)}
-    for name, spec in (("mtp", SpecConfig("mtp", 3)), ("eagle3", SpecConfig("eagle3", 3)),
-                       ("ngram", SpecConfig("ngram", 3, prompt_lookup_max=4))):
+    fixed = dict(controller="off")  # fixed K, as measured for issue 25
+    for name, spec in (("mtp", SpecConfig("mtp", 3, **fixed)),
+                       ("eagle3", SpecConfig("eagle3", 3, **fixed)),
+                       ("ngram", SpecConfig("ngram", 3, prompt_lookup_max=4, **fixed))):
         rows[name] = bs1(args, spec, prompt)
     plain = rows["plain"]
     for name, r in rows.items():

@@ -64,7 +64,7 @@ def acceptance(path: str, n_prompts: int, k: int = 3) -> dict:
     """Shipped MTP head on this target: acceptance over a few chat prompts, greedy."""
     from specdeploy import LLM, SamplingParams, SpecConfig
 
-    llm = LLM(path, spec=SpecConfig("mtp", k), max_batch_size=8, max_seq_len=512)
+    llm = LLM(path, spec=SpecConfig("mtp", k, controller="off"), max_batch_size=8, max_seq_len=512)
     topics = ["the water cycle", "how a CPU cache works", "the French revolution",
               "photosynthesis", "binary search", "why the sky is blue", "TCP vs UDP",
               "the rules of chess", "how vaccines work", "compound interest"]

@@ -119,7 +119,8 @@ def main() -> None:
             llms[name] = make(SpecConfig(m, args.k, draft_model=getattr(args, f"{m}_dir"),
                                          draft_dtype=draft_dtype,
                                          draft_quantize="int8" if draft_dtype else None,
-                                         prompt_lookup_max=mx, prompt_lookup_min=mn if mx else 2))
+                                         prompt_lookup_max=mx, prompt_lookup_min=mn if mx else 2,
+                                         controller="off"))
     for llm in llms.values():  # warm-up
         llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))
     rows = {name: run(llm, prompts, args.max_tokens) for name, llm in llms.items()}

@@ -118,7 +118,7 @@ def main() -> None:
     rows = {}
     for kern in a.kernels.split(","):
         llm = LLM(a.model, max_batch_size=1, max_seq_len=512, kernels=kern,
-                  spec=SpecConfig("ngram", a.k), enable_prefix_caching=False)
+                  spec=SpecConfig("ngram", a.k, controller="off"), enable_prefix_caching=False)
         feeds, target = capture_feeds(llm, a.k)
         rows[kern] = {name: profile(target, f, a.reps) for name, f in feeds.items()}
         del llm, feeds, target
