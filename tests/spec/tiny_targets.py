@@ -48,7 +48,9 @@ class Target:
         return llm
 
     def spec(self, k: int):
+        """Fixed K (controller "off"): the tests sharing these LLMs count K drafts per step, fix
+        the drafts, or set their own controller (test_spec_controller.py)."""
         from specdeploy import SpecConfig
 
         return SpecConfig(self.method, k, draft_model=None if self.draft_model is None
-                          else str(self.draft_model))
+                          else str(self.draft_model), controller="off")
