@@ -65,3 +65,22 @@ def test_default_engine_has_a_controller_and_stays_lossless(tiny):
 def test_off_engine_has_no_controller(tiny):
     llm = LLM(tiny, spec=SpecConfig("ngram", controller="off"), **LIMITS)
     assert llm.engine.controller is None and llm.engine._measured is None
+
+
+@pytest.mark.parametrize("max_seq_len", [16, 24])
+def test_short_context_calibrates_and_stays_lossless(tiny, max_seq_len):
+    """A context too short for the full calibration schedule: fewer steps and a shorter prompt
+    (the default must not break a short deployment)."""
+    limits = dict(LIMITS, max_seq_len=max_seq_len)
+    prompt, params = [5, 6, 7, 8] * 2, SamplingParams(max_tokens=max_seq_len - 8, ignore_eos=True)
+    (want,) = LLM(tiny, **limits).generate([prompt], params)
+    llm = LLM(tiny, spec=SpecConfig("ngram"), **limits)
+    assert llm.engine.controller is not None and len(llm.engine._measured.target) >= 2
+    assert llm.generate([prompt], params)[0].token_ids == want.token_ids
+
+
+def test_no_room_to_calibrate_is_named(tiny):
+    limits = dict(LIMITS, max_seq_len=12)
+    with pytest.raises(ValueError, match="controller='off'"):
+        LLM(tiny, spec=SpecConfig("ngram"), **limits)
+    assert LLM(tiny, spec=SpecConfig("ngram", controller="off"), **limits).engine.controller is None
