@@ -84,3 +84,10 @@ def test_no_room_to_calibrate_is_named(tiny):
     with pytest.raises(ValueError, match="controller='off'"):
         LLM(tiny, spec=SpecConfig("ngram"), **limits)
     assert LLM(tiny, spec=SpecConfig("ngram", controller="off"), **limits).engine.controller is None
+
+
+def test_auto_keeps_an_explicit_off(tiny):
+    from specdeploy.spec_auto import resolve_auto
+
+    assert resolve_auto(SpecConfig("auto"), tiny).controller == "cost"
+    assert resolve_auto(SpecConfig("auto", controller="off"), tiny).controller == "off"
