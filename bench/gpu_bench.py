@@ -67,7 +67,7 @@ def hybrid_verify_ratio(args) -> dict:
 
     path = family_module("nemotron_h").make_tiny(Path(tempfile.mkdtemp()) / "h", mtp_layers=1)
     dep = build(str(path), dtype=args.dtype, device=args.device, max_batch_size=1,
-                max_seq_len=256, spec=SpecConfig("mtp", 3, controller="off")).target
+                max_seq_len=256, spec=SpecConfig("mtp", 3)).target
     dep.forward(build_metadata([Segment(list(range(3, 35)), 0, [0, 1], 0, 1)]))
 
     def timed(seg, reps=50) -> float:
@@ -102,9 +102,10 @@ def main() -> None:
     hf_rate = hf_decode_rate(hf, prompt, args.tokens, args.device)
     del probe
     rows = {"plain": bs1(args, None, prompt)}
-    for name, spec in (("mtp", SpecConfig("mtp", 3, controller="off")),
-                       ("eagle3", SpecConfig("eagle3", 3, controller="off")),
-                       ("ngram", SpecConfig("ngram", 3, prompt_lookup_max=4, controller="off"))):
+    fixed = dict(controller="off")  # fixed K, as measured for issue 25
+    for name, spec in (("mtp", SpecConfig("mtp", 3, **fixed)),
+                       ("eagle3", SpecConfig("eagle3", 3, **fixed)),
+                       ("ngram", SpecConfig("ngram", 3, prompt_lookup_max=4, **fixed))):
         rows[name] = bs1(args, spec, prompt)
     plain = rows["plain"]
     for name, r in rows.items():

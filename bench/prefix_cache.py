@@ -124,7 +124,7 @@ def bench_model(name: str, args) -> dict:
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     n = args.num_requests if name != "default" else args.num_requests_default
     out = {}
-    mtp = SpecConfig("mtp", args.k, controller="off")
+    mtp = SpecConfig("mtp", args.k, controller="off")  # fixed K
     for spec_name, spec in (("plain", None), (f"mtp_k{args.k}", mtp)):
         if spec is not None and (args.no_mtp or args.prefill_cost_only):
             continue

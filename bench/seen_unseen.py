@@ -57,8 +57,8 @@ def main() -> None:
            "k": args.k, "max_tokens": args.max_tokens, "greedy": True, "results": {}}
     groups = None
     for method in args.methods.split(","):
-        llm = LLM(args.model, dtype="float32", max_batch_size=8, spec=SpecConfig(method, args.k,
-                                                                   controller="off"))
+        spec = SpecConfig(method, args.k, controller="off")  # acceptance of K drafts every step
+        llm = LLM(args.model, dtype="float32", max_batch_size=8, spec=spec)
         if groups is None:
             ps, _ = training_prompts(llm.tokenizer, "sharegpt", 10**6, args.max_prompt_tokens)
             s = [p for p in ps if p[0] in seen]

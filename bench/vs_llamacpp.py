@@ -49,14 +49,14 @@ from specdeploy.bench import machine, peak_rss_mib, print_json  # noqa: E402
 
 # the CPU drafter precision (spec_auto._CPU_DRAFTER): a draft step is bound by reading its weights
 DRAFTER = dict(draft_quantize="q8_0")
+FIXED = dict(controller="off")  # fixed K: every step verifies K drafts
 SPECS = {
-    "lookup": lambda: SpecConfig("ngram", 3, prompt_lookup_num_tokens=16, controller="off"),
+    "lookup": lambda: SpecConfig("ngram", 3, prompt_lookup_num_tokens=16, **FIXED),
     "mtp+lookup": lambda: SpecConfig("mtp", 3, prompt_lookup_max=4, prompt_lookup_num_tokens=16,
-                                     controller="off", **DRAFTER),
-    "eagle3": lambda: SpecConfig("eagle3", 3, controller="off", **DRAFTER),
+                                     **FIXED, **DRAFTER),
+    "eagle3": lambda: SpecConfig("eagle3", 3, **FIXED, **DRAFTER),
     "eagle3+lookup": lambda: SpecConfig("eagle3", 3, prompt_lookup_max=4,
-                                        prompt_lookup_num_tokens=16, controller="off",
-                                        **DRAFTER),
+                                        prompt_lookup_num_tokens=16, **FIXED, **DRAFTER),
     # the same with the cost controller (engine/spec_control.py), and what "auto" resolves to
     "lookup+ctl": lambda: SpecConfig("ngram", 3, prompt_lookup_num_tokens=16, controller="cost"),
     "mtp+lookup+ctl": lambda: SpecConfig("mtp", 3, prompt_lookup_max=4,
@@ -67,7 +67,7 @@ SPECS = {
                                             prompt_lookup_num_tokens=16, controller="cost",
                                             **DRAFTER),
     "mtp+ctl": lambda: SpecConfig("mtp", 3, controller="cost", **DRAFTER),
-    "mtp": lambda: SpecConfig("mtp", 3, controller="off", **DRAFTER),
+    "mtp": lambda: SpecConfig("mtp", 3, **FIXED, **DRAFTER),
     "auto": lambda: SpecConfig("auto"),
 }
 

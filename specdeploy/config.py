@@ -60,9 +60,11 @@ class SpecConfig:
     the first draft whose chain probability (the product of the drafter's top probabilities)
     is below it. Verify rows and draft steps that would rarely be accepted are skipped; with
     lookup on, K can then be set for lookup drafts (long runs) while the drafter stops early.
-    `controller="cost"` chooses per step and per sequence how many of the K drafts to draft
-    and verify, 0 included, from this machine's measured step costs (timed when the engine is
-    built) and the sequence's recent acceptance (engine/spec_control.py); "off": always K.
+    `controller="cost"` (the default) chooses per step and per sequence how many of the K
+    drafts to draft and verify, 0 included, from this machine's measured step costs (timed when
+    the engine is built) and the sequence's recent acceptance (engine/spec_control.py), so that
+    speculation is not slower than plain decoding. "off": fixed K, every step verifies K drafts,
+    which can be slower than no speculation.
     """
 
     method: str
@@ -75,7 +77,7 @@ class SpecConfig:
     draft_dtype: str | None = None
     draft_quantize: str | None = None
     draft_min_prob: float = 0.0
-    controller: str = "off"
+    controller: str = "cost"
     model: str | None = None  # vLLM's name for draft_model (folded into it)
     num_speculative_tokens: int | None = None  # vLLM's name for num_draft_tokens (folded)
 

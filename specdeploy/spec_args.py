@@ -31,9 +31,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-min-prob", type=float, default=0.0,
                    help="stop a drafter chain once its probability falls below this (0: K "
                         "drafts always; try 0.1)")
-    p.add_argument("--spec-controller", choices=CONTROLLERS, default="off",
-                   help="cost: choose per step how many drafts to verify (0 included) from "
-                        "this machine's measured step costs and recent acceptance; off: K")
+    p.add_argument("--spec-controller", choices=CONTROLLERS, default="cost",
+                   help="cost (default): choose per step how many drafts to verify (0 "
+                        "included) from this machine's measured step costs and recent "
+                        "acceptance; off: fixed K, every step verifies K drafts (can be slower "
+                        "than no speculation)")
 
 
 def spec_from_args(args) -> SpecConfig | None:
@@ -55,4 +57,4 @@ def spec_from_args(args) -> SpecConfig | None:
                       draft_dtype=args.draft_dtype,
                       draft_quantize=None if args.draft_quantize == "none" else args.draft_quantize,
                       draft_min_prob=args.draft_min_prob,
-                      controller=getattr(args, "spec_controller", "off"))
+                      controller=getattr(args, "spec_controller", "cost"))

@@ -5,10 +5,10 @@ Resolved from the checkpoint alone, before loading (the loader's choices depend 
 - the embedded default model: what `bench/vs_llamacpp.py` measured fastest on a CPU
   (`DEFAULT_MODEL`; the run that chose it is cited in docs/benchmarks.md);
 - anything else: n-gram lookup, which needs no drafter and costs no draft forwards.
-Every choice runs the cost controller (engine/spec_control.py), which drafts nothing where
-drafts do not pay on this machine. Fields the caller set away from their defaults win (a field
-left at its default cannot be told from one not given: for K drafts every step, name the method
-with controller="off").
+Every choice runs the cost controller (engine/spec_control.py, SpecConfig's default), which
+drafts nothing where drafts do not pay on this machine. Fields the caller set away from their
+defaults win (a field left at its default cannot be told from one not given): e.g.
+`SpecConfig("auto", controller="off")` verifies K drafts every step.
 """
 from __future__ import annotations
 

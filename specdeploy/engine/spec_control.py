@@ -282,9 +282,11 @@ def calibrate(engine, batches: tuple[int, ...] = (1, 3), reps: int = 3,
               prompt_len: int = 16) -> MeasuredCost:
     """Times the deployed target and drafter forwards on this machine by row count: for each
     batch size, dummy greedy requests decode with 0..K (and the longest lookup run) fixed
-    drafts (engine.fix_drafts), each for `reps` steps after a warm-up one; medians per row
-    count, the first forward at each row count left out. The engine is left as it was (its
-    stats, draft source and prefix cache reset; the requests aborted)."""
+    drafts (engine.fix_drafts), each for `reps` steps after a warm-up one (fewer steps and a
+    shorter prompt where the context or the cache is short); medians per row count, the first
+    forward at each row count left out. The engine is left as it was (its stats, draft source
+    and prefix cache reset; the requests aborted). ValueError where not even one step each
+    fits."""
     d = engine.deployed
     samples: dict[str, dict[int, list[float]]] = {"target": defaultdict(list),
                                                   "draft": defaultdict(list)}
@@ -309,7 +311,6 @@ def calibrate(engine, batches: tuple[int, ...] = (1, 3), reps: int = 3,
     controller, source = engine.controller, engine.source
     engine.controller = None
     kmax = engine.max_k
-    schedule = [k for k in sorted({*range(engine.k + 1), kmax}) for _ in range(reps + 1)]
     want = {"k": 0}
     engine.fix_drafts(lambda seq, n: [seq.all_ids[-1]] * min(want["k"], n))
     timed("target", "forward")
@@ -320,16 +321,15 @@ def calibrate(engine, batches: tuple[int, ...] = (1, 3), reps: int = 3,
         for b in batches:
             if b > engine.scheduler.max_batch_size:
                 break
-            ids = [f"__calibrate_{b}_{i}" for i in range(b)]
-            room = min(engine.max_seq_len - prompt_len - kmax - 1,
-                       engine.blocks.num_pages * engine.blocks.page_size // b - prompt_len
-                       - 2 * kmax - 2)
-            if room < len(schedule):
+            fit = _fit(engine, b, reps, prompt_len)
+            if fit is None:
                 break
+            schedule, n_prompt, room = fit
+            ids = [f"__calibrate_{b}_{i}" for i in range(b)]
             sp = SamplingParams(max_tokens=min(len(schedule) * (kmax + 1) + 2, room),
                                 ignore_eos=True)
             for i, rid in enumerate(ids):
-                prompt = [(7 + 13 * i + j) % vocab for j in range(prompt_len)]
+                prompt = [(7 + 13 * i + j) % vocab for j in range(n_prompt)]
                 engine.add_request(prompt, sp, request_id=rid)
             engine.step()  # the prefill
             for k in schedule + schedule[-1:]:  # a step verifies the previous step's drafts
@@ -348,4 +348,24 @@ def calibrate(engine, batches: tuple[int, ...] = (1, 3), reps: int = 3,
         engine.reset_prefix_cache()
     med = {name: {r: statistics.median(v) for r, v in t.items() if r > 0 and v}
            for name, t in samples.items()}
+    if not med["target"]:
+        raise ValueError(f"controller: too little room to calibrate the cost controller "
+                         f"(max_seq_len={engine.max_seq_len}, {engine.blocks.num_pages} pages "
+                         f"of {engine.blocks.page_size}, up to {kmax} drafts); give "
+                         f"controller='off' (fixed K) or a longer max_seq_len")
     return MeasuredCost(med["target"], med["draft"])
+
+
+def _fit(engine, b: int, reps: int, prompt_len: int):
+    """(schedule of drafts per step, prompt length, tokens each request may make) for `b`
+    calibration requests: `reps` steps per draft count and a `prompt_len` prompt, both cut
+    down (to 1) until they fit the context and the cache; None if nothing fits."""
+    kmax = engine.max_k
+    per_seq = engine.blocks.num_pages * engine.blocks.page_size // b
+    for r in range(reps, 0, -1):
+        schedule = [k for k in sorted({*range(engine.k + 1), kmax}) for _ in range(r + 1)]
+        n = min(prompt_len, engine.max_seq_len - kmax - 1 - len(schedule),
+                per_seq - 2 * kmax - 2 - len(schedule))
+        if n >= 1:
+            return schedule, n, min(engine.max_seq_len - n - kmax - 1, per_seq - n - 2 * kmax - 2)
+    return None

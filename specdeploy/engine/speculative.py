@@ -131,7 +131,7 @@ class SpecEngine(Engine):
         max_n = spec.prompt_lookup_max
         self.set_lookup((max_n, spec.prompt_lookup_min) if max_n else None,
                         spec.prompt_lookup_num_tokens)
-        self.set_controller(getattr(spec, "controller", "off"))
+        self.set_controller(spec.controller)
 
     # ---- configuration ------------------------------------------------------------------------
     def set_lookup(self, lookup: tuple[int, int] | None, num_tokens: int | None = None) -> None:

@@ -125,7 +125,8 @@ CASES = [  # arch, speculation, tp, ep
                          ids=[f"{a}-{'spec' if s else 'plain'}-tp{t}ep{e}" for a, s, t, e in CASES])
 def test_tp2_greedy_equals_tp1(targets, arch, spec, tp, ep):
     t = targets(arch)
-    llm = LLM(str(t.path), spec=t.spec(K) if spec else None, tensor_parallel_size=tp,
+    # speculation with SpecConfig's default cost controller (calibrated over mirrored forwards)
+    llm = LLM(str(t.path), spec=t.spec(K, "cost") if spec else None, tensor_parallel_size=tp,
               expert_parallel_size=ep, dist_timeout=30, **LIMITS)
     try:
         assert _ids(llm.generate(t.prompts, _params())) == t.baseline

@@ -22,8 +22,10 @@ PROMPT = [5, 17, 42, 9, 33, 61, 8]
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     path = nemotron_h.make_tiny(tmp_path_factory.mktemp("rs") / "nh", seed=3, mtp_layers=1)
-    llm = LLM(str(path), spec=SpecConfig("mtp", 3), max_batch_size=64, max_seq_len=64,
-              max_cache_gib=0.05, page_size=8, dtype="float32", enable_prefix_caching=False)
+    # fixed K: token 2 is always a verified draft position (the controller may draft none)
+    llm = LLM(str(path), spec=SpecConfig("mtp", 3, controller="off"), max_batch_size=64,
+              max_seq_len=64, max_cache_gib=0.05, page_size=8, dtype="float32",
+              enable_prefix_caching=False)
     return path, llm
 
 

@@ -45,7 +45,8 @@ def plain():
 
 @pytest.fixture(scope="module")
 def spec():
-    return LLM("hybrid-demo", spec=SpecConfig("mtp", K), **LIMITS)
+    # fixed K: the acceptance of K drafts and the states after partial acceptance of K
+    return LLM("hybrid-demo", spec=SpecConfig("mtp", K, controller="off"), **LIMITS)
 
 
 def test_loads_by_name(plain):

@@ -33,7 +33,8 @@ class Case:
         self.arch, self.groups = arch, groups
         self.path = family_module(arch).make_tiny(root / f"{arch}_{groups}", seed=3,
                                                   mtp_layers=groups)
-        self.llm = LLM(str(self.path), spec=SpecConfig("mtp", K), **LIMITS)
+        # fixed K: every step runs the K draft steps whose groups are checked
+        self.llm = LLM(str(self.path), spec=SpecConfig("mtp", K, controller="off"), **LIMITS)
         self.model = specdeploy.load_model(str(self.path), dtype="float32", with_mtp=True)
 
 

@@ -47,8 +47,10 @@ class Target:
             llm.engine.set_lookup(None)
         return llm
 
-    def spec(self, k: int):
+    def spec(self, k: int, controller: str = "off"):
+        """Fixed K by default (not SpecConfig's "cost"): the tests sharing these LLMs count K
+        drafts per step, fix the drafts, or set their own controller (test_spec_controller.py)."""
         from specdeploy import SpecConfig
 
         return SpecConfig(self.method, k, draft_model=None if self.draft_model is None
-                          else str(self.draft_model))
+                          else str(self.draft_model), controller=controller)

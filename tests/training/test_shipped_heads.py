@@ -67,9 +67,10 @@ def _run(method: str, prompts, k: int, **spec_kw):
     # own mtp.* weights when draft_model is None, which a Llama rejects (reported upstream);
     # test_default_mtp_head_resolves covers the no-draft_model lookup itself.
     draft = (str(drafters_dir() / "smollm2-135m-instruct" / "mtp") if method == "mtp" else None)
-    # NOTE: the exact kernels: the oracle is the fp32 model's full recompute
+    # NOTE: the exact kernels: the oracle is the fp32 model's full recompute; fixed K: the
+    # thresholds are the acceptance of K drafts every step
     llm = LLM(max_batch_size=3, max_seq_len=192, kernels="exact",
-              spec=SpecConfig(method, k, draft_model=draft, **spec_kw))
+              spec=SpecConfig(method, k, draft_model=draft, controller="off", **spec_kw))
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     return llm, [o.token_ids for o in outs]
 
