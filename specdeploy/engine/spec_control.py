@@ -28,6 +28,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from specdeploy.config import CONTROLLERS
 
 __all__ = ["CONTROLLERS", "CostController", "CostModel", "MeasuredCost", "calibrate"]
@@ -288,6 +290,10 @@ def calibrate(engine, batches: tuple[int, ...] = (1, 3), reps: int = 3,
     and prefix cache reset; the requests aborted). ValueError where not even one step each
     fits."""
     d = engine.deployed
+    dev = getattr(engine, "device", None)
+    sync = None
+    if dev is not None and torch.device(dev).type == "cuda":
+        sync = torch.cuda.synchronize
     samples: dict[str, dict[int, list[float]]] = {"target": defaultdict(list),
                                                   "draft": defaultdict(list)}
     saved = {}
@@ -299,6 +305,8 @@ def calibrate(engine, batches: tuple[int, ...] = (1, 3), reps: int = 3,
         def run(meta, *a, **kw):
             t = time.perf_counter()
             out = fn(meta, *a, **kw)
+            if sync is not None:  # NOTE: a CUDA forward returns at launch; time its kernels
+                sync()
             # NOTE: the first forward at a row count is a warm-up (shape specialisation)
             seen = samples[name].setdefault(-meta.num_tokens, [])
             dt = time.perf_counter() - t
