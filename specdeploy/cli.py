@@ -117,6 +117,7 @@ def cmd_deploy(args) -> int:
                               max_seq_len=args.max_seq_len)
     print(describe(args.model, dtype=args.dtype, device=args.device,
                    max_seq_len=max_len, max_cache_gib=args.max_cache_gib,
+                   gpu_memory_utilization=args.gpu_memory_utilization,
                    spec=spec_from_args(args), kernels=args.kernels, dist=dist,
                    enable_prefix_caching=args.enable_prefix_caching))
     return 0

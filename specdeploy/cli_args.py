@@ -26,7 +26,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     add_context_args(p)
-    p.add_argument("--max-cache-gib", type=float, default=None)
+    add_budget_args(p)
     p.add_argument("--backend", choices=("graph", "eager"), default="graph")
     add_spec_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -38,6 +38,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "activations, as llama.cpp) or the exact fp32 model")
     add_parallel_args(p)
     add_prefix_caching_arg(p)
+
+
+def add_budget_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-cache-gib", type=float, default=None,
+                   help="the caches' budget in GiB (default: half the memory free after loading)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction (0, 1] of the device's total memory this instance may hold, "
+                        "weights included; the caches get the rest (not with --max-cache-gib)")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +95,7 @@ def llm_from_args(args, max_batch_size: int):
     return LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=max_batch_size,
                max_seq_len=args.max_seq_len, spec=spec_from_args(args),
                max_cache_gib=args.max_cache_gib,
+               gpu_memory_utilization=args.gpu_memory_utilization,
                backend=args.backend, progress=True, compile=args.compile, kernels=args.kernels,
                enable_prefix_caching=args.enable_prefix_caching,
                generation_config=args.generation_config,

@@ -41,6 +41,11 @@ class LLM:
         kv_cache_dtype: "auto" (bfloat16 with kernels="fast" on the CPU, else the model dtype),
             "float32", "bfloat16" or "float16". The KV cache is planned for max_batch_size x
             max_seq_len (capped by max_cache_gib); on the CPU its memory is backed as written.
+        max_cache_gib: the caches' budget in GiB. gpu_memory_utilization (vLLM's knob, in
+            (0, 1]): the fraction of the device's total memory (the machine's, on the CPU) this
+            instance may hold, weights and whatever else already uses the device included; the
+            caches get the rest (cache/plan.py `cache_budget`; activations not reserved). At most
+            one of the two; neither: half the memory free after loading.
         tensor_parallel_size / expert_parallel_size: ranks (worker processes started here, or
             the processes of a torchrun launch) and MoE expert groups among them; rank 0 runs the
             engine. Under torchrun, a rank > 0 serves as a worker inside this constructor and
@@ -69,7 +74,8 @@ class LLM:
                  checkpoint_every: int | None = None, max_model_len: int | None = None,
                  generation_config: str | os.PathLike | None = "auto",
                  speculative_config: dict | SpecConfig | None = None,
-                 max_num_seqs: int | None = None, kv_cache_dtype: str = "auto"):
+                 max_num_seqs: int | None = None, kv_cache_dtype: str = "auto",
+                 gpu_memory_utilization: float | None = None):
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
         from specdeploy.checkpoint import open_checkpoint
@@ -98,6 +104,7 @@ class LLM:
         options = BuildOptions(dtype=dtype, max_batch_size=max_batch_size,
                                max_seq_len=max_seq_len, page_size=page_size,
                                max_cache_gib=max_cache_gib, spec=spec, backend=backend,
+                               gpu_memory_utilization=gpu_memory_utilization,
                                quantize=quantize, compile=compile, device=device,
                                kernels=kernels, kv_cache_dtype=kv_cache_dtype,
                                dist=_dist_config(tensor_parallel_size, expert_parallel_size,

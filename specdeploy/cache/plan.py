@@ -26,6 +26,62 @@ def available_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
+def total_bytes(device: torch.device) -> int:
+    """All the memory of the device (CUDA) or of the machine (CPU: MemTotal)."""
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        return int(total)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def check_budget(max_cache_gib: float | None, gpu_memory_utilization: float | None) -> None:
+    """The budget knobs: each in range, and at most one of them (see `cache_budget`)."""
+    if max_cache_gib is not None and not max_cache_gib > 0:
+        raise ValueError(f"max_cache_gib: must be > 0, got {max_cache_gib!r}")
+    u = gpu_memory_utilization
+    if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float))
+                          or not 0 < u <= 1):
+        raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {u!r}")
+    if max_cache_gib is not None and u is not None:
+        raise ValueError("gpu_memory_utilization: give it or max_cache_gib, not both")
+
+
+def cache_budget(device: torch.device, max_cache_gib: float | None = None,
+                 gpu_memory_utilization: float | None = None,
+                 free_fraction: float = 0.5) -> tuple[int, str]:
+    """Bytes the caches may take, and the knob that set them (named in errors).
+
+    `max_cache_gib`: exactly that. `gpu_memory_utilization` (vLLM's knob): the fraction of the
+    device's *total* memory this instance may hold, weights included: the caches get
+    `u * total - in_use`, `in_use = total - free` measured now, after the weights are on the
+    device (memory of other processes counts as in use, so two instances at 0.45 each fit).
+    Step activations are not reserved: leave headroom (vLLM's default is 0.9). Neither: half
+    of what is free now. The two knobs are exclusive (an error, rather than one silently
+    ignored)."""
+    check_budget(max_cache_gib, gpu_memory_utilization)
+    if max_cache_gib is not None:
+        return int(max_cache_gib * GIB), "max_cache_gib"
+    free = available_bytes(device)
+    if gpu_memory_utilization is None:
+        return int(free * free_fraction), "max_cache_gib"  # the knob to set when too small
+    total = total_bytes(device)
+    in_use = max(0, total - free)
+    budget = int(gpu_memory_utilization * total) - in_use
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization: {gpu_memory_utilization} of {total / GIB:.2f} GiB is "
+            f"{gpu_memory_utilization * total / GIB:.2f} GiB, but {in_use / GIB:.2f} GiB are "
+            f"already in use on {device}; nothing is left for the cache")
+    return budget, "gpu_memory_utilization"
+
+
 @dataclass
 class CachePlan:
     page_size: int
@@ -86,10 +142,18 @@ def default_page_size(handlers: list, attention_only: int = 16) -> int:
     return align * -(-attention_only // align)
 
 
+def budget_gib(device: torch.device, max_cache_gib: float | None,
+               gpu_memory_utilization: float | None) -> float | None:
+    """`max_cache_gib`, or what `gpu_memory_utilization` leaves for the cache, in GiB."""
+    if gpu_memory_utilization is None:
+        return max_cache_gib
+    return cache_budget(device, max_cache_gib, gpu_memory_utilization)[0] / GIB
+
+
 def plan_cache(
     handlers: list, page_size: int, max_batch_size: int, max_seq_len: int,
     max_cache_gib: float | None, device: torch.device, free_fraction: float = 0.5,
-    checkpoint_every: int | None = None,
+    checkpoint_every: int | None = None, gpu_memory_utilization: float | None = None,
 ) -> CachePlan:
     """Slots = max_batch_size (every running sequence needs one); pages fill what is left of the
     budget, capped at what max_batch_size sequences of max_seq_len tokens could ever use.
@@ -101,7 +165,8 @@ def plan_cache(
     page. An unaligned page size falls back to every k pages, k the fewest whose tokens span
     whole chunks: a boundary inside a chunk would cost an extra in-chunk sum and a state copy
     (+70-300 % of the op, bench/scan_chunk.py). A budget too small for one per k pages
-    spaces them out further (a multiple of k) rather than leave late pages uncovered."""
+    spaces them out further (a multiple of k) rather than leave late pages uncovered.
+    The budget: `cache_budget` (max_cache_gib, gpu_memory_utilization, else half the free)."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     ckpts = [h for h in handlers if isinstance(h, Checkpoint)]
@@ -123,15 +188,10 @@ def plan_cache(
     page_bytes = sum(h.bytes_per_page(page_size) for h in kv)
     pages_per_seq = math.ceil(max_seq_len / page_size)
     wanted_pages = max_batch_size * pages_per_seq + 1 if kv else 0
-    if max_cache_gib is not None:
-        if max_cache_gib <= 0:
-            raise ValueError(f"max_cache_gib must be > 0, got {max_cache_gib}")
-        budget = int(max_cache_gib * GIB)
-    else:
-        budget = int(available_bytes(device) * free_fraction)
+    budget, knob = cache_budget(device, max_cache_gib, gpu_memory_utilization, free_fraction)
     if slot_bytes > budget:
         raise ValueError(
-            f"max_cache_gib: recurrent states for {num_slots} sequences need "
+            f"{knob}: recurrent states for {num_slots} sequences need "
             f"{slot_bytes / GIB:.3f} GiB, over the budget of {budget / GIB:.3f} GiB"
         )
     num_pages = 0
@@ -139,7 +199,7 @@ def plan_cache(
         num_pages = min(wanted_pages, (budget - slot_bytes) // page_bytes)
         if num_pages < pages_per_seq:
             raise ValueError(
-                f"max_cache_gib: the budget of {budget / GIB:.3f} GiB holds {num_pages} KV pages; "
+                f"{knob}: the budget of {budget / GIB:.3f} GiB holds {num_pages} KV pages; "
                 f"one sequence of max_seq_len={max_seq_len} needs {pages_per_seq}"
             )
     num_ckpt = 0

@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 
 from specdeploy.cache.handlers import Checkpoint, PagedKV
-from specdeploy.cache.plan import CachePlan, default_page_size, plan_cache
+from specdeploy.cache.plan import CachePlan, check_budget, default_page_size, plan_cache
 from specdeploy.checkpoint import CheckpointError
 from specdeploy.config import SpecConfig
 from specdeploy.deploy.context import DeployContext
@@ -55,6 +55,9 @@ class BuildOptions:
     max_seq_len: int = 2048
     page_size: int | None = None  # None: per architecture (see above)
     max_cache_gib: float | None = None
+    # the fraction of the device's total memory this instance may hold (vLLM's knob; exclusive
+    # with max_cache_gib; cache/plan.py `cache_budget`)
+    gpu_memory_utilization: float | None = None
     spec: SpecConfig | None = None
     compile: bool = False
     quantize: str | None = None
@@ -82,8 +85,7 @@ class BuildOptions:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got "
                              f"{self.backend!r}")
-        if self.max_cache_gib is not None and not self.max_cache_gib > 0:
-            raise ValueError(f"max_cache_gib: must be > 0, got {self.max_cache_gib!r}")
+        check_budget(self.max_cache_gib, self.gpu_memory_utilization)
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels: one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -159,8 +161,10 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     if opts.vision and not vision:
         raise ValueError("vision: this checkpoint has no vision tower")
     embed = model.model.embed_tokens if vision else None
+    rank_gib = _rank_budget(opts)  # under TP: the GiB the ranks agreed on (utilization spent)
+    util = opts.gpu_memory_utilization if rank_gib == opts.max_cache_gib else None
     common = dict(page_size=opts.page_size, max_batch_size=opts.max_batch_size,
-                  max_seq_len=opts.max_seq_len, max_cache_gib=_rank_budget(opts),
+                  max_seq_len=opts.max_seq_len, max_cache_gib=rank_gib,
                   compile=opts.compile, disabled=opts.disabled, device=opts.device,
                   kernels=opts.kernels, dist=opts.dist, lazy=lazy)
     drafter = None if spec is None else prepare_drafter(model, spec, dtype, opts.quantize,
@@ -194,7 +198,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     page_size = opts.page_size or default_page_size(resources)
     plan = plan_cache(resources, page_size, opts.max_batch_size, opts.max_seq_len,
                       common["max_cache_gib"], target_ctx.device,
-                      checkpoint_every=opts.checkpoint_every)
+                      checkpoint_every=opts.checkpoint_every, gpu_memory_utilization=util)
     vocab = model.cfg.vocab_size
     deployed = []
     for (gm, res), ctx in transformed:
@@ -292,13 +296,14 @@ def _rank_budget(opts: BuildOptions) -> float | None:
         return opts.max_cache_gib
     import torch.distributed as dist
 
-    from specdeploy.cache.plan import GIB, available_bytes
-
     if not dist.is_initialized():
         return opts.max_cache_gib  # one rank built alone (tests, inspection): its own budget
+    from specdeploy.cache.plan import GIB, cache_budget
     from specdeploy.distributed.groups import agree_min
 
-    return agree_min(available_bytes(torch.device("cpu")) * 0.5) / GIB
+    util = opts.gpu_memory_utilization  # NOTE: TP ranks run on the CPU without it (as before)
+    return agree_min(cache_budget(opts.device if util else torch.device("cpu"), None, util)[0]
+                     ) / GIB
 
 
 def describe(model_path=None, options: BuildOptions | None = None, **overrides) -> str:
@@ -375,8 +380,11 @@ def _eager(model_path, opts: BuildOptions) -> EagerDeployed:
     model = load_model_from_reader(reader, opts.dtype, progress=opts.progress)
     cfg = reader.config.get("text_config", reader.config)
     vocab = int(cfg.get("vocab_size") or model.get_output_embeddings().out_features)
+    from specdeploy.cache.plan import budget_gib
+
     layout = eager_layout(cfg, opts.max_batch_size, opts.max_seq_len, opts.page_size or 16,
-                          opts.max_cache_gib, next(model.parameters()).element_size())
+                          budget_gib(opts.device, opts.max_cache_gib, opts.gpu_memory_utilization),
+                          next(model.parameters()).element_size())
     return EagerDeployed(model, vocab, opts.max_seq_len, reader.config, layout)
 
 

@@ -11,6 +11,7 @@ from specdeploy.cli_args import (
     DEVICE_HELP,
     DTYPE_HELP,
     MODEL_HELP,
+    add_budget_args,
     add_context_args,
     add_parallel_args,
     add_prefix_caching_arg,
@@ -40,7 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) replacing the "
                         "checkpoint's")
-    p.add_argument("--max-cache-gib", type=float, default=None)
+    add_budget_args(p)
     add_spec_args(p)
     add_prefix_caching_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
@@ -87,6 +88,7 @@ def cmd_serve(args) -> int:
 
     llm = LLM(model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
               max_seq_len=args.max_seq_len, spec=spec, max_cache_gib=args.max_cache_gib,
+              gpu_memory_utilization=args.gpu_memory_utilization,
               backend=args.backend, progress=True, seed=args.seed,
               generation_config=args.generation_config,
               enable_prefix_caching=args.enable_prefix_caching, **parallel_kwargs(args))
