@@ -60,16 +60,18 @@ def route_sigmoid(
     return Routing(ids, weights * scaling_factor)
 
 
-def _expert_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, activation: str):
-    h = x @ w_up.t()
+def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """[..., 2I] (swiglu: gate first) or [..., I] (relu2) -> [..., I]."""
     if activation == "swiglu":
         gate, up = h.chunk(2, dim=-1)
-        h = F.silu(gate) * up
-    elif activation == "relu2":
-        h = F.relu(h).square()
-    else:
-        raise ValueError(f"unknown expert activation {activation!r}")
-    return h @ w_down.t()
+        return F.silu(gate) * up
+    if activation == "relu2":
+        return F.relu(h).square()
+    raise ValueError(f"unknown expert activation {activation!r}")
+
+
+def _expert_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, activation: str):
+    return expert_activation(x @ w_up.t(), activation) @ w_down.t()
 
 
 def moe_experts_ref(
@@ -136,7 +138,13 @@ def _moe_experts_kernel(
     w_down: torch.Tensor,
     activation: str,
 ) -> torch.Tensor:
-    return moe_experts_fast(x, topk_ids, topk_weights, w_up, w_down, activation)
+    if x.device.type == "cpu":
+        return moe_experts_fast(x, topk_ids, topk_weights, w_up, w_down, activation)
+    from specdeploy.ops.moe_grouped import moe_experts_grouped
+
+    # NOTE: the CPU keeps its per-expert loop (its one host sync costs nothing there); on a
+    # GPU the grouped path launches a fixed set of kernels and never syncs (invariant 8)
+    return moe_experts_grouped(x, topk_ids, topk_weights, w_up, w_down, activation)
 
 
 moe_experts = torch.library.custom_op(

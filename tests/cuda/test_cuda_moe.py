@@ -1,0 +1,44 @@
+"""The grouped MoE path on a CUDA device (ops/moe_grouped.py): each way, and the registered op's
+dispatch, against the CPU ref, with CUDA's sync debug mode set to fail on any host sync."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdeploy.ops import moe_experts_ref
+from tests.ops.test_moe_grouped import _case
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def _no_sync():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.cuda.set_sync_debug_mode("error")
+    yield
+    torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["op", "auto", "gather", "padded", "grouped_mm"])
+@pytest.mark.parametrize("shape", [(1, 2, 8, 64, 32), (37, 4, 16, 64, 32), (5, 3, 7, 40, 24)])
+def test_grouped_moe_on_cuda(impl, dtype, shape):
+    from specdeploy.ops.moe_grouped import aligned, moe_experts_grouped
+
+    t, k, e, hdim, inter = shape
+    torch.cuda.set_sync_debug_mode("default")  # building the case may sync
+    case = _case(t, k, e, hdim, inter, "swiglu", dtype=dtype)
+    expected = moe_experts_ref(*case).float()
+    dev = [c.cuda() if isinstance(c, torch.Tensor) else c for c in case]
+    if impl == "grouped_mm" and (dtype != torch.bfloat16 or not aligned(dev[3], dev[4])):
+        pytest.skip("grouped_mm: bf16 and 16-byte rows only")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    if impl == "op":
+        out = torch.ops.specdeploy.moe_experts(*dev)
+    else:
+        out = moe_experts_grouped(*dev, impl=impl)
+    torch.cuda.set_sync_debug_mode("default")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    scale = expected.abs().max().item()
+    assert (out.float().cpu() - expected).abs().max().item() <= tol * scale
