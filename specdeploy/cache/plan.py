@@ -99,11 +99,22 @@ class CachePlan:
     def total_bytes(self) -> int:
         return sum(self.bytes_by_handler.values())
 
+    # One page and one state slot past those the engine hands out are allocated too, used by no
+    # sequence: the padding rows of a CUDA-graph bucket write there (cache/padding.py).
+    @property
+    def scratch_page(self) -> int:
+        return self.num_pages
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
     def summary(self) -> str:
         lines = [
             f"cache plan: page_size={self.page_size} num_pages={self.num_pages} "
             f"num_slots={self.num_slots} total={self.total_bytes / 2**20:.2f} MiB "
-            f"(budget {self.budget_bytes / 2**20:.2f} MiB; on the CPU the paged KV is reserved, "
+            f"(budget {self.budget_bytes / 2**20:.2f} MiB; + 1 scratch page and slot, used by no "
+            f"sequence; on the CPU the paged KV is reserved, "
             f"its memory backed as pages are first written)"
         ]
         if "checkpoint" in self.bytes_by_kind:
@@ -184,7 +195,7 @@ def plan_cache(
     kv = [h for h in handlers if isinstance(h, PagedKV)]
     slotted = [h for h in handlers if isinstance(h, (State, SpecState))]
     num_slots = max_batch_size
-    slot_bytes = num_slots * sum(h.bytes_per_slot() for h in slotted)
+    slot_bytes = (num_slots + 1) * sum(h.bytes_per_slot() for h in slotted)  # + the scratch
     page_bytes = sum(h.bytes_per_page(page_size) for h in kv)
     pages_per_seq = math.ceil(max_seq_len / page_size)
     wanted_pages = max_batch_size * pages_per_seq + 1 if kv else 0
@@ -196,7 +207,7 @@ def plan_cache(
         )
     num_pages = 0
     if kv:
-        num_pages = min(wanted_pages, (budget - slot_bytes) // page_bytes)
+        num_pages = min(wanted_pages, (budget - slot_bytes) // page_bytes - 1)  # - the scratch
         if num_pages < pages_per_seq:
             raise ValueError(
                 f"{knob}: the budget of {budget / GIB:.3f} GiB holds {num_pages} KV pages; "
@@ -204,7 +215,7 @@ def plan_cache(
             )
     num_ckpt = 0
     if ckpts:
-        left = budget - slot_bytes - num_pages * page_bytes
+        left = budget - slot_bytes - (num_pages + 1) * page_bytes
         fits = max(0, left // sum(h.bytes_per_slot() for h in ckpts))
         base = checkpoint_every
         while auto and fits and -(-num_pages // checkpoint_every) > fits:
@@ -216,9 +227,9 @@ def plan_cache(
     plan = CachePlan(page_size, int(num_pages), num_slots, budget, int(num_ckpt),
                      checkpoint_every, why)
     for h in kv:
-        plan.bytes_by_handler[h.name] = h.bytes_per_page(page_size) * plan.num_pages
+        plan.bytes_by_handler[h.name] = h.bytes_per_page(page_size) * (plan.num_pages + 1)
     for h in slotted:
-        plan.bytes_by_handler[h.name] = h.bytes_per_slot() * num_slots
+        plan.bytes_by_handler[h.name] = h.bytes_per_slot() * (num_slots + 1)
     for h in ckpts:
         plan.bytes_by_handler[h.name] = h.bytes_per_slot() * plan.num_checkpoints
     for h in kv + slotted + ckpts:

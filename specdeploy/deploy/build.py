@@ -331,16 +331,17 @@ def _transform(module: nn.Module, ctx: DeployContext, hidden_size: int | None,
 
 
 def allocate(gm: fx.GraphModule, resources: list, plan: CachePlan, device) -> None:
-    """Register the real cache tensors of `resources` as the graph's buffers."""
+    """Register the real cache tensors of `resources` as the graph's buffers (with the plan's
+    scratch page and slot: the last of each)."""
     for h in resources:
         if isinstance(h, PagedKV):
-            k, v = h.allocate(plan.num_pages, plan.page_size, device)
+            k, v = h.allocate(plan.num_pages + 1, plan.page_size, device)
             gm.register_buffer(f"{h.name}_k", k, persistent=False)
             gm.register_buffer(f"{h.name}_v", v, persistent=False)
         elif isinstance(h, Checkpoint):
             gm.register_buffer(h.name, h.allocate(plan.num_checkpoints, device), persistent=False)
         else:
-            gm.register_buffer(h.name, h.allocate(plan.num_slots, device), persistent=False)
+            gm.register_buffer(h.name, h.allocate(plan.num_slots + 1, device), persistent=False)
 
 
 def _with_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype):

@@ -47,11 +47,12 @@ def test_plan_exact_bytes_capped_by_need():
                       device=CPU)
     pages = 3 * math.ceil(100 / 16) + 1
     assert (plan.num_pages, plan.num_slots, plan.page_size) == (pages, 3, 16)
+    assert (plan.scratch_page, plan.scratch_slot) == (pages, 3)  # allocated past the others
     assert plan.bytes_by_handler == {
-        "kv_cache_0": pages * 16 * 2 * 32 * F32,
-        "kv_cache_1": pages * 16 * 2 * 24 * 2,
-        "ssm_0_state": 3 * 8 * 16 * 16 * F32,
-        "conv_0_state": 3 * 192 * 3 * 2,
+        "kv_cache_0": (pages + 1) * 16 * 2 * 32 * F32,
+        "kv_cache_1": (pages + 1) * 16 * 2 * 24 * 2,
+        "ssm_0_state": 4 * 8 * 16 * 16 * F32,
+        "conv_0_state": 4 * 192 * 3 * 2,
     }
     assert plan.bytes_by_kind["paged_kv"] == plan.bytes_by_handler["kv_cache_0"] + \
         plan.bytes_by_handler["kv_cache_1"]
@@ -61,9 +62,9 @@ def test_plan_exact_bytes_capped_by_need():
 
 def test_plan_budget_limits_pages():
     hs = _handlers()
-    slot_bytes = 4 * (8 * 16 * 16 * F32 + 192 * 3 * 2)
+    slot_bytes = 5 * (8 * 16 * 16 * F32 + 192 * 3 * 2)  # 4 slots + the scratch
     page_bytes = hs[0].bytes_per_page(8) + hs[1].bytes_per_page(8)
-    budget = slot_bytes + 50 * page_bytes + 17  # room for exactly 50 pages
+    budget = slot_bytes + 51 * page_bytes + 17  # room for exactly 50 pages + the scratch
     plan = plan_cache(hs, 8, 4, 256, budget / GIB, CPU)
     assert plan.num_pages == 50
     assert plan.total_bytes <= plan.budget_bytes
@@ -101,11 +102,11 @@ def test_spec_state_counted_in_budget():
     spec = _handlers(steps)
     per_slot = 8 * 16 * 16 * F32 + 192 * 3 * 2
     page_bytes = plain[0].bytes_per_page(8) + plain[1].bytes_per_page(8)
-    budget = 4 * per_slot * (1 + steps) + 40 * page_bytes
+    budget = 5 * per_slot * (1 + steps) + 41 * page_bytes  # + the scratch slot and page
     a = plan_cache(plain, 8, 4, 256, budget / GIB, CPU)
     b = plan_cache(spec, 8, 4, 256, budget / GIB, CPU)
-    assert b.bytes_by_kind["spec_state"] == 4 * steps * per_slot
-    assert b.bytes_by_handler["ssm_0_spec_state"] == 4 * steps * 8 * 16 * 16 * F32
+    assert b.bytes_by_kind["spec_state"] == 5 * steps * per_slot
+    assert b.bytes_by_handler["ssm_0_spec_state"] == 5 * steps * 8 * 16 * 16 * F32
     assert b.num_pages == 40 and a.num_pages > b.num_pages  # spec states took pages' room
     assert b.total_bytes <= b.budget_bytes
     with pytest.raises(ValueError, match="max_cache_gib"):  # the states alone no longer fit
@@ -134,12 +135,12 @@ def test_deployed_plan_bytes_from_config(tiny_dir):
     plan = dep.plan
     pages = 3 * 8 + 1
     assert (plan.num_pages, plan.num_slots) == (pages, 3)
-    want = {}
+    want = {}  # pages and slots: + the scratch one of each
     for i in range(2):
-        want[f"kv_cache_{i}"] = pages * 5 * 2 * (16 + 16) * F32
+        want[f"kv_cache_{i}"] = (pages + 1) * 5 * 2 * (16 + 16) * F32
     for i in range(3):
-        want[f"ssm_{i}_state"] = 3 * 8 * 16 * 16 * F32
-        want[f"conv_{i}_state"] = 3 * 192 * 3 * F32
+        want[f"ssm_{i}_state"] = 4 * 8 * 16 * 16 * F32
+        want[f"conv_{i}_state"] = 4 * 192 * 3 * F32
         want[f"ssm_{i}_ckpt"] = pages * 8 * 16 * 16 * F32
         want[f"conv_{i}_ckpt"] = pages * 192 * 3 * F32
     assert plan.num_checkpoints == pages
@@ -163,7 +164,7 @@ def test_spec_deployment_plan_has_spec_state(tiny_dir, tmp_path):
     dep = build(path, dtype="float32", max_batch_size=2, max_seq_len=32, page_size=8,
                          max_cache_gib=0.01, spec=SpecConfig("mtp", num_draft_tokens=2))
     plan = dep.target.plan
-    gdn, conv = 2 * 4 * 16 * 16 * F32, 2 * 128 * 3 * F32  # 2 slots
+    gdn, conv = 3 * 4 * 16 * 16 * F32, 3 * 128 * 3 * F32  # 2 slots + the scratch
     for i in range(3):
         assert plan.bytes_by_handler[f"gdn_{i}_state"] == gdn
         assert plan.bytes_by_handler[f"gdn_{i}_spec_state"] == 3 * gdn
@@ -214,8 +215,8 @@ def test_checkpoints_space_out_when_the_budget_is_short():
     f32 = torch.float32
     kv, ck = PagedKV("kv", 1, 64, 64, f32), Checkpoint("c", (64, 64), f32, "s", 16)
     page, ckpt = kv.bytes_per_page(16), ck.bytes_per_slot()  # 8 KiB, 16 KiB
-    # 2 sequences of 160 tokens: 21 pages; room for 7 checkpoints after them
-    budget = (21 * page + 7 * ckpt + 100) / 2**30
+    # 2 sequences of 160 tokens: 21 pages (+ the scratch); room for 7 checkpoints after them
+    budget = (22 * page + 7 * ckpt + 100) / 2**30
     plan = plan_cache([kv, ck], 16, 2, 160, budget, torch.device("cpu"))
     assert (plan.num_pages, plan.checkpoint_every, plan.num_checkpoints) == (21, 3, 7)
     assert "spaced out" in plan.checkpoint_why and "one every 3 page(s)" in plan.summary()
