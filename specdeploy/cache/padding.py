@@ -4,9 +4,11 @@ A CUDA graph replays fixed shapes, so (as vLLM and TensorRT-LLM do) graphs are c
 batch sizes and a step of B sequences runs in the smallest bucket >= B, the rest of its rows
 dummy sequences. A dummy row must not touch any real sequence: its KV goes to the plan's scratch
 page and its recurrent states (main and spec) to the scratch slot, which no sequence is ever
-given (cache/plan.py allocates them past the engine's pages and slots). Its cache length is 0,
-so its attention reads only its own keys; its logits are dropped by the caller (the real rows
-come first, `logits[:num_real_logits]`).
+given (cache/plan.py allocates them past the engine's pages and slots). Its cache length is 1,
+as if it continued a one-token sequence: host control flow that branches on "has a cached
+prefix" (ops/cached_recurrent.py) then takes the same path for every row of a bucket whatever
+the mix of real and dummy rows, which a captured graph needs. It attends to the scratch page only
+and its logits are dropped by the caller (the real rows come first, `logits[:num_real]`).
 
 NOTE: only steps whose segments all feed the same number of tokens (decode: 1; verify: 1 + K)
 and want the same number of logits can be padded; prefill chunks are not (they run eagerly).
@@ -21,6 +23,7 @@ from specdeploy.cache.metadata import BatchMetadata
 
 # vLLM's default capture sizes start the same way: every small batch, then steps of 8
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+DUMMY_LEN = 1  # a dummy row's cache length (see above)
 
 
 def buckets_for(max_batch_size: int, sizes: tuple[int, ...] = DEFAULT_BUCKETS
@@ -66,7 +69,7 @@ def pad_batch(meta: BatchMetadata, bucket: int, *, scratch_page: int, scratch_sl
     d, t = bucket - s, meta.num_tokens
     long = dict(dtype=torch.long)
     offsets = torch.arange(n, **long).repeat(d)
-    width = max(meta.page_table.shape[1], -(-n // page_size))
+    width = max(meta.page_table.shape[1], -(-(DUMMY_LEN + n) // page_size))
     table = torch.zeros(bucket, width, **long)
     table[:s, :meta.page_table.shape[1]] = meta.page_table
     table[s:] = scratch_page
@@ -74,9 +77,9 @@ def pad_batch(meta: BatchMetadata, bucket: int, *, scratch_page: int, scratch_sl
     out = replace(
         meta,
         input_ids=torch.cat([meta.input_ids, torch.zeros(d * n, **long)]),
-        position_ids=torch.cat([meta.position_ids, offsets]),
+        position_ids=torch.cat([meta.position_ids, DUMMY_LEN + offsets]),
         cu_seqlens=torch.cat([meta.cu_seqlens, ends]),
-        cache_lens=torch.cat([meta.cache_lens, torch.zeros(d, **long)]),
+        cache_lens=torch.cat([meta.cache_lens, torch.full((d,), DUMMY_LEN, **long)]),
         page_table=table,
         slot_idx=torch.cat([meta.slot_idx, torch.full((d,), scratch_slot, **long)]),
         seg_kind=torch.cat([meta.seg_kind, meta.seg_kind[:1].expand(d)]),
@@ -84,5 +87,6 @@ def pad_batch(meta: BatchMetadata, bucket: int, *, scratch_page: int, scratch_sl
                               (ends[:, None] - torch.arange(m, 0, -1)[None]).reshape(-1)]),
         num_tokens=t + d * n, num_seqs=bucket)
     if meta.mrope_positions is not None:
-        out.mrope_positions = torch.cat([meta.mrope_positions, offsets.expand(3, -1)], 1)
+        out.mrope_positions = torch.cat([meta.mrope_positions,
+                                         (DUMMY_LEN + offsets).expand(3, -1)], 1)
     return out

@@ -168,5 +168,5 @@ def test_padded_metadata_points_at_the_scratch():
     p = pad_batch(meta, 3, scratch_page=9, scratch_slot=4, page_size=4)
     assert p.slot_idx.tolist() == [1, 4, 4] and p.seg_kind.tolist() == [SEG_EXTEND] * 3
     assert p.page_table.tolist() == [[2, 3], [9, 9], [9, 9]]
-    assert p.cache_lens.tolist() == [7, 0, 0] and p.position_ids.tolist() == [7, 8, 0, 1, 0, 1]
+    assert p.cache_lens.tolist() == [7, 1, 1] and p.position_ids.tolist() == [7, 8, 1, 2, 1, 2]
     assert p.cu_seqlens.tolist() == [0, 2, 4, 6] and p.logits_idx.tolist() == [0, 1, 2, 3, 4, 5]
