@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 
 from specdeploy.cli_args import (
+    add_cuda_graphs_arg,
     add_model_args,
     add_sampling_args,
     llm_from_args,
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt")
     add_model_args(g)
     add_sampling_args(g, max_tokens=64)
+    add_cuda_graphs_arg(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the chat template")
     g.add_argument("--image", action="append", metavar="PATH",
@@ -163,10 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat")
     add_model_args(c)
     add_sampling_args(c, max_tokens=256)
+    add_cuda_graphs_arg(c)
     c.set_defaults(func=cmd_chat)
 
     b = sub.add_parser("bench", help="throughput / latency on ShareGPT or a JSONL file")
     add_model_args(b)
+    add_cuda_graphs_arg(b)
     b.add_argument("--dataset", default="sharegpt", help="sharegpt or FILE.jsonl ({'prompt': ..})")
     b.add_argument("--num-prompts", type=int, default=32)
     b.add_argument("--concurrency", type=int, default=16)

@@ -48,6 +48,12 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                         "weights included; the caches get the rest (not with --max-cache-gib)")
 
 
+def add_cuda_graphs_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode steps as CUDA graphs per batch-size bucket (CUDA only; "
+                        "off by default: not yet verified on a GPU)")
+
+
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (worker processes here, or torchrun's); rank 0 runs the engine")
@@ -96,6 +102,7 @@ def llm_from_args(args, max_batch_size: int):
                max_seq_len=args.max_seq_len, spec=spec_from_args(args),
                max_cache_gib=args.max_cache_gib,
                gpu_memory_utilization=args.gpu_memory_utilization,
+               cuda_graphs=getattr(args, "cuda_graphs", False),
                backend=args.backend, progress=True, compile=args.compile, kernels=args.kernels,
                enable_prefix_caching=args.enable_prefix_caching,
                generation_config=args.generation_config,

@@ -46,6 +46,8 @@ class LLM:
             instance may hold, weights and whatever else already uses the device included; the
             caches get the rest (cache/plan.py `cache_budget`; activations not reserved). At most
             one of the two; neither: half the memory free after loading.
+        cuda_graphs: replay decode steps as CUDA graphs, one per batch-size bucket (CUDA only;
+            engine/cuda_graphs.py). Off by default: not yet verified on a GPU.
         tensor_parallel_size / expert_parallel_size: ranks (worker processes started here, or
             the processes of a torchrun launch) and MoE expert groups among them; rank 0 runs the
             engine. Under torchrun, a rank > 0 serves as a worker inside this constructor and
@@ -75,7 +77,9 @@ class LLM:
                  generation_config: str | os.PathLike | None = "auto",
                  speculative_config: dict | SpecConfig | None = None,
                  max_num_seqs: int | None = None, kv_cache_dtype: str = "auto",
-                 gpu_memory_utilization: float | None = None):
+                 gpu_memory_utilization: float | None = None, cuda_graphs: bool = False):
+        if cuda_graphs and not str(device).startswith("cuda"):
+            raise ValueError(f"cuda_graphs: needs a CUDA device, got device={device!r}")
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
         from specdeploy.checkpoint import open_checkpoint
@@ -133,6 +137,10 @@ class LLM:
         lay = self.deployed.layout
         log(f"ready in {time.perf_counter() - t0:.1f}s: {lay.num_pages} pages x {lay.page_size} "
             f"tokens, {lay.num_slots} slots, cache {lay.total_bytes / 2**20:.1f} MiB")
+        if cuda_graphs:
+            from specdeploy.engine.cuda_graphs import install
+
+            install(self.deployed, max_batch_size)
         engine_cls = Engine
         if spec is not None:
             from specdeploy.engine.speculative import SpecEngine as engine_cls

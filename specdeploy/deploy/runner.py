@@ -64,8 +64,10 @@ class GraphDeployed:
         self._fn = gm if program is None else program
         self._input_names = [p.name for p in placeholders(gm)]
         self.mrope = False  # the graph takes [3, 1, T] positions (vision-language targets)
+        self.graph_runner = None  # engine/cuda_graphs.py CudaGraphRunner, when installed
 
-    def _feed(self, meta: BatchMetadata, hidden: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def device_inputs(self, meta: BatchMetadata) -> dict[str, torch.Tensor]:
+        """The step's metadata the graph reads on the device, as host tensors (one copy later)."""
         dev_inputs = {
             "input_ids": meta.input_ids[None], "position_ids": self._positions(meta),
             "logits_idx": meta.logits_idx, "cu_seqlens": meta.cu_seqlens,
@@ -74,7 +76,13 @@ class GraphDeployed:
         }
         if "slot_mapping" in self._input_names:
             dev_inputs["slot_mapping"] = kv_slot_mapping(meta, self.layout.page_size)
-        feed = {**to_device(dev_inputs, self.device), "cu_seqlens_host": meta.cu_seqlens,
+        return dev_inputs
+
+    def _feed(self, meta: BatchMetadata, hidden: torch.Tensor | None = None,
+              dev: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The graph's inputs in order; `dev`: device copies already made (engine/cuda_graphs)."""
+        dev = to_device(self.device_inputs(meta), self.device) if dev is None else dev
+        feed = {**dev, "cu_seqlens_host": meta.cu_seqlens,
                 "cache_lens_host": meta.cache_lens, "seg_kind_host": meta.seg_kind,
                 "ckpt_tokens_host": meta.ckpt_tokens,
                 "hidden": None if hidden is None else hidden[None].to(self.device)}
@@ -89,7 +97,12 @@ class GraphDeployed:
 
     @torch.inference_mode()
     def forward(self, meta: BatchMetadata, hidden: torch.Tensor | None = None) -> StepOutput:
-        """One step. `hidden` [T, H] feeds a drafter graph (the third exported input)."""
+        """One step. `hidden` [T, H] feeds a drafter graph (the third exported input). With a
+        `graph_runner` (engine/cuda_graphs.py) the steps it takes replay a CUDA graph."""
+        if self.graph_runner is not None and hidden is None:
+            replayed = self.graph_runner.run(meta)
+            if replayed is not None:
+                return replayed
         out = self._fn(*self._feed(meta, hidden))
         if not isinstance(out, (tuple, list)):
             out = (out,)

@@ -13,6 +13,7 @@ from specdeploy.cli_args import (
     MODEL_HELP,
     add_budget_args,
     add_context_args,
+    add_cuda_graphs_arg,
     add_parallel_args,
     add_prefix_caching_arg,
     parallel_kwargs,
@@ -42,6 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="a Jinja chat template (a file, or the template itself) replacing the "
                         "checkpoint's")
     add_budget_args(p)
+    add_cuda_graphs_arg(p)
     add_spec_args(p)
     add_prefix_caching_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
@@ -88,7 +90,7 @@ def cmd_serve(args) -> int:
 
     llm = LLM(model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
               max_seq_len=args.max_seq_len, spec=spec, max_cache_gib=args.max_cache_gib,
-              gpu_memory_utilization=args.gpu_memory_utilization,
+              gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=args.cuda_graphs,
               backend=args.backend, progress=True, seed=args.seed,
               generation_config=args.generation_config,
               enable_prefix_caching=args.enable_prefix_caching, **parallel_kwargs(args))

@@ -1,0 +1,144 @@
+"""CUDA-graph replay of decode steps, one graph per batch-size bucket (as vLLM and TensorRT-LLM
+AutoDeploy do): a step of B sequences is padded to the smallest bucket >= B with dummy rows that
+write only the cache plan's scratch page and slot (cache/padding.py), its metadata copied into
+the bucket's static input buffer, and the graph captured for that bucket replayed.
+
+Which steps replay: decode steps (one token per sequence, NORMAL segments) of text targets with
+no prefix-cache checkpoint to save; every other step (prefill chunks, mixed steps, verify steps,
+vision-language targets, more sequences than the largest bucket) runs eagerly as before. The
+page table is widened to max_seq_len's pages so a bucket's shapes never change.
+
+NOTE: verify steps (1 + K tokens per sequence) are padded by `pad_batch` but not captured yet:
+the CUDA attention path for multi-token segments slices each segment's pages by its host-side
+cache length (ops/cached_attention.py), so a captured graph would replay the capture's lengths.
+NOTE: none of this has run on a GPU yet. `cuda_graphs=True` is off by default until
+tests/cuda/test_cuda_graphs.py (greedy output with graphs equals eager) has passed on one; on the
+CPU the runner's padded, static-shaped steps run eagerly (`capture=False`), and
+tests/engine/test_cuda_graphs.py checks that they leave greedy output unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from specdeploy.cache.metadata import SEG_NORMAL, BatchMetadata, Segment, build_metadata
+from specdeploy.cache.padding import DUMMY_LEN, bucket_of, buckets_for, pad_batch, uniform_step
+from specdeploy.deploy.base import StepOutput
+
+
+@dataclass
+class _Captured:
+    graph: object  # torch.cuda.CUDAGraph
+    flat: torch.Tensor  # the static device buffer of the bucket's int64 metadata
+    out: tuple  # the graph's static outputs (overwritten by every replay)
+
+
+class CudaGraphRunner:
+    """Installed on a target `GraphDeployed` (`install`); `run(meta)` returns the step's
+    output, or None for a step it does not take (the deployment then runs it eagerly)."""
+
+    def __init__(self, target, max_batch_size: int, buckets: tuple[int, ...] | None = None,
+                 capture: bool | None = None):
+        self.target = target
+        plan = target.plan
+        self.scratch_page, self.scratch_slot = plan.scratch_page, plan.scratch_slot
+        self.page_size = plan.page_size
+        self.max_pages = -(-target.max_seq_len // plan.page_size)
+        top = min(max_batch_size, plan.num_slots)
+        self.buckets = buckets_for(top) if buckets is None else tuple(sorted(buckets))
+        self.capture = target.device.type == "cuda" if capture is None else capture
+        self._graphs: dict[int, _Captured] = {}
+        self._pool = None
+        self.replays = 0  # steps this runner took (stats and tests)
+
+    def bucket(self, meta: BatchMetadata) -> int | None:
+        """The bucket a step replays in, or None when it runs eagerly (see the module doc)."""
+        if meta.mm_rows or meta.mrope_positions is not None or meta.ckpt_tokens.numel():
+            return None
+        if uniform_step(meta) != (1, 1) or int(meta.seg_kind[0]) != SEG_NORMAL:
+            return None
+        if not bool((meta.cache_lens > 0).all()) or meta.page_table.shape[1] > self.max_pages:
+            return None  # NOTE: a decode always follows a prefill; the check keeps it honest
+        return bucket_of(meta.num_seqs, self.buckets)
+
+    @torch.inference_mode()
+    def run(self, meta: BatchMetadata) -> StepOutput | None:
+        bucket = self.bucket(meta)
+        if bucket is None:
+            return None
+        static = self._static(meta, bucket)
+        if not self.capture:  # the CPU check: the same padded, static-shaped step, eagerly
+            out = self.target._fn(*self.target._feed(static))
+        else:
+            cap = self._graphs.get(bucket) or self._capture(bucket)
+            flat = torch.cat([t.reshape(-1) for t in self.target.device_inputs(static).values()])
+            cap.flat.copy_(flat.pin_memory(), non_blocking=True)
+            cap.graph.replay()
+            out = cap.out
+        self.replays += 1
+        return _real_rows(out, meta)
+
+    def _static(self, meta: BatchMetadata, bucket: int) -> BatchMetadata:
+        """Padded to the bucket, the page table widened to max_seq_len's pages (dummy rows:
+        the scratch page; real rows: 0, masked by their cache length as before)."""
+        meta = pad_batch(meta, bucket, scratch_page=self.scratch_page,
+                         scratch_slot=self.scratch_slot, page_size=self.page_size)
+        table = torch.zeros(bucket, self.max_pages, dtype=torch.long)
+        table[:, :meta.page_table.shape[1]] = meta.page_table
+        is_dummy = meta.slot_idx == self.scratch_slot
+        table[is_dummy] = self.scratch_page
+        return replace(meta, page_table=table)
+
+    def _capture(self, bucket: int) -> _Captured:
+        """Capture with every row a dummy (only the scratch is written while warming up and
+        capturing), after two warm-up runs on a side stream (lazy initialisation, workspace)."""
+        dummy = Segment([0], DUMMY_LEN, [self.scratch_page] * self.max_pages, self.scratch_slot)
+        meta = build_metadata([dummy] * bucket)
+        host = self.target.device_inputs(meta)
+        dev = self.target.device
+        flat = torch.cat([t.reshape(-1) for t in host.values()]).to(dev)
+        views, i = {}, 0
+        for name, t in host.items():
+            views[name] = flat[i:i + t.numel()].view(t.shape)
+            i += t.numel()
+        inputs = self.target._feed(meta, None, dev=views)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.target._fn(*inputs)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.target._fn(*inputs)
+        self._pool = graph.pool()
+        cap = _Captured(graph, flat, out if isinstance(out, (tuple, list)) else (out,))
+        self._graphs[bucket] = cap
+        return cap
+
+
+def _real_rows(out, meta: BatchMetadata) -> StepOutput:
+    """The real rows of a padded step's outputs, copied (a replay overwrites the graph's)."""
+    out = out if isinstance(out, (tuple, list)) else (out,)
+    logits = out[0][0][:meta.logits_idx.numel()].to(torch.float32, copy=True)
+    hidden = out[1][0][:meta.num_tokens].clone() if len(out) > 1 else None
+    return StepOutput(logits=logits, hidden=hidden)
+
+
+def install(deployed, max_batch_size: int, capture: bool | None = None) -> CudaGraphRunner:
+    """Put a runner on the deployment's target program (a `SpecDeployed`'s too: its decode
+    steps, those with no drafts, replay). Refuses what it cannot serve rather than ignore it."""
+    dist = getattr(getattr(deployed, "ctx", None), "dist", None) or getattr(
+        getattr(getattr(deployed, "target", None), "ctx", None), "dist", None)
+    if dist is not None and dist.world_size > 1:
+        raise ValueError("cuda_graphs: not with tensor parallelism yet")
+    if hasattr(deployed, "image_features"):  # its steps feed embeddings: none would replay
+        raise ValueError("cuda_graphs: not for vision-language targets yet")
+    target = getattr(deployed, "target", deployed)
+    if not hasattr(target, "graph_runner"):
+        raise ValueError("cuda_graphs: needs the graph backend")
+    if capture is not False and target.device.type != "cuda":
+        raise ValueError(f"cuda_graphs: needs a CUDA device, the deployment is on {target.device}")
+    target.graph_runner = CudaGraphRunner(target, max_batch_size, capture=capture)
+    return target.graph_runner

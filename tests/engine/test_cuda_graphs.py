@@ -1,0 +1,87 @@
+"""engine/cuda_graphs.py on the CPU: its padded, static-shaped decode steps run eagerly
+(`capture=False`, the one part a CPU can check) and leave greedy output as it was; the steps it
+must not take are left to the eager path; what it cannot serve is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdeploy import LLM, SamplingParams
+from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
+from specdeploy.engine.cuda_graphs import install
+from tests.spec.tiny_targets import LIMITS, METHODS, Target
+
+
+@pytest.fixture(scope="module", params=sorted(METHODS))
+def target(request, tmp_path_factory) -> Target:
+    return Target(request.param, tmp_path_factory.mktemp("graphs"))
+
+
+def _greedy(target, runner: bool, device: str = "cpu", **opts):
+    """Greedy tokens of 3 prompts (decode steps of 3 sequences pad to the bucket of 4), from an
+    Engine over a text-only deployment (the tiny Qwen3.5 has a vision tower)."""
+    from specdeploy.deploy.build import build
+    from specdeploy.engine import Engine
+
+    dep = build(str(target.path), vision=False, device=device, **LIMITS, **opts)
+    capture = None if device.startswith("cuda") else False  # a CUDA device captures
+    run = install(dep, LIMITS["max_batch_size"], capture=capture) if runner else None
+    engine = Engine(dep, max_batch_size=LIMITS["max_batch_size"])
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in target.prompts[:3]]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finish_reason:
+                done[out.request_id] = out.token_ids
+    return [done[i] for i in ids], run
+
+
+def test_greedy_unchanged_through_the_padded_steps(target):
+    want, _ = _greedy(target, runner=False)
+    got, runner = _greedy(target, runner=True)
+    assert runner.buckets == (1, 2, 4, 8)
+    assert got == want
+    assert runner.replays >= 10  # most steps were decode steps, each through the runner
+
+
+def test_only_plain_decode_steps_are_taken(target):
+    from specdeploy.deploy.build import build
+
+    runner = install(build(str(target.path), vision=False, **LIMITS), 8, capture=False)
+    pages = list(range(4))
+    decode = build_metadata([Segment([5], 3, pages, 0), Segment([6], 9, pages, 1)])
+    assert runner.bucket(decode) == 2
+    assert runner.bucket(build_metadata([Segment([5], 3, pages, 0)] * 3)) == 4
+    prefill = build_metadata([Segment([5, 6, 7], 0, pages, 0)])
+    verify = build_metadata([Segment([5, 6], 3, pages, 0, 2, SEG_EXTEND)])
+    fresh = build_metadata([Segment([5], 0, pages, 0)])
+    ckpt = build_metadata([Segment([5], 3, pages, 0, ckpt=[(0, 1)])])
+    nine = build_metadata([Segment([5], 3, pages, i % 8) for i in range(9)])
+    for meta in (prefill, verify, fresh, ckpt, nine):
+        assert runner.bucket(meta) is None
+    static = runner._static(decode, 2)
+    assert static.page_table.shape == (2, runner.max_pages)
+    three = runner._static(build_metadata([Segment([5], 3, pages, 0)] * 3), 4)
+    assert three.slot_idx.tolist() == [0, 0, 0, runner.scratch_slot]
+    assert (three.page_table[3] == runner.scratch_page).all()
+
+
+def test_refused_where_it_cannot_run(target):
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        LLM(str(target.path), cuda_graphs=True, **LIMITS)  # the CPU
+    from specdeploy.deploy.build import build
+
+    dep = build(str(target.path), **LIMITS)
+    vision = hasattr(dep, "image_features")
+    with pytest.raises(ValueError, match="vision-language" if vision else "needs a CUDA"):
+        install(dep, 8)
+    assert getattr(dep, "target", dep).graph_runner is None
+
+
+def test_cli_flag():
+    from specdeploy.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--cuda-graphs"])
+    assert args.cuda_graphs is True
+    assert torch.device("cpu").type == "cpu"
