@@ -1,6 +1,7 @@
 """The GPU bench of issue 25, one run: the default model at batch size 1 (plain, shipped MTP and
 EAGLE-3 heads, n-gram lookup) against transformers' `generate` on the same device and weights;
-64 concurrent ShareGPT requests; a tiny hybrid's verify-step / decode-step time.
+64 concurrent ShareGPT requests; a tiny hybrid's verify-step / decode-step time; on CUDA, plain
+decoding with CUDA graphs (`cuda_graphs=True`) too.
 
     python bench/gpu_bench.py [--device cuda] [--dtype bfloat16] [--json-out FILE]
     python bench/gpu_bench.py --device cpu --dtype float32 --quick   # a smoke run anywhere
@@ -48,9 +49,9 @@ def hf_decode_rate(model, ids: list[int], n: int, device: str) -> float:
     return (n - 1) / (gen(n) - gen(1))
 
 
-def bs1(args, spec: SpecConfig | None, prompt: list[int]) -> dict:
+def bs1(args, spec: SpecConfig | None, prompt: list[int], cuda_graphs: bool = False) -> dict:
     llm = LLM(None, dtype=args.dtype, device=args.device, max_batch_size=1, max_seq_len=1024,
-              spec=spec)
+              spec=spec, cuda_graphs=cuda_graphs)
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     (out,) = llm.generate([prompt], sp)
@@ -107,8 +108,15 @@ def main() -> None:
                        ("eagle3", SpecConfig("eagle3", 3, **fixed)),
                        ("ngram", SpecConfig("ngram", 3, prompt_lookup_max=4, **fixed))):
         rows[name] = bs1(args, spec, prompt)
+    if torch.device(args.device).type == "cuda":  # engine/cuda_graphs.py, not yet verified
+        try:
+            rows["plain_cuda_graphs"] = bs1(args, None, prompt, cuda_graphs=True)
+        except Exception as e:  # a bench records a failure rather than stop the others
+            rows["plain_cuda_graphs_error"] = f"{type(e).__name__}: {e}"
     plain = rows["plain"]
     for name, r in rows.items():
+        if not isinstance(r, dict):
+            continue
         r["vs_transformers"] = r["tokens_per_s"] / hf_rate
         r["vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
         r["lossless"] = r.pop("token_ids") == plain["token_ids"] if name != "plain" else True
