@@ -1,16 +1,17 @@
-"""CUDA-graph replay of decode steps, one graph per batch-size bucket (as vLLM and TensorRT-LLM
-AutoDeploy do): a step of B sequences is padded to the smallest bucket >= B with dummy rows that
-write only the cache plan's scratch page and slot (cache/padding.py), its metadata copied into
-the bucket's static input buffer, and the graph captured for that bucket replayed.
+"""CUDA-graph replay of decode and verify steps, one graph per batch-size bucket and tokens per
+sequence (as vLLM and TensorRT-LLM AutoDeploy do): a step of B sequences is padded to the
+smallest bucket >= B with dummy rows that write only the cache plan's scratch page and slot
+(cache/padding.py), its metadata copied into the graph's static input buffer, and the graph
+captured for that shape replayed.
 
-Which steps replay: decode steps (one token per sequence, NORMAL segments) of text targets with
-no prefix-cache checkpoint to save; every other step (prefill chunks, mixed steps, verify steps,
-vision-language targets, more sequences than the largest bucket) runs eagerly as before. The
-page table is widened to max_seq_len's pages so a bucket's shapes never change.
+Which steps replay: uniform steps of text targets with no prefix-cache checkpoint to save, every
+sequence continuing its cache: decode steps (one token each, NORMAL) and verify steps (1 + K
+tokens each, EXTEND; off the CPU their attention is `extend_uniform`, whose shapes do not depend
+on host-side lengths). Every other step (prefill chunks, mixed steps, verify steps whose
+sequences verify different numbers of drafts, vision-language targets, more sequences than the
+largest bucket) runs eagerly as before. The page table is widened to max_seq_len's pages so a
+graph's shapes never change.
 
-NOTE: verify steps (1 + K tokens per sequence) are padded by `pad_batch` but not captured yet:
-the CUDA attention path for multi-token segments slices each segment's pages by its host-side
-cache length (ops/cached_attention.py), so a captured graph would replay the capture's lengths.
 NOTE: none of this has run on a GPU yet. `cuda_graphs=True` is off by default until
 tests/cuda/test_cuda_graphs.py (greedy output with graphs equals eager) has passed on one; on the
 CPU the runner's padded, static-shaped steps run eagerly (`capture=False`), and
@@ -22,9 +23,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specdeploy.cache.metadata import SEG_NORMAL, BatchMetadata, Segment, build_metadata
+from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, BatchMetadata, Segment, build_metadata
 from specdeploy.cache.padding import DUMMY_LEN, bucket_of, buckets_for, pad_batch, uniform_step
 from specdeploy.deploy.base import StepOutput
+from specdeploy.ops.cached_attention import UNIFORM_MAX
 
 
 @dataclass
@@ -48,7 +50,7 @@ class CudaGraphRunner:
         top = min(max_batch_size, plan.num_slots)
         self.buckets = buckets_for(top) if buckets is None else tuple(sorted(buckets))
         self.capture = target.device.type == "cuda" if capture is None else capture
-        self._graphs: dict[int, _Captured] = {}
+        self._graphs: dict[tuple[int, int, int], _Captured] = {}  # (bucket, tokens, kind)
         self._pool = None
         self.replays = 0  # steps this runner took (stats and tests)
 
@@ -56,7 +58,10 @@ class CudaGraphRunner:
         """The bucket a step replays in, or None when it runs eagerly (see the module doc)."""
         if meta.mm_rows or meta.mrope_positions is not None or meta.ckpt_tokens.numel():
             return None
-        if uniform_step(meta) != (1, 1) or int(meta.seg_kind[0]) != SEG_NORMAL:
+        shape, kind = uniform_step(meta), int(meta.seg_kind[0])
+        decode = shape == (1, 1) and kind == SEG_NORMAL
+        verify = shape is not None and kind == SEG_EXTEND and shape[0] == shape[1] <= UNIFORM_MAX
+        if not (decode or verify):
             return None
         if not bool((meta.cache_lens > 0).all()) or meta.page_table.shape[1] > self.max_pages:
             return None  # NOTE: a decode always follows a prefill; the check keeps it honest
@@ -71,7 +76,8 @@ class CudaGraphRunner:
         if not self.capture:  # the CPU check: the same padded, static-shaped step, eagerly
             out = self.target._fn(*self.target._feed(static))
         else:
-            cap = self._graphs.get(bucket) or self._capture(bucket)
+            key = (bucket, meta.num_tokens // meta.num_seqs, int(meta.seg_kind[0]))
+            cap = self._graphs.get(key) or self._capture(*key)
             flat = torch.cat([t.reshape(-1) for t in self.target.device_inputs(static).values()])
             cap.flat.copy_(flat.pin_memory(), non_blocking=True)
             cap.graph.replay()
@@ -90,10 +96,11 @@ class CudaGraphRunner:
         table[is_dummy] = self.scratch_page
         return replace(meta, page_table=table)
 
-    def _capture(self, bucket: int) -> _Captured:
+    def _capture(self, bucket: int, n: int, kind: int) -> _Captured:
         """Capture with every row a dummy (only the scratch is written while warming up and
         capturing), after two warm-up runs on a side stream (lazy initialisation, workspace)."""
-        dummy = Segment([0], DUMMY_LEN, [self.scratch_page] * self.max_pages, self.scratch_slot)
+        dummy = Segment([0] * n, DUMMY_LEN, [self.scratch_page] * self.max_pages,
+                        self.scratch_slot, n, kind)
         meta = build_metadata([dummy] * bucket)
         host = self.target.device_inputs(meta)
         dev = self.target.device
@@ -114,7 +121,7 @@ class CudaGraphRunner:
             out = self.target._fn(*inputs)
         self._pool = graph.pool()
         cap = _Captured(graph, flat, out if isinstance(out, (tuple, list)) else (out,))
-        self._graphs[bucket] = cap
+        self._graphs[(bucket, n, kind)] = cap
         return cap
 
 

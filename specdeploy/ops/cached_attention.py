@@ -21,6 +21,7 @@ from specdeploy.ops.attention import attention_mask
 
 INVARIANT_ROWS = 16  # CPU segments up to here attend row by row (`_rows`: batch-invariant)
 _SHORT_SEGMENT = 32  # verify segments up to here reuse one CPU mask across layers and steps
+UNIFORM_MAX = _SHORT_SEGMENT  # off the CPU, uniform steps of segments up to here: extend_uniform
 
 
 @lru_cache(maxsize=256)
@@ -106,6 +107,29 @@ def _decode(q, k_cache, v_cache, page_table, cache_lens, scale, sliding_window):
     scores.masked_fill_(masked[:, None, None, :], float("-inf"))
     out = torch.matmul(scores.softmax(-1), vals.transpose(1, 2).to(dt))  # [S, Hkv, rep, Dv]
     return out.reshape(s, hq, -1).to(q.dtype)
+
+
+def extend_uniform(q, k_cache, v_cache, page_table, cache_lens, scale, sliding_window):
+    """S segments of n = T / S queries each (a verify step), fully batched as `_decode` is: the
+    shapes depend on S, n and the page table's width only, never on host-side lengths, so a
+    CUDA graph captured for them replays right (engine/cuda_graphs.py). q [1, T, Hq, D] ->
+    [1, T, Hq, Dv]; query i of segment s sits at position cache_lens[s] + i."""
+    s = cache_lens.shape[0]
+    _, t, hq, d = q.shape
+    n, hkv = t // s, k_cache.shape[2]
+    keys = _pages(k_cache, page_table)  # [S, L, Hkv, D]
+    vals = _pages(v_cache, page_table)
+    qpos = cache_lens[:, None] + torch.arange(n, device=q.device)  # [S, n]
+    kpos = torch.arange(keys.shape[1], device=q.device)[None, None, :]
+    masked = kpos > qpos[:, :, None]  # [S, n, L]
+    if sliding_window > 0:
+        masked = masked | (kpos <= qpos[:, :, None] - sliding_window)
+    dt = torch.float32
+    qg = q[0].view(s, n, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4).to(dt)  # [S, Hkv, rep, n, D]
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)[:, :, None].to(dt)).mul_(scale)
+    scores.masked_fill_(masked[:, None, None], float("-inf"))  # [S, Hkv, rep, n, L]
+    out = torch.matmul(scores.softmax(-1), vals.transpose(1, 2)[:, :, None].to(dt))
+    return out.permute(0, 3, 1, 2, 4).reshape(1, t, hq, -1).to(q.dtype)
 
 
 def _seq_kv(k_cache, v_cache, pages, total):
@@ -195,6 +219,12 @@ def cached_attention_impl(
             return out
     else:
         done = set()
+        n = t // num_seqs
+        if page_table.device.type != "cpu" and n <= UNIFORM_MAX and all(
+                cu[i + 1] - cu[i] == n for i in range(num_seqs)):
+            # NOTE: off the CPU a uniform verify step runs batched (static shapes: CUDA graphs)
+            return extend_uniform(q, k_cache, v_cache, page_table, cache_lens, scale,
+                                  sliding_window)
     single = [s for s in range(num_seqs) if cu[s + 1] - cu[s] == 1 and s not in done]
     if len(single) > 1:  # the decodes of a mixed step run as one batch
         sel = torch.tensor(single, device=q.device)

@@ -1,6 +1,7 @@
-"""CUDA-graph replay of decode steps (engine/cuda_graphs.py) on a device: greedy output with
-graphs equals eager, for the tiny attention, Mamba2-hybrid and GDN-hybrid targets; and a replayed
-step makes no host sync. NOTE: written without a GPU at hand; bench/gpu_check.sh runs it."""
+"""CUDA-graph replay of decode and verify steps (engine/cuda_graphs.py) on a device: greedy output
+with graphs equals eager (and, speculating, plain), for the tiny attention, Mamba2-hybrid and
+GDN-hybrid targets; and a replayed step makes no host sync.
+NOTE: written without a GPU at hand; bench/gpu_check.sh runs it."""
 from __future__ import annotations
 
 import pytest
@@ -22,6 +23,15 @@ def test_greedy_with_cuda_graphs_equals_eager(target):
     want, _ = _greedy(target, runner=False, device="cuda", dtype="float32")
     got, runner = _greedy(target, runner=True, device="cuda", dtype="float32")
     assert runner.capture and runner.replays >= 10 and runner._graphs
+    assert got == want
+
+
+def test_greedy_spec_with_cuda_graphs_equals_plain(target):
+    """Fixed K = 3: the verify steps replay too (attention: `extend_uniform`)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    want, _ = _greedy(target, runner=False, device="cuda", dtype="float32")
+    got, runner = _greedy(target, runner=True, device="cuda", spec=3, dtype="float32")
+    assert any(key[2] == 1 for key in runner._graphs)  # a verify graph (SEG_EXTEND) replayed
     assert got == want
 
 

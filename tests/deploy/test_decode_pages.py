@@ -72,3 +72,47 @@ def test_short_segment_masks_are_built_once():
     assert torch.equal(first, attention_mask(4, 37))
     windowed = _short_mask(4, 37, 5)
     assert torch.equal(windowed, attention_mask(4, 37, 5)) and not torch.equal(windowed, first)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("n", [1, 4])
+def test_uniform_extend_matches_the_per_segment_path(n, window):
+    """`extend_uniform` (the GPU's verify path, static shapes for CUDA graphs) run on the CPU:
+    3 segments of n queries after different cached lengths, pages in any order, a page table
+    wider than any needs, against the ref over each sequence's whole history."""
+    from specdeploy.ops.cached_attention import extend_uniform
+
+    torch.manual_seed(2)
+    hq, hkv, d, lens = 4, 2, 16, [3, 9, 6]
+    tables = [[3, 7, 5, 0], [1, 8, 10, 11], [2, 4, 9, 6]]
+    kc, vc = torch.randn(12, PS, hkv, d), torch.randn(12, PS, hkv, d)
+    seqs = [(torch.randn(1, m + n, hq, d), torch.randn(1, m + n, hkv, d),
+             torch.randn(1, m + n, hkv, d)) for m in lens]
+    for (q, k, v), m, pages in zip(seqs, lens, tables):  # the history of each sequence
+        meta = build_metadata([Segment(list(range(m)), 0, pages, 0)])
+        _call(q[:, :m], k[:, :m], v[:, :m], kc, vc, meta, kv_slot_mapping(meta, PS))
+    meta = build_metadata([Segment([0] * n, m, pages, i, n)
+                           for i, (m, pages) in enumerate(zip(lens, tables))])
+    cat = [torch.cat([s[j][:, m:] for s, m in zip(seqs, lens)], 1) for j in range(3)]
+    from specdeploy.ops.cached_attention import _write_kv
+
+    _write_kv(cat[1], cat[2], kc, vc, meta.cu_seqlens, meta.cache_lens, meta.page_table,
+              kv_slot_mapping(meta, PS))
+    out = extend_uniform(cat[0], kc, vc, meta.page_table, meta.cache_lens, 0.25, window)
+    for i, ((q, k, v), m) in enumerate(zip(seqs, lens)):
+        mask = None
+        if window:
+            pos = torch.arange(m + n)
+            mask = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - window)
+        want = _sdpa_ref(q, k, v, 0.25, mask)[:, m:]
+        torch.testing.assert_close(out[:, i * n:(i + 1) * n], want, rtol=1e-5, atol=1e-5)
+
+
+def _sdpa_ref(q, k, v, scale, mask):
+    if mask is None:
+        return attention_ref(q, k, v, scale)
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)

@@ -17,15 +17,18 @@ def target(request, tmp_path_factory) -> Target:
     return Target(request.param, tmp_path_factory.mktemp("graphs"))
 
 
-def _greedy(target, runner: bool, device: str = "cpu", **opts):
+def _greedy(target, runner: bool, device: str = "cpu", spec: int = 0, **opts):
     """Greedy tokens of 3 prompts (decode steps of 3 sequences pad to the bucket of 4), from an
     Engine over a text-only deployment (the tiny Qwen3.5 has a vision tower)."""
     from specdeploy.deploy.build import build
     from specdeploy.engine import Engine
 
-    dep = build(str(target.path), vision=False, device=device, **LIMITS, **opts)
+    dep = build(str(target.path), vision=False, device=device,
+                spec=target.spec(spec) if spec else None, **LIMITS, **opts)
     capture = None if device.startswith("cuda") else False  # a CUDA device captures
     run = install(dep, LIMITS["max_batch_size"], capture=capture) if runner else None
+    if spec:
+        from specdeploy.engine.speculative import SpecEngine as Engine
     engine = Engine(dep, max_batch_size=LIMITS["max_batch_size"])
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in target.prompts[:3]]
@@ -45,7 +48,15 @@ def test_greedy_unchanged_through_the_padded_steps(target):
     assert runner.replays >= 10  # most steps were decode steps, each through the runner
 
 
-def test_only_plain_decode_steps_are_taken(target):
+def test_greedy_spec_through_the_padded_verify_steps(target):
+    """Fixed K = 3: every step after the prefills verifies 1 + 3 tokens per sequence."""
+    want, _ = _greedy(target, runner=False)
+    got, runner = _greedy(target, runner=True, spec=3)
+    assert got == want
+    assert runner.replays >= 3
+
+
+def test_only_uniform_steps_are_taken(target):
     from specdeploy.deploy.build import build
 
     runner = install(build(str(target.path), vision=False, **LIMITS), 8, capture=False)
@@ -53,12 +64,16 @@ def test_only_plain_decode_steps_are_taken(target):
     decode = build_metadata([Segment([5], 3, pages, 0), Segment([6], 9, pages, 1)])
     assert runner.bucket(decode) == 2
     assert runner.bucket(build_metadata([Segment([5], 3, pages, 0)] * 3)) == 4
+    verify = build_metadata([Segment([5, 6], 3, pages, 0, 2, SEG_EXTEND)] * 3)
+    assert runner.bucket(verify) == 4
     prefill = build_metadata([Segment([5, 6, 7], 0, pages, 0)])
-    verify = build_metadata([Segment([5, 6], 3, pages, 0, 2, SEG_EXTEND)])
+    ragged = build_metadata([Segment([5, 6], 3, pages, 0, 2, SEG_EXTEND),
+                             Segment([5, 6, 7], 3, pages, 1, 3, SEG_EXTEND)])
+    one_logit = build_metadata([Segment([5, 6], 3, pages, 0, 1, SEG_EXTEND)])
     fresh = build_metadata([Segment([5], 0, pages, 0)])
     ckpt = build_metadata([Segment([5], 3, pages, 0, ckpt=[(0, 1)])])
     nine = build_metadata([Segment([5], 3, pages, i % 8) for i in range(9)])
-    for meta in (prefill, verify, fresh, ckpt, nine):
+    for meta in (prefill, ragged, one_logit, fresh, ckpt, nine):
         assert runner.bucket(meta) is None
     static = runner._static(decode, 2)
     assert static.page_table.shape == (2, runner.max_pages)
