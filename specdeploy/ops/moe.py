@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from specdeploy.ops.autograd import register_recompute_autograd
+from specdeploy.ops.moe_grouped import expert_activation, moe_experts_grouped
 
 __all__ = ["Routing", "route_softmax_topk", "route_sigmoid", "moe_experts_ref", "moe_experts_fast"]
 
@@ -58,16 +58,6 @@ def route_sigmoid(
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return Routing(ids, weights * scaling_factor)
-
-
-def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """[..., 2I] (swiglu: gate first) or [..., I] (relu2) -> [..., I]."""
-    if activation == "swiglu":
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    if activation == "relu2":
-        return F.relu(h).square()
-    raise ValueError(f"unknown expert activation {activation!r}")
 
 
 def _expert_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, activation: str):
@@ -140,8 +130,6 @@ def _moe_experts_kernel(
 ) -> torch.Tensor:
     if x.device.type == "cpu":
         return moe_experts_fast(x, topk_ids, topk_weights, w_up, w_down, activation)
-    from specdeploy.ops.moe_grouped import moe_experts_grouped
-
     # NOTE: the CPU keeps its per-expert loop (its one host sync costs nothing there); on a
     # GPU the grouped path launches a fixed set of kernels and never syncs (invariant 8)
     return moe_experts_grouped(x, topk_ids, topk_weights, w_up, w_down, activation)

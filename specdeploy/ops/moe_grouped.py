@@ -26,8 +26,7 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from specdeploy.ops.moe import expert_activation
+import torch.nn.functional as F
 
 IMPLS = ("auto", "grouped_mm", "gather", "padded")
 
@@ -74,6 +73,16 @@ def moe_experts_grouped(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
         y[order] = y_sorted
     out = (y.float().view(t, k, -1) * topk_weights.float()[:, :, None]).sum(1)
     return out.to(x.dtype)
+
+
+def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """[..., 2I] (swiglu: gate first) or [..., I] (relu2) -> [..., I]."""
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "relu2":
+        return F.relu(h).square()
+    raise ValueError(f"unknown expert activation {activation!r}")
 
 
 def _auto(device: torch.device, w_up: torch.Tensor, w_down: torch.Tensor, pairs: int,
