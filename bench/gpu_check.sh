@@ -15,9 +15,9 @@ if [ -d .whl ]; then
   python -m pip install -q --no-index --find-links .whl -e '.[test]' > "$out/pip.log" 2>&1
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-timeout 360 python -m pytest tests/cuda -m cuda -q -rs -p no:cacheprovider \
+timeout 280 python -m pytest tests/cuda -m cuda -q -rs -p no:cacheprovider \
   > "$out/cuda_tests.log" 2>&1
 echo "cuda tests rc=$?" >> "$out/summary.txt"
-timeout 240 python bench/gpu_bench.py --json-out "$out/gpu_bench.json" > "$out/gpu_bench.log" 2>&1
+timeout 180 python bench/gpu_bench.py --json-out "$out/gpu_bench.json" > "$out/gpu_bench.log" 2>&1
 echo "gpu bench rc=$?" >> "$out/summary.txt"
 cat "$out/summary.txt"
