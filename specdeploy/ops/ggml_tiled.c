@@ -36,8 +36,11 @@
 enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2 };             /* ggml_linear.py's KINDS */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
 #define TILE 16
-/* rows sharing one unpacking of a tile's block: what the accumulators leave of 16 ymm / 32 zmm */
-#define AVX2_ROWS 4
+/* rows sharing one unpacking of a tile's block: what the accumulators leave of 16 ymm / 32 zmm
+ * (AVX2, per row an int and an fp32 accumulator: 5 for 4-bit kinds; Q8_0's sign and |w| take a
+ * register more, and 5 rows spilled there) */
+#define AVX2_ROWS 5
+#define AVX2_ROWS_Q8 4
 #define AVX512_ROWS 8
 #define ROW_GROUP 8 /* the most of either */
 
@@ -190,6 +193,8 @@ static void tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_t *
 
 /* NOTE: the partial sum is the value of this point: without it gcc reassociates a row's 8 integer
  * adds into one sum and computes all 4 x 8 products first, needing ~32 ymm (stack spills) */
+/* Q4_1's macc in a pass of its own from 3 rows on (fewer rows: registers to spare, one pass) */
+#define MACC_PASS(rg) ((rg) > 2)
 #define KEEP(v) __asm__("" : "+x"(v))
 
 static inline int32_t group_at(const int8_t *q) { /* 4 activation bytes as one int32 */
@@ -210,8 +215,8 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
                                 int r0, const int rg, const int kind, const int h) {
     const int nb = K / 32, tb = TILE * block_bytes(kind), qo = quant_off(kind);
     const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
-    __m256 acc[ROW_GROUP];
-    for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
+    __m256 acc[ROW_GROUP], macc[ROW_GROUP];
+    for (int r = 0; r < rg; r++) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         /* half h: scales 16 h bytes on, quants 32 h bytes on in every 64-byte vector */
         const uint8_t *blk = tile + (size_t)b * tb + 16 * h, *qs = blk + 16 * h + qo;
@@ -249,14 +254,17 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
             }
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 m = kind == Q4_1 && !MACC_PASS(rg)
+            ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32))) : _mm256_setzero_ps();
         for (int r = 0; r < rg; r++) {
-            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[(size_t)(r0 + r) * nb + b]));
+            const size_t rb = (size_t)(r0 + r) * nb + b;
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[rb]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[r]), scale, acc[r]);
+            if (kind == Q4_1 && !MACC_PASS(rg))
+                macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s[rb]), macc[r]);
         }
     }
-    if (kind == Q4_1) {
-        __m256 macc[ROW_GROUP];
-        for (int r = 0; r < rg; r++) macc[r] = _mm256_setzero_ps();
+    if (kind == Q4_1 && MACC_PASS(rg)) {
         for (int b = 0; b < nb; b++) {
             const uint8_t *blk = tile + (size_t)b * tb + 16 * h;
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
@@ -264,8 +272,9 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
                 macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s[(size_t)(r0 + r) * nb + b]),
                                           macc[r]);
         }
-        for (int r = 0; r < rg; r++) acc[r] = _mm256_add_ps(acc[r], macc[r]);
     }
+    if (kind == Q4_1)
+        for (int r = 0; r < rg; r++) acc[r] = _mm256_add_ps(acc[r], macc[r]);
     for (int r = 0; r < rg; r++) _mm256_storeu_ps(y + (size_t)(r0 + r) * N + 8 * h, acc[r]);
 }
 
@@ -342,7 +351,7 @@ AVX2_ATTR INLINE void tile_avx2(const act_t *a, int K, const uint8_t *tile, int 
         }                                                                                       \
     }
 TILES_FN(q4_1_avx2, tile_avx2, Q4_1, AVX2_ROWS, AVX2_ATTR)
-TILES_FN(q8_0_avx2, tile_avx2, Q8_0, AVX2_ROWS, AVX2_ATTR)
+TILES_FN(q8_0_avx2, tile_avx2, Q8_0, AVX2_ROWS_Q8, AVX2_ATTR)
 TILES_FN(q4_0_avx2, tile_avx2, Q4_0, AVX2_ROWS, AVX2_ATTR)
 TILES_FN(q4_1_avx512, tile_avx512, Q4_1, AVX512_ROWS, AVX512_ATTR)
 TILES_FN(q8_0_avx512, tile_avx512, Q8_0, AVX512_ROWS, AVX512_ATTR)
