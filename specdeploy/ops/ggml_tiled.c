@@ -37,8 +37,7 @@ enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2 };             /* ggml_linear.py's KINDS */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
 #define TILE 16
 /* rows sharing one unpacking of a tile's block: what the accumulators leave of 16 ymm / 32 zmm
- * (AVX2, per row an int and an fp32 accumulator: 5 for 4-bit kinds; Q8_0's sign and |w| take a
- * register more, and 5 rows spilled there) */
+ * (AVX2: 2 per row; Q8_0's sign and |w| take one more, and 5 rows spilled there) */
 #define AVX2_ROWS 5
 #define AVX2_ROWS_Q8 4
 #define AVX512_ROWS 8
@@ -191,11 +190,10 @@ static void tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_t *
 #define AVX512_ATTR __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define INLINE static inline __attribute__((always_inline))
 
-/* NOTE: the partial sum is the value of this point: without it gcc reassociates a row's 8 integer
- * adds into one sum and computes all 4 x 8 products first, needing ~32 ymm (stack spills) */
-/* Q4_1's macc in a pass of its own from 3 rows on (fewer rows: registers to spare, one pass) */
-#define MACC_PASS(rg) ((rg) > 2)
+/* NOTE: pins a row's partial sum at this point: without it gcc reassociates the row's 8 integer
+ * adds into one sum and computes all rows x 8 products first (~32 ymm live: stack spills) */
 #define KEEP(v) __asm__("" : "+x"(v))
+#define MACC_PASS(rg) ((rg) > 2) /* Q4_1's macc in a pass of its own (below 3 rows: room) */
 
 static inline int32_t group_at(const int8_t *q) { /* 4 activation bytes as one int32 */
     int32_t v;
@@ -206,11 +204,10 @@ static inline int32_t group_at(const int8_t *q) { /* 4 activation bytes as one i
  * pairs) and madd with ones. 4-bit weights are 0..15: a pair is <= 2 * 15 * 127 and the 8
  * groups' pairs add up in int16 without saturating (<= 30480) before one madd. Q8_0 goes in as
  * |w| times sign(q, w) (a pair <= 2 * 128 * 127 < 32767; w + 128 would saturate).
- * Registers (16 ymm): an unpacked weight vector lives only while the rows use it (one loaded
- * vector -> groups j and j + 4 for 4-bit kinds, one group and |w| for Q8_0), each row keeps one
- * integer accumulator per block and its fp32 acc; Q4_1's offset sum macc = sum_b m_b * s_b
- * runs in a pass of its own (the same fma per lane in block order, so the same bits): holding
- * 8 weight vectors and macc as well spilled to the stack on every row. */
+ * 16 ymm: a block's 8 unpacked weight vectors (+ 8 |w|) held for all rows spilled, so one
+ * lives only while the rows use it (a load: groups j and j + 4, or a Q8_0 group and |w|), a
+ * row holds its block's integer sum and acc, and Q4_1's macc = sum_b m_b * s_b runs in a pass
+ * of its own (per lane the same fmas in block order: the same bits). */
 AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int N, float *y,
                                 int r0, const int rg, const int kind, const int h) {
     const int nb = K / 32, tb = TILE * block_bytes(kind), qo = quant_off(kind);
@@ -221,36 +218,21 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
         /* half h: scales 16 h bytes on, quants 32 h bytes on in every 64-byte vector */
         const uint8_t *blk = tile + (size_t)b * tb + 16 * h, *qs = blk + 16 * h + qo;
         const int8_t *qx = a->q + (size_t)r0 * K + 32 * b; /* row r0 + r: qx + r * K */
-        __m256i p[ROW_GROUP];
+        __m256i p[ROW_GROUP]; /* Q8_0: int32 sums; 4-bit kinds: int16, exact in any order */
         for (int r = 0; r < rg; r++) p[r] = _mm256_setzero_si256();
-        if (kind == Q8_0)
-            for (int g = 0; g < 8; g++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 64 * g));
-                const __m256i wabs = _mm256_abs_epi8(w);
-                for (int r = 0; r < rg; r++) {
-                    const __m256i x = _mm256_set1_epi32(group_at(qx + (size_t)r * K + 4 * g));
-                    p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w)), ones));
-                    KEEP(p[r]);
-                }
-            }
-        else {
-            for (int j = 0; j < 4; j++) { /* int16 sums p[r]: exact in any order (see above) */
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * j));
-                const __m256i lo = _mm256_and_si256(v, mask);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-                for (int r = 0; r < rg; r++) {
-                    const int8_t *qr = qx + (size_t)r * K;
-                    p[r] = _mm256_add_epi16(p[r], _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, _mm256_set1_epi32(group_at(qr + 4 * j))),
-                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(group_at(qr + 4 * j + 16)))));
-                    KEEP(p[r]);
-                }
-            }
+        for (int j = 0; j < (kind == Q8_0 ? 8 : 4); j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * j));
+            const __m256i w0 = kind == Q8_0 ? _mm256_abs_epi8(v) : _mm256_and_si256(v, mask);
+            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
             for (int r = 0; r < rg; r++) {
-                p[r] = _mm256_madd_epi16(p[r], ones);
-                if (kind == Q4_0)
-                    p[r] = _mm256_sub_epi32(p[r], _mm256_set1_epi32(8 * a->S[(size_t)(r0 + r) * nb + b]));
+                const int8_t *qr = qx + (size_t)r * K + 4 * j;
+                const __m256i x = _mm256_set1_epi32(group_at(qr));
+                p[r] = kind == Q8_0
+                    ? _mm256_add_epi32(p[r], _mm256_madd_epi16(
+                          _mm256_maddubs_epi16(w0, _mm256_sign_epi8(x, v)), ones))
+                    : _mm256_add_epi16(p[r], _mm256_add_epi16(_mm256_maddubs_epi16(w0, x),
+                          _mm256_maddubs_epi16(w1, _mm256_set1_epi32(group_at(qr + 16)))));
+                KEEP(p[r]);
             }
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
@@ -258,24 +240,23 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
             ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32))) : _mm256_setzero_ps();
         for (int r = 0; r < rg; r++) {
             const size_t rb = (size_t)(r0 + r) * nb + b;
+            if (kind != Q8_0) p[r] = _mm256_madd_epi16(p[r], ones);
+            if (kind == Q4_0) p[r] = _mm256_sub_epi32(p[r], _mm256_set1_epi32(8 * a->S[rb]));
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[rb]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[r]), scale, acc[r]);
             if (kind == Q4_1 && !MACC_PASS(rg))
                 macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s[rb]), macc[r]);
         }
     }
-    if (kind == Q4_1 && MACC_PASS(rg)) {
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = tile + (size_t)b * tb + 16 * h;
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
-            for (int r = 0; r < rg; r++)
-                macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s[(size_t)(r0 + r) * nb + b]),
-                                          macc[r]);
-        }
+    for (int b = 0; kind == Q4_1 && MACC_PASS(rg) && b < nb; b++) {
+        const __m256 m = _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(tile + (size_t)b * tb + 16 * h + 32)));
+        for (int r = 0; r < rg; r++)
+            macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s[(size_t)(r0 + r) * nb + b]), macc[r]);
     }
-    if (kind == Q4_1)
-        for (int r = 0; r < rg; r++) acc[r] = _mm256_add_ps(acc[r], macc[r]);
-    for (int r = 0; r < rg; r++) _mm256_storeu_ps(y + (size_t)(r0 + r) * N + 8 * h, acc[r]);
+    for (int r = 0; r < rg; r++)
+        _mm256_storeu_ps(y + (size_t)(r0 + r) * N + 8 * h,
+                         kind == Q4_1 ? _mm256_add_ps(acc[r], macc[r]) : acc[r]);
 }
 
 /* AVX-512 VNNI: a whole tile per zmm, dpbusd (u8 x s8, 4 products per int32 lane, no
