@@ -7,9 +7,12 @@ time into a reused buffer and multiplied (`ggml_linears`' path above MAX_ROWS ro
 `q4_1_int_<isa>`, the integer-dot kernels
 (ops/ggml_kernels_int.c) on the same blocks, per ISA path this CPU runs, and `q4_1_tiled_<isa>`
 the same model on those blocks repacked in tiles of 16 outputs (ops/ggml_tiled.c). Prints one JSON
-object (median of --reps, milliseconds for all 30 layers).
+object (median of --reps, milliseconds for all 30 layers). --lm-head adds
+`q8_0_lm_head_tiled_<isa>`: one call of the tied lm_head (49152 x 576, Q8_0 as in the default
+GGUF) on the tiled kernel; --only keeps the kinds whose names start with one of its prefixes.
 
     python bench/linear_rows.py [--rows 1 2 4 6 8 16 64 256] [--reps 5] [--threads 1]
+                                [--lm-head] [--only q4_1_tiled q8_0]
 """
 from __future__ import annotations
 
@@ -44,6 +47,23 @@ def _q4_1_blocks(ws) -> dict | None:
     return out
 
 
+def _lm_heads() -> dict:
+    """name -> x -> logits: the tied lm_head (49152 x 576) as Q8_0 blocks on the tiled kernel,
+    per SIMD ISA path (empty where that kernel cannot be built)."""
+    from specdeploy.ops import ggml_tiled
+    from specdeploy.ops.ggml_linear import kernel_unavailable, make_weight
+
+    if kernel_unavailable() is not None or ggml_tiled.kernel_unavailable() is not None:
+        return {}
+    import gguf
+
+    w = torch.randn(49152, 576, generator=torch.Generator().manual_seed(1))
+    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    tw = ggml_tiled.repack(make_weight("q8_0", torch.from_numpy(raw), tuple(w.shape)))
+    return {f"q8_0_lm_head_tiled_{isa}": ggml_tiled.tiled_linear_fn(tw, None, isa)
+            for isa in ggml_tiled.supported_isas() if isa != "scalar"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16, 64, 256])
@@ -52,6 +72,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this process's CPU time (with --threads 1, what the work costs on "
                          "a machine that other jobs share)")
+    ap.add_argument("--lm-head", action="store_true")
+    ap.add_argument("--only", nargs="+", default=None, help="kind name prefixes to keep")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
@@ -87,6 +109,10 @@ def main() -> None:
             if isa != "scalar":  # NOTE: the reference path, far too slow to time here
                 kinds[f"q4_1_tiled_{isa}"] = (lambda x, w, p, isa=isa: ggml_tiled.tiled_linear(
                     x, tiled[id(w)], isa=isa))
+    lm_heads = _lm_heads() if args.lm_head else {}
+    keep = (lambda name: any(name.startswith(p) for p in args.only)) if args.only else bool
+    kinds = {k: v for k, v in kinds.items() if keep(k)}
+    lm_heads = {k: v for k, v in lm_heads.items() if keep(k)}
     out = {}
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
@@ -97,6 +123,12 @@ def main() -> None:
                 for layer_w, layer_p in zip(ws, packed):
                     for w, p in zip(layer_w, layer_p):
                         fn(xs[w.shape[1]], w, p)
+                times[name].append((clock() - t0) * 1e3)
+            for name, fn in lm_heads.items():
+                times.setdefault(name, [])
+                x = xs[576]
+                t0 = clock()
+                fn(x)
                 times[name].append((clock() - t0) * 1e3)
         out[f"rows_{m}"] = {k: round(statistics.median(v), 1) for k, v in times.items()}
     print(json.dumps({"machine": {"cores": os.cpu_count(), "torch": torch.__version__,

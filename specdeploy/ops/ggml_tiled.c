@@ -36,8 +36,10 @@
 enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2 };             /* ggml_linear.py's KINDS */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
 #define TILE 16
-/* rows sharing one unpacking of a tile's block: what the accumulators leave of 16 ymm / 32 zmm */
-#define AVX2_ROWS 4
+/* rows sharing one unpacking of a tile's block: what the accumulators leave of 16 ymm / 32 zmm
+ * (AVX2: 2 per row; Q8_0's sign and |w| take one more, and 5 rows spilled there) */
+#define AVX2_ROWS 5
+#define AVX2_ROWS_Q8 4
 #define AVX512_ROWS 8
 #define ROW_GROUP 8 /* the most of either */
 
@@ -188,6 +190,11 @@ static void tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_t *
 #define AVX512_ATTR __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define INLINE static inline __attribute__((always_inline))
 
+/* NOTE: pins a row's partial sum at this point: without it gcc reassociates the row's 8 integer
+ * adds into one sum and computes all rows x 8 products first (~32 ymm live: stack spills) */
+#define KEEP(v) __asm__("" : "+x"(v))
+#define MACC_PASS(rg) ((rg) > 2) /* Q4_1's macc in a pass of its own (below 3 rows: room) */
+
 static inline int32_t group_at(const int8_t *q) { /* 4 activation bytes as one int32 */
     int32_t v;
     return memcpy(&v, q, 4), v;
@@ -196,7 +203,11 @@ static inline int32_t group_at(const int8_t *q) { /* 4 activation bytes as one i
 /* AVX2: half a tile (8 outputs) per ymm; no dpbusd, so maddubs (u8 x s8 -> saturating int16
  * pairs) and madd with ones. 4-bit weights are 0..15: a pair is <= 2 * 15 * 127 and the 8
  * groups' pairs add up in int16 without saturating (<= 30480) before one madd. Q8_0 goes in as
- * |w| times sign(q, w) (a pair <= 2 * 128 * 127 < 32767; w + 128 would saturate). */
+ * |w| times sign(q, w) (a pair <= 2 * 128 * 127 < 32767; w + 128 would saturate).
+ * 16 ymm: a block's 8 unpacked weight vectors (+ 8 |w|) held for all rows spilled, so one
+ * lives only while the rows use it (a load: groups j and j + 4, or a Q8_0 group and |w|), a
+ * row holds its block's integer sum and acc, and Q4_1's macc = sum_b m_b * s_b runs in a pass
+ * of its own (per lane the same fmas in block order: the same bits). */
 AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int N, float *y,
                                 int r0, const int rg, const int kind, const int h) {
     const int nb = K / 32, tb = TILE * block_bytes(kind), qo = quant_off(kind);
@@ -206,51 +217,42 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
     for (int b = 0; b < nb; b++) {
         /* half h: scales 16 h bytes on, quants 32 h bytes on in every 64-byte vector */
         const uint8_t *blk = tile + (size_t)b * tb + 16 * h, *qs = blk + 16 * h + qo;
+        const int8_t *qx = a->q + (size_t)r0 * K + 32 * b; /* row r0 + r: qx + r * K */
+        __m256i p[ROW_GROUP]; /* Q8_0: int32 sums; 4-bit kinds: int16, exact in any order */
+        for (int r = 0; r < rg; r++) p[r] = _mm256_setzero_si256();
+        for (int j = 0; j < (kind == Q8_0 ? 8 : 4); j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * j));
+            const __m256i w0 = kind == Q8_0 ? _mm256_abs_epi8(v) : _mm256_and_si256(v, mask);
+            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            for (int r = 0; r < rg; r++) {
+                const int8_t *qr = qx + (size_t)r * K + 4 * j;
+                const __m256i x = _mm256_set1_epi32(group_at(qr));
+                p[r] = kind == Q8_0
+                    ? _mm256_add_epi32(p[r], _mm256_madd_epi16(
+                          _mm256_maddubs_epi16(w0, _mm256_sign_epi8(x, v)), ones))
+                    : _mm256_add_epi16(p[r], _mm256_add_epi16(_mm256_maddubs_epi16(w0, x),
+                          _mm256_maddubs_epi16(w1, _mm256_set1_epi32(group_at(qr + 16)))));
+                KEEP(p[r]);
+            }
+        }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 m = kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)))
-                                      : _mm256_setzero_ps();
-        __m256i wv[8], wabs[8];
-        if (kind == Q8_0)
-            for (int g = 0; g < 8; g++) {
-                wv[g] = _mm256_loadu_si256((const __m256i *)(qs + 64 * g));
-                wabs[g] = _mm256_abs_epi8(wv[g]);
-            }
-        else
-            for (int j = 0; j < 4; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * j));
-                wv[j] = _mm256_and_si256(v, mask);
-                wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-            }
+        const __m256 m = kind == Q4_1 && !MACC_PASS(rg)
+            ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32))) : _mm256_setzero_ps();
         for (int r = 0; r < rg; r++) {
             const size_t rb = (size_t)(r0 + r) * nb + b;
-            const int8_t *qx = a->q + rb * 32;
-            __m256i p;
-            if (kind == Q8_0) {
-                __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
-                for (int g = 0; g < 8; g += 2) {
-                    const __m256i x0 = _mm256_set1_epi32(group_at(qx + 4 * g));
-                    const __m256i x1 = _mm256_set1_epi32(group_at(qx + 4 * g + 4));
-                    p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                        wabs[g], _mm256_sign_epi8(x0, wv[g])), ones));
-                    p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                        wabs[g + 1], _mm256_sign_epi8(x1, wv[g + 1])), ones));
-                }
-                p = _mm256_add_epi32(p0, p1);
-            } else {
-                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-                for (int g = 0; g < 8; g += 2) {
-                    s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(
-                        wv[g], _mm256_set1_epi32(group_at(qx + 4 * g))));
-                    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(
-                        wv[g + 1], _mm256_set1_epi32(group_at(qx + 4 * g + 4))));
-                }
-                p = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
-                if (kind == Q4_0) p = _mm256_sub_epi32(p, _mm256_set1_epi32(8 * a->S[rb]));
-            }
+            if (kind != Q8_0) p[r] = _mm256_madd_epi16(p[r], ones);
+            if (kind == Q4_0) p[r] = _mm256_sub_epi32(p[r], _mm256_set1_epi32(8 * a->S[rb]));
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[rb]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
-            if (kind == Q4_1) macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s[rb]), macc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[r]), scale, acc[r]);
+            if (kind == Q4_1 && !MACC_PASS(rg))
+                macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s[rb]), macc[r]);
         }
+    }
+    for (int b = 0; kind == Q4_1 && MACC_PASS(rg) && b < nb; b++) {
+        const __m256 m = _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(tile + (size_t)b * tb + 16 * h + 32)));
+        for (int r = 0; r < rg; r++)
+            macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s[(size_t)(r0 + r) * nb + b]), macc[r]);
     }
     for (int r = 0; r < rg; r++)
         _mm256_storeu_ps(y + (size_t)(r0 + r) * N + 8 * h,
@@ -330,7 +332,7 @@ AVX2_ATTR INLINE void tile_avx2(const act_t *a, int K, const uint8_t *tile, int 
         }                                                                                       \
     }
 TILES_FN(q4_1_avx2, tile_avx2, Q4_1, AVX2_ROWS, AVX2_ATTR)
-TILES_FN(q8_0_avx2, tile_avx2, Q8_0, AVX2_ROWS, AVX2_ATTR)
+TILES_FN(q8_0_avx2, tile_avx2, Q8_0, AVX2_ROWS_Q8, AVX2_ATTR)
 TILES_FN(q4_0_avx2, tile_avx2, Q4_0, AVX2_ROWS, AVX2_ATTR)
 TILES_FN(q4_1_avx512, tile_avx512, Q4_1, AVX512_ROWS, AVX512_ATTR)
 TILES_FN(q8_0_avx512, tile_avx512, Q8_0, AVX512_ROWS, AVX512_ATTR)

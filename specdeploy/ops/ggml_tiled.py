@@ -5,7 +5,8 @@ products, fp32 scales; its error bound holds here) over the GGUF blocks as store
 per accumulator, so R rows cost nearly R times one row and a speculative verify step of 1 + K
 rows cost about two decode steps. Here (`ggml_tiled.c`, layout in its header) the weights are
 repacked once, as llama.cpp does, so that one vector holds 16 outputs' sums and the unpacked
-weights of a block serve up to 4 rows: several rows cost little more than one.
+weights of a block serve a group of rows (AVX2: 5, Q8_0 4; AVX-512: 8): several rows cost
+little more than one.
 
 The packed copy replaces the blocks (same bytes). Scalar C, AVX2 and AVX-512 VNNI paths give
 bit-identical outputs, independent of the other rows and the thread count, so greedy speculative

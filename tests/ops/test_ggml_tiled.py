@@ -54,6 +54,22 @@ def test_isa_paths_are_bit_identical_to_scalar(kind):
             assert torch.equal(gt.tiled_linear(x, tw, isa=isa), want), (isa, n, k)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_row_group_size_is_bit_identical_to_scalar(kind):
+    """Rows 1..17: every size of a row group (AVX2: 5 for 4-bit kinds, 4 for Q8_0; AVX-512: 8)
+    and of its remainder, Q4_1's offset sum in the block loop (1-2 rows) or in a pass of its own
+    (3 on), on odd block counts (3, 19)."""
+    if len(HAVE) < 2:
+        pytest.skip(f"only {HAVE} here")
+    for n, k in SHAPES[1:3]:
+        tw = gt.repack(_weight(kind, n, k, seed=5)[0])
+        x = _x(17, k, seed=6)
+        for rows in range(1, 18):
+            want = gt.tiled_linear(x[:rows], tw, isa="scalar")
+            for isa in HAVE[1:]:
+                assert torch.equal(gt.tiled_linear(x[:rows], tw, isa=isa), want), (isa, rows, n)
+
+
 @pytest.mark.parametrize("isa", ISA_PARAMS)
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_rows_are_batch_and_thread_invariant(kind, isa):
