@@ -12,8 +12,10 @@ attention and norms in one C call) is its own kind, "layer", which "non_linear_s
 as not linear (the linears left are the LM head's). The plain graph call is timed too: its
 wall time minus the sum of node times of an interpreted run estimates what the interpreter
 adds, not the deployment.
-"non_linear_share" is everything but the linears over the graph call's wall time (the Python
-of the engine step around the graph is measured by bench/spec_phases.py, not here).
+"non_linear_share" is everything but the linears over the graph call's wall time.
+"engine_decode": a plain (no drafter) deployment's decode steps, the engine step's time, its
+graph call's, and "outside_graph_ms", their difference: the engine's own work around the graph
+(metadata, feeds, sampling, bookkeeping); bench/spec_phases.py splits a speculative step.
 """
 from __future__ import annotations
 
@@ -108,6 +110,35 @@ def profile(target, feed, reps: int) -> dict:
             "num_call_nodes": sum(1 for n in gm.graph.nodes if n.op == "call_function")}
 
 
+def outside_graph(llm: LLM, target, tokens: int = 48) -> dict:
+    """Median over the plain decode steps of one greedy request: the engine step, its graph
+    call, and the difference (metadata, feeds, sampling, bookkeeping: the engine's own work)."""
+    calls, rows = [], []
+    fn, step = target._fn, llm.engine.step
+
+    def timed_fn(*a):
+        t = time.perf_counter()
+        out = fn(*a)
+        calls.append(time.perf_counter() - t)
+        return out
+
+    def timed_step():
+        n, t = len(calls), time.perf_counter()
+        out = step()
+        rows.append((time.perf_counter() - t, calls[n:]))
+        return out
+
+    target._fn, llm.engine.step = timed_fn, timed_step
+    try:
+        llm.generate([list(range(2000, 2040))], SamplingParams(max_tokens=tokens, ignore_eos=True))
+    finally:
+        target._fn, llm.engine.step = fn, step
+    plain = [(s, c[0]) for s, c in rows[1:] if len(c) == 1]  # step 0: the prefill
+    return {"step_ms": round(statistics.median(s for s, _ in plain) * 1e3, 3),
+            "graph_call_ms": round(statistics.median(g for _, g in plain) * 1e3, 3),
+            "outside_graph_ms": round(statistics.median(s - g for s, g in plain) * 1e3, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -125,7 +156,10 @@ def main() -> None:
                   spec=SpecConfig("ngram", a.k, controller="off"), enable_prefix_caching=False)
         feeds, target = capture_feeds(llm, a.k)
         rows[kern] = {name: profile(target, f, a.reps) for name, f in feeds.items()}
-        del llm, feeds, target
+        plain = LLM(a.model, max_batch_size=1, max_seq_len=512, kernels=kern,
+                    enable_prefix_caching=False)
+        rows[kern]["engine_decode"] = outside_graph(plain, plain.engine.deployed)
+        del llm, feeds, target, plain
     print_json({"bench": "step_profile", "machine": machine(), "threads": a.threads,
                 "k": a.k, "note": a.note, "results": rows}, a.json_out)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from typing import NamedTuple
 
 import torch
 
@@ -57,6 +59,9 @@ class BatchMetadata:
     mm_rows: list | None = None
     ckpt_tokens: torch.Tensor = field(default_factory=_empty)  # [W] host: flat token index
     ckpt_slots: torch.Tensor = field(default_factory=_empty)  # [W]: checkpoint slot
+    # the lists the tensors were built from (build_metadata only; None after `to`): whoever
+    # changes a tensor in place must drop them
+    lists: HostLists | None = field(default=None, repr=False, compare=False)
 
     def to(self, device: torch.device | str) -> BatchMetadata:
         def mv(t: torch.Tensor) -> torch.Tensor:
@@ -71,8 +76,27 @@ class BatchMetadata:
         )
 
 
+class HostLists(NamedTuple):
+    """The Python lists a step's tensors were built from (build_metadata), so the deployment
+    can build its device feed and the KV slot mapping without reading the tensors back."""
+
+    ids: list[int]
+    pos: list[int]
+    cu: list[int]
+    cache_lens: list[int]
+    table: list[int]  # [S * P] row-major
+    slots: list[int]
+    kinds: list[int]
+    logits_idx: list[int]
+    ckpt_tokens: list[int]
+    ckpt_slots: list[int]
+    max_pages: int
+
+
 def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
-    """Host-side, once per step (NOTE: the only place that turns Python lists into tensors)."""
+    """Host-side, once per step (NOTE: the only place that turns Python lists into tensors).
+    One `torch.tensor` over every field's list, split into views: a step's metadata is ~10
+    tiny tensors, each of which cost a torch call of its own."""
     if not segments:
         raise ValueError("build_metadata: no segments")
     ids: list[int] = []
@@ -80,30 +104,35 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
     cu = [0]
     logits_idx: list[int] = []
     max_pages = max(1, max(len(s.pages) for s in segments))
-    table = []
-    ckpt: list[tuple[int, int]] = []
+    table: list[int] = []
+    ckpt_tokens: list[int] = []
+    ckpt_slots: list[int] = []
+    start = 0
     for s in segments:
         n = len(s.token_ids)
         if n == 0:
             raise ValueError("build_metadata: empty segment")
-        start = cu[-1]
         ids.extend(s.token_ids)
         pos.extend(range(s.cache_len, s.cache_len + n))
-        cu.append(start + n)
         logits_idx.extend(range(start + n - s.num_logits, start + n))
-        table.append(list(s.pages) + [0] * (max_pages - len(s.pages)))
-        ckpt.extend((start + off, slot) for off, slot in s.ckpt)
-
-    def t(x):
-        return torch.tensor(x, dtype=torch.long)
-
+        table.extend(s.pages)
+        table.extend([0] * (max_pages - len(s.pages)))
+        for off, slot in s.ckpt:
+            ckpt_tokens.append(start + off)
+            ckpt_slots.append(slot)
+        start += n
+        cu.append(start)
+    lists = HostLists(ids, pos, cu, [s.cache_len for s in segments], table,
+                      [s.slot for s in segments], [s.kind for s in segments], logits_idx,
+                      ckpt_tokens, ckpt_slots, max_pages)
+    flat = torch.tensor(list(chain.from_iterable(lists[:-1])), dtype=torch.long)
+    (t_ids, t_pos, t_cu, t_lens, t_table, t_slots, t_kinds, t_logits, t_ckt,
+     t_cks) = flat.split([len(x) for x in lists[:-1]])
     meta = BatchMetadata(
-        input_ids=t(ids), position_ids=t(pos), cu_seqlens=t(cu),
-        cache_lens=t([s.cache_len for s in segments]), page_table=t(table),
-        slot_idx=t([s.slot for s in segments]), seg_kind=t([s.kind for s in segments]),
-        logits_idx=t(logits_idx), num_tokens=len(ids), num_seqs=len(segments),
-        ckpt_tokens=t([c[0] for c in ckpt]), ckpt_slots=t([c[1] for c in ckpt]),
-    )
+        input_ids=t_ids, position_ids=t_pos, cu_seqlens=t_cu, cache_lens=t_lens,
+        page_table=t_table.view(len(segments), max_pages), slot_idx=t_slots, seg_kind=t_kinds,
+        logits_idx=t_logits, num_tokens=len(ids), num_seqs=len(segments),
+        ckpt_tokens=t_ckt, ckpt_slots=t_cks, lists=lists)
     if any(s.mm is not None for s in segments):
         _add_multimodal(meta, segments, cu)
     return meta
@@ -128,7 +157,21 @@ def kv_slot_mapping(meta: BatchMetadata, page_size: int) -> torch.Tensor:
 
     Computed once per step; every attention layer writes its new keys there.
     """
+    if meta.lists is not None:
+        return torch.tensor(slot_mapping_list(meta.lists, page_size), dtype=torch.long)
     seg = torch.repeat_interleave(torch.arange(meta.num_seqs), meta.cu_seqlens.diff(),
                                   output_size=meta.num_tokens)
     pos = meta.position_ids
     return meta.page_table[seg, pos // page_size] * page_size + pos % page_size
+
+
+def slot_mapping_list(h: HostLists, page_size: int) -> list[int]:
+    """`kv_slot_mapping` over the host lists, in Python (a decode / verify step has a few
+    tokens, where each torch call costs more than the arithmetic)."""
+    out: list[int] = []
+    p = h.max_pages
+    for s in range(len(h.cu) - 1):
+        row = h.table[s * p:(s + 1) * p]
+        out.extend(row[q // page_size] * page_size + q % page_size
+                   for q in h.pos[h.cu[s]:h.cu[s + 1]])
+    return out

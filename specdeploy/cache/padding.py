@@ -85,7 +85,7 @@ def pad_batch(meta: BatchMetadata, bucket: int, *, scratch_page: int, scratch_sl
         seg_kind=torch.cat([meta.seg_kind, meta.seg_kind[:1].expand(d)]),
         logits_idx=torch.cat([meta.logits_idx,
                               (ends[:, None] - torch.arange(m, 0, -1)[None]).reshape(-1)]),
-        num_tokens=t + d * n, num_seqs=bucket)
+        num_tokens=t + d * n, num_seqs=bucket, lists=None)  # the lists are the unpadded step's
     if meta.mrope_positions is not None:
         out.mrope_positions = torch.cat([meta.mrope_positions,
                                          (DUMMY_LEN + offsets).expand(3, -1)], 1)

@@ -202,7 +202,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     vocab = model.cfg.vocab_size
     deployed = []
     for (gm, res), ctx in transformed:
-        allocate(gm, res.resources, plan, ctx.device)
+        allocate(gm, res.resources, plan, ctx.device, plain=not ctx.compile)
         # NOTE: the graph owns the weights now; holding the plain model would pin the fp copies
         # of weights that quantization replaced.
         ctx = dataclasses.replace(ctx, model=None, lazy=None, page_size=page_size)
@@ -330,18 +330,25 @@ def _transform(module: nn.Module, ctx: DeployContext, hidden_size: int | None,
     return gm, run_pipeline(gm, ctx)
 
 
-def allocate(gm: fx.GraphModule, resources: list, plan: CachePlan, device) -> None:
-    """Register the real cache tensors of `resources` as the graph's buffers (with the plan's
-    scratch page and slot: the last of each)."""
+def allocate(gm: fx.GraphModule, resources: list, plan: CachePlan, device,
+             plain: bool = False) -> None:
+    """The cache tensors of `resources` as the graph's buffers (with the plan's scratch page and
+    slot: the last of each); `plain`: plain attributes too, read without
+    `nn.Module.__getattr__` (~1 us each; caches are only changed in place)."""
+    tensors = []
     for h in resources:
         if isinstance(h, PagedKV):
             k, v = h.allocate(plan.num_pages + 1, plan.page_size, device)
-            gm.register_buffer(f"{h.name}_k", k, persistent=False)
-            gm.register_buffer(f"{h.name}_v", v, persistent=False)
+            tensors += [(f"{h.name}_k", k), (f"{h.name}_v", v)]
         elif isinstance(h, Checkpoint):
-            gm.register_buffer(h.name, h.allocate(plan.num_checkpoints, device), persistent=False)
+            tensors.append((h.name, h.allocate(plan.num_checkpoints, device)))
         else:
-            gm.register_buffer(h.name, h.allocate(plan.num_slots + 1, device), persistent=False)
+            tensors.append((h.name, h.allocate(plan.num_slots + 1, device)))
+    for name, t in tensors:
+        gm.__dict__.pop(name, None)  # a re-allocation never leaves a stale plain attribute
+        gm.register_buffer(name, t, persistent=False)
+        if plain:
+            gm.__dict__[name] = t
 
 
 def _with_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype):

@@ -52,6 +52,7 @@ PIPELINE = (
     ("compile", "call_kernels_directly"),
     ("compile", "flatten_attrs"),
     ("fuse_layers", "fuse_decoder_layers"),  # after both: it matches direct kernel calls
+    ("identity", "drop_identity_ops"),  # last rewrite: no pattern misses a node it expects
     ("compile", "compile_model"),
 )
 

@@ -7,12 +7,13 @@ metadata input gets a device copy, all of them in one copy per step (`to_device`
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
 
 import torch
 from torch import fx
 
 from specdeploy.cache.handlers import Checkpoint, SpecState, State
-from specdeploy.cache.metadata import BatchMetadata, kv_slot_mapping
+from specdeploy.cache.metadata import BatchMetadata, HostLists, kv_slot_mapping, slot_mapping_list
 from specdeploy.cache.plan import CachePlan
 from specdeploy.deploy.base import CacheLayout, StepOutput
 from specdeploy.deploy.context import DeployContext
@@ -32,6 +33,21 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[st
         out[name] = flat[i:i + t.numel()].view(t.shape)
         i += t.numel()
     return out
+
+
+def lists_to_device(parts: dict[str, tuple[list[int], tuple | None]], device: torch.device
+                    ) -> dict[str, torch.Tensor]:
+    """`to_device` of int64 tensors given as (flat list, shape or None for 1-D): one
+    `torch.tensor` over all of them, split into views (on the CPU ~25 fewer torch calls a
+    step than building, flattening and concatenating tensors). A fresh buffer, like
+    `to_device`'s."""
+    flat = torch.tensor(list(chain.from_iterable(x for x, _ in parts.values())),
+                        dtype=torch.long)
+    if device.type != "cpu":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    pieces = flat.split([len(x) for x, _ in parts.values()])
+    return {name: t if shape is None else t.view(shape)
+            for (name, (_, shape)), t in zip(parts.items(), pieces)}
 
 
 class GraphDeployed:
@@ -81,12 +97,27 @@ class GraphDeployed:
     def _feed(self, meta: BatchMetadata, hidden: torch.Tensor | None = None,
               dev: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The graph's inputs in order; `dev`: device copies already made (engine/cuda_graphs)."""
-        dev = to_device(self.device_inputs(meta), self.device) if dev is None else dev
+        if dev is None and meta.lists is not None and not self.mrope:
+            dev = self._device_from_lists(meta, meta.lists)
+        elif dev is None:
+            dev = to_device(self.device_inputs(meta), self.device)
         feed = {**dev, "cu_seqlens_host": meta.cu_seqlens,
                 "cache_lens_host": meta.cache_lens, "seg_kind_host": meta.seg_kind,
                 "ckpt_tokens_host": meta.ckpt_tokens,
                 "hidden": None if hidden is None else hidden[None].to(self.device)}
         return [feed[n] for n in self._input_names]
+
+    def _device_from_lists(self, meta: BatchMetadata, h: HostLists) -> dict[str, torch.Tensor]:
+        """The device inputs `to_device` would copy, from the host lists the engine built them
+        from (no reading back, no per-field reshape)."""
+        t, s = meta.num_tokens, meta.num_seqs
+        parts = {"input_ids": (h.ids, (1, t)), "position_ids": (h.pos, (1, t)),
+                 "logits_idx": (h.logits_idx, None), "cu_seqlens": (h.cu, None),
+                 "cache_lens": (h.cache_lens, None), "page_table": (h.table, (s, h.max_pages)),
+                 "slot_idx": (h.slots, None), "ckpt_slots": (h.ckpt_slots, None)}
+        if "slot_mapping" in self._input_names:
+            parts["slot_mapping"] = (slot_mapping_list(h, self.layout.page_size), None)
+        return lists_to_device(parts, self.device)
 
     def _positions(self, meta: BatchMetadata) -> torch.Tensor:
         if not self.mrope:

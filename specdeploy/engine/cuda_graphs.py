@@ -94,7 +94,7 @@ class CudaGraphRunner:
         table[:, :meta.page_table.shape[1]] = meta.page_table
         is_dummy = meta.slot_idx == self.scratch_slot
         table[is_dummy] = self.scratch_page
-        return replace(meta, page_table=table)
+        return replace(meta, page_table=table, lists=None)
 
     def _capture(self, bucket: int, n: int, kind: int) -> _Captured:
         """Capture with every row a dummy (only the scratch is written while warming up and

@@ -41,7 +41,7 @@ from specdeploy.engine.spec_control import (
     calibrate,
     cut_drafts,
 )
-from specdeploy.engine.verify import Drafts, verify, verify_greedy
+from specdeploy.engine.verify import Drafts, member_rows, verify, verify_greedy, verify_greedy_lists
 
 
 @dataclass
@@ -218,26 +218,19 @@ class SpecEngine(Engine):
                 ) -> list[list[int]]:
         """Accepted drafts + the next token of every sequence that samples; [] for
         mid-prefill chunks."""
-        rows, r = [], 0
-        for seg in segs:
-            rows.append(list(range(r, r + seg.num_logits)))
-            r += seg.num_logits
-        live = [i for i, (s, seg) in enumerate(zip(batch, segs))
-                if seg.kind == SEG_EXTEND or s.samples]
+        rows, live, k1 = member_rows(tuple(seg.num_logits for seg in segs),
+                                     tuple(seg.kind == SEG_EXTEND or s.samples
+                                           for s, seg in zip(batch, segs)))
         if not live:
             return [[] for _ in batch]
-        k1 = max(len(rows[i]) for i in live)
-        # [S, K+1] logit rows, a short row padded with its last (verify ignores the padding)
-        index = torch.tensor([rows[i] + rows[i][-1:] * (k1 - len(rows[i])) for i in live],
-                             device=out.logits.device)
         seqs = [batch[i].seq for i in live]
         try:
-            num, nxt = self._verify_rows(out.logits, index, seqs)
+            num, nxt = self._verify_rows(out.logits, rows, k1, seqs)
         except Exception:  # one sequence's verification failed: it alone fails
             num, nxt = [], []
             for r, seq in enumerate(seqs):
                 try:
-                    (a,), (t,) = self._verify_rows(out.logits, index[r:r + 1], [seq])
+                    (a,), (t,) = self._verify_rows(out.logits, rows[r:r + 1], k1, [seq])
                 except Exception as e:
                     self.fail(seq, e)
                     a, t = 0, None
@@ -265,13 +258,18 @@ class SpecEngine(Engine):
                 self.lookup.verified(seq, a, len(drafted))
         return tokens
 
-    def _verify_rows(self, logits: torch.Tensor, index: torch.Tensor, seqs: list[Sequence]
-                     ) -> tuple[list[int], list[int]]:
-        """`logits` [N, V] of the step, `index` [S, K+1] the rows of each sequence."""
-        drafts = Drafts.of([s.spec.drafts for s in seqs], [s.spec.draft_probs for s in seqs],
-                           self.deployed.vocab_size)
+    def _verify_rows(self, logits: torch.Tensor, rows: tuple[tuple[int, ...], ...], k1: int,
+                     seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """`logits` [N, V] of the step, `rows[s]` the logit rows of sequence s (padded to `k1`
+        with its last where the torch paths need [S, K+1])."""
         plain = all(not s.params.penalized and s.matcher is None and s.params.logprobs is None
                     for s in seqs)
+        if plain and all(s.params.greedy for s in seqs) and logits.device.type == "cpu":
+            argmax = logits.argmax(-1).tolist()  # the step's one host synchronisation
+            return verify_greedy_lists(argmax, rows, [s.spec.drafts for s in seqs], k1)
+        index = torch.tensor([r + r[-1:] * (k1 - len(r)) for r in rows], device=logits.device)
+        drafts = Drafts.of([s.spec.drafts for s in seqs], [s.spec.draft_probs for s in seqs],
+                           self.deployed.vocab_size)
         if plain and all(s.params.greedy for s in seqs):  # argmaxes only: no [S, K+1, V] gather
             num, nxt = verify_greedy(logits.argmax(-1)[index], drafts)
             return torch.stack((num, nxt)).tolist()  # the step's one host synchronisation

@@ -17,6 +17,7 @@ does not depend on its batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -78,6 +79,38 @@ def verify_greedy(target_ids: torch.Tensor, drafts: Drafts) -> tuple[torch.Tenso
     ids = drafts.ids[:, :k].to(target_ids.device)  # padding (-1) never matches
     num = (ids == target_ids[:, :k]).cumprod(1).sum(1)
     return num, target_ids.gather(1, num[:, None])[:, 0]
+
+
+@lru_cache(maxsize=256)
+def member_rows(num_logits: tuple[int, ...], samples: tuple[bool, ...]
+                ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], int]:
+    """(each sampling sequence's logit rows of the step, which sequences sample, the most rows
+    of one): the same few batch shapes come back step after step (a decode batch, a verify
+    batch at K), so they are computed once. Tuples: the cached values are never changed."""
+    starts = [0]
+    for n in num_logits:
+        starts.append(starts[-1] + n)
+    live = tuple(i for i, s in enumerate(samples) if s)
+    rows = tuple(tuple(range(starts[i], starts[i + 1])) for i in live)
+    return rows, live, max((len(r) for r in rows), default=0)
+
+
+def verify_greedy_lists(argmax: list[int], rows: list[list[int]], drafts: list[list[int]],
+                        k1: int) -> tuple[list[int], list[int]]:
+    """`verify_greedy` on the host, after the step's one synchronisation (the argmax of every
+    logit row, `argmax`): on the CPU a few comparisons in Python cost less than the ~10 torch
+    calls (building `Drafts`, an index, cumprod, gather, stack) that compare them there.
+    `rows[s]`: sequence s's logit rows; `k1`: the padded row count of the torch path, whose
+    padding repeats a sequence's last row (and a draft past its rows meets that row)."""
+    num, nxt = [], []
+    for r, d in zip(rows, drafts):
+        last, k = len(r) - 1, min(len(d), k1 - 1)
+        a = 0
+        while a < k and d[a] == argmax[r[min(a, last)]]:
+            a += 1
+        num.append(a)
+        nxt.append(argmax[r[min(a, last)]])
+    return num, nxt
 
 
 def verify(target_logits: torch.Tensor, drafts: Drafts, params: list[SamplingParams],

@@ -194,8 +194,9 @@ def _linear(call: TiledCall) -> _Linear:
 def decoder_layer_fn(chain: LayerChain, calls: tuple[TiledCall, ...], shared: Shared,
                      hq: int, hkv: int, d: int, n_ff: int, scale: float, eps_post: float,
                      eps_next: float, out_parity: int | None = None):
-    """The graph's callable for one layer: (res, normed, the attention's arguments after qkv,
-    the reshape's shape, w_post, eps_post, n_ff, w_next, eps_next) -> (res3, normed3).
+    """The graph's callable for one layer: (res [1, R, H], normed [1, R, qkv.k], the attention's
+    arguments after qkv, the reshape's shape, w_post, eps_post, n_ff, w_next, eps_next) ->
+    (res3, normed3).
     `calls`: the q/k/v, o, gate/up and down linears' fixed kernel arguments (no biases).
     `out_parity`: results in `shared`'s held pair of that parity (only where the next fused
     layer, of the other parity, is their only reader), else fresh."""
@@ -203,7 +204,7 @@ def decoder_layer_fn(chain: LayerChain, calls: tuple[TiledCall, ...], shared: Sh
     if lib is None:
         raise RuntimeError(f"fused decoder layer unavailable: {why}")
     qkv, o, gu, dn = calls
-    h = o.n
+    h, h_in = o.n, qkv.k  # h_in > h: the EAGLE-3 layer's q/k/v read cat(embeds, hidden)
     layer = _Layer(*fns, _linear(qkv), _linear(o), _linear(gu), _linear(dn), hq, hkv, d, 0,
                    n_ff, 0, 0, None, None, None, None, scale, eps_post, eps_next)
     addr, run, outputs = ctypes.addressof(layer), lib.decoder_layer_rows, shared.outputs
@@ -236,7 +237,7 @@ def decoder_layer_fn(chain: LayerChain, calls: tuple[TiledCall, ...], shared: Sh
                                                        slot_mapping)
         rows = shared.rows
         if (step and res.dtype is _F32 and normed.dtype is _F32 and res.is_cpu
-                and normed.is_cpu and normed.shape == (1, rows, h) and res.shape == normed.shape
+                and normed.is_cpu and normed.shape == (1, rows, h_in) and res.shape == (1, rows, h)
                 and normed.is_contiguous() and res.is_contiguous() and shared.rot <= d
                 and not (torch.is_grad_enabled() and (
                     res.requires_grad or normed.requires_grad or cos.requires_grad

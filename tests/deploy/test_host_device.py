@@ -32,7 +32,15 @@ def test_host_inputs_are_host_tensors_and_one_copy_per_forward(tmp_path, spec, m
         copies.append(out)
         return out
 
+    real_lists = runner_mod.lists_to_device
+
+    def spy_lists(parts, device):  # the same copy, from the engine's host lists
+        out = real_lists(parts, device)
+        copies.append(out)
+        return out
+
     monkeypatch.setattr(runner_mod, "to_device", spy)
+    monkeypatch.setattr(runner_mod, "lists_to_device", spy_lists)
     graphs = [llm.deployed] if spec is None else [llm.deployed.target, llm.deployed.draft]
     for g in graphs:
         names, fn = list(g._input_names), g._fn

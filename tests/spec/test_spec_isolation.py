@@ -37,12 +37,12 @@ def test_verify_failure_fails_one_sequence(target, monkeypatch):
     real = spec_mod.SpecEngine._verify_rows
     calls = {"n": 0}
 
-    def flaky(self, logits, index, seqs):
+    def flaky(self, logits, rows, k1, seqs):
         if _poisoned(seqs):
             calls["n"] += 1
             if calls["n"] >= 3:  # mid-stream, after a few tokens
                 raise ValueError("injected verify failure")
-        return real(self, logits, index, seqs)
+        return real(self, logits, rows, k1, seqs)
 
     monkeypatch.setattr(spec_mod.SpecEngine, "_verify_rows", flaky)
     _run(target, llm)

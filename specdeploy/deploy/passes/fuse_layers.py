@@ -10,6 +10,11 @@ where every node but the last has no reader outside the chain and each linear is
 tiled-kernel closure whose sizes line up. The last node becomes one call of the fused layer,
 whose getitems the graph keeps. The fused layer calls the same C kernels with the same
 arguments (the chain's bits) and runs the chain itself where its fast path does not apply.
+The q/k/v projection may read a wider input than the hidden size: the EAGLE-3 drafter's layer
+(`eagle_drafter.midlayer`) projects cat(input_layernorm(embeds), hidden_norm(hidden)), 2H wide,
+and adds the attention to the un-normed hidden; where its linears run on tiled blocks
+(`draft_quantize="q8_0"`) it matches too. Its fp32 linears (the default drafter) are oneDNN
+calls, not tiled ones, and keep their chain.
 A layer that does not match keeps its chain; `kernels="exact"` has no tiled linears, so no
 layer matches there.
 """
@@ -90,7 +95,8 @@ def _match(attn: fx.Node):
         return None
     calls = tuple(n.target.tiled_call for n in (qkv, o, gu, dn))
     h, n_ff = calls[1].n, silu.args[1]
-    if not (calls[0].k == h == calls[2].k == calls[3].n and calls[3].k == n_ff
+    # NOTE: q/k/v may read a wider input than H: the EAGLE-3 layer's cat(embeds, hidden), 2H
+    if not (calls[0].k >= h == calls[2].k == calls[3].n and calls[3].k == n_ff
             and calls[2].n >= 2 * n_ff):
         return None
     return (qkv, attn, reshape, o, post, *halves, gu, silu, dn, nxt), calls
