@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from specdeploy.cache.handlers import Checkpoint, PagedKV
-from specdeploy.cache.plan import CachePlan, check_budget, default_page_size, plan_cache
+from specdeploy.cache.allocate import allocate
+from specdeploy.cache.plan import check_budget, default_page_size, plan_cache
 from specdeploy.checkpoint import CheckpointError
 from specdeploy.config import SpecConfig
 from specdeploy.deploy.context import DeployContext
@@ -328,27 +328,6 @@ def _transform(module: nn.Module, ctx: DeployContext, hidden_size: int | None,
                       mrope=mrope, keep_hints=ctx.dist is not None and ctx.dist.world_size > 1)
     name_inputs(gm)
     return gm, run_pipeline(gm, ctx)
-
-
-def allocate(gm: fx.GraphModule, resources: list, plan: CachePlan, device,
-             plain: bool = False) -> None:
-    """The cache tensors of `resources` as the graph's buffers (with the plan's scratch page and
-    slot: the last of each); `plain`: plain attributes too, read without
-    `nn.Module.__getattr__` (~1 us each; caches are only changed in place)."""
-    tensors = []
-    for h in resources:
-        if isinstance(h, PagedKV):
-            k, v = h.allocate(plan.num_pages + 1, plan.page_size, device)
-            tensors += [(f"{h.name}_k", k), (f"{h.name}_v", v)]
-        elif isinstance(h, Checkpoint):
-            tensors.append((h.name, h.allocate(plan.num_checkpoints, device)))
-        else:
-            tensors.append((h.name, h.allocate(plan.num_slots + 1, device)))
-    for name, t in tensors:
-        gm.__dict__.pop(name, None)  # a re-allocation never leaves a stale plain attribute
-        gm.register_buffer(name, t, persistent=False)
-        if plain:
-            gm.__dict__[name] = t
 
 
 def _with_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype):
