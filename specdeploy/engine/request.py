@@ -125,6 +125,7 @@ class SpecSeqState:
     draft_probs: torch.Tensor | None = None  # [len(drafts), V] q each draft was drawn from
     from_lookup: bool = False  # some drafts came from n-gram lookup
     lookup_n: int | None = None  # drafts its next lookup match makes (None: K)
+    lookup_copy: int = 0  # its lookup drafts' copy length (NgramIndex.copied)
     ngram_index: NgramIndex | None = None
     chain_prob: float = 1.0  # product of the drafter's top probabilities so far
     # the cost controller (engine/spec_control.py): drafter drafts wanted next step (None: K),

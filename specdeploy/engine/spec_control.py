@@ -14,7 +14,13 @@ from a global one). Drafter drafts are planned before drafting (`plan` sets `seq
 so a skipped draft costs no forward; a sequence at 0 also defers the drafter's catch-up,
 engine/drafting.py), n-gram lookup drafts, which cost no forward, are cut after matching
 (`cut`). A sequence at 0 probes with one draft every `probe_every` steps so that acceptance
-that comes back is seen.
+that comes back is seen; each probe that is rejected doubles that gap (up to `MAX_PROBE_GAP`).
+
+Lookup acceptance is not a per-position rate: a lookup draft is right where the text goes on
+copying an earlier passage, and whether it goes on depends on how long it has copied so far.
+So a lookup draft's acceptance is `hold[bucket(m)]`, the chance that a copy which has held for
+m tokens holds for one more, m = the match's copy length (`NgramIndex.copied`) + the draft's
+position; one global table, started from LOOKUP_HOLD_PRIOR, learnt from every lookup verify.
 
 Lossless: the controller only chooses how many drafts are proposed; the target verifies them as
 ever (greedy or rejection sampling), and its decisions read host data only (no extra sync).
@@ -33,6 +39,23 @@ import torch
 from specdeploy.config import CONTROLLERS
 
 __all__ = ["CONTROLLERS", "CostController", "CostModel", "MeasuredCost", "calibrate"]
+
+# Copy lengths m (tokens a lookup match has copied) in buckets [.., 2), [2, 3), ..., [64, ..).
+COPY_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# P(a copy of m tokens holds for one more) by bucket: the default model's greedy replies to 24
+# held-out ShareGPT prompts (not the bench's 6), n-gram lookup (4, 2), 2,879 lookup matches,
+# Laplace-smoothed (bench/lookup_copy.py). Replayed on the bench's 6 prompts with this machine's
+# step costs by rows, choosing drafts by this table beat verifying the fixed, doubling runs by
+# 1-4% and a flat per-position estimate by 3-5% (2026-12-03, AVX2, bench/lookup_copy.py).
+LOOKUP_HOLD_PRIOR = (0.5, 0.58, 0.54, 0.77, 0.76, 0.93, 0.87, 0.95, 0.92, 0.98, 0.98, 0.96)
+MAX_PROBE_GAP = 32
+
+
+def copy_bucket(m: int) -> int:
+    for i, b in enumerate(COPY_BUCKETS):
+        if m < b:
+            return i
+    return len(COPY_BUCKETS)
 
 
 class CostModel(Protocol):
@@ -111,13 +134,14 @@ class MeasuredCost:
 
 @dataclass
 class SeqControl:
-    """A sequence's controller state: conditional acceptance per draft position for drafter
-    and lookup drafts, and steps since it last verified drafts of each kind."""
+    """A sequence's controller state: conditional acceptance per draft position of its drafter
+    drafts, steps since it last verified drafts of each kind, and the steps between probes."""
 
     model: list[float]
-    lookup: list[float]
     idle: int = 0
     idle_lookup: int = 0
+    gap: int = 0  # steps at 0 drafter drafts before a probe (0: not yet set)
+    gap_lookup: int = 0
 
 
 def expected_tokens(acc: list[float], k: int) -> float:
@@ -140,11 +164,16 @@ class CostController:
     # default model, 6 held-out prompts, 2 threads (2026-12-02): MTP + lookup 1.23x -> 1.37x
     # plain, EAGLE-3 1.03x -> 1.02x (noise), fixed lookup 1.32x.
     def __init__(self, cost: CostModel, k: int, max_k: int, drafter: bool = True,
-                 probe_every: int = 4, alpha: float = 0.1, prior: float = 0.6):
+                 probe_every: int = 4, alpha: float = 0.1, prior: float = 0.6,
+                 alpha_lookup: float = 0.02, hold: tuple[float, ...] = LOOKUP_HOLD_PRIOR):
         self.cost, self.k, self.max_k, self.drafter = cost, k, max_k, drafter
-        self.probe_every, self.alpha = probe_every, alpha
+        self.probe_every, self.alpha, self.alpha_lookup = probe_every, alpha, alpha_lookup
         # global EMAs (slower), a new sequence's starting point
-        self.glob = {"model": [prior] * max_k, "lookup": [prior] * max_k}
+        self.glob = {"model": [prior] * max_k}
+        if len(hold) != len(COPY_BUCKETS) + 1:
+            raise ValueError(f"hold: needs {len(COPY_BUCKETS) + 1} values, got {len(hold)}")
+        self.hold = list(hold)  # lookup: P(a copy holds one more token) by copy_bucket
+        self.draft_scale = 1.0  # measured / modelled drafting time (`observe_draft`)
 
     def resized(self, k: int, max_k: int, drafter: bool) -> CostController:
         """This controller for an engine of chain length `k`, verifies up to `max_k` drafts."""
@@ -156,20 +185,41 @@ class CostController:
 
     def state(self, seq) -> SeqControl:
         c = seq.spec.control
-        if c is None or len(c.lookup) != self.max_k:
-            c = seq.spec.control = SeqControl(list(self.glob["model"]), list(self.glob["lookup"]))
+        if c is None or len(c.model) != self.max_k:
+            c = seq.spec.control = SeqControl(list(self.glob["model"]))
         return c
+
+    def lookup_acc(self, copied: int, n: int) -> list[float]:
+        """Conditional acceptance of n lookup drafts of a match that copied `copied` tokens."""
+        return [self.hold[copy_bucket(copied + j)] for j in range(n)]
 
     # ---- acceptance -----------------------------------------------------------------------------
     def observe(self, seq, accepted: int, drafted: int, from_lookup: bool) -> None:
-        """After a verify: positions 1..accepted+1 were seen (accepted, then one rejected)."""
-        kind = "lookup" if from_lookup else "model"
-        own, glob = getattr(self.state(seq), kind), self.glob[kind]
+        """After a verify: positions 1..accepted+1 were seen (accepted, then one rejected).
+        NOTE: a segment of drafter drafts completed by lookup counts as lookup, its copy length
+        from its first draft (an under-estimate of the drafter part's)."""
+        c = self.state(seq)
+        seen = min(accepted + 1, drafted, self.max_k)
+        if from_lookup:
+            copied, h, a = seq.spec.lookup_copy, self.hold, self.alpha_lookup
+            for j in range(seen):
+                b = copy_bucket(copied + j)
+                h[b] += a * (float(j < accepted) - h[b])
+            c.gap_lookup = self._gap(c.gap_lookup, accepted)
+            return
+        own, glob = c.model, self.glob["model"]
         a, ag = self.alpha, self.alpha / 3
-        for j in range(min(accepted + 1, drafted, self.max_k)):
+        for j in range(seen):
             hit = float(j < accepted)
             own[j] += a * (hit - own[j])
             glob[j] += ag * (hit - glob[j])
+        c.gap = self._gap(c.gap, accepted)
+
+    def _gap(self, gap: int, accepted: int) -> int:
+        """Steps between probes after a verify: back to `probe_every` when a draft was
+        accepted, doubled when none was (drafts that keep failing are probed less often: a
+        probe costs a verify row, and a drafter probe its catch-up forward too)."""
+        return self.probe_every if accepted or not gap else min(2 * gap, MAX_PROBE_GAP)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A verify / decode step's measured time, for cost models that learn (MeasuredCost)."""
@@ -185,9 +235,25 @@ class CostController:
         for k drafts: the catch-up drafts the first)."""
         t = self.cost.target_s(rows)
         if draft and self.drafter and chain[0]:
-            t += self.cost.draft_s(2 * chain[0])
-            t += sum(self.cost.draft_s(c) for c in chain[1:] if c)
+            t += self.draft_scale * self._draft_s(chain)
         return t
+
+    def _draft_s(self, chain: list[int]) -> float:
+        return self.cost.draft_s(2 * chain[0]) + sum(self.cost.draft_s(c) for c in chain[1:]
+                                                     if c)
+
+    def observe_draft(self, seqs: list, seconds: float) -> None:
+        """The drafting phase of a step (`seqs` planned by `plan`) took `seconds`: what the
+        drafter's forwards cost with the Python around them (metadata, the draft tokens'
+        host copy, deferred rows), which the calibration's forward times leave out. An EMA
+        of measured / modelled scales every drafter forward's modelled cost."""
+        ks = [s.spec.limit or 0 for s in seqs] if self.drafter else []
+        if not any(ks) or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        modelled = self._draft_s([sum(k > j for k in ks) for j in range(max(ks) + 1)])
+        if modelled > 0:
+            ratio = min(max(seconds / modelled, 0.5), 8.0)
+            self.draft_scale += self.alpha * (ratio - self.draft_scale)
 
     def step_cost(self, ks: list[int], fixed_rows: int = 0, draft: bool = True) -> float:
         """The modelled seconds of a step verifying `ks` drafts per sequence (plus `fixed_rows`
@@ -246,7 +312,8 @@ class CostController:
             0] * len(seqs)
         for s, c, k in zip(seqs, ctl, ks):
             c.idle = 0 if k else c.idle + 1
-            if self.drafter and not k and self.probe_every and c.idle >= self.probe_every:
+            if self.drafter and not k and self.probe_every and c.idle >= (
+                    c.gap or self.probe_every):
                 k, c.idle = 1, 0
             s.spec.limit = k
 
@@ -261,9 +328,11 @@ class CostController:
                 continue
             c = self.state(s)
             others = rows - 1 - n
-            (k,) = self.allocate([c.lookup], [n], others, draft=False)
+            (k,) = self.allocate([self.lookup_acc(st.lookup_copy, n)], [n], others,
+                                 draft=False)
             c.idle_lookup = 0 if k else c.idle_lookup + 1
-            if not k and self.probe_every and c.idle_lookup >= self.probe_every:
+            if not k and self.probe_every and c.idle_lookup >= (c.gap_lookup or
+                                                                self.probe_every):
                 k, c.idle_lookup = 1, 0
             if k < n:
                 cut_drafts(st, k)

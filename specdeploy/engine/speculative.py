@@ -16,6 +16,7 @@ A step, as `Engine.step` reads it:
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -156,6 +157,8 @@ class SpecEngine(Engine):
         model; it is resized to this engine's K); "off" / None: every draft is verified."""
         if controller in (None, "off"):
             self.controller = None
+            if self.lookup is not None:
+                self.lookup.longest = False
             return
         if controller == "cost":
             if self._measured is None:
@@ -165,6 +168,8 @@ class SpecEngine(Engine):
             raise ValueError(f"controller: must be one of {', '.join(CONTROLLERS)} or a "
                              f"CostController, got {controller!r}")
         self.controller = controller.resized(self.k, self.max_k, self.deployed.draft is not None)
+        if self.lookup is not None:  # every match drafts the longest run; the controller cuts
+            self.lookup.longest = True
 
     def _own_source(self) -> DraftSource:
         d = self.deployed
@@ -363,8 +368,9 @@ class SpecEngine(Engine):
         ctl = self.controller if not isinstance(self.source, FixedDrafter) else None
         wanting = [w.seq for w in work if w.wants]
         if ctl is not None:
-            ctl.plan(wanting)
+            ctl.plan(self._lookup_first(wanting))
         st, undrafted = self.spec_stats, self.spec_stats.undrafted_steps
+        t = time.perf_counter()
         try:
             self.source.propose(work, out.hidden)
         except Exception:  # one sequence's drafting failed: again one by one, it alone fails
@@ -375,6 +381,8 @@ class SpecEngine(Engine):
                 except Exception as e:
                     w.seq.spec.clear()
                     self.fail(w.seq, e)
+        if ctl is not None:
+            ctl.observe_draft(wanting, time.perf_counter() - t)
         for w in work:
             if w.seq.matcher is not None and w.seq.spec.drafts:
                 _cut_to_grammar(w.seq)
@@ -385,6 +393,23 @@ class SpecEngine(Engine):
         for seq in wanting:
             if not seq.finished:
                 st.steps_by_num_drafts[min(len(seq.spec.drafts), self.max_k)] += 1
+
+
+    def _lookup_first(self, seqs: list[Sequence]) -> list[Sequence]:
+        """With a drafter, lookup, and the controller: a sequence whose tail matches takes its
+        lookup drafts now and leaves the drafter alone this step (`limit` 0: its catch-up is
+        deferred), for a match drafts better than a small drafter (README, "N-gram lookup
+        drafts") and costs no forward. The others, returned, are the controller's to plan."""
+        if self.lookup is None or not isinstance(self.source, ModelDrafter):
+            return seqs
+        rest = []
+        for seq in seqs:
+            if not seq.finished and self.lookup.complete(seq, seq.all_ids,
+                                                         self.deployed.vocab_size, self.device):
+                seq.spec.limit = 0
+            else:
+                rest.append(seq)
+        return rest
 
 
 def _cut_to_grammar(seq: Sequence) -> None:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from specdeploy import SpecConfig
-from specdeploy.engine.lookup import NgramIndex, next_lookup_len
+from specdeploy.engine.lookup import COPY_CAP, NgramIndex, next_lookup_len
 
 
 def brute_force(ids: list[int], k: int, max_n: int, min_n: int,
@@ -31,6 +31,22 @@ def brute_force(ids: list[int], k: int, max_n: int, min_n: int,
     return None
 
 
+def brute_force_copied(ids: list[int], max_n: int, min_n: int, drafts: list[int] = ()) -> int:
+    """The copy length of `brute_force`'s match: how far back from the end ids + drafts agree
+    with the text before the occurrence it copies (the n-gram itself included), capped."""
+    full = ids + list(drafts)
+    for n in range(max_n, min_n - 1, -1):
+        if len(full) <= n:
+            continue
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == full[-n:]:
+                end, c = start + n, 0  # full[:end] ends in the occurrence
+                while c < COPY_CAP and end - 1 - c >= 0 and full[end - 1 - c] == full[-1 - c]:
+                    c += 1
+                return c
+    raise AssertionError("no match")
+
+
 @pytest.mark.parametrize("max_n,min_n", [(4, 2), (3, 3), (2, 1), (5, 1)])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_incremental_index_matches_brute_force(max_n, min_n, k):
@@ -40,10 +56,15 @@ def test_incremental_index_matches_brute_force(max_n, min_n, k):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 8))]
         index = NgramIndex(max_n, min_n)
         for _ in range(40):  # grow by 1..4 tokens between lookups, as accepted runs do
-            assert index.propose(ids, k) == brute_force(ids, k, max_n, min_n), (trial, ids)
+            got = index.propose(ids, k)
+            assert got == brute_force(ids, k, max_n, min_n), (trial, ids)
+            if got is not None:
+                assert index.copied == brute_force_copied(ids, max_n, min_n), (trial, ids)
             drafts = [rng.randrange(vocab) for _ in range(rng.randrange(1, 3))]
             got = index.propose(ids, k, drafts)  # mid-chain lookups never index the drafts
             assert got == brute_force(ids, k, max_n, min_n, drafts), (trial, ids, drafts)
+            if got is not None:
+                assert index.copied == brute_force_copied(ids, max_n, min_n, drafts)
             ids += [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
 
 
@@ -52,6 +73,19 @@ def test_loop_continues_with_its_period():
     assert index.propose([7, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
     assert index.propose([9, 9], 3) is None  # (9, 9) has not occurred before; min_n is 2
     assert NgramIndex(4, 1).propose([9, 9], 3) == [9, 9, 9]
+
+
+def test_copy_length_counts_back_past_the_ngram():
+    passage = list(range(100, 130))
+    index = NgramIndex(4, 2)
+    # the reply repeats the passage's last 12 tokens: 12 copied, the match itself only 4
+    ids = [1, *passage, 7, 2, *passage[-12:]]
+    assert index.propose(ids, 2) == [7, 2]
+    assert index.copied == 12
+    long = [5] * 3 + list(range(200, 300))
+    index = NgramIndex(4, 2)
+    index.propose(long + [9] + long, 1)
+    assert index.copied == COPY_CAP  # capped
 
 
 def test_longest_match_wins_over_a_later_shorter_one():

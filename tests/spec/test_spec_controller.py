@@ -13,9 +13,13 @@ import pytest
 import specdeploy.engine.speculative as speculative
 from specdeploy import SamplingParams
 from specdeploy.engine.spec_control import (
+    COPY_BUCKETS,
+    LOOKUP_HOLD_PRIOR,
+    MAX_PROBE_GAP,
     CostController,
     MeasuredCost,
     calibrate,
+    copy_bucket,
     expected_tokens,
 )
 from tests.spec.host_syncs import count_host_syncs
@@ -99,9 +103,79 @@ def test_acceptance_estimates_follow_the_verifies():
             control = None
     c = CostController(FREE, 3, 3, alpha=0.5, prior=0.5)
     s = Seq()
+    hold = list(c.hold)
     c.observe(s, 1, 3, False)  # position 1 accepted, position 2 rejected, 3 not seen
     assert s.spec.control.model == [0.75, 0.25, 0.5]
-    assert s.spec.control.lookup == [0.5, 0.5, 0.5]
+    assert c.hold == hold  # drafter verifies leave the lookup table alone
+
+
+class _Spec:
+    def __init__(self, copied=0):
+        self.control, self.lookup_copy = None, copied
+        self.drafts, self.draft_probs, self.from_lookup = [], None, False
+
+
+class _Seq:
+    def __init__(self, copied=0):
+        self.spec = _Spec(copied)
+
+
+def test_copy_buckets_and_lookup_acceptance():
+    assert [copy_bucket(m) for m in (0, 1, 2, 3, 5, 6, 63, 64, 500)] == [
+        0, 0, 1, 2, 3, 4, 10, 11, 11]
+    assert len(LOOKUP_HOLD_PRIOR) == len(COPY_BUCKETS) + 1
+    c = CostController(FREE, 3, 16)
+    # a match that copied 3 tokens: its drafts are the 4th, 5th, ... tokens of the copy
+    assert c.lookup_acc(3, 4) == [LOOKUP_HOLD_PRIOR[copy_bucket(m)] for m in (3, 4, 5, 6)]
+
+
+def test_lookup_verifies_teach_the_hold_table():
+    c = CostController(FREE, 3, 16, alpha_lookup=0.5, hold=(0.5,) * 12)
+    s = _Seq(copied=5)  # drafts at copy lengths 5, 6, 7, 8, ... : buckets 3, 4, 4, 5
+    c.observe(s, 2, 6, True)  # two accepted, the third rejected, the rest not seen
+    want = [0.5] * 12
+    want[3] = 0.75  # m=5 held
+    want[4] = 0.5 + 0.5 * (1 - 0.5)  # m=6 held: 0.75 ...
+    want[4] += 0.5 * (0.0 - want[4])  # ... then m=7 did not: 0.375
+    assert c.hold == want
+    assert s.spec.control.model == [0.6] * 16  # the drafter's estimates untouched
+
+
+def test_lookup_cut_follows_the_copy_length():
+    """The same cost model: a fresh match (copy length 2, hold ~0.55) is cut to few drafts
+    or none, a copy that has held for 60 tokens keeps most (hold 0.96..0.98); both are the
+    brute-force optimum of the step's expected tokens per second."""
+    cost = Linear(1.0, 0.15, 0.0)
+    c = CostController(cost, 3, 16, probe_every=0)
+    short, long = _Seq(copied=2), _Seq(copied=60)
+    for s in (short, long):
+        s.spec.drafts, s.spec.from_lookup = list(range(16)), True
+    c.cut([short])
+    c.cut([long])
+    n_short, n_long = len(short.spec.drafts), len(long.spec.drafts)
+    assert n_short < n_long
+
+    def best(copied):  # brute force over k at batch 1
+        acc = c.lookup_acc(copied, 16)
+        return max(range(17), key=lambda k: expected_tokens(acc, k) / cost.target_s(1 + k))
+    assert (n_short, n_long) == (best(2), best(60))
+
+
+def test_failed_probes_back_off():
+    """At a cost where drafts never pay, a sequence probes with one draft after
+    probe_every steps at 0; every rejected probe doubles the gap, up to MAX_PROBE_GAP."""
+    c = CostController(NEVER, 3, 3, probe_every=2)
+    s = _Seq()
+    probes = []
+    for step in range(200):
+        c.plan([s])
+        if s.spec.limit:
+            probes.append(step)
+            c.observe(s, 0, 1, False)  # the probe's draft is rejected
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:5] == [2, 4, 8, 16, 32] and set(gaps[5:]) == {MAX_PROBE_GAP}
+    c.observe(s, 1, 1, False)  # accepted: back to probe_every
+    assert s.spec.control.gap == 2
 
 
 def test_measured_cost_interpolates():
@@ -277,3 +351,58 @@ def test_bad_controller_is_refused(target):
         SpecConfig("mtp", controller="fast")
     with pytest.raises(ValueError, match="controller"):
         target.llm(3).engine.set_controller("fast")
+
+
+def test_drafting_overhead_is_learnt():
+    """The drafting phase measured at twice the calibrated forwards' time: the modelled
+    drafter cost doubles (EMA), so fewer drafts pay; a step without drafter drafts teaches
+    nothing."""
+    cost = Linear(1.0, 0.1, 0.2)
+    c = CostController(cost, 3, 3, alpha=0.5)
+    s = _Seq()
+    s.spec.limit = 3  # catch-up (2 rows) + 2 chain forwards: 3 x 0.2 modelled
+    before = c.step_cost([3])
+    assert before == pytest.approx(cost.target_s(4) + 0.6, rel=1e-12)
+    for _ in range(30):
+        c.observe_draft([s], 1.2)
+    assert c.draft_scale == pytest.approx(2.0, rel=1e-6)
+    assert c.step_cost([3]) == pytest.approx(cost.target_s(4) + 1.2, rel=1e-6)
+    s.spec.limit = 0
+    c.observe_draft([s], 5.0)
+    assert c.draft_scale == pytest.approx(2.0, rel=1e-6)
+    acc = [[0.7, 0.6, 0.5]]
+    assert c.allocate(acc, [3]) <= CostController(cost, 3, 3).allocate(acc, [3])
+
+
+def test_lookup_first_leaves_the_drafter_alone(target, baseline, monkeypatch):
+    """With a drafter, lookup and the controller, a sequence whose tail matches takes lookup
+    drafts and runs no drafter forward that step (its catch-up deferred); output unchanged."""
+    if target.method == "ngram":
+        pytest.skip("no drafter")
+    llm = _controlled(target, CostController(FREE, 3, 3, probe_every=0), (2, 1))
+    d, eng = llm.deployed, llm.engine
+    log = []  # per step: (every drafting sequence had a lookup match, drafter forwards)
+    calls = []
+    dfwd = d.draft_forward
+    monkeypatch.setattr(d, "draft_forward",
+                        lambda m, h, **kw: (calls.append(1), dfwd(m, h, **kw))[1])
+    orig = eng._after_step
+
+    def after(batch, *a):
+        calls.clear()
+        orig(batch, *a)
+        live = [s.seq for s in batch if not s.seq.finished and s.seq.spec.drafts]
+        if live and len(live) == len(batch):
+            log.append((all(s.spec.from_lookup and s.spec.limit == 0 for s in live),
+                        len(calls)))
+    monkeypatch.setattr(eng, "_after_step", after)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = [llm.generate([p], params)[0] for p in target.prompts]  # batch 1: step = seq
+        assert _ids(outs) == baseline
+        all_lookup = [n for ok, n in log if ok]
+        assert all_lookup and not any(all_lookup)  # steps of lookup matches only: no forward
+        assert any(n for ok, n in log if not ok)  # the drafter still drafts elsewhere
+    finally:
+        eng.set_controller(None)
+        eng.set_lookup(None)
