@@ -1,5 +1,7 @@
 # make demo / make test: create or reuse .venv, install torch==2.13.0 FIRST (a local CPU build on
 # these machines; an unpinned torch would pull a multi-GB CUDA build), then the package + extras.
+# test: two pytest-xdist workers (the 2-core CI), one file per worker so module fixtures (a
+# deployed model, TP targets) are built once; tests/conftest.py gives each worker one thread.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -24,7 +26,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check specdeploy tests bench
-	$(BIN)/python -m pytest tests --durations=30
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile --durations=30
 
 lint: $(STAMP)
 	$(BIN)/ruff check specdeploy tests bench

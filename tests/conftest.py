@@ -3,12 +3,18 @@
 NOTE: tiny models are dominated by per-op overhead; OpenMP threads only add spin-wait cost (and
 collapse when other processes share the two cores). Tests that time or run the real default model
 raise the thread count themselves.
+Under pytest-xdist (`make test` runs `-n 2`) each worker holds one core: the processes its tests
+start (TP ranks, servers, torchrun) get one OpenMP thread too, or they would oversubscribe it.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 torch.set_num_threads(1)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

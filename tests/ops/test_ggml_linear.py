@@ -3,6 +3,10 @@ x @ W^T in float64 over gguf's fp32 weights. Plus batch invariance, threads, bia
 the fallbacks when the kernel cannot be built."""
 from __future__ import annotations
 
+import ctypes
+import shutil
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -177,3 +181,27 @@ def test_quantize_q8_0_writes_ggufs_bytes():
     assert torch.equal(gl.dequantize(got), torch.from_numpy(deq))
     with pytest.raises(ValueError, match="multiple of 32"):
         gl.quantize_q8_0(torch.zeros(4, 48))
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+def test_concurrent_compiles_both_succeed(tmp_path):
+    """Two pytest-xdist workers may build one kernel at once (a fresh cache): each compiles to
+    its own temporary name and renames it into place, so both succeed, the library loads and
+    no temporary is left behind."""
+    src = tmp_path / "k.c"
+    src.write_text("int answer(void) { return 42; }\n")
+    out = tmp_path / "cache" / "k.so"
+    start, errors = threading.Barrier(2), ["did not finish"] * 2
+
+    def build(i: int) -> None:
+        start.wait()
+        errors[i] = gl._compile(out, False, source=src, flags=["-O2", "-shared", "-fPIC"])
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [None, None]
+    assert ctypes.CDLL(str(out)).answer() == 42
+    assert list(out.parent.iterdir()) == [out]
