@@ -233,8 +233,13 @@ class Engine:
         for s in touched:
             if s.finished:
                 self._seqs.pop(s.request_id, None)
-        self.stats.step_time_s += time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        self.stats.step_time_s += wall
+        self._stepped(wall)
         return outputs
+
+    def _stepped(self, seconds: float) -> None:
+        """The whole step took `seconds` (SpecEngine's controller learns its overhead)."""
 
     def _segments(self, batch: list[ScheduledSeq]) -> list[Segment]:
         segs = [Segment(token_ids=s.seq.pending_ids(s.num_tokens), cache_len=s.seq.num_cached,

@@ -98,6 +98,7 @@ class MeasuredCost:
     alpha: float = 0.1
     seen: dict[int, float] = field(default_factory=dict)  # row count -> EMA of measured seconds
     _merged: dict[int, float] | None = field(default=None, repr=False)
+    _warm: set[int] = field(default_factory=set, repr=False)  # row counts past their warm-up
 
     def target_s(self, rows: int) -> float:
         if not self.seen:
@@ -121,10 +122,19 @@ class MeasuredCost:
         return out
 
     def observe(self, rows: int, seconds: float) -> None:
-        """One step of `rows` target rows took `seconds` (forward and verification)."""
+        """One step of `rows` target rows took `seconds` (forward and verification). The first
+        step at a row count is a warm-up (shape specialisation, scratch growth: several times
+        a later one's) and is dropped, and a step is taken at most at twice (at least half)
+        its row count's estimate: one slow outlier at a row count seldom run would otherwise
+        price it out for good (the controller then never runs it, so never re-measures it)."""
         if not (rows > 0 and seconds > 0 and math.isfinite(seconds)):
             return
+        if rows not in self._warm:
+            self._warm.add(rows)
+            return
         old = self.seen.get(rows)
+        if old is not None:
+            seconds = min(max(seconds, 0.5 * old), 2.0 * old)
         self.seen[rows] = seconds if old is None else old + self.alpha * (seconds - old)
         self._merged = None
 
@@ -174,6 +184,7 @@ class CostController:
             raise ValueError(f"hold: needs {len(COPY_BUCKETS) + 1} values, got {len(hold)}")
         self.hold = list(hold)  # lookup: P(a copy holds one more token) by copy_bucket
         self.draft_scale = 1.0  # measured / modelled drafting time (`observe_draft`)
+        self.overhead = 0.0  # seconds of a step outside the modelled parts (`observe_overhead`)
 
     def resized(self, k: int, max_k: int, drafter: bool) -> CostController:
         """This controller for an engine of chain length `k`, verifies up to `max_k` drafts."""
@@ -233,7 +244,7 @@ class CostController:
         the target forward, and with `draft` the drafter's catch-up (about two rows per
         drafting sequence: its last token and an accepted draft) and its chain forwards (k - 1
         for k drafts: the catch-up drafts the first)."""
-        t = self.cost.target_s(rows)
+        t = self.cost.target_s(rows) + self.overhead
         if draft and self.drafter and chain[0]:
             t += self.draft_scale * self._draft_s(chain)
         return t
@@ -246,14 +257,25 @@ class CostController:
         """The drafting phase of a step (`seqs` planned by `plan`) took `seconds`: what the
         drafter's forwards cost with the Python around them (metadata, the draft tokens'
         host copy, deferred rows), which the calibration's forward times leave out. An EMA
-        of measured / modelled scales every drafter forward's modelled cost."""
+        of measured / modelled scales every drafter forward's modelled cost. True if it
+        taught (some drafter drafts were planned)."""
         ks = [s.spec.limit or 0 for s in seqs] if self.drafter else []
         if not any(ks) or not (seconds > 0 and math.isfinite(seconds)):
-            return
+            return False
         modelled = self._draft_s([sum(k > j for k in ks) for j in range(max(ks) + 1)])
-        if modelled > 0:
-            ratio = min(max(seconds / modelled, 0.5), 8.0)
-            self.draft_scale += self.alpha * (ratio - self.draft_scale)
+        if modelled <= 0:
+            return False
+        ratio = min(max(seconds / modelled, 0.5), 8.0)
+        self.draft_scale += self.alpha * (ratio - self.draft_scale)
+        return True
+
+    def observe_overhead(self, seconds: float) -> None:
+        """A decode / verify step's time outside its forward, verification and drafter
+        drafting (scheduling, metadata, appending, lookup matching, outputs): the same whatever
+        is drafted, yet part of every step's cost (without it extra rows look dearer than
+        they are: on the default model ~2 ms of a 10 ms step, 2 threads)."""
+        if seconds >= 0 and math.isfinite(seconds):
+            self.overhead += self.alpha * (seconds - self.overhead)
 
     def step_cost(self, ks: list[int], fixed_rows: int = 0, draft: bool = True) -> float:
         """The modelled seconds of a step verifying `ks` drafts per sequence (plus `fixed_rows`

@@ -128,6 +128,7 @@ class SpecEngine(Engine):
         # drafter has not caught up on, are not cached.
         self._cache_on_finish = deployed.draft is None
         self.controller: CostController | None = None
+        self._step_parts: list[float] | None = None  # this step's timed parts (`_timed`)
         self._measured: MeasuredCost | None = None  # calibrated once, on first use
         max_n = spec.prompt_lookup_max
         self.set_lookup((max_n, spec.prompt_lookup_min) if max_n else None,
@@ -207,6 +208,12 @@ class SpecEngine(Engine):
         ctl = self.controller
         if ctl is not None and all(s.kind == SEG_EXTEND or len(s.token_ids) == 1 for s in segs):
             ctl.observe_step(rows, seconds)
+            self._step_parts = [seconds, 0.0]  # the forward + verification, the drafting
+
+    def _stepped(self, seconds: float) -> None:
+        parts, self._step_parts = self._step_parts, None
+        if parts is not None and self.controller is not None:
+            self.controller.observe_overhead(seconds - parts[0] - parts[1])
 
     # ---- the step hooks -----------------------------------------------------------------------
     def _segments(self, batch: list[ScheduledSeq]) -> list[Segment]:
@@ -382,7 +389,9 @@ class SpecEngine(Engine):
                     w.seq.spec.clear()
                     self.fail(w.seq, e)
         if ctl is not None:
-            ctl.observe_draft(wanting, time.perf_counter() - t)
+            t = time.perf_counter() - t
+            if ctl.observe_draft(wanting, t) and self._step_parts is not None:
+                self._step_parts[1] = t  # modelled by the drafter's cost, not the overhead
         for w in work:
             if w.seq.matcher is not None and w.seq.spec.drafts:
                 _cut_to_grammar(w.seq)

@@ -14,13 +14,23 @@ from specdeploy.engine.spec_control import CostController, MeasuredCost
 def test_observe_is_an_ema_and_the_model_goes_through_it():
     m = MeasuredCost({1: 1.0, 4: 2.0, 16: 5.0}, {}, alpha=0.5)
     assert m.target_s(4) == 2.0 and m.target_s(10) == 3.5  # nothing measured: the table
+    m.observe(4, 40.0)  # the first step at a row count: a warm-up, dropped
+    assert m.seen == {} and m.target_s(4) == 2.0
     m.observe(4, 4.0)  # first measurement: itself; the other rows scaled by its ratio (2)
     assert [m.target_s(r) for r in (1, 4, 10, 16, 20)] == [2.0, 4.0, 7.0, 10.0, 12.0]
     m.observe(4, 2.0)  # EMA: halfway
     assert m.seen[4] == 3.0 and m.target_s(4) == 3.0 and m.target_s(16) == 7.5
+    m.observe(4, 30.0)  # an outlier counts as twice the estimate: 3 + 0.5 * (6 - 3)
+    assert m.seen[4] == 4.5
+    m.observe(4, 1.5)  # ... and back: 4.5 + 0.5 * (2.25 - 4.5)
+    assert m.seen[4] == 3.375
+    m.seen[4] = 3.0
+    m._merged = None
+    m.observe(10, 1.0)  # warm-up
     m.observe(10, 9.0)  # 1 takes 4's ratio (1.5), 16 takes 10's (9 / 3.5, the table at 10)
     assert [m.target_s(r) for r in (1, 4, 7, 10)] == [1.5, 3.0, 6.0, 9.0]
     assert m.target_s(16) == pytest.approx(5.0 * 9.0 / 3.5, rel=1e-12)
+    m.observe(7, 5.0)  # warm-up
     m.observe(7, 1.0)  # a noisy point below its neighbour: the model stays non-decreasing
     assert m.target_s(7) == 3.0 and m.target_s(10) == 9.0
     for bad in ((0, 1.0), (4, 0.0), (4, float("nan")), (4, float("inf"))):
