@@ -99,13 +99,19 @@ class MeasuredCost:
     seen: dict[int, float] = field(default_factory=dict)  # row count -> EMA of measured seconds
     _merged: dict[int, float] | None = field(default=None, repr=False)
     _warm: set[int] = field(default_factory=set, repr=False)  # row counts past their warm-up
+    _memo: dict[int, float] = field(default_factory=dict, repr=False)  # rows -> target_s
 
     def target_s(self, rows: int) -> float:
-        if not self.seen:
-            return _interp(self.target, rows)
-        if self._merged is None:
-            self._merged = self._merge()
-        return _interp(self._merged, rows)
+        v = self._memo.get(rows)  # NOTE: the controller asks the same row counts many times
+        if v is None:
+            if not self.seen:
+                v = _interp(self.target, rows)
+            else:
+                if self._merged is None:
+                    self._merged = self._merge()
+                v = _interp(self._merged, rows)
+            self._memo[rows] = v
+        return v
 
     def _merge(self) -> dict[int, float]:
         xs = sorted(self.seen)
@@ -137,6 +143,7 @@ class MeasuredCost:
             seconds = min(max(seconds, 0.5 * old), 2.0 * old)
         self.seen[rows] = seconds if old is None else old + self.alpha * (seconds - old)
         self._merged = None
+        self._memo.clear()
 
     def draft_s(self, rows: int) -> float:
         return _interp(self.draft, rows) if self.draft else 0.0
@@ -284,16 +291,18 @@ class CostController:
         return self._cost(fixed_rows + sum(1 + k for k in ks), chain, draft)
 
     def allocate(self, accs: list[list[float]], cap: list[int], fixed_rows: int = 0,
-                 draft: bool = True) -> list[int]:
-        """Drafts per sequence maximising expected tokens per second of the step: greedy, each
-        round the move that best improves the ratio: one sequence raised to any k up to its
-        cap, or the m below k that gain most from it raised to k (a drafter forward is shared
-        by the batch, so drafting may pay only for several at once). Exact at batch 1; drafts
-        that cannot pay leave k at 0. NOTE: host arithmetic, O(B K^2) a round."""
+                 draft: bool = True, fixed_tokens: float = 0.0) -> list[int]:
+        """Drafts per sequence maximising expected tokens per second of the step (with
+        `fixed_rows` other rows that yield `fixed_tokens`): greedy, each round the move that
+        best improves the ratio: one sequence raised to any k up to its cap, or the m below k
+        that gain most from it raised to k (a drafter forward is shared by the batch, so
+        drafting may pay only for several at once). Exact at batch 1; drafts that cannot pay
+        leave k at 0. NOTE: host arithmetic, O(B K^2) a round; `allocate_rows` is the exact,
+        fast form where drafts cost rows only."""
         n, top = len(accs), max(cap, default=0)
         gain = [[expected_tokens(a, k) for k in range(c + 1)] for a, c in zip(accs, cap)]
         ks, chain = [0] * n, [0] * (top + 1)
-        rows, tokens = fixed_rows + n, float(n)
+        rows, tokens = fixed_rows + n, fixed_tokens + n
         best = tokens / self._cost(rows, chain, draft)
         while True:
             pick = None
@@ -324,14 +333,42 @@ class CostController:
                 rows, tokens = rows + k - ks[i], tokens + gain[i][k] - gain[i][ks[i]]
                 ks[i] = k
 
-    def plan(self, seqs: list) -> None:
+    def allocate_rows(self, accs: list[list[float]], cap: list[int], fixed_rows: int = 0,
+                      fixed_tokens: float = 0.0) -> list[int]:
+        """`allocate` where drafts cost verify rows only (lookup drafts): a sequence's j-th
+        draft adds prod(acc[:j]) expected tokens, non-increasing in j, so the best m extra rows
+        are the m largest such gains over the batch; the best m maximises (fixed_tokens +
+        sequences + their sum) / cost(rows + m). Exact; O(B K log(B K)), one cost per m."""
+        n = len(accs)
+        gains = []
+        for i, (a, c) in enumerate(zip(accs, cap)):
+            p = 1.0
+            for j in range(c):
+                p *= a[j]
+                gains.append((-p, j, i))  # ties: earlier positions first (a prefix each)
+        gains.sort()
+        rows, tokens = fixed_rows + n, fixed_tokens + n
+        best, best_m = tokens / self._cost(rows, [0], False), 0
+        for m, (neg, _, _) in enumerate(gains, 1):
+            tokens -= neg
+            r = tokens / self._cost(rows + m, [0], False)
+            if r > best * (1 + 1e-9):
+                best, best_m = r, m
+        ks = [0] * n
+        for _, _, i in gains[:best_m]:
+            ks[i] += 1
+        return ks
+
+    def plan(self, seqs: list, fixed_rows: int = 0, fixed_tokens: float = 0.0) -> None:
         """Before drafting: `seq.spec.limit` (drafter drafts) for each sequence that decodes
-        next step; a sequence at 0 probes with one draft every `probe_every` steps."""
+        next step (beside `fixed_rows` rows of others, e.g. lookup runs, that yield
+        `fixed_tokens`); a sequence at 0 probes with one draft every `probe_every` steps (more
+        rarely after rejected probes)."""
         if not seqs:
             return
         ctl = [self.state(s) for s in seqs]
-        ks = self.allocate([c.model for c in ctl], [self.k] * len(seqs)) if self.drafter else [
-            0] * len(seqs)
+        ks = self.allocate([c.model for c in ctl], [self.k] * len(seqs), fixed_rows,
+                           fixed_tokens=fixed_tokens) if self.drafter else [0] * len(seqs)
         for s, c, k in zip(seqs, ctl, ks):
             c.idle = 0 if k else c.idle + 1
             if self.drafter and not k and self.probe_every and c.idle >= (
@@ -340,25 +377,26 @@ class CostController:
             s.spec.limit = k
 
     def cut(self, seqs: list) -> None:
-        """After drafting: lookup drafts (no forward to pay) cut to what pays, given the rows
-        the other sequences verify."""
-        rows = sum(1 + len(s.spec.drafts) for s in seqs)
-        for s in seqs:
-            st = s.spec
-            n = len(st.drafts)
-            if not (st.from_lookup and n):
-                continue
+        """After drafting: lookup drafts (no forward to pay) cut to what pays, jointly over the
+        batch (`allocate_rows`), beside the rows and expected tokens of the others."""
+        look = [s for s in seqs if s.spec.from_lookup and s.spec.drafts]
+        if not look:
+            return
+        rest = [s for s in seqs if not (s.spec.from_lookup and s.spec.drafts)]
+        fixed_rows = sum(1 + len(s.spec.drafts) for s in rest)
+        fixed_tokens = sum(expected_tokens(self.state(s).model, len(s.spec.drafts)) - 1
+                           for s in rest if s.spec.drafts) + len(rest)
+        caps = [len(s.spec.drafts) for s in look]
+        ks = self.allocate_rows([self.lookup_acc(s.spec.lookup_copy, n)
+                                 for s, n in zip(look, caps)], caps, fixed_rows, fixed_tokens)
+        for s, n, k in zip(look, caps, ks):
             c = self.state(s)
-            others = rows - 1 - n
-            (k,) = self.allocate([self.lookup_acc(st.lookup_copy, n)], [n], others,
-                                 draft=False)
             c.idle_lookup = 0 if k else c.idle_lookup + 1
             if not k and self.probe_every and c.idle_lookup >= (c.gap_lookup or
                                                                 self.probe_every):
                 k, c.idle_lookup = 1, 0
             if k < n:
-                cut_drafts(st, k)
-            rows -= n - k
+                cut_drafts(s.spec, k)
 
 
 def cut_drafts(st, n: int) -> None:

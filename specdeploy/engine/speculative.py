@@ -375,7 +375,10 @@ class SpecEngine(Engine):
         ctl = self.controller if not isinstance(self.source, FixedDrafter) else None
         wanting = [w.seq for w in work if w.wants]
         if ctl is not None:
-            ctl.plan(self._lookup_first(wanting))
+            rest = self._lookup_first(wanting)
+            looked = [seq for seq in wanting if seq.spec.drafts]
+            # NOTE: the lookup runs before their cut: an upper bound of their rows and tokens
+            ctl.plan(rest, sum(1 + len(seq.spec.drafts) for seq in looked), float(len(looked)))
         st, undrafted = self.spec_stats, self.spec_stats.undrafted_steps
         t = time.perf_counter()
         try:

@@ -269,7 +269,7 @@ def test_deferred_catch_up_drafts_as_if_never_skipped(target):
     full = drafts_by_len(llm)
 
     class Scripted(CostController):
-        def plan(self, seqs):
+        def plan(self, seqs, *others):
             for s in seqs:  # 0 drafts at two of every three lengths
                 s.spec.limit = 3 if len(s) % 3 == 0 else 0
 
@@ -406,3 +406,36 @@ def test_lookup_first_leaves_the_drafter_alone(target, baseline, monkeypatch):
     finally:
         eng.set_controller(None)
         eng.set_lookup(None)
+
+
+def test_allocate_rows_is_the_brute_force_optimum():
+    """Lookup drafts cost rows only: the joint allocation maximises the whole step's expected
+    tokens (every sequence's, and the others') per modelled second; brute force over all ks."""
+    rng = random.Random(1)
+    for _ in range(150):
+        cost = Linear(rng.uniform(0.2, 1), rng.uniform(0.01, 0.3), 0.0)
+        c = CostController(cost, 3, 4, drafter=False)
+        accs = [[rng.random() ** 0.3 for _ in range(4)] for _ in range(3)]
+        caps = [rng.randrange(5) for _ in range(3)]
+        fixed_rows, fixed_tokens = rng.randrange(4), rng.uniform(0, 3)
+
+        def ratio(ks, accs=accs, c=c, fr=fixed_rows, ft=fixed_tokens):
+            e = ft + sum(expected_tokens(a, k) for a, k in zip(accs, ks))
+            return e / c.step_cost(list(ks), fr, draft=False)
+        ks = c.allocate_rows(accs, caps, fixed_rows, fixed_tokens)
+        assert all(0 <= k <= cap for k, cap in zip(ks, caps))
+        opt = max(ratio(p) for p in itertools.product(*(range(cap + 1) for cap in caps)))
+        assert ratio(ks) == pytest.approx(opt, rel=1e-9)
+
+
+def test_batch_lookup_cut_counts_the_other_sequences_tokens():
+    """16 sequences, a row costing what a plain sequence's token costs: a lookup draft pays
+    only if it is almost surely accepted. Every sequence's draft at acceptance 0.8 is cut
+    (judged against its own token alone, the whole step's cost would make it look cheap)."""
+    c = CostController(Linear(0.0, 1.0, 0.0), 3, 16, drafter=False, probe_every=0,
+                       hold=(0.8,) * 12)
+    seqs = [_Seq(copied=10) for _ in range(16)]
+    for s in seqs:
+        s.spec.drafts, s.spec.from_lookup = list(range(16)), True
+    c.cut(seqs)
+    assert [len(s.spec.drafts) for s in seqs] == [0] * 16

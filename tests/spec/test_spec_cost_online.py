@@ -24,18 +24,16 @@ def test_observe_is_an_ema_and_the_model_goes_through_it():
     assert m.seen[4] == 4.5
     m.observe(4, 1.5)  # ... and back: 4.5 + 0.5 * (2.25 - 4.5)
     assert m.seen[4] == 3.375
-    m.seen[4] = 3.0
-    m._merged = None
     m.observe(10, 1.0)  # warm-up
-    m.observe(10, 9.0)  # 1 takes 4's ratio (1.5), 16 takes 10's (9 / 3.5, the table at 10)
-    assert [m.target_s(r) for r in (1, 4, 7, 10)] == [1.5, 3.0, 6.0, 9.0]
+    m.observe(10, 9.0)  # 1 takes 4's ratio (3.375 / 2), 16 takes 10's (9 / 3.5, the table at 10)
+    assert [m.target_s(r) for r in (1, 4, 7, 10)] == [1.6875, 3.375, 6.1875, 9.0]
     assert m.target_s(16) == pytest.approx(5.0 * 9.0 / 3.5, rel=1e-12)
     m.observe(7, 5.0)  # warm-up
     m.observe(7, 1.0)  # a noisy point below its neighbour: the model stays non-decreasing
-    assert m.target_s(7) == 3.0 and m.target_s(10) == 9.0
+    assert m.target_s(7) == 3.375 and m.target_s(10) == 9.0
     for bad in ((0, 1.0), (4, 0.0), (4, float("nan")), (4, float("inf"))):
         m.observe(*bad)
-    assert m.seen == {4: 3.0, 7: 1.0, 10: 9.0}
+    assert m.seen == {4: 3.375, 7: 1.0, 10: 9.0}
 
 
 def test_learned_costs_stop_drafts_the_table_overprices():
