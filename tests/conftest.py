@@ -13,6 +13,10 @@ import os
 import torch
 
 torch.set_num_threads(1)
+# transformers (5.25+) requires the `kernels` package, and with it would fetch "hub kernels"
+# (fla's gated delta rule, causal_conv1d) from the Hub for Qwen3.5 / NemotronH: the oracles
+# must be transformers' own torch code, and tests never reach the network.
+os.environ["USE_HUB_KERNELS"] = "0"
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

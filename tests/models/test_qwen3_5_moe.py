@@ -21,10 +21,16 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module", autouse=True)
 def _torch_only_oracle():
-    # With fla / causal_conv1d / hub kernels installed, transformers would swap its pure-torch GDN
-    # and conv for them; the oracle must be the reference math (and these kernels need CUDA).
-    for pkg in ("fla", "causal_conv1d", "kernels"):
+    # With fla / causal_conv1d installed, or hub kernels on, transformers would swap its
+    # pure-torch GDN and conv for them; the oracle must be the reference math (and these kernels
+    # need CUDA). `kernels` itself comes with transformers 5.25+: tests/conftest.py turns hub
+    # kernels off (USE_HUB_KERNELS=0).
+    for pkg in ("fla", "causal_conv1d"):
         assert importlib.util.find_spec(pkg) is None, f"{pkg} installed: oracle not pure torch"
+    if importlib.util.find_spec("kernels"):
+        from transformers.integrations import hub_kernels
+
+        assert not hub_kernels._kernels_enabled(), "hub kernels on: oracle not pure torch"
 
 
 @pytest.fixture(scope="module")
