@@ -1,13 +1,13 @@
-/* Paged causal attention for the few query rows of one sequence (a decode row, a verify
- * segment), one (row, head) at a time:
+/* Paged causal attention for the query rows of a step (decode rows, verify segments, prefill
+ * chunks):
  *     out[t, h] = sum_j softmax_j(scale * q[t, h] . k[j, g]) v[j, g],  j = 0..pos[t], g = h / rep
- * Each (row, head) is computed by the same instruction sequence from its own query and the keys
- * up to its position only, whatever the other rows and the thread count: a row's output is
- * bit-identical in a 1-row decode and in a K + 1-row verify step (batch invariance; one SDPA
- * over the segment sums in another order). Keys and values are read in place from the paged
- * cache [num_pages, page_size, Hkv, D], fp32, bf16 or fp16 (`kv`: KV_F32 / KV_BF16 / KV_F16;
- * each value widened exactly to fp32, all arithmetic in fp32). Built at run time by
- * attention_rows.py; AVX2 + FMA + F16C required (checked there), -ffp-contract=off.
+ * computed chunk by chunk of keys at fixed positions (see "chunked attention" below), so that a
+ * row's output is bit-identical in a 1-row decode and in a K + 1-row verify step, at any thread
+ * count (batch invariance; one SDPA over the segment sums in another order). Keys and values
+ * are read from the paged cache [num_pages, page_size, Hkv, D], fp32, bf16 or fp16 (`kv`:
+ * KV_F32 / KV_BF16 / KV_F16; each value widened exactly to fp32, all arithmetic in fp32).
+ * Built at run time by attention_rows.py; AVX2 + FMA + F16C required (checked there),
+ * -ffp-contract=off.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -59,97 +59,254 @@ AVX2 static inline __m256 exp_neg(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* one (row, head): q [D], scores scratch [pos + 1], out [Dv] */
-AVX2 static inline __attribute__((always_inline)) void one(
-    const float *q, int D, int Dv, const uint8_t *k_cache, const uint8_t *v_cache, int page_size,
-    int Hkv, int g, const int64_t *pages, int pos, float scale, float *s, float *out,
-    const int kv) {
-    const size_t es = kv == KV_F32 ? 4 : 2;
-    const size_t row_k = (size_t)Hkv * D * es, row_v = (size_t)Hkv * Dv * es;
-    float m = -INFINITY;
-    /* scores, 4 keys at a time for 4 independent fma chains; each key's own arithmetic is the
-     * same in a group of 4 or alone */
-    int j = 0;
-    for (; j + 4 <= pos + 1; j += 4) {
-        const uint8_t *k[4];
-        __m256 acc[4];
-        for (int u = 0; u < 4; u++) {
-            const int jj = j + u;
-            const size_t slot = (size_t)pages[jj / page_size] * page_size + jj % page_size;
-            k[u] = k_cache + slot * row_k + (size_t)g * D * es;
-            acc[u] = _mm256_setzero_ps();
-        }
-        for (int d = 0; d < D; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(q + d);
-            for (int u = 0; u < 4; u++)
-                acc[u] = _mm256_fmadd_ps(qv, load8(k[u] + d * es, kv), acc[u]);
-        }
-        for (int u = 0; u < 4; u++) {
-            s[j + u] = hsum8(acc[u]) * scale;
-            m = s[j + u] > m ? s[j + u] : m;
-        }
+/* ---- chunked attention ------------------------------------------------------------------
+ * Keys are cut into chunks of CH at absolute positions (chunk c: keys c*CH .. c*CH + CH - 1).
+ * A query row at position pos attends chunks 0..pos / CH; chunk c gives the partial
+ *     m_c = max_j s_j,  l_c = sum_j e^(s_j - m_c),  o_c = sum_j e^(s_j - m_c) v_j
+ * over its keys j <= pos (s_j = scale * q . k_j), and the row's output is
+ *     sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c,  M = max_c m_c,  chunks in order.
+ * That is the definition of the result, bit for bit: which thread computes which chunk, and
+ * which other rows or heads share the pass, changes nothing (batch and thread invariance). A
+ * pass over a chunk serves every query row of the segment and every query head of one KV head
+ * at once, so the chunk's keys and values are read from the cache (and widened to fp32) once
+ * per step, not once per (row, head): verify rows and grouped heads cost the arithmetic only. */
+#define CH 32
+#define WINDOW 64 /* query rows per pass: bounds the partials' memory for long prefill chunks */
+
+/* 8 keys' dot products with q at once: each key's is an fma chain over d (8 lanes, from zero),
+ * then one fixed reduction tree per lane; the same bits for a key wherever it sits */
+AVX2 static inline __m256 dot8(const float *q, const float *k, int D) {
+    __m256 a[8];
+    for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + u * D + d), a[u]);
     }
-    for (; j <= pos; j++) {
-        const size_t slot = (size_t)pages[j / page_size] * page_size + j % page_size;
-        const uint8_t *k = k_cache + slot * row_k + (size_t)g * D * es;
-        __m256 acc = _mm256_setzero_ps();
-        for (int d = 0; d < D; d += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d * es, kv), acc);
-        s[j] = hsum8(acc) * scale;
-        m = s[j] > m ? s[j] : m;
-    }
-    /* the weights, 8 at a time; the tail as a full vector padded with m (e^0), its pad lanes
-     * masked out of the sum */
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 sv = _mm256_setzero_ps();
-    j = 0;
-    for (; j + 8 <= pos + 1; j += 8) {
-        const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-        _mm256_storeu_ps(s + j, e);
-        sv = _mm256_add_ps(sv, e);
-    }
-    if (j <= pos) {
-        float tail[8];
-        const int left = pos + 1 - j;
-        for (int i = 0; i < 8; i++) tail[i] = i < left ? s[j + i] : m;
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(left), lane));
-        const __m256 e = _mm256_and_ps(exp_neg(_mm256_sub_ps(_mm256_loadu_ps(tail), mv)), keep);
-        _mm256_storeu_ps(tail, e);
-        for (int i = 0; i < left; i++) s[j + i] = tail[i];
-        sv = _mm256_add_ps(sv, e);
-    }
-    const float sum = hsum8(sv);
-    /* Dv <= 256: the output row stays in up to 32 registers' worth of stack (no aliasing) */
-    __m256 o[32];
-    const int nv = Dv / 8;
-    for (int c = 0; c < nv; c++) o[c] = _mm256_setzero_ps();
-    for (j = 0; j <= pos; j++) {
-        const size_t slot = (size_t)pages[j / page_size] * page_size + j % page_size;
-        const uint8_t *v = v_cache + slot * row_v + (size_t)g * Dv * es;
-        const __m256 p = _mm256_set1_ps(s[j]);
-        for (int c = 0; c < nv; c++)
-            o[c] = _mm256_fmadd_ps(p, load8(v + 8 * c * es, kv), o[c]);
-    }
-    const __m256 inv = _mm256_set1_ps(1.f / sum);
-    for (int c = 0; c < nv; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(o[c], inv));
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* one (row, head) per cache dtype: each compiles to its own loop */
-AVX2 static void one_f32(const float *q, int D, int Dv, const uint8_t *k, const uint8_t *v,
-                         int ps, int Hkv, int g, const int64_t *pages, int pos, float scale,
-                         float *s, float *out) {
-    one(q, D, Dv, k, v, ps, Hkv, g, pages, pos, scale, s, out, KV_F32);
+/* keys/values lo..hi-1 of one KV head g, from the paged cache into dense fp32 rows */
+AVX2 static inline void widen(const uint8_t *cache, int64_t row_bytes, int64_t off, int n,
+                              const int64_t *pages, int page_size, int lo, int hi, float *dst,
+                              const int kv) {
+    const size_t es = kv == KV_F32 ? 4 : 2;
+    for (int j = lo; j < hi;) {
+        const int in_page = j % page_size, take = page_size - in_page < hi - j ? page_size - in_page : hi - j;
+        const uint8_t *src = cache + ((size_t)pages[j / page_size] * page_size + in_page) * row_bytes + off;
+        for (int i = 0; i < take; i++, j++, src += row_bytes) {
+            float *d = dst + (size_t)(j - lo) * n;
+            for (int x = 0; x < n; x += 8) _mm256_storeu_ps(d + x, load8(src + x * es, kv));
+        }
+    }
 }
-AVX2 static void one_bf16(const float *q, int D, int Dv, const uint8_t *k, const uint8_t *v,
-                          int ps, int Hkv, int g, const int64_t *pages, int pos, float scale,
-                          float *s, float *out) {
-    one(q, D, Dv, k, v, ps, Hkv, g, pages, pos, scale, s, out, KV_BF16);
+
+/* the cache rows of keys lo..hi-1 of one KV head toward this core's caches: the next work
+ * item's, fetched while this one computes (the cache is cold after the layer's weights) */
+static inline void prefetch_rows(const uint8_t *cache, int64_t row_bytes, int64_t off,
+                                 int64_t bytes, const int64_t *pages, int page_size, int lo,
+                                 int hi) {
+    for (int j = lo; j < hi; j++) {
+        const uint8_t *src = cache + ((size_t)pages[j / page_size] * page_size + j % page_size) * row_bytes + off;
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)(src + b), _MM_HINT_T0);
+    }
 }
-AVX2 static void one_f16(const float *q, int D, int Dv, const uint8_t *k, const uint8_t *v,
-                         int ps, int Hkv, int g, const int64_t *pages, int pos, float scale,
-                         float *s, float *out) {
-    one(q, D, Dv, k, v, ps, Hkv, g, pages, pos, scale, s, out, KV_F16);
+
+typedef struct { /* query rows t0..t1-1 of one sequence, row t at position pos0 + t - t0 */
+    int t0, t1, pos0;
+    const int64_t *pages;
+    int64_t first; /* its first work item */
+} piece_t;
+
+typedef struct {
+    const float *q; int64_t q_row; /* (row t, head h) query at q + t * q_row + h * D */
+    int Hq, Hkv, D, Dv, page_size;
+    const uint8_t *k_cache, *v_cache;
+    float scale;
+    float *out; /* [T, Hq, Dv] */
+    int kv;
+} attn_t;
+
+static inline int piece_last(const piece_t *p) { return p->pos0 + (p->t1 - 1 - p->t0); }
+
+static void prefetch_item(const attn_t *A, const piece_t *p, int g, int c) {
+    const int es = A->kv == KV_F32 ? 4 : 2, lo = c * CH, last = piece_last(p);
+    const int hi = last + 1 < lo + CH ? last + 1 : lo + CH;
+    prefetch_rows(A->k_cache, (int64_t)A->Hkv * A->D * es, (int64_t)g * A->D * es,
+                  (int64_t)A->D * es, p->pages, A->page_size, lo, hi);
+    prefetch_rows(A->v_cache, (int64_t)A->Hkv * A->Dv * es, (int64_t)g * A->Dv * es,
+                  (int64_t)A->Dv * es, p->pages, A->page_size, lo, hi);
+}
+
+/* one work item: chunk c of KV head g for the rows of piece p of the window starting at row w0.
+ * part: [WINDOW, Hq, nc, 2 + Dv] partials; scratch kc [CH, D], vc [CH, Dv], e [CH] */
+AVX2 static inline void chunk_item(const attn_t *A, const piece_t *p, int g, int c, int w0,
+                                   int nc, float *part, float *kc, float *vc, float *e,
+                                   const int kv) {
+    const int D = A->D, Dv = A->Dv, rep = A->Hq / A->Hkv, lo = c * CH;
+    const int maxpos = p->pos0 + (p->t1 - 1 - p->t0);
+    const int hi = maxpos + 1 < lo + CH ? maxpos + 1 : lo + CH;
+    const size_t es = kv == KV_F32 ? 4 : 2;
+    widen(A->k_cache, (int64_t)A->Hkv * D * es, (int64_t)g * D * es, D, p->pages, A->page_size,
+          lo, hi, kc, kv);
+    widen(A->v_cache, (int64_t)A->Hkv * Dv * es, (int64_t)g * Dv * es, Dv, p->pages,
+          A->page_size, lo, hi, vc, kv);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 sc = _mm256_set1_ps(A->scale);
+    for (int t = p->t0; t < p->t1; t++) {
+        const int pos = p->pos0 + (t - p->t0);
+        if (pos < lo) continue;
+        const int n = pos + 1 - lo < CH ? pos + 1 - lo : CH; /* keys lo..lo+n-1 */
+        for (int r = 0; r < rep; r++) {
+            const int h = g * rep + r;
+            const float *q = A->q + (size_t)t * A->q_row + (size_t)h * D;
+            float m = -INFINITY;
+            for (int j = 0; j < n; j += 8) {
+                _mm256_storeu_ps(e + j, _mm256_mul_ps(dot8(q, kc + (size_t)j * D, D), sc));
+                const int top = n - j < 8 ? n - j : 8;
+                for (int i = 0; i < top; i++) m = e[j + i] > m ? e[j + i] : m;
+            }
+            const __m256 mv = _mm256_set1_ps(m);
+            __m256 sv = _mm256_setzero_ps();
+            for (int j = 0; j < n; j += 8) {
+                const __m256 keep = _mm256_castsi256_ps(
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), lane));
+                const __m256 w = _mm256_and_ps(exp_neg(_mm256_sub_ps(_mm256_loadu_ps(e + j), mv)), keep);
+                _mm256_storeu_ps(e + j, w);
+                sv = _mm256_add_ps(sv, w);
+            }
+            float *dst = part + (((size_t)(t - w0) * A->Hq + h) * nc + c) * (2 + Dv);
+            dst[0] = m;
+            dst[1] = hsum8(sv);
+            int x = 0;
+            for (; x + 64 <= Dv; x += 64) { /* 8 accumulators a strip: all in registers */
+                __m256 o[8];
+                for (int v = 0; v < 8; v++) o[v] = _mm256_setzero_ps();
+                for (int j = 0; j < n; j++) {
+                    const __m256 w = _mm256_set1_ps(e[j]);
+                    const float *vr = vc + (size_t)j * Dv + x;
+                    for (int v = 0; v < 8; v++) o[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * v), o[v]);
+                }
+                for (int v = 0; v < 8; v++) _mm256_storeu_ps(dst + 2 + x + 8 * v, o[v]);
+            }
+            for (; x < Dv; x += 8) { /* the rest, a vector at a time (same sums per element) */
+                __m256 o = _mm256_setzero_ps();
+                for (int j = 0; j < n; j++)
+                    o = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), _mm256_loadu_ps(vc + (size_t)j * Dv + x), o);
+                _mm256_storeu_ps(dst + 2 + x, o);
+            }
+        }
+    }
+}
+
+AVX2 static float exp_neg1(float x) {
+    float b[8];
+    _mm256_storeu_ps(b, exp_neg(_mm256_set1_ps(x)));
+    return b[0];
+}
+
+/* the output row of (row t, head h) at position pos from its partials (chunks in order) */
+AVX2 static void combine(const attn_t *A, int t, int h, int pos, int w0, int nc,
+                         const float *part) {
+    const int Dv = A->Dv, last = pos / CH;
+    const float *pr = part + ((size_t)(t - w0) * A->Hq + h) * nc * (2 + Dv);
+    float M = -INFINITY;
+    for (int c = 0; c <= last; c++) M = pr[c * (2 + Dv)] > M ? pr[c * (2 + Dv)] : M;
+    float L = 0.f;
+    float *out = A->out + ((size_t)t * A->Hq + h) * Dv;
+    for (int x = 0; x < Dv; x += 8) _mm256_storeu_ps(out + x, _mm256_setzero_ps());
+    for (int c = 0; c <= last; c++) {
+        const float *pc = pr + (size_t)c * (2 + Dv);
+        const float w = exp_neg1(pc[0] - M);
+        L += w * pc[1];
+        const __m256 wv = _mm256_set1_ps(w);
+        for (int x = 0; x < Dv; x += 8)
+            _mm256_storeu_ps(out + x, _mm256_fmadd_ps(wv, _mm256_loadu_ps(pc + 2 + x),
+                                                      _mm256_loadu_ps(out + x)));
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / L);
+    for (int x = 0; x < Dv; x += 8) _mm256_storeu_ps(out + x, _mm256_mul_ps(_mm256_loadu_ps(out + x), inv));
+}
+
+/* every query row of `segs` (pieces over rows 0..T-1, in row order); returns 0 or -1 (memory) */
+AVX2 static int attend_kv(const attn_t *A, const piece_t *segs, int S, int T, int nthreads,
+                          const int kv) {
+    int failed = 0;
+    piece_t *pc = (piece_t *)malloc(sizeof(piece_t) * (size_t)(S + WINDOW));
+    if (!pc) return -1;
+    for (int w0 = 0, s = 0; w0 < T && !failed; w0 += WINDOW) {
+        const int w1 = w0 + WINDOW < T ? w0 + WINDOW : T;
+        int n = 0, nc = 1;
+        int64_t items = 0;
+        for (; s < S && segs[s].t1 <= w0; s++) {}
+        for (int i = s; i < S && segs[i].t0 < w1; i++) { /* the window's part of each segment */
+            piece_t q = segs[i];
+            const int a = q.t0 > w0 ? q.t0 : w0, b = q.t1 < w1 ? q.t1 : w1;
+            q.pos0 += a - q.t0;
+            q.t0 = a;
+            q.t1 = b;
+            q.first = items;
+            const int chunks = (q.pos0 + (b - a - 1)) / CH + 1;
+            nc = chunks > nc ? chunks : nc;
+            items += (int64_t)chunks * A->Hkv;
+            pc[n++] = q;
+        }
+        float *part = (float *)malloc(sizeof(float) * (size_t)(w1 - w0) * A->Hq * nc * (2 + A->Dv));
+        if (!part) { failed = 1; break; }
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+        {
+            float *kc = (float *)calloc((size_t)CH * (A->D + A->Dv) + CH, sizeof(float));
+            failed |= !kc;
+            /* NOTE: every thread reaches both worksharing loops, even one without scratch */
+            /* NOTE: static: a thread's items are consecutive, so the next one is its own to
+             * prefetch; the items of a chunk's KV heads come together */
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < items; it++) {
+                int i = 0;
+                while (i + 1 < n && pc[i + 1].first <= it) i++;
+                const int64_t k = it - pc[i].first;
+                if (it + 1 < items) {
+                    const int j = i + 1 < n && pc[i + 1].first <= it + 1 ? i + 1 : i;
+                    const int64_t k1 = it + 1 - pc[j].first;
+                    prefetch_item(A, &pc[j], (int)(k1 % A->Hkv), (int)(k1 / A->Hkv));
+                }
+                if (kc)
+                    chunk_item(A, &pc[i], (int)(k % A->Hkv), (int)(k / A->Hkv), w0, nc, part, kc,
+                               kc + (size_t)CH * A->D, kc + (size_t)CH * (A->D + A->Dv), kv);
+            }
+            if (kc && !failed) {
+#pragma omp for schedule(static)
+                for (int x = 0; x < (w1 - w0) * A->Hq; x++) {
+                    const int t = w0 + x / A->Hq;
+                    int i = 0;
+                    while (i + 1 < n && pc[i + 1].t0 <= t) i++;
+                    combine(A, t, x % A->Hq, pc[i].pos0 + (t - pc[i].t0), w0, nc, part);
+                }
+            }
+            free(kc);
+        }
+        free(part);
+    }
+    free(pc);
+    return failed ? -1 : 0;
+}
+
+AVX2 static int attend_f32(const attn_t *A, const piece_t *s, int S, int T, int th) {
+    return attend_kv(A, s, S, T, th, KV_F32);
+}
+AVX2 static int attend_bf16(const attn_t *A, const piece_t *s, int S, int T, int th) {
+    return attend_kv(A, s, S, T, th, KV_BF16);
+}
+AVX2 static int attend_f16(const attn_t *A, const piece_t *s, int S, int T, int th) {
+    return attend_kv(A, s, S, T, th, KV_F16);
+}
+
+static int attend(const attn_t *A, const piece_t *s, int S, int T, int th) {
+    return A->kv == KV_BF16 ? attend_bf16(A, s, S, T, th)
+         : A->kv == KV_F16  ? attend_f16(A, s, S, T, th)
+                            : attend_f32(A, s, S, T, th);
 }
 
 /* q [T, Hq, D], out [T, Hq, Dv] row-major fp32; row t sits at position pos0 + t (it attends
@@ -159,28 +316,10 @@ AVX2 static void one_f16(const float *q, int D, int Dv, const uint8_t *k, const 
 int attention_rows(const float *q, int T, int Hq, int D, int Dv, const void *k_cache,
                    const void *v_cache, int page_size, int Hkv, const int64_t *pages, int pos0,
                    float scale, float *out, int nthreads, int kv) {
-    void (*fn)(const float *, int, int, const uint8_t *, const uint8_t *, int, int, int,
-               const int64_t *, int, float, float *, float *) =
-        kv == KV_BF16 ? one_bf16 : kv == KV_F16 ? one_f16 : one_f32;
-    const int maxpos = pos0 + T - 1;
-    const int rep = Hq / Hkv, items = T * Hq;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) reduction(| : failed)
-    {
-        float *s = (float *)malloc(sizeof(float) * ((size_t)maxpos + 1));
-        failed |= !s;
-        /* NOTE: every thread reaches the worksharing loop, even one without scratch */
-#pragma omp for schedule(static)
-        for (int it = 0; it < items; it++) {
-            const int t = it / Hq, h = it % Hq;
-            if (s)
-                fn(q + ((size_t)t * Hq + h) * D, D, Dv, (const uint8_t *)k_cache,
-                   (const uint8_t *)v_cache, page_size, Hkv, h / rep, pages, pos0 + t, scale, s,
-                   out + ((size_t)t * Hq + h) * Dv);
-        }
-        free(s);
-    }
-    return failed ? -1 : 0;
+    const attn_t A = {q, (int64_t)Hq * D, Hq, Hkv, D, Dv, page_size, (const uint8_t *)k_cache,
+                      (const uint8_t *)v_cache, scale, out, kv};
+    const piece_t seg = {0, T, pos0, pages, 0};
+    return T > 0 ? attend(&A, &seg, 1, T, nthreads) : 0;
 }
 
 /* fp32 -> bf16 / fp16 bits as torch's .to() rounds them (to nearest even; NaN stays NaN) */
@@ -205,7 +344,7 @@ AVX2 static void store_row(uint8_t *dst, const float *src, int n, const int kv) 
 
 /* A step's attention of a Llama-type layer after its fused q/k/v projection and RoPE, in one
  * call: the new keys and values go into the paged cache, then every (row, head) attends as
- * attention_rows does (the same `one`, so the same bits). Segments are the step's sequences,
+ * attention_rows does (the same `attend`, so the same bits). Segments are the step's sequences,
  * each up to a few rows (decode, verify):
  *   qk [T, Hq + Hkv, D] fp32: the roped queries then keys of each token (dense rows);
  *   v: token t's values at v + t * v_stride (fp32, Hkv * Dv);
@@ -220,41 +359,23 @@ int write_attend_rows(const float *qk, const float *v, int64_t v_stride, int T, 
                       int kv) {
     const size_t es = kv == KV_F32 ? 4 : 2;
     const size_t row_k = (size_t)Hkv * D * es, row_v = (size_t)Hkv * Dv * es;
-    int maxpos = 0;
-    for (int s = 0; s < S; s++) {
-        const int last = (int)(lens[s] + cu[s + 1] - cu[s]) - 1;
-        if (last >= P * page_size) return -2;
-        maxpos = last > maxpos ? last : maxpos;
-    }
+    for (int s = 0; s < S; s++)
+        if (lens[s] + cu[s + 1] - cu[s] > (int64_t)P * page_size) return -2;
     for (int t = 0; t < T; t++) {
         store_row((uint8_t *)k_cache + (size_t)slots[t] * row_k,
                   qk + ((size_t)t * (Hq + Hkv) + Hq) * D, Hkv * D, kv);
         store_row((uint8_t *)v_cache + (size_t)slots[t] * row_v, v + (size_t)t * v_stride,
                   Hkv * Dv, kv);
     }
-    void (*fn)(const float *, int, int, const uint8_t *, const uint8_t *, int, int, int,
-               const int64_t *, int, float, float *, float *) =
-        kv == KV_BF16 ? one_bf16 : kv == KV_F16 ? one_f16 : one_f32;
-    int *seg = (int *)malloc(sizeof(int) * (size_t)(T > 0 ? T : 1));
+    piece_t *seg = (piece_t *)malloc(sizeof(piece_t) * (size_t)(S > 0 ? S : 1));
     if (!seg) return -1;
+    int n = 0;
     for (int s = 0; s < S; s++)
-        for (int64_t t = cu[s]; t < cu[s + 1]; t++) seg[t] = s;
-    const int rep = Hq / Hkv, items = T * Hq;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) reduction(| : failed)
-    {
-        float *sc = (float *)malloc(sizeof(float) * ((size_t)maxpos + 1));
-        failed |= !sc;
-#pragma omp for schedule(static)
-        for (int it = 0; it < items; it++) {
-            const int t = it / Hq, h = it % Hq, s = seg[t];
-            if (sc)
-                fn(qk + ((size_t)t * (Hq + Hkv) + h) * D, D, Dv, (const uint8_t *)k_cache,
-                   (const uint8_t *)v_cache, page_size, Hkv, h / rep, page_table + (size_t)s * P,
-                   (int)(lens[s] + t - cu[s]), scale, sc, out + ((size_t)t * Hq + h) * Dv);
-        }
-        free(sc);
-    }
+        if (cu[s + 1] > cu[s])
+            seg[n++] = (piece_t){(int)cu[s], (int)cu[s + 1], (int)lens[s], page_table + (size_t)s * P, 0};
+    const attn_t A = {qk, (int64_t)(Hq + Hkv) * D, Hq, Hkv, D, Dv, page_size,
+                      (const uint8_t *)k_cache, (const uint8_t *)v_cache, scale, out, kv};
+    const int rc = T > 0 ? attend(&A, seg, n, T, nthreads) : 0;
     free(seg);
-    return failed ? -1 : 0;
+    return rc;
 }

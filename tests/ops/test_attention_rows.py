@@ -46,7 +46,7 @@ def test_matches_the_float64_oracle(hq, hkv, d, pos0, t):
     kc, vc, pages = _cache(hkv=hkv, d=d, dv=d)
     q = torch.randn(t, hq, d, generator=torch.Generator().manual_seed(t)) * 2
     got = ar.attention_rows(q, kc, vc, pages, pos0, d ** -0.5)
-    # fp32 dot products, a polynomial exp (< 2e-7 relative) and sums over <= 96 keys
+    # fp32 dot products, a polynomial exp (< 2e-7 relative), sums over <= 96 keys in chunks
     torch.testing.assert_close(got.double(), _oracle(q, kc, vc, pages, pos0, d ** -0.5),
                                rtol=0, atol=1e-5 * vc.abs().max().item())
 
@@ -69,6 +69,31 @@ def test_rows_are_batch_and_thread_invariant():
         assert torch.equal(outs[0], outs[1])
     finally:
         torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_long_segments_across_key_chunks_and_row_windows():
+    """150 rows at positions 100..249 (keys in chunks of 32, rows in passes of 64): each row
+    matches the float64 oracle and is bit-identical to itself computed alone, at 1 and 2
+    threads (rows 63/64 and 127/128 straddle passes; 127/128 sit on a chunk boundary)."""
+    kc, vc, pages = _cache(pages=40, page_size=8, seed=4)
+    q = torch.randn(150, 9, 64, generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            full = ar.attention_rows(q, kc, vc, pages, 100, 0.125)
+            for i in (0, 31, 63, 64, 127, 128, 149):
+                assert torch.equal(ar.attention_rows(q[i:i + 1], kc, vc, pages, 100 + i, 0.125),
+                                   full[i:i + 1])
+            outs.append(full)
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(before)
+    # fp32 dot products, a polynomial exp and partial softmaxes over <= 8 chunks of 32 keys
+    torch.testing.assert_close(outs[0].double(), _oracle(q, kc, vc, pages, 100, 0.125),
+                               rtol=0, atol=1e-5 * vc.abs().max().item())
 
 
 @needs_kernel
