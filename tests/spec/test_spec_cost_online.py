@@ -90,7 +90,10 @@ def test_engine_reports_decode_and_verify_steps_only(target):
         while eng.has_unfinished():
             eng.step()
         assert seen == ran[1:] and all(r <= 4 for r in seen)
-        assert set(m.seen) == set(seen) and all(v > 0 for v in m.seen.values())
+        # a row count's first step is a warm-up, dropped (`MeasuredCost.observe`): learnt are
+        # exactly those the engine ran twice or more (which ones depends on the timings)
+        twice = {r for r in seen if seen.count(r) > 1}
+        assert set(m.seen) == twice and twice and all(v > 0 for v in m.seen.values())
     finally:
         d.forward = fwd
         eng.set_controller(None)
