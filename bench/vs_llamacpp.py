@@ -46,6 +46,7 @@ from fast_kernels_agreement import first_divergence  # noqa: E402
 
 from specdeploy import LLM, SamplingParams, SpecConfig  # noqa: E402
 from specdeploy.bench import machine, peak_rss_mib, print_json  # noqa: E402
+from specdeploy.engine.lookup import NgramIndex  # noqa: E402
 
 # the CPU drafter precision (spec_auto._CPU_DRAFTER): a draft step is bound by reading its weights
 DRAFTER = dict(draft_quantize="q8_0")
@@ -121,6 +122,19 @@ def ours_run(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], float, flo
     return o.token_ids, wall, (len(o.token_ids) - 1) / o.metrics.decode_tokens_per_s
 
 
+def copyable(prompts: list[list[int]], replies: dict) -> list[float]:
+    """Per prompt: the share of its reply's tokens that the engine's n-gram lookup (n 4..2)
+    would have drafted right as the next token."""
+    out = []
+    for i, p in enumerate(prompts):
+        seq, idx, hit = list(p) + list(replies[i]), NgramIndex(4, 2), 0
+        for t in range(len(p), len(seq)):
+            prop = idx.propose(seq[:t], 1)
+            hit += prop is not None and prop[0] == seq[t]
+        out.append(round(hit / max(len(seq) - len(p), 1), 3))
+    return out
+
+
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
@@ -181,6 +195,7 @@ def main() -> None:
     e2e = {name: [] for name in runners}
     dec = {name: [] for name in runners}
     tokens: dict = {name: {} for name in runners}
+    per_prompt: dict = {name: {} for name in runners}  # decode tokens/s of each prompt, by round
     for r in range(args.rounds):
         tot = {name: [0, 0.0, 0, 0.0] for name in runners}
         for i, p in enumerate(prompts):
@@ -190,6 +205,7 @@ def main() -> None:
                 t[0], t[1], t[2], t[3] = t[0] + len(out), t[1] + wall, t[2] + len(out) - 1, \
                     t[3] + after_first
                 tokens[name].setdefault(i, out)
+                per_prompt[name].setdefault(i, []).append((len(out) - 1) / after_first)
         for name, (n, wall, nd, dwall) in tot.items():
             e2e[name].append(n / wall)
             dec[name].append(nd / dwall)
@@ -207,7 +223,9 @@ def main() -> None:
             "decode_tokens_per_s": round(_median(dec[name]), 2),
             "decode_vs_llamacpp": round(_median([a / b for a, b in zip(dec[name], base_d)]), 3),
             "tokens_per_s_per_round": [round(x, 2) for x in e2e[name]],
-            "first_divergence_from_llamacpp_per_prompt": firsts}
+            "first_divergence_from_llamacpp_per_prompt": firsts,
+            "decode_tokens_per_s_per_prompt": [round(_median(per_prompt[name][i]), 1)
+                                               for i in range(len(prompts))]}
         llm = configs.get(name)
         if llm is not None and llm.spec is not None:
             st = llm.stats()
@@ -222,6 +240,10 @@ def main() -> None:
         "max_tokens": args.max_tokens, "rounds": args.rounds,
         "split": "held-out ShareGPT first turns, chat template (bench/acceptance.py)",
         "rates": "end to end = new tokens / wall (prefill included); decode = after the first",
+        "copyable_share_per_prompt": {name: copyable(prompts, tokens[name])
+                                      for name in tokens if name.startswith("specdeploy plain")},
+        "copyable_note": "share of reply tokens that an n-gram lookup (n 4..2) over the prompt "
+                         "and reply so far predicts: lookup drafts pay on content that repeats",
         "results": rows, "peak_rss_mib_whole_process": round(peak_rss_mib(), 1)},
         args.json_out)
 
