@@ -29,7 +29,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_budget_args(p)
     p.add_argument("--backend", choices=("graph", "eager"), default="graph")
     add_spec_args(p)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="weight-only int8 (lm_head, routers and the drafter excluded)")
     p.add_argument("--compile", action="store_true", help="torch.compile the deployed graph")
@@ -90,13 +90,26 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+THREADS_HELP = ("CPU threads: a count, or 'auto' (that many or 1, whichever the engine "
+                "measures faster now; needs --kernels fast)")
+
+
+def threads_arg(text: str) -> int | str:
+    """--threads: a positive count or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive integer or 'auto', got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def llm_from_args(args, max_batch_size: int):
     from specdeploy.llm import LLM
-
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
 
     return LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=max_batch_size,
                max_seq_len=args.max_seq_len, spec=spec_from_args(args),
@@ -107,7 +120,7 @@ def llm_from_args(args, max_batch_size: int):
                enable_prefix_caching=args.enable_prefix_caching,
                generation_config=args.generation_config,
                quantize=None if args.quantize == "none" else args.quantize,
-               **parallel_kwargs(args))
+               threads=args.threads, **parallel_kwargs(args))
 
 
 def sampling_from_args(args, **extra):

@@ -17,6 +17,18 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 Prompt = str | list[int]
 
 
+def _check_threads(threads, kernels: str, device) -> None:
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not (threads == "auto" or isinstance(threads, int)):
+        raise ValueError(f"threads: must be a positive integer or 'auto', got {threads!r}")
+    if isinstance(threads, int) and threads < 1:
+        raise ValueError(f"threads: must be >= 1, got {threads}")
+    if threads == "auto" and (kernels != "fast" or not str(device).startswith("cpu")):
+        raise ValueError("threads='auto' needs kernels='fast' on the CPU (thread-invariant "
+                         f"kernels), got kernels={kernels!r} device={device!r}")
+
+
 class LLM:
     """Load a checkpoint (HF directory or `.gguf`; None = the embedded default model), deploy it
     and generate with continuous batching.
@@ -62,6 +74,11 @@ class LLM:
         checkpoint_every: pages between recurrent-state checkpoints (hybrid models): a hit
             ends on a checkpointed boundary. None: every page when memory allows (the cache
             plan in `deploy --list-transforms` says when it spaced them out).
+        threads: CPU threads: None (torch's setting), a count, or "auto": that many (torch's
+            setting) or 1, whichever the engine measures faster now (engine/threads.py: on a
+            machine shared with other work, N threads can collapse at their barriers). "auto"
+            needs kernels="fast" on the CPU (thread-invariant kernels: the same tokens either
+            way).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
@@ -77,7 +94,13 @@ class LLM:
                  generation_config: str | os.PathLike | None = "auto",
                  speculative_config: dict | SpecConfig | None = None,
                  max_num_seqs: int | None = None, kv_cache_dtype: str = "auto",
-                 gpu_memory_utilization: float | None = None, cuda_graphs: bool = False):
+                 gpu_memory_utilization: float | None = None, cuda_graphs: bool = False,
+                 threads: int | str | None = None):
+        _check_threads(threads, kernels, device)
+        import torch
+
+        if isinstance(threads, int):  # before loading: the build's kernels use them too
+            torch.set_num_threads(threads)
         if cuda_graphs and not str(device).startswith("cuda"):
             raise ValueError(f"cuda_graphs: needs a CUDA device, got device={device!r}")
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
@@ -148,6 +171,11 @@ class LLM:
             self.deployed, self.tokenizer, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, seed=seed,
             eos_token_ids=eos_token_ids(self.tokenizer, self.deployed.hf_config, self.model_path))
+        if threads == "auto" and torch.get_num_threads() > 1:
+            from specdeploy.engine.threads import ThreadGovernor
+
+            self.engine.threads = ThreadGovernor(torch.get_num_threads(), 1,
+                                                 set_threads=torch.set_num_threads)
 
     # ---- prompts --------------------------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> list[int]:

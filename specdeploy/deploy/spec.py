@@ -136,6 +136,8 @@ def prepare_drafter(model: nn.Module, spec: SpecConfig, dtype: torch.dtype,
         on_blocks = _drafter_blocks(model, drafter, spec.draft_quantize == "q8_0")
         for step in steps:  # read by deploy/passes/ggml_linears.py
             step.ggml_tensors, step.ggml_weights = on_blocks, {}
+        if spec.draft_quantize == "q8_0":
+            _tiled_projection(drafter, on_blocks)
     if spec.draft_quantize == "q8_0":  # the blocks kernels run it (above), not int8 linears
         return DrafterProgram(drafter, steps, layers, draft_dtype, quantize, None)
     # NOTE: the default exclusions keep drafters unquantized; draft_quantize lifts them
@@ -169,6 +171,23 @@ def _drafter_blocks(model: nn.Module, drafter: Drafter, q8_0: bool) -> list:
                     w.copy_(dequantize(gw))
                     pairs.append((w, gw))
     return pairs
+
+
+def _tiled_projection(drafter: Drafter, pairs: list) -> None:
+    """EAGLE-3's `fc` (the captured features' projection, run eagerly before every drafter
+    catch-up) on the tiled Q8_0 kernel, as the drafter graph's linears: a torch fp32 linear of
+    its 1728 x 576 on the default model took 0.3-1 ms a call on 2 cores (a new row count each
+    catch-up). `drafter.fc_kernel`; nothing where the kernels are unavailable."""
+    from specdeploy.ops import ggml_tiled
+    from specdeploy.ops.ggml_int import default_isa
+
+    fc = drafter._modules.get("fc")
+    if not isinstance(fc, nn.Linear) or ggml_tiled.kernel_unavailable() is not None:
+        return
+    gw = next((g for w, g in pairs if w is fc.weight), None)
+    if gw is None or fc.out_features % ggml_tiled.TILE:
+        return
+    drafter.fc_kernel = ggml_tiled.tiled_linear_fn(ggml_tiled.repack(gw), fc.bias, default_isa())
 
 
 class SpecDeployed:

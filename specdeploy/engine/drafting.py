@@ -113,7 +113,7 @@ class ModelDrafter:
             start, ids, rows = w.start, w.next_ids, captured[a:b]
             if w.seq.spec.behind is not None:
                 start, old, feats = w.seq.spec.behind
-                ids, rows, w.seq.spec.behind = old + list(ids), torch.cat((feats, rows)), None
+                ids, rows, w.seq.spec.behind = old + list(ids), torch.cat((*feats, rows)), None
             # NOTE: `mm`: the drafter sees the target's (multimodal RoPE) positions
             segs.append(Segment(ids, start, w.seq.pages, w.seq.slot, int(w.wants), mm=w.seq.mm))
             pieces.append(rows)
@@ -212,11 +212,13 @@ class ModelDrafter:
 
 def _defer(w: DraftWork, captured: torch.Tensor) -> None:
     """Keep a work item's captured rows for the sequence's next catch-up (copied: the step's
-    buffer is the next step's)."""
+    buffer is the next step's). `behind` = (first position, token ids, [rows per step]): the
+    rows are concatenated once, at the catch-up (not every step: a growing copy)."""
     st, (a, b) = w.seq.spec, w.rows
     rows = captured[a:b].clone()
     if st.behind is None:
-        st.behind = (w.start, list(w.next_ids), rows)
+        st.behind = (w.start, list(w.next_ids), [rows])
     else:
-        start, ids, feats = st.behind
-        st.behind = (start, ids + list(w.next_ids), torch.cat((feats, rows)))
+        _, ids, feats = st.behind
+        ids.extend(w.next_ids)
+        feats.append(rows)

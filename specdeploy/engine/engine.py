@@ -63,6 +63,7 @@ class Engine:
         self._aborted: list[Sequence] = []
         self._grammar = None  # engine/grammar.py GrammarCompiler, built on first use
         self._grammar_lock = threading.Lock()
+        self.threads = None  # engine/threads.py ThreadGovernor (LLM(threads="auto")), or None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -156,10 +157,16 @@ class Engine:
             segs = self._segments(batch)  # propose
             self._prefix_before(batch, segs)
             meta = build_metadata(segs)  # host tensors: the deployment copies what it needs
+            gov = self.threads
+            if gov is not None:
+                gov.before_step(meta.num_tokens)
             tf = time.perf_counter()
             out = self.deployed.forward(meta)  # forward
             tokens = self._verify(batch, segs, out)  # verify (the step's one host sync)
-            self._timed(segs, meta.num_tokens, time.perf_counter() - tf)
+            if gov is None or not gov.trialing:  # a trial step's time is another count's
+                self._timed(segs, meta.num_tokens, time.perf_counter() - tf)
+            if gov is not None:
+                gov.after_step(meta.num_tokens, time.perf_counter() - tf)
             cached = self._commit(batch, segs, tokens)  # commit
             now = time.perf_counter()
             for sched, new in zip(batch, tokens):  # append
@@ -382,4 +389,6 @@ class Engine:
         d["num_pages"] = self.blocks.num_pages
         if self.prefix is not None:
             d.update(self.prefix.stats(), checkpoint_bytes=self.deployed.layout.checkpoint_bytes)
+        if self.threads is not None:
+            d.update(self.threads.as_dict())
         return d

@@ -132,7 +132,7 @@ class SpecSeqState:
     # its acceptance estimates, and the drafter's deferred catch-up (start, ids, captured rows)
     limit: int | None = None
     control: SeqControl | None = None
-    behind: tuple[int, list[int], torch.Tensor] | None = None
+    behind: tuple[int, list[int], list[torch.Tensor]] | None = None
 
     def clear(self) -> None:
         self.drafts, self.draft_probs, self.from_lookup, self.limit = [], None, False, None

@@ -11,12 +11,14 @@ from specdeploy.cli_args import (
     DEVICE_HELP,
     DTYPE_HELP,
     MODEL_HELP,
+    THREADS_HELP,
     add_budget_args,
     add_context_args,
     add_cuda_graphs_arg,
     add_parallel_args,
     add_prefix_caching_arg,
     parallel_kwargs,
+    threads_arg,
 )
 from specdeploy.spec_args import add_spec_args, spec_from_args
 
@@ -55,7 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds shutdown waits for in-flight requests")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=threads_arg, default=None, help=THREADS_HELP)
     p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info")
     p.add_argument("--stats-log-interval", type=float, default=10.0,
                    help="seconds between the one-line speculative-decoding log (0: off)")
@@ -78,12 +80,6 @@ def cmd_serve(args) -> int:
     model = args.model_tag or args.model
     spec = spec_from_args(args)
     template = _chat_template(args.chat_template)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"threads: must be >= 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)
     from specdeploy.llm import LLM
     from specdeploy.serving import shutdown
     from specdeploy.serving.app import create_app
@@ -93,7 +89,8 @@ def cmd_serve(args) -> int:
               gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=args.cuda_graphs,
               backend=args.backend, progress=True, seed=args.seed,
               generation_config=args.generation_config,
-              enable_prefix_caching=args.enable_prefix_caching, **parallel_kwargs(args))
+              enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
+              **parallel_kwargs(args))
     if template is not None:
         llm.tokenizer.chat_template = template
     if hasattr(llm.deployed, "on_failure"):  # a dead or hung rank: fail requests, then exit

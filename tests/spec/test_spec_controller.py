@@ -163,7 +163,8 @@ def test_lookup_cut_follows_the_copy_length():
 
 def test_failed_probes_back_off():
     """At a cost where drafts never pay, a sequence probes with one draft after
-    probe_every steps at 0; every rejected probe doubles the gap, up to MAX_PROBE_GAP."""
+    probe_every steps at 0; every rejected probe doubles the gap, up to MAX_PROBE_GAP, every
+    accepted one halves it, down to probe_every."""
     c = CostController(NEVER, 3, 3, probe_every=2)
     s = _Seq()
     probes = []
@@ -174,8 +175,11 @@ def test_failed_probes_back_off():
             c.observe(s, 0, 1, False)  # the probe's draft is rejected
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps[:5] == [2, 4, 8, 16, 32] and set(gaps[5:]) == {MAX_PROBE_GAP}
-    c.observe(s, 1, 1, False)  # accepted: back to probe_every
-    assert s.spec.control.gap == 2
+    for want in (16, 8, 4, 2, 2):  # each accepted probe halves the gap, down to probe_every
+        c.observe(s, 1, 1, False)
+        assert s.spec.control.gap == want
+    c.observe(s, 0, 1, False)
+    assert s.spec.control.gap == 4
 
 
 def test_measured_cost_interpolates():

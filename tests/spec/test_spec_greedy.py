@@ -179,6 +179,21 @@ def test_q8_0_drafter_stays_lossless(target, baseline):
     for w in linears:
         assert torch.equal(dequantize(quantize_q8_0(w)), w)
     assert {p.dtype for p in d.target.gm.parameters()} == {torch.float32}
+    if target.method == "eagle3":  # its eager fc projection runs on the tiled Q8_0 kernel too
+        from specdeploy.ops import ggml_tiled
+
+        if ggml_tiled.kernel_unavailable() is None:
+            fc = d.drafter.fc
+            assert "fc_kernel" in d.drafter.__dict__
+            x = torch.randn(5, fc.in_features, generator=torch.Generator().manual_seed(0))
+            want = torch.nn.functional.linear(x.double(), fc.weight.double(),
+                                              None if fc.bias is None else fc.bias.double())
+            # x is rounded to 8 bits per block of 32 (step max|x_block| / 127): each output
+            # moves by at most half a step per input times |w|, plus fp32 sums
+            step = x.abs().reshape(5, -1, 32).amax(-1).repeat_interleave(32, -1) / 127
+            bound = 0.5 * step.double() @ fc.weight.abs().double().T
+            err = (d.drafter.project(x).double() - want).abs()
+            assert (err <= bound * 1.001 + 1e-5).all(), (err - bound).max()
 
 
 def test_draft_precision_is_validated():

@@ -167,6 +167,9 @@ class Eagle3Drafter(Drafter):
         """The captured low/middle/high target features [N, 3*Ht] → fc → [N, H]."""
         fc = self._modules.get("fc")
         if fc is not None and captured.shape[-1] == fc.in_features:
+            fast = self.__dict__.get("fc_kernel")  # deploy/spec.py `_tiled_projection`
+            if fast is not None and captured.dtype == torch.float32 and captured.is_cpu:
+                return fast(captured)
             return fc(captured.to(fc.weight.dtype))
         return captured.to(self.dtype)
 
