@@ -20,3 +20,4 @@ CONFIGS=${CONFIGS:-plain,lookup,lookup+ctl,eagle3,eagle3+ctl,eagle3+lookup+ctl,m
 "$PY" bench/step_profile.py --kernels fast --threads 2 --reps 30 --note "$NOTE" \
   --json-out "$R/step_profile_fast_2threads_$TAG.json"
 "$PY" bench/lookup_copy.py --threads 2 --json-out "$R/lookup_copy_$TAG.json"
+"$PY" bench/threads_under_load.py --note "$NOTE" --json-out "$R/threads_under_load_$TAG.json"

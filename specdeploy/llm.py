@@ -175,7 +175,8 @@ class LLM:
             from specdeploy.engine.threads import ThreadGovernor
 
             self.engine.threads = ThreadGovernor(torch.get_num_threads(), 1,
-                                                 set_threads=torch.set_num_threads)
+                                                 set_threads=torch.set_num_threads,
+                                                 get_threads=torch.get_num_threads)
 
     # ---- prompts --------------------------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> list[int]:

@@ -27,17 +27,19 @@ from collections.abc import Callable
 
 class ThreadGovernor:
     """`high`: the configured thread count; `low`: the fallback (1). `set_threads(n)` applies a
-    count (torch.set_num_threads: every kernel reads it per call). `trialing` is true during
+    count (torch.set_num_threads: every kernel reads it per call), `get_threads()` (optional)
+    reads it back (torch.get_num_threads). `trialing` is true during
     a step at the other count; `as_dict` reports the choice."""
 
     def __init__(self, high: int, low: int = 1, *, set_threads: Callable[[int], None],
-                 every: int = 128, max_every: int = 4096, trial: int = 4, margin: float = 0.1,
+                 get_threads: Callable[[], int] | None = None, every: int = 128,
+                 max_every: int = 4096, trial: int = 4, margin: float = 0.1,
                  slow: float = 2.0, max_rows: int = 64):
         if high < 1 or low < 1:
             raise ValueError(f"threads: must be >= 1, got high={high} low={low}")
         self.high, self.low = high, low
         self.current = high
-        self.set_threads = set_threads
+        self.set_threads, self.get_threads = set_threads, get_threads
         self.base_every, self.max_every, self.every = every, max_every, every
         self.trial, self.margin, self.slow, self.max_rows = trial, margin, slow, max_rows
         self._since = 0  # measured steps since the last trial
@@ -83,7 +85,8 @@ class ThreadGovernor:
         self._recent.append(per_row)
 
     def _apply(self, n: int) -> None:
-        if n != self._applied:
+        # NOTE: with `get_threads`, the count actually set (others may set it in between)
+        if n != (self.get_threads() if self.get_threads is not None else self._applied):
             self.set_threads(n)
             self._applied = n
 

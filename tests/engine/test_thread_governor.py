@@ -55,6 +55,18 @@ def test_a_contended_machine_switches_to_one_thread_and_back_when_the_load_goes(
     assert gov.current == 2 and gov.switches == 2
 
 
+def test_a_count_set_by_someone_else_is_set_back():
+    """With `get_threads`, the count actually set is read back: another caller's
+    torch.set_num_threads between steps does not leave the chosen count's steps at it."""
+    m = Machine({2: 40.0, 1: 1.6})
+    gov = ThreadGovernor(2, 1, set_threads=m.set_threads, get_threads=lambda: m.at, every=8,
+                         trial=1)
+    m.run(gov, 8 + 2 + 2)
+    assert gov.current == 1
+    m.at = 2  # e.g. another deployment in the process set its own count
+    assert m.run(gov, 3) == [1, 1, 1]
+
+
 def test_prefill_steps_run_at_the_current_count_unmeasured():
     m = Machine({2: 1.0, 1: 1.6})
     gov = ThreadGovernor(2, 1, set_threads=m.set_threads, every=4, trial=1, max_rows=64)
@@ -95,7 +107,7 @@ def test_switching_threads_between_steps_keeps_greedy_tokens(tmp_path, monkeypat
                 torch.set_num_threads(n)
 
             gov = ThreadGovernor(2, 1, set_threads=set_threads, every=1, max_every=1, trial=1,
-                                 margin=-10.0)  # every trial "wins": the count flips each time
+                                 margin=-1e6)  # every trial "wins": the count flips each time
             llm.engine.threads = gov
             got = [o.token_ids for o in llm.generate(prompts, params)]
             assert got == want
