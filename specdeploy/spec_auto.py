@@ -27,9 +27,10 @@ _CPU_DRAFTER = dict(draft_quantize="q8_0")
 # vs plain 115.8): fixed lookup 158.9 (1.37x), lookup + controller 157.7 (1.36x), MTP + lookup
 # + controller 155.5, EAGLE-3 + controller 115.8. At 16 concurrent requests fixed lookup fell to
 # 0.84x plain (bench/results/vs_llamacpp_concurrent.json), where the controller cuts drafts
-# that cannot pay: lookup + controller it is. (An AVX2 machine, 2026-12-03,
-# bench/results/vs_llamacpp_avx2.json: lookup + controller 1.46x plain, fixed lookup 1.42x,
-# MTP / EAGLE-3 + lookup + controller 1.36x / 1.29x; 16 concurrent: auto 0.97x plain.)
+# that cannot pay: lookup + controller it is. (An AVX2 machine, 2026-12-03, second run,
+# bench/results/vs_llamacpp_avx2.json: lookup + controller 1.11x plain, fixed lookup 1.09x,
+# MTP / EAGLE-3 + lookup + controller 1.10x / 1.09x, on replies that repeat little; 16
+# concurrent: auto 0.99x plain, fixed lookup 0.86x.)
 DEFAULT_MODEL = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
 OWN_MTP = dict(method="mtp", num_draft_tokens=3, controller="cost", **_LOOKUP)
 LOOKUP_ONLY = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
