@@ -64,10 +64,13 @@ def _caches(dtype, g, pages=24, ps=4, hkv=2, d=16):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lens_rows", [((5,), (1,)), ((3, 9, 0), (1, 1, 1)),
-                                       ((6, 2, 10), (4, 1, 3)), ((7,), (20,))])
+                                       ((6, 2, 10), (4, 1, 3)), ((7,), (20,)),
+                                       ((6, 30, 40), (4, 70, 3))])
 def test_op_equals_the_chain(dtype, lens_rows, monkeypatch):
     """The C path (decode, verify and a 20-row prefill chunk alike): outputs and both caches
-    bit-equal to the chain; partial rotary (12 of 16 dims); GQA 4 q heads on 2."""
+    bit-equal to the chain; partial rotary (12 of 16 dims); GQA 4 q heads on 2. The last case
+    has a 70-row segment between a verify and a decode: the kernel's passes of 64 rows cut it
+    (and the step) where the chain attends it whole, and keys span several chunks of 32."""
     g = torch.Generator().manual_seed(sum(lens_rows[0]) + len(lens_rows[1]))
     lens, rows = lens_rows
     hq, hkv, d, ps = 4, 2, 16, 4
@@ -77,13 +80,14 @@ def test_op_equals_the_chain(dtype, lens_rows, monkeypatch):
     cos = torch.randn(1, t, 12, generator=g)
     sin = torch.randn(1, t, 12, generator=g)
     # each sequence its own 8 pages, not in order (page_table.flip: the paged reads are tested)
-    page_table = torch.arange(8 * len(lens)).view(len(lens), 8).flip(1).contiguous()
+    npp = max(8, -(-max(n + r for n, r in zip(lens, rows)) // ps))  # pages per sequence
+    page_table = torch.arange(npp * len(lens)).view(len(lens), npp).flip(1).contiguous()
     cu = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
     seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(rows))
     p = torch.tensor(pos)
     slots = page_table[seg, p // ps] * ps + p % ps
     lens_t = torch.tensor(lens)
-    k1, v1 = _caches(dtype, g)
+    k1, v1 = _caches(dtype, g, pages=max(24, npp * len(lens)))
     k2, v2 = k1.clone(), v1.clone()
     args = (cu, cu, lens_t, lens_t, page_table, 0.25, 0, slots, hq, hkv, d)
     calls = []
