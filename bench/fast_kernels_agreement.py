@@ -9,7 +9,9 @@ often and how early, on held-out ShareGPT first turns (chat template applied, as
 bench/acceptance.py): per prompt the first position where the continuations differ (None when
 all --max-tokens agree; EOS ignored on both sides so every run has the same length), and the
 share of identical continuations, for exact vs transformers, fast vs transformers and fast vs
-exact. Timing plays no part (safe to run niced on a busy machine).
+exact; and at each first divergence from transformers, transformers' logit margin between its
+pick and the other's (`margins_at_first_divergence`: a small margin is a near-tie). Timing
+plays no part (safe to run niced on a busy machine).
 """
 from __future__ import annotations
 
@@ -47,6 +49,25 @@ def compare(a: list[list[int]], b: list[list[int]]) -> dict:
                 / sum(len(x) for x in a), 3)}
 
 
+def margins(hf, prompts: list[list[int]], ref: list[list[int]], other: list[list[int]]
+            ) -> list[dict | None]:
+    """Per prompt where `other` leaves transformers' tokens: transformers' own logit of its
+    pick minus its logit of `other`'s pick at that position (a near-tie is a small margin; the
+    logits' spread, max - min, for scale). None where they agree throughout."""
+    out = []
+    with torch.no_grad():
+        for p, r, o in zip(prompts, ref, other):
+            f = first_divergence(o, r)
+            if f is None or f >= min(len(o), len(r)):
+                out.append(None)
+                continue
+            logits = hf(torch.tensor([p + r[:f]])).logits[0, -1].double()
+            out.append({"position": f,
+                        "transformers_margin": round(float(logits[r[f]] - logits[o[f]]), 4),
+                        "logit_spread": round(float(logits.max() - logits.min()), 2)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -81,6 +102,9 @@ def main() -> None:
                 "exact_vs_transformers": compare(runs["exact"], ref),
                 "fast_vs_transformers": compare(runs["fast"], ref),
                 "fast_vs_exact": compare(runs["fast"], runs["exact"]),
+                "margins_at_first_divergence": {
+                    "exact": margins(hf, prompts, ref, runs["exact"]),
+                    "fast": margins(hf, prompts, ref, runs["fast"])},
                 "seconds": round(time.perf_counter() - t0, 1)}, args.json_out)
 
 
