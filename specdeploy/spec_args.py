@@ -26,8 +26,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", choices=DRAFT_DTYPES[1:], default=None,
                    help="run the drafter at this dtype (default: the target's; lossless "
                         "either way, drafts are verified by the target)")
-    p.add_argument("--draft-quantize", choices=("none", *DRAFT_QUANTIZE[1:]), default="none",
-                   help="int8 weight-only drafter (fast with --draft-dtype bfloat16 on a CPU)")
+    p.add_argument("--draft-quantize", choices=("none", *DRAFT_QUANTIZE[1:]), default="auto",
+                   help="the drafter's weights: auto (default): q8_0 where the fast kernels run "
+                        "a GGUF target on a CPU, else the target's precision; none: the "
+                        "target's; int8: weight-only (with --draft-dtype bfloat16 on a CPU)")
     p.add_argument("--draft-min-prob", type=float, default=0.0,
                    help="stop a drafter chain once its probability falls below this (0: K "
                         "drafts always; try 0.1)")

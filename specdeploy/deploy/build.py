@@ -138,6 +138,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         if own_mtp:
             _own_mtp_draft_vocab(model, model_path, lazy)
     dtype = resolve_dtype(opts.dtype, device=opts.device)
+    if spec is not None and spec.draft_quantize == "auto":
+        spec = dataclasses.replace(spec, draft_quantize=_draft_quantize(opts, dtype, model))
     if lazy is not None and spec is not None and spec.draft_dtype and \
             resolve_dtype(spec.draft_dtype) != dtype:
         lazy.materialize_module(model)  # the drafter casts (copies) target weights it borrows
@@ -259,6 +261,19 @@ def _kv_dtype(opts: BuildOptions, dtype: torch.dtype, model: nn.Module | None = 
     fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32
     has_blocks = bool(getattr(model, "ggml_weights", None)) if model is not None else True
     return torch.bfloat16 if fast_cpu and has_blocks else None
+
+
+def _draft_quantize(opts: BuildOptions, dtype: torch.dtype, model: nn.Module) -> str | None:
+    """SpecConfig's draft_quantize="auto": "q8_0" where the fast kernels run a GGUF target's
+    blocks on an fp32 CPU deployment with an fp32 drafter (a draft forward there is bound by
+    reading the drafter's weights: Q8_0 blocks read 4x fewer bytes than fp32), else None (the
+    target's precision). Measured on the default model, 2 cores AVX2, EAGLE-3 K=3 fixed: 70
+    tokens/s with the fp32 drafter, 103 with Q8_0 (plain: ~140)."""
+    fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32
+    fp32_drafter = opts.spec.draft_dtype in (None, "float32")
+    has_blocks = bool(getattr(model, "ggml_weights", None))
+    return "q8_0" if fast_cpu and fp32_drafter and has_blocks and opts.quantize is None \
+        else None
 
 
 def _defer_blocks(opts: BuildOptions) -> bool:

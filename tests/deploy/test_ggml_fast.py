@@ -165,3 +165,39 @@ def test_tiled_copy_replaces_the_blocks_and_others_keep_the_gguf_order_kernel(tm
     steps = [(8, SEG_NORMAL), (1, SEG_NORMAL), (3, SEG_EXTEND)]
     one = _logits(fast, ids, [(8, SEG_NORMAL)] + [(1, SEG_NORMAL)] * 4)
     assert torch.equal(one, _logits(fast, ids, steps))
+
+
+def test_draft_quantize_auto_is_q8_0_on_the_fast_cpu_path(tiny_gguf, tmp_path, monkeypatch):
+    """SpecConfig's default draft_quantize="auto": Q8_0 drafter linears where the fast kernels
+    run the GGUF target on the CPU (oracle: each weight is its own Q8_0 dequantization, which
+    random fp32 weights are not), the target's precision with kernels="exact" or when given
+    None, and lossless on both."""
+    from specdeploy import LLM, SamplingParams
+    from specdeploy import tokenizer as tok_mod
+    from specdeploy.models.drafters.eagle3 import make_tiny_eagle3
+    from specdeploy.ops.ggml_linear import dequantize, quantize_q8_0
+
+    src, path = tiny_gguf
+    real = tok_mod.load_tokenizer
+    monkeypatch.setattr(tok_mod, "load_tokenizer", lambda p: real(src))  # tiny GGUF: no vocab
+    head = str(make_tiny_eagle3(src, tmp_path / "e3"))
+    assert SpecConfig("eagle3").draft_quantize == "auto"
+    prompts = [[5, 6, 7, 8] * 6, list(range(10, 30))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def q8_exact(llm) -> bool:
+        ws = [m.weight for m in llm.deployed.drafter.modules()
+              if isinstance(m, torch.nn.Linear) and m.weight.shape[1] % 32 == 0]
+        assert ws
+        return all(torch.equal(dequantize(quantize_q8_0(w)), w) for w in ws)
+
+    for kernels, quant, want_q in (("fast", "auto", "q8_0"), ("exact", "auto", None),
+                                   ("fast", None, None)):
+        spec = SpecConfig("eagle3", 2, draft_model=head, draft_quantize=quant, controller="off")
+        llm = LLM(str(path), kernels=kernels, spec=spec, **LIMITS)
+        assert llm.deployed.spec.draft_quantize == want_q, (kernels, quant)
+        assert q8_exact(llm) == (want_q == "q8_0"), (kernels, quant)
+        plain = LLM(str(path), kernels=kernels, **LIMITS)
+        want = [o.token_ids for o in plain.generate(prompts, params)]
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert llm.stats()["draft_steps"] > 0
