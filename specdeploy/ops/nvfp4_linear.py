@@ -12,6 +12,7 @@ checkpoint's `input_scale` is only used by FP4 GEMMs), weights are expanded in t
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -37,9 +38,16 @@ class Nvfp4Weight(NamedTuple):
     scale_2: torch.Tensor  # [N] (or [E, N]) fp32
 
 
+@functools.cache
+def _byte_values(device: torch.device) -> torch.Tensor:
+    # NOTE: one copy per device: a copy from host memory on every call would be a host sync
+    # on a GPU (and not capturable in a CUDA graph)
+    return _BYTE_VALUES.to(device)
+
+
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., K/2] → fp32 [..., K] E2M1 values (low nibble = even element)."""
-    vals = _BYTE_VALUES.to(packed.device)[packed.long()]
+    vals = _byte_values(packed.device)[packed.long()]
     return vals.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 

@@ -40,3 +40,22 @@ def test_grouped_moe_on_cuda(impl, dtype, shape):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     scale = expected.abs().max().item()
     assert (out.float().cpu() - expected).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("kind", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("shape", [(1, 2, 8, 8), (37, 2, 6, 5)])  # gather / chunked
+def test_quantized_experts_on_cuda(kind, shape):
+    """FP8 / NVFP4 experts (ops/quant_moe.py) dispatched on a CUDA device: the sync-free ways,
+    against the CPU oracle, failing on any host sync."""
+    from tests.ops.test_quant_ops import _quant_case, _quant_op, _quant_ref
+
+    case = _quant_case(kind, "swiglu", *shape)
+    expected = _quant_ref(kind, case).float()
+    dev = [c.cuda() if isinstance(c, torch.Tensor) else c for c in case]
+    _quant_op(kind)(*dev)  # first call: per-device tables are copied once, outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    out = _quant_op(kind)(*dev)
+    torch.cuda.set_sync_debug_mode("default")
+    scale = expected.abs().max().item()
+    assert (out.float().cpu() - expected).abs().max().item() <= 1e-5 * scale

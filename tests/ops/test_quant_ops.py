@@ -148,3 +148,96 @@ def test_quantized_ops_export():
     dim = torch.export.Dim("t", min=2, max=64)
     ep = torch.export.export(m, (x,), dynamic_shapes=({0: dim},), strict=False)
     assert torch.equal(ep.module()(x), m(x))
+
+
+def _quant_case(kind, act, t, k, e, used, h=48, i=32):
+    up = _experts(e, 2 * i if act == "swiglu" else i, h, kind)
+    down = _experts(e, h, i, kind)
+    x = torch.randn(t, h)
+    ids = torch.stack([torch.randperm(used)[:k] for _ in range(t)])  # experts >= used: unused
+    wts = torch.rand(t, k)
+    scales = (torch.tensor(4.0 / 448), torch.tensor(2.0 / 448)) if kind == "fp8" else ()
+    return (x, ids, wts, *up, *down, act, *scales)
+
+
+def _quant_ref(kind, case):
+    return (fp8_moe_experts_ref if kind == "fp8" else nvfp4_moe_experts_ref)(*case)
+
+
+def _quant_op(kind):
+    return ops.fp8_moe_experts if kind == "fp8" else ops.nvfp4_moe_experts
+
+
+@pytest.mark.parametrize("kind", ("fp8", "nvfp4"))
+@pytest.mark.parametrize("act", ("swiglu", "relu2"))
+@pytest.mark.parametrize("impl", ("gather", "chunked", "chunked1"))
+@pytest.mark.parametrize("shape", [(1, 2, 6, 6), (2, 3, 7, 5), (19, 2, 6, 4), (9, 3, 5, 5)])
+def test_quantized_experts_sync_free_ways_match_ref(kind, act, impl, shape, monkeypatch):
+    """The GPU ways of the FP8 / NVFP4 experts (ops/quant_moe.py), run on the CPU: against the
+    dequantize-everything per-token oracle at T * k both sides of E, unused experts, all
+    experts in one chunk and one expert per chunk, with every host sync refused."""
+    from specdeploy.ops import quant_moe
+
+    t, k, e, used = shape
+    case = _quant_case(kind, act, t, k, e, used)
+    want = _quant_ref(kind, case)
+    if impl == "chunked1":
+        monkeypatch.setattr(quant_moe, "CHUNK_BYTES", 0)  # one expert per chunk (max(1, .))
+        impl = "chunked"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host sync in the sync-free quantized MoE path")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"):
+            m.setattr(torch.Tensor, name, refuse)
+        got = _quant_op(kind)(*case, impl=impl)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ("fp8", "nvfp4"))
+def test_quantized_experts_chunk_sizes_agree(kind):
+    """"chunked" at 1, 2, 4 and all experts per chunk: one answer (fp32 sums of the same
+    products; within 1e-6 of each other), equal to the CPU loop within 1e-5."""
+    from specdeploy.ops import quant_moe
+    from specdeploy.ops.fp8_linear import dequantize_fp8
+    from specdeploy.ops.nvfp4_linear import dequantize_nvfp4
+
+    case = _quant_case(kind, "swiglu", 13, 2, 7, 7)
+    x, ids, wts, *w = case
+    if kind == "fp8":
+        uq, us, ub, dq, ds, db, _, s_up, s_down = w
+        up = lambda i: dequantize_fp8(uq[i], us[i], ub)  # noqa: E731
+        down = lambda i: dequantize_fp8(dq[i], ds[i], db)  # noqa: E731
+        sizes = (uq.shape[0], uq.shape[1], dq.shape[2])
+    else:
+        uq, us, us2, dq, ds, ds2, _ = w
+        s_up = s_down = None
+        up = lambda i: dequantize_nvfp4(uq[i], us[i], us2[i])  # noqa: E731
+        down = lambda i: dequantize_nvfp4(dq[i], ds[i], ds2[i])  # noqa: E731
+        sizes = (uq.shape[0], uq.shape[1], 2 * dq.shape[2])
+    outs = [quant_moe.quantized_experts_sync_free(x, ids, wts, sizes, up, down, "swiglu", s_up,
+                                                  s_down, impl="chunked", chunk=c)
+            for c in (1, 2, 4, 7)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[0], _quant_op(kind)(*case, impl="loop"), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ("fp8", "nvfp4"))
+def test_quantized_experts_gather_rows_are_batch_invariant(kind):
+    """"gather" (the decode / verify way): a token's output is bit-identical alone and inside
+    the batch, so greedy speculation on a quantized MoE GPU target verifies what it decodes."""
+    case = _quant_case(kind, "relu2", 3, 2, 8, 8)
+    x, ids, wts, *rest = case
+    full = _quant_op(kind)(*case, impl="gather")
+    for r in range(3):
+        one = _quant_op(kind)(x[r:r + 1], ids[r:r + 1], wts[r:r + 1], *rest, impl="gather")
+        assert torch.equal(one[0], full[r]), r
+
+
+def test_quantized_experts_impl_is_checked():
+    case = _quant_case("nvfp4", "relu2", 2, 1, 3, 3)
+    with pytest.raises(ValueError, match="impl"):
+        ops.nvfp4_moe_experts(*case, impl="grouped")
