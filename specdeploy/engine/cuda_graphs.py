@@ -9,8 +9,11 @@ sequence continuing its cache: decode steps (one token each, NORMAL) and verify 
 tokens each, EXTEND; off the CPU their attention is `extend_uniform`, whose shapes do not depend
 on host-side lengths). Every other step (prefill chunks, mixed steps, verify steps whose
 sequences verify different numbers of drafts, vision-language targets, more sequences than the
-largest bucket) runs eagerly as before. The page table is widened to max_seq_len's pages so a
-graph's shapes never change.
+largest bucket) runs eagerly as before. The page table is widened to a page-width bucket (the
+smallest power of two >= the step's widest row, capped at max_seq_len's pages; `widths`), a
+graph captured per (batch bucket, tokens, kind, width): attention's work off the CPU follows the
+table's width, so a graph of max_seq_len's pages would make every short step pay for the longest
+context, where these cost at most twice the step's own (a few more captures, log2 of the pages).
 
 NOTE: none of this has run on a GPU yet. `cuda_graphs=True` is off by default until
 tests/cuda/test_cuda_graphs.py (greedy output with graphs equals eager) has passed on one; on the
@@ -47,10 +50,12 @@ class CudaGraphRunner:
         self.scratch_page, self.scratch_slot = plan.scratch_page, plan.scratch_slot
         self.page_size = plan.page_size
         self.max_pages = -(-target.max_seq_len // plan.page_size)
+        self.widths = page_widths(self.max_pages)
         top = min(max_batch_size, plan.num_slots)
         self.buckets = buckets_for(top) if buckets is None else tuple(sorted(buckets))
         self.capture = target.device.type == "cuda" if capture is None else capture
-        self._graphs: dict[tuple[int, int, int], _Captured] = {}  # (bucket, tokens, kind)
+        # (bucket, tokens, kind, page width)
+        self._graphs: dict[tuple[int, int, int, int], _Captured] = {}
         self._pool = None
         self.replays = 0  # steps this runner took (stats and tests)
 
@@ -76,7 +81,8 @@ class CudaGraphRunner:
         if not self.capture:  # the CPU check: the same padded, static-shaped step, eagerly
             out = self.target._fn(*self.target._feed(static))
         else:
-            key = (bucket, meta.num_tokens // meta.num_seqs, int(meta.seg_kind[0]))
+            key = (bucket, meta.num_tokens // meta.num_seqs, int(meta.seg_kind[0]),
+                   static.page_table.shape[1])
             cap = self._graphs.get(key) or self._capture(*key)
             flat = torch.cat([t.reshape(-1) for t in self.target.device_inputs(static).values()])
             cap.flat.copy_(flat.pin_memory(), non_blocking=True)
@@ -86,20 +92,21 @@ class CudaGraphRunner:
         return _real_rows(out, meta)
 
     def _static(self, meta: BatchMetadata, bucket: int) -> BatchMetadata:
-        """Padded to the bucket, the page table widened to max_seq_len's pages (dummy rows:
+        """Padded to the bucket, the page table widened to its page-width bucket (dummy rows:
         the scratch page; real rows: 0, masked by their cache length as before)."""
         meta = pad_batch(meta, bucket, scratch_page=self.scratch_page,
                          scratch_slot=self.scratch_slot, page_size=self.page_size)
-        table = torch.zeros(bucket, self.max_pages, dtype=torch.long)
+        width = bucket_of(meta.page_table.shape[1], self.widths)
+        table = torch.zeros(bucket, width, dtype=torch.long)
         table[:, :meta.page_table.shape[1]] = meta.page_table
         is_dummy = meta.slot_idx == self.scratch_slot
         table[is_dummy] = self.scratch_page
         return replace(meta, page_table=table, lists=None)
 
-    def _capture(self, bucket: int, n: int, kind: int) -> _Captured:
+    def _capture(self, bucket: int, n: int, kind: int, width: int) -> _Captured:
         """Capture with every row a dummy (only the scratch is written while warming up and
         capturing), after two warm-up runs on a side stream (lazy initialisation, workspace)."""
-        dummy = Segment([0] * n, DUMMY_LEN, [self.scratch_page] * self.max_pages,
+        dummy = Segment([0] * n, DUMMY_LEN, [self.scratch_page] * width,
                         self.scratch_slot, n, kind)
         meta = build_metadata([dummy] * bucket)
         host = self.target.device_inputs(meta)
@@ -121,8 +128,14 @@ class CudaGraphRunner:
             out = self.target._fn(*inputs)
         self._pool = graph.pool()
         cap = _Captured(graph, flat, out if isinstance(out, (tuple, list)) else (out,))
-        self._graphs[(bucket, n, kind)] = cap
+        self._graphs[(bucket, n, kind, width)] = cap
         return cap
+
+
+def page_widths(max_pages: int) -> tuple[int, ...]:
+    """Page-table widths graphs are captured at: powers of two below `max_pages`, then it."""
+    return tuple(w for w in (1 << i for i in range(max_pages.bit_length())) if w < max_pages
+                 ) + (max_pages,)
 
 
 def _real_rows(out, meta: BatchMetadata) -> StepOutput:

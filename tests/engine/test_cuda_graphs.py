@@ -76,10 +76,25 @@ def test_only_uniform_steps_are_taken(target):
     for meta in (prefill, ragged, one_logit, fresh, ckpt, nine):
         assert runner.bucket(meta) is None
     static = runner._static(decode, 2)
-    assert static.page_table.shape == (2, runner.max_pages)
+    assert static.page_table.shape == (2, 4)  # its width bucket (max_pages: 4 or 16 here)
+    if runner.max_pages > 5:  # page size 16: a row of 5 pages widens to 8, not to max_pages
+        five = runner._static(build_metadata([Segment([5], 3, list(range(5)), 0)]), 1)
+        assert five.page_table.shape == (1, 8) and runner.max_pages > 8
+        assert five.page_table[0, :5].tolist() == list(range(5))
+        assert not five.page_table[0, 5:].any()
     three = runner._static(build_metadata([Segment([5], 3, pages, 0)] * 3), 4)
     assert three.slot_idx.tolist() == [0, 0, 0, runner.scratch_slot]
     assert (three.page_table[3] == runner.scratch_page).all()
+
+
+def test_page_widths():
+    """Graphs are captured per page-table width: powers of two, then max_seq_len's pages."""
+    from specdeploy.engine.cuda_graphs import page_widths
+
+    assert page_widths(1) == (1,)
+    assert page_widths(8) == (1, 2, 4, 8)
+    assert page_widths(10) == (1, 2, 4, 8, 10)
+    assert page_widths(16) == (1, 2, 4, 8, 16)
 
 
 def test_refused_where_it_cannot_run(target):
