@@ -166,8 +166,8 @@ def _fp8_moe_kernel(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     if _sync_free(x, impl):
         return quantized_experts_sync_free(
             x, topk_ids, topk_weights, (up_q.shape[0], up_q.shape[1], down_q.shape[2]),
-            lambda i: dequantize_fp8(up_q[i], up_s[i], up_block_k),
-            lambda i: dequantize_fp8(down_q[i], down_s[i], down_block_k),
+            lambda i: dequantize_fp8(_take(up_q, i), up_s[i], up_block_k),
+            lambda i: dequantize_fp8(_take(down_q, i), down_s[i], down_block_k),
             activation, up_input_scale, down_input_scale, impl)
 
     def mlp(e: int, xs: torch.Tensor) -> torch.Tensor:
@@ -185,8 +185,8 @@ def _nvfp4_moe_kernel(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     if _sync_free(x, impl):
         return quantized_experts_sync_free(
             x, topk_ids, topk_weights, (up_q.shape[0], up_q.shape[1], 2 * down_q.shape[2]),
-            lambda i: dequantize_nvfp4(up_q[i], up_s[i], up_s2[i]),
-            lambda i: dequantize_nvfp4(down_q[i], down_s[i], down_s2[i]), activation,
+            lambda i: dequantize_nvfp4(up_q[i], _take(up_s, i), up_s2[i]),
+            lambda i: dequantize_nvfp4(down_q[i], _take(down_s, i), down_s2[i]), activation,
             impl=impl)
 
     def mlp(e: int, xs: torch.Tensor) -> torch.Tensor:
@@ -194,6 +194,14 @@ def _nvfp4_moe_kernel(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         return nvfp4_matmul(h, down_q[e], down_s[e], down_s2[e])
 
     return _grouped(x, topk_ids, topk_weights, up_q.shape[0], mlp)
+
+
+def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t[idx] for float8 tensors too: gathered as bytes (indexing kernels do not cover the
+    float8 dtypes on every device)."""
+    if t.element_size() == 1 and t.dtype != torch.uint8:
+        return t.view(torch.uint8)[idx].view(t.dtype)
+    return t[idx]
 
 
 def _sync_free(x: torch.Tensor, impl: str) -> bool:
