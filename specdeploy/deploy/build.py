@@ -265,15 +265,17 @@ def _kv_dtype(opts: BuildOptions, dtype: torch.dtype, model: nn.Module | None = 
 
 def _draft_quantize(opts: BuildOptions, dtype: torch.dtype, model: nn.Module) -> str | None:
     """SpecConfig's draft_quantize="auto": "q8_0" where the fast kernels run a GGUF target's
-    blocks on an fp32 CPU deployment with an fp32 drafter (a draft forward there is bound by
-    reading the drafter's weights: Q8_0 blocks read 4x fewer bytes than fp32), else None (the
-    target's precision). Measured on the default model, 2 cores AVX2, EAGLE-3 K=3 fixed: 70
-    tokens/s with the fp32 drafter, 103 with Q8_0 (plain: ~140)."""
+    blocks on an fp32 CPU deployment (one process, not compiled) with an fp32 drafter (a draft
+    forward there is bound by reading the drafter's weights: Q8_0 blocks read 4x fewer bytes
+    than fp32), else None (the target's precision). Measured on the default model, 2 cores
+    AVX2, EAGLE-3 K=3 fixed: 70 tokens/s with the fp32 drafter, 103 with Q8_0 (plain ~140)."""
     fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32
     fp32_drafter = opts.spec.draft_dtype in (None, "float32")
     has_blocks = bool(getattr(model, "ggml_weights", None))
-    return "q8_0" if fast_cpu and fp32_drafter and has_blocks and opts.quantize is None \
-        else None
+    # NOTE: one process, not compiled: the paths the Q8_0 drafter has been tested on
+    alone = (opts.dist is None or opts.dist.world_size == 1) and not opts.compile
+    return "q8_0" if fast_cpu and fp32_drafter and has_blocks and alone and \
+        opts.quantize is None else None
 
 
 def _defer_blocks(opts: BuildOptions) -> bool:
