@@ -128,7 +128,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
 
     t0 = time.perf_counter()
     spec = opts.spec
-    lazy = _per_rank_loading(opts, model)
+    lazy = _per_rank_loading(opts, model, model_path)
     if model is None:
         own_mtp = (spec is not None and spec.method == "mtp" and spec.draft_model is None
                    and _declares_mtp(model_path))
@@ -145,11 +145,6 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         lazy.materialize_module(model)  # the drafter casts (copies) target weights it borrows
     loaded = _weight_bytes(model) if lazy is None else 0
     model = model.to(opts.device)
-    if getattr(model, "prequant", None) is not None and opts.dist and opts.dist.world_size > 1:
-        # NOTE: the shard transform slices fp parameters; the FP8 / NVFP4 blocks and their
-        # scales are not sliced yet, and a half-sharded model would be silently wrong
-        raise ValueError("tensor_parallel_size: pre-quantized (FP8 / NVFP4) checkpoints are not "
-                         "sharded yet; run them with tensor_parallel_size=1")
     from specdeploy.deploy.vlm import has_vision
 
     hf_config = getattr(model, "hf_config", None) or {}
@@ -221,15 +216,27 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     return _with_vision(out, model_path, embed, dtype) if vision else out
 
 
-def _per_rank_loading(opts: BuildOptions, model: nn.Module | None):
+def _per_rank_loading(opts: BuildOptions, model: nn.Module | None, model_path=None):
     """A sharded CPU build loads lazily: each rank reads only what it keeps (checkpoint/lazy)."""
     from specdeploy.checkpoint.lazy import LazyWeights
 
     d = opts.dist
     if model is not None or d is None or d.world_size == 1 or opts.device.type != "cpu" or \
-            "shard" in opts.disabled:
+            "shard" in opts.disabled or _prequantized(model_path):
         return None
     return LazyWeights()
+
+
+def _prequantized(path) -> bool:
+    """A pre-quantized (FP8 / NVFP4) checkpoint. NOTE: it loads whole on every rank: its
+    quantized tensors are recorded as the loader reads each weight (checkpoint/prequant.py),
+    which lazy loading would defer past `attach`; the shard transform then slices them."""
+    from specdeploy.checkpoint import open_checkpoint
+    from specdeploy.checkpoint.quant_config import detect_quant_config
+    from specdeploy.default_model import default_model_path
+
+    reader = open_checkpoint(default_model_path() if path is None else path)
+    return detect_quant_config(reader.path, reader.config, reader.keys()) is not None
 
 
 def _weight_bytes(model: nn.Module) -> int:

@@ -40,3 +40,6 @@ class DeployContext:
     prefix_caching: bool = False  # recurrent cached ops also declare checkpoint pools
     # per-rank loading: the weights' loaders, read by the shard transform (checkpoint/lazy.py)
     lazy: LazyWeights | None = None
+    # a pre-quantized checkpoint's weights the shard transform sliced: identity of the rank's
+    # fp slice -> (its quantized slice, FP8 input scale), read by prequantized_weights
+    prequant_slices: dict = field(default_factory=dict)

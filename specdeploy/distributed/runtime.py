@@ -248,6 +248,14 @@ def build_ranked(model_path, options, timeout: float = 60.0):
         memory = rank_memory(deployed, rss_before)
     except BaseException:
         stop_workers(procs, 0.1)
+        # NOTE: a refused build (e.g. a weight this tensor_parallel_size cannot cut) leaves the
+        # process able to build again: without this the next LLM(tensor_parallel_size=...) in it
+        # fails with "trying to initialize the default process group twice"
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: S110 - the build's own error is the one to raise
+                pass
         raise
     if me.rank != 0:
         serve_worker(deployed)

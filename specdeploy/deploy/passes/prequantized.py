@@ -35,7 +35,7 @@ def _key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride())
 
 
-def _weight_map(model: nn.Module) -> tuple[dict, object]:
+def weight_map(model: nn.Module) -> tuple[dict, object]:
     """Tensor identity → (quantized weight, FP8 input scale or None); and the PrequantInfo."""
     out, info = {}, getattr(model, "prequant", None)
     for prefix, mod in model.named_modules():
@@ -141,14 +141,15 @@ def _excluded_summary(info) -> str:
 
 
 def _no_weights(ctx: DeployContext) -> str | None:
-    if ctx.model is None or not _weight_map(ctx.model)[0]:
+    if ctx.model is None or not weight_map(ctx.model)[0]:
         return "not a pre-quantized checkpoint"
     return None
 
 
 @register(NAME, Stage.QUANTIZE, skip_if=_no_weights)
 def prequantized_weights(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
-    weights, info = _weight_map(ctx.model)
+    weights, info = weight_map(ctx.model)
+    weights.update(ctx.prequant_slices)  # this rank's cuts (deploy/passes/shard.py)
     n_lin = n_moe = 0
     stored, touched, freed = 0, set(), {}
     for node in list(gm.graph.nodes):
