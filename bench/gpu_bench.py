@@ -1,19 +1,23 @@
 """The GPU bench of issue 25, one run: the default model at batch size 1 (plain, shipped MTP and
-EAGLE-3 heads, n-gram lookup) against transformers' `generate` on the same device and weights;
-64 concurrent ShareGPT requests; a tiny hybrid's verify-step / decode-step time; on CUDA, plain
-decoding with CUDA graphs (`cuda_graphs=True`) too.
+EAGLE-3 heads, n-gram lookup; eager and with CUDA graphs) against transformers' `generate` on the
+same device and weights; 64 concurrent ShareGPT requests; a tiny hybrid's verify-step /
+decode-step time ratio.
 
     python bench/gpu_bench.py [--device cuda] [--dtype bfloat16] [--json-out FILE]
     python bench/gpu_bench.py --device cpu --dtype float32 --quick   # a smoke run anywhere
 
-Greedy, EOS ignored (both sides make the same number of tokens). Prints one JSON object.
+Greedy, EOS ignored (both sides make the same number of tokens). Prints one JSON object; with
+--json-out the file is rewritten after every phase, so a run cut short by its time limit still
+leaves what it measured. A phase that fails records its error and the others go on.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -50,13 +54,16 @@ def hf_decode_rate(model, ids: list[int], n: int, device: str) -> float:
 
 
 def bs1(args, spec: SpecConfig | None, prompt: list[int], cuda_graphs: bool = False) -> dict:
-    llm = LLM(None, dtype=args.dtype, device=args.device, max_batch_size=1, max_seq_len=1024,
-              spec=spec, cuda_graphs=cuda_graphs)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1,
+              max_seq_len=1024, spec=spec, cuda_graphs=cuda_graphs)
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    (out,) = llm.generate([prompt], sp)
+    rates, out = [], None
+    for _ in range(args.rounds):
+        (out,) = llm.generate([prompt], sp)
+        rates.append(out.metrics.decode_tokens_per_s)
     s = llm.stats()
-    return {"tokens_per_s": out.metrics.decode_tokens_per_s,
+    return {"tokens_per_s": sorted(rates)[len(rates) // 2], "rounds": rates,
             "mean_accepted_length": s.get("mean_accepted_length"), "token_ids": out.token_ids}
 
 
@@ -86,55 +93,104 @@ def hybrid_verify_ratio(args) -> dict:
     return {"decode_ms": 1e3 * decode, "verify_ms": 1e3 * verify, "ratio": verify / decode}
 
 
+class Phases:
+    """Runs named phases in order, each timed and guarded; the JSON is rewritten after each."""
+
+    def __init__(self, result: dict, path: str | None):
+        self.result, self.path = result, path
+        result["phase_s"], result["errors"] = {}, {}
+
+    def __call__(self, name: str, fn):
+        t = time.perf_counter()
+        try:
+            value = fn()
+        except Exception as e:  # a bench records a failure rather than stop the others
+            value = None
+            self.result["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            print(f"[{name}] FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        self.result["phase_s"][name] = round(time.perf_counter() - t, 2)
+        print(f"[{name}] {self.result['phase_s'][name]} s", file=sys.stderr, flush=True)
+        if self.path:
+            Path(self.path).write_text(json.dumps(self.result, indent=2) + "\n")
+        return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
+    ap.add_argument("--dataset", default="sharegpt", help="'sharegpt' or a JSONL of prompts")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2, help="batch-1 runs per row (median)")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if args.quick:
-        args.tokens, args.concurrency = 16, 4
-    probe = LLM(None, dtype=args.dtype, device=args.device, max_batch_size=1, max_seq_len=512)
-    prompt = probe.chat_ids([{"role": "user", "content": "Tell me a long story about a robot."}])
-    hf = hf_model_from_checkpoint(probe.model_path).to(args.device, getattr(torch, args.dtype))
-    hf_rate = hf_decode_rate(hf, prompt, args.tokens, args.device)
-    del probe
-    rows = {"plain": bs1(args, None, prompt)}
-    fixed = dict(controller="off")  # fixed K, as measured for issue 25
-    for name, spec in (("mtp", SpecConfig("mtp", 3, **fixed)),
-                       ("eagle3", SpecConfig("eagle3", 3, **fixed)),
-                       ("ngram", SpecConfig("ngram", 3, prompt_lookup_max=4, **fixed))):
-        rows[name] = bs1(args, spec, prompt)
-    if torch.device(args.device).type == "cuda":  # engine/cuda_graphs.py, not yet verified
-        try:
-            rows["plain_cuda_graphs"] = bs1(args, None, prompt, cuda_graphs=True)
-        except Exception as e:  # a bench records a failure rather than stop the others
-            rows["plain_cuda_graphs_error"] = f"{type(e).__name__}: {e}"
-    plain = rows["plain"]
-    for name, r in rows.items():
-        if not isinstance(r, dict):
-            continue
-        r["vs_transformers"] = r["tokens_per_s"] / hf_rate
-        r["vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
-        r["lossless"] = r.pop("token_ids") == plain["token_ids"] if name != "plain" else True
-    plain.pop("token_ids", None)
-    llm = LLM(None, dtype=args.dtype, device=args.device, max_batch_size=args.concurrency,
-              max_seq_len=1024)
-    ids = [llm.tokenizer.encode(t)[:512] for t in load_prompts("sharegpt", args.concurrency)]
-    conc = run_closed_loop(llm, ids, SamplingParams(max_tokens=args.tokens, ignore_eos=True),
-                           args.concurrency)
+        args.tokens, args.concurrency, args.rounds = 16, 4, 1
+    cuda = torch.device(args.device).type == "cuda"
     result = {
         "machine": machine(), "command": " ".join(sys.argv), "device": args.device,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "dtype": args.dtype, "tokens": args.tokens,
-        "transformers_bs1_tokens_per_s": hf_rate, "bs1": rows,
-        "concurrent": {"requests": len(ids), "tokens_per_s": conc["output_tokens_per_s"],
-                       "vs_transformers_bs1": conc["output_tokens_per_s"] / hf_rate},
-        "tiny_hybrid_verify_over_decode": hybrid_verify_ratio(args),
+        "dtype": args.dtype, "tokens": args.tokens, "bs1": {},
     }
+    phase = Phases(result, args.json_out)
+    probe = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1,
+                max_seq_len=512)
+    prompt = probe.chat_ids([{"role": "user", "content": "Tell me a long story about a robot."}])
+    model_path, tokenizer = probe.model_path, probe.tokenizer
+    del probe
+
+    def hf() -> float:
+        model = hf_model_from_checkpoint(model_path).to(args.device, getattr(torch, args.dtype))
+        return hf_decode_rate(model, prompt, args.tokens, args.device)
+
+    hf_rate = phase("transformers", hf)
+    result["transformers_bs1_tokens_per_s"] = hf_rate
+    rows = result["bs1"]
+    fixed = dict(controller="off")  # fixed K, as measured for issue 25
+    specs = {"plain": None,
+             "mtp": SpecConfig("mtp", 3, **fixed),
+             "eagle3": SpecConfig("eagle3", 3, **fixed),
+             "ngram": SpecConfig("ngram", 3, prompt_lookup_max=4, **fixed)}
+
+    def bs1_rows(g: bool) -> None:
+        for name, spec in specs.items():
+            key = name + ("_cuda_graphs" if g else "")
+            row = phase(key, lambda spec=spec: bs1(args, spec, prompt, cuda_graphs=g))
+            if row is not None:
+                rows[key] = row
+
+    def concurrent() -> dict:
+        llm = LLM(args.model, dtype=args.dtype, device=args.device,
+                  max_batch_size=args.concurrency, max_seq_len=1024, cuda_graphs=cuda)
+        ids = [tokenizer.encode(t)[:512] for t in load_prompts(args.dataset, args.concurrency)]
+        sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+        run_closed_loop(llm, ids[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)
+        conc = run_closed_loop(llm, ids, sp, args.concurrency)
+        out = {"requests": len(ids), "cuda_graphs": cuda,
+               "tokens_per_s": conc["output_tokens_per_s"], "wall_s": conc["wall_s"]}
+        if hf_rate:
+            out["vs_transformers_bs1"] = conc["output_tokens_per_s"] / hf_rate
+        return out
+
+    # the rows the goals are about first (CUDA graphs on a GPU): a run cut short keeps them
+    bs1_rows(cuda)
+    result["concurrent"] = phase("concurrent", concurrent)
+    result["tiny_hybrid_verify_over_decode"] = phase("hybrid_ratio",
+                                                     lambda: hybrid_verify_ratio(args))
+    if cuda:
+        bs1_rows(False)
+    for key, r in rows.items():
+        base = rows.get("plain_cuda_graphs" if key.endswith("_cuda_graphs") else "plain")
+        if hf_rate:
+            r["vs_transformers"] = r["tokens_per_s"] / hf_rate
+        if base is not None:
+            r["vs_plain"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["lossless"] = r["token_ids"] == base["token_ids"]
+    for r in rows.values():
+        r.pop("token_ids", None)
     print_json(result, args.json_out, indent=2)
 
 

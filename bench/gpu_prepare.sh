@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Here, before the device calls of bench/gpu_check.sh: the wheels the device image lacks (.whl/),
+# the default model's GGUF cut in two (.gpu/a, .gpu2/b: one device call carries at most 64 MiB),
+# its sha256 and 64 ShareGPT prompts as JSONL (.gpu2/). All three folders are git-ignored.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PY:-.venv/bin/python}
+mkdir -p .whl .gpu .gpu2
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp -d .whl gguf==0.19.0
+gguf=$($py -c "from specdeploy.default_model import default_model_path as p; print(p())")
+head -c $((35 * 1024 * 1024)) "$gguf" > .gpu/a
+tail -c +$((35 * 1024 * 1024 + 1)) "$gguf" > .gpu2/b
+(cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")") > .gpu2/sha256
+$py - <<'PY'
+import json
+
+from specdeploy.bench import load_prompts
+
+with open(".gpu2/prompts.jsonl", "w") as f:
+    for p in load_prompts("sharegpt", 64):
+        f.write(json.dumps({"prompt": p}) + "\n")
+PY
+ls -la .whl .gpu .gpu2
