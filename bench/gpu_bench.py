@@ -93,6 +93,71 @@ def hybrid_verify_ratio(args) -> dict:
     return {"decode_ms": 1e3 * decode, "verify_ms": 1e3 * verify, "ratio": verify / decode}
 
 
+@torch.inference_mode()
+def step_profile(args, prompt: list[int]) -> dict:
+    """Where a batch-1 decode step's time goes with CUDA graphs: the engine's step, the graph's
+    replay alone (GPU time), and the kernels of one eager run of the same step (torch.profiler:
+    how many launches, which kernels take the time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specdeploy.cache.metadata import Segment, build_metadata
+    from specdeploy.engine.cuda_graphs import install
+
+    cuda = torch.device(args.device).type == "cuda"
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1,
+              max_seq_len=1024, cuda_graphs=cuda)
+    eng, dev = llm.engine, args.device
+    target = getattr(eng.deployed, "target", eng.deployed)
+    runner = target.graph_runner or install(eng.deployed, 1, capture=False)  # CPU: a smoke run
+    eng.add_request(prompt, SamplingParams(max_tokens=400, ignore_eos=True))
+    for _ in range(40):  # prefill, then decode steps (captures the widths they reach)
+        eng.step()
+    _sync(dev)
+    steps = []
+    for _ in range(60):
+        t = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t)
+    key, replay = max((k for k in runner._graphs if k[1] == 1), default=None), None
+    if key is not None:
+        cap = runner._graphs[key]
+        _sync(dev)
+        t = time.perf_counter()
+        for _ in range(100):
+            cap.graph.replay()
+        _sync(dev)
+        replay = 1e3 * (time.perf_counter() - t) / 100
+    n = len(prompt) + 40
+    pages = list(range(-(-(n + 1) // target.plan.page_size)))
+    meta = build_metadata([Segment([5], n, pages, 0)])
+    static = runner._static(meta, 1)
+    feed = target._feed(static)
+    target._fn(*feed)
+    _sync(dev)
+    t = time.perf_counter()
+    for _ in range(10):
+        target._fn(*feed)
+    _sync(dev)
+    eager = (time.perf_counter() - t) / 10
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        target._fn(*feed)
+        _sync(dev)
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    launches = sum(e.count for e in kernels)
+    gpu_us = sum(e.self_device_time_total for e in kernels)
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
+    cpu_top = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU"),
+                     key=lambda e: -e.self_cpu_time_total)[:12]
+    return {"engine_step_ms": 1e3 * sorted(steps)[len(steps) // 2],
+            "graph_replay_ms": replay, "graph_key": key,
+            "eager_forward_ms": 1e3 * eager, "kernel_launches": launches,
+            "kernel_gpu_ms": gpu_us / 1e3,
+            "top_kernels": [[e.key[:90], e.count, round(e.self_device_time_total, 1)]
+                            for e in top],
+            "top_cpu_ops": [[e.key[:60], e.count, round(e.self_cpu_time_total, 1)]
+                            for e in cpu_top]}
+
+
 class Phases:
     """Runs named phases in order, each timed and guarded; the JSON is rewritten after each."""
 
@@ -175,6 +240,7 @@ def main() -> None:
             out["vs_transformers_bs1"] = conc["output_tokens_per_s"] / hf_rate
         return out
 
+    result["step_profile"] = phase("step_profile", lambda: step_profile(args, prompt))
     # the rows the goals are about first (CUDA graphs on a GPU): a run cut short keeps them
     bs1_rows(cuda)
     result["concurrent"] = phase("concurrent", concurrent)

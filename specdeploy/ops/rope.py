@@ -49,7 +49,8 @@ def rope_cos_sin(
 
 def _merge_mrope(freqs: torch.Tensor, section: list[int], interleaved: bool) -> torch.Tensor:
     half = freqs.shape[-1]
-    axis = torch.zeros(half, dtype=torch.long)
+    # built where the positions are: a host constant copied in would break CUDA-graph capture
+    axis = torch.zeros(half, dtype=torch.long, device=freqs.device)
     if interleaved:
         # slot j with j % 3 == a < 3 and j < 3 * section[a] is axis a (1, 2); the rest temporal
         for a in (1, 2):
@@ -59,7 +60,7 @@ def _merge_mrope(freqs: torch.Tensor, section: list[int], interleaved: bool) -> 
         for a, n in enumerate(section):
             axis[start : start + n] = a
             start += n
-    index = axis.to(freqs.device)[None, None, None, :].expand(1, *freqs.shape[1:])
+    index = axis[None, None, None, :].expand(1, *freqs.shape[1:])
     return freqs.gather(0, index)[0]
 
 
