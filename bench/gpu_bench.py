@@ -1,7 +1,8 @@
 """The GPU bench of issue 25, one run: the default model at batch size 1 (plain, shipped MTP and
-EAGLE-3 heads, n-gram lookup; eager and with CUDA graphs) against transformers' `generate` on the
-same device and weights; 64 concurrent ShareGPT requests; a tiny hybrid's verify-step /
-decode-step time ratio.
+EAGLE-3 heads, n-gram lookup, each at fixed K = 3 and under the cost controller; CUDA graphs,
+plus plain eager and plain without the Triton kernels) against transformers' `generate` on the
+same device and weights; where a decode step's time goes (`step_profile`); 64 concurrent
+ShareGPT requests; a tiny hybrid's verify-step / decode-step time ratio.
 
     python bench/gpu_bench.py [--device cuda] [--dtype bfloat16] [--json-out FILE]
     python bench/gpu_bench.py --device cpu --dtype float32 --quick   # a smoke run anywhere
@@ -218,14 +219,27 @@ def main() -> None:
     specs = {"plain": None,
              "mtp": SpecConfig("mtp", 3, **fixed),
              "eagle3": SpecConfig("eagle3", 3, **fixed),
-             "ngram": SpecConfig("ngram", 3, prompt_lookup_max=4, **fixed)}
+             "ngram": SpecConfig("ngram", 3, prompt_lookup_max=4, **fixed),
+             # the cost controller (the default): drafts only where they pay on this device
+             "mtp_ctl": SpecConfig("mtp", 3),
+             "eagle3_ctl": SpecConfig("eagle3", 3),
+             "ngram_ctl": SpecConfig("ngram", 3, prompt_lookup_max=4)}
 
-    def bs1_rows(g: bool) -> None:
-        for name, spec in specs.items():
+    def bs1_rows(g: bool, names) -> None:
+        for name in names:
             key = name + ("_cuda_graphs" if g else "")
-            row = phase(key, lambda spec=spec: bs1(args, spec, prompt, cuda_graphs=g))
+            row = phase(key, lambda spec=specs[name]: bs1(args, spec, prompt, cuda_graphs=g))
             if row is not None:
                 rows[key] = row
+
+    def without_triton() -> dict:
+        from specdeploy.ops import gpu_kernels
+
+        gpu_kernels.set_enabled(False)
+        try:
+            return bs1(args, None, prompt, cuda_graphs=True)
+        finally:
+            gpu_kernels.set_enabled(True)
 
     def concurrent() -> dict:
         llm = LLM(args.model, dtype=args.dtype, device=args.device,
@@ -242,14 +256,18 @@ def main() -> None:
 
     result["step_profile"] = phase("step_profile", lambda: step_profile(args, prompt))
     # the rows the goals are about first (CUDA graphs on a GPU): a run cut short keeps them
-    bs1_rows(cuda)
+    bs1_rows(cuda, specs)
+    if cuda:  # the same step without the Triton kernels (ops/gpu_kernels.py): the torch ops
+        row = phase("plain_cuda_graphs_torch_ops", without_triton)
+        if row is not None:
+            rows["plain_cuda_graphs_torch_ops"] = row
     result["concurrent"] = phase("concurrent", concurrent)
     result["tiny_hybrid_verify_over_decode"] = phase("hybrid_ratio",
                                                      lambda: hybrid_verify_ratio(args))
     if cuda:
-        bs1_rows(False)
+        bs1_rows(False, ["plain"])
     for key, r in rows.items():
-        base = rows.get("plain_cuda_graphs" if key.endswith("_cuda_graphs") else "plain")
+        base = rows.get("plain_cuda_graphs" if "_cuda_graphs" in key else "plain")
         if hf_rate:
             r["vs_transformers"] = r["tokens_per_s"] / hf_rate
         if base is not None:

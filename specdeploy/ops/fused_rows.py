@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdeploy.ops import row_kernels
+from specdeploy.ops import gpu_kernels, row_kernels
 from specdeploy.ops.norm import rms_norm_ref
 
 __all__ = ["add_rms_norm_ref", "silu_mul_ref"]
@@ -26,7 +26,9 @@ def silu_mul_ref(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def _add_rms_norm_kernel(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = row_kernels.add_rms_norm(a, b, weight, eps)
+    out = gpu_kernels.add_rms_norm(a, b, weight, eps) if a.is_cuda else None
+    if out is None:
+        out = row_kernels.add_rms_norm(a, b, weight, eps)
     if out is not None:
         return out
     s = a + b
@@ -34,7 +36,9 @@ def _add_rms_norm_kernel(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
 
 
 def _silu_mul_kernel(x: torch.Tensor, n: int) -> torch.Tensor:
-    out = row_kernels.silu_mul(x, n)
+    out = gpu_kernels.silu_mul(x, n) if x.is_cuda else None
+    if out is None:
+        out = row_kernels.silu_mul(x, n)
     return silu_mul_ref(x, n) if out is None else out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdeploy.ops import row_kernels
+from specdeploy.ops import gpu_kernels, row_kernels
 from specdeploy.ops.autograd import register_recompute_autograd
 
 __all__ = ["rms_norm_ref", "gated_rms_norm_ref"]
@@ -44,6 +44,10 @@ def gated_rms_norm_ref(
 
 
 def _rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda and not torch.is_grad_enabled():
+        out = gpu_kernels.rms_norm(x, weight, eps)  # one Triton launch (ops/gpu_kernels.py)
+        if out is not None:
+            return out
     out = row_kernels.rms_norm(x, weight, eps)  # CPU fp32: one C call (row_kernels.c)
     if out is not None:
         return out

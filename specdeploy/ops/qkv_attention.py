@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specdeploy.ops import attention_rows, row_kernels
+from specdeploy.ops import attention_rows, gpu_kernels, row_kernels
 from specdeploy.ops.cached_attention import cached_attention_impl
 from specdeploy.ops.rope import _rope_kernel
 
@@ -77,6 +77,12 @@ def _qkv_attention_kernel(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                           cache_lens_host: torch.Tensor, page_table: torch.Tensor, scale: float,
                           sliding_window: int, slot_mapping: torch.Tensor | None, hq: int,
                           hkv: int, d: int) -> torch.Tensor:
+    if qkv.is_cuda:  # a uniform step (decode, verify) in two Triton launches (gpu_kernels)
+        out = gpu_kernels.qkv_attention(qkv, cos, sin, k_cache, v_cache, cu_seqlens_host,
+                                        cache_lens_host, page_table, cache_lens, scale,
+                                        sliding_window, slot_mapping, hq, hkv, d)
+        if out is not None:
+            return out
     if not _fast(qkv, cos, sin, k_cache, v_cache, cu_seqlens_host, cache_lens_host, page_table,
                  slot_mapping, sliding_window, hq, hkv, d):
         return qkv_attention_ref(qkv, cos, sin, k_cache, v_cache, cu_seqlens, cu_seqlens_host,

@@ -1,0 +1,156 @@
+"""The Triton kernels of `gpu_kernels` and their launchers (imported only where Triton is).
+Shapes and the math each one reproduces are in `gpu_kernels`' docstrings; every kernel loads
+in the tensors' dtype, computes in fp32, and rounds where the torch chain it replaces rounds."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _rms_norm_k(x_ptr, b_ptr, w_ptr, out_ptr, total_ptr, n, sx, sb, so, st, eps,
+                HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
+    if HAS_B:  # the residual sum, rounded to the dtype as `a + b` is, then normed
+        b = tl.load(b_ptr + row * sb + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
+        tl.store(total_ptr + row * st + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * so + cols, ((xf * r) * w).to(x.dtype), mask=mask)
+
+
+def rms_norm_rows(x, b, weight, eps, out, total) -> None:
+    rows, n = x.shape
+    block = triton.next_power_of_2(n)
+    _rms_norm_k[(rows,)](x, x if b is None else b, weight, out, out if total is None else total,
+                         n, x.stride(0), 0 if b is None else b.stride(0), out.stride(0),
+                         0 if total is None else total.stride(0), float(eps),
+                         HAS_B=b is not None, BLOCK=block)
+
+
+@triton.jit
+def _silu_mul_k(x_ptr, out_ptr, n, sx, so, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * sx + n + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu rounds to the dtype, then the mul
+    tl.store(out_ptr + row * so + cols, (silu.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
+             mask=mask)
+
+
+def silu_mul_rows(x, n, out) -> None:
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul_k[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0),
+                                                     BLOCK=block)
+
+
+@triton.jit
+def _rope_write_k(qkv_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, q_ptr, s_qkv, s_cos,
+                  r, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)  # q heads, then k heads (each with its v head)
+    j = tl.arange(0, D)
+    half = r // 2
+    rot = j < r
+    partner = tl.where(j < half, j + half, j - half)
+    base = qkv_ptr + t * s_qkv + h * D
+    x = tl.load(base + j)
+    xp = tl.load(base + partner, mask=rot, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * s_cos + j, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * s_cos + j, mask=rot, other=0.0).to(tl.float32)
+    xf = x.to(tl.float32)
+    y = tl.where(rot, xf * c + tl.where(j < half, -xp, xp) * s, xf).to(x.dtype)
+    if h < HQ:
+        tl.store(q_ptr + (t * HQ + h) * D + j, y)
+    else:
+        kh = h - HQ
+        row = tl.load(slot_ptr + t)
+        tl.store(kc_ptr + (row * HKV + kh) * D + j, y)
+        v = tl.load(qkv_ptr + t * s_qkv + (HQ + HKV + kh) * D + j)
+        tl.store(vc_ptr + (row * HKV + kh) * D + j, v)
+
+
+def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, q, hq, hkv, d) -> None:
+    """qkv [T, >= (Hq + 2 Hkv) D]; cos, sin [T, R]; caches [pages, page_size, Hkv, D]."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos.stride(-1) == 1
+            and sin.stride() == cos.stride()):
+        raise ValueError("rope_write_kv: needs contiguous caches and rows of cos / sin")
+    _rope_write_k[(qkv.shape[0], hq + hkv)](qkv, cos, sin, k_cache, v_cache, slot_mapping, q,
+                                            qkv.stride(0), cos.stride(0), cos.shape[-1],
+                                            HQ=hq, HKV=hkv, D=d)
+
+
+@triton.jit
+def _attend_block(q, start, pos, seq, kh, pt_ptr, kc_ptr, vc_ptr, width, s_pt, page_size, m,
+                  den, acc, HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys start..start+BLOCK_N of one (sequence, head) into the online softmax."""
+    d = tl.arange(0, D)
+    j = start + tl.arange(0, BLOCK_N)
+    valid = (j <= pos) & (j // page_size < width)
+    page = tl.load(pt_ptr + seq * s_pt + j // page_size, mask=valid, other=0)
+    row = (page * page_size + j % page_size) * HKV + kh
+    k = tl.load(kc_ptr + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+    scores = tl.where(valid, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=0))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new)
+    v = tl.load(vc_ptr + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+    den = den * alpha + tl.sum(p, axis=0)
+    return m_new, den, acc
+
+
+@triton.jit
+def _paged_attn_k(q_ptr, kc_ptr, vc_ptr, pt_ptr, lens_ptr, out_ptr, scale, n, width, s_pt,
+                  page_size, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = t // n
+    pos = tl.load(lens_ptr + seq) + t % n  # this query's position: keys 0..pos
+    kh = h // (HQ // HKV)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (t * HQ + h) * D + d).to(tl.float32) * scale
+    m = tl.full((), float("-inf"), tl.float32)
+    den = tl.full((), 0.0, tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    if BLOCKS > 0:  # Triton's interpreter: a loop bound read from memory does not run there
+        for b in range(0, BLOCKS):
+            m, den, acc = _attend_block(q, b * BLOCK_N, pos, seq, kh, pt_ptr, kc_ptr, vc_ptr,
+                                        width, s_pt, page_size, m, den, acc, HKV, D, BLOCK_N)
+    else:
+        for start in range(0, pos + 1, BLOCK_N):
+            m, den, acc = _attend_block(q, start, pos, seq, kh, pt_ptr, kc_ptr, vc_ptr, width,
+                                        s_pt, page_size, m, den, acc, HKV, D, BLOCK_N)
+    tl.store(out_ptr + (t * HQ + h) * D + d, (acc / den).to(out_ptr.dtype.element_ty))
+
+
+def paged_attention(q, k_cache, v_cache, page_table, cache_lens, scale, n, out) -> None:
+    """q [T, Hq, D] (T = S * n, query i of sequence s at cache_lens[s] + i, its own key
+    written); page_table [S, W]; out [T, Hq, D]."""
+    t, hq, d = q.shape
+    hkv, page_size = k_cache.shape[2], k_cache.shape[1]
+    if page_table.stride(-1) != 1:
+        page_table = page_table.contiguous()
+    _paged_attn_k[(t, hq)](q, k_cache, v_cache, page_table, cache_lens, out, float(scale), n,
+                           page_table.shape[1], page_table.stride(0), page_size,
+                           HQ=hq, HKV=hkv, D=d, BLOCK_N=64,
+                           BLOCKS=triton.cdiv(page_table.shape[1] * page_size, 64)
+                           if _INTERPRET else 0)
+
+
+__all__ = ["rms_norm_rows", "silu_mul_rows", "rope_write_kv", "paged_attention", "torch"]

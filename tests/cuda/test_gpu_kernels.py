@@ -1,0 +1,133 @@
+"""The Triton kernels of ops/gpu_kernels.py against the torch refs they replace: RMSNorm, residual
+add + RMSNorm, the SiLU-gated product, and a uniform step's attention from a fused q/k/v
+projection (RoPE, the paged-cache writes, paged attention; decode and verify shapes, GQA,
+partial rotary, odd cache lengths). The caches the kernels write are compared too.
+
+On a CUDA device (`cuda` marker). Where Triton is installed but no GPU is, the same checks run
+on the CPU under Triton's interpreter, in a subprocess (TRITON_INTERPRET must be set before
+Triton is imported): `test_kernels_under_the_interpreter`."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdeploy.ops import gpu_kernels as gk
+from specdeploy.ops.fused_rows import add_rms_norm_ref, silu_mul_ref
+from specdeploy.ops.norm import rms_norm_ref
+from specdeploy.ops.qkv_attention import qkv_attention_ref
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED else "cuda"
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative to the expected tensor's max
+
+
+def _device_checks(fn):
+    """The kernel checks: on CUDA (cuda marker), or under the interpreter (no marker)."""
+    return fn if INTERPRETED else pytest.mark.cuda(fn)
+
+
+@pytest.fixture(autouse=True)
+def _strict(monkeypatch):
+    """A kernel that fails must fail the test, not fall back to the torch ops quietly."""
+    if not INTERPRETED and not torch.cuda.is_available():
+        yield
+        return
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def fail(what, e):
+        raise AssertionError(f"the Triton {what} kernel failed") from e
+
+    monkeypatch.setattr(gk, "_failed", fail)
+    gk.set_enabled(True)
+    yield
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got is not None and got.shape == want.shape and got.dtype == want.dtype
+    err = (got.double().cpu() - want.double().cpu()).abs().max().item()
+    assert err <= TOL[dtype] * max(want.double().abs().max().item(), 1e-6), err
+
+
+@_device_checks
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 576), (7, 96), (13, 200)])
+def test_rms_norm_and_add(dtype, rows, n):
+    x, b = (torch.randn(rows, n).to(dtype) for _ in range(2))
+    w = torch.randn(n).to(dtype)
+    want = rms_norm_ref(x, w, 1e-5)
+    dev = [t.to(DEVICE) for t in (x, w, b)]
+    _close(gk.rms_norm(dev[0], dev[1], 1e-5), want, dtype)
+    total, normed = gk.add_rms_norm(dev[0], dev[2], dev[1], 1e-5)
+    want_total, want_normed = add_rms_norm_ref(x, b, w, 1e-5)
+    _close(total, want_total, dtype)
+    _close(normed, want_normed, dtype)
+
+
+@_device_checks
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,extra", [(1, 1536, 0), (5, 37, 3), (3, 1100, 0)])
+def test_silu_mul(dtype, rows, n, extra):
+    x = torch.randn(rows, 2 * n + extra).to(dtype)
+    _close(gk.silu_mul(x.to(DEVICE), n), silu_mul_ref(x, n), dtype)
+
+
+def _attention_case(n: int, hq: int, hkv: int, d: int, r: int, dtype: torch.dtype):
+    """S = 3 sequences of n queries each at odd cache lengths, pages scattered in the cache."""
+    ps, pages, width = 16, 40, 4
+    lens = torch.tensor([5, 33, 17])
+    s = lens.shape[0]
+    table = torch.randperm(pages - 1)[: s * width].view(s, width)
+    kc, vc = (torch.randn(pages, ps, hkv, d).to(dtype) for _ in range(2))
+    qkv = torch.randn(1, s * n, (hq + 2 * hkv) * d + 3).to(dtype)
+    pos = (lens[:, None] + torch.arange(n)).reshape(-1)
+    freqs = pos[:, None].float() / 10000 ** (torch.arange(0, r, 2).float() / r)
+    emb = torch.cat((freqs, freqs), -1)
+    slot = table[torch.arange(s).repeat_interleave(n), pos // ps] * ps + pos % ps
+    cu = torch.arange(0, s * n + 1, n)
+    return (qkv, emb.cos()[None], emb.sin()[None], kc, vc, cu, lens, table, slot)
+
+
+@_device_checks
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,hq,hkv,d,r", [(1, 9, 3, 64, 64), (4, 6, 2, 32, 16),
+                                          (3, 4, 4, 64, 64)])
+def test_qkv_attention_uniform_steps(dtype, n, hq, hkv, d, r):
+    qkv, cos, sin, kc, vc, cu, lens, table, slot = _attention_case(n, hq, hkv, d, r, dtype)
+    kc_want, vc_want = kc.clone(), vc.clone()
+    want = qkv_attention_ref(qkv, cos, sin, kc_want, vc_want, cu, cu, lens, lens, table,
+                             d ** -0.5, 0, slot, hq, hkv, d)
+    dev = [t.to(DEVICE) for t in (qkv, cos, sin, kc, vc, table, lens, slot)]
+    got = gk.qkv_attention(dev[0], dev[1], dev[2], dev[3], dev[4], cu, lens, dev[5], dev[6],
+                           d ** -0.5, 0, dev[7], hq, hkv, d)
+    _close(got, want, dtype)
+    _close(dev[3], kc_want, dtype)
+    _close(dev[4], vc_want, dtype)
+
+
+@_device_checks
+def test_other_steps_are_left_to_torch():
+    """Prefill chunks and mixed steps (not uniform), sliding windows: None (the torch chain)."""
+    qkv, cos, sin, kc, vc, cu, lens, table, slot = _attention_case(2, 4, 2, 32, 32,
+                                                                   torch.float32)
+    dev = [t.to(DEVICE) for t in (qkv, cos, sin, kc, vc, table, lens, slot)]
+    ragged = torch.tensor([0, 1, 3, 6])
+    args = (dev[0], dev[1], dev[2], dev[3], dev[4])
+    assert gk.qkv_attention(*args, ragged, lens, dev[5], dev[6], 0.1, 0, dev[7], 4, 2, 32) is None
+    assert gk.qkv_attention(*args, cu, lens, dev[5], dev[6], 0.1, 8, dev[7], 4, 2, 32) is None
+
+
+def test_kernels_under_the_interpreter():
+    """This file's checks on the CPU under Triton's interpreter (where Triton is installed)."""
+    if INTERPRETED:
+        pytest.skip("already under the interpreter")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+                          "-o", "addopts=", "-k", "not interpreter"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
