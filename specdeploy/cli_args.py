@@ -49,9 +49,11 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_cuda_graphs_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay decode steps as CUDA graphs per batch-size bucket (CUDA only; "
-                        "off by default: not yet verified on a GPU)")
+    p.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=None,
+                   help="require CUDA graphs: decode and verify steps replayed per batch-size "
+                        "bucket (the default on CUDA wherever they can serve)")
+    p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs",
+                   action="store_false", help="every step eager (vLLM's --enforce-eager)")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -115,7 +117,7 @@ def llm_from_args(args, max_batch_size: int):
                max_seq_len=args.max_seq_len, spec=spec_from_args(args),
                max_cache_gib=args.max_cache_gib,
                gpu_memory_utilization=args.gpu_memory_utilization,
-               cuda_graphs=getattr(args, "cuda_graphs", False),
+               cuda_graphs=getattr(args, "cuda_graphs", None),
                backend=args.backend, progress=True, compile=args.compile, kernels=args.kernels,
                enable_prefix_caching=args.enable_prefix_caching,
                generation_config=args.generation_config,

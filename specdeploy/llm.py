@@ -58,8 +58,10 @@ class LLM:
             instance may hold, weights and whatever else already uses the device included; the
             caches get the rest (cache/plan.py `cache_budget`; activations not reserved). At most
             one of the two; neither: half the memory free after loading.
-        cuda_graphs: replay decode steps as CUDA graphs, one per batch-size bucket (CUDA only;
-            engine/cuda_graphs.py). Off by default: not yet verified on a GPU.
+        cuda_graphs: replay decode and verify steps as CUDA graphs, one per batch-size bucket
+            (engine/cuda_graphs.py). None (default): on for a CUDA device wherever the runner
+            can serve (not with tensor parallelism or a vision-language target: eager there);
+            True: required (refused where it cannot serve); False: eager (vLLM's enforce_eager).
         tensor_parallel_size / expert_parallel_size: ranks (worker processes started here, or
             the processes of a torchrun launch) and MoE expert groups among them; rank 0 runs the
             engine. Under torchrun, a rank > 0 serves as a worker inside this constructor and
@@ -94,7 +96,7 @@ class LLM:
                  generation_config: str | os.PathLike | None = "auto",
                  speculative_config: dict | SpecConfig | None = None,
                  max_num_seqs: int | None = None, kv_cache_dtype: str = "auto",
-                 gpu_memory_utilization: float | None = None, cuda_graphs: bool = False,
+                 gpu_memory_utilization: float | None = None, cuda_graphs: bool | None = None,
                  threads: int | str | None = None):
         _check_threads(threads, kernels, device)
         import torch
@@ -160,10 +162,15 @@ class LLM:
         lay = self.deployed.layout
         log(f"ready in {time.perf_counter() - t0:.1f}s: {lay.num_pages} pages x {lay.page_size} "
             f"tokens, {lay.num_slots} slots, cache {lay.total_bytes / 2**20:.1f} MiB")
-        if cuda_graphs:
+        if cuda_graphs or (cuda_graphs is None and str(device).startswith("cuda")):
             from specdeploy.engine.cuda_graphs import install
 
-            install(self.deployed, max_batch_size)
+            try:
+                install(self.deployed, max_batch_size)
+            except ValueError as e:
+                if cuda_graphs:
+                    raise
+                log(f"CUDA graphs off ({e})")
         engine_cls = Engine
         if spec is not None:
             from specdeploy.engine.speculative import SpecEngine as engine_cls

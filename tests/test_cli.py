@@ -103,3 +103,25 @@ def test_generate_with_eagle3_and_lookup_flags(tiny_dir, tmp_path, capsys):
     assert main(args + ["--spec", "eagle3", "--draft-model", str(draft),
                         "--prompt-lookup-max", "2", "--prompt-lookup-num-tokens", "0"]) == 2
     assert "prompt_lookup_num_tokens" in capsys.readouterr().err
+
+
+def test_cuda_graphs_flags():
+    """--cuda-graphs requires them, --no-cuda-graphs / vLLM's --enforce-eager turn them off, and
+    without either LLM gets None (on where they can serve, on a CUDA device)."""
+    import argparse
+
+    from specdeploy.cli_args import add_cuda_graphs_arg
+
+    p = argparse.ArgumentParser()
+    add_cuda_graphs_arg(p)
+    assert p.parse_args([]).cuda_graphs is None
+    assert p.parse_args(["--cuda-graphs"]).cuda_graphs is True
+    assert p.parse_args(["--no-cuda-graphs"]).cuda_graphs is False
+    assert p.parse_args(["--enforce-eager"]).cuda_graphs is False
+
+
+def test_cuda_graphs_required_off_cuda_is_refused():
+    from specdeploy import LLM
+
+    with pytest.raises(ValueError, match="cuda_graphs: needs a CUDA device"):
+        LLM(None, cuda_graphs=True)

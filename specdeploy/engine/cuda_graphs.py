@@ -15,10 +15,11 @@ graph captured per (batch bucket, tokens, kind, width): attention's work off the
 table's width, so a graph of max_seq_len's pages would make every short step pay for the longest
 context, where these cost at most twice the step's own (a few more captures, log2 of the pages).
 
-NOTE: none of this has run on a GPU yet. `cuda_graphs=True` is off by default until
-tests/cuda/test_cuda_graphs.py (greedy output with graphs equals eager) has passed on one; on the
-CPU the runner's padded, static-shaped steps run eagerly (`capture=False`), and
-tests/engine/test_cuda_graphs.py checks that they leave greedy output unchanged.
+On by default on a CUDA device (`LLM(cuda_graphs=None)`); tests/cuda/test_cuda_graphs.py (greedy
+output with graphs equals eager, speculative equals plain, no host sync in a replay) passed on an
+H200 (bench/gpu_check.sh). On the CPU the runner's padded, static-shaped steps run eagerly
+(`capture=False`), and tests/engine/test_cuda_graphs.py checks that they leave greedy output
+unchanged.
 """
 from __future__ import annotations
 

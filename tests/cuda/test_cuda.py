@@ -56,3 +56,23 @@ def test_seeded_sampling_on_cuda(target):
     a = llm.generate(target.prompts[:3], p)
     b = llm.generate(target.prompts[:3], p)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_cuda_graphs_by_default(target):
+    """LLM on CUDA replays decode steps without being asked (vLLM's default); a target the
+    runner cannot serve (the tiny Qwen3.5 has a vision tower) runs eagerly instead of failing,
+    and eager output equals the replayed output."""
+    from specdeploy import LLM
+
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm = _llm(target)
+    dep = llm.engine.deployed
+    runner = getattr(dep, "target", dep).graph_runner
+    got = [o.token_ids for o in llm.generate(target.prompts[:3], params)]
+    if hasattr(dep, "image_features"):
+        assert runner is None
+    else:
+        assert runner is not None and runner.replays >= 10
+    eager = LLM(str(target.path), device="cuda", dtype="float32", cuda_graphs=False, **LIMITS)
+    assert getattr(eager.engine.deployed, "target", eager.engine.deployed).graph_runner is None
+    assert [o.token_ids for o in eager.generate(target.prompts[:3], params)] == got

@@ -1,7 +1,7 @@
 """CUDA-graph replay of decode and verify steps (engine/cuda_graphs.py) on a device: greedy output
 with graphs equals eager (and, speculating, plain), for the tiny attention, Mamba2-hybrid and
 GDN-hybrid targets; and a replayed step makes no host sync.
-NOTE: written without a GPU at hand; bench/gpu_check.sh runs it."""
+Run by bench/gpu_check.sh on a GPU machine."""
 from __future__ import annotations
 
 import pytest
