@@ -1,6 +1,6 @@
 """The GPU bench of issue 25, one run: the default model at batch size 1 (plain, shipped MTP and
 EAGLE-3 heads, n-gram lookup, each at fixed K = 3 and under the cost controller; CUDA graphs,
-plus plain eager and plain without the Triton kernels) against transformers' `generate` on the
+plus plain eager and plain with the Triton kernels) against transformers' `generate` on the
 same device and weights; where a decode step's time goes (`step_profile`); 64 concurrent
 ShareGPT requests; a tiny hybrid's verify-step / decode-step time ratio.
 
@@ -95,7 +95,7 @@ def hybrid_verify_ratio(args) -> dict:
 
 
 @torch.inference_mode()
-def step_profile(args, prompt: list[int]) -> dict:
+def step_profile(args, prompt: list[int], triton: bool = False) -> dict:
     """Where a batch-1 decode step's time goes with CUDA graphs: the engine's step, the graph's
     replay alone (GPU time), and the kernels of one eager run of the same step (torch.profiler:
     how many launches, which kernels take the time)."""
@@ -103,8 +103,10 @@ def step_profile(args, prompt: list[int]) -> dict:
 
     from specdeploy.cache.metadata import Segment, build_metadata
     from specdeploy.engine.cuda_graphs import install
+    from specdeploy.ops import gpu_kernels
 
     cuda = torch.device(args.device).type == "cuda"
+    gpu_kernels.set_enabled(triton)  # the phase runner turns them off again (`Phases`)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1,
               max_seq_len=1024, cuda_graphs=cuda)
     eng, dev = llm.engine, args.device
@@ -156,7 +158,7 @@ def step_profile(args, prompt: list[int]) -> dict:
             "top_kernels": [[e.key[:90], e.count, round(e.self_device_time_total, 1)]
                             for e in top],
             "top_cpu_ops": [[e.key[:60], e.count, round(e.self_cpu_time_total, 1)]
-                            for e in cpu_top]}
+                            for e in cpu_top], "triton": triton}
 
 
 class Phases:
@@ -167,6 +169,8 @@ class Phases:
         result["phase_s"], result["errors"] = {}, {}
 
     def __call__(self, name: str, fn):
+        from specdeploy.ops import gpu_kernels
+
         t = time.perf_counter()
         try:
             value = fn()
@@ -174,6 +178,7 @@ class Phases:
             value = None
             self.result["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             print(f"[{name}] FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        gpu_kernels.set_enabled(False)  # off by default: a phase that turned them on is over
         self.result["phase_s"][name] = round(time.perf_counter() - t, 2)
         print(f"[{name}] {self.result['phase_s'][name]} s", file=sys.stderr, flush=True)
         if self.path:
@@ -232,14 +237,14 @@ def main() -> None:
             if row is not None:
                 rows[key] = row
 
-    def without_triton() -> dict:
+    def with_triton() -> dict:
         from specdeploy.ops import gpu_kernels
 
-        gpu_kernels.set_enabled(False)
+        gpu_kernels.set_enabled(True)
         try:
             return bs1(args, None, prompt, cuda_graphs=True)
         finally:
-            gpu_kernels.set_enabled(True)
+            gpu_kernels.set_enabled(False)
 
     def concurrent() -> dict:
         llm = LLM(args.model, dtype=args.dtype, device=args.device,
@@ -255,12 +260,15 @@ def main() -> None:
         return out
 
     result["step_profile"] = phase("step_profile", lambda: step_profile(args, prompt))
+    if cuda:
+        result["step_profile_triton"] = phase("step_profile_triton",
+                                              lambda: step_profile(args, prompt, triton=True))
     # the rows the goals are about first (CUDA graphs on a GPU): a run cut short keeps them
     bs1_rows(cuda, specs)
-    if cuda:  # the same step without the Triton kernels (ops/gpu_kernels.py): the torch ops
-        row = phase("plain_cuda_graphs_torch_ops", without_triton)
+    if cuda:  # the same step with the Triton kernels (ops/gpu_kernels.py; off by default)
+        row = phase("plain_cuda_graphs_triton", with_triton)
         if row is not None:
-            rows["plain_cuda_graphs_torch_ops"] = row
+            rows["plain_cuda_graphs_triton"] = row
     result["concurrent"] = phase("concurrent", concurrent)
     result["tiny_hybrid_verify_over_decode"] = phase("hybrid_ratio",
                                                      lambda: hybrid_verify_ratio(args))

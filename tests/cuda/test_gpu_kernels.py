@@ -43,7 +43,7 @@ def _strict(monkeypatch):
         raise AssertionError(f"the Triton {what} kernel failed") from e
 
     monkeypatch.setattr(gk, "_failed", fail)
-    gk.set_enabled(True)
+    monkeypatch.setitem(gk._STATE, "on", True)  # off by default: these tests are what turn it on
     yield
 
 
