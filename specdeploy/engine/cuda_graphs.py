@@ -30,6 +30,7 @@ import torch
 from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, BatchMetadata, Segment, build_metadata
 from specdeploy.cache.padding import DUMMY_LEN, bucket_of, buckets_for, pad_batch, uniform_step
 from specdeploy.deploy.base import StepOutput
+from specdeploy.engine.graph_feed import flat_feed, static_width, uniform_shape
 from specdeploy.ops.cached_attention import UNIFORM_MAX
 
 
@@ -62,14 +63,23 @@ class CudaGraphRunner:
 
     def bucket(self, meta: BatchMetadata) -> int | None:
         """The bucket a step replays in, or None when it runs eagerly (see the module doc)."""
-        if meta.mm_rows or meta.mrope_positions is not None or meta.ckpt_tokens.numel():
+        if meta.mm_rows or meta.mrope_positions is not None:
             return None
-        shape, kind = uniform_step(meta), int(meta.seg_kind[0])
+        h = meta.lists  # the host lists when there are (engine/graph_feed.py), else tensors
+        if h is not None:
+            if h.ckpt_tokens:
+                return None
+            shape, kind, fresh = uniform_shape(h), h.kinds[0], min(h.cache_lens) <= 0
+        else:
+            if meta.ckpt_tokens.numel():
+                return None
+            shape, kind = uniform_step(meta), int(meta.seg_kind[0])
+            fresh = not bool((meta.cache_lens > 0).all())
         decode = shape == (1, 1) and kind == SEG_NORMAL
         verify = shape is not None and kind == SEG_EXTEND and shape[0] == shape[1] <= UNIFORM_MAX
         if not (decode or verify):
             return None
-        if not bool((meta.cache_lens > 0).all()) or meta.page_table.shape[1] > self.max_pages:
+        if fresh or meta.page_table.shape[1] > self.max_pages:
             return None  # NOTE: a decode always follows a prefill; the check keeps it honest
         return bucket_of(meta.num_seqs, self.buckets)
 
@@ -78,19 +88,33 @@ class CudaGraphRunner:
         bucket = self.bucket(meta)
         if bucket is None:
             return None
-        static = self._static(meta, bucket)
         if not self.capture:  # the CPU check: the same padded, static-shaped step, eagerly
-            out = self.target._fn(*self.target._feed(static))
+            out = self.target._fn(*self.target._feed(self._static(meta, bucket)))
         else:
-            key = (bucket, meta.num_tokens // meta.num_seqs, int(meta.seg_kind[0]),
-                   static.page_table.shape[1])
+            n, flat = meta.num_tokens // meta.num_seqs, None
+            if meta.lists is not None:  # host lists: the buffer in Python (graph_feed.py)
+                width = static_width(meta.lists, n, bucket, self.page_size, self.widths)
+                flat = torch.tensor(self.feed(meta, bucket, width), dtype=torch.long)
+            else:
+                static = self._static(meta, bucket)
+                width = static.page_table.shape[1]
+            key = (bucket, n, int(meta.seg_kind[0]), width)
             cap = self._graphs.get(key) or self._capture(*key)
-            flat = torch.cat([t.reshape(-1) for t in self.target.device_inputs(static).values()])
+            if flat is None:
+                flat = torch.cat([t.reshape(-1)
+                                  for t in self.target.device_inputs(static).values()])
             cap.flat.copy_(flat.pin_memory(), non_blocking=True)
             cap.graph.replay()
             out = cap.out
         self.replays += 1
         return _real_rows(out, meta)
+
+    def feed(self, meta: BatchMetadata, bucket: int, width: int) -> list[int]:
+        """The graph's flat input buffer of a step with host lists (graph_feed.flat_feed)."""
+        return flat_feed(meta.lists, bucket, width, page_size=self.page_size,
+                         scratch_page=self.scratch_page, scratch_slot=self.scratch_slot,
+                         mrope=self.target.mrope,
+                         slot_mapping="slot_mapping" in self.target._input_names)
 
     def _static(self, meta: BatchMetadata, bucket: int) -> BatchMetadata:
         """Padded to the bucket, the page table widened to its page-width bucket (dummy rows:

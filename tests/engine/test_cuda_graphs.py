@@ -3,6 +3,8 @@
 must not take are left to the eager path; what it cannot serve is refused."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -75,6 +77,9 @@ def test_only_uniform_steps_are_taken(target):
     nine = build_metadata([Segment([5], 3, pages, i % 8) for i in range(9)])
     for meta in (prefill, ragged, one_logit, fresh, ckpt, nine):
         assert runner.bucket(meta) is None
+        assert runner.bucket(replace(meta, lists=None)) is None  # the tensor path agrees
+    for meta, b in ((decode, 2), (verify, 4)):
+        assert runner.bucket(replace(meta, lists=None)) == b
     static = runner._static(decode, 2)
     assert static.page_table.shape == (2, 4)  # its width bucket (max_pages: 4 or 16 here)
     if runner.max_pages > 5:  # page size 16: a row of 5 pages widens to 8, not to max_pages
@@ -85,6 +90,49 @@ def test_only_uniform_steps_are_taken(target):
     three = runner._static(build_metadata([Segment([5], 3, pages, 0)] * 3), 4)
     assert three.slot_idx.tolist() == [0, 0, 0, runner.scratch_slot]
     assert (three.page_table[3] == runner.scratch_page).all()
+
+
+def _feed_cases(ps: int) -> dict[str, list[Segment]]:
+    """Replayable steps: padded or not, decode or verify, rows of different page counts."""
+    return {
+        "decode_1": [Segment([7], ps + 3, [4, 9], 2)],
+        "decode_3_padded": [Segment([5], 3, [1], 0), Segment([6], 2 * ps + 1, [2, 6, 3], 1),
+                            Segment([8], ps, [5, 7], 3)],
+        "decode_5_pages": [Segment([5], 4 * ps + 2, [1, 2, 3, 4, 8], 0)],
+        "verify_2x4": [Segment([5, 6, 7, 8], 9, [3], 0, 4, SEG_EXTEND),
+                       Segment([1, 2, 3, 4], ps + 5, [6, 2], 1, 4, SEG_EXTEND)],
+        "verify_3x2_padded": [Segment([5, 6], 3 + i, [i + 1], i, 2, SEG_EXTEND)
+                              for i in range(3)],
+    }
+
+
+@pytest.mark.parametrize("case", list(_feed_cases(16)))
+def test_host_list_feed_equals_the_tensor_path(target, case):
+    """graph_feed over the step's host lists gives the graph the same buffer, page width and
+    bucket as padding, widening and concatenating its tensors (the path without lists)."""
+    from specdeploy.deploy.build import build
+    from specdeploy.engine.graph_feed import static_width
+
+    dep = build(str(target.path), vision=False, **LIMITS)
+    runner = install(dep, LIMITS["max_batch_size"], capture=False)
+    segs = _feed_cases(runner.page_size)[case]
+    meta = build_metadata(segs)
+    bare = replace(meta, lists=None)
+    b = runner.bucket(meta)
+    if max(len(s.pages) for s in segs) > runner.max_pages:  # past max_seq_len: eager, both
+        assert b is None and runner.bucket(bare) is None
+        return
+    assert b is not None and b == runner.bucket(bare)
+    static = runner._static(bare, b)
+    want = torch.cat([t.reshape(-1) for t in dep_target(dep).device_inputs(static).values()])
+    width = static_width(meta.lists, meta.num_tokens // meta.num_seqs, b, runner.page_size,
+                         runner.widths)
+    assert width == static.page_table.shape[1]
+    assert runner.feed(meta, b, width) == want.tolist()
+
+
+def dep_target(dep):
+    return getattr(dep, "target", dep)
 
 
 def test_page_widths():
