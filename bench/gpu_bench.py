@@ -69,9 +69,11 @@ def bs1(args, spec: SpecConfig | None, prompt: list[int], cuda_graphs: bool = Fa
 
 
 def hybrid_verify_ratio(args) -> dict:
-    """verify (1 + K tokens) / decode step time of a tiny NemotronH at batch size 1."""
+    """verify (1 + K tokens) / decode step time of a tiny NemotronH at batch size 1, eager and
+    (on CUDA) replayed as CUDA graphs (the runner's steps, as the engine runs them)."""
     from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
     from specdeploy.deploy.build import build
+    from specdeploy.engine.cuda_graphs import install
     from specdeploy.models.registry import family_module
 
     path = family_module("nemotron_h").make_tiny(Path(tempfile.mkdtemp()) / "h", mtp_layers=1)
@@ -91,7 +93,15 @@ def hybrid_verify_ratio(args) -> dict:
 
     decode = timed(Segment([5], 32, [0, 1, 2], 0, 1))
     verify = timed(Segment([5, 6, 7, 8], 32, [0, 1, 2], 0, 4, SEG_EXTEND))
-    return {"decode_ms": 1e3 * decode, "verify_ms": 1e3 * verify, "ratio": verify / decode}
+    out = {"decode_ms": 1e3 * decode, "verify_ms": 1e3 * verify, "ratio": verify / decode}
+    if torch.device(args.device).type == "cuda":
+        install(dep, 1)  # dep.forward now replays the uniform steps
+        decode = timed(Segment([5], 32, [0, 1, 2], 0, 1))
+        verify = timed(Segment([5, 6, 7, 8], 32, [0, 1, 2], 0, 4, SEG_EXTEND))
+        out["cuda_graphs"] = {"decode_ms": 1e3 * decode, "verify_ms": 1e3 * verify,
+                              "ratio": verify / decode,
+                              "replays": dep.graph_runner.replays}
+    return out
 
 
 @torch.inference_mode()
