@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -247,6 +248,13 @@ def main() -> None:
             if row is not None:
                 rows[key] = row
 
+    def with_draft_graphs(name: str) -> dict:  # the drafter's graphs (off by default)
+        os.environ["SPECDEPLOY_DRAFT_GRAPHS"] = "1"
+        try:
+            return bs1(args, specs[name], prompt, cuda_graphs=True)
+        finally:
+            del os.environ["SPECDEPLOY_DRAFT_GRAPHS"]
+
     def with_triton() -> dict:
         from specdeploy.ops import gpu_kernels
 
@@ -279,6 +287,11 @@ def main() -> None:
         row = phase("plain_cuda_graphs_triton", with_triton)
         if row is not None:
             rows["plain_cuda_graphs_triton"] = row
+        for name in ("mtp", "eagle3"):
+            row = phase(f"{name}_cuda_graphs_drafter_graphs",
+                        lambda name=name: with_draft_graphs(name))
+            if row is not None:
+                rows[f"{name}_cuda_graphs_drafter_graphs"] = row
     result["concurrent"] = phase("concurrent", concurrent)
     result["tiny_hybrid_verify_over_decode"] = phase("hybrid_ratio",
                                                      lambda: hybrid_verify_ratio(args))

@@ -165,8 +165,9 @@ class LLM:
         if cuda_graphs or (cuda_graphs is None and str(device).startswith("cuda")):
             from specdeploy.engine.cuda_graphs import install
 
-            try:
-                install(self.deployed, max_batch_size)
+            try:  # the drafter's graphs: not yet checked on a GPU (engine/cuda_graphs.install)
+                install(self.deployed, max_batch_size,
+                        drafts=os.environ.get("SPECDEPLOY_DRAFT_GRAPHS") == "1")
             except ValueError as e:
                 if cuda_graphs:
                     raise

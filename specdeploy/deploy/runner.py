@@ -130,8 +130,8 @@ class GraphDeployed:
     def forward(self, meta: BatchMetadata, hidden: torch.Tensor | None = None) -> StepOutput:
         """One step. `hidden` [T, H] feeds a drafter graph (the third exported input). With a
         `graph_runner` (engine/cuda_graphs.py) the steps it takes replay a CUDA graph."""
-        if self.graph_runner is not None and hidden is None:
-            replayed = self.graph_runner.run(meta)
+        if self.graph_runner is not None:
+            replayed = self.graph_runner.run(meta, hidden)
             if replayed is not None:
                 return replayed
         out = self._fn(*self._feed(meta, hidden))

@@ -39,6 +39,7 @@ class _Captured:
     graph: object  # torch.cuda.CUDAGraph
     flat: torch.Tensor  # the static device buffer of the bucket's int64 metadata
     out: tuple  # the graph's static outputs (overwritten by every replay)
+    hidden: torch.Tensor | None = None  # a drafter graph's static hidden input [bucket * n, H]
 
 
 class CudaGraphRunner:
@@ -60,6 +61,8 @@ class CudaGraphRunner:
         self._graphs: dict[tuple[int, int, int, int], _Captured] = {}
         self._pool = None
         self.replays = 0  # steps this runner took (stats and tests)
+        # a drafter program takes the target's hidden rows as its third input
+        self.takes_hidden = "hidden" in target._input_names
 
     def bucket(self, meta: BatchMetadata) -> int | None:
         """The bucket a step replays in, or None when it runs eagerly (see the module doc)."""
@@ -84,12 +87,18 @@ class CudaGraphRunner:
         return bucket_of(meta.num_seqs, self.buckets)
 
     @torch.inference_mode()
-    def run(self, meta: BatchMetadata) -> StepOutput | None:
+    def run(self, meta: BatchMetadata, hidden: torch.Tensor | None = None) -> StepOutput | None:
+        """`hidden` [T, H]: a drafter step's input rows (a drafter program's runner only)."""
+        if self.takes_hidden != (hidden is not None):
+            return None
         bucket = self.bucket(meta)
         if bucket is None:
             return None
         if not self.capture:  # the CPU check: the same padded, static-shaped step, eagerly
-            out = self.target._fn(*self.target._feed(self._static(meta, bucket)))
+            if hidden is not None:  # dummy rows: zeros, as in a captured graph's buffer
+                pad = bucket * (meta.num_tokens // meta.num_seqs) - hidden.shape[0]
+                hidden = torch.cat((hidden, hidden.new_zeros(pad, hidden.shape[1])))
+            out = self.target._fn(*self.target._feed(self._static(meta, bucket), hidden))
         else:
             n, flat = meta.num_tokens // meta.num_seqs, None
             if meta.lists is not None:  # host lists: the buffer in Python (graph_feed.py)
@@ -99,7 +108,9 @@ class CudaGraphRunner:
                 static = self._static(meta, bucket)
                 width = static.page_table.shape[1]
             key = (bucket, n, int(meta.seg_kind[0]), width)
-            cap = self._graphs.get(key) or self._capture(*key)
+            cap = self._graphs.get(key) or self._capture(*key, hidden=hidden)
+            if hidden is not None:  # device to device, in stream order
+                cap.hidden[:hidden.shape[0]].copy_(hidden)
             if flat is None:
                 flat = torch.cat([t.reshape(-1)
                                   for t in self.target.device_inputs(static).values()])
@@ -128,9 +139,11 @@ class CudaGraphRunner:
         table[is_dummy] = self.scratch_page
         return replace(meta, page_table=table, lists=None)
 
-    def _capture(self, bucket: int, n: int, kind: int, width: int) -> _Captured:
+    def _capture(self, bucket: int, n: int, kind: int, width: int,
+                 hidden: torch.Tensor | None = None) -> _Captured:
         """Capture with every row a dummy (only the scratch is written while warming up and
-        capturing), after two warm-up runs on a side stream (lazy initialisation, workspace)."""
+        capturing), after two warm-up runs on a side stream (lazy initialisation, workspace).
+        A drafter's graph reads its hidden rows from a static buffer shaped like `hidden`'s."""
         dummy = Segment([0] * n, DUMMY_LEN, [self.scratch_page] * width,
                         self.scratch_slot, n, kind)
         meta = build_metadata([dummy] * bucket)
@@ -141,7 +154,10 @@ class CudaGraphRunner:
         for name, t in host.items():
             views[name] = flat[i:i + t.numel()].view(t.shape)
             i += t.numel()
-        inputs = self.target._feed(meta, None, dev=views)
+        buf = None
+        if hidden is not None:
+            buf = torch.zeros(bucket * n, hidden.shape[1], dtype=hidden.dtype, device=dev)
+        inputs = self.target._feed(meta, buf, dev=views)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -152,7 +168,7 @@ class CudaGraphRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             out = self.target._fn(*inputs)
         self._pool = graph.pool()
-        cap = _Captured(graph, flat, out if isinstance(out, (tuple, list)) else (out,))
+        cap = _Captured(graph, flat, out if isinstance(out, (tuple, list)) else (out,), buf)
         self._graphs[(bucket, n, kind, width)] = cap
         return cap
 
@@ -171,9 +187,13 @@ def _real_rows(out, meta: BatchMetadata) -> StepOutput:
     return StepOutput(logits=logits, hidden=hidden)
 
 
-def install(deployed, max_batch_size: int, capture: bool | None = None) -> CudaGraphRunner:
+def install(deployed, max_batch_size: int, capture: bool | None = None,
+            drafts: bool = False) -> CudaGraphRunner:
     """Put a runner on the deployment's target program (a `SpecDeployed`'s too: its decode
-    steps, those with no drafts, replay). Refuses what it cannot serve rather than ignore it."""
+    steps, those with no drafts, replay). Refuses what it cannot serve rather than ignore it.
+    `drafts`: the drafter programs too (their chain steps, one token per sequence, replay; the
+    catch-up rows run eagerly). NOTE: off by default until a GPU run has checked it
+    (`LLM` turns it on with SPECDEPLOY_DRAFT_GRAPHS=1); the CPU check covers its logic."""
     dist = getattr(getattr(deployed, "ctx", None), "dist", None) or getattr(
         getattr(getattr(deployed, "target", None), "ctx", None), "dist", None)
     if dist is not None and dist.world_size > 1:
@@ -186,4 +206,6 @@ def install(deployed, max_batch_size: int, capture: bool | None = None) -> CudaG
     if capture is not False and target.device.type != "cuda":
         raise ValueError(f"cuda_graphs: needs a CUDA device, the deployment is on {target.device}")
     target.graph_runner = CudaGraphRunner(target, max_batch_size, capture=capture)
+    for draft in getattr(deployed, "drafts", ()) if drafts else ():
+        draft.graph_runner = CudaGraphRunner(draft, max_batch_size, capture=capture)
     return target.graph_runner

@@ -56,3 +56,17 @@ def test_replay_makes_no_host_sync(target):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.logits.shape[0] == 3
+
+
+def test_greedy_spec_with_drafter_graphs_equals_plain(target):
+    """The drafter programs' chain steps replayed too (`install(drafts=True)`, behind
+    SPECDEPLOY_DRAFT_GRAPHS=1 in LLM until this has passed on a GPU)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    want, _ = _greedy(target, runner=False, device="cuda", dtype="float32")
+    got, runner = _greedy(target, runner=True, device="cuda", spec=3, drafts=True,
+                          dtype="float32")
+    assert got == want
+    drafts = [d.graph_runner for d in runner.test_drafts]
+    assert drafts and sum(r.replays for r in drafts) >= 3
+    assert all(r._graphs and all(c.hidden is not None for c in r._graphs.values())
+               for r in drafts if r.replays)

@@ -19,7 +19,8 @@ def target(request, tmp_path_factory) -> Target:
     return Target(request.param, tmp_path_factory.mktemp("graphs"))
 
 
-def _greedy(target, runner: bool, device: str = "cpu", spec: int = 0, **opts):
+def _greedy(target, runner: bool, device: str = "cpu", spec: int = 0, drafts: bool = False,
+            **opts):
     """Greedy tokens of 3 prompts (decode steps of 3 sequences pad to the bucket of 4), from an
     Engine over a text-only deployment (the tiny Qwen3.5 has a vision tower)."""
     from specdeploy.deploy.build import build
@@ -28,7 +29,10 @@ def _greedy(target, runner: bool, device: str = "cpu", spec: int = 0, **opts):
     dep = build(str(target.path), vision=False, device=device,
                 spec=target.spec(spec) if spec else None, **LIMITS, **opts)
     capture = None if device.startswith("cuda") else False  # a CUDA device captures
-    run = install(dep, LIMITS["max_batch_size"], capture=capture) if runner else None
+    run = install(dep, LIMITS["max_batch_size"], capture=capture,
+                  drafts=drafts) if runner else None
+    if run is not None:  # the drafter programs, for the tests that look at their runners
+        run.test_drafts = list(getattr(dep, "drafts", ()))
     if spec:
         from specdeploy.engine.speculative import SpecEngine as Engine
     engine = Engine(dep, max_batch_size=LIMITS["max_batch_size"])
@@ -56,6 +60,19 @@ def test_greedy_spec_through_the_padded_verify_steps(target):
     got, runner = _greedy(target, runner=True, spec=3)
     assert got == want
     assert runner.replays >= 3
+
+
+def test_greedy_spec_with_drafter_steps_through_the_runner(target):
+    """The drafter programs' runners too (`drafts=True`): their one-token chain steps go
+    through the padded static path (hidden rows padded with zeros) and greedy output stays
+    plain's; the catch-up rows (several tokens, one logit) stay eager."""
+    want, _ = _greedy(target, runner=False)
+    got, runner = _greedy(target, runner=True, spec=3, drafts=True)
+    assert got == want
+    drafts = [d.graph_runner for d in runner.test_drafts]
+    assert drafts and all(r is not None and r.takes_hidden for r in drafts)
+    assert sum(r.replays for r in drafts) >= 3
+    assert not runner.takes_hidden
 
 
 def test_only_uniform_steps_are_taken(target):
