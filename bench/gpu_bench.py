@@ -1,7 +1,8 @@
 """The GPU bench of issue 25, one run: the default model at batch size 1 (plain, shipped MTP and
-EAGLE-3 heads, n-gram lookup, each at fixed K = 3 and under the cost controller; CUDA graphs,
-plus plain eager and plain with the Triton kernels) against transformers' `generate` on the
-same device and weights; where a decode step's time goes (`step_profile`); 64 concurrent
+EAGLE-3 heads, n-gram lookup, each at fixed K = 3 and under the cost controller) with CUDA
+graphs, the Triton kernels and the drafter's graphs on, then with each off (what each buys),
+plus plain eager, against transformers' `generate` on the same device and weights; batch-1 rows
+over held-out ShareGPT prompts (--prompt-ids); where a decode step's time goes (`step_profile`); 64 concurrent
 ShareGPT requests; a tiny hybrid's verify-step / decode-step time ratio.
 
     python bench/gpu_bench.py [--device cuda] [--dtype bfloat16] [--json-out FILE]
@@ -55,18 +56,27 @@ def hf_decode_rate(model, ids: list[int], n: int, device: str) -> float:
     return (n - 1) / (gen(n) - gen(1))
 
 
-def bs1(args, spec: SpecConfig | None, prompt: list[int], cuda_graphs: bool = False) -> dict:
+def bs1(args, spec: SpecConfig | None, prompts: list[list[int]], cuda_graphs: bool = False
+        ) -> dict:
+    """Each prompt alone at batch size 1, `args.rounds` times: tokens/s of a round = its decode
+    tokens over its decode time (all prompts); the median round."""
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1,
               max_seq_len=1024, spec=spec, cuda_graphs=cuda_graphs)
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    rates, out = [], None
+    llm.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    rates, ids = [], []
     for _ in range(args.rounds):
-        (out,) = llm.generate([prompt], sp)
-        rates.append(out.metrics.decode_tokens_per_s)
+        tokens, seconds, ids = 0, 0.0, []
+        for prompt in prompts:
+            (out,) = llm.generate([prompt], sp)
+            n = len(out.metrics.token_times) - 1  # the first is the prefill's
+            tokens, seconds = tokens + n, seconds + n / out.metrics.decode_tokens_per_s
+            ids += out.token_ids
+        rates.append(tokens / seconds)
     s = llm.stats()
     return {"tokens_per_s": sorted(rates)[len(rates) // 2], "rounds": rates,
-            "mean_accepted_length": s.get("mean_accepted_length"), "token_ids": out.token_ids}
+            "prompts": len(prompts), "mean_accepted_length": s.get("mean_accepted_length"),
+            "token_ids": ids}
 
 
 def hybrid_verify_ratio(args) -> dict:
@@ -203,6 +213,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
     ap.add_argument("--dataset", default="sharegpt", help="'sharegpt' or a JSONL of prompts")
+    ap.add_argument("--prompt-ids", default=None,
+                    help="JSON list of prompt token-id lists for the batch-1 rows (held-out "
+                    "ShareGPT first turns from bench/gpu_prepare.sh); default: one story prompt")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="batch-1 runs per row (median)")
     ap.add_argument("--concurrency", type=int, default=64)
@@ -220,13 +233,18 @@ def main() -> None:
     phase = Phases(result, args.json_out)
     probe = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1,
                 max_seq_len=512)
-    prompt = probe.chat_ids([{"role": "user", "content": "Tell me a long story about a robot."}])
+    prompts = [probe.chat_ids([{"role": "user",
+                                "content": "Tell me a long story about a robot."}])]
+    if args.prompt_ids:
+        prompts = json.loads(Path(args.prompt_ids).read_text())
+    result["bs1_prompts"] = {"count": len(prompts), "tokens": [len(p) for p in prompts],
+                             "source": args.prompt_ids or "story prompt"}
     model_path, tokenizer = probe.model_path, probe.tokenizer
     del probe
 
     def hf() -> float:
         model = hf_model_from_checkpoint(model_path).to(args.device, getattr(torch, args.dtype))
-        return hf_decode_rate(model, prompt, args.tokens, args.device)
+        return hf_decode_rate(model, prompts[0], args.tokens, args.device)
 
     hf_rate = phase("transformers", hf)
     result["transformers_bs1_tokens_per_s"] = hf_rate
@@ -241,64 +259,71 @@ def main() -> None:
              "eagle3_ctl": SpecConfig("eagle3", 3),
              "ngram_ctl": SpecConfig("ngram", 3, prompt_lookup_max=4)}
 
-    def bs1_rows(g: bool, names) -> None:
-        for name in names:
-            key = name + ("_cuda_graphs" if g else "")
-            row = phase(key, lambda spec=specs[name]: bs1(args, spec, prompt, cuda_graphs=g))
-            if row is not None:
-                rows[key] = row
+    def variant(name: str, graphs: bool, triton: bool = False, drafter_graphs: bool = False
+                ) -> None:
+        """One row: `name`'s spec with CUDA graphs (target), the Triton kernels
+        (ops/gpu_kernels.py) and the drafter's chain steps as graphs, each on or off."""
+        key = name + "_cuda_graphs" * graphs + "_triton" * triton \
+            + "_drafter_graphs" * drafter_graphs
 
-    def with_draft_graphs(name: str) -> dict:  # the drafter's graphs (off by default)
-        os.environ["SPECDEPLOY_DRAFT_GRAPHS"] = "1"
-        try:
-            return bs1(args, specs[name], prompt, cuda_graphs=True)
-        finally:
-            del os.environ["SPECDEPLOY_DRAFT_GRAPHS"]
+        def run() -> dict:
+            from specdeploy.ops import gpu_kernels
 
-    def with_triton() -> dict:
+            gpu_kernels.set_enabled(triton)  # `Phases` turns them off after
+            os.environ["SPECDEPLOY_DRAFT_GRAPHS"] = "1" if drafter_graphs else "0"
+            try:
+                return bs1(args, specs[name], prompts, cuda_graphs=graphs)
+            finally:
+                os.environ.pop("SPECDEPLOY_DRAFT_GRAPHS", None)
+
+        row = phase(key, run)
+        if row is not None:
+            rows[key] = row
+
+    def concurrent(triton: bool) -> dict:
         from specdeploy.ops import gpu_kernels
 
-        gpu_kernels.set_enabled(True)
-        try:
-            return bs1(args, None, prompt, cuda_graphs=True)
-        finally:
-            gpu_kernels.set_enabled(False)
-
-    def concurrent() -> dict:
+        gpu_kernels.set_enabled(triton)
         llm = LLM(args.model, dtype=args.dtype, device=args.device,
                   max_batch_size=args.concurrency, max_seq_len=1024, cuda_graphs=cuda)
         ids = [tokenizer.encode(t)[:512] for t in load_prompts(args.dataset, args.concurrency)]
         sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
         run_closed_loop(llm, ids[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)
         conc = run_closed_loop(llm, ids, sp, args.concurrency)
-        out = {"requests": len(ids), "cuda_graphs": cuda,
+        out = {"requests": len(ids), "cuda_graphs": cuda, "triton": triton,
                "tokens_per_s": conc["output_tokens_per_s"], "wall_s": conc["wall_s"]}
         if hf_rate:
             out["vs_transformers_bs1"] = conc["output_tokens_per_s"] / hf_rate
         return out
 
-    result["step_profile"] = phase("step_profile", lambda: step_profile(args, prompt))
-    if cuda:
-        result["step_profile_triton"] = phase("step_profile_triton",
-                                              lambda: step_profile(args, prompt, triton=True))
-    # the rows the goals are about first (CUDA graphs on a GPU): a run cut short keeps them
-    bs1_rows(cuda, specs)
-    if cuda:  # the same step with the Triton kernels (ops/gpu_kernels.py; off by default)
-        row = phase("plain_cuda_graphs_triton", with_triton)
-        if row is not None:
-            rows["plain_cuda_graphs_triton"] = row
+    result["step_profile"] = phase("step_profile", lambda: step_profile(args, prompts[0]))
+    if not cuda:  # a smoke run: the plain rows
+        for name in specs:
+            variant(name, False)
+    else:
+        # the rows the goals are about first: a run cut short keeps them
+        result["step_profile_triton"] = phase(
+            "step_profile_triton", lambda: step_profile(args, prompts[0], triton=True))
+        variant("plain", True)
+        variant("plain", True, triton=True)
+        for name in ("mtp", "eagle3", "ngram", "mtp_ctl", "eagle3_ctl", "ngram_ctl"):
+            variant(name, True, triton=True, drafter_graphs=name != "ngram"
+                    and name != "ngram_ctl")
+        result["concurrent_triton"] = phase("concurrent_triton", lambda: concurrent(True))
+        # the same without the Triton kernels / the drafter's graphs (what each one buys)
         for name in ("mtp", "eagle3"):
-            row = phase(f"{name}_cuda_graphs_drafter_graphs",
-                        lambda name=name: with_draft_graphs(name))
-            if row is not None:
-                rows[f"{name}_cuda_graphs_drafter_graphs"] = row
-    result["concurrent"] = phase("concurrent", concurrent)
+            variant(name, True, triton=True)
+            variant(name, True)
+        for name in ("ngram", "mtp_ctl", "eagle3_ctl"):
+            variant(name, True)
+    result["concurrent"] = phase("concurrent", lambda: concurrent(False))
     result["tiny_hybrid_verify_over_decode"] = phase("hybrid_ratio",
                                                      lambda: hybrid_verify_ratio(args))
     if cuda:
-        bs1_rows(False, ["plain"])
+        variant("plain", False)
     for key, r in rows.items():
-        base = rows.get("plain_cuda_graphs" if "_cuda_graphs" in key else "plain")
+        base = rows.get("plain" + "_cuda_graphs" * ("_cuda_graphs" in key)
+                        + "_triton" * ("_triton" in key))
         if hf_rate:
             r["vs_transformers"] = r["tokens_per_s"] / hf_rate
         if base is not None:

@@ -66,8 +66,10 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   t0=$(date +%s)
   prompts=sharegpt
   [ -f .gpu2/prompts.jsonl ] && prompts=.gpu2/prompts.jsonl
+  ids=()
+  [ -f .gpu2/heldout_ids.json ] && ids=(--prompt-ids .gpu2/heldout_ids.json)
   timeout "${BENCH_S:-240}" python3 bench/gpu_bench.py --dataset "$prompts" \
-    --json-out "$out/gpu_bench.json" ${BENCH_ARGS:-} > "$out/gpu_bench.log" 2>&1
+    --json-out "$out/gpu_bench.json" "${ids[@]}" ${BENCH_ARGS:-} > "$out/gpu_bench.log" 2>&1
   echo "gpu bench rc=$? in $(( $(date +%s) - t0 )) s" >> "$out/summary.txt"
 fi
 cat "$out/summary.txt"

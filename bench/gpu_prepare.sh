@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Here, before the device calls of bench/gpu_check.sh: the wheels the device image lacks (.whl/),
 # the default model's GGUF cut in two (.gpu/a, .gpu2/b: one device call carries at most 64 MiB),
-# its sha256 and 64 ShareGPT prompts as JSONL (.gpu2/). All three folders are git-ignored.
+# its sha256, 64 ShareGPT prompts as JSONL and 4 held-out prompts' token ids (.gpu2/). All three
+# folders are git-ignored.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PY:-.venv/bin/python}
@@ -20,5 +21,16 @@ from specdeploy.bench import load_prompts
 with open(".gpu2/prompts.jsonl", "w") as f:
     for p in load_prompts("sharegpt", 64):
         f.write(json.dumps({"prompt": p}) + "\n")
+# the batch-1 rows' prompts: held-out first turns, chat template applied (as bench/acceptance.py)
+import sys
+
+sys.path.insert(0, "bench")
+from acceptance import heldout_prompts  # noqa: E402
+
+from specdeploy import LLM  # noqa: E402
+
+tok = LLM(None, max_batch_size=1, max_seq_len=64).tokenizer
+with open(".gpu2/heldout_ids.json", "w") as f:
+    json.dump(heldout_prompts(tok, 4, 400), f)
 PY
 ls -la .whl .gpu .gpu2
