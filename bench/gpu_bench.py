@@ -2,8 +2,9 @@
 EAGLE-3 heads, n-gram lookup, each at fixed K = 3 and under the cost controller) with CUDA
 graphs, the Triton kernels and the drafter's graphs on, then with each off (what each buys),
 plus plain eager, against transformers' `generate` on the same device and weights; batch-1 rows
-over held-out ShareGPT prompts (--prompt-ids); where a decode step's time goes (`step_profile`); 64 concurrent
-ShareGPT requests; a tiny hybrid's verify-step / decode-step time ratio.
+over held-out ShareGPT prompts (--prompt-ids); where a decode step's time goes
+(`step_profile`); 64 concurrent ShareGPT requests; a tiny hybrid's verify-step / decode-step
+time ratio.
 
     python bench/gpu_bench.py [--device cuda] [--dtype bfloat16] [--json-out FILE]
     python bench/gpu_bench.py --device cpu --dtype float32 --quick   # a smoke run anywhere

@@ -53,8 +53,8 @@ fi
 echo "head files: $(find "$heads" -type f 2>/dev/null | wc -l)" >> "$out/summary.txt"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   t0=$(date +%s)
-  # SPECDEPLOY_TRITON=1: the whole-model tests run the Triton kernels (ops/gpu_kernels.py, off by
-  # default until this check has passed with them); the op tests run both ways themselves
+  # SPECDEPLOY_TRITON=1: the whole-model tests run the Triton kernels (ops/gpu_kernels.py, on by
+  # default); the op tests run both ways themselves
   per_test=""  # pytest-timeout where installed (the device image has it)
   python3 -c "import pytest_timeout" 2>/dev/null && per_test="--timeout 150"
   SPECDEPLOY_TRITON=1 timeout "${TESTS_S:-240}" python3 -m pytest tests/cuda -m cuda -q -rfEs --tb=short \

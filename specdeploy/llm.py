@@ -165,9 +165,9 @@ class LLM:
         if cuda_graphs or (cuda_graphs is None and str(device).startswith("cuda")):
             from specdeploy.engine.cuda_graphs import install
 
-            try:  # the drafter's graphs: not yet checked on a GPU (engine/cuda_graphs.install)
+            try:  # the drafter's chain steps too (SPECDEPLOY_DRAFT_GRAPHS=0: not them)
                 install(self.deployed, max_batch_size,
-                        drafts=os.environ.get("SPECDEPLOY_DRAFT_GRAPHS") == "1")
+                        drafts=os.environ.get("SPECDEPLOY_DRAFT_GRAPHS", "1") != "0")
             except ValueError as e:
                 if cuda_graphs:
                     raise

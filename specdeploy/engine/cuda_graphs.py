@@ -192,8 +192,8 @@ def install(deployed, max_batch_size: int, capture: bool | None = None,
     """Put a runner on the deployment's target program (a `SpecDeployed`'s too: its decode
     steps, those with no drafts, replay). Refuses what it cannot serve rather than ignore it.
     `drafts`: the drafter programs too (their chain steps, one token per sequence, replay; the
-    catch-up rows run eagerly). NOTE: off by default until a GPU run has checked it
-    (`LLM` turns it on with SPECDEPLOY_DRAFT_GRAPHS=1); the CPU check covers its logic."""
+    catch-up rows run eagerly). `LLM` turns it on with the target's graphs
+    (SPECDEPLOY_DRAFT_GRAPHS=0: not); checked on an H200 and, its logic, on the CPU."""
     dist = getattr(getattr(deployed, "ctx", None), "dist", None) or getattr(
         getattr(getattr(deployed, "target", None), "ctx", None), "dist", None)
     if dist is not None and dist.world_size > 1:

@@ -3,13 +3,9 @@ Shapes and the math each one reproduces are in `gpu_kernels`' docstrings; every 
 in the tensors' dtype, computes in fp32, and rounds where the torch chain it replaces rounds."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -94,63 +90,81 @@ def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, q, hq, hkv, d) 
 
 
 @triton.jit
-def _attend_block(q, start, pos, seq, kh, pt_ptr, kc_ptr, vc_ptr, width, s_pt, page_size, m,
-                  den, acc, HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys start..start+BLOCK_N of one (sequence, head) into the online softmax."""
-    d = tl.arange(0, D)
-    j = start + tl.arange(0, BLOCK_N)
-    valid = (j <= pos) & (j // page_size < width)
-    page = tl.load(pt_ptr + seq * s_pt + j // page_size, mask=valid, other=0)
-    row = (page * page_size + j % page_size) * HKV + kh
-    k = tl.load(kc_ptr + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-    scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-    scores = tl.where(valid, scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, axis=0))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(scores - m_new)
-    v = tl.load(vc_ptr + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-    acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-    den = den * alpha + tl.sum(p, axis=0)
-    return m_new, den, acc
+def _attn_part_k(q_ptr, kc_ptr, vc_ptr, pt_ptr, lens_ptr, m_ptr, den_ptr, acc_ptr, scale, n,
+                 width, s_pt, page_size, splits, HQ: tl.constexpr, HKV: tl.constexpr,
+                 D: tl.constexpr, CHUNK: tl.constexpr):
+    """One (query, head, chunk of CHUNK keys): the chunk's max score, sum of exp and
+    exp-weighted sum of values (flash-decoding's partials; a chunk past the query's position
+    writes nothing and the combine never reads it)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    seq = t // n
+    pos = tl.load(lens_ptr + seq) + t % n  # this query's position: keys 0..pos
+    if c * CHUNK <= pos:
+        kh = h // (HQ // HKV)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (t * HQ + h) * D + d).to(tl.float32) * scale
+        j = c * CHUNK + tl.arange(0, CHUNK)
+        valid = (j <= pos) & (j // page_size < width)
+        page = tl.load(pt_ptr + seq * s_pt + j // page_size, mask=valid, other=0)
+        row = (page * page_size + j % page_size) * HKV + kh
+        k = tl.load(kc_ptr + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        scores = tl.where(valid, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+        m = tl.max(scores, axis=0)
+        p = tl.exp(scores - m)
+        v = tl.load(vc_ptr + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        part = (t * HQ + h) * splits + c
+        tl.store(m_ptr + part, m)
+        tl.store(den_ptr + part, tl.sum(p, axis=0))
+        tl.store(acc_ptr + part * D + d, tl.sum(p[:, None] * v.to(tl.float32), axis=0))
 
 
 @triton.jit
-def _paged_attn_k(q_ptr, kc_ptr, vc_ptr, pt_ptr, lens_ptr, out_ptr, scale, n, width, s_pt,
-                  page_size, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
+def _attn_combine_k(lens_ptr, m_ptr, den_ptr, acc_ptr, out_ptr, n, splits,
+                    HQ: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+                    SPLITS: tl.constexpr):
+    """One (query, head): its live chunks' partials in chunk order. Dead chunks load as
+    (-inf, 0, 0) and add exact zeros, so the result depends on the query's position only, not
+    on the table's width (SPLITS) or on what else is in the step."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    seq = t // n
-    pos = tl.load(lens_ptr + seq) + t % n  # this query's position: keys 0..pos
-    kh = h // (HQ // HKV)
+    pos = tl.load(lens_ptr + t // n) + t % n
+    base = (t * HQ + h) * splits
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + (t * HQ + h) * D + d).to(tl.float32) * scale
-    m = tl.full((), float("-inf"), tl.float32)
+    mx = tl.full((), float("-inf"), tl.float32)
+    for c in range(0, SPLITS):
+        mx = tl.maximum(mx, tl.load(m_ptr + base + c, mask=c * CHUNK <= pos, other=float("-inf")))
     den = tl.full((), 0.0, tl.float32)
     acc = tl.zeros((D,), tl.float32)
-    if BLOCKS > 0:  # Triton's interpreter: a loop bound read from memory does not run there
-        for b in range(0, BLOCKS):
-            m, den, acc = _attend_block(q, b * BLOCK_N, pos, seq, kh, pt_ptr, kc_ptr, vc_ptr,
-                                        width, s_pt, page_size, m, den, acc, HKV, D, BLOCK_N)
-    else:
-        for start in range(0, pos + 1, BLOCK_N):
-            m, den, acc = _attend_block(q, start, pos, seq, kh, pt_ptr, kc_ptr, vc_ptr, width,
-                                        s_pt, page_size, m, den, acc, HKV, D, BLOCK_N)
+    for c in range(0, SPLITS):
+        live = c * CHUNK <= pos
+        w = tl.exp(tl.load(m_ptr + base + c, mask=live, other=float("-inf")) - mx)
+        den += w * tl.load(den_ptr + base + c, mask=live, other=0.0)
+        acc += w * tl.load(acc_ptr + (base + c) * D + d, mask=live, other=0.0)
     tl.store(out_ptr + (t * HQ + h) * D + d, (acc / den).to(out_ptr.dtype.element_ty))
+
+
+_CHUNK = 64  # keys a program attends to: a batch-1 decode at 500 tokens is 8 x heads programs
 
 
 def paged_attention(q, k_cache, v_cache, page_table, cache_lens, scale, n, out) -> None:
     """q [T, Hq, D] (T = S * n, query i of sequence s at cache_lens[s] + i, its own key
-    written); page_table [S, W]; out [T, Hq, D]."""
+    written); page_table [S, W]; out [T, Hq, D]. Split over chunks of keys, then combined
+    (flash-decoding): a batch-1 step's few (query, head) pairs fill the GPU."""
     t, hq, d = q.shape
     hkv, page_size = k_cache.shape[2], k_cache.shape[1]
     if page_table.stride(-1) != 1:
         page_table = page_table.contiguous()
-    _paged_attn_k[(t, hq)](q, k_cache, v_cache, page_table, cache_lens, out, float(scale), n,
-                           page_table.shape[1], page_table.stride(0), page_size,
-                           HQ=hq, HKV=hkv, D=d, BLOCK_N=64,
-                           BLOCKS=triton.cdiv(page_table.shape[1] * page_size, 64)
-                           if _INTERPRET else 0)
+    splits = triton.cdiv(page_table.shape[1] * page_size, _CHUNK)
+    m = torch.empty(t, hq, splits, dtype=torch.float32, device=q.device)
+    den = torch.empty_like(m)
+    acc = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
+    _attn_part_k[(t, hq, splits)](q, k_cache, v_cache, page_table, cache_lens, m, den, acc,
+                                  float(scale), n, page_table.shape[1], page_table.stride(0),
+                                  page_size, splits, HQ=hq, HKV=hkv, D=d, CHUNK=_CHUNK)
+    _attn_combine_k[(t, hq)](cache_lens, m, den, acc, out, n, splits, HQ=hq, D=d,
+                             CHUNK=_CHUNK, SPLITS=splits)
 
 
 __all__ = ["rms_norm_rows", "silu_mul_rows", "rope_write_kv", "paged_attention", "torch"]

@@ -59,8 +59,8 @@ def test_replay_makes_no_host_sync(target):
 
 
 def test_greedy_spec_with_drafter_graphs_equals_plain(target):
-    """The drafter programs' chain steps replayed too (`install(drafts=True)`, behind
-    SPECDEPLOY_DRAFT_GRAPHS=1 in LLM until this has passed on a GPU)."""
+    """The drafter programs' chain steps replayed too (`install(drafts=True)`, what `LLM`
+    does on a CUDA device)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     want, _ = _greedy(target, runner=False, device="cuda", dtype="float32")
     got, runner = _greedy(target, runner=True, device="cuda", spec=3, drafts=True,

@@ -133,3 +133,24 @@ def test_kernels_under_the_interpreter():
                           "-o", "addopts=", "-k", "not interpreter"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+@_device_checks
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_rows_do_not_depend_on_the_step(dtype):
+    """Greedy speculation is lossless only if a query's attention is bit-identical alone (a
+    decode, n = 1) and inside a verify step (n = 4), whatever the page table's width: the
+    split-key kernel's chunks are fixed by position, its combine adds exact zeros past them."""
+    hq, hkv, d = 6, 2, 64
+    qkv, cos, sin, kc, vc, cu, lens, table, slot = _attention_case(4, hq, hkv, d, d, dtype)
+    dev = [t.to(DEVICE) for t in (qkv, cos, sin, kc, vc, table, lens, slot)]
+    verify = gk.qkv_attention(*dev[:5], cu, lens, dev[5], dev[6], d ** -0.5, 0, dev[7],
+                              hq, hkv, d)
+    for i in range(4):  # query i of each sequence again, alone, with a wider table
+        rows = torch.arange(3) * 4 + i
+        wide = torch.cat([table, torch.full((3, 3), 39)], 1).to(DEVICE)
+        one = gk.qkv_attention(dev[0][:, rows.to(DEVICE)], dev[1][:, rows.to(DEVICE)],
+                               dev[2][:, rows.to(DEVICE)], *dev[3:5], torch.arange(4),
+                               lens + i, wide, (lens + i).to(DEVICE), d ** -0.5, 0,
+                               dev[7][rows.to(DEVICE)], hq, hkv, d)
+        assert torch.equal(one[0], verify[0, rows.to(DEVICE)]), i
