@@ -23,6 +23,7 @@ unchanged.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,6 +62,7 @@ class CudaGraphRunner:
         self._graphs: dict[tuple[int, int, int, int], _Captured] = {}
         self._pool = None
         self.replays = 0  # steps this runner took (stats and tests)
+        self.replays_by_tokens: Counter[int] = Counter()  # by tokens per sequence
         # a drafter program takes the target's hidden rows as its third input
         self.takes_hidden = "hidden" in target._input_names
 
@@ -118,6 +120,7 @@ class CudaGraphRunner:
             cap.graph.replay()
             out = cap.out
         self.replays += 1
+        self.replays_by_tokens[meta.num_tokens // meta.num_seqs] += 1
         return _real_rows(out, meta)
 
     def feed(self, meta: BatchMetadata, bucket: int, width: int) -> list[int]:

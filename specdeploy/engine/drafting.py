@@ -19,9 +19,10 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from specdeploy.cache.metadata import Segment, build_metadata
+from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
 from specdeploy.engine.lookup import Lookup
 from specdeploy.engine.request import Sequence
+from specdeploy.ops.cached_attention import UNIFORM_MAX
 
 
 class DraftWork(NamedTuple):
@@ -119,6 +120,10 @@ class ModelDrafter:
             pieces.append(rows)
         if not any(s.num_logits for s in segs):
             segs[-1].num_logits = 1
+        n = self._uniform_catch_up(segs) if all(w.wants for w in work) else 0
+        if n:  # every row's logits, as a verify step's: a shape the drafter's graphs replay
+            segs = [Segment(s.token_ids, s.cache_len, s.pages, s.slot, n, SEG_EXTEND)
+                    for s in segs]
         # the catch-up: every committed position enters the drafter's KV, that of every group
         # of a multi-group MTP module (each group's later steps attend over them too)
         meta, feats = build_metadata(segs), d.project(torch.cat(pieces))
@@ -127,7 +132,10 @@ class ModelDrafter:
             d.draft_forward(meta, feats, group=g)
         drafting = [(w.seq, w.start + len(w.next_ids)) for w in work if w.wants]
         # hist[:, r]: the hidden input of chain row r (at position pos + r, fed draft r + 1)
-        logits, hist = out.logits[:len(drafting)], out.hidden[:len(drafting), None]
+        if n:  # each sequence's last row
+            logits, hist = out.logits[n - 1::n], out.hidden[n - 1::n, None]
+        else:
+            logits, hist = out.logits[:len(drafting)], out.hidden[:len(drafting), None]
         fed = {}  # group -> chain rows its KV holds
         committed = {id(seq): seq.all_ids for seq, _ in drafting} if self.lookup else {}
         for step in range(self.k):
@@ -164,6 +172,23 @@ class ModelDrafter:
                                   hist[:, first:].reshape(-1, hist.shape[-1]), group=g)
             fed[g] = step + 1
             logits, hist = out.logits, torch.cat((hist, out.hidden[:, None]), 1)
+
+    def _uniform_catch_up(self, segs: list[Segment]) -> int:
+        """n when a catch-up can replay as a CUDA graph: the drafter programs have graphs
+        (engine/cuda_graphs.install(drafts=True)) and no recurrent state (an EXTEND step would
+        leave it alone), every sequence wants drafts and feeds n (2..UNIFORM_MAX) tokens after
+        a cached prefix; else 0 (eager, one logit a sequence). Its n logits a sequence are
+        computed then, the last one taken: the rest cost a drafter's small head, not a step."""
+        progs = getattr(self.d, "drafts", ())
+        if not progs or any(getattr(p, "graph_runner", None) is None or p.layout.recurrent
+                            for p in progs):
+            return 0
+        n = len(segs[0].token_ids)
+        if not 1 < n <= UNIFORM_MAX:
+            return 0
+        ok = all(len(s.token_ids) == n and s.num_logits == 1 and s.cache_len > 0
+                 and s.mm is None for s in segs)
+        return n if ok else 0
 
     @staticmethod
     def _keep(drafting, keep: list[int], logits, hist):

@@ -20,7 +20,7 @@ def target(request, tmp_path_factory) -> Target:
 
 
 def _greedy(target, runner: bool, device: str = "cpu", spec: int = 0, drafts: bool = False,
-            **opts):
+            oracle: list[list[int]] | None = None, **opts):
     """Greedy tokens of 3 prompts (decode steps of 3 sequences pad to the bucket of 4), from an
     Engine over a text-only deployment (the tiny Qwen3.5 has a vision tower)."""
     from specdeploy.deploy.build import build
@@ -36,6 +36,15 @@ def _greedy(target, runner: bool, device: str = "cpu", spec: int = 0, drafts: bo
     if spec:
         from specdeploy.engine.speculative import SpecEngine as Engine
     engine = Engine(dep, max_batch_size=LIMITS["max_batch_size"])
+    if oracle is not None:  # drafts that are all accepted (the drafter's own still run)
+        prompts = target.prompts[:3]
+
+        def next_tokens(seq, k):
+            i = next(i for i, p in enumerate(prompts) if seq.all_ids[:len(p)] == list(p))
+            done = len(seq.all_ids) - len(prompts[i])
+            return oracle[i][done:done + k]
+
+        engine.fix_drafts(next_tokens)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in target.prompts[:3]]
     done = {}
@@ -63,12 +72,19 @@ def test_greedy_spec_through_the_padded_verify_steps(target):
 
 
 def test_greedy_spec_with_drafter_steps_through_the_runner(target):
-    """The drafter programs' runners too (`drafts=True`): their one-token chain steps go
+    """The drafter programs' runners too (`drafts=True`): their one-token chain steps and the
+    catch-ups of several tokens after a verify step (every row's logits, the last taken) go
     through the padded static path (hidden rows padded with zeros) and greedy output stays
-    plain's; the catch-up rows (several tokens, one logit) stay eager."""
+    plain's."""
     want, _ = _greedy(target, runner=False)
     got, runner = _greedy(target, runner=True, spec=3, drafts=True)
     assert got == want
+    # drafts that are all accepted: the drafter's catch-ups after them are 1 + 3 tokens
+    got, oracle_runner = _greedy(target, runner=True, spec=3, drafts=True, oracle=want)
+    assert got == want
+    catch_ups = sum(n for d in oracle_runner.test_drafts
+                    for k, n in d.graph_runner.replays_by_tokens.items() if k > 1)
+    assert catch_ups >= 3, [d.graph_runner.replays_by_tokens for d in oracle_runner.test_drafts]
     drafts = [d.graph_runner for d in runner.test_drafts]
     assert drafts and all(r is not None and r.takes_hidden for r in drafts)
     assert sum(r.replays for r in drafts) >= 3
