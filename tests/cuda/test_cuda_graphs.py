@@ -70,3 +70,16 @@ def test_greedy_spec_with_drafter_graphs_equals_plain(target):
     assert drafts and sum(r.replays for r in drafts) >= 3
     assert all(r._graphs and all(c.hidden is not None for c in r._graphs.values())
                for r in drafts if r.replays)
+
+
+def test_drafter_catch_ups_replay(target):
+    """All-accepted (oracle) drafts: the drafter's catch-ups of 1 + K tokens replay as graphs
+    (EXTEND steps of the drafter program) and greedy output stays plain's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    want, _ = _greedy(target, runner=False, device="cuda", dtype="float32")
+    got, runner = _greedy(target, runner=True, device="cuda", spec=3, drafts=True,
+                          dtype="float32", oracle=want)
+    assert got == want
+    runners = [d.graph_runner for d in runner.test_drafts]
+    assert sum(n for r in runners for k, n in r.replays_by_tokens.items() if k > 1) >= 3
+    assert any(key[1] > 1 for r in runners for key in r._graphs)
