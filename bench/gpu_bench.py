@@ -183,6 +183,40 @@ def step_profile(args, prompt: list[int], triton: bool = False) -> dict:
                             for e in cpu_top], "triton": triton}
 
 
+@torch.inference_mode()
+def host_profile(args, prompt: list[int], top: int = 18) -> dict:
+    """Where the host's time goes in a batch-1 step (cProfile over 64 engine steps): plain,
+    EAGLE-3 at K = 3 and under the cost controller, with the defaults (CUDA graphs, Triton
+    kernels, drafter graphs). A step of a small model on a GPU waits on the host as much as on
+    the device."""
+    import cProfile
+    import pstats
+
+    out = {}
+    for name, spec in (("plain", None), ("eagle3", SpecConfig("eagle3", 3, controller="off")),
+                       ("eagle3_ctl", SpecConfig("eagle3", 3))):
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1,
+                  max_seq_len=1024, spec=spec)
+        llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))
+        eng = llm.engine
+        eng.add_request(prompt, SamplingParams(max_tokens=400, ignore_eos=True))
+        for _ in range(4):
+            eng.step()
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        for _ in range(64):
+            eng.step()
+        prof.disable()
+        wall = time.perf_counter() - t
+        st = pstats.Stats(prof)
+        rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own time
+        out[name] = {"step_ms": 1e3 * wall / 64, "top_own_ms_per_step": [
+            [f"{Path(f).name}:{line}({fn})", calls, round(1e3 * tt / 64, 4),
+             round(1e3 * ct / 64, 4)] for (f, line, fn), (_, calls, tt, ct, _) in rows]}
+    return out
+
+
 class Phases:
     """Runs named phases in order, each timed and guarded; the JSON is rewritten after each."""
 
@@ -221,6 +255,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="batch-1 runs per row (median)")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    ap.add_argument("--lean", action="store_true",
+                    help="on a GPU, skip the rows without the Triton kernels (but plain's)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -297,30 +333,35 @@ def main() -> None:
             out["vs_transformers_bs1"] = conc["output_tokens_per_s"] / hf_rate
         return out
 
-    result["step_profile"] = phase("step_profile", lambda: step_profile(args, prompts[0]))
     if not cuda:  # a smoke run: the plain rows
+        result["step_profile"] = phase("step_profile", lambda: step_profile(args, prompts[0]))
         for name in specs:
             variant(name, False)
     else:
-        # the rows the goals are about first: a run cut short keeps them
+        # the rows the goals are about first (the defaults: graphs, Triton kernels, drafter
+        # graphs): a run cut short keeps them
         result["step_profile_triton"] = phase(
             "step_profile_triton", lambda: step_profile(args, prompts[0], triton=True))
-        variant("plain", True)
         variant("plain", True, triton=True)
+        variant("plain", True)
         for name in ("mtp", "eagle3", "ngram", "mtp_ctl", "eagle3_ctl", "ngram_ctl"):
             variant(name, True, triton=True, drafter_graphs=name != "ngram"
                     and name != "ngram_ctl")
+        result["host_profile"] = phase("host_profile", lambda: host_profile(args, prompts[0]))
         result["concurrent_triton"] = phase("concurrent_triton", lambda: concurrent(True))
-        # the same without the Triton kernels / the drafter's graphs (what each one buys)
-        for name in ("mtp", "eagle3"):
+        for name in ("mtp", "eagle3"):  # what the drafter's graphs buy
             variant(name, True, triton=True)
-            variant(name, True)
-        for name in ("ngram", "mtp_ctl", "eagle3_ctl"):
-            variant(name, True)
-    result["concurrent"] = phase("concurrent", lambda: concurrent(False))
+        if not args.lean:  # without the Triton kernels (what they buy)
+            result["step_profile"] = phase("step_profile",
+                                           lambda: step_profile(args, prompts[0]))
+            for name in ("mtp", "eagle3", "ngram", "mtp_ctl", "eagle3_ctl"):
+                variant(name, True)
+    if not (cuda and args.lean):
+        result["concurrent"] = phase("concurrent", lambda: concurrent(False))
     result["tiny_hybrid_verify_over_decode"] = phase("hybrid_ratio",
                                                      lambda: hybrid_verify_ratio(args))
     if cuda:
+        args.rounds = 1  # ~30 tokens/s: one round
         variant("plain", False)
     for key, r in rows.items():
         base = rows.get("plain" + "_cuda_graphs" * ("_cuda_graphs" in key)

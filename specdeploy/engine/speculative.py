@@ -276,15 +276,15 @@ class SpecEngine(Engine):
         with its last where the torch paths need [S, K+1])."""
         plain = all(not s.params.penalized and s.matcher is None and s.params.logprobs is None
                     for s in seqs)
-        if plain and all(s.params.greedy for s in seqs) and logits.device.type == "cpu":
+        if plain and all(s.params.greedy for s in seqs):
+            # NOTE: on any device: the argmaxes are computed there and only [N] ints come back,
+            # where the torch path's index and draft tensors cost host-to-device copies and
+            # launches (a GPU step of a small model is host-bound)
             argmax = logits.argmax(-1).tolist()  # the step's one host synchronisation
             return verify_greedy_lists(argmax, rows, [s.spec.drafts for s in seqs], k1)
         index = torch.tensor([r + r[-1:] * (k1 - len(r)) for r in rows], device=logits.device)
         drafts = Drafts.of([s.spec.drafts for s in seqs], [s.spec.draft_probs for s in seqs],
                            self.deployed.vocab_size)
-        if plain and all(s.params.greedy for s in seqs):  # argmaxes only: no [S, K+1, V] gather
-            num, nxt = verify_greedy(logits.argmax(-1)[index], drafts)
-            return torch.stack((num, nxt)).tolist()  # the step's one host synchronisation
         # grammar masks, min_tokens and penalties: row j sees the drafts before it
         proc = process(logits[index], seqs, [s.spec.drafts for s in seqs], self.eos_token_ids)
         if all(s.params.greedy for s in seqs):
