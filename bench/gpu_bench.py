@@ -234,7 +234,8 @@ class Phases:
             value = None
             self.result["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             print(f"[{name}] FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        gpu_kernels.set_enabled(False)  # off by default: a phase that turned them on is over
+        # back to the default (on unless SPECDEPLOY_TRITON=0): a phase that switched them is over
+        gpu_kernels.set_enabled(os.environ.get("SPECDEPLOY_TRITON", "1") != "0")
         self.result["phase_s"][name] = round(time.perf_counter() - t, 2)
         print(f"[{name}] {self.result['phase_s'][name]} s", file=sys.stderr, flush=True)
         if self.path:
