@@ -57,12 +57,12 @@ def hf_decode_rate(model, ids: list[int], n: int, device: str) -> float:
     return (n - 1) / (gen(n) - gen(1))
 
 
-def bs1(args, spec: SpecConfig | None, prompts: list[list[int]], cuda_graphs: bool = False
-        ) -> dict:
+def bs1(args, spec: SpecConfig | None, prompts: list[list[int]], cuda_graphs: bool = False,
+        burst: int = 1) -> dict:
     """Each prompt alone at batch size 1, `args.rounds` times: tokens/s of a round = its decode
     tokens over its decode time (all prompts); the median round."""
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1,
-              max_seq_len=1024, spec=spec, cuda_graphs=cuda_graphs)
+              max_seq_len=1024, spec=spec, cuda_graphs=cuda_graphs, num_scheduler_steps=burst)
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     llm.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     rates, ids = [], []
@@ -297,12 +297,13 @@ def main() -> None:
              "eagle3_ctl": SpecConfig("eagle3", 3),
              "ngram_ctl": SpecConfig("ngram", 3, prompt_lookup_max=4)}
 
-    def variant(name: str, graphs: bool, triton: bool = False, drafter_graphs: bool = False
-                ) -> None:
+    def variant(name: str, graphs: bool, triton: bool = False, drafter_graphs: bool = False,
+                burst: int = 1) -> None:
         """One row: `name`'s spec with CUDA graphs (target), the Triton kernels
-        (ops/gpu_kernels.py) and the drafter's chain steps as graphs, each on or off."""
+        (ops/gpu_kernels.py) and the drafter's chain steps as graphs, each on or off; `burst`:
+        decode bursts (LLM(num_scheduler_steps=burst), engine/decode_burst.py)."""
         key = name + "_cuda_graphs" * graphs + "_triton" * triton \
-            + "_drafter_graphs" * drafter_graphs
+            + "_drafter_graphs" * drafter_graphs + (f"_burst{burst}" if burst > 1 else "")
 
         def run() -> dict:
             from specdeploy.ops import gpu_kernels
@@ -310,7 +311,7 @@ def main() -> None:
             gpu_kernels.set_enabled(triton)  # `Phases` turns them off after
             os.environ["SPECDEPLOY_DRAFT_GRAPHS"] = "1" if drafter_graphs else "0"
             try:
-                return bs1(args, specs[name], prompts, cuda_graphs=graphs)
+                return bs1(args, specs[name], prompts, cuda_graphs=graphs, burst=burst)
             finally:
                 os.environ.pop("SPECDEPLOY_DRAFT_GRAPHS", None)
 
@@ -344,6 +345,7 @@ def main() -> None:
         result["step_profile_triton"] = phase(
             "step_profile_triton", lambda: step_profile(args, prompts[0], triton=True))
         variant("plain", True, triton=True)
+        variant("plain", True, triton=True, burst=8)
         variant("plain", True)
         for name in ("mtp", "eagle3", "ngram", "mtp_ctl", "eagle3_ctl", "ngram_ctl"):
             variant(name, True, triton=True, drafter_graphs=name != "ngram"

@@ -48,12 +48,25 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                         "weights included; the caches get the rest (not with --max-cache-gib)")
 
 
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def add_cuda_graphs_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=None,
                    help="require CUDA graphs: decode and verify steps replayed per batch-size "
                         "bucket (the default on CUDA wherever they can serve)")
     p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs",
                    action="store_false", help="every step eager (vLLM's --enforce-eager)")
+    p.add_argument("--num-scheduler-steps", type=positive_int, default=1,
+                   help="greedy decode steps run as bursts of up to N CUDA-graph replays, one "
+                        "host sync each (vLLM's multi-step scheduling; default 1: off)")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -118,6 +131,7 @@ def llm_from_args(args, max_batch_size: int):
                max_cache_gib=args.max_cache_gib,
                gpu_memory_utilization=args.gpu_memory_utilization,
                cuda_graphs=getattr(args, "cuda_graphs", None),
+               num_scheduler_steps=getattr(args, "num_scheduler_steps", 1),
                backend=args.backend, progress=True, compile=args.compile, kernels=args.kernels,
                enable_prefix_caching=args.enable_prefix_caching,
                generation_config=args.generation_config,

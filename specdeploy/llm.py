@@ -62,6 +62,10 @@ class LLM:
             (engine/cuda_graphs.py). None (default): on for a CUDA device wherever the runner
             can serve (not with tensor parallelism or a vision-language target: eager there);
             True: required (refused where it cannot serve); False: eager (vLLM's enforce_eager).
+        num_scheduler_steps: greedy decode steps run as bursts of up to this many CUDA-graph
+            replays with one host sync each (vLLM's multi-step scheduling;
+            engine/decode_burst.py): tokens stream in groups, the host's work overlaps the
+            GPU's. 1 (default): every step alone. Needs CUDA graphs to take effect.
         tensor_parallel_size / expert_parallel_size: ranks (worker processes started here, or
             the processes of a torchrun launch) and MoE expert groups among them; rank 0 runs the
             engine. Under torchrun, a rank > 0 serves as a worker inside this constructor and
@@ -97,7 +101,7 @@ class LLM:
                  speculative_config: dict | SpecConfig | None = None,
                  max_num_seqs: int | None = None, kv_cache_dtype: str = "auto",
                  gpu_memory_utilization: float | None = None, cuda_graphs: bool | None = None,
-                 threads: int | str | None = None):
+                 threads: int | str | None = None, num_scheduler_steps: int = 1):
         _check_threads(threads, kernels, device)
         import torch
 
@@ -179,6 +183,10 @@ class LLM:
             self.deployed, self.tokenizer, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, seed=seed,
             eos_token_ids=eos_token_ids(self.tokenizer, self.deployed.hf_config, self.model_path))
+        if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps: must be an integer >= 1, got "
+                             f"{num_scheduler_steps!r}")
+        self.engine.num_scheduler_steps = num_scheduler_steps
         if threads == "auto" and torch.get_num_threads() > 1:
             from specdeploy.engine.threads import ThreadGovernor
 

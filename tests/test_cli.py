@@ -118,6 +118,10 @@ def test_cuda_graphs_flags():
     assert p.parse_args(["--cuda-graphs"]).cuda_graphs is True
     assert p.parse_args(["--no-cuda-graphs"]).cuda_graphs is False
     assert p.parse_args(["--enforce-eager"]).cuda_graphs is False
+    assert p.parse_args([]).num_scheduler_steps == 1
+    assert p.parse_args(["--num-scheduler-steps", "8"]).num_scheduler_steps == 8
+    with pytest.raises(SystemExit):
+        p.parse_args(["--num-scheduler-steps", "0"])
 
 
 def test_cuda_graphs_required_off_cuda_is_refused():

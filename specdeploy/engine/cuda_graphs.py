@@ -89,18 +89,26 @@ class CudaGraphRunner:
         return bucket_of(meta.num_seqs, self.buckets)
 
     @torch.inference_mode()
-    def run(self, meta: BatchMetadata, hidden: torch.Tensor | None = None) -> StepOutput | None:
-        """`hidden` [T, H]: a drafter step's input rows (a drafter program's runner only)."""
+    def run(self, meta: BatchMetadata, hidden: torch.Tensor | None = None,
+            ids: torch.Tensor | None = None) -> StepOutput | None:
+        """`hidden` [T, H]: a drafter step's input rows (a drafter program's runner only).
+        `ids` [S] (a decode step, on the device): the input tokens, in place of the metadata's
+        (engine/decode_burst.py: the previous step's argmax, never read by the host)."""
         if self.takes_hidden != (hidden is not None):
             return None
         bucket = self.bucket(meta)
-        if bucket is None:
+        if bucket is None or (ids is not None and (meta.num_tokens != meta.num_seqs
+                                                   or ids.shape != (meta.num_seqs,))):
             return None
         if not self.capture:  # the CPU check: the same padded, static-shaped step, eagerly
             if hidden is not None:  # dummy rows: zeros, as in a captured graph's buffer
                 pad = bucket * (meta.num_tokens // meta.num_seqs) - hidden.shape[0]
                 hidden = torch.cat((hidden, hidden.new_zeros(pad, hidden.shape[1])))
-            out = self.target._fn(*self.target._feed(self._static(meta, bucket), hidden))
+            static = self._static(meta, bucket)
+            if ids is not None:
+                static = replace(static, input_ids=torch.cat(
+                    (ids.to(static.input_ids), static.input_ids[ids.numel():])))
+            out = self.target._fn(*self.target._feed(static, hidden))
         else:
             n, flat = meta.num_tokens // meta.num_seqs, None
             if meta.lists is not None:  # host lists: the buffer in Python (graph_feed.py)
@@ -117,6 +125,8 @@ class CudaGraphRunner:
                 flat = torch.cat([t.reshape(-1)
                                   for t in self.target.device_inputs(static).values()])
             cap.flat.copy_(flat.pin_memory(), non_blocking=True)
+            if ids is not None:  # input_ids lead the buffer (graph_feed.flat_feed's order)
+                cap.flat[:ids.numel()].copy_(ids)
             cap.graph.replay()
             out = cap.out
         self.replays += 1

@@ -24,6 +24,7 @@ import torch
 from specdeploy.cache.metadata import SEG_NORMAL, Segment, build_metadata
 from specdeploy.cache.prefix import PrefixCache
 from specdeploy.deploy.base import DeployedModel, StepOutput
+from specdeploy.engine.decode_burst import burst_len, run_burst
 from specdeploy.engine.detokenizer import IncrementalDetokenizer
 from specdeploy.engine.logits_process import logprob_pack, process, unpack_logprobs
 from specdeploy.engine.metrics import EngineStats
@@ -64,6 +65,9 @@ class Engine:
         self._grammar = None  # engine/grammar.py GrammarCompiler, built on first use
         self._grammar_lock = threading.Lock()
         self.threads = None  # engine/threads.py ThreadGovernor (LLM(threads="auto")), or None
+        # greedy decode steps run as bursts of up to this many graph replays, one host sync
+        # each (engine/decode_burst.py; vLLM's num_scheduler_steps); 1: every step alone
+        self.num_scheduler_steps = 1
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -153,6 +157,8 @@ class Engine:
         touched = self._aborted
         self._aborted = []
         batch = self.scheduler.schedule()
+        if batch and self.num_scheduler_steps > 1 and self._burst(batch, touched):
+            return self._emit(touched, t0)
         if batch:
             segs = self._segments(batch)  # propose
             self._prefix_before(batch, segs)
@@ -184,6 +190,32 @@ class Engine:
             self.stats.forward_time_s += time.perf_counter() - tf
             self._count_step(meta.num_tokens, len(batch))
         return self._emit(touched, t0)
+
+    def _burst(self, batch: list[ScheduledSeq], touched: list[Sequence]) -> bool:
+        """A burst of greedy decode steps (engine/decode_burst.py) in place of this step;
+        False when it cannot be one (nothing has run)."""
+        n = burst_len(self, batch)
+        tf = time.perf_counter()
+        tokens = run_burst(self, batch, n) if n else None
+        if tokens is None:
+            return False
+        now = time.perf_counter()
+        for sched, new in zip(batch, tokens):
+            seq = sched.seq
+            for t in new:  # one at a time, as steps would (a stop drops the rest)
+                seq.num_cached += 1  # the token fed before `t` is cached
+                try:
+                    self._append(seq, [t], now)
+                except Exception as e:  # detokenizing / stop checks: fail it alone
+                    self.fail(seq, e)
+                if seq.finished:
+                    break
+            touched.append(seq)
+        self._prefix_after(batch)
+        self.stats.forward_time_s += time.perf_counter() - tf
+        for _ in tokens[0]:
+            self._count_step(len(batch), len(batch))
+        return True
 
     def _timed(self, segs: list[Segment], rows: int, seconds: float) -> None:
         """A step's forward and verification took `seconds` (SpecEngine's controller learns

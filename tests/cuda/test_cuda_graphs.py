@@ -83,3 +83,17 @@ def test_drafter_catch_ups_replay(target):
     runners = [d.graph_runner for d in runner.test_drafts]
     assert sum(n for r in runners for k, n in r.replays_by_tokens.items() if k > 1) >= 3
     assert any(key[1] > 1 for r in runners for key in r._graphs)
+
+
+def test_decode_bursts_equal_steps(target):
+    """engine/decode_burst.py on the device: the argmax of step j fed to step j + 1 by a
+    device-to-device copy into the graph's input buffer; the tokens of step-by-step decoding."""
+    from specdeploy import SamplingParams
+    from tests.engine.test_decode_burst import run
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (16, 7, 13)]
+    want, steps = run(target, 1, params, device="cuda", dtype="float32")
+    got, calls = run(target, 4, params, device="cuda", dtype="float32")
+    assert got == want
+    assert calls < steps - 6
