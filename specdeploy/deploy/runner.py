@@ -7,6 +7,7 @@ metadata input gets a device copy, all of them in one copy per step (`to_device`
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from itertools import chain
 
 import torch
@@ -127,13 +128,17 @@ class GraphDeployed:
         return meta.mrope_positions[:, None]
 
     @torch.inference_mode()
-    def forward(self, meta: BatchMetadata, hidden: torch.Tensor | None = None) -> StepOutput:
+    def forward(self, meta: BatchMetadata, hidden: torch.Tensor | None = None,
+                ids: torch.Tensor | None = None) -> StepOutput:
         """One step. `hidden` [T, H] feeds a drafter graph (the third exported input). With a
-        `graph_runner` (engine/cuda_graphs.py) the steps it takes replay a CUDA graph."""
+        `graph_runner` (engine/cuda_graphs.py) the steps it takes replay a CUDA graph. `ids`
+        [T] (on the device): the input tokens in place of the metadata's (never read here)."""
         if self.graph_runner is not None:
-            replayed = self.graph_runner.run(meta, hidden)
+            replayed = self.graph_runner.run(meta, hidden, ids=ids)
             if replayed is not None:
                 return replayed
+        if ids is not None:  # the eager step reads its tokens from the tensor
+            meta = replace(meta, input_ids=ids.to(meta.input_ids.dtype), lists=None)
         out = self._fn(*self._feed(meta, hidden))
         if not isinstance(out, (tuple, list)):
             out = (out,)

@@ -222,12 +222,13 @@ class SpecDeployed:
         """The drafter group (program) that drafts step `step` (0: the catch-up's)."""
         return self.drafter.group_of(step)
 
-    def draft_forward(self, meta: BatchMetadata, hidden: torch.Tensor, group: int = 0
-                      ) -> StepOutput:
+    def draft_forward(self, meta: BatchMetadata, hidden: torch.Tensor, group: int = 0,
+                      ids: torch.Tensor | None = None) -> StepOutput:
         """Drafter step through group `group`; returns logits over the *target* vocabulary
         order only when d2t is None (use `to_target` on argmaxes otherwise) and the hidden rows
-        at `meta.logits_idx`."""
-        out = self.drafts[group].forward(meta, hidden)
+        at `meta.logits_idx`. `ids` [S] (one token a sequence): the input tokens on the device,
+        in place of the metadata's."""
+        out = self.drafts[group].forward(meta, hidden, ids=ids)
         return StepOutput(out.logits, out.hidden[meta.logits_idx.to(out.hidden.device)])
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,7 @@ class ModelDrafter:
         self.d, self.k, self.lookup, self.min_prob = deployed, k, lookup, min_prob
         self.stats, self.generator = stats, generator
         self.device = deployed.device
+        self.on_device = True  # `_chain_on_device` where it can (False: the host chain)
 
     def propose(self, work: list[DraftWork], captured: torch.Tensor | None) -> None:
         if not work:
@@ -136,6 +137,8 @@ class ModelDrafter:
             logits, hist = out.logits[n - 1::n], out.hidden[n - 1::n, None]
         else:
             logits, hist = out.logits[:len(drafting)], out.hidden[:len(drafting), None]
+        if self._chain_on_device(drafting, logits, hist[:, -1]):
+            return
         fed = {}  # group -> chain rows its KV holds
         committed = {id(seq): seq.all_ids for seq, _ in drafting} if self.lookup else {}
         for step in range(self.k):
@@ -172,6 +175,35 @@ class ModelDrafter:
                                   hist[:, first:].reshape(-1, hist.shape[-1]), group=g)
             fed[g] = step + 1
             logits, hist = out.logits, torch.cat((hist, out.hidden[:, None]), 1)
+
+    def _chain_on_device(self, drafting, logits: torch.Tensor, hidden: torch.Tensor) -> bool:
+        """The chain with no host sync between its steps: each step's draft (the argmax, in
+        the target's ids) is fed to the next step's graph on the device (the runner's `ids`),
+        and the drafts come back in one copy at the end. Taken where that is all the chain
+        does: greedy requests, no `min_prob` stop, no lookup, one drafter group whose graphs
+        replay the chain steps (engine/cuda_graphs.install(drafts=True)). Each sequence keeps
+        the drafts up to its controller limit, as the step-by-step chain would draft them.
+        False: not taken (nothing has run)."""
+        d = self.d
+        progs = getattr(d, "drafts", ())
+        if (not self.on_device or self.min_prob or self.lookup is not None or len(progs) != 1
+                or getattr(progs[0], "graph_runner", None) is None or not drafting
+                or not all(seq.params.greedy for seq, _ in drafting)):
+            return False
+        want = [self.k if seq.spec.limit is None else min(self.k, seq.spec.limit)
+                for seq, _ in drafting]
+        ids = d.to_target(logits.argmax(-1))
+        steps = [ids]
+        for step in range(1, max(want)):  # draft step + 1 from draft step's token and hidden
+            meta = build_metadata([Segment([0], pos + step - 1, seq.pages, seq.slot, 1)
+                                   for seq, pos in drafting])
+            out = d.draft_forward(meta, hidden, ids=ids)
+            hidden, ids = out.hidden, d.to_target(out.logits.argmax(-1))
+            steps.append(ids)
+        host = torch.stack(steps, 1).tolist()  # the chain's one host synchronisation
+        for (seq, _), row, n in zip(drafting, host, want):
+            seq.spec.drafts.extend(int(t) for t in row[:n])
+        return True
 
     def _uniform_catch_up(self, segs: list[Segment]) -> int:
         """n when a catch-up can replay as a CUDA graph: the drafter programs have graphs

@@ -97,3 +97,12 @@ def test_decode_bursts_equal_steps(target):
     got, calls = run(target, 4, params, device="cuda", dtype="float32")
     assert got == want
     assert calls < steps - 6
+
+
+def test_drafter_chain_on_the_device(target, monkeypatch):
+    """The drafter chain fed on the device (no host sync between its steps) drafts what the
+    host chain drafts, on a GPU, and greedy output stays plain's."""
+    from tests.engine.test_cuda_graphs import chain_drafts_match
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    chain_drafts_match(target, monkeypatch, device="cuda", dtype="float32")

@@ -20,7 +20,7 @@ def target(request, tmp_path_factory) -> Target:
 
 
 def _greedy(target, runner: bool, device: str = "cpu", spec: int = 0, drafts: bool = False,
-            oracle: list[list[int]] | None = None, **opts):
+            oracle: list[list[int]] | None = None, on_device: bool = True, **opts):
     """Greedy tokens of 3 prompts (decode steps of 3 sequences pad to the bucket of 4), from an
     Engine over a text-only deployment (the tiny Qwen3.5 has a vision tower)."""
     from specdeploy.deploy.build import build
@@ -36,6 +36,8 @@ def _greedy(target, runner: bool, device: str = "cpu", spec: int = 0, drafts: bo
     if spec:
         from specdeploy.engine.speculative import SpecEngine as Engine
     engine = Engine(dep, max_batch_size=LIMITS["max_batch_size"])
+    if spec and hasattr(engine.own_source, "on_device"):
+        engine.own_source.on_device = on_device
     if oracle is not None:  # drafts that are all accepted (the drafter's own still run)
         prompts = target.prompts[:3]
 
@@ -89,6 +91,44 @@ def test_greedy_spec_with_drafter_steps_through_the_runner(target):
     assert drafts and all(r is not None and r.takes_hidden for r in drafts)
     assert sum(r.replays for r in drafts) >= 3
     assert not runner.takes_hidden
+
+
+def test_drafter_chain_on_the_device_drafts_what_the_host_chain_drafts(target, monkeypatch):
+    """`ModelDrafter._chain_on_device` (each draft fed to the next chain step on the device,
+    one host copy of the drafts at the end) proposes, step for step, the drafts of the host
+    chain (a sync and a host-built input per step), and greedy output stays plain's."""
+    chain_drafts_match(target, monkeypatch)
+
+
+def chain_drafts_match(target, monkeypatch, **opts):
+    from specdeploy.engine.drafting import ModelDrafter
+    from specdeploy.engine.speculative import SpecEngine
+
+    seen, taken = [], []
+    verify, chain = SpecEngine._verify, ModelDrafter._chain_on_device
+
+    def record(self, batch, segs, out):
+        seen[-1].append([list(s.seq.spec.drafts) for s in batch])
+        return verify(self, batch, segs, out)
+
+    def count(self, *a):
+        took = chain(self, *a)
+        taken[-1] += took
+        return took
+
+    monkeypatch.setattr(SpecEngine, "_verify", record)
+    monkeypatch.setattr(ModelDrafter, "_chain_on_device", count)
+    want, _ = _greedy(target, runner=False, **opts)
+    runs = []
+    for on_device in (False, True):
+        seen.append([])
+        taken.append(0)
+        runs.append(_greedy(target, runner=True, spec=3, drafts=True, on_device=on_device,
+                            **opts)[0])
+    assert runs[0] == runs[1] == want
+    assert taken[0] == 0 and taken[1] >= 3
+    assert seen[1] == seen[0]
+    assert sum(len(d) for step in seen[1] for d in step) >= 9  # drafts were made and compared
 
 
 def test_only_uniform_steps_are_taken(target):
