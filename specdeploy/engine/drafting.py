@@ -208,7 +208,7 @@ class ModelDrafter:
     def _uniform_catch_up(self, segs: list[Segment]) -> int:
         """n when a catch-up can replay as a CUDA graph: the drafter programs have graphs
         (engine/cuda_graphs.install(drafts=True)) and no recurrent state (an EXTEND step would
-        leave it alone), every sequence wants drafts and feeds n (2..UNIFORM_MAX) tokens after
+        leave it alone), every sequence wants drafts and feeds n (2..K + 1) tokens after
         a cached prefix; else 0 (eager, one logit a sequence). Its n logits a sequence are
         computed then, the last one taken: the rest cost a drafter's small head, not a step."""
         progs = getattr(self.d, "drafts", ())
@@ -216,7 +216,10 @@ class ModelDrafter:
                             for p in progs):
             return 0
         n = len(segs[0].token_ids)
-        if not 1 < n <= UNIFORM_MAX:
+        # NOTE: at most 1 + K (a verify step's): each n is a graph per page width, captured on
+        # first use (~0.1 s on a GPU); the longer catch-ups of deferred rows (the controller's
+        # probes, engine/spec_control.py) are rare and run eagerly
+        if not 1 < n <= min(UNIFORM_MAX, self.k + 1):
             return 0
         ok = all(len(s.token_ids) == n and s.num_logits == 1 and s.cache_len > 0
                  and s.mm is None for s in segs)
