@@ -3,9 +3,13 @@ Shapes and the math each one reproduces are in `gpu_kernels`' docstrings; every 
 in the tensors' dtype, computes in fp32, and rounds where the torch chain it replaces rounds."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -121,27 +125,41 @@ def _attn_part_k(q_ptr, kc_ptr, vc_ptr, pt_ptr, lens_ptr, m_ptr, den_ptr, acc_pt
 
 
 @triton.jit
+def _combine_chunk(m_ptr, den_ptr, acc_ptr, at, live, d, mx, den, acc, D: tl.constexpr):
+    """Chunk `at`'s partials into the running (max, sum, weighted sum); a dead chunk loads as
+    (-inf, 0, 0): a rescale by exp(0) = 1 and + 0, exactly nothing."""
+    m = tl.load(m_ptr + at, mask=live, other=float("-inf"))
+    new = tl.maximum(mx, m)
+    alpha, w = tl.exp(mx - new), tl.exp(m - new)
+    den = den * alpha + w * tl.load(den_ptr + at, mask=live, other=0.0)
+    acc = acc * alpha + w * tl.load(acc_ptr + at * D + d, mask=live, other=0.0)
+    return new, den, acc
+
+
+@triton.jit
 def _attn_combine_k(lens_ptr, m_ptr, den_ptr, acc_ptr, out_ptr, n, splits,
                     HQ: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                     SPLITS: tl.constexpr):
-    """One (query, head): its live chunks' partials in chunk order. Dead chunks load as
-    (-inf, 0, 0) and add exact zeros, so the result depends on the query's position only, not
-    on the table's width (SPLITS) or on what else is in the step."""
+    """One (query, head): its live chunks' partials in chunk order, so the result depends on
+    the query's position only, not on the table's width (`splits`) or on what else is in the
+    step. `splits` is a runtime loop bound (one compile for every width); SPLITS > 0 (Triton's
+    interpreter, which cannot loop to a runtime bound) loops to it instead."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(lens_ptr + t // n) + t % n
     base = (t * HQ + h) * splits
     d = tl.arange(0, D)
     mx = tl.full((), float("-inf"), tl.float32)
-    for c in range(0, SPLITS):
-        mx = tl.maximum(mx, tl.load(m_ptr + base + c, mask=c * CHUNK <= pos, other=float("-inf")))
     den = tl.full((), 0.0, tl.float32)
     acc = tl.zeros((D,), tl.float32)
-    for c in range(0, SPLITS):
-        live = c * CHUNK <= pos
-        w = tl.exp(tl.load(m_ptr + base + c, mask=live, other=float("-inf")) - mx)
-        den += w * tl.load(den_ptr + base + c, mask=live, other=0.0)
-        acc += w * tl.load(acc_ptr + (base + c) * D + d, mask=live, other=0.0)
+    if SPLITS > 0:
+        for c in range(0, SPLITS):
+            mx, den, acc = _combine_chunk(m_ptr, den_ptr, acc_ptr, base + c, c * CHUNK <= pos,
+                                          d, mx, den, acc, D)
+    else:
+        for c in range(0, splits):
+            mx, den, acc = _combine_chunk(m_ptr, den_ptr, acc_ptr, base + c, c * CHUNK <= pos,
+                                          d, mx, den, acc, D)
     tl.store(out_ptr + (t * HQ + h) * D + d, (acc / den).to(out_ptr.dtype.element_ty))
 
 
@@ -164,7 +182,7 @@ def paged_attention(q, k_cache, v_cache, page_table, cache_lens, scale, n, out) 
                                   float(scale), n, page_table.shape[1], page_table.stride(0),
                                   page_size, splits, HQ=hq, HKV=hkv, D=d, CHUNK=_CHUNK)
     _attn_combine_k[(t, hq)](cache_lens, m, den, acc, out, n, splits, HQ=hq, D=d,
-                             CHUNK=_CHUNK, SPLITS=splits)
+                             CHUNK=_CHUNK, SPLITS=splits if _INTERPRET else 0)
 
 
 __all__ = ["rms_norm_rows", "silu_mul_rows", "rope_write_kv", "paged_attention", "torch"]
