@@ -12,7 +12,8 @@
 # (the machine stays warm 30 s; ignored files stay between calls):
 #   1. carry [".whl", ".gpu", "specdeploy/data/drafters"]:  bash bench/gpu_check.sh $OUT tests
 #   2. carry [".whl", ".gpu2"]:                              bash bench/gpu_check.sh $OUT bench
-# 2026-12-04 on an H200: tests ~30 s, bench ~140 s, ~35 s to start the machine.
+# 2026-12-04 on an H200: tests ~50 s, bench ~230 s with BENCH_ARGS=--lean (~330 s without),
+# ~35 s to start the machine: a round of both calls is ~350 s of the session's device time.
 # Packages the machine lacks travel as wheels in .whl/ (gguf), installed with --no-deps into
 # /tmp/site; the GGUF is assembled there from .gpu/a (kept in /tmp/gg) and .gpu2/b.
 set -uo pipefail
