@@ -59,12 +59,14 @@ def hf_decode_rate(model, ids: list[int], n: int, device: str) -> float:
 
 def bs1(args, spec: SpecConfig | None, prompts: list[list[int]], cuda_graphs: bool = False,
         burst: int = 1) -> dict:
-    """Each prompt alone at batch size 1, `args.rounds` times: tokens/s of a round = its decode
-    tokens over its decode time (all prompts); the median round."""
+    """Each prompt alone at batch size 1, `args.rounds` times after a warm-up round (graph
+    captures and Triton compiles happen on first use of a shape): tokens/s of a round = its
+    decode tokens over its decode time (all prompts); the median round."""
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1,
               max_seq_len=1024, spec=spec, cuda_graphs=cuda_graphs, num_scheduler_steps=burst)
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    llm.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    for prompt in prompts:  # a whole round first: each page width's graphs and compiles
+        llm.generate([prompt], sp)
     rates, ids = [], []
     for _ in range(args.rounds):
         tokens, seconds, ids = 0, 0.0, []
