@@ -65,8 +65,11 @@ def bs1(args, spec: SpecConfig | None, prompts: list[list[int]], cuda_graphs: bo
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1,
               max_seq_len=1024, spec=spec, cuda_graphs=cuda_graphs, num_scheduler_steps=burst)
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    for prompt in prompts:  # a whole round first: each page width's graphs and compiles
-        llm.generate([prompt], sp)
+    # a whole round first where graphs replay (each shape's capture and compiles happen on its
+    # first use); eager, one short reply
+    for prompt in prompts if cuda_graphs else prompts[:1]:
+        llm.generate([prompt], sp if cuda_graphs else SamplingParams(max_tokens=8,
+                                                                      ignore_eos=True))
     rates, ids = [], []
     for _ in range(args.rounds):
         tokens, seconds, ids = 0, 0.0, []
