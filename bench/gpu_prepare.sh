@@ -10,8 +10,9 @@ mkdir -p .whl .gpu .gpu2
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp -d .whl gguf==0.19.0
 gguf=$($py -c "from specdeploy.default_model import default_model_path as p; print(p())")
-head -c $((35 * 1024 * 1024)) "$gguf" > .gpu/a
-tail -c +$((35 * 1024 * 1024 + 1)) "$gguf" > .gpu2/b
+cut=${CUT_MIB:-35}  # MiB in the first call (with the heads); 60 for a `train` round (no heads)
+head -c $((cut * 1024 * 1024)) "$gguf" > .gpu/a
+tail -c +$((cut * 1024 * 1024 + 1)) "$gguf" > .gpu2/b
 (cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")") > .gpu2/sha256
 $py - <<'PY'
 import json
@@ -33,4 +34,7 @@ tok = LLM(None, max_batch_size=1, max_seq_len=64).tokenizer
 with open(".gpu2/heldout_ids.json", "w") as f:
     json.dump(heldout_prompts(tok, 4, 400), f)
 PY
+# a `train` round's prompts: ShareGPT's training split (its sidecar names the held-out split)
+$py bench/export_training_prompts.py --out .gpu2/train_prompts.jsonl --num 40000 > /dev/null
+gzip -f .gpu2/train_prompts.jsonl
 ls -la .whl .gpu .gpu2
