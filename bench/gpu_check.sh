@@ -15,7 +15,7 @@
 # A `train` round (new heads for the default model, bench/train_default_heads_gpu.sh; the heads
 # come back under OUT_DIR/heads): `CUT_MIB=60 bash bench/gpu_prepare.sh`, call 1 carrying
 # [".whl", ".gpu"] (`bash bench/gpu_check.sh $OUT tests`, or `true` to only leave .gpu/a in
-# /tmp/gg), then call 2 carrying [".whl", ".gpu2"]: `TRAIN_S=480 GEN_MIN=3 bash
+# /tmp/gg), then call 2 carrying [".whl", ".gpu2", ".gpu3"]: `TRAIN_S=480 GEN_MIN=3 bash
 # bench/gpu_check.sh $OUT train` (GEN_MIN minutes of replies, then training until TRAIN_S).
 # 2026-12-04 on an H200: tests ~50 s, bench ~230 s with BENCH_ARGS=--lean (~330 s without),
 # ~35 s to start the machine: a round of both calls is ~350 s of the session's device time.
@@ -81,8 +81,8 @@ fi
 if [ "$what" = train ]; then
   t0=$(date +%s)
   mkdir -p /tmp/tp
-  gunzip -c .gpu2/train_prompts.jsonl.gz > /tmp/tp/train_prompts.jsonl
-  cp .gpu2/train_prompts.jsonl.meta.json /tmp/tp/ 2>/dev/null || true
+  gunzip -c .gpu3/train_prompts.jsonl.gz > /tmp/tp/train_prompts.jsonl
+  cp .gpu3/train_prompts.jsonl.meta.json /tmp/tp/ 2>/dev/null || true
   DEADLINE=$(( t0 + ${TRAIN_S:-480} )) MODEL="$gguf" PROMPTS=/tmp/tp/train_prompts.jsonl \
     RUNS=/tmp/runs GEN_MIN="${GEN_MIN:-3}" TRAIN_MIN="${TRAIN_MIN:-10}" \
     bash bench/train_default_heads_gpu.sh > "$out/train.log" 2>&1

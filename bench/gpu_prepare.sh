@@ -2,7 +2,7 @@
 # Here, before the device calls of bench/gpu_check.sh: the wheels the device image lacks (.whl/),
 # the default model's GGUF cut in two (.gpu/a, .gpu2/b: one device call carries at most 64 MiB),
 # its sha256, 64 ShareGPT prompts as JSONL and 4 held-out prompts' token ids (.gpu2/). All three
-# folders are git-ignored.
+# folders are git-ignored (and .gpu3/: a `train` round's prompts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PY:-.venv/bin/python}
@@ -34,7 +34,10 @@ tok = LLM(None, max_batch_size=1, max_seq_len=64).tokenizer
 with open(".gpu2/heldout_ids.json", "w") as f:
     json.dump(heldout_prompts(tok, 4, 400), f)
 PY
-# a `train` round's prompts: ShareGPT's training split (its sidecar names the held-out split)
-$py bench/export_training_prompts.py --out .gpu2/train_prompts.jsonl --num 40000 > /dev/null
-gzip -f .gpu2/train_prompts.jsonl
-ls -la .whl .gpu .gpu2
+# a `train` round's prompts (.gpu3/, carried by that round's second call only: with them the
+# bench call's .gpu2 would pass 64 MiB): ShareGPT's training split, its sidecar naming the
+# held-out split
+mkdir -p .gpu3
+$py bench/export_training_prompts.py --out .gpu3/train_prompts.jsonl --num 40000 > /dev/null
+gzip -f .gpu3/train_prompts.jsonl
+ls -la .whl .gpu .gpu2 .gpu3
