@@ -300,7 +300,9 @@ def main() -> None:
              # the cost controller (the default): drafts only where they pay on this device
              "mtp_ctl": SpecConfig("mtp", 3),
              "eagle3_ctl": SpecConfig("eagle3", 3),
-             "ngram_ctl": SpecConfig("ngram", 3, prompt_lookup_max=4)}
+             "ngram_ctl": SpecConfig("ngram", 3, prompt_lookup_max=4),
+             # what `SpecConfig("auto")` / `--spec auto` resolves to for this model
+             "auto": SpecConfig("auto")}
 
     def variant(name: str, graphs: bool, triton: bool = False, drafter_graphs: bool = False,
                 burst: int = 1) -> None:
@@ -353,9 +355,9 @@ def main() -> None:
         variant("plain", True, triton=True)
         variant("plain", True, triton=True, burst=8)
         variant("plain", True)
-        for name in ("mtp", "eagle3", "ngram", "mtp_ctl", "eagle3_ctl", "ngram_ctl"):
-            variant(name, True, triton=True, drafter_graphs=name != "ngram"
-                    and name != "ngram_ctl")
+        for name in ("mtp", "eagle3", "ngram", "mtp_ctl", "eagle3_ctl", "ngram_ctl", "auto"):
+            variant(name, True, triton=True, drafter_graphs=name in ("mtp", "eagle3", "mtp_ctl",
+                                                                     "eagle3_ctl"))
         result["host_profile"] = phase("host_profile", lambda: host_profile(args, prompts[0]))
         result["concurrent_triton"] = phase("concurrent_triton", lambda: concurrent(True))
         result["concurrent_triton_burst8"] = phase("concurrent_triton_burst8",

@@ -122,3 +122,23 @@ def test_a_waiting_request_stops_bursts():
 def test_option_is_checked():
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         LLM(None, num_scheduler_steps=0, max_batch_size=1, max_seq_len=64)
+
+
+def test_pages_a_burst_filled_serve_prefix_hits(target):
+    """Prefix caching on (the default): a reply decoded in bursts registers its pages; a second
+    request that repeats the prompt and 40 of the reply's tokens hits them (counted) and
+    continues as it does without bursts."""
+    first = [SamplingParams(max_tokens=48, ignore_eos=True)]
+    prompt = target.prompts[2]
+    outs = []
+    for burst in (1, 8):
+        engine = _engine(target, burst)
+        assert engine.prefix is not None
+        [(reply, _)], calls = _run(engine, [prompt], first)
+        assert burst == 1 or calls < 30  # most of its 48 tokens came in bursts
+        hits = engine.prefix.hits
+        again = [SamplingParams(max_tokens=12, ignore_eos=True)]
+        [(cont, _)], _ = _run(engine, [list(prompt) + reply[:40]], again)
+        assert engine.prefix.hits > hits  # the second request reused cached pages
+        outs.append((reply, cont))
+    assert outs[1] == outs[0]
