@@ -19,7 +19,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
+from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, Segment, build_metadata
 from specdeploy.engine.lookup import Lookup
 from specdeploy.engine.request import Sequence
 from specdeploy.ops.cached_attention import UNIFORM_MAX
@@ -122,20 +122,18 @@ class ModelDrafter:
         if not any(s.num_logits for s in segs):
             segs[-1].num_logits = 1
         n = self._uniform_catch_up(segs) if all(w.wants for w in work) else 0
-        if n:  # every row's logits, as a verify step's: a shape the drafter's graphs replay
-            segs = [Segment(s.token_ids, s.cache_len, s.pages, s.slot, n, SEG_EXTEND)
-                    for s in segs]
-        # the catch-up: every committed position enters the drafter's KV, that of every group
-        # of a multi-group MTP module (each group's later steps attend over them too)
-        meta, feats = build_metadata(segs), d.project(torch.cat(pieces))
-        out = d.draft_forward(meta, feats)
-        for g in range(1, getattr(d, "num_groups", 1)):
-            d.draft_forward(meta, feats, group=g)
+        feats = d.project(torch.cat(pieces))
         drafting = [(w.seq, w.start + len(w.next_ids)) for w in work if w.wants]
         # hist[:, r]: the hidden input of chain row r (at position pos + r, fed draft r + 1)
-        if n:  # each sequence's last row
-            logits, hist = out.logits[n - 1::n], out.hidden[n - 1::n, None]
+        if n:  # in replayed pieces: each sequence's last row
+            logits, hist = self._catch_up_pieces(segs, feats, n)
         else:
+            # the catch-up: every committed position enters the drafter's KV, that of every
+            # group of a multi-group MTP module (each group's later steps attend over them too)
+            meta = build_metadata(segs)
+            out = d.draft_forward(meta, feats)
+            for g in range(1, getattr(d, "num_groups", 1)):
+                d.draft_forward(meta, feats, group=g)
             logits, hist = out.logits[:len(drafting)], out.hidden[:len(drafting), None]
         if self._chain_on_device(drafting, logits, hist[:, -1]):
             return
@@ -205,21 +203,47 @@ class ModelDrafter:
             seq.spec.drafts.extend(int(t) for t in row[:n])
         return True
 
+    def _pieces(self, n: int) -> list[int]:
+        """A catch-up of n rows as replayed pieces, longest first, of lengths 1..K + 1 (a
+        verify step's) or powers of two: a few graph shapes per page width (each captured on
+        first use), however many rows the controller's deferrals leave."""
+        sizes = sorted({*range(1, self.k + 2), *(1 << i for i in range(6))}, reverse=True)
+        out = []
+        while n:
+            out.append(next(z for z in sizes if z <= n))
+            n -= out[-1]
+        return out
+
+    def _catch_up_pieces(self, segs: list[Segment], feats: torch.Tensor, n: int):
+        """The catch-up of S sequences feeding n rows each, as pieces in order (each writes its
+        rows' KV, the next attends over them: the causal forward of all n at once); a piece of
+        z > 1 rows is an EXTEND step with every row's logits, of 1 a decode step. Returns each
+        sequence's last-row logits and hidden [S, 1, H]."""
+        d, rows, start = self.d, feats.view(len(segs), n, -1), 0
+        for z in self._pieces(n):
+            piece = [Segment(s.token_ids[start:start + z], s.cache_len + start, s.pages, s.slot,
+                             z, SEG_EXTEND if z > 1 else SEG_NORMAL) for s in segs]
+            meta = build_metadata(piece)
+            part = rows[:, start:start + z].reshape(-1, rows.shape[-1])
+            out = d.draft_forward(meta, part)
+            for g in range(1, getattr(d, "num_groups", 1)):
+                d.draft_forward(meta, part, group=g)
+            start += z
+        return out.logits[z - 1::z], out.hidden[z - 1::z, None]
+
     def _uniform_catch_up(self, segs: list[Segment]) -> int:
-        """n when a catch-up can replay as a CUDA graph: the drafter programs have graphs
+        """n when a catch-up can replay as CUDA graphs: the drafter programs have graphs
         (engine/cuda_graphs.install(drafts=True)) and no recurrent state (an EXTEND step would
-        leave it alone), every sequence wants drafts and feeds n (2..K + 1) tokens after
-        a cached prefix; else 0 (eager, one logit a sequence). Its n logits a sequence are
-        computed then, the last one taken: the rest cost a drafter's small head, not a step."""
+        leave it alone), every sequence wants drafts and feeds n (2..64) tokens after
+        a cached prefix; else 0 (eager, one logit a sequence). It then runs in pieces
+        (`_catch_up_pieces`), every row's logits computed and the last one taken: the rest cost
+        a drafter's small head, not a step."""
         progs = getattr(self.d, "drafts", ())
         if not progs or any(getattr(p, "graph_runner", None) is None or p.layout.recurrent
                             for p in progs):
             return 0
         n = len(segs[0].token_ids)
-        # NOTE: at most 1 + K (a verify step's): each n is a graph per page width, captured on
-        # first use (~0.1 s on a GPU); the longer catch-ups of deferred rows (the controller's
-        # probes, engine/spec_control.py) are rare and run eagerly
-        if not 1 < n <= min(UNIFORM_MAX, self.k + 1):
+        if not 1 < n <= 2 * UNIFORM_MAX:  # longer: the end of a prefill, one eager forward
             return 0
         ok = all(len(s.token_ids) == n and s.num_logits == 1 and s.cache_len > 0
                  and s.mm is None for s in segs)

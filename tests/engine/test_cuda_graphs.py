@@ -20,7 +20,8 @@ def target(request, tmp_path_factory) -> Target:
 
 
 def _greedy(target, runner: bool, device: str = "cpu", spec: int = 0, drafts: bool = False,
-            oracle: list[list[int]] | None = None, on_device: bool = True, **opts):
+            oracle: list[list[int]] | None = None, on_device: bool = True,
+            max_tokens: int = 16, **opts):
     """Greedy tokens of 3 prompts (decode steps of 3 sequences pad to the bucket of 4), from an
     Engine over a text-only deployment (the tiny Qwen3.5 has a vision tower)."""
     from specdeploy.deploy.build import build
@@ -47,7 +48,7 @@ def _greedy(target, runner: bool, device: str = "cpu", spec: int = 0, drafts: bo
             return oracle[i][done:done + k]
 
         engine.fix_drafts(next_tokens)
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in target.prompts[:3]]
     done = {}
     while engine.has_unfinished():
@@ -129,6 +130,56 @@ def chain_drafts_match(target, monkeypatch, **opts):
     assert taken[0] == 0 and taken[1] >= 3
     assert seen[1] == seen[0]
     assert sum(len(d) for step in seen[1] for d in step) >= 9  # drafts were made and compared
+
+
+def test_deferred_catch_ups_replay_in_pieces(target, monkeypatch):
+    """A controller that never drafts but probes (a synthetic cost model where drafts never
+    pay; rejected probes double the gap to 8, 16, 32 steps) defers the drafter's catch-up: the
+    probes' catch-ups of 4..32 rows replay in pieces (`_catch_up_pieces`), and give the
+    last-row logits and hidden state (and the drafts) of one eager forward over all the rows."""
+    from specdeploy.engine.drafting import ModelDrafter
+    from specdeploy.engine.spec_control import CostController
+    from specdeploy.engine.speculative import SpecEngine
+    from tests.spec.test_spec_controller import NEVER
+
+    seen, heads = [], []
+    verify, init, chain = SpecEngine._verify, SpecEngine.__init__, ModelDrafter._chain_on_device
+
+    def catch_up(self, drafting, logits, hidden):  # the catch-up's last rows, each probe
+        heads[-1].append((logits.clone(), hidden.clone()))
+        return chain(self, drafting, logits, hidden)
+
+    def record(self, batch, segs, out):
+        seen[-1].append([list(s.seq.spec.drafts) for s in batch])
+        return verify(self, batch, segs, out)
+
+    def never(self, *a, **kw):  # every engine _greedy builds: the synthetic controller
+        init(self, *a, **kw)
+        self.set_controller(CostController(NEVER, self.k, self.max_k))
+
+    monkeypatch.setattr(SpecEngine, "_verify", record)
+    monkeypatch.setattr(SpecEngine, "__init__", never)
+    monkeypatch.setattr(ModelDrafter, "_chain_on_device", catch_up)
+    # the deferrals here are 4, 8, 16 rows (the probe gaps): one piece each; pieces of 3 rows
+    # at most put every catch-up in several, as longer odd deferrals are
+    monkeypatch.setattr(ModelDrafter, "_pieces",
+                        lambda self, n: [3] * (n // 3) + [n % 3] * bool(n % 3))
+    runs = []
+    for drafts in (False, True):  # drafter programs eager / through their runners
+        seen.append([])
+        heads.append([])
+        runs.append(_greedy(target, runner=True, spec=3, drafts=drafts, max_tokens=64))
+    (eager, _), (pieces, runner) = runs
+    assert pieces == eager
+    assert seen[1] == seen[0]
+    assert len(heads[1]) == len(heads[0]) >= 4
+    for (lw, hw), (lg, hg) in zip(heads[0], heads[1]):  # fp32; pieces vs one forward
+        torch.testing.assert_close(lg, lw, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(hg, hw, rtol=1e-4, atol=1e-4)
+    pieces = sum(n for d in runner.test_drafts for k, n in d.graph_runner.replays_by_tokens.items()
+                 if k == 3)
+    assert pieces >= 6  # the deferrals' pieces replayed
+    assert sum(len(d) for step in seen[1] for d in step) >= 3  # probes drafted
 
 
 def test_only_uniform_steps_are_taken(target):
@@ -236,3 +287,20 @@ def test_cli_flag():
     args = build_parser().parse_args(["generate", "--prompt", "x", "--cuda-graphs"])
     assert args.cuda_graphs is True
     assert torch.device("cpu").type == "cpu"
+
+
+def test_catch_up_pieces_lengths():
+    """Pieces of a catch-up: lengths 1..K + 1 or powers of two, longest first, summing to n."""
+    from specdeploy.engine.drafting import ModelDrafter
+
+    d = ModelDrafter.__new__(ModelDrafter)
+    d.k = 3
+    assert d._pieces(5) == [4, 1]
+    assert d._pieces(13) == [8, 4, 1]
+    assert d._pieces(33) == [32, 1]
+    assert d._pieces(64) == [32, 32]
+    d.k = 5
+    assert d._pieces(7) == [6, 1]
+    for n in range(1, 65):
+        got = d._pieces(n)
+        assert sum(got) == n and all(z <= 6 or z & (z - 1) == 0 for z in got)
