@@ -106,3 +106,12 @@ def test_drafter_chain_on_the_device(target, monkeypatch):
 
     torch.backends.cuda.matmul.allow_tf32 = False
     chain_drafts_match(target, monkeypatch, device="cuda", dtype="float32")
+
+
+def test_deferred_catch_ups_in_pieces(target, monkeypatch):
+    """The controller's deferred catch-ups replayed in pieces on a GPU: the last-row logits
+    and hidden state of one eager forward (fp32, 1e-4), the same drafts."""
+    from tests.engine.test_cuda_graphs import deferred_pieces_match
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    deferred_pieces_match(target, monkeypatch, device="cuda", dtype="float32")

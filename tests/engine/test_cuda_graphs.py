@@ -137,6 +137,10 @@ def test_deferred_catch_ups_replay_in_pieces(target, monkeypatch):
     pay; rejected probes double the gap to 8, 16, 32 steps) defers the drafter's catch-up: the
     probes' catch-ups of 4..32 rows replay in pieces (`_catch_up_pieces`), and give the
     last-row logits and hidden state (and the drafts) of one eager forward over all the rows."""
+    deferred_pieces_match(target, monkeypatch)
+
+
+def deferred_pieces_match(target, monkeypatch, **opts):
     from specdeploy.engine.drafting import ModelDrafter
     from specdeploy.engine.spec_control import CostController
     from specdeploy.engine.speculative import SpecEngine
@@ -168,7 +172,8 @@ def test_deferred_catch_ups_replay_in_pieces(target, monkeypatch):
     for drafts in (False, True):  # drafter programs eager / through their runners
         seen.append([])
         heads.append([])
-        runs.append(_greedy(target, runner=True, spec=3, drafts=drafts, max_tokens=64))
+        runs.append(_greedy(target, runner=True, spec=3, drafts=drafts, max_tokens=64,
+                            **opts))
     (eager, _), (pieces, runner) = runs
     assert pieces == eager
     assert seen[1] == seen[0]
