@@ -65,7 +65,7 @@ def add_cuda_graphs_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs",
                    action="store_false", help="every step eager (vLLM's --enforce-eager)")
     p.add_argument("--num-scheduler-steps", type=positive_int, default=1,
-                   help="greedy decode steps run as bursts of up to N CUDA-graph replays, one "
+                   help="decode steps run as bursts of up to N CUDA-graph replays, one "
                         "host sync each (vLLM's multi-step scheduling; default 1: off)")
 
 

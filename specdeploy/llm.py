@@ -62,7 +62,7 @@ class LLM:
             (engine/cuda_graphs.py). None (default): on for a CUDA device wherever the runner
             can serve (not with tensor parallelism or a vision-language target: eager there);
             True: required (refused where it cannot serve); False: eager (vLLM's enforce_eager).
-        num_scheduler_steps: greedy decode steps run as bursts of up to this many CUDA-graph
+        num_scheduler_steps: decode steps run as bursts of up to this many CUDA-graph
             replays with one host sync each (vLLM's multi-step scheduling;
             engine/decode_burst.py): tokens stream in groups, the host's work overlaps the
             GPU's. 1 (default): every step alone. Needs CUDA graphs to take effect.

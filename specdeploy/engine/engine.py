@@ -65,7 +65,7 @@ class Engine:
         self._grammar = None  # engine/grammar.py GrammarCompiler, built on first use
         self._grammar_lock = threading.Lock()
         self.threads = None  # engine/threads.py ThreadGovernor (LLM(threads="auto")), or None
-        # greedy decode steps run as bursts of up to this many graph replays, one host sync
+        # decode steps run as bursts of up to this many graph replays, one host sync
         # each (engine/decode_burst.py; vLLM's num_scheduler_steps); 1: every step alone
         self.num_scheduler_steps = 1
 
@@ -192,7 +192,7 @@ class Engine:
         return self._emit(touched, t0)
 
     def _burst(self, batch: list[ScheduledSeq], touched: list[Sequence]) -> bool:
-        """A burst of greedy decode steps (engine/decode_burst.py) in place of this step;
+        """A burst of decode steps (engine/decode_burst.py) in place of this step;
         False when it cannot be one (nothing has run)."""
         n = burst_len(self, batch)
         tf = time.perf_counter()

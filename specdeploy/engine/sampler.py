@@ -43,33 +43,48 @@ def _filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def filter_logits(scaled: torch.Tensor, params: Sequence[SamplingParams], repeat: int = 1
                   ) -> torch.Tensor:
     """min_p, then top-k / top-p, on [N * repeat, V] rows (`repeat` rows per request)."""
-    dev = scaled.device
+    c = row_tensors(params, scaled.device, scaled.dtype)
+    return _filter(scaled, c, repeat)
+
+
+def row_tensors(params: Sequence[SamplingParams], device, dtype=torch.float32) -> dict:
+    """The per-row tensors sampling reads: temperatures, greedy rows, and min_p / top-k / top-p
+    where a row uses them. Each is a host-to-device copy, which on a GPU waits for the work
+    queued before it: a burst of decode steps (engine/decode_burst.py) builds them once."""
+    c = {"temp": torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
+                              device=device),
+         "greedy": torch.tensor([p.greedy for p in params], device=device)}
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=scaled.dtype)
-        scaled = _filter_min_p(scaled, min_p.repeat_interleave(repeat))
+        c["min_p"] = torch.tensor([p.min_p for p in params], device=device, dtype=dtype)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=dev).repeat_interleave(repeat)
-        top_p = torch.tensor([p.top_p for p in params], device=dev,
-                             dtype=scaled.dtype).repeat_interleave(repeat)
-        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+        c["top_k"] = torch.tensor([p.top_k for p in params], device=device)
+        c["top_p"] = torch.tensor([p.top_p for p in params], device=device, dtype=dtype)
+    return c
+
+
+def _filter(scaled: torch.Tensor, c: dict, repeat: int = 1) -> torch.Tensor:
+    if "min_p" in c:
+        scaled = _filter_min_p(scaled, c["min_p"].repeat_interleave(repeat))
+    if "top_k" in c:
+        scaled = _filter_top_k_top_p(scaled, c["top_k"].repeat_interleave(repeat),
+                                     c["top_p"].repeat_interleave(repeat))
     return scaled
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None], default: torch.Generator | None = None
-           ) -> torch.Tensor:
-    """logits [N,V] fp32, one SamplingParams and generator (None = unseeded) per row → ids [N]."""
+           generators: Sequence[torch.Generator | None], default: torch.Generator | None = None,
+           rows: dict | None = None) -> torch.Tensor:
+    """logits [N,V] fp32, one SamplingParams and generator (None = unseeded) per row → ids [N].
+    `rows`: `row_tensors(params, ...)` built beforehand (the same draws either way)."""
     greedy_ids = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy_ids
-    dev = logits.device
-    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
-    scaled = filter_logits(logits / temp[:, None], params)
+    c = rows if rows is not None else row_tensors(params, logits.device, logits.dtype)
+    scaled = _filter(logits / c["temp"][:, None], c)
     probs = scaled.softmax(dim=-1)
     noise = torch.empty_like(probs)
     for i, g in enumerate(generators):
         # NOTE: one row per generator keeps a seeded request's draws independent of its batch.
         noise[i].exponential_(generator=g if g is not None else default)
     sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=dev)
-    return torch.where(is_greedy, greedy_ids, sampled)
+    return torch.where(c["greedy"], greedy_ids, sampled)

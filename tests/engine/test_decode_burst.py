@@ -67,6 +67,21 @@ def test_a_stop_inside_a_burst_drops_the_rest(target):
     assert all(reason == "stop" and len(ids) <= 6 for ids, reason in got)
 
 
+def test_seeded_sampling_in_bursts_draws_what_steps_draw(target):
+    """Seeded sampled requests (temperature, top-k / top-p, min_p) in bursts: each generator
+    drawn once a step, in the same order, so the same tokens as step by step."""
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.9, seed=1),
+              SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.2, top_k=20,
+                             top_p=0.9, seed=2),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, min_p=0.05,
+                             seed=3)]
+    want, steps = run(target, 1, params)
+    got, calls = run(target, 4, params)
+    assert got == want
+    assert calls < steps - 4
+    assert len({tuple(ids) for ids, _ in want}) == 3
+
+
 def test_what_reads_tokens_step_by_step_takes_normal_steps(target):
     """Penalties and logprobs act between steps: no bursts (as many step() calls), the same
     tokens."""
