@@ -115,3 +115,21 @@ def test_deferred_catch_ups_in_pieces(target, monkeypatch):
 
     torch.backends.cuda.matmul.allow_tf32 = False
     deferred_pieces_match(target, monkeypatch, device="cuda", dtype="float32")
+
+
+def test_seeded_sampling_in_bursts_equals_steps(target):
+    """Seeded sampled requests in decode bursts on the device: each request's CUDA generator
+    drawn once a step, in order: step-by-step's tokens."""
+    from specdeploy import SamplingParams
+    from tests.engine.test_decode_burst import run
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.9, seed=1),
+              SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.2, top_k=20,
+                             top_p=0.9, seed=2),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, min_p=0.05,
+                             seed=3)]
+    want, steps = run(target, 1, params, device="cuda", dtype="float32")
+    got, calls = run(target, 4, params, device="cuda", dtype="float32")
+    assert got == want
+    assert calls < steps - 4
