@@ -163,6 +163,7 @@ def _attn_combine_k(lens_ptr, m_ptr, den_ptr, acc_ptr, out_ptr, n, splits,
     tl.store(out_ptr + (t * HQ + h) * D + d, (acc / den).to(out_ptr.dtype.element_ty))
 
 
+_RUNTIME_BOUND = [True]  # the combine loops to a runtime bound (False: to a constexpr one)
 _CHUNK = 64  # keys a program attends to: a batch-1 decode at 500 tokens is 8 x heads programs
 
 
@@ -181,8 +182,16 @@ def paged_attention(q, k_cache, v_cache, page_table, cache_lens, scale, n, out) 
     _attn_part_k[(t, hq, splits)](q, k_cache, v_cache, page_table, cache_lens, m, den, acc,
                                   float(scale), n, page_table.shape[1], page_table.stride(0),
                                   page_size, splits, HQ=hq, HKV=hkv, D=d, CHUNK=_CHUNK)
-    _attn_combine_k[(t, hq)](cache_lens, m, den, acc, out, n, splits, HQ=hq, D=d,
-                             CHUNK=_CHUNK, SPLITS=splits if _INTERPRET else 0)
+    bound = splits if _INTERPRET or not _RUNTIME_BOUND[0] else 0
+    try:
+        _attn_combine_k[(t, hq)](cache_lens, m, den, acc, out, n, splits, HQ=hq, D=d,
+                                 CHUNK=_CHUNK, SPLITS=bound)
+    except Exception:  # NOTE: a Triton that cannot build the runtime-bound loop: a compile
+        if bound:  # per page width instead (the same chunks, the same order)
+            raise
+        _RUNTIME_BOUND[0] = False
+        _attn_combine_k[(t, hq)](cache_lens, m, den, acc, out, n, splits, HQ=hq, D=d,
+                                 CHUNK=_CHUNK, SPLITS=splits)
 
 
 __all__ = ["rms_norm_rows", "silu_mul_rows", "rope_write_kv", "paged_attention", "torch"]
