@@ -187,6 +187,10 @@ class LLM:
             raise ValueError(f"num_scheduler_steps: must be an integer >= 1, got "
                              f"{num_scheduler_steps!r}")
         self.engine.num_scheduler_steps = num_scheduler_steps
+        if num_scheduler_steps > 1 and (spec is not None
+                                        or getattr(self.deployed, "graph_runner", None) is None):
+            why = "speculative steps verify drafts" if spec is not None else "no CUDA graphs"
+            log(f"num_scheduler_steps={num_scheduler_steps}: every step alone ({why})")
         if threads == "auto" and torch.get_num_threads() > 1:
             from specdeploy.engine.threads import ThreadGovernor
 
