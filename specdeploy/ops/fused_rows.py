@@ -26,7 +26,7 @@ def silu_mul_ref(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def _add_rms_norm_kernel(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = gpu_kernels.add_rms_norm(a, b, weight, eps) if a.is_cuda else None
+    out = gpu_kernels.add_rms_norm(a, b, weight, eps) if gpu_kernels.candidate(a) else None
     if out is None:
         out = row_kernels.add_rms_norm(a, b, weight, eps)
     if out is not None:
@@ -36,7 +36,7 @@ def _add_rms_norm_kernel(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
 
 
 def _silu_mul_kernel(x: torch.Tensor, n: int) -> torch.Tensor:
-    out = gpu_kernels.silu_mul(x, n) if x.is_cuda else None
+    out = gpu_kernels.silu_mul(x, n) if gpu_kernels.candidate(x) else None
     if out is None:
         out = row_kernels.silu_mul(x, n)
     return silu_mul_ref(x, n) if out is None else out

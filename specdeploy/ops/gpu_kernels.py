@@ -44,6 +44,12 @@ def _triton():
     return _triton_src
 
 
+def candidate(x: torch.Tensor) -> bool:
+    """Whether a call site should try these kernels: a CUDA tensor, or any tensor under Triton's
+    interpreter (TRITON_INTERPRET=1: whole models on the CPU run them, for the tests)."""
+    return x.is_cuda or _INTERPRET
+
+
 def enabled(x: torch.Tensor) -> bool:
     return _STATE["on"] and (x.is_cuda or _INTERPRET) and _triton() is not None
 

@@ -44,7 +44,7 @@ def gated_rms_norm_ref(
 
 
 def _rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_cuda and not torch.is_grad_enabled():
+    if gpu_kernels.candidate(x) and not torch.is_grad_enabled():
         out = gpu_kernels.rms_norm(x, weight, eps)  # one Triton launch (ops/gpu_kernels.py)
         if out is not None:
             return out

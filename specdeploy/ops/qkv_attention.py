@@ -77,7 +77,7 @@ def _qkv_attention_kernel(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                           cache_lens_host: torch.Tensor, page_table: torch.Tensor, scale: float,
                           sliding_window: int, slot_mapping: torch.Tensor | None, hq: int,
                           hkv: int, d: int) -> torch.Tensor:
-    if qkv.is_cuda:  # a uniform step (decode, verify) in two Triton launches (gpu_kernels)
+    if gpu_kernels.candidate(qkv):  # a uniform step (decode, verify): Triton (gpu_kernels)
         out = gpu_kernels.qkv_attention(qkv, cos, sin, k_cache, v_cache, cu_seqlens_host,
                                         cache_lens_host, page_table, cache_lens, scale,
                                         sliding_window, slot_mapping, hq, hkv, d)

@@ -7,7 +7,8 @@ On a CUDA device (`cuda` marker). Where Triton is installed but no GPU is, the s
 on the CPU under Triton's interpreter, in a subprocess (TRITON_INTERPRET must be set before
 Triton is imported): `test_kernels_under_the_interpreter`. NOTE: Triton is not a test
 dependency (torch.export imports it wherever it is installed: +46 MiB in every CPU deployment),
-so CI skips that one; `pip install triton==3.6.0` in a dev venv runs it (5 s)."""
+so CI skips that one; `pip install triton==3.6.0` in a dev venv runs it (~1 min, a whole tiny
+model on the kernels included)."""
 from __future__ import annotations
 
 import os
@@ -121,6 +122,31 @@ def test_other_steps_are_left_to_torch():
     args = (dev[0], dev[1], dev[2], dev[3], dev[4])
     assert gk.qkv_attention(*args, ragged, lens, dev[5], dev[6], 0.1, 0, dev[7], 4, 2, 32) is None
     assert gk.qkv_attention(*args, cu, lens, dev[5], dev[6], 0.1, 8, dev[7], 4, 2, 32) is None
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="whole models under Triton's interpreter only "
+                    "(on a GPU the cuda tests run them with SPECDEPLOY_TRITON=1)")
+def test_whole_model_greedy_spec_equals_plain_on_the_kernels(tmp_path, monkeypatch):
+    """A tiny Llama's steps on these kernels (CPU tensors, interpreted): greedy EAGLE-3 K=3
+    through the graph runner's padded steps (verify rows of 4, the drafter's chain fed on the
+    device, catch-ups replayed) gives plain's tokens, and plain on the kernels gives the torch
+    ops' tokens (fp32)."""
+    from specdeploy.ops import _triton_src
+    from tests.engine.test_cuda_graphs import _greedy
+    from tests.spec.tiny_targets import Target
+
+    calls = []
+    attend = _triton_src.paged_attention
+    monkeypatch.setattr(_triton_src, "paged_attention", lambda *a: calls.append(1) or attend(*a))
+    target = Target("llama", tmp_path)
+    gk.set_enabled(False)
+    want, _ = _greedy(target, runner=False)
+    gk.set_enabled(True)
+    plain, _ = _greedy(target, runner=True)
+    spec, _ = _greedy(target, runner=True, spec=3, drafts=True)
+    assert calls  # the Triton attention ran
+    assert plain == want
+    assert spec == want
 
 
 def test_kernels_under_the_interpreter():
