@@ -129,8 +129,8 @@ def test_other_steps_are_left_to_torch():
 def test_whole_model_greedy_spec_equals_plain_on_the_kernels(tmp_path, monkeypatch):
     """A tiny Llama's steps on these kernels (CPU tensors, interpreted): greedy EAGLE-3 K=3
     through the graph runner's padded steps (verify rows of 4, the drafter's chain fed on the
-    device, catch-ups replayed) gives plain's tokens, and plain on the kernels gives the torch
-    ops' tokens (fp32)."""
+    device, catch-ups replayed) and decode bursts give plain's tokens, and plain on the kernels
+    gives the torch ops' tokens (fp32)."""
     from specdeploy.ops import _triton_src
     from tests.engine.test_cuda_graphs import _greedy
     from tests.spec.tiny_targets import Target
@@ -147,6 +147,11 @@ def test_whole_model_greedy_spec_equals_plain_on_the_kernels(tmp_path, monkeypat
     assert calls  # the Triton attention ran
     assert plain == want
     assert spec == want
+    from specdeploy import SamplingParams
+    from tests.engine.test_decode_burst import run
+
+    burst, _ = run(target, 4, [SamplingParams(max_tokens=16, ignore_eos=True)] * 3)
+    assert [ids for ids, _ in burst] == want  # decode bursts on the kernels
 
 
 def test_kernels_under_the_interpreter():
