@@ -126,9 +126,10 @@ def test_other_steps_are_left_to_torch():
 
 @pytest.mark.skipif(not INTERPRETED, reason="whole models under Triton's interpreter only "
                     "(on a GPU the cuda tests run them with SPECDEPLOY_TRITON=1)")
-def test_whole_model_greedy_spec_equals_plain_on_the_kernels(tmp_path, monkeypatch):
-    """A tiny Llama's steps on these kernels (CPU tensors, interpreted): greedy EAGLE-3 K=3
-    through the graph runner's padded steps (verify rows of 4, the drafter's chain fed on the
+@pytest.mark.parametrize("arch", ["llama", "nemotron_h", "qwen3_5_moe"])
+def test_whole_model_greedy_spec_equals_plain_on_the_kernels(arch, tmp_path, monkeypatch):
+    """A tiny model's steps on these kernels (CPU tensors, interpreted): greedy EAGLE-3 / MTP
+    K=3 through the graph runner's padded steps (verify rows of 4, the drafter's chain fed on the
     device, catch-ups replayed) and decode bursts give plain's tokens, and plain on the kernels
     gives the torch ops' tokens (fp32)."""
     from specdeploy.ops import _triton_src
@@ -136,15 +137,18 @@ def test_whole_model_greedy_spec_equals_plain_on_the_kernels(tmp_path, monkeypat
     from tests.spec.tiny_targets import Target
 
     calls = []
-    attend = _triton_src.paged_attention
-    monkeypatch.setattr(_triton_src, "paged_attention", lambda *a: calls.append(1) or attend(*a))
-    target = Target("llama", tmp_path)
+    for name in ("paged_attention", "rms_norm_rows", "silu_mul_rows"):
+        launch = getattr(_triton_src, name)
+        monkeypatch.setattr(_triton_src, name,
+                            lambda *a, _f=launch, _n=name: calls.append(_n) or _f(*a))
+    target = Target(arch, tmp_path)
     gk.set_enabled(False)
     want, _ = _greedy(target, runner=False)
     gk.set_enabled(True)
     plain, _ = _greedy(target, runner=True)
     spec, _ = _greedy(target, runner=True, spec=3, drafts=True)
-    assert calls  # the Triton attention ran
+    assert "rms_norm_rows" in calls  # the kernels ran; the Llama's attention too
+    assert arch != "llama" or "paged_attention" in calls
     assert plain == want
     assert spec == want
     from specdeploy import SamplingParams
