@@ -327,18 +327,19 @@ def main() -> None:
         if row is not None:
             rows[key] = row
 
-    def concurrent(triton: bool, burst: int = 1) -> dict:
+    def concurrent(triton: bool, burst: int = 1, spec: SpecConfig | None = None) -> dict:
         from specdeploy.ops import gpu_kernels
 
         gpu_kernels.set_enabled(triton)
         llm = LLM(args.model, dtype=args.dtype, device=args.device,
                   max_batch_size=args.concurrency, max_seq_len=1024, cuda_graphs=cuda,
-                  num_scheduler_steps=burst)
+                  num_scheduler_steps=burst, spec=spec)
         ids = [tokenizer.encode(t)[:512] for t in load_prompts(args.dataset, args.concurrency)]
         sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
         run_closed_loop(llm, ids[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)
         conc = run_closed_loop(llm, ids, sp, args.concurrency)
         out = {"requests": len(ids), "cuda_graphs": cuda, "triton": triton, "burst": burst,
+               "spec": None if spec is None else spec.method,
                "tokens_per_s": conc["output_tokens_per_s"], "wall_s": conc["wall_s"]}
         if hf_rate:
             out["vs_transformers_bs1"] = conc["output_tokens_per_s"] / hf_rate
@@ -363,6 +364,9 @@ def main() -> None:
         result["concurrent_triton"] = phase("concurrent_triton", lambda: concurrent(True))
         result["concurrent_triton_burst8"] = phase("concurrent_triton_burst8",
                                                    lambda: concurrent(True, 8))
+        # speculation at 64 requests: what `auto` does where every verify row is a real row
+        result["concurrent_triton_auto"] = phase(
+            "concurrent_triton_auto", lambda: concurrent(True, spec=SpecConfig("auto")))
         for name in ("mtp", "eagle3"):  # what the drafter's graphs buy
             variant(name, True, triton=True)
         if not args.lean:  # without the Triton kernels (what they buy)
