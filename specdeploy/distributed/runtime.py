@@ -98,6 +98,7 @@ class Leader:
         if not self._failed:
             try:
                 send(None)
+                _parting_barrier()
             except Exception:
                 pass
         stop_workers(self._workers, 0.5 if self._failed else timeout)
@@ -105,6 +106,18 @@ class Leader:
             dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _parting_barrier(timeout: float = 10.0) -> None:
+    """Rank 0's stop message is through and every rank is leaving: only then does any rank
+    tear its group down (one rank destroying while a peer's gloo connection still carried the
+    stop message aborted rank 0 now and then: "terminate called without an active
+    exception"). Bounded: a rank that does not come is left behind."""
+    try:
+        dist.monitored_barrier(group=CONTROL["group"], timeout=timedelta(seconds=timeout),
+                               wait_all_ranks=True)
+    except Exception:  # noqa: S110 - leaving anyway; a missing rank is stopped by its parent
+        pass
 
 
 def _built_barrier(timeout: float = 900.0) -> None:
@@ -198,6 +211,7 @@ def worker_main(argv: list[str]) -> None:
     _built_barrier()
     rank_memory(deployed, rss_before)
     serve_worker(deployed)
+    _parting_barrier()
     dist.destroy_process_group()
 
 
@@ -259,6 +273,7 @@ def build_ranked(model_path, options, timeout: float = 60.0):
         raise
     if me.rank != 0:
         serve_worker(deployed)
+        _parting_barrier()
         dist.destroy_process_group()
         return None
     leader = Leader(deployed, me, procs)
