@@ -21,7 +21,7 @@ from specdeploy.spec_args import spec_from_args
 SPEC_STATS = ("num_draft_tokens", "draft_steps", "draft_tokens", "accepted_tokens",
               "acceptance_rate", "mean_accepted_length", "accepted_per_position",
               "acceptance_per_position", "lookup_steps", "lookup_accepted_tokens",
-              "undrafted_steps", "controlled_steps", "steps_by_num_drafts")
+              "store_steps", "store_accepted_tokens", "undrafted_steps", "controlled_steps", "steps_by_num_drafts")
 
 
 def cmd_generate(args) -> int:
@@ -210,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_drafter(sub)
     from specdeploy.training.selfgen import add_parser as add_gen_data
     add_gen_data(sub)
+    from specdeploy.suffix_cli import add_parser as add_suffix_store
+    add_suffix_store(sub)
     return ap
 
 

@@ -1,9 +1,10 @@
 """Frozen, validated configuration dataclasses of the public API."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-SPEC_METHODS = ("mtp", "eagle3", "ngram", "auto")  # auto: spec_auto.py picks one
+SPEC_METHODS = ("mtp", "eagle3", "ngram", "suffix", "auto")  # auto: spec_auto.py picks one
 DRAFT_DTYPES = (None, "float32", "bfloat16", "float16")
 DRAFT_QUANTIZE = (None, "int8", "q8_0", "auto")  # auto: deploy/build.py _draft_quantize
 CONTROLLERS = ("off", "cost")  # SpecConfig.controller (engine/spec_control.py)
@@ -14,7 +15,9 @@ VLLM_METHODS = {"eagle3": "eagle3", "ngram": "ngram", "[ngram]": "ngram", "mtp":
                 "glm4_moe_mtp": "mtp", "mimo_mtp": "mtp", "ernie_mtp": "mtp"}
 # speculative_config keys we read (vLLM's names and ours); any other key is refused by name
 VLLM_SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
-                  "prompt_lookup_min")
+                  "prompt_lookup_min", "suffix_decoding_max_cached_requests",
+                  "suffix_decoding_min_token_prob")
+SHIPPED_STORE = "shipped"  # SpecConfig.suffix_store: the corpus shipped for this target, if any
 
 
 def spec_method(name: str) -> str:
@@ -39,6 +42,17 @@ class SpecConfig:
     `method="ngram"` drafts by n-gram lookup alone (vLLM's "ngram"), with no drafter model: any
     target, nothing to train; a sequence whose tail did not occur before decodes plainly that
     step. It turns lookup on (`prompt_lookup_max` 4 unless given).
+
+    `method="suffix"` (vLLM's "suffix") is n-gram lookup plus a store of replies
+    (engine/suffix_store.py): where the sequence's own text has no earlier occurrence of its
+    tail, the store's replies draft what most often followed it, while the chain's estimated
+    probability stays at or above `suffix_decoding_min_token_prob` (vLLM's name and default,
+    0.1). The store holds the replies of this deployment's last
+    `suffix_decoding_max_cached_requests` finished requests and, with `suffix_store`, a corpus
+    loaded at deploy time: a directory written by `specdeploy suffix-store`, or "shipped" (the
+    method's default): the one shipped for this target, if any (the default model has one: its
+    own replies to training-split prompts). `suffix_store` with another method adds the store
+    behind that method's lookup.
 
     vLLM's spellings work too: `model=` is `draft_model`, `num_speculative_tokens=` is
     `num_draft_tokens`, and its method names ("deepseek_mtp", ...) map to ours;
@@ -81,6 +95,9 @@ class SpecConfig:
     draft_quantize: str | None = "auto"
     draft_min_prob: float = 0.0
     controller: str = "cost"
+    suffix_store: str | None = None
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_min_token_prob: float = 0.1
     model: str | None = None  # vLLM's name for draft_model (folded into it)
     num_speculative_tokens: int | None = None  # vLLM's name for num_draft_tokens (folded)
 
@@ -101,12 +118,29 @@ class SpecConfig:
         if self.method == "auto" and self.draft_model is not None:
             raise ValueError("draft_model: method='auto' picks the drafter itself; give a "
                              "method with a draft_model")
-        if self.method == "ngram":
+        if self.method in ("ngram", "suffix"):
             if self.draft_model is not None:
-                raise ValueError("draft_model: method='ngram' drafts by n-gram lookup and takes "
-                                 "no drafter")
+                raise ValueError(f"draft_model: method={self.method!r} drafts by lookup and "
+                                 "takes no drafter")
             if self.prompt_lookup_max == 0:
                 object.__setattr__(self, "prompt_lookup_max", 4)
+        if self.method == "suffix" and self.suffix_store is None:
+            object.__setattr__(self, "suffix_store", SHIPPED_STORE)
+        if self.suffix_store is not None:
+            if not isinstance(self.suffix_store, str | os.PathLike) or not str(self.suffix_store):
+                raise ValueError(f"suffix_store: must be a directory or {SHIPPED_STORE!r}, "
+                                 f"got {self.suffix_store!r}")
+            object.__setattr__(self, "suffix_store", os.fspath(self.suffix_store))
+            if self.prompt_lookup_max == 0:  # the store is drafted from behind lookup
+                object.__setattr__(self, "prompt_lookup_max", 4)
+        m = self.suffix_decoding_max_cached_requests
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"suffix_decoding_max_cached_requests: must be a non-negative "
+                             f"integer, got {m!r}")
+        p = self.suffix_decoding_min_token_prob
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"suffix_decoding_min_token_prob: must be a number in [0, 1], "
+                             f"got {p!r}")
         k = self.num_draft_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError(f"num_draft_tokens: must be an integer in 1..16, got {k!r}")
@@ -164,3 +198,8 @@ class SpecConfig:
         """The most drafts one verify step carries (sizes recurrent spec state)."""
         lookup = (self.prompt_lookup_num_tokens or 0) if self.prompt_lookup_max else 0
         return max(self.num_draft_tokens, lookup)
+
+    @property
+    def uses_store(self) -> bool:
+        """Drafts from a suffix store (engine/suffix_store.py) behind lookup."""
+        return self.suffix_store is not None or self.method == "suffix"

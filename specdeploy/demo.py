@@ -39,7 +39,7 @@ def run(llm: LLM, label: str) -> tuple[list[str], float]:
 
 def describe(spec) -> str:
     parts = [spec.method, f"K={spec.num_draft_tokens}"]
-    if spec.method != "ngram" and spec.prompt_lookup_max:
+    if spec.method not in ("ngram", "suffix") and spec.prompt_lookup_max:
         parts.append("+ n-gram lookup")
     if spec.controller == "cost":
         parts.append("cost controller")

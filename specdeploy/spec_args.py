@@ -12,9 +12,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM's form, instead of --spec ...: e.g. '{\"method\": \"eagle3\", "
                         "\"model\": DIR, \"num_speculative_tokens\": 3}' (methods eagle3, "
-                        "mtp / deepseek_mtp / ..._mtp, ngram; prompt_lookup_max/min)")
+                        "mtp / deepseek_mtp / ..._mtp, ngram, suffix; prompt_lookup_max/min, "
+                        "suffix_decoding_max_cached_requests, suffix_decoding_min_token_prob)")
     p.add_argument("--spec", choices=("none", *SPEC_METHODS), default="none",
-                   help="drafter: mtp, eagle3, or ngram (n-gram lookup drafts only, no drafter)")
+                   help="drafter: mtp, eagle3, ngram (n-gram lookup drafts only, no drafter), "
+                        "suffix (lookup + a store of replies, no drafter), auto")
     p.add_argument("--num-draft-tokens", type=int, default=3)
     p.add_argument("--draft-model", default=None, help="EAGLE-3 drafter checkpoint")
     p.add_argument("--prompt-lookup-max", type=int, default=0,
@@ -33,6 +35,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-min-prob", type=float, default=0.0,
                    help="stop a drafter chain once its probability falls below this (0: K "
                         "drafts always; try 0.1)")
+    p.add_argument("--suffix-store", default=None, metavar="DIR",
+                   help="a reply store (`specdeploy suffix-store`) drafted from behind lookup; "
+                        "'shipped': the one shipped for this target (--spec suffix's default)")
+    p.add_argument("--suffix-max-cached-requests", type=int, default=1000,
+                   help="finished requests' replies the store keeps (0: none)")
+    p.add_argument("--suffix-min-token-prob", type=float, default=0.1,
+                   help="the store stops a chain below this estimated probability")
     p.add_argument("--spec-controller", choices=CONTROLLERS, default="cost",
                    help="cost (default): choose per step how many drafts to verify (0 "
                         "included) from this machine's measured step costs and recent "
@@ -58,5 +67,8 @@ def spec_from_args(args) -> SpecConfig | None:
                       prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                       draft_dtype=args.draft_dtype,
                       draft_quantize=None if args.draft_quantize == "none" else args.draft_quantize,
+                      suffix_store=args.suffix_store,
+                      suffix_decoding_max_cached_requests=args.suffix_max_cached_requests,
+                      suffix_decoding_min_token_prob=args.suffix_min_token_prob,
                       draft_min_prob=args.draft_min_prob,
                       controller=getattr(args, "spec_controller", "cost"))

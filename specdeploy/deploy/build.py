@@ -28,7 +28,7 @@ from specdeploy.deploy.graph import placeholders
 from specdeploy.deploy.passes.ggml_linears import KERNELS
 from specdeploy.deploy.pipeline import PipelineResult, run_pipeline
 from specdeploy.deploy.runner import GraphDeployed
-from specdeploy.deploy.spec import SpecDeployed, prepare_drafter, resource_prefix
+from specdeploy.deploy.spec import SpecDeployed, prepare_drafter, resource_prefix, suffix_corpus
 from specdeploy.distributed.config import DistConfig
 
 BACKENDS = ("graph", "eager")
@@ -166,6 +166,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
                   kernels=opts.kernels, dist=opts.dist, lazy=lazy)
     drafter = None if spec is None else prepare_drafter(model, spec, dtype, opts.quantize,
                                                         opts.device)
+    corpus = None if spec is None else suffix_corpus(model, spec)
     target_ctx = DeployContext(
         model, dtype=dtype, quantize=opts.quantize,
         kv_cache_dtype=prequant_kv_dtype(model) or _kv_dtype(opts, dtype, model),
@@ -210,6 +211,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     _return_freed_memory()
     out = deployed[0] if spec is None else SpecDeployed(
         deployed[0], deployed[1:], drafter.drafter if drafter else None, spec)
+    if spec is not None:
+        out.suffix_corpus = corpus
     # what this process held in weights while loading (per rank under TP: distributed/)
     out.load_stats = lazy.stats() if lazy is not None else {
         "load_peak_bytes": loaded, "load_resident_bytes": loaded, "load_read_bytes": loaded}
@@ -293,7 +296,7 @@ def _defer_blocks(opts: BuildOptions) -> bool:
     return (opts.device.type == "cpu" and not opts.compile and opts.quantize is None
             and (opts.dist is None or opts.dist.world_size == 1)
             and "ggml_linears" not in opts.disabled
-            and (opts.spec is None or opts.spec.method == "ngram"))
+            and (opts.spec is None or opts.spec.method in ("ngram", "suffix")))
 
 
 def _device(device: str | torch.device) -> torch.device:

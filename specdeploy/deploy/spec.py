@@ -12,6 +12,7 @@ gets hidden-state capture and spec-state resources on every recurrent cached op.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ from specdeploy.deploy.pipeline import format_infos
 from specdeploy.deploy.runner import GraphDeployed
 from specdeploy.models.drafters import Drafter
 from specdeploy.models.drafters.eagle3 import default_aux_layers
+
+log = logging.getLogger("specdeploy")
 
 
 class DraftStep(nn.Module):
@@ -115,11 +118,31 @@ def resource_prefix(group: int) -> str:
     return "draft_" if group == 0 else f"draft{group}_"
 
 
+def suffix_corpus(model: nn.Module, spec: SpecConfig):
+    """The corpus index of `spec.suffix_store` for this target (engine/suffix_store.py), or
+    None: no store, or "shipped" where none is shipped for this target (the store then holds
+    finished requests' replies only)."""
+    from specdeploy.config import SHIPPED_STORE
+    from specdeploy.drafters_registry import shipped_drafter
+    from specdeploy.engine.suffix_store import SuffixStore
+
+    path = spec.suffix_store
+    if path is None:
+        return None
+    if path == SHIPPED_STORE:
+        path = shipped_drafter(model, "suffix")
+        if path is None:
+            log.info("suffix store: none shipped for this target; it starts empty and learns "
+                     "from finished requests")
+            return None
+    return SuffixStore.load(path, model.cfg.vocab_size).static
+
+
 def prepare_drafter(model: nn.Module, spec: SpecConfig, dtype: torch.dtype,
                     quantize: str | None, device: torch.device | None = None
                     ) -> DrafterProgram | None:
     """The drafter program of `spec` for this target (None for n-gram lookup)."""
-    if spec.method == "ngram":
+    if spec.method in ("ngram", "suffix"):  # no drafter model
         return None
     from specdeploy.loading import resolve_dtype
 
@@ -208,6 +231,7 @@ class SpecDeployed:
         self.hf_config = target.hf_config
         self.layout = target.layout
         self.device = target.device
+        self.suffix_corpus = None  # the suffix store's loaded corpus (engine/suffix_store.py)
         self._spec_pairs = [(h.shadows, h.name) for h in target.resources
                             if isinstance(h, SpecState)]
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from specdeploy.engine.suffix_store import MAX_N as STORE_N
+
 COPY_CAP = 64  # longest copy length `NgramIndex.propose` measures
 
 
@@ -83,8 +85,10 @@ class Lookup:
     each (rejection sampling then accepts d with probability p(d) and otherwise resamples from p
     without d): the output still follows the target."""
 
-    def __init__(self, max_n: int, min_n: int, k: int, max_k: int):
+    def __init__(self, max_n: int, min_n: int, k: int, max_k: int, store=None):
         self.max_n, self.min_n, self.k, self.max_k = max_n, min_n, k, max_k
+        # where the sequence itself has no match: the suffix store's (engine/suffix_store.py)
+        self.store = store
         # with the cost controller every match drafts `max_k` and the controller cuts the run
         # to what pays (engine/spec_control.py); without it runs grow as `next_lookup_len` says
         self.longest = False
@@ -100,10 +104,18 @@ class Lookup:
         if n <= len(st.drafts):
             return False
         rest = st.ngram_index.propose(ids, n - len(st.drafts), st.drafts)
+        conf = None
         if rest is None:
-            return False
+            if self.store is None:
+                return False
+            # NOTE: a store chain stops where its estimate falls below the store's min_prob
+            rest, conf = self.store.propose(list(ids[-STORE_N:]) + list(st.drafts),
+                                            n - len(st.drafts))
+            if not rest:
+                return False
         st.drafts, st.from_lookup = st.drafts + rest, True
-        st.lookup_copy = st.ngram_index.copied
+        st.lookup_copy = st.ngram_index.copied if conf is None else 0
+        st.store_conf = conf
         if not seq.params.greedy:
             q = torch.zeros(len(rest), vocab_size, device=device)
             q[torch.arange(len(rest), device=device), torch.tensor(rest, device=device)] = 1.0

@@ -126,6 +126,8 @@ class SpecSeqState:
     from_lookup: bool = False  # some drafts came from n-gram lookup
     lookup_n: int | None = None  # drafts its next lookup match makes (None: K)
     lookup_copy: int = 0  # its lookup drafts' copy length (NgramIndex.copied)
+    # its last drafts came from the suffix store: each one's estimate (engine/suffix_store.py)
+    store_conf: list[float] | None = None
     ngram_index: NgramIndex | None = None
     chain_prob: float = 1.0  # product of the drafter's top probabilities so far
     # the cost controller (engine/spec_control.py): drafter drafts wanted next step (None: K),
@@ -136,6 +138,7 @@ class SpecSeqState:
 
     def clear(self) -> None:
         self.drafts, self.draft_probs, self.from_lookup, self.limit = [], None, False, None
+        self.store_conf = None
 
 
 _ids = itertools.count()

@@ -51,6 +51,17 @@ COPY_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # 1.26x / 1.20x, knowing every draft's fate 1.47x / 1.38x (2026-12-03, AVX2, 2 threads).
 LOOKUP_HOLD_PRIOR = (0.5, 0.58, 0.54, 0.77, 0.76, 0.93, 0.87, 0.95, 0.92, 0.98, 0.98, 0.96)
 MAX_PROBE_GAP = 32
+# Suffix-store drafts (engine/suffix_store.py) carry the store's own estimate c of each draft;
+# P(accepted | c) by bucket of c, learnt from every store verify, starts at c's bucket middle.
+STORE_BUCKETS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+STORE_PRIOR = (0.1, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
+
+
+def store_bucket(c: float) -> int:
+    for i, b in enumerate(STORE_BUCKETS):
+        if c < b:
+            return i
+    return len(STORE_BUCKETS)
 
 
 def copy_bucket(m: int) -> int:
@@ -192,6 +203,7 @@ class CostController:
         if len(hold) != len(COPY_BUCKETS) + 1:
             raise ValueError(f"hold: needs {len(COPY_BUCKETS) + 1} values, got {len(hold)}")
         self.hold = list(hold)  # lookup: P(a copy holds one more token) by copy_bucket
+        self.store_hold = list(STORE_PRIOR)  # suffix store: P(accepted) by store_bucket
         self.draft_scale = 1.0  # measured / modelled drafting time (`observe_draft`)
         self.overhead = 0.0  # seconds of a step outside the modelled parts (`observe_overhead`)
 
@@ -213,6 +225,17 @@ class CostController:
         """Conditional acceptance of n lookup drafts of a match that copied `copied` tokens."""
         return [self.hold[copy_bucket(copied + j)] for j in range(n)]
 
+    def seq_lookup_acc(self, seq, n: int) -> list[float]:
+        """Conditional acceptance of a sequence's first n drafts, its last ones from lookup or
+        the suffix store (drafter drafts before them: its own estimate)."""
+        conf = getattr(seq.spec, "store_conf", None)
+        if conf is None:
+            return self.lookup_acc(seq.spec.lookup_copy, n)
+        m = len(seq.spec.drafts) - len(conf)  # drafter drafts first
+        own = self.state(seq).model
+        return ([own[min(j, len(own) - 1)] for j in range(min(m, n))]
+                + [self.store_hold[store_bucket(c)] for c in conf[:max(n - m, 0)]])
+
     # ---- acceptance -----------------------------------------------------------------------------
     def observe(self, seq, accepted: int, drafted: int, from_lookup: bool) -> None:
         """After a verify: positions 1..accepted+1 were seen (accepted, then one rejected).
@@ -220,6 +243,15 @@ class CostController:
         from its first draft (an under-estimate of the drafter part's)."""
         c = self.state(seq)
         seen = min(accepted + 1, drafted, self.max_k)
+        conf = getattr(seq.spec, "store_conf", None)
+        if from_lookup and conf is not None:
+            m = drafted - len(conf)  # the store's drafts follow the drafter's
+            for j in range(max(m, 0), seen):
+                b = store_bucket(conf[j - m])
+                self.store_hold[b] += self.alpha_lookup * (float(j < accepted)
+                                                           - self.store_hold[b])
+            c.gap_lookup = self._gap(c.gap_lookup, accepted)
+            return
         if from_lookup:
             copied, h, a = seq.spec.lookup_copy, self.hold, self.alpha_lookup
             for j in range(seen):
@@ -396,8 +428,8 @@ class CostController:
         fixed_tokens = sum(expected_tokens(self.state(s).model, len(s.spec.drafts)) - 1
                            for s in rest if s.spec.drafts) + len(rest)
         caps = [len(s.spec.drafts) for s in look]
-        ks = self.allocate_rows([self.lookup_acc(s.spec.lookup_copy, n)
-                                 for s, n in zip(look, caps)], caps, fixed_rows, fixed_tokens)
+        ks = self.allocate_rows([self.seq_lookup_acc(s, n) for s, n in zip(look, caps)], caps,
+                                fixed_rows, fixed_tokens)
         for s, n, k in zip(look, caps, ks):
             c = self.state(s)
             c.idle_lookup = 0 if k else c.idle_lookup + 1
@@ -410,6 +442,8 @@ class CostController:
 
 def cut_drafts(st, n: int) -> None:
     """Keep a sequence's first `n` drafts (verifying fewer drafts is still exact)."""
+    if getattr(st, "store_conf", None) is not None:  # the store's drafts come last
+        st.store_conf = st.store_conf[:max(n - len(st.drafts) + len(st.store_conf), 0)]
     st.drafts = st.drafts[:n]
     if st.draft_probs is not None:
         st.draft_probs = st.draft_probs[:n] if n else None

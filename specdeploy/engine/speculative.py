@@ -33,6 +33,7 @@ from specdeploy.engine.drafting import (
 from specdeploy.engine.engine import Engine
 from specdeploy.engine.logits_process import logprob_pack, process, unpack_logprobs
 from specdeploy.engine.lookup import Lookup
+from specdeploy.engine.suffix_store import SuffixStore
 from specdeploy.engine.request import Sequence
 from specdeploy.engine.scheduler import ScheduledSeq, Scheduler
 from specdeploy.engine.spec_control import (
@@ -58,6 +59,8 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     lookup_steps: int = 0  # verify segments whose drafts came from n-gram lookup
     lookup_accepted_tokens: int = 0
+    store_steps: int = 0  # of which the suffix store's (engine/suffix_store.py)
+    store_accepted_tokens: int = 0
     undrafted_steps: int = 0  # decode steps left without drafts by the confidence stop
     controlled_steps: int = 0  # decode steps the cost controller left without drafts
     steps_by_num_drafts: list[int] = field(default_factory=list)  # decode steps by drafts
@@ -83,6 +86,8 @@ class SpecStats:
             "acceptance_per_position": [a / steps for a in self.accepted_per_position],
             "lookup_steps": self.lookup_steps,
             "lookup_accepted_tokens": self.lookup_accepted_tokens,
+            "store_steps": self.store_steps,
+            "store_accepted_tokens": self.store_accepted_tokens,
             "undrafted_steps": self.undrafted_steps,
             "controlled_steps": self.controlled_steps,
             "steps_by_num_drafts": list(self.steps_by_num_drafts),
@@ -130,6 +135,12 @@ class SpecEngine(Engine):
         self.controller: CostController | None = None
         self._step_parts: list[float] | None = None  # this step's timed parts (`_timed`)
         self._measured: MeasuredCost | None = None  # calibrated once, on first use
+        # the suffix store (engine/suffix_store.py): drafts behind lookup's, from the corpus
+        # loaded at deploy time and this engine's finished replies
+        self.store = SuffixStore(
+            deployed.vocab_size, getattr(deployed, "suffix_corpus", None),
+            spec.suffix_decoding_max_cached_requests, spec.suffix_decoding_min_token_prob,
+        ) if spec.uses_store else None
         max_n = spec.prompt_lookup_max
         self.set_lookup((max_n, spec.prompt_lookup_min) if max_n else None,
                         spec.prompt_lookup_num_tokens)
@@ -144,7 +155,8 @@ class SpecEngine(Engine):
         prompt_lookup_num_tokens) drafts only."""
         self.lookup_k = (num_tokens or self.k) if lookup else 0
         self.max_k = max(self.k, self.lookup_k)  # the most drafts in one verify segment
-        self.lookup = Lookup(*lookup, self.k, self.lookup_k) if lookup else None
+        self.lookup = Lookup(*lookup, self.k, self.lookup_k,
+                             getattr(self, "store", None)) if lookup else None
         self.scheduler.lookahead = self.max_k
         self.reset_spec_stats()
         self.own_source = self._own_source()
@@ -196,6 +208,11 @@ class SpecEngine(Engine):
         inner = self.own_source if self.deployed.draft is not None else None
         self.source = self.own_source if fn is None else FixedDrafter(
             fn, self.max_k, self.deployed.vocab_size, self.device, self.spec_stats, inner)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        super()._finish(seq, reason)
+        if self.store is not None and reason in ("stop", "length"):
+            self.store.add(seq.output_ids)  # a later request may draft from this reply
 
     def reset_spec_stats(self) -> None:
         self.spec_stats.reset(self.max_k)
@@ -267,6 +284,9 @@ class SpecEngine(Engine):
             if seq.spec.from_lookup:
                 st.lookup_steps += 1
                 st.lookup_accepted_tokens += a
+                if seq.spec.store_conf is not None:
+                    st.store_steps += 1
+                    st.store_accepted_tokens += a
                 self.lookup.verified(seq, a, len(drafted))
         return tokens
 

@@ -196,6 +196,10 @@ def _spec(fam, e: dict, labels: list[str]):
              "least in part) from n-gram lookup."),
             ("counter", "lookup_accepted_tokens", "lookup_accepted_tokens", "Draft tokens "
              "accepted in those steps."),
+            ("counter", "store_steps", "store_steps", "Verify steps whose lookup drafts came "
+             "from the suffix store (--spec suffix)."),
+            ("counter", "store_accepted_tokens", "store_accepted_tokens", "Draft tokens "
+             "accepted in those steps."),
             ("counter", "undrafted_steps", "undrafted_steps", "Decode steps left without drafts "
              "by the draft confidence stop (draft_min_prob).")):
         yield fam(kind, f"specdeploy_spec_{name}", doc, e.get(key, 0))
