@@ -21,7 +21,8 @@ from specdeploy.spec_args import spec_from_args
 SPEC_STATS = ("num_draft_tokens", "draft_steps", "draft_tokens", "accepted_tokens",
               "acceptance_rate", "mean_accepted_length", "accepted_per_position",
               "acceptance_per_position", "lookup_steps", "lookup_accepted_tokens",
-              "store_steps", "store_accepted_tokens", "undrafted_steps", "controlled_steps", "steps_by_num_drafts")
+              "store_steps", "store_accepted_tokens",
+              "undrafted_steps", "controlled_steps", "steps_by_num_drafts")
 
 
 def cmd_generate(args) -> int:

@@ -33,7 +33,6 @@ from specdeploy.engine.drafting import (
 from specdeploy.engine.engine import Engine
 from specdeploy.engine.logits_process import logprob_pack, process, unpack_logprobs
 from specdeploy.engine.lookup import Lookup
-from specdeploy.engine.suffix_store import SuffixStore
 from specdeploy.engine.request import Sequence
 from specdeploy.engine.scheduler import ScheduledSeq, Scheduler
 from specdeploy.engine.spec_control import (
@@ -43,6 +42,7 @@ from specdeploy.engine.spec_control import (
     calibrate,
     cut_drafts,
 )
+from specdeploy.engine.suffix_store import SuffixStore
 from specdeploy.engine.verify import Drafts, member_rows, verify, verify_greedy, verify_greedy_lists
 
 

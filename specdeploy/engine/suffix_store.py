@@ -41,7 +41,8 @@ class TokenIndex:
             parts += [np.asarray(d, np.int64), pad[:1]]
         toks = np.concatenate(parts)
         if toks.size > MAX_N and (toks.max() >= vocab_size or toks.min() < -1):
-            raise ValueError(f"suffix store: token ids outside the vocabulary (0..{vocab_size - 1})")
+            raise ValueError(f"suffix store: token ids outside the vocabulary "
+                             f"(0..{vocab_size - 1})")
         i = np.arange(2, toks.size)
         ok = (toks[i] >= 0) & (toks[i - 1] >= 0) & (toks[i - 2] >= 0)
         pos = i[ok]
@@ -115,7 +116,8 @@ class SuffixStore:
         starts = np.concatenate(([0], np.cumsum(lens)[:-1])) if docs else np.zeros(0, np.int64)
         flat = np.concatenate([np.asarray(d, np.int64) for d in docs]) if docs else np.zeros(0)
         if flat.size and (flat.min() < 0 or flat.max() >= vocab_size):
-            raise ValueError(f"suffix store: token ids outside the vocabulary (0..{vocab_size - 1})")
+            raise ValueError(f"suffix store: token ids outside the vocabulary "
+                             f"(0..{vocab_size - 1})")
         dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
         np.savez_compressed(path / "tokens.npz", tokens=flat.astype(dtype), starts=starts)
         cfg = {"format": FORMAT, "vocab_size": vocab_size, "num_replies": len(docs),
