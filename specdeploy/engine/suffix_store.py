@@ -19,6 +19,7 @@ tail; longer tails are checked against the candidates' earlier tokens, longest f
 """
 from __future__ import annotations
 
+import collections
 import json
 from collections import deque
 from pathlib import Path
@@ -29,6 +30,7 @@ MAX_N = 6  # longest tail matched (tokens); the index itself keys on the last 2
 FORMAT = "specdeploy-suffix-store"
 REBUILD_EVERY = 8  # finished replies between rebuilds of the online index, past SMALL tokens
 SMALL = 1 << 16  # an online index this small is rebuilt on every reply (~1 ms)
+MEMO = 1 << 16  # tails remembered (next_token)
 
 
 class TokenIndex:
@@ -84,6 +86,9 @@ class SuffixStore:
         self.min_prob = min_prob
         self.recent: deque[list[int]] = deque(maxlen=max_cached or None)
         self.online: TokenIndex | None = None
+        # tail -> next_token's answer: a step re-asks what the last step asked for the drafts
+        # it accepted (NOTE: cleared when the online index changes, bounded by MEMO)
+        self.memo: dict[tuple[int, ...], tuple[int, int, int] | None] = {}
         self.pending = 0  # replies added since the online index was built
         self.recent_tokens = 0
 
@@ -139,6 +144,7 @@ class SuffixStore:
         # NOTE: O(T log T) over the kept replies, every REBUILD_EVERY finished requests
         self.online = TokenIndex(list(self.recent), self.vocab_size) if self.recent else None
         self.pending = 0
+        self.memo.clear()
 
     # ---- drafting -------------------------------------------------------------------------------
     def next_token(self, tail: list[int]) -> tuple[int, int, int] | None:
@@ -146,11 +152,24 @@ class SuffixStore:
         of `tail` (2..MAX_N tokens) found in the store, or None. Ties go to the smaller id."""
         if len(tail) < 2:
             return None
+        key = tuple(tail[-MAX_N:])
+        if key in self.memo:
+            return self.memo[key]
+        if len(self.memo) >= MEMO:
+            self.memo.clear()
+        out = self.memo[key] = self._next_token(key)
+        return out
+
+    def _next_token(self, tail: tuple[int, ...]) -> tuple[int, int, int] | None:
         per = [(ix, ix.candidates(tail)) for ix in (self.static, self.online) if ix is not None]
         n = max((len(c) for _, c in per), default=0)
         if not n:
             return None
         nxt = np.concatenate([ix.toks[c[n - 1]] for ix, c in per if len(c) >= n])
+        if nxt.size <= 64:  # NOTE: most tails: a Python count beats np.unique's sort
+            counts = collections.Counter(nxt.tolist())
+            top = max(counts.values())
+            return min(t for t, v in counts.items() if v == top), top, int(nxt.size)
         vals, counts = np.unique(nxt, return_counts=True)
         j = int(np.argmax(counts))
         return int(vals[j]), int(counts[j]), int(nxt.size)

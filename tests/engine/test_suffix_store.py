@@ -47,19 +47,24 @@ def propose_ref(docs, tail, k, min_prob):
     return out, conf
 
 
-def _docs(seed, n=12):
+def _docs(seed, n=12, longest=40):
     rng = random.Random(seed)
-    return [[rng.randrange(V) for _ in range(rng.randrange(0, 40))] for _ in range(n)]
+    return [[rng.randrange(V) for _ in range(rng.randrange(0, longest))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_next_token_matches_reference(seed):
-    docs = _docs(seed)
+@pytest.mark.parametrize("seed,longest", [(0, 40), (1, 40), (2, 40), (3, 800)])
+def test_next_token_matches_reference(seed, longest):
+    """Short replies (few candidates: counted in Python) and long ones (a 2-token tail has
+    ~100 candidates: counted by np.unique); asked twice (the memo)."""
+    docs = _docs(seed, longest=longest)
     store = SuffixStore(V, TokenIndex(docs, V))
     rng = random.Random(100 + seed)
     for _ in range(200):
         tail = [rng.randrange(V) for _ in range(rng.randrange(0, 9))]
-        assert store.next_token(tail) == next_token_ref(docs, tail), tail
+        want = next_token_ref(docs, tail)
+        assert store.next_token(tail) == want and store.next_token(tail) == want, tail
+    if longest > 100:
+        assert store.next_token([1, 2])[2] > 64
 
 
 @pytest.mark.parametrize("min_prob", [0.0, 0.1, 0.4])
