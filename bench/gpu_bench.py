@@ -302,6 +302,13 @@ def main() -> None:
              "mtp_ctl": SpecConfig("mtp", 3),
              "eagle3_ctl": SpecConfig("eagle3", 3),
              "ngram_ctl": SpecConfig("ngram", 3, prompt_lookup_max=4),
+             # lookup + the shipped store of the model's replies (engine/suffix_store.py); no
+             # learning from finished requests: the rounds ask the same prompts again
+             "suffix": SpecConfig("suffix", 3, suffix_decoding_max_cached_requests=0, **fixed),
+             "suffix_k6": SpecConfig("suffix", 6, suffix_decoding_max_cached_requests=0,
+                                     **fixed),
+             "suffix_ctl": SpecConfig("suffix", 3, prompt_lookup_num_tokens=8,
+                                      suffix_decoding_max_cached_requests=0),
              # what `SpecConfig("auto")` / `--spec auto` resolves to for this model
              "auto": SpecConfig("auto")}
 
@@ -357,7 +364,8 @@ def main() -> None:
         variant("plain", True, triton=True)
         variant("plain", True, triton=True, burst=8)
         variant("plain", True)
-        for name in ("mtp", "eagle3", "ngram", "mtp_ctl", "eagle3_ctl", "ngram_ctl", "auto"):
+        for name in ("mtp", "eagle3", "ngram", "suffix", "suffix_k6", "mtp_ctl", "eagle3_ctl",
+                     "ngram_ctl", "suffix_ctl", "auto"):
             variant(name, True, triton=True, drafter_graphs=name in ("mtp", "eagle3", "mtp_ctl",
                                                                      "eagle3_ctl"))
         result["host_profile"] = phase("host_profile", lambda: host_profile(args, prompts[0]))

@@ -69,6 +69,16 @@ SPECS = {
                                             **DRAFTER),
     "mtp+ctl": lambda: SpecConfig("mtp", 3, controller="cost", **DRAFTER),
     "mtp": lambda: SpecConfig("mtp", 3, **FIXED, **DRAFTER),
+    # lookup + the shipped store of the model's replies (engine/suffix_store.py); no learning
+    # from finished requests: the rounds ask the same prompts again
+    "suffix": lambda: SpecConfig("suffix", 3, prompt_lookup_num_tokens=16,
+                                 suffix_decoding_max_cached_requests=0, **FIXED),
+    "suffix+ctl": lambda: SpecConfig("suffix", 3, prompt_lookup_num_tokens=16,
+                                     suffix_decoding_max_cached_requests=0, controller="cost"),
+    "mtp+suffix+ctl": lambda: SpecConfig("mtp", 3, prompt_lookup_max=4,
+                                         prompt_lookup_num_tokens=16, suffix_store="shipped",
+                                         suffix_decoding_max_cached_requests=0,
+                                         controller="cost", **DRAFTER),
     "auto": lambda: SpecConfig("auto"),
 }
 
