@@ -93,6 +93,17 @@ def test_generate_with_eagle3_and_lookup_flags(tiny_dir, tmp_path, capsys):
     assert main(args + ["--spec", "ngram", "--prompt-lookup-min", "1"]) == 0  # no drafter
     ngram = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ngram["token_ids"] == plain["token_ids"] and ngram["lookup_steps"] > 0, ngram
+    # --spec suffix over a store of the plain reply (no prompt lookup match is needed)
+    from specdeploy.checkpoint import open_checkpoint
+    from specdeploy.engine.suffix_store import SuffixStore
+
+    vocab = open_checkpoint(str(tiny_dir)).config["vocab_size"]
+    SuffixStore.save(tmp_path / "store", [plain["token_ids"]], vocab)
+    assert main(args + ["--spec", "suffix", "--suffix-store", str(tmp_path / "store"),
+                        "--suffix-max-cached-requests", "0", "--suffix-min-token-prob", "0.05",
+                        "--spec-controller", "off"]) == 0
+    sfx = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sfx["token_ids"] == plain["token_ids"] and sfx["store_steps"] > 0, sfx
     assert main(args + ["--spec", "eagle3", "--draft-model", str(draft),
                         "--draft-dtype", "bfloat16", "--draft-quantize", "int8"]) == 0
     low = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -51,7 +51,9 @@ class TokenIndex:
         key = toks[pos - 2] * vocab_size + toks[pos - 1]
         order = np.argsort(key, kind="stable")  # stable: each key's positions stay ascending
         self.vocab_size = vocab_size
-        self.keys = key[order]
+        # NOTE: 4 bytes a key where the vocabulary allows (the default model's 49,152 does)
+        kdt = np.uint32 if vocab_size * vocab_size < 1 << 32 else np.int64
+        self.keys = key[order].astype(kdt)
         self.pos = pos[order].astype(np.int32)
         self.toks = toks.astype(np.int32)
 
@@ -63,7 +65,7 @@ class TokenIndex:
         """Positions whose preceding tokens equal the last n of `tail`, for n = 2.. as long as
         any match (index n - 2 of the list)."""
         key = tail[-2] * self.vocab_size + tail[-1]
-        lo, hi = np.searchsorted(self.keys, (key, key + 1))
+        lo, hi = np.searchsorted(self.keys, np.array((key, key + 1), self.keys.dtype))
         if hi <= lo:
             return []
         out = [self.pos[lo:hi]]

@@ -151,3 +151,13 @@ def test_a_large_vocabulary_keys_exactly():
     assert store.next_token([2, 150_000]) == (151_935, 1, 1)
     assert store.next_token([2, 151_935]) == (9, 1, 1)
     assert np.asarray(store.static.keys).dtype == np.int64
+
+
+def test_the_default_vocabulary_keys_in_32_bits():
+    v = 49_152
+    store = SuffixStore(v, TokenIndex([[v - 1, v - 1, 5], [v - 1, 0, 6], [0, v - 1, 7]], v))
+    assert np.asarray(store.static.keys).dtype == np.uint32
+    assert store.next_token([v - 1, v - 1]) == (5, 1, 1)
+    assert store.next_token([v - 1, 0]) == (6, 1, 1)
+    assert store.next_token([0, v - 1]) == (7, 1, 1)
+    assert store.next_token([v - 2, v - 1]) is None
