@@ -310,7 +310,8 @@ def main() -> None:
              "suffix_ctl": SpecConfig("suffix", 3, prompt_lookup_num_tokens=8,
                                       suffix_decoding_max_cached_requests=0),
              # what `SpecConfig("auto")` / `--spec auto` resolves to for this model
-             "auto": SpecConfig("auto")}
+             # (no learning from finished requests: the rounds repeat the prompts)
+             "auto": SpecConfig("auto", suffix_decoding_max_cached_requests=0)}
 
     def variant(name: str, graphs: bool, triton: bool = False, drafter_graphs: bool = False,
                 burst: int = 1) -> None:
@@ -374,7 +375,8 @@ def main() -> None:
                                                    lambda: concurrent(True, 8))
         # speculation at 64 requests: what `auto` does where every verify row is a real row
         result["concurrent_triton_auto"] = phase(
-            "concurrent_triton_auto", lambda: concurrent(True, spec=SpecConfig("auto")))
+            "concurrent_triton_auto", lambda: concurrent(True, spec=SpecConfig(
+                "auto", suffix_decoding_max_cached_requests=0)))
         for name in ("mtp", "eagle3"):  # what the drafter's graphs buy
             variant(name, True, triton=True)
         if not args.lean:  # without the Triton kernels (what they buy)

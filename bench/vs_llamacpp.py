@@ -79,7 +79,9 @@ SPECS = {
                                          prompt_lookup_num_tokens=16, suffix_store="shipped",
                                          suffix_decoding_max_cached_requests=0,
                                          controller="cost", **DRAFTER),
-    "auto": lambda: SpecConfig("auto"),
+    # NOTE: with no learning from finished requests, whatever auto picks (the rounds repeat
+    # the prompts: a store of this run's own replies would draft them back)
+    "auto": lambda: SpecConfig("auto", suffix_decoding_max_cached_requests=0),
 }
 
 
