@@ -66,7 +66,10 @@ def main() -> None:
     # drafts pay on this machine
     plain_llm = LLM(max_batch_size=1, max_seq_len=1024, progress=True)
     plain, plain_rate = run(plain_llm, "no speculation")
-    spec = LLM(max_batch_size=1, max_seq_len=1024, progress=True, spec=SpecConfig("auto"))
+    # NOTE: no learning from finished requests (a suffix store's online part): the timed
+    # rounds ask the same prompts again, and drafting their own replies back would flatter it
+    spec = LLM(max_batch_size=1, max_seq_len=1024, progress=True,
+               spec=SpecConfig("auto", suffix_decoding_max_cached_requests=0))
     label = f"speculative ({describe(spec.spec)})"
     texts, rate = run(spec, label)
     # NOTE: one pass of a few seconds swings by +-10% on a shared machine; the speedup is the
