@@ -26,7 +26,7 @@ SHIPPED = (
         name="smollm2-135m-instruct",
         config={"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
                 "num_hidden_layers": 30, "intermediate_size": 1536},
-        norm_sum=1038.332, methods=("eagle3", "mtp")),
+        norm_sum=1038.332, methods=("eagle3", "mtp", "suffix")),
 )
 
 
