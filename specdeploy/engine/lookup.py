@@ -89,6 +89,7 @@ class Lookup:
         self.max_n, self.min_n, self.k, self.max_k = max_n, min_n, k, max_k
         # where the sequence itself has no match: the suffix store's (engine/suffix_store.py)
         self.store = store
+        self.controller = None  # the cost controller, which may skip asking the store
         # with the cost controller every match drafts `max_k` and the controller cuts the run
         # to what pays (engine/spec_control.py); without it runs grow as `next_lookup_len` says
         self.longest = False
@@ -106,7 +107,8 @@ class Lookup:
         rest = st.ngram_index.propose(ids, n - len(st.drafts), st.drafts)
         conf = None
         if rest is None:
-            if self.store is None:
+            if self.store is None or (self.controller is not None
+                                      and not self.controller.wants_store(seq)):
                 return False
             # NOTE: a store chain stops where its estimate falls below the store's min_prob
             rest, conf = self.store.propose(list(ids[-STORE_N:]) + list(st.drafts),

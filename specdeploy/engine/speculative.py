@@ -171,7 +171,7 @@ class SpecEngine(Engine):
         if controller in (None, "off"):
             self.controller = None
             if self.lookup is not None:
-                self.lookup.longest = False
+                self.lookup.longest, self.lookup.controller = False, None
             return
         if controller == "cost":
             if self._measured is None:
@@ -182,7 +182,7 @@ class SpecEngine(Engine):
                              f"CostController, got {controller!r}")
         self.controller = controller.resized(self.k, self.max_k, self.deployed.draft is not None)
         if self.lookup is not None:  # every match drafts the longest run; the controller cuts
-            self.lookup.longest = True
+            self.lookup.longest, self.lookup.controller = True, self.controller
 
     def _own_source(self) -> DraftSource:
         d = self.deployed

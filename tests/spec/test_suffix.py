@@ -121,7 +121,7 @@ def test_controller_prices_store_drafts_by_their_estimate():
     seq = Seq()
     acc = ctl.seq_lookup_acc(seq, 3)
     assert acc == [ctl.store_hold[store_bucket(c)] for c in (0.95, 0.25, 0.05)]
-    assert acc[0] > 0.9 and acc[2] < 0.15
+    assert acc[0] > 0.7 and acc[2] < 0.15
     # a verify that accepted the first and rejected the second teaches those two buckets
     before = list(ctl.store_hold)
     ctl.observe(seq, 1, 3, True)
@@ -189,3 +189,23 @@ def test_suffix_store_cli(tmp_path, capsys):
     f.write_text(f.read_text() + '{"messages": []}\n')
     assert main(["suffix-store", "--replies", str(f), "--out", str(tmp_path / "st2")]) == 2
     assert "line 3" in capsys.readouterr().err
+
+
+def test_controller_skips_asking_the_store_until_a_probe_is_due():
+    """After a step whose lookup / store drafts were all cut, the store is not asked (host time
+    a cut would throw away) until the next probe is due; with no cut it is always asked."""
+    ctl = CostController(Linear(1.0, 0.05, 0.25), 3, 6, drafter=False, probe_every=4)
+
+    class Seq:
+        class spec:
+            control = None
+
+    seq = Seq()
+    assert all(ctl.wants_store(seq) for _ in range(5))  # nothing cut yet
+    c = ctl.state(seq)
+    c.idle_lookup, c.gap_lookup = 1, 4  # one step cut to none
+    assert [ctl.wants_store(seq) for _ in range(3)] == [False, False, True]
+    assert c.idle_lookup == 3  # the skips counted: the controller's cut then probes
+    off = CostController(Linear(1.0, 0.05, 0.25), 3, 6, drafter=False, probe_every=0)
+    off.state(seq).idle_lookup = 5
+    assert off.wants_store(seq)
