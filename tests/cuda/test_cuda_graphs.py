@@ -133,3 +133,23 @@ def test_seeded_sampling_in_bursts_equals_steps(target):
     got, calls = run(target, 4, params, device="cuda", dtype="float32")
     assert got == want
     assert calls < steps - 4
+
+
+def test_suffix_with_cuda_graphs_equals_plain(target, tmp_path):
+    """method="suffix" (engine/suffix_store.py) on the device with graphs: a store of the
+    plain replies drafts them back (verify widths vary step to step); the tokens are plain's."""
+    from specdeploy import LLM, SamplingParams, SpecConfig
+    from specdeploy.engine.suffix_store import SuffixStore
+    from tests.spec.tiny_targets import LIMITS
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", cuda_graphs=True, **LIMITS)
+    plain = LLM(str(target.path), **kw)
+    want = [o.token_ids for o in plain.generate(target.prompts, params)]
+    SuffixStore.save(tmp_path / "store", want, plain.deployed.vocab_size)
+    spec = LLM(str(target.path), spec=SpecConfig(
+        "suffix", 3, suffix_store=str(tmp_path / "store"),
+        suffix_decoding_max_cached_requests=0, controller="off"), **kw)
+    assert [o.token_ids for o in spec.generate(target.prompts, params)] == want
+    assert spec.stats()["store_steps"] > 0
