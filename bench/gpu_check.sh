@@ -16,8 +16,10 @@
 # come back under OUT_DIR/heads): `CUT_MIB=60 bash bench/gpu_prepare.sh`, call 1 carrying
 # [".whl", ".gpu"] (`bash bench/gpu_check.sh $OUT tests`, or `true` to only leave .gpu/a in
 # /tmp/gg), then call 2 carrying [".whl", ".gpu2", ".gpu3"]: `TRAIN_S=480 GEN_MIN=3 bash
-# bench/gpu_check.sh $OUT train` (GEN_MIN minutes of replies, then training until TRAIN_S).
-# 2026-12-04 on an H200: tests ~50 s, bench ~230 s with BENCH_ARGS=--lean (~330 s without),
+# bench/gpu_check.sh $OUT train` (GEN_MIN minutes of replies, then training until TRAIN_S; the
+# replies also come back as a suffix store under OUT_DIR/suffix).
+# 2026-12-04 on an H200: tests ~50 s, bench ~230 s with BENCH_ARGS=--lean (~330 s without;
+# the suffix rows added since, ~25 s more: give BENCH_S=330),
 # ~35 s to start the machine: a round of both calls is ~350 s of the session's device time.
 # Packages the machine lacks travel as wheels in .whl/ (gguf), installed with --no-deps into
 # /tmp/site; the GGUF is assembled there from .gpu/a (kept in /tmp/gg) and .gpu2/b.
@@ -93,6 +95,10 @@ if [ "$what" = train ]; then
     cp /tmp/runs/$m/*.json /tmp/runs/$m/*.safetensors "$out/heads/$m/" 2>/dev/null
     tail -n 3 /tmp/runs/$m.log >> "$out/summary.txt" 2>/dev/null
   done
+  # the same replies as a suffix store (engine/suffix_store.py; a few MB): compare it with the
+  # shipped one by `python bench/suffix_replay.py --store OUT/suffix` here
+  python3 -m specdeploy suffix-store --model "$gguf" --replies /tmp/runs/self.jsonl \
+    --out "$out/suffix" >> "$out/summary.txt" 2>&1
 fi
 cat "$out/summary.txt"
 tail -5 "$out/cuda_tests.log" 2>/dev/null || true
