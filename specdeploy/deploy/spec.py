@@ -284,8 +284,14 @@ class SpecDeployed:
 
     def report(self) -> str:
         lines = ["target:", self.target.report()]
+        c = self.suffix_corpus
+        if self.spec.uses_store:
+            what = ("no corpus (finished requests' replies only)" if c is None else
+                    f"{c.num_tokens} tokens loaded ({c.nbytes / 2**20:.1f} MiB), plus finished "
+                    "requests' replies")
+            lines.append(f"suffix store: {what}")
         if self.draft is None:
-            return "\n".join(lines + ["drafter: none (n-gram lookup)"])
+            return "\n".join(lines + ["drafter: none (lookup)"])
         for g, draft in enumerate(self.drafts):
             group = f", MTP group {g} of {self.num_groups}" if self.num_groups > 1 else ""
             lines += [f"drafter (eagle_drafter{group}):", *format_infos(draft.infos)]

@@ -61,6 +61,10 @@ class TokenIndex:
     def num_tokens(self) -> int:
         return int((self.toks >= 0).sum())
 
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.pos.nbytes + self.toks.nbytes
+
     def candidates(self, tail: list[int]) -> list[np.ndarray]:
         """Positions whose preceding tokens equal the last n of `tail`, for n = 2.. as long as
         any match (index n - 2 of the list)."""

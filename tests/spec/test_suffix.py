@@ -48,6 +48,7 @@ def test_suffix_greedy_equals_plain_and_drafts_from_the_store(target, replies, s
     assert s["store_steps"] > 0 and s["store_accepted_tokens"] > s["store_steps"]
     assert s["mean_accepted_length"] > 2
     assert llm.deployed.drafter is None
+    assert f"suffix store: {sum(map(len, replies))} tokens loaded" in llm.deployed.report()
     # batch 1, one prompt at a time: the same
     assert _ids(llm.generate([target.prompts[3]], params)) == [replies[3]]
 
@@ -58,6 +59,7 @@ def test_suffix_learns_from_finished_requests(target, replies):
     llm = LLM(str(target.path), spec=SpecConfig("suffix", 3, suffix_store=None,
                                                 controller="off"), **LIMITS)
     assert llm.deployed.suffix_corpus is None  # nothing is shipped for a tiny target
+    assert "suffix store: no corpus" in llm.deployed.report()
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     prompt = target.prompts[2]
     assert _ids(llm.generate([prompt], params)) == [replies[2]]
