@@ -29,3 +29,18 @@ def test_shipped_store_is_found_and_lossless():
     s = spec.stats()
     # measured here: the store drafted on most steps and its drafts won tokens
     assert s["store_steps"] > 0 and s["store_accepted_tokens"] > 0, s
+
+
+def test_hybrid_demo_finds_the_store_and_stays_lossless():
+    """hybrid-demo (NemotronH, distilled from the default model's replies) is registered for the
+    same store: its recurrent states roll back past rejected store drafts exactly."""
+    plain = LLM("hybrid-demo", max_batch_size=2, max_seq_len=512)
+    spec = LLM("hybrid-demo", max_batch_size=2, max_seq_len=512, spec=SpecConfig(
+        "suffix", 3, suffix_decoding_max_cached_requests=0, controller="off"))
+    assert spec.deployed.suffix_corpus is not None
+    msgs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(max_tokens=48)
+    assert [o.token_ids for o in spec.chat(msgs, params)] == \
+        [o.token_ids for o in plain.chat(msgs, params)]
+    s = spec.stats()
+    assert s["store_steps"] > 0 and s["store_accepted_tokens"] > 0, s
