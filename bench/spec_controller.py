@@ -49,7 +49,7 @@ class FixedK(CostController):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the default model; or hybrid-demo")
-    ap.add_argument("--methods", default="eagle3,mtp,ngram")
+    ap.add_argument("--methods", default="eagle3,mtp,ngram", help="also suffix")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--fixed", default=None, help="fixed K' < K to run, e.g. 1 (default: all)")
     ap.add_argument("--num-prompts", type=int, default=3)
@@ -70,9 +70,12 @@ def main() -> None:
     settings = {"plain": (base, None)}
     calib = {}
     for m in args.methods.split(","):
-        bf16 = m != "ngram"
+        bf16 = m not in ("ngram", "suffix")  # a drafter model
+        # NOTE: no learning from finished requests: the settings of one method share the
+        # deployment and ask the same prompt in turn
         llm = make(SpecConfig(m, args.k, draft_dtype="bfloat16" if bf16 else None,
                               draft_quantize="int8" if bf16 else None,
+                              suffix_decoding_max_cached_requests=0,
                               controller="off"))  # calibrated below, timed
         t = time.perf_counter()
         llm.engine.set_controller("cost")
