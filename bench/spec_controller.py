@@ -36,7 +36,16 @@ class FixedK(CostController):
     def observe(self, seq, accepted: int, drafted: int, from_lookup: bool) -> None:
         pass
 
-    def plan(self, seqs: list) -> None:
+    def observe_draft(self, seqs: list, seconds: float) -> bool:  # no cost model to teach
+        return False
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        pass
+
+    def observe_overhead(self, seconds: float) -> None:
+        pass
+
+    def plan(self, seqs: list, fixed_rows: int = 0, fixed_tokens: float = 0.0) -> None:
         for s in seqs:
             s.spec.limit = self.fixed
 

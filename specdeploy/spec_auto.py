@@ -1,6 +1,7 @@
 """`SpecConfig("auto")`: the fastest lossless speculative configuration measured for a target.
 
 Resolved from the checkpoint alone, before loading (the loader's choices depend on the method):
+- the shipped hybrid-demo: lookup + the default model's store of replies (method "suffix");
 - a checkpoint that declares MTP layers: its own MTP head, with n-gram lookup;
 - the embedded default model: what `bench/vs_llamacpp.py` measured fastest on a CPU
   (`DEFAULT_MODEL`; the run that chose it is cited in docs/benchmarks.md);
@@ -34,6 +35,11 @@ _CPU_DRAFTER = dict(draft_quantize="q8_0")
 DEFAULT_MODEL = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
 OWN_MTP = dict(method="mtp", num_draft_tokens=3, controller="cost", **_LOOKUP)
 LOOKUP_ONLY = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
+# the shipped hybrid-demo: lookup + the default model's store of replies, from which it was
+# distilled, over its own MTP head. bench/results/spec_controller_hybrid_demo_suffix.json (2 cores,
+# AVX-512, batch 1, 6 held-out prompts, 128 tokens, fp32, 2026-12-04): suffix + controller
+# 2.03x plain (fixed K=3 2.23x), MTP + controller 1.23x (fixed K=3 1.32x)
+HYBRID_DEMO = dict(method="suffix", num_draft_tokens=3, controller="cost")
 
 
 def _declares_mtp(config: dict) -> bool:
@@ -53,12 +59,26 @@ def _is_default_model(path) -> bool:
         return False
 
 
+def _is_shipped(path, name: str) -> bool:
+    from specdeploy.checkpoint.shipped import resolve_model_name, shipped_model_path
+
+    if path is None:
+        return False
+    try:
+        return (Path(os.fspath(resolve_model_name(path))).resolve()
+                == shipped_model_path(name).resolve())
+    except (OSError, TypeError, ValueError):
+        return False
+
+
 def choice_for(model_path, device: str = "cpu") -> dict:
     """The SpecConfig fields "auto" stands for on this target."""
     from specdeploy.checkpoint import open_checkpoint
     from specdeploy.default_model import default_model_path
 
     config = open_checkpoint(default_model_path() if model_path is None else model_path).config
+    if _is_shipped(model_path, "hybrid-demo"):
+        return dict(HYBRID_DEMO)
     if _declares_mtp(config):
         return dict(OWN_MTP)
     if _is_default_model(model_path):

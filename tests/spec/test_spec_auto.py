@@ -25,6 +25,11 @@ def test_choice_per_target(ckpts):
     assert choice_for(ckpts["llama"])["method"] == "ngram"  # nothing to draft with
     for path in (None, ckpts["llama"], ckpts["nemotron_h"]):
         assert choice_for(path)["controller"] == "cost"
+    # the shipped hybrid: the store it was distilled from beat its MTP head (spec_auto.py)
+    from specdeploy.checkpoint.shipped import shipped_model_path
+
+    assert choice_for("hybrid-demo")["method"] == "suffix"
+    assert choice_for(str(shipped_model_path("hybrid-demo")))["method"] == "suffix"
 
 
 def test_given_fields_win_and_bad_combinations_are_refused(ckpts):
