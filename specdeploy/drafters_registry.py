@@ -28,7 +28,7 @@ SHIPPED = (
                 "num_hidden_layers": 30, "intermediate_size": 1536},
         norm_sum=1038.332, methods=("eagle3", "mtp", "suffix")),
     # the embedded hybrid-demo was distilled from the default model's own greedy replies, so
-    # the default model's store of replies drafts its text too (held-out replay, K=3: 3.04
+    # the default model's store of replies drafts its text too (held-out replay, K=3: 3.10
     # tokens per step against lookup's 2.07; docs/benchmarks.md, "Suffix drafts")
     ShippedHeads(
         name="smollm2-135m-instruct",
