@@ -4,7 +4,8 @@ Resolved from the checkpoint alone, before loading (the loader's choices depend 
 - the shipped hybrid-demo: lookup + the default model's store of replies (method "suffix");
 - a checkpoint that declares MTP layers: its own MTP head, with n-gram lookup;
 - the embedded default model: what `bench/vs_llamacpp.py` measured fastest on a CPU
-  (`DEFAULT_MODEL`; the run that chose it is cited in docs/benchmarks.md);
+  (`DEFAULT_MODEL`: lookup + its shipped store of replies; the run that chose it is cited
+  there and in docs/benchmarks.md);
 - anything else: n-gram lookup, which needs no drafter and costs no draft forwards.
 Every choice runs the cost controller (engine/spec_control.py, SpecConfig's default), which
 drafts nothing where drafts do not pay on this machine. Fields the caller set away from their
@@ -32,7 +33,15 @@ _CPU_DRAFTER = dict(draft_quantize="q8_0")
 # bench/results/vs_llamacpp_avx2.json: lookup + controller 1.11x plain, fixed lookup 1.09x,
 # MTP / EAGLE-3 + lookup + controller 1.10x / 1.09x, on replies that repeat little; 16
 # concurrent: auto 0.99x plain, fixed lookup 0.86x.)
-DEFAULT_MODEL = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
+# Since 2026-12-04 the default model ships a suffix store (2.42M tokens of its own replies):
+# bench/results/vs_llamacpp_avx512_suffix_1204_store2.json (2 cores, AVX-512 VNNI, batch 1,
+# decode tokens/s, plain 234.5): suffix + controller 290.1 (1.24x; rounds 251 / 257 / 263 end
+# to end), lookup + controller 252.7 (1.08x; 235 / 227 / 222), fixed suffix 1.17x; at 16
+# concurrent requests both 0.87-0.89x plain (..._concurrent_avx512_suffix_1204_store2.json).
+# With the store's first half (1.15M tokens) the two were level (1.02x vs 1.08x and 1.10x vs
+# 1.07x in two runs). Suffix + controller it is, on the GPU too (a verify row is nearly free
+# there; offline replay: 2.06 vs 1.48 tokens per step).
+DEFAULT_MODEL = dict(method="suffix", num_draft_tokens=3, controller="cost", **_LOOKUP)
 OWN_MTP = dict(method="mtp", num_draft_tokens=3, controller="cost", **_LOOKUP)
 LOOKUP_ONLY = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
 # the shipped hybrid-demo: lookup + the default model's store of replies, from which it was

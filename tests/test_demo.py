@@ -14,7 +14,7 @@ def test_demo_prints_both_runs(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert re.search(r"\[no speculation\] \d+ tokens in [\d.]+ s = [\d.]+ tokens/s\n", out)
     # auto's pick depends on the CPU (spec_auto.default_model_choice): the controller or not
-    assert re.search(r"\[speculative \(ngram, K=3(, cost controller)?\)\] \d+ tokens in [\d.]+ s "
-                     r"= [\d.]+ tokens/s, mean accepted length [\d.]+", out)
+    assert re.search(r"\[speculative \((ngram|suffix), K=3(, cost controller)?\)\] \d+ tokens "
+                     r"in [\d.]+ s = [\d.]+ tokens/s, mean accepted length [\d.]+", out)
     assert re.search(r"speculative decoding: [\d.]+x the tokens/s of no speculation", out)
     assert "greedy outputs identical with and without speculation: True" in out
