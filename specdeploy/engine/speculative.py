@@ -175,7 +175,11 @@ class SpecEngine(Engine):
             return
         if controller == "cost":
             if self._measured is None:
-                self._measured = calibrate(self)
+                # NOTE: also at the batch the engine will run (up to 16): rows past 3
+                # sequences were extrapolated, and at 16 concurrent requests the controller
+                # over-drafted until its own steps had taught it (2026-12-04, docs/benchmarks.md)
+                top = min(self.scheduler.max_batch_size, 16)
+                self._measured = calibrate(self, batches=(1, 3) + ((top,) if top >= 8 else ()))
             controller = CostController(self._measured, self.k, self.max_k)
         elif not isinstance(controller, CostController):
             raise ValueError(f"controller: must be one of {', '.join(CONTROLLERS)} or a "
