@@ -1,7 +1,8 @@
 """Where a speculative step's time goes at batch size 1, next to a plain decode step, in one run.
 
-    .venv/bin/python bench/spec_phases.py [--methods eagle3,mtp] [--k 3] [--num-prompts 4]
-        [--max-tokens 128] [--lookups 0,4:2] [--threads 2] [--json-out FILE]
+    .venv/bin/python bench/spec_phases.py [--methods eagle3,mtp,ngram,suffix] [--k 3]
+        [--num-prompts 4] [--max-tokens 128] [--lookups 0,4:2] [--threads 2]
+        [--controller off|cost] [--json-out FILE]
 
 Greedy decoding of the first held-out ShareGPT prompts, no speculation and then each head
 (shipped heads, bf16 with int8 weights as in bench/acceptance.py's speed runs), one process.
@@ -100,6 +101,7 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--model", default=None, help="default: the default model; or hybrid-demo")
     ap.add_argument("--draft-dtype", default="bfloat16", help="'none': the target's")
+    ap.add_argument("--controller", default="off", help="'cost': the cost controller on")
     args = ap.parse_args()
     draft_dtype = None if args.draft_dtype == "none" else args.draft_dtype
     torch.set_num_threads(args.threads)
@@ -116,11 +118,15 @@ def main() -> None:
         for lk in args.lookups.split(","):
             mx, mn = (int(x) for x in (lk.split(":") + ["2"])[:2]) if lk != "0" else (0, 0)
             name = m if not mx else f"{m}+lookup{mx}:{mn}"
+            if m in ("ngram", "suffix"):  # lookup drafts (+ the shipped store): no drafter
+                extra = {"suffix_decoding_max_cached_requests": 0} if m == "suffix" else {}
+                llms[name] = make(SpecConfig(m, args.k, controller=args.controller, **extra))
+                continue
             llms[name] = make(SpecConfig(m, args.k, draft_model=getattr(args, f"{m}_dir"),
                                          draft_dtype=draft_dtype,
                                          draft_quantize="int8" if draft_dtype else None,
                                          prompt_lookup_max=mx, prompt_lookup_min=mn if mx else 2,
-                                         controller="off"))
+                                         controller=args.controller))
     for llm in llms.values():  # warm-up
         llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))
     rows = {name: run(llm, prompts, args.max_tokens) for name, llm in llms.items()}

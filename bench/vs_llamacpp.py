@@ -16,7 +16,8 @@ Every system gets the same prompt token ids: held-out ShareGPT first turns with 
 chat template applied (bench/acceptance.py `heldout_prompts`), each run decoding exactly
 --max-tokens new tokens greedily (EOS ignored, so every system makes as many tokens). All
 configurations are built first; then each round sends every prompt through every configuration
-in turn (interleaved: a busy machine slows all alike). Reported per configuration: the median
+in turn, the order rotating by prompt and round (interleaved: a busy machine slows all alike,
+and no configuration always follows the same one). Reported per configuration: the median
 over rounds of the end-to-end rate (new tokens / wall time, prefill included) and of the decode
 rate (tokens after the first / time after the first), and the medians of per-round ratios to
 llama.cpp (each round's ratio taken within the round). The JSON carries the CPU model and flags,
@@ -210,8 +211,13 @@ def main() -> None:
     per_prompt: dict = {name: {} for name in runners}  # decode tokens/s of each prompt, by round
     for r in range(args.rounds):
         tot = {name: [0, 0.0, 0, 0.0] for name in runners}
+        names = list(runners)
         for i, p in enumerate(prompts):
-            for name, run in runners.items():
+            # NOTE: the order rotates per prompt and round: a fixed order gave a configuration
+            # always the same predecessor (whose weights had just evicted the caches)
+            s = (i + r * len(prompts)) % len(names)
+            for name in names[s:] + names[:s]:
+                run = runners[name]
                 out, wall, after_first = run(p)
                 t = tot[name]
                 t[0], t[1], t[2], t[3] = t[0] + len(out), t[1] + wall, t[2] + len(out) - 1, \

@@ -22,6 +22,7 @@ import torch
 from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, Segment, build_metadata
 from specdeploy.engine.lookup import Lookup
 from specdeploy.engine.request import Sequence
+from specdeploy.engine.sampler import argmax_rows
 from specdeploy.ops.cached_attention import UNIFORM_MAX
 
 
@@ -259,7 +260,7 @@ class ModelDrafter:
         drafter's q, kept as q over the target vocabulary). Returns whether each chain goes on
         (`min_prob`); a chain that stops does not take this step's draft."""
         d = self.d
-        ids = d.to_target(logits.argmax(-1))
+        ids = d.to_target(argmax_rows(logits))
         sampled = [i for i, (seq, _) in enumerate(drafting) if not seq.params.greedy]
         q = None
         if sampled:

@@ -30,7 +30,7 @@ from specdeploy.engine.logits_process import logprob_pack, process, unpack_logpr
 from specdeploy.engine.metrics import EngineStats
 from specdeploy.engine.params_check import check_for_model
 from specdeploy.engine.request import RequestOutput, SamplingParams, Sequence
-from specdeploy.engine.sampler import sample
+from specdeploy.engine.sampler import argmax_rows, sample
 from specdeploy.engine.scheduler import BlockManager, ScheduledSeq, Scheduler
 
 log = logging.getLogger("specdeploy.engine")
@@ -327,6 +327,9 @@ class Engine:
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Process (engine/logits_process.py), sample, and the logprobs of the rows that ask
         (`seq.new_logprobs`); ids and logprobs reach the host in one copy."""
+        if all(s.params.greedy and not s.params.penalized and s.matcher is None
+               and s.params.logprobs is None for s in seqs):
+            return argmax_rows(logits).tolist()  # nothing to process: the argmax is the draw
         proc = process(logits[:, None], seqs, [[]] * len(seqs), self.eos_token_ids)
         ids = sample(proc.logits[:, 0], [s.params for s in seqs], [s.generator for s in seqs],
                      self.generator)

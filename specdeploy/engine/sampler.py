@@ -15,6 +15,15 @@ import torch
 from specdeploy.engine.request import SamplingParams
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)`, the same ids (ties: the first; a NaN row: its first NaN). On a CPU fp32
+    tensor through numpy, whose argmax over a 49,152-token row takes ~3 us where torch's takes
+    ~43 (torch 2.13, 2026-12-04): ~1% of a decode step of the default model, once per step."""
+    if x.device.type == "cpu" and x.dtype is torch.float32 and x.dim() >= 1 and x.shape[-1]:
+        return torch.from_numpy(x.detach().numpy().argmax(-1))
+    return x.argmax(-1)
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
                         ) -> torch.Tensor:
     """logits [N,V] (already temperature-scaled); top_k [N] (0 = all), top_p [N] → masked logits."""
@@ -76,7 +85,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            rows: dict | None = None) -> torch.Tensor:
     """logits [N,V] fp32, one SamplingParams and generator (None = unseeded) per row → ids [N].
     `rows`: `row_tensors(params, ...)` built beforehand (the same draws either way)."""
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax_rows(logits)
     if all(p.greedy for p in params):
         return greedy_ids
     c = rows if rows is not None else row_tensors(params, logits.device, logits.dtype)

@@ -34,6 +34,7 @@ from specdeploy.engine.engine import Engine
 from specdeploy.engine.logits_process import logprob_pack, process, unpack_logprobs
 from specdeploy.engine.lookup import Lookup
 from specdeploy.engine.request import Sequence
+from specdeploy.engine.sampler import argmax_rows
 from specdeploy.engine.scheduler import ScheduledSeq, Scheduler
 from specdeploy.engine.spec_control import (
     CONTROLLERS,
@@ -304,7 +305,7 @@ class SpecEngine(Engine):
             # NOTE: on any device: the argmaxes are computed there and only [N] ints come back,
             # where the torch path's index and draft tensors cost host-to-device copies and
             # launches (a GPU step of a small model is host-bound)
-            argmax = logits.argmax(-1).tolist()  # the step's one host synchronisation
+            argmax = argmax_rows(logits).tolist()  # the step's one host synchronisation
             return verify_greedy_lists(argmax, rows, [s.spec.drafts for s in seqs], k1)
         index = torch.tensor([r + r[-1:] * (k1 - len(r)) for r in rows], device=logits.device)
         drafts = Drafts.of([s.spec.drafts for s in seqs], [s.spec.draft_probs for s in seqs],

@@ -95,3 +95,22 @@ def test_eos_stops_unless_ignored():
 def test_bad_sampling_params(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+def test_argmax_rows_is_torch_argmax():
+    """The numpy argmax of the CPU greedy paths gives torch's ids: ties go to the first, a row
+    with NaN to its first NaN, any leading shape; other dtypes take torch's own path."""
+    from specdeploy.engine.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (5, 7, 49), generator=g).float()  # many ties
+    x[1, 2, 5] = x[1, 2, 9] = float("nan")
+    x[3, 0, :] = float("-inf")
+    for t in (x, x[0], x[:, 3], x.transpose(0, 1)):  # views, non-contiguous
+        got = argmax_rows(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(-1))
+    b = x.bfloat16()
+    assert torch.equal(argmax_rows(b), b.argmax(-1))
+    with torch.inference_mode():
+        y = torch.randn(2, 100, generator=g)
+        assert argmax_rows(y).tolist() == y.argmax(-1).tolist()
