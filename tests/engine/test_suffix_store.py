@@ -52,12 +52,14 @@ def _docs(seed, n=12, longest=40):
     return [[rng.randrange(V) for _ in range(rng.randrange(0, longest))] for _ in range(n)]
 
 
+@pytest.mark.parametrize("vocab", [V, 70_000])  # the four-token key; the pair key
 @pytest.mark.parametrize("seed,longest", [(0, 40), (1, 40), (2, 40), (3, 800)])
-def test_next_token_matches_reference(seed, longest):
+def test_next_token_matches_reference(seed, longest, vocab):
     """Short replies (few candidates: counted in Python) and long ones (a 2-token tail has
     ~100 candidates: counted by np.unique); asked twice (the memo)."""
     docs = _docs(seed, longest=longest)
-    store = SuffixStore(V, TokenIndex(docs, V))
+    store = SuffixStore(vocab, TokenIndex(docs, vocab))
+    assert store.static.wide == (vocab < (1 << 16) - 1)
     rng = random.Random(100 + seed)
     for _ in range(200):
         tail = [rng.randrange(V) for _ in range(rng.randrange(0, 9))]
@@ -153,11 +155,22 @@ def test_a_large_vocabulary_keys_exactly():
     assert np.asarray(store.static.keys).dtype == np.int64
 
 
-def test_the_default_vocabulary_keys_in_32_bits():
-    v = 49_152
-    store = SuffixStore(v, TokenIndex([[v - 1, v - 1, 5], [v - 1, 0, 6], [0, v - 1, 7]], v))
-    assert np.asarray(store.static.keys).dtype == np.uint32
-    assert store.next_token([v - 1, v - 1]) == (5, 1, 1)
+@pytest.mark.parametrize("v", [49_152, (1 << 16) - 2, (1 << 16) - 1])
+def test_the_default_vocabulary_keys_four_tokens(v):
+    """Below 2^16 - 1 ids the key holds the four tokens before a position (ids + 1, the pad
+    0): 3- and 4-token tails are ranges of the sort, the pad never matches a real id; at
+    2^16 - 1 the pair key (and filtering) takes over. The same answers either way."""
+    docs = [[v - 1, v - 1, 5], [v - 1, 0, 6], [0, v - 1, 7], [3, v - 1, v - 1, 8],
+            [4, 3, v - 1, v - 1, 9], [0, 3, v - 1, v - 1, 10, 11]]
+    store = SuffixStore(v, TokenIndex(docs, v))
+    wide = v < (1 << 16) - 1
+    assert np.asarray(store.static.keys).dtype == (np.uint64 if wide else np.uint32)
     assert store.next_token([v - 1, 0]) == (6, 1, 1)
     assert store.next_token([0, v - 1]) == (7, 1, 1)
     assert store.next_token([v - 2, v - 1]) is None
+    assert store.next_token([v - 1, v - 1]) == (5, 1, 4)  # a 4-way tie: the smallest id
+    assert store.next_token([3, v - 1, v - 1]) == (8, 1, 3)  # n = 3: docs 4, 5, 6
+    assert store.next_token([4, 3, v - 1, v - 1]) == (9, 1, 1)  # n = 4
+    assert store.next_token([7, 0, 3, v - 1, v - 1]) == (10, 1, 1)  # n = 4, not 5
+    assert store.next_token([9, 4, 3, v - 1, v - 1]) == (9, 1, 1)  # n = 4 (no doc has 9 first)
+    assert store.next_token([2, 3, v - 1, v - 1, 10]) == (11, 1, 1)
