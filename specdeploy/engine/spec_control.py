@@ -39,7 +39,8 @@ import torch
 
 from specdeploy.config import CONTROLLERS
 
-__all__ = ["CONTROLLERS", "CostController", "CostModel", "MeasuredCost", "calibrate"]
+__all__ = ["CONTROLLERS", "DRAFTER_MARGIN", "CostController", "CostModel", "MeasuredCost",
+           "calibrate"]
 
 # Copy lengths m (tokens a lookup match has copied) in buckets [.., 2), [2, 3), ..., [64, ..).
 COPY_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -51,6 +52,14 @@ COPY_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # 1.26x / 1.20x, knowing every draft's fate 1.47x / 1.38x (2026-12-03, AVX2, 2 threads).
 LOOKUP_HOLD_PRIOR = (0.5, 0.58, 0.54, 0.77, 0.76, 0.93, 0.87, 0.95, 0.92, 0.98, 0.98, 0.96)
 MAX_PROBE_GAP = 32
+REPLAN_EVERY = 8  # steps between plans of sequences settled at 0 drafter drafts (`plan`)
+# The share by which a step with drafter drafts must beat plain decoding in the cost model
+# before it is taken (the engine's controller; 0 in a bare CostController). The model errs by a
+# few percent (cache effects of a drafter forward, EMA noise), and near break-even those errors
+# all cost: on the default model (2 cores, AVX-512, 6 held-out prompts x 4 rounds, the order
+# rotating per prompt, 2026-12-04) EAGLE-3 + controller went 0.982 -> 0.992x plain and MTP +
+# controller 1.006 -> 1.030x with 0.05.
+DRAFTER_MARGIN = 0.05
 # Suffix-store drafts (engine/suffix_store.py) carry the store's own estimate c of each draft;
 # P(accepted | c) by bucket of c, learnt from every store verify. The prior: the default model's
 # greedy replies to 24 held-out prompts (not the bench's first 6) replayed over its store of
@@ -181,6 +190,7 @@ class SeqControl:
     idle_lookup: int = 0
     gap: int = 0  # steps at 0 drafter drafts before a probe (0: not yet set)
     gap_lookup: int = 0
+    settled: bool = False  # planned 0 drafter drafts, and no drafter verify since
 
 
 def expected_tokens(acc: list[float], k: int) -> float:
@@ -204,8 +214,10 @@ class CostController:
     # plain, EAGLE-3 1.03x -> 1.02x (noise), fixed lookup 1.32x.
     def __init__(self, cost: CostModel, k: int, max_k: int, drafter: bool = True,
                  probe_every: int = 4, alpha: float = 0.1, prior: float = 0.6,
-                 alpha_lookup: float = 0.02, hold: tuple[float, ...] = LOOKUP_HOLD_PRIOR):
+                 alpha_lookup: float = 0.02, hold: tuple[float, ...] = LOOKUP_HOLD_PRIOR,
+                 margin: float = 0.0):
         self.cost, self.k, self.max_k, self.drafter = cost, k, max_k, drafter
+        self.margin = margin  # drafter drafts must beat plain by this share (`allocate`)
         self.probe_every, self.alpha, self.alpha_lookup = probe_every, alpha, alpha_lookup
         # global EMAs (slower), a new sequence's starting point
         self.glob = {"model": [prior] * max_k}
@@ -216,6 +228,7 @@ class CostController:
         self.draft_scale = 1.0  # measured / modelled drafting time (`observe_draft`)
         self.overhead = 0.0  # seconds of a step outside the modelled parts (`observe_overhead`)
         self._behind: dict[int, int] = {}  # id(seq) -> deferred catch-up rows, as last planned
+        self._quiet = 0  # plans skipped since the last allocate (`plan`)
 
     def resized(self, k: int, max_k: int, drafter: bool) -> CostController:
         """This controller for an engine of chain length `k`, verifies up to `max_k` drafts."""
@@ -281,6 +294,7 @@ class CostController:
             c.gap_lookup = self._gap(c.gap_lookup, accepted)
             return
         own, glob = c.model, self.glob["model"]
+        c.settled = False
         a, ag = self.alpha, self.alpha / 3
         for j in range(seen):
             hit = float(j < accepted)
@@ -365,9 +379,27 @@ class CostController:
         best improves the ratio: one sequence raised to any k up to its cap, or the m below k
         that gain most from it raised to k (a drafter forward is shared by the batch, so
         drafting may pay only for several at once). Exact at batch 1; drafts that cannot pay
-        leave k at 0. `behind[i]`: drafter rows sequence i deferred, which its catch-up feeds
-        first if it drafts. NOTE: host arithmetic, O(B K^2) a round; `allocate_rows` is the
-        exact, fast form where drafts cost rows only."""
+        leave k at 0, and so do drafts whose step beats plain decoding by less than `margin`
+        (of the modelled rate). `behind[i]`: drafter rows sequence i deferred, which its
+        catch-up feeds first if it drafts. NOTE: host arithmetic, O(B K^2) a round;
+        `allocate_rows` is the exact, fast form where drafts cost rows only."""
+        ks = self._allocate(accs, cap, fixed_rows, draft, fixed_tokens, behind)
+        if self.margin and draft and self.drafter and any(ks):
+            plain = (fixed_tokens + len(accs)) / self._cost(fixed_rows + len(accs), [0], draft)
+            if self.step_ratio(accs, ks, fixed_rows, fixed_tokens, behind) < plain * (
+                    1 + self.margin):
+                return [0] * len(accs)
+        return ks
+
+    def step_ratio(self, accs: list[list[float]], ks: list[int], fixed_rows: int = 0,
+                   fixed_tokens: float = 0.0, behind: list[int] | None = None) -> float:
+        """Modelled tokens per second of a step verifying `ks` drafter drafts."""
+        chain = [sum(k > s for k in ks) for s in range(max(ks, default=0) + 1)]
+        late = sum(b for b, k in zip(behind or [0] * len(ks), ks) if k)
+        tokens = fixed_tokens + sum(expected_tokens(a, k) for a, k in zip(accs, ks))
+        return tokens / self._cost(fixed_rows + sum(1 + k for k in ks), chain, True, late)
+
+    def _allocate(self, accs, cap, fixed_rows, draft, fixed_tokens, behind) -> list[int]:
         n, top = len(accs), max(cap, default=0)
         late = behind or [0] * n
         late_rows = 0  # the deferred rows of the sequences drafting so far
@@ -450,9 +482,21 @@ class CostController:
         ctl = [self.state(s) for s in seqs]
         behind = [_behind_rows(s) for s in seqs]
         self._behind = {id(s): b for s, b in zip(seqs, behind) if b}
-        ks = self.allocate([c.model for c in ctl], [self.k] * len(seqs), fixed_rows,
-                           fixed_tokens=fixed_tokens, behind=behind) if self.drafter else [
-                               0] * len(seqs)
+        if not self.drafter:
+            ks = [0] * len(seqs)
+        elif (not fixed_rows and all(c.settled for c in ctl)
+              and self._quiet < REPLAN_EVERY - 1):
+            # NOTE: nothing that could make drafts pay has changed: no verify taught their
+            # acceptance, the backlogs only grew; only the step costs drift (re-planned every
+            # REPLAN_EVERY steps). The allocate it saves is ~40 us of a ~4 ms decode step
+            self._quiet += 1
+            ks = [0] * len(seqs)
+        else:
+            self._quiet = 0
+            ks = self.allocate([c.model for c in ctl], [self.k] * len(seqs), fixed_rows,
+                               fixed_tokens=fixed_tokens, behind=behind)
+            for c, k in zip(ctl, ks):
+                c.settled = not k
         for s, c, k in zip(seqs, ctl, ks):
             c.idle = 0 if k else c.idle + 1
             if self.drafter and not k and self.probe_every and c.idle >= (

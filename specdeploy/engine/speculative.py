@@ -38,6 +38,7 @@ from specdeploy.engine.sampler import argmax_rows
 from specdeploy.engine.scheduler import ScheduledSeq, Scheduler
 from specdeploy.engine.spec_control import (
     CONTROLLERS,
+    DRAFTER_MARGIN,
     CostController,
     MeasuredCost,
     calibrate,
@@ -181,7 +182,8 @@ class SpecEngine(Engine):
                 # over-drafted until its own steps had taught it (2026-12-04, docs/benchmarks.md)
                 top = min(self.scheduler.max_batch_size, 16)
                 self._measured = calibrate(self, batches=(1, 3) + ((top,) if top >= 8 else ()))
-            controller = CostController(self._measured, self.k, self.max_k)
+            controller = CostController(self._measured, self.k, self.max_k,
+                                        margin=DRAFTER_MARGIN)
         elif not isinstance(controller, CostController):
             raise ValueError(f"controller: must be one of {', '.join(CONTROLLERS)} or a "
                              f"CostController, got {controller!r}")

@@ -503,3 +503,46 @@ def test_deferred_catch_up_rows_are_priced():
     for _ in range(20):
         c.observe_draft([s], modelled)
     assert c.draft_scale == pytest.approx(1.0, rel=1e-9)
+
+
+def test_settled_sequences_replan_every_few_steps(monkeypatch):
+    """A sequence planned at 0 drafter drafts is not re-planned (allocate's host time) until a
+    verify teaches its acceptance or REPLAN_EVERY steps pass; its probes still come, and a
+    step with other rows (lookup runs) plans in full."""
+    from specdeploy.engine.spec_control import REPLAN_EVERY
+
+    c = CostController(NEVER, 3, 3, probe_every=4)
+    calls = []
+    real = c.allocate
+    monkeypatch.setattr(c, "allocate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    s = _Seq()
+    s.spec.behind = None
+    limits = []
+    for _ in range(2 * REPLAN_EVERY):
+        c.plan([s])
+        limits.append(s.spec.limit)
+    assert len(calls) == 2  # the first plan, then one REPLAN_EVERY steps later
+    assert limits.count(1) >= 2 and set(limits) == {0, 1}  # the probes (every 4 idle steps)
+    c.observe(s, 0, 1, False)  # a probe's verify: re-planned at once
+    c.plan([s])
+    assert len(calls) == 3
+    c.plan([s], fixed_rows=4)  # other rows this step: planned in full
+    assert len(calls) == 4
+
+
+def test_margin_keeps_drafts_that_barely_pay_out():
+    """With a margin, drafter drafts whose modelled step beats plain decoding by less than it
+    are not taken (k 0), those that beat it by more are; lookup rows (allocate_rows) are not
+    affected. At margin 0 the optimum is taken however small its gain."""
+    cost = Linear(1.0, 0.05, 0.05)
+    acc = [[0.12, 0.12, 0.12]]  # one draft pays by ~2%
+    c0 = CostController(cost, 3, 3)
+    (k,) = c0.allocate(acc, [3])
+    assert k > 0
+    gain = c0.step_ratio(acc, [k]) / c0.step_ratio(acc, [0]) - 1
+    assert 0 < gain < 0.05
+    assert CostController(cost, 3, 3, margin=gain * 0.9).allocate(acc, [3]) == [k]
+    assert CostController(cost, 3, 3, margin=gain * 1.1).allocate(acc, [3]) == [0]
+    assert CostController(cost, 3, 3, margin=0.05).allocate([[0.9] * 3], [3]) == [3]
+    assert CostController(cost, 3, 3, margin=0.5).allocate_rows(acc, [3]) == \
+        c0.allocate_rows(acc, [3])
