@@ -546,3 +546,19 @@ def test_margin_keeps_drafts_that_barely_pay_out():
     assert CostController(cost, 3, 3, margin=0.05).allocate([[0.9] * 3], [3]) == [3]
     assert CostController(cost, 3, 3, margin=0.5).allocate_rows(acc, [3]) == \
         c0.allocate_rows(acc, [3])
+
+
+def test_a_new_sequence_starts_at_the_last_probe_gap():
+    """Probes that keep failing back off to MAX_PROBE_GAP; the next request starts there (not
+    at probe_every again), and one that starts before any drafter verify at probe_every."""
+    from specdeploy.engine.spec_control import MAX_PROBE_GAP
+
+    c = CostController(NEVER, 3, 3, probe_every=4)
+    assert c.state(_Seq()).gap == 0  # nothing learnt yet: probe_every
+    s = _Seq()
+    for _ in range(6):
+        c.observe(s, 0, 1, False)
+    assert c.state(s).gap == MAX_PROBE_GAP
+    assert c.state(_Seq()).gap == MAX_PROBE_GAP
+    c.observe(s, 1, 1, False)  # an accepted probe halves it, for newcomers too
+    assert c.state(_Seq()).gap == MAX_PROBE_GAP // 2
