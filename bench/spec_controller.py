@@ -1,13 +1,21 @@
 """Plain decoding vs fixed K = 1..K vs the cost controller (engine/spec_control.py), batch 1.
 
     .venv/bin/python bench/spec_controller.py [--model NAME] [--methods eagle3,mtp,ngram]
-        [--k 3] [--num-prompts 3] [--max-tokens 96] [--threads 2] [--json-out FILE]
+        [--k 3] [--num-prompts 3] [--max-tokens 96] [--threads 2] [--rounds 1]
+        [--margins 0,0.05] [--draft-quantize int8|q8_0] [--ignore-eos] [--json-out FILE]
 
 Greedy decoding of the first held-out ShareGPT prompts. One deployment per method at K; fixed
 K' < K runs on it with a controller that always asks K' drafts (the same work a K' deployment
 does: K' verify rows, K' - 1 chain forwards). Settings take turns prompt by prompt, so a
-machine shared with other work slows them alike. Prints tokens/s per setting, its ratio to
-plain, the controller's calibration time and its steps by number of drafts.
+machine shared with other work slows them alike; with --rounds N the prompts go round N times,
+the settings' order rotating by one each prompt (none always follows the same one).
+`--margins` adds, per method, a controller at each of those margins (`CostController.margin`:
+the share by which a step with drafter drafts must beat plain in the cost model; the engine's
+own controller, `{method}_cost`, uses spec_control.DRAFTER_MARGIN), over the same calibration.
+`--draft-quantize q8_0` runs the drafter as `SpecConfig`'s default does on this path (fp32,
+Q8_0 weights on the integer-dot kernels); the default here, int8, is bf16 with int8 weights.
+Prints tokens/s per setting, its ratio to plain (tokens over time, all rounds), the per-round
+ratios, the controller's calibration time and its steps by number of drafts.
 """
 from __future__ import annotations
 
@@ -65,6 +73,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--margins", default=None, help="e.g. 0,0.05: a controller at each")
+    ap.add_argument("--draft-quantize", default="int8", choices=("int8", "q8_0"))
+    ap.add_argument("--ignore-eos", action="store_true", help="every reply max-tokens long")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -79,11 +91,12 @@ def main() -> None:
     settings = {"plain": (base, None)}
     calib = {}
     for m in args.methods.split(","):
-        bf16 = m not in ("ngram", "suffix")  # a drafter model
+        drafter = m not in ("ngram", "suffix")  # a drafter model
+        bf16 = drafter and args.draft_quantize == "int8"
         # NOTE: no learning from finished requests: the settings of one method share the
         # deployment and ask the same prompt in turn
         llm = make(SpecConfig(m, args.k, draft_dtype="bfloat16" if bf16 else None,
-                              draft_quantize="int8" if bf16 else None,
+                              draft_quantize=args.draft_quantize if drafter else None,
                               suffix_decoding_max_cached_requests=0,
                               controller="off"))  # calibrated below, timed
         t = time.perf_counter()
@@ -95,37 +108,58 @@ def main() -> None:
             settings[f"{m}_k{k}"] = (llm, FixedK(k))
         settings[f"{m}_k{args.k}"] = (llm, "off")
         settings[f"{m}_cost"] = (llm, cost)
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+        for x in args.margins.split(",") if args.margins else ():
+            settings[f"{m}_cost_margin{x}"] = (llm, CostController(
+                llm.engine._measured, args.k, llm.engine.max_k, margin=float(x)))
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos)
     for llm, ctl in settings.values():  # warm-up
         if ctl is not None:
             llm.engine.set_controller(ctl)
         llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))
-    rows = {n: {"tokens": 0, "s": 0.0, "steps_by_num_drafts": None} for n in settings}
-    for p in prompts:
-        for name, (llm, ctl) in settings.items():
-            if ctl is not None:
-                llm.engine.set_controller(ctl)
-                llm.engine.reset_spec_stats()
-            t = time.perf_counter()
-            (o,) = llm.generate([p], sp)
-            rows[name]["s"] += time.perf_counter() - t
-            rows[name]["tokens"] += len(o.token_ids)
-            print(f"{name}: {rows[name]['tokens'] / rows[name]['s']:.2f} tok/s so far",
-                  file=sys.stderr, flush=True)
-            if ctl is not None:
-                s = llm.stats()
-                prev = rows[name]["steps_by_num_drafts"] or [0] * len(s["steps_by_num_drafts"])
-                rows[name]["steps_by_num_drafts"] = [a + b for a, b in
-                                                     zip(prev, s["steps_by_num_drafts"])]
-    plain = rows["plain"]["tokens"] / rows["plain"]["s"]
+    rows = {n: {"tokens": 0, "s": 0.0, "steps_by_num_drafts": None, "round_rates": []}
+            for n in settings}
+    names = list(settings)
+    for r in range(args.rounds):
+        done = {n: (rows[n]["tokens"], rows[n]["s"]) for n in names}
+        for i, p in enumerate(prompts):
+            shift = (i + r * len(prompts)) % len(names)
+            for name in names[shift:] + names[:shift]:
+                run_one(name, settings[name], p, sp, rows)
+        for n in names:
+            rows[n]["round_rates"].append((rows[n]["tokens"] - done[n][0])
+                                          / (rows[n]["s"] - done[n][1]))
+    plain, plain_rounds = rows["plain"]["tokens"] / rows["plain"]["s"], rows["plain"][
+        "round_rates"]
     for r in rows.values():
+        r["over_plain_per_round"] = [round(a / b, 3) for a, b in
+                                     zip(r.pop("round_rates"), plain_rounds)]
         r["tokens_per_s"] = round(r["tokens"] / r["s"], 2)
         r["over_plain"] = round(r["tokens"] / r["s"] / plain, 3)
         r["s"] = round(r["s"], 2)
     out = {"machine": machine(), "command": " ".join(["bench/spec_controller.py"] + sys.argv[1:]),
            "model": args.model or "default", "k": args.k, "prompts": args.num_prompts,
-           "max_tokens": args.max_tokens, "batch": 1, "calibration_s": calib, "settings": rows}
+           "max_tokens": args.max_tokens, "rounds": args.rounds, "batch": 1,
+           "calibration_s": calib, "settings": rows}
     print_json(out, args.json_out)
+
+
+def run_one(name: str, setting, p, sp, rows) -> None:
+    """One prompt through one setting; its tokens, time and steps added to `rows[name]`."""
+    llm, ctl = setting
+    if ctl is not None:
+        llm.engine.set_controller(ctl)
+        llm.engine.reset_spec_stats()
+    t = time.perf_counter()
+    (o,) = llm.generate([p], sp)
+    rows[name]["s"] += time.perf_counter() - t
+    rows[name]["tokens"] += len(o.token_ids)
+    print(f"{name}: {rows[name]['tokens'] / rows[name]['s']:.2f} tok/s so far", file=sys.stderr,
+          flush=True)
+    if ctl is not None:
+        s = llm.stats()
+        prev = rows[name]["steps_by_num_drafts"] or [0] * len(s["steps_by_num_drafts"])
+        rows[name]["steps_by_num_drafts"] = [a + b for a, b in zip(prev,
+                                                                   s["steps_by_num_drafts"])]
 
 
 if __name__ == "__main__":

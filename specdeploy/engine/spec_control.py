@@ -56,9 +56,11 @@ REPLAN_EVERY = 8  # steps between plans of sequences settled at 0 drafter drafts
 # The share by which a step with drafter drafts must beat plain decoding in the cost model
 # before it is taken (the engine's controller; 0 in a bare CostController). The model errs by a
 # few percent (cache effects of a drafter forward, EMA noise), and near break-even those errors
-# all cost: on the default model (2 cores, AVX-512, 6 held-out prompts x 4 rounds, the order
-# rotating per prompt, 2026-12-04) EAGLE-3 + controller went 0.982 -> 0.992x plain and MTP +
-# controller 1.006 -> 1.030x with 0.05.
+# all cost. Measured on the default model (2 cores, AVX-512, 6 held-out prompts x 4 rounds, the
+# order rotating per prompt, 2026-12-04), margin 0 -> 0.05: replies ending at EOS (an ad-hoc
+# run) EAGLE-3 + controller 0.982 -> 0.992x plain, MTP + controller 1.006 -> 1.030x; 128-token
+# replies (bench/results/spec_controller_margin_avx512_1204.json) 1.024 -> 0.998x and 1.032 ->
+# 1.044x. Within the noise either way; kept as a hedge against the model's errors.
 DRAFTER_MARGIN = 0.05
 # Suffix-store drafts (engine/suffix_store.py) carry the store's own estimate c of each draft;
 # P(accepted | c) by bucket of c, learnt from every store verify. The prior: the default model's
