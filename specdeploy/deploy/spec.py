@@ -269,6 +269,11 @@ class SpecDeployed:
         return out.index_copy_(1, self.to_target(ids), draft_probs)
 
     @torch.inference_mode()
+    @property
+    def has_spec_states(self) -> bool:
+        """Whether the target keeps per-token recurrent states to promote (`commit`)."""
+        return bool(self._spec_pairs)
+
     def commit(self, slots: torch.Tensor, accepted_idx: torch.Tensor) -> None:
         """Promote spec-state entry `accepted_idx[s]` (tokens kept - 1) into each state slot."""
         for main, spec in self._spec_pairs:

@@ -365,7 +365,7 @@ class SpecEngine(Engine):
                 cached.append(s.num_tokens)
             s.seq.num_cached += cached[-1]
             s.seq.spec.clear()
-        if slots:
+        if slots and getattr(self.deployed, "has_spec_states", True):  # (two tensors: ~15 us)
             dev = self.device
             self.deployed.commit(torch.tensor(slots, device=dev), torch.tensor(idx, device=dev))
         if self.prefix is not None:
