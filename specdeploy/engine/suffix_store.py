@@ -87,15 +87,18 @@ class TokenIndex:
         lo, hi = np.searchsorted(self.keys, np.array((key, key + 1), self.keys.dtype))
         if hi <= lo:
             return []
-        out = [self.pos[lo:hi]]
-        for n in range(3, min(MAX_N, len(tail)) + 1):
+        return self._narrow([self.pos[lo:hi]], tail)
+
+    def _narrow(self, out: list[np.ndarray], tail: list[int]) -> list[np.ndarray]:
+        """`out` (the candidates of the last 2 .. len(out) + 1 tokens) extended to longer
+        tails by checking each candidate's earlier tokens, while any match."""
+        for n in range(len(out) + 2, min(MAX_N, len(tail)) + 1):
             c = out[-1]
             c = c[self.toks[c - n] == tail[-n]]
             if not c.size:
                 break
             out.append(c)
         return out
-
 
     def _wide_candidates(self, tail: list[int]) -> list[np.ndarray]:
         """`candidates` over the four-token key: n = 2, 3, 4 are nested ranges of the sort."""
@@ -114,13 +117,7 @@ class TokenIndex:
             if hi <= lo:
                 return out
             out.append(self.pos[lo:hi])
-        for n in range(5, min(MAX_N, len(tail)) + 1):
-            c = out[-1]
-            c = c[self.toks[c - n] == tail[-n]]
-            if not c.size:
-                break
-            out.append(c)
-        return out
+        return self._narrow(out, tail)
 
 
 class SuffixStore:
