@@ -40,7 +40,9 @@ _CPU_DRAFTER = dict(draft_quantize="q8_0")
 # concurrent requests both 0.87-0.89x plain (..._concurrent_avx512_suffix_1204_store2.json).
 # With the store's first half (1.15M tokens) the two were level (1.02x vs 1.08x and 1.10x vs
 # 1.07x in two runs). Suffix + controller it is, on the GPU too (a verify row is nearly free
-# there; offline replay: 2.06 vs 1.48 tokens per step).
+# there; offline replay: 2.06 vs 1.48 tokens per step). Later the same day (..._1204_margin.json,
+# ..._1204_final.json): suffix + controller 1.23x / 1.25x plain, MTP + suffix + controller 1.21x
+# / 1.28x (level, and it loads a drafter), lookup + controller 1.07x / 1.10x.
 DEFAULT_MODEL = dict(method="suffix", num_draft_tokens=3, controller="cost", **_LOOKUP)
 OWN_MTP = dict(method="mtp", num_draft_tokens=3, controller="cost", **_LOOKUP)
 LOOKUP_ONLY = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
