@@ -246,8 +246,23 @@ def quantize_q8_0(w: torch.Tensor) -> GGMLWeight:
 
 def ggml_embedding(ids: torch.Tensor, weight: GGMLWeight) -> torch.Tensor:
     """`embedding(ids, W)` with W in GGUF blocks: the rows of `ids`, dequantized (exactly the
-    fp32 table's rows). ids [...] int -> [..., K] fp32."""
-    return dequantize(weight, ids).view(*ids.shape, weight.shape[1])
+    fp32 table's rows). ids [...] int -> [..., K] fp32. A step's few ids (a drafter's, each
+    chain step) go as a host array on one thread: the same C call without ~10 torch calls."""
+    n, k = weight.shape
+    if ids.numel() > 64 or ids.device.type != "cpu":
+        return dequantize(weight, ids).view(*ids.shape, k)
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"ggml kernels unavailable: {why}")
+    flat = ids.reshape(-1).tolist()
+    if any(not 0 <= i < n for i in flat):
+        raise IndexError(f"ggml dequantize: rows outside [0, {n})")
+    out = torch.empty(len(flat), k, dtype=torch.float32)
+    if flat:
+        arr = (ctypes.c_int64 * len(flat))(*flat)
+        lib.ggml_dequant(KINDS[weight.kind][0], weight.blocks.data_ptr(), ctypes.addressof(arr),
+                         len(flat), k, out.data_ptr(), 1)
+    return out.view(*ids.shape, k)
 
 
 _SCRATCH: list[torch.Tensor] = [torch.empty(0)]

@@ -218,10 +218,31 @@ class TiledMember(NamedTuple):
     shape: tuple[int, int]
 
 
+SMALL_IDS = 64  # up to this many ids (a decode / verify step's tokens): the host fast path
+
+
 def member_rows(m: TiledMember, ids: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """The member's rows `ids` (all when None) dequantized: `tiled_rows` of the whole weight."""
+    if (ids is not None and out is None and ids.numel() <= SMALL_IDS
+            and ids.device.type == "cpu"):
+        return _few_rows(m, ids.reshape(-1).tolist())
     ids = torch.arange(m.shape[0]) if ids is None else ids.reshape(-1).to(torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= m.shape[0]):
         raise IndexError(f"member_rows: ids outside [0, {m.shape[0]})")
     return tiled_rows(m.tiled, ids + m.start if m.start else ids, out)
+
+
+def _few_rows(m: TiledMember, ids: list[int]) -> torch.Tensor:
+    """`member_rows` of a step's few token ids: checked and passed as a host array, one thread
+    (a row is ~1 us of work; the tensor path's ~10 torch calls and a thread team took ~30 us a
+    decode step's embedding, 2026-12-04). The same C function, so the same values."""
+    n, k = m.shape
+    if any(not 0 <= i < n for i in ids):
+        raise IndexError(f"member_rows: ids outside [0, {n})")
+    out = torch.empty(len(ids), k, dtype=torch.float32)
+    if ids:
+        arr = (ctypes.c_int64 * len(ids))(*(i + m.start for i in ids))
+        _lib().ggml_tiled_rows(KINDS[m.tiled.kind][0], m.tiled.packed.data_ptr(), k,
+                               ctypes.addressof(arr), len(ids), out.data_ptr(), 1)
+    return out

@@ -41,7 +41,11 @@ def test_dequantize_and_gather_are_ggufs_values_bit_for_bit(kind):
     gw, want = _blocks(kind, 40, 96)
     assert torch.equal(dequantize(gw), want)
     ids = torch.tensor([[3, 0], [39, 3]])
-    assert torch.equal(ggml_embedding(ids, gw), want[ids])
+    assert torch.equal(ggml_embedding(ids, gw), want[ids])  # few ids: the host path
+    many = torch.arange(65).reshape(5, 13) % 40  # the tensor path
+    assert torch.equal(ggml_embedding(many, gw), want[many])
+    with pytest.raises(IndexError, match="rows outside"):
+        ggml_embedding(torch.tensor([1, 40]), gw)
     buf = torch.empty(40 * 96 + 7)
     assert torch.equal(dequantize(gw, out=buf), want)  # into a reused, larger buffer
     with pytest.raises(IndexError, match="rows outside"):

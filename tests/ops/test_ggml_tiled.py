@@ -112,6 +112,16 @@ def test_repack_round_trip_and_stacking(kind):
         gt.tiled_rows(tw, torch.tensor([48]))
     with pytest.raises(IndexError, match="outside"):
         gt.member_rows(member, torch.tensor([20]))
+    # a step's few ids take the host path (<= SMALL_IDS): the same rows, shapes and checks
+    few = torch.tensor([[19, 0, 7]], dtype=torch.int32)
+    want = gl.dequantize(parts[1])[few.reshape(-1).long()]
+    assert torch.equal(gt.member_rows(member, few), want)
+    many = torch.arange(gt.SMALL_IDS + 1) % 20
+    assert torch.equal(gt.member_rows(member, many), gl.dequantize(parts[1])[many])
+    assert gt.member_rows(member, torch.tensor([], dtype=torch.long)).shape == (0, 96)
+    for bad in (20, -1):
+        with pytest.raises(IndexError, match="outside"):
+            gt.member_rows(member, torch.tensor([3, bad]))
 
 
 def test_outputs_not_a_multiple_of_16_are_refused():
