@@ -162,12 +162,22 @@ AVX2 static inline void chunk_item(const attn_t *A, const piece_t *p, int g, int
         for (int r = 0; r < rep; r++) {
             const int h = g * rep + r;
             const float *q = A->q + (size_t)t * A->q_row + (size_t)h * D;
-            float m = -INFINITY;
+            /* the chunk's max score, 8 lanes at a time: max_ps(s, m) keeps m where s is not
+             * greater (a NaN score included), as the scalar `s > m ? s : m` did; lanes past
+             * the row's keys are -inf. A max is exact in any order: the same m. */
+            const __m256 ninf = _mm256_set1_ps(-INFINITY);
+            __m256 mx = ninf;
             for (int j = 0; j < n; j += 8) {
-                _mm256_storeu_ps(e + j, _mm256_mul_ps(dot8(q, kc + (size_t)j * D, D), sc));
-                const int top = n - j < 8 ? n - j : 8;
-                for (int i = 0; i < top; i++) m = e[j + i] > m ? e[j + i] : m;
+                const __m256 s = _mm256_mul_ps(dot8(q, kc + (size_t)j * D, D), sc);
+                _mm256_storeu_ps(e + j, s);
+                const __m256 live = _mm256_castsi256_ps(
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), lane));
+                mx = _mm256_max_ps(_mm256_blendv_ps(ninf, s, live), mx);
             }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float m = _mm_cvtss_f32(m4);
             const __m256 mv = _mm256_set1_ps(m);
             __m256 sv = _mm256_setzero_ps();
             for (int j = 0; j < n; j += 8) {
