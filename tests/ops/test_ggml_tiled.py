@@ -167,3 +167,26 @@ def test_bound_closure_equals_the_checked_call():
         fn(torch.randn(2, 64))
     with pytest.raises(ValueError, match="isa: one of"):
         gt.tiled_linear_fn(tw, None, "neon")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_quantization_edges_are_the_same_on_every_isa(kind):
+    """The SIMD paths quantize x in 8 lanes (ggml_tiled.c `quantize_rows_avx2`), the scalar path
+    in C: the same q, d and block sums for non-finite values, all-zero blocks, values that
+    round at .5 (to even), and sums that overflow fp32; so the same outputs, NaN where the row
+    had a non-finite value or an overflowing block."""
+    if len(HAVE) < 2:
+        pytest.skip(f"only {HAVE} here")
+    tw = gt.repack(_weight(kind, 32, 96, seed=7)[0])
+    x = _x(6, 96, seed=8)
+    x[0, 3], x[1, 40], x[2, 70] = float("nan"), float("inf"), -float("inf")
+    x[3, 32:64] = 0.0
+    x[4, :32] = torch.arange(32) - 15.5  # with max|x| = 127 (scale 1): every value a tie
+    x[4, 0] = 127.0
+    x[5, 64:] = 3e38  # the block's sum overflows: its scale is NaN
+    want = gt.tiled_linear(x, tw, isa="scalar")
+    assert torch.isnan(want[[0, 1, 2, 5]]).all() and not torch.isnan(want[[3, 4]]).any()
+    for isa in HAVE[1:]:
+        got = gt.tiled_linear(x, tw, isa=isa)
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), isa
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), isa
