@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -52,12 +53,26 @@ def _library() -> ctypes.CDLL | None:
         lib.add_rms_norm_rows.restype = None
         lib.silu_mul_rows.argtypes = [_P, _I64, _I64, _I64, _P, _I]
         lib.silu_mul_rows.restype = None
+        lib.row_kernels_max_isa.argtypes = [_I]
+        lib.row_kernels_max_isa.restype = _I
         return lib
     _gl.warn_unbuilt("the row kernels (RMSNorm, RoPE)", "; ".join(errors))
     return None
 
 
 _F32 = torch.float32
+
+
+@contextmanager
+def max_isa(level: int):
+    """Within: the kernels take no clone wider than `level` (0 generic C, 1 AVX2, 2 AVX-512;
+    each still only where the CPU has it). For tests: every clone must give the generic bits."""
+    lib = _library()
+    before = lib.row_kernels_max_isa(level)
+    try:
+        yield
+    finally:
+        lib.row_kernels_max_isa(before)
 
 
 def _usable(*ts: torch.Tensor) -> bool:

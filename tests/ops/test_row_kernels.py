@@ -59,3 +59,28 @@ def test_not_taken_where_torch_must_run():
     assert rk.rope(q, torch.randn(1, 2, 6), torch.randn(1, 2, 6)) is not None
     assert rk.rope(q, torch.randn(1, 2, 5), torch.randn(1, 2, 5)) is None  # odd rotary dims
     assert rk.rope(q, torch.randn(1, 1, 8), torch.randn(1, 1, 8)) is None  # broadcast cos
+
+
+@pytest.mark.parametrize("rows", [1, 4, 70])
+def test_every_simd_clone_gives_the_generic_bits(rows):
+    """RMSNorm, add + RMSNorm and SiLU-mul run AVX2 / AVX-512 clones of their C where the CPU
+    has them (row_kernels.c): the same operations in the same order, so the generic C's bits
+    (a fused multiply-add or a reordered sum would show here). Odd widths: the vector tails."""
+    g = torch.Generator().manual_seed(rows)
+    x, b = torch.randn(rows, 1003, generator=g) * 3, torch.randn(rows, 1003, generator=g)
+    w = torch.randn(1003, generator=g)
+    gu = torch.randn(rows, 2 * 771, generator=g) * 4
+    gu[0, :8] = torch.tensor([-100.0, -88.0, -87.5, 0.0, -0.0, 30.0, 1e-30, -1e-30])
+
+    def run():
+        return (rk.rms_norm(x, w, 1e-6), *rk.add_rms_norm(x, b, w, 1e-6), rk.silu_mul(gu, 771))
+
+    with rk.max_isa(0):
+        want = run()
+    for level in (1, 2):
+        with rk.max_isa(level):
+            got = run()
+        for a, e in zip(got, want):
+            assert torch.equal(a, e), level
+    torch.testing.assert_close(want[3], torch.nn.functional.silu(gu[:, :771]) * gu[:, 771:],
+                               rtol=2e-6, atol=1e-30)
