@@ -211,6 +211,209 @@ AVX2 static inline void chunk_item(const attn_t *A, const piece_t *p, int g, int
     }
 }
 
+/* ---- bf16 dot products (AVX512-BF16) ------------------------------------------------------
+ * With a bf16 cache on a CPU with AVX512-BF16 (and `bf16_dots` on), a work item takes its
+ * dot products with vdpbf16ps: 32 bf16 products an instruction where fp32 FMAs do 8, and the
+ * keys are read from the cache as they are stored (no widening). The query (per row and head)
+ * and the softmax weights are rounded to bf16 (to nearest even) for it; the max, the
+ * exponentials, the weights' sum and the partials stay fp32, and the weights' sum adds the
+ * rounded weights (the partial output is a convex combination of the values). On the fast
+ * path (bf16 cache) that rounding is below the 8-bit activation rounding of the o projection
+ * that reads this output. A key's score and a row's output still depend on that row and the
+ * keys alone, in a fixed order: batch and thread invariance hold as on the fp32 path.
+ * Needs D % 32 == 0 and Dv % 32 == 0 (else the fp32 path runs). */
+static int bf16_dots = 1;
+
+int attention_rows_bf16_dots(int on) { /* the switch (tests); returns the previous value */
+    const int before = bf16_dots;
+    if (on >= 0) bf16_dots = on;
+    return before;
+}
+
+#define BF16 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* s[j] = the sum of the 16 lanes of v[j], j = 0..15: 256-bit halves, then 128-bit quarters,
+ * then lane pairs, then lanes, each step adding two shuffles; the last permute puts key j in
+ * lane j. A fixed order for every key. */
+BF16 static inline __m512 sum16x16(const __m512 *v) {
+    __m512 w[8], z[4], u[2];
+    for (int m = 0; m < 8; m++)
+        w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], 0xEE));
+    for (int p = 0; p < 4; p++)
+        z[p] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * p], w[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * p], w[2 * p + 1], 0xDD));
+    for (int q = 0; q < 2; q++)
+        u[q] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * q], z[2 * q + 1], 0x44),
+                             _mm512_shuffle_ps(z[2 * q], z[2 * q + 1], 0xEE));
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88),
+                                   _mm512_shuffle_ps(u[0], u[1], 0xDD));
+    const __m512i key = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(key, s);
+}
+
+
+/* the partial output's dims x .. x + 32 NB - 1 from the interleaved values vi and the weight
+ * pairs ew of keys 0..n-1: per dim the even key pairs' chain plus the odd ones' (two chains for
+ * the dot product's latency), then their sum. NB constant where inlined: all in registers. */
+BF16 static inline __attribute__((always_inline)) void pv_blocks(
+    const uint16_t *vi, int Dv, int x, const uint32_t *ew, int n, float *dst, const int NB) {
+    const __m512i out0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i out1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                           30, 31);
+    const __m512i even = _mm512_set1_epi32(0xFFFF);
+    __m512 a0[4], a1[4]; /* even / odd pairs; per 32-dim block: lo, hi */
+    for (int u = 0; u < 2 * NB; u++) a0[u] = a1[u] = _mm512_setzero_ps();
+    const int pairs = (n + 1) / 2;
+    int i = 0;
+    for (; i + 1 < pairs; i += 2) {
+        const __m512bh w0 = (__m512bh)_mm512_set1_epi32((int)ew[i]);
+        const __m512bh w1 = (__m512bh)_mm512_set1_epi32((int)ew[i + 1]);
+        const uint16_t *s0 = vi + ((size_t)i * Dv + x) * 2, *s1 = s0 + (size_t)Dv * 2;
+        for (int u = 0; u < 2 * NB; u++) {
+            __m512i v1 = _mm512_loadu_si512((const void *)(s1 + 32 * u));
+            /* key n is not this row's: its value must not be read at all (a weight of 0 times
+             * a NaN is NaN) */
+            if (2 * (i + 1) + 1 == n) v1 = _mm512_and_si512(v1, even);
+            a0[u] = _mm512_dpbf16_ps(a0[u], (__m512bh)_mm512_loadu_si512((const void *)(s0 + 32 * u)), w0);
+            a1[u] = _mm512_dpbf16_ps(a1[u], (__m512bh)v1, w1);
+        }
+    }
+    if (i < pairs) { /* a last even pair */
+        const __m512bh w0 = (__m512bh)_mm512_set1_epi32((int)ew[i]);
+        const uint16_t *s0 = vi + ((size_t)i * Dv + x) * 2;
+        for (int u = 0; u < 2 * NB; u++) {
+            __m512i v0 = _mm512_loadu_si512((const void *)(s0 + 32 * u));
+            if (2 * i + 1 == n) v0 = _mm512_and_si512(v0, even);
+            a0[u] = _mm512_dpbf16_ps(a0[u], (__m512bh)v0, w0);
+        }
+    }
+    for (int u = 0; u < NB; u++) {
+        const __m512 lo = _mm512_add_ps(a0[2 * u], a1[2 * u]);
+        const __m512 hi = _mm512_add_ps(a0[2 * u + 1], a1[2 * u + 1]);
+        _mm512_storeu_ps(dst + 32 * u, _mm512_permutex2var_ps(lo, out0, hi));
+        _mm512_storeu_ps(dst + 32 * u + 16, _mm512_permutex2var_ps(lo, out1, hi));
+    }
+}
+
+/* the scaled scores of keys 0..n-1 (rows kr) for query q (fp32, rounded to bf16 here) into
+ * e (whole groups of 16: lanes past n are computed and not used); returns their lane-wise max
+ * over live keys (max_ps keeps the running max where a score is NaN: NaN scores are ignored,
+ * as on the fp32 path). NB = D / 32, constant where inlined. */
+BF16 static inline __attribute__((always_inline)) __m512 qk_scores(
+    const float *q, const uint8_t *const *kr, int n, float scale, float *e, const int NB) {
+    __m512bh qb[8];
+    for (int b = 0; b < NB; b++)
+        qb[b] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * b + 16), _mm512_loadu_ps(q + 32 * b));
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 sc = _mm512_set1_ps(scale);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        __m512 dots[16];
+        for (int u = 0; u < 16; u++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int b = 0; b < NB; b++)
+                acc = _mm512_dpbf16_ps(acc, qb[b],
+                                       (__m512bh)_mm512_loadu_si512((const void *)(kr[j0 + u] + 64 * b)));
+            dots[u] = acc;
+        }
+        const __m512 s = _mm512_mul_ps(sum16x16(dots), sc);
+        _mm512_storeu_ps(e + j0, s);
+        const __mmask16 live = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(n - j0), lane);
+        mx = _mm512_mask_max_ps(mx, live, s, mx);
+    }
+    return mx;
+}
+
+BF16 static __m512 qk_scores_any(const float *q, const uint8_t *const *kr, int n, float scale,
+                                 float *e, int nb) { /* D = 96, 160, ...: the same, not unrolled */
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    switch (nb) {
+    case 3: mx = qk_scores(q, kr, n, scale, e, 3); break;
+    case 5: mx = qk_scores(q, kr, n, scale, e, 5); break;
+    case 6: mx = qk_scores(q, kr, n, scale, e, 6); break;
+    case 7: mx = qk_scores(q, kr, n, scale, e, 7); break;
+    default: mx = qk_scores(q, kr, n, scale, e, 8); break;
+    }
+    return mx;
+}
+
+/* chunk_item's partials (m, l, o) with bf16 dot products. scratch: vi [CH / 2, Dv, 2] bf16
+ * (the chunk's values, key pairs interleaved), e [CH] */
+BF16 static void chunk_item_bf16(const attn_t *A, const piece_t *p, int g, int c, int w0, int nc,
+                                 float *part, uint16_t *vi, float *e) {
+    const int D = A->D, Dv = A->Dv, rep = A->Hq / A->Hkv, lo = c * CH;
+    const int maxpos = p->pos0 + (p->t1 - 1 - p->t0);
+    const int hi = maxpos + 1 < lo + CH ? maxpos + 1 : lo + CH, cnt = hi - lo;
+    const int64_t krow = (int64_t)A->Hkv * D * 2, vrow = (int64_t)A->Hkv * Dv * 2;
+    const uint8_t *kr[CH], *vr[CH];
+    for (int j = 0, pg = lo / A->page_size, off = lo % A->page_size; j < cnt; j++) {
+        const size_t row = (size_t)p->pages[pg] * A->page_size + off;
+        kr[j] = A->k_cache + row * krow + (int64_t)g * D * 2;
+        vr[j] = A->v_cache + row * vrow + (int64_t)g * Dv * 2;
+        if (++off == A->page_size) off = 0, pg++;
+    }
+    for (int j = cnt; j < CH; j++) kr[j] = kr[0]; /* past the chunk: computed, never used */
+    /* values: pairs (2i, 2i + 1) interleaved per 128-bit lane by unpacklo / unpackhi, so output
+     * lane l of a 32-dim block is dim 8 (l / 4) + l % 4 (lo) or that + 4 (hi) */
+    for (int i = 0; 2 * i < cnt; i++) {
+        const uint8_t *a = vr[2 * i], *b = 2 * i + 1 < cnt ? vr[2 * i + 1] : NULL;
+        for (int x = 0; x < Dv; x += 32) {
+            const __m512i va = _mm512_loadu_si512((const void *)(a + 2 * x));
+            const __m512i vb = b ? _mm512_loadu_si512((const void *)(b + 2 * x))
+                                 : _mm512_setzero_si512();
+            uint16_t *dst = vi + ((size_t)i * Dv + x) * 2;
+            _mm512_storeu_si512((void *)dst, _mm512_unpacklo_epi16(va, vb));
+            _mm512_storeu_si512((void *)(dst + 32), _mm512_unpackhi_epi16(va, vb));
+        }
+    }
+    for (int t = p->t0; t < p->t1; t++) {
+        const int pos = p->pos0 + (t - p->t0);
+        if (pos < lo) continue;
+        const int n = pos + 1 - lo < CH ? pos + 1 - lo : CH; /* keys lo..lo+n-1 */
+        for (int r = 0; r < rep; r++) {
+            const int h = g * rep + r;
+            const float *q = A->q + (size_t)t * A->q_row + (size_t)h * D;
+            __m512 mx;
+            switch (D / 32) { /* the query in registers: a constant block count */
+            case 1: mx = qk_scores(q, kr, n, A->scale, e, 1); break;
+            case 2: mx = qk_scores(q, kr, n, A->scale, e, 2); break;
+            case 4: mx = qk_scores(q, kr, n, A->scale, e, 4); break;
+            default: mx = qk_scores_any(q, kr, n, A->scale, e, D / 32); break;
+            }
+            const float m = _mm512_reduce_max_ps(mx);
+            /* e^(s - m) in 8 lanes (the fp32 path's exp_neg: the same weights), rounded to
+             * bf16; keys past n weigh 0 */
+            float lsum = 0.f;
+            __m256 sv = _mm256_setzero_ps();
+            const __m256 mv = _mm256_set1_ps(m);
+            const __m256i lane8 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            for (int j = 0; j < CH; j += 8) {
+                const __m256 keep = _mm256_castsi256_ps(
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), lane8));
+                __m256 w = _mm256_and_ps(exp_neg(_mm256_sub_ps(_mm256_loadu_ps(e + j), mv)), keep);
+                /* to bf16 and back: the weight the products use */
+                const __m128i wb = (__m128i)_mm256_cvtneps_pbh(w);
+                w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(wb), 16));
+                _mm256_storeu_ps(e + j, w);
+                sv = _mm256_add_ps(sv, w);
+            }
+            lsum = hsum8(sv);
+            float *dst = part + (((size_t)(t - w0) * A->Hq + h) * nc + c) * (2 + Dv);
+            dst[0] = m;
+            dst[1] = lsum;
+            __m512bh eb[CH / 32 * 2]; /* the weights as bf16 pairs (e_2i, e_2i+1) */
+            for (int j = 0; j < CH; j += 32)
+                eb[j / 32] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(e + j + 16), _mm512_loadu_ps(e + j));
+            const uint32_t *ew = (const uint32_t *)eb;
+            for (int x = 0; x < Dv; x += 64) {
+                if (Dv - x >= 64) pv_blocks(vi, Dv, x, ew, n, dst + 2 + x, 2);
+                else pv_blocks(vi, Dv, x, ew, n, dst + 2 + x, 1);
+            }
+        }
+    }
+}
+
 AVX2 static float exp_neg1(float x) {
     float b[8];
     _mm256_storeu_ps(b, exp_neg(_mm256_set1_ps(x)));
@@ -242,7 +445,7 @@ AVX2 static void combine(const attn_t *A, int t, int h, int pos, int w0, int nc,
 
 /* every query row of `segs` (pieces over rows 0..T-1, in row order); returns 0 or -1 (memory) */
 AVX2 static int attend_kv(const attn_t *A, const piece_t *segs, int S, int T, int nthreads,
-                          const int kv) {
+                          const int kv, const int bf) {
     int failed = 0;
     piece_t *pc = (piece_t *)malloc(sizeof(piece_t) * (size_t)(S + WINDOW));
     if (!pc) return -1;
@@ -282,7 +485,10 @@ AVX2 static int attend_kv(const attn_t *A, const piece_t *segs, int S, int T, in
                     const int64_t k1 = it + 1 - pc[j].first;
                     prefetch_item(A, &pc[j], (int)(k1 % A->Hkv), (int)(k1 / A->Hkv));
                 }
-                if (kc)
+                if (kc && bf)
+                    chunk_item_bf16(A, &pc[i], (int)(k % A->Hkv), (int)(k / A->Hkv), w0, nc, part,
+                                    (uint16_t *)kc, kc + (size_t)CH * (A->D + A->Dv));
+                else if (kc)
                     chunk_item(A, &pc[i], (int)(k % A->Hkv), (int)(k / A->Hkv), w0, nc, part, kc,
                                kc + (size_t)CH * A->D, kc + (size_t)CH * (A->D + A->Dv), kv);
             }
@@ -304,16 +510,29 @@ AVX2 static int attend_kv(const attn_t *A, const piece_t *segs, int S, int T, in
 }
 
 AVX2 static int attend_f32(const attn_t *A, const piece_t *s, int S, int T, int th) {
-    return attend_kv(A, s, S, T, th, KV_F32);
+    return attend_kv(A, s, S, T, th, KV_F32, 0);
 }
 AVX2 static int attend_bf16(const attn_t *A, const piece_t *s, int S, int T, int th) {
-    return attend_kv(A, s, S, T, th, KV_BF16);
+    return attend_kv(A, s, S, T, th, KV_BF16, 0);
 }
 AVX2 static int attend_f16(const attn_t *A, const piece_t *s, int S, int T, int th) {
-    return attend_kv(A, s, S, T, th, KV_F16);
+    return attend_kv(A, s, S, T, th, KV_F16, 0);
+}
+
+AVX2 static int attend_bf16_dots(const attn_t *A, const piece_t *s, int S, int T, int th) {
+    return attend_kv(A, s, S, T, th, KV_BF16, 1);
+}
+
+static int bf16_dots_here(const attn_t *A) {
+    __builtin_cpu_init();
+    return bf16_dots && A->kv == KV_BF16 && A->D % 32 == 0 && A->Dv % 32 == 0 &&
+           A->D <= 256 && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bf16");
 }
 
 static int attend(const attn_t *A, const piece_t *s, int S, int T, int th) {
+    if (bf16_dots_here(A)) return attend_bf16_dots(A, s, S, T, th);
     return A->kv == KV_BF16 ? attend_bf16(A, s, S, T, th)
          : A->kv == KV_F16  ? attend_f16(A, s, S, T, th)
                             : attend_f32(A, s, S, T, th);

@@ -8,13 +8,17 @@ speculative decoding must give greedy plain decoding's tokens.
 Compiled on first use like the GGUF kernels (same cache, same one-line warning when it cannot
 be built); needs x86-64 with AVX2 + FMA + F16C, fp32 queries, fp32 / bf16 / fp16 caches (read
 exactly as fp32), head sizes that are multiples of 8 (up to 256). `unavailable()` says why not;
-the caller then runs its per-row SDPA fallback.
+the caller then runs its per-row SDPA fallback. A bf16 cache (the fast path's) on a CPU with
+AVX512-BF16 takes bf16 dot products instead (`bf16_dots`): the query and the softmax weights are
+rounded to bf16 too, below the 8-bit activation rounding of the fast linears that read the
+output; still batch and thread invariant.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -56,6 +60,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
                        ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
                        ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
+        lib.attention_rows_bf16_dots.argtypes = [ctypes.c_int]
+        lib.attention_rows_bf16_dots.restype = ctypes.c_int
         return lib, None
     why = "; ".join(errors)
     _gl.warn_unbuilt("the batch-invariant attention kernel", why)
@@ -64,6 +70,24 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
 
 def unavailable() -> str | None:
     return _library()[1]
+
+
+def bf16_dots_supported() -> bool:
+    """Whether bf16 caches take the AVX512-BF16 dot products here (attention_rows.c: the query
+    and the softmax weights rounded to bf16 as well; head sizes multiples of 32)."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _gl._cpu_flags()
+
+
+@contextmanager
+def bf16_dots(on: bool):
+    """Within: bf16 caches use the bf16 dot products (where supported) or not (every value read
+    exactly as fp32). For tests and benches; the default is on."""
+    lib = _library()[0]
+    before = lib.attention_rows_bf16_dots(int(on))
+    try:
+        yield
+    finally:
+        lib.attention_rows_bf16_dots(before)
 
 
 def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
