@@ -268,7 +268,6 @@ class SpecDeployed:
         out = draft_probs.new_zeros(draft_probs.shape[0], self.vocab_size)
         return out.index_copy_(1, self.to_target(ids), draft_probs)
 
-    @torch.inference_mode()
     @property
     def has_spec_states(self) -> bool:
         """Whether the target keeps per-token recurrent states to promote (`commit`)."""

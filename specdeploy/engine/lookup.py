@@ -44,24 +44,30 @@ class NgramIndex:
                     self.table[tuple(ids[end - n:end])] = end
         self.done = max(self.done, n_ids)
         # NOTE: only the tail is copied; this runs every draft step of every sequence
-        tail = list(ids[-self.max_n:]) + list(drafts)
+        drafts = list(drafts)
+        tail = list(ids[-self.max_n:]) + drafts
         n_full = n_ids + len(drafts)
-
-        def at(x: int) -> int:  # token x of ids + drafts
-            return ids[x] if x < n_ids else drafts[x - n_ids]
-
         for n in range(min(self.max_n, n_full - 1), self.min_n - 1, -1):
             j = self.table.get(tuple(tail[len(tail) - n:]))
             if j is None:
                 continue
-            out: list[int] = []
-            period = n_full - j
+            # NOTE: slices and zip, not token-by-token indexing: a copy of 64 tokens measured
+            # ~10 us that way, every draft step of every sequence
+            period = n_full - j  # token x before the occurrence meets token x + period
+            lo = max(j - COPY_CAP, 0)
+            ahead = list(ids[lo + period:]) + drafts if lo + period < n_ids else \
+                drafts[lo + period - n_ids:]
             c = n
-            while c < COPY_CAP and j - 1 - c >= 0 and at(j - 1 - c) == at(n_full - 1 - c):
+            for u, v in zip(reversed(ids[lo:j - n]), reversed(ahead[:j - n - lo])):
+                if u != v:
+                    break
                 c += 1
             self.copied = c
-            for i in range(k):
-                out.append(at(j + i) if j + i < n_full else out[i - period])
+            out = list(ids[j:j + k])  # (j < n_ids: only committed tokens are indexed)
+            if len(out) < k:
+                out += drafts[:k - len(out)]
+            for i in range(len(out), k):  # past the end: the match's period repeats
+                out.append(out[i - period])
             return out
         return None
 

@@ -184,6 +184,16 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_between(self, start: int, stop: int) -> list[int]:
+        """`all_ids[start:stop]` (0 <= start) without building all_ids (~1.5 us a call of a
+        few hundred tokens, per sequence per step)."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        if start >= p:
+            return self.output_ids[start - p:stop - p]
+        return self.prompt_ids[start:] + self.output_ids[:stop - p]
+
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

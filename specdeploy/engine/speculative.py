@@ -394,7 +394,7 @@ class SpecEngine(Engine):
         for s, seg, n in zip(batch, segs, cached):
             seq, start = s.seq, seg.cache_len
             if not seq.finished:
-                nxt = seq.all_ids[start + 1:start + n + 1]
+                nxt = seq.ids_between(start + 1, start + n + 1)
                 if len(nxt) == n:  # mid-prefill chunks know their next tokens; so does a run
                     work.append(DraftWork(seq, start, nxt, (tok, tok + n),
                                           seq.num_cached == len(seq) - 1))

@@ -128,3 +128,13 @@ def test_lookup_runs_grow_while_accepted_whole():
     assert seen == [6, 12, 16, 16, 16]
     assert next_lookup_len(16, False, 3, 16) == 3
     assert next_lookup_len(3, True, 3, 3) == 3
+
+
+def test_ids_between_is_a_slice_of_all_ids():
+    from specdeploy.engine.request import SamplingParams, Sequence
+    seq = Sequence(list(range(10)), SamplingParams(), None)
+    seq.output_ids = list(range(100, 107))
+    every = seq.all_ids
+    for start in range(len(every) + 2):
+        for stop in range(start, len(every) + 3):
+            assert seq.ids_between(start, stop) == every[start:stop], (start, stop)

@@ -21,6 +21,7 @@ from specdeploy.engine.spec_control import (
     calibrate,
     copy_bucket,
     expected_tokens,
+    store_bucket,
 )
 from tests.spec.host_syncs import count_host_syncs
 
@@ -124,6 +125,9 @@ def test_copy_buckets_and_lookup_acceptance():
     assert [copy_bucket(m) for m in (0, 1, 2, 3, 5, 6, 63, 64, 500)] == [
         0, 0, 1, 2, 3, 4, 10, 11, 11]
     assert len(LOOKUP_HOLD_PRIOR) == len(COPY_BUCKETS) + 1
+    # a bound itself opens the next bucket; NaN (no estimate) counts as the top one
+    assert [store_bucket(c) for c in (-1.0, 0.0, 0.1999, 0.2, 0.55, 0.9, 1.0, float("nan"))] \
+        == [0, 0, 0, 1, 4, 8, 8, 8]
     c = CostController(FREE, 3, 16)
     # a match that copied 3 tokens: its drafts are the 4th, 5th, ... tokens of the copy
     assert c.lookup_acc(3, 4) == [LOOKUP_HOLD_PRIOR[copy_bucket(m)] for m in (3, 4, 5, 6)]

@@ -36,6 +36,24 @@ def test_observe_is_an_ema_and_the_model_goes_through_it():
     assert m.seen == {4: 3.375, 7: 1.0, 10: 9.0}
 
 
+def test_known_row_counts_refresh_every_n_observations():
+    """`refresh_every` n: a row count seen for the first time prices at once; the EMA of a known
+    one moves the model every n-th observation (the EMA itself every time)."""
+    m = MeasuredCost({1: 1.0, 4: 2.0}, {}, alpha=0.5, refresh_every=3)
+    m.observe(4, 9.0)  # warm-up
+    m.observe(4, 4.0)  # new: at once
+    assert m.target_s(4) == 4.0
+    m.observe(4, 2.0)  # EMA 3.0, the model still 4.0
+    assert m.seen[4] == 3.0 and m.target_s(4) == 4.0
+    m.observe(1, 9.0)  # warm-up of 1 (not an observation)
+    m.observe(4, 2.0)  # EMA 2.5; the second since the refresh
+    assert m.seen[4] == 2.5 and m.target_s(4) == 4.0
+    m.observe(4, 1.5)  # EMA 2.0, the third: refreshed
+    assert m.seen[4] == 2.0 and m.target_s(4) == 2.0 and m.target_s(1) == 1.0
+    m.observe(1, 3.0)  # a new row count: at once
+    assert m.target_s(1) == 3.0 and m.target_s(4) == 3.0  # (non-decreasing in rows)
+
+
 def test_learned_costs_stop_drafts_the_table_overprices():
     """Batch 16: the table (marginal row 0.01 of a 1.0 step) lets drafts at acceptance 0.4 pay;
     real steps cost 0.1 a row on top of it at 16..80 rows, where no such draft can pay
