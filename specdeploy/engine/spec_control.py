@@ -79,6 +79,9 @@ def store_bucket(c: float) -> int:
     return bisect.bisect_right(STORE_BUCKETS, c)
 
 
+_BUCKET_RUNS: dict[int, list[int]] = {}  # copy length m -> copy_bucket(m + j) for j = 0, 1, ..
+
+
 def copy_bucket(m: int) -> int:
     """The first bucket whose bound exceeds m (asked per draft, every step: bisect, ~0.2 us
     against a scan's ~1 us)."""
@@ -86,7 +89,8 @@ def copy_bucket(m: int) -> int:
 
 
 class CostModel(Protocol):
-    """Seconds of one target forward over `rows` rows, and of one drafter forward."""
+    """Seconds of one target forward over `rows` rows (non-decreasing in rows: the
+    controller's scans rely on it), and of one drafter forward."""
 
     def target_s(self, rows: int) -> float: ...
 
@@ -132,6 +136,7 @@ class MeasuredCost:
     _target_xs: list[int] | None = field(default=None, repr=False)
     _warm: set[int] = field(default_factory=set, repr=False)  # row counts past their warm-up
     _memo: dict[int, float] = field(default_factory=dict, repr=False)  # rows -> target_s
+    _mono: dict[int, float] | None = field(default=None, repr=False)  # the table, monotone
     # observations between refreshes of the merged model (1: every one; the engine's: 8)
     refresh_every: int = 1
     _stale: int = field(default=0, repr=False)  # observations since the last refresh
@@ -140,8 +145,12 @@ class MeasuredCost:
     def target_s(self, rows: int) -> float:
         v = self._memo.get(rows)  # NOTE: the controller asks the same row counts many times
         if v is None:
-            if not self.seen:
-                v = _interp(self.target, rows)
+            if not self.seen:  # the table, made non-decreasing as `_merge` does
+                if self._mono is None:
+                    top, self._mono = 0.0, {}
+                    for r in sorted(self.target):
+                        top = self._mono[r] = max(top, self.target[r])
+                v = _interp(self._mono, rows)
             else:
                 if self._merged is None:
                     self._merged = self._merge()
@@ -248,6 +257,7 @@ class CostController:
         self._behind: dict[int, int] = {}  # id(seq) -> deferred catch-up rows, as last planned
         self._quiet = 0  # plans skipped since the last allocate (`plan`)
         self._last_gap = 0  # the probe gap of the last drafter verify: a new sequence's start
+        self.batch = 1  # sequences that wanted drafts at the last `cut` (`_lookup_gap`)
 
     def resized(self, k: int, max_k: int, drafter: bool) -> CostController:
         """This controller for an engine of chain length `k`, verifies up to `max_k` drafts."""
@@ -269,7 +279,12 @@ class CostController:
 
     def lookup_acc(self, copied: int, n: int) -> list[float]:
         """Conditional acceptance of n lookup drafts of a match that copied `copied` tokens."""
-        return [self.hold[copy_bucket(copied + j)] for j in range(n)]
+        run = _BUCKET_RUNS.get(copied)
+        if run is None or len(run) < n:  # (the buckets are fixed: one list per copy length)
+            run = _BUCKET_RUNS[copied] = [copy_bucket(copied + j)
+                                          for j in range(max(n, self.max_k))]
+        h = self.hold
+        return [h[b] for b in run[:n]]
 
     def wants_store(self, seq) -> bool:
         """Whether to ask the suffix store for this sequence's drafts this step: not while its
@@ -277,10 +292,19 @@ class CostController:
         counts as an idle step). Asking costs host time (~20 us a draft, per sequence: at 16
         sequences ~1.4 ms of a ~24 ms step, 2026-12-04) that a cut would throw away."""
         c = self.state(seq)
-        if c.idle_lookup and c.idle_lookup + 1 < (c.gap_lookup or self.probe_every):
+        if c.idle_lookup and c.idle_lookup + 1 < self._lookup_gap(c):
             c.idle_lookup += 1
             return False
         return True
+
+    def _lookup_gap(self, c: SeqControl) -> int:
+        """Steps between a sequence's lookup / store probes: its gap times the batch's
+        sequences. Lookup and store acceptance are global tables, taught by every sequence's
+        verifies, so a batch of B probes each sequence B times more rarely for the same
+        evidence a step. NOTE: at 16 concurrent requests a probe row every 4 steps per sequence
+        (~1 a step: accepted ~0.78, near the break-even acceptance of a verify row there) and
+        the store asks before it cost ~3% of plain decoding (2026-12-05)."""
+        return (c.gap_lookup or self.probe_every) * self.batch
 
     def seq_lookup_acc(self, seq, n: int) -> list[float]:
         """Conditional acceptance of a sequence's first n drafts, its last ones from lookup or
@@ -488,11 +512,17 @@ class CostController:
         # step (~16 a sequence with lookup runs of 16)
         target_s, over = self.cost.target_s, self.overhead
         best, best_m = tokens / (target_s(rows) + over), 0
+        # no m whose cost reaches `top` / best can win: even every gain at once would not pay
+        # it (costs never fall with rows), so the scan stops there (exact)
+        top = tokens - sum(g[0] for g in gains)
         for m, (neg, _, _) in enumerate(gains, 1):
             tokens -= neg
-            r = tokens / (target_s(rows + m) + over)
+            c = target_s(rows + m) + over
+            r = tokens / c
             if r > best * (1 + 1e-9):
                 best, best_m = r, m
+            elif top <= best * c:
+                break
         ks = [0] * n
         for _, _, i in gains[:best_m]:
             ks[i] += 1
@@ -505,13 +535,14 @@ class CostController:
         rarely after rejected probes)."""
         if not seqs:
             return
+        if not self.drafter:  # n-gram lookup alone: nothing to plan (its drafts are `cut`)
+            for s in seqs:
+                s.spec.limit = 0
+            return
         ctl = [self.state(s) for s in seqs]
         behind = [_behind_rows(s) for s in seqs]
         self._behind = {id(s): b for s, b in zip(seqs, behind) if b}
-        if not self.drafter:
-            ks = [0] * len(seqs)
-        elif (not fixed_rows and all(c.settled for c in ctl)
-              and self._quiet < REPLAN_EVERY - 1):
+        if not fixed_rows and all(c.settled for c in ctl) and self._quiet < REPLAN_EVERY - 1:
             # NOTE: nothing that could make drafts pay has changed: no verify taught their
             # acceptance, the backlogs only grew; only the step costs drift (re-planned every
             # REPLAN_EVERY steps). The allocate it saves is ~40 us of a ~4 ms decode step
@@ -525,7 +556,7 @@ class CostController:
                 c.settled = not k
         for s, c, k in zip(seqs, ctl, ks):
             c.idle = 0 if k else c.idle + 1
-            if self.drafter and not k and self.probe_every and c.idle >= (
+            if not k and self.probe_every and c.idle >= (
                     c.gap or self.probe_every):
                 k, c.idle = 1, 0
             s.spec.limit = k
@@ -533,6 +564,7 @@ class CostController:
     def cut(self, seqs: list) -> None:
         """After drafting: lookup drafts (no forward to pay) cut to what pays, jointly over the
         batch (`allocate_rows`), beside the rows and expected tokens of the others."""
+        self.batch = max(len(seqs), 1)
         look = [s for s in seqs if s.spec.from_lookup and s.spec.drafts]
         if not look:
             return
@@ -546,8 +578,7 @@ class CostController:
         for s, n, k in zip(look, caps, ks):
             c = self.state(s)
             c.idle_lookup = 0 if k else c.idle_lookup + 1
-            if not k and self.probe_every and c.idle_lookup >= (c.gap_lookup or
-                                                                self.probe_every):
+            if not k and self.probe_every and c.idle_lookup >= self._lookup_gap(c):
                 k, c.idle_lookup = 1, 0
             if k < n:
                 cut_drafts(s.spec, k)

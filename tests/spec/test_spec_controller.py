@@ -420,8 +420,10 @@ def test_allocate_rows_is_the_brute_force_optimum():
     """Lookup drafts cost rows only: the joint allocation maximises the whole step's expected
     tokens (every sequence's, and the others') per modelled second; brute force over all ks."""
     rng = random.Random(1)
-    for _ in range(150):
+    for trial in range(300):
         cost = Linear(rng.uniform(0.2, 1), rng.uniform(0.01, 0.3), 0.0)
+        if trial % 2:  # a measured table: flat stretches, steps, and points that are lifted
+            cost = MeasuredCost({r: rng.uniform(0.2, 2.0) for r in rng.sample(range(1, 20), 5)})
         c = CostController(cost, 3, 4, drafter=False)
         accs = [[rng.random() ** 0.3 for _ in range(4)] for _ in range(3)]
         caps = [rng.randrange(5) for _ in range(3)]
