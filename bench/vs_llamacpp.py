@@ -248,6 +248,13 @@ def main() -> None:
         if llm is not None and llm.spec is not None:
             st = llm.stats()
             row["mean_accepted_length"] = round(st.get("mean_accepted_length") or 0.0, 3)
+            # against our plain rows of the same kernels, round by round (the same prompts,
+            # run next to each other): the goal's ratio, less exposed to the machine's drift
+            plain = f"specdeploy plain {name.rsplit(' ', 1)[-1]}"
+            if plain in dec:
+                per = [a / b for a, b in zip(dec[name], dec[plain])]
+                row["decode_vs_our_plain"] = round(_median(per), 3)
+                row["decode_vs_our_plain_per_round"] = [round(x, 3) for x in per]
     print_json({
         "machine": machine(), "cpu": cpu_info(), "threads": args.threads,
         "load_average_before": [round(x, 2) for x in load_before],
