@@ -226,6 +226,11 @@ def main() -> None:
             if llm.spec is not None:
                 row["mean_accepted_length"] = round(
                     llm.stats().get("mean_accepted_length") or 0.0, 3)
+                if "specdeploy plain" in total:  # round by round: the machine drifts
+                    for key, rates in (("", total), ("decode_", dec)):
+                        per = [a / b for a, b in zip(rates[name], rates["specdeploy plain"])]
+                        row[f"{key}vs_our_plain"] = round(_median(per), 3)
+                        row[f"{key}vs_our_plain_per_round"] = [round(x, 3) for x in per]
     print_json({
         "machine": machine(), "cpu": cpu_info(), "threads": args.threads,
         "load_average_before": [round(x, 2) for x in load_before],
