@@ -568,3 +568,27 @@ def test_a_new_sequence_starts_at_the_last_probe_gap():
     assert c.state(_Seq()).gap == MAX_PROBE_GAP
     c.observe(s, 1, 1, False)  # an accepted probe halves it, for newcomers too
     assert c.state(_Seq()).gap == MAX_PROBE_GAP // 2
+
+
+def test_lookup_probes_are_batch_times_rarer():
+    """Lookup drafts that cannot pay are cut to none, and a sequence probes with one draft when
+    its probe is due: every `probe_every` steps alone, B times more rarely beside B - 1 others
+    (the acceptance tables a probe teaches are global: a batch gets as many probes a step)."""
+    from types import SimpleNamespace
+
+    def probes(batch: int, steps: int = 64) -> list[int]:
+        c = CostController(NEVER, 3, 4, drafter=False, probe_every=4)
+        seqs = [SimpleNamespace(spec=SimpleNamespace(control=None)) for _ in range(batch)]
+        n = [0] * batch
+        for _ in range(steps):
+            for s in seqs:  # each step: a fresh lookup match of 4 drafts, cheap to copy
+                s.spec.drafts, s.spec.from_lookup, s.spec.store_conf = [1, 2, 3, 4], True, None
+                s.spec.lookup_copy, s.spec.draft_probs = 2, None
+            c.cut(seqs)
+            for i, s in enumerate(seqs):
+                assert len(s.spec.drafts) in (0, 1)  # cut to none, or a probe
+                n[i] += len(s.spec.drafts)
+        return n
+
+    assert probes(1) == [16]  # every 4th step
+    assert probes(4) == [4] * 4  # every 16th: the batch as a whole still probes every 4th
