@@ -10,7 +10,8 @@ Run:
 
     .venv/bin/python bench/vs_llamacpp.py [--model GGUF] [--prompts 6] [--max-tokens 128]
         [--rounds 3] [--threads N] [--configs plain,lookup,mtp+lookup,eagle3]
-        [--kernels exact,fast] [--spec-kernels fast] [--note TEXT] [--json-out FILE]
+        [--kernels exact,fast] [--spec-kernels fast] [--our-isa native|avx2] [--note TEXT]
+        [--json-out FILE]
 
 Every system gets the same prompt token ids: held-out ShareGPT first turns with the model's
 chat template applied (bench/acceptance.py `heldout_prompts`), each run decoding exactly
@@ -23,6 +24,10 @@ rate (tokens after the first / time after the first), and the medians of per-rou
 llama.cpp (each round's ratio taken within the round). The JSON carries the CPU model and flags,
 the thread count, the load average before and after (other work on the machine), and how far
 each configuration's tokens agree with llama.cpp's.
+
+`--our-isa avx2` caps our kernels at what an AVX2-only CPU runs (the tiled linears'
+SPECDEPLOY_GGML_ISA=avx2, the row kernels' AVX2 clones, attention without the AVX512-BF16 dot
+products) on a machine that has more, to measure that path; llama.cpp keeps its own build.
 
 Memory: every configuration is a deployment of its own, all alive at once. Before one copy of
 the weights (issue 21) each took ~1 GB (fp32 + packed copies) and the full default set was
@@ -182,7 +187,16 @@ def main() -> None:
     ap.add_argument("--spec-kernels", default="fast", help="kernels of the speculative rows")
     ap.add_argument("--note", default="", help="recorded as is (e.g. who else used the machine)")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--our-isa", default="native", choices=("native", "avx2"),
+                    help="avx2: our kernels as on an AVX2-only CPU (llama.cpp unchanged)")
     args = ap.parse_args()
+    if args.our_isa == "avx2":  # before any deployment picks its kernels
+        os.environ["SPECDEPLOY_GGML_ISA"] = "avx2"
+        from specdeploy.ops import attention_rows, row_kernels
+
+        caps = [row_kernels.max_isa(1), attention_rows.bf16_dots(False)]
+        for cap in caps:  # NOTE: kept referenced: a dropped context manager restores on GC
+            cap.__enter__()
     args.configs = [c for c in args.configs.split(",") if c]
     args.kernels = [k for k in args.kernels.split(",") if k]
     args.spec_kernels = [k for k in args.spec_kernels.split(",") if k]
@@ -260,6 +274,7 @@ def main() -> None:
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "note": args.note, "command": " ".join(["python"] + sys.argv), "model": args.model,
+        "our_isa": args.our_isa,
         "llama_cpp_python": ref.version, "llama_cpp_system_info": ref.system_info,
         "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
         "max_tokens": args.max_tokens, "rounds": args.rounds,
