@@ -38,6 +38,7 @@ from typing import Protocol
 
 import torch
 
+from specdeploy.cache.metadata import Segment, build_metadata
 from specdeploy.config import CONTROLLERS
 
 __all__ = ["CONTROLLERS", "DRAFTER_MARGIN", "CostController", "CostModel", "MeasuredCost",
@@ -53,6 +54,10 @@ COPY_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # 1.26x / 1.20x, knowing every draft's fate 1.47x / 1.38x (2026-12-03, AVX2, 2 threads).
 LOOKUP_HOLD_PRIOR = (0.5, 0.58, 0.54, 0.77, 0.76, 0.93, 0.87, 0.95, 0.92, 0.98, 0.98, 0.96)
 MAX_PROBE_GAP = 32
+# MeasuredCost's context regression: the EMA weight of a 1-row step, the steps before its slope
+# is used, and the spread of keys (standard deviation) they must span
+REG_ALPHA, REG_MIN, REG_SPREAD = 0.01, 32, 24.0
+NEAR_EVEN = 0.9  # `_near_even`: a modelled rate within this share of plain's
 REPLAN_EVERY = 8  # steps between plans of sequences settled at 0 drafter drafts (`plan`)
 # The share by which a step with drafter drafts must beat plain decoding in the cost model
 # before it is taken (the engine's controller; 0 in a bare CostController). The model errs by a
@@ -125,7 +130,18 @@ class MeasuredCost:
     its row count (`alpha`). The model then interpolates over the measured row counts, and over
     the table's other row counts scaled by the nearest measured one's measured / table ratio (so
     a row count never seen keeps the table's shape at the measured level); the result is made
-    non-decreasing in rows (one noisy point must not price an extra row below zero)."""
+    non-decreasing in rows (one noisy point must not price an extra row below zero).
+
+    Context: a step's attention reads every cached key of its sequences, so the same row count
+    costs more at a longer context (the default model: ~3.4 ms a 1-row step at 16 keys, ~4.5
+    at 300, ~6.5 at 1,200). Observed at mixed contexts, a row count's EMA learnt the context
+    it happened to be seen at: on the default model the 2- and 3-row steps were seen early in
+    a 256-token prompt and priced 0.7 / 2.4 ms above a 1-row step, against 0.35 / 0.8 ms at
+    equal context, so the heads' drafts never paid (2026-12-05). So `ctx_coef` (seconds per
+    cached key of the step's sequences) is learnt from the 1-row steps (a regression of their
+    seconds on their keys, EMAs), every observation is stored net of `ctx_coef * keys`, and
+    `target_s` adds `ctx_coef * context`, the keys of the step being planned (set by the
+    controller, `CostController.set_context`)."""
 
     target: dict[int, float]
     draft: dict[int, float] = field(default_factory=dict)  # empty: no drafter (n-gram lookup)
@@ -141,8 +157,14 @@ class MeasuredCost:
     refresh_every: int = 1
     _stale: int = field(default=0, repr=False)  # observations since the last refresh
     _draft_memo: dict[int, float] = field(default_factory=dict, repr=False)  # (a fixed table)
+    ctx_coef: float = 0.0  # seconds per cached key of a step (learnt: `_regress`)
+    context: float = 0.0  # cached keys of the step being planned
+    _reg: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)  # n, x, y, xx, xy
 
     def target_s(self, rows: int) -> float:
+        return self._target_s(rows) + self.ctx_coef * self.context
+
+    def _target_s(self, rows: int) -> float:
         v = self._memo.get(rows)  # NOTE: the controller asks the same row counts many times
         if v is None:
             if not self.seen:  # the table, made non-decreasing as `_merge` does
@@ -176,14 +198,34 @@ class MeasuredCost:
             out[r] = top
         return out
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """One step of `rows` target rows took `seconds` (forward and verification). The first
+    def _regress(self, keys: float, seconds: float) -> None:
+        """A 1-row step's (keys, seconds) into EMAs of their moments (weight REG_ALPHA); the
+        slope is `ctx_coef` once REG_MIN steps have been seen over a spread of keys of at least
+        REG_SPREAD (else it stays: a batch-1 sequence's 128 steps span 128 keys), and never
+        negative."""
+        r, a = self._reg, REG_ALPHA
+        r[0] += 1
+        for i, v in enumerate((keys, seconds, keys * keys, keys * seconds), 1):
+            r[i] += a * (v - r[i]) if r[0] > 1 else v - r[i]
+        var = r[3] - r[1] * r[1]
+        if r[0] >= REG_MIN and var >= REG_SPREAD ** 2:
+            # never negative, nor a context share above the whole step's mean
+            coef = min(max((r[4] - r[1] * r[2]) / var, 0.0), r[2] / max(r[1], 1.0))
+            if abs(coef - self.ctx_coef) > 0.05 * max(self.ctx_coef, 1e-12):
+                self.ctx_coef = coef
+
+    def observe(self, rows: int, seconds: float, keys: float = 0.0) -> None:
+        """One step of `rows` target rows over `keys` cached keys (its sequences' contexts)
+        took `seconds` (forward and verification), stored net of the context's share. The first
         step at a row count is a warm-up (shape specialisation, scratch growth: several times
         a later one's) and is dropped, and a step is taken at most at twice (at least half)
         its row count's estimate: one slow outlier at a row count seldom run would otherwise
         price it out for good (the controller then never runs it, so never re-measures it)."""
         if not (rows > 0 and seconds > 0 and math.isfinite(seconds)):
             return
+        if rows == 1 and keys > 0:
+            self._regress(keys, seconds)
+        seconds = max(seconds - self.ctx_coef * keys, 0.05 * seconds)
         if rows not in self._warm:
             self._warm.add(rows)
             return
@@ -201,9 +243,18 @@ class MeasuredCost:
             self._memo.clear()
 
     def draft_s(self, rows: int) -> float:
+        """Seconds of a drafter forward over `rows` rows: the table made non-decreasing (a
+        noisy point must not make a longer catch-up look cheaper), interpolated."""
         v = self._draft_memo.get(rows)
         if v is None:
-            v = self._draft_memo[rows] = _interp(self.draft, rows) if self.draft else 0.0
+            if not self.draft:
+                v = 0.0
+            else:
+                mono, top = {}, 0.0
+                for r in sorted(self.draft):
+                    top = mono[r] = max(top, self.draft[r])
+                v = _interp(mono, rows)
+            self._draft_memo[rows] = v
         return v
 
 
@@ -347,7 +398,17 @@ class CostController:
             hit = float(j < accepted)
             own[j] += a * (hit - own[j])
             glob[j] += ag * (hit - glob[j])
-        c.gap = self._last_gap = self._gap(c.gap, accepted)
+        near = not accepted and self._near_even(own)
+        c.gap = self._last_gap = self.probe_every if near else self._gap(c.gap, accepted)
+
+    def _near_even(self, acc: list[float]) -> bool:
+        """Whether one drafter draft at acceptance `acc` is modelled within NEAR_EVEN of plain
+        decoding's rate. NOTE: a probe rejected there does not lengthen the gap: probing near
+        break-even costs little, and estimates dip there by chance (an EMA of ~10 verifies at
+        acceptance ~0.4: +-0.1). With doubling, the default model's heads (first-draft acceptance
+        ~0.4, break-even ~0.35 on 2 cores) sat at 0 drafts, probing every 32 steps, for most of
+        a request: EAGLE-3 + controller ~1.0x plain where a fixed K=1 made 1.11x (2026-12-05)."""
+        return self.step_ratio([acc], [1]) >= NEAR_EVEN * self.step_ratio([acc], [0])
 
     def _gap(self, gap: int, accepted: int) -> int:
         """Steps between probes after a verify: halved (down to `probe_every`) when a draft was
@@ -362,11 +423,21 @@ class CostController:
             return self.probe_every
         return max(gap // 2, self.probe_every) if accepted else min(2 * gap, MAX_PROBE_GAP)
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A verify / decode step's measured time, for cost models that learn (MeasuredCost)."""
+    def observe_step(self, rows: int, seconds: float, keys: float = 0.0) -> None:
+        """A verify / decode step's measured time over `keys` cached keys, for cost models
+        that learn (MeasuredCost)."""
         learn = getattr(self.cost, "observe", None)
         if learn is not None:
-            learn(rows, seconds)
+            if keys and hasattr(self.cost, "ctx_coef"):
+                learn(rows, seconds, keys)
+            else:
+                learn(rows, seconds)
+
+    def set_context(self, keys: float) -> None:
+        """The cached keys of the sequences the next plan / cut decides for (their contexts):
+        a context-aware cost model (MeasuredCost) prices their step at that context."""
+        if hasattr(self.cost, "context"):
+            self.cost.context = keys
 
     # ---- decisions ------------------------------------------------------------------------------
     def _cost(self, rows: int, chain: list[int], draft: bool, behind: int = 0) -> float:
@@ -388,16 +459,20 @@ class CostController:
         """The drafting phase of a step (`seqs` planned by `plan`) took `seconds`: what the
         drafter's forwards cost with the Python around them (metadata, the draft tokens'
         host copy, deferred rows), which the calibration's forward times leave out. An EMA
-        of measured / modelled scales every drafter forward's modelled cost. True if it
-        taught (some drafter drafts were planned)."""
+        of measured / modelled scales every drafter forward's modelled cost. True if the
+        phase was modelled drafting (some drafter drafts were planned), taught or not."""
         ks = [s.spec.limit or 0 for s in seqs] if self.drafter else []
         if not any(ks) or not (seconds > 0 and math.isfinite(seconds)):
             return False
-        # NOTE: the rows the drafting sequences had deferred, counted by `plan` (the catch-up
-        # has consumed them by now); without them a probe's long catch-up inflated the scale of
-        # every later draft forward (3.4x on the default model's EAGLE-3, 2026-12-04)
-        behind = sum(self._behind.get(id(s), 0) for s, k in zip(seqs, ks) if k)
-        modelled = self._draft_s([sum(k > j for k in ks) for j in range(max(ks) + 1)], behind)
+        # NOTE: a phase that caught up deferred rows (counted by `plan`; the catch-up has
+        # consumed them by now) does not teach. Such a catch-up attends over the whole context
+        # from cold caches, ~2x its calibrated time (16-token contexts) on the default model's
+        # EAGLE-3, and these phases are mostly probes: teaching from them scaled every later
+        # draft forward by 2-4x (2026-12-04/05), and the heads then never drafted where a
+        # fixed K=1 made 1.14x (EAGLE-3) / 1.18x (MTP) plain's rate.
+        if any(self._behind.get(id(s), 0) for s, k in zip(seqs, ks) if k):
+            return True
+        modelled = self._draft_s([sum(k > j for k in ks) for j in range(max(ks) + 1)])
         if modelled <= 0:
             return False
         ratio = min(max(seconds / modelled, 0.5), 8.0)
@@ -619,13 +694,15 @@ def calibrate(engine, batches: tuple[int, ...] = (1, 3), reps: int = 3,
         sync = torch.cuda.synchronize
     samples: dict[str, dict[int, list[float]]] = {"target": defaultdict(list),
                                                   "draft": defaultdict(list)}
-    saved = {}
+    saved, inputs = {}, {}
 
     def timed(name: str, attr: str):
         fn = getattr(d, attr)
         saved[attr] = fn
 
         def run(meta, *a, **kw):
+            if a and isinstance(a[0], torch.Tensor):
+                inputs[name] = a[0]  # (the drafter's hidden input: `_time_catch_ups`' shape)
             t = time.perf_counter()
             out = fn(meta, *a, **kw)
             if sync is not None:  # NOTE: a CUDA forward returns at launch; time its kernels
@@ -666,6 +743,8 @@ def calibrate(engine, batches: tuple[int, ...] = (1, 3), reps: int = 3,
             for k in schedule + schedule[-1:]:  # a step verifies the previous step's drafts
                 want["k"] = k
                 engine.step()
+            if "draft" in inputs:
+                _time_catch_ups(engine, ids, reps, inputs["draft"])
             for rid in ids:
                 engine.abort(rid)
             while engine.has_unfinished():
@@ -685,6 +764,39 @@ def calibrate(engine, batches: tuple[int, ...] = (1, 3), reps: int = 3,
                          f"of {engine.blocks.page_size}, up to {kmax} drafts); give "
                          f"controller='off' (fixed K) or a longer max_seq_len")
     return MeasuredCost(med["target"], med["draft"], refresh_every=8)
+
+
+# Rows a sequence's drafter catch-up feeds in calibration (`_time_catch_ups`), beside the 1..K+1
+# of the drafting steps
+CATCH_UP_ROWS = (8, 16, 32)
+
+
+def _time_catch_ups(engine, ids: list[str], reps: int, like: torch.Tensor) -> None:
+    """Times drafter forwards of n = CATCH_UP_ROWS rows a sequence (one logit each): the
+    catch-up of a sequence that deferred its drafter rows for n steps while the controller gave
+    it no drafts (engine/drafting.py `_defer`). Without them the drafter's table ended at K + 1
+    rows a sequence and a catch-up of 17 deferred rows was priced as one of 4 (the last slope
+    of a noisy table is often 0): ~0.46 against ~1.2 ms measured on the default model's
+    EAGLE-3, which drove the measured / modelled drafting scale to ~4 and every draft out
+    (2026-12-05). The rows overwrite the drafter cache of the calibration's own requests (at
+    positions they already hold: no page is needed), which are aborted next. A drafter with
+    recurrent state is left out (a catch-up there would move its state). `like`: a
+    hidden input the drafter took (width, dtype, device)."""
+    d = engine.deployed
+    if any(getattr(getattr(p, "layout", None), "recurrent", False) for p in
+           getattr(d, "drafts", ())):
+        return
+    seqs = [s for s in engine.scheduler.running if s.request_id in set(ids)]
+    if not seqs:
+        return
+    for n in CATCH_UP_ROWS:
+        if any(s.num_cached < n for s in seqs):
+            break
+        meta = build_metadata([Segment([0] * n, s.num_cached - n, s.pages, s.slot, 1)
+                               for s in seqs])
+        hidden = like.new_zeros(n * len(seqs), like.shape[-1])
+        for _ in range(reps + 1):  # the first: the timed wrapper's warm-up
+            d.draft_forward(meta, hidden)
 
 
 def _fit(engine, b: int, reps: int, prompt_len: int):

@@ -231,7 +231,7 @@ class SpecEngine(Engine):
         # NOTE: decode and verify steps only; a prefill chunk's rows cost another amount each
         ctl = self.controller
         if ctl is not None and all(s.kind == SEG_EXTEND or len(s.token_ids) == 1 for s in segs):
-            ctl.observe_step(rows, seconds)
+            ctl.observe_step(rows, seconds, sum(s.cache_len for s in segs))
             self._step_parts = [seconds, 0.0]  # the forward + verification, the drafting
 
     def _stepped(self, seconds: float) -> None:
@@ -402,6 +402,7 @@ class SpecEngine(Engine):
         ctl = self.controller if not isinstance(self.source, FixedDrafter) else None
         wanting = [w.seq for w in work if w.wants]
         if ctl is not None:
+            ctl.set_context(sum(seq.num_cached for seq in wanting))
             rest = self._lookup_first(wanting)
             looked = [seq for seq in wanting if seq.spec.drafts]
             # NOTE: the lookup runs before their cut: an upper bound of their rows and tokens

@@ -341,6 +341,8 @@ def test_calibration_measures_and_leaves_the_engine_as_it_was(target, baseline):
     m = calibrate(eng, batches=(1,), reps=1)
     assert {1, 2, 3, 4} <= set(m.target) and all(v > 0 for v in m.target.values())
     assert m.draft and all(v > 0 for v in m.draft.values())
+    # the drafter's catch-ups of deferred rows are timed too (`_time_catch_ups`)
+    assert {8, 16} <= set(m.draft)
     assert eng.controller is None and eng.source is eng.own_source
     assert not eng.has_unfinished() and eng.stats.num_requests == 0
     assert llm.stats()["draft_steps"] == 0
@@ -466,7 +468,8 @@ def test_deferred_catch_up_rows_are_priced():
     """A sequence that deferred its catch-up pays for those drafter rows when it drafts: the
     batch optimum over every ks with that cost (brute force) is what allocate finds at batch 1,
     a long backlog leaves k at 0 where a short one drafts, and the drafting phase of a step
-    that caught up is modelled with its backlog (the measured / modelled scale stays 1)."""
+    that caught up does not teach the measured / modelled scale (a catch-up of deferred rows
+    attends over the whole context from cold caches), one without a backlog does."""
     cost = RowCost(1.0, 0.05, 0.05, 0.01)
     c = CostController(cost, 3, 3)
     acc = [[0.6, 0.5, 0.4]]
@@ -507,8 +510,14 @@ def test_deferred_catch_up_rows_are_priced():
     s.spec.limit = 3
     modelled = cost.draft_s(2 + 40) + 2 * cost.draft_s(1)
     for _ in range(20):
-        c.observe_draft([s], modelled)
-    assert c.draft_scale == pytest.approx(1.0, rel=1e-9)
+        assert c.observe_draft([s], 3 * modelled)  # modelled drafting, not overhead ...
+    assert c.draft_scale == 1.0  # ... but it taught nothing
+    s.spec.behind = None
+    c.plan([s])
+    s.spec.limit = 3
+    for _ in range(200):
+        c.observe_draft([s], 3 * (cost.draft_s(2) + 2 * cost.draft_s(1)))
+    assert c.draft_scale == pytest.approx(3.0, rel=1e-6)
 
 
 def test_settled_sequences_replan_every_few_steps(monkeypatch):
