@@ -2,6 +2,7 @@
 group with a long timeout for rank 0's per-step messages (an idle server's workers may wait)."""
 from __future__ import annotations
 
+import gc
 import pickle
 import socket
 import time
@@ -39,8 +40,12 @@ def send(msg) -> None:
     t0 = time.perf_counter()
     data = pickle.dumps(msg)
     timeout = timedelta(seconds=CONTROL["timeout"])
+    # NOTE: the payload is copied into memory torch owns. A tensor over a Python bytearray
+    # (`frombuffer` alone) is freed by whichever thread drops gloo's work last, and freeing it
+    # takes the GIL: at interpreter exit that thread is killed inside a noexcept destructor and
+    # the process aborts ("terminate called without an active exception", CI of stop 40)
     for t in (torch.tensor([len(data)], dtype=torch.int64),
-              torch.frombuffer(bytearray(data), dtype=torch.uint8)):
+              torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()):
         dist.broadcast(t, src=0, group=CONTROL["group"], async_op=True).wait(timeout)
     MESSAGES["seconds"] += time.perf_counter() - t0
     MESSAGES["count"] += 1
@@ -53,6 +58,21 @@ def recv():
     buf = torch.empty(int(n.item()), dtype=torch.uint8)
     dist.broadcast(buf, src=0, group=CONTROL["group"])
     return pickle.loads(buf.numpy().tobytes())
+
+
+def leave() -> None:
+    """Tear every group down and drop this module's and the collectives' references to them, so
+    their C++ objects (and gloo's worker threads) go now, while the interpreter is whole, not
+    during its finalization. Safe to call twice and when no group was joined."""
+    from specdeploy.ops.collectives import set_group
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        CONTROL.pop("group", None)
+        set_group(None)
+        gc.collect()
 
 
 def agree_min(value: float) -> float:

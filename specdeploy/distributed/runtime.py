@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from specdeploy.distributed.config import DistConfig
-from specdeploy.distributed.groups import CONTROL, free_port, init_group, recv, send
+from specdeploy.distributed.groups import CONTROL, free_port, init_group, leave, recv, send
 
 # host calls that change a rank's cache state (spec commits, prefix hits' state restores and
 # verified checkpoints) have no collective inside and return nothing: they ride, in order,
@@ -103,8 +103,8 @@ class Leader:
                 pass
         stop_workers(self._workers, 0.5 if self._failed else timeout)
         try:
-            dist.destroy_process_group()
-        except Exception:
+            leave()
+        except Exception:  # noqa: S110 - leaving anyway
             pass
 
 
@@ -212,7 +212,7 @@ def worker_main(argv: list[str]) -> None:
     rank_memory(deployed, rss_before)
     serve_worker(deployed)
     _parting_barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 def launched_by_torchrun() -> bool:
@@ -265,16 +265,15 @@ def build_ranked(model_path, options, timeout: float = 60.0):
         # NOTE: a refused build (e.g. a weight this tensor_parallel_size cannot cut) leaves the
         # process able to build again: without this the next LLM(tensor_parallel_size=...) in it
         # fails with "trying to initialize the default process group twice"
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: S110 - the build's own error is the one to raise
-                pass
+        try:
+            leave()
+        except Exception:  # noqa: S110 - the build's own error is the one to raise
+            pass
         raise
     if me.rank != 0:
         serve_worker(deployed)
         _parting_barrier()
-        dist.destroy_process_group()
+        leave()
         return None
     leader = Leader(deployed, me, procs)
     leader.rank_memory = memory  # per rank: weight bytes at load and kept, RSS

@@ -155,6 +155,28 @@ def kv3(tmp_path_factory):
     return path, prompts, _ids(LLM(str(path), **LIMITS).generate(prompts, _params()))
 
 
+def test_shutdown_leaves_no_group_behind(kv3):
+    """`shutdown` tears the groups down and drops every reference to them while the interpreter
+    is whole (gloo objects left to interpreter finalization aborted a process now and then), and
+    the worker leaves cleanly."""
+    import torch.distributed as dist
+
+    from specdeploy.distributed.groups import CONTROL
+    from specdeploy.ops import collectives
+
+    path, prompts, want = kv3
+    llm = LLM(str(path), tensor_parallel_size=2, dist_timeout=10, **LIMITS)
+    try:
+        assert _ids(llm.generate(prompts, _params())) == want
+        assert "group" in CONTROL and collectives._GROUP[0] is not None
+        (worker,) = llm.deployed._workers
+    finally:
+        llm.shutdown()
+    assert worker.wait(10) == 0
+    assert not dist.is_initialized()
+    assert "group" not in CONTROL and collectives._GROUP[0] is None
+
+
 def test_kv_replication_then_killed_rank(kv3):
     path, prompts, want = kv3
     llm = LLM(str(path), tensor_parallel_size=2, dist_timeout=10, **LIMITS)
