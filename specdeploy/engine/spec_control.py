@@ -57,6 +57,9 @@ MAX_PROBE_GAP = 32
 # MeasuredCost's context regression: the EMA weight of a 1-row step, the steps before its slope
 # is used, and the spread of keys (standard deviation) they must span
 REG_ALPHA, REG_MIN, REG_SPREAD = 0.01, 32, 24.0
+# `wants_store`: the store is asked every step where a draft accepted with this probability
+# pays a verify row (`break_even`), else only at probes after a cut to none
+STORE_FREE_BELOW = 0.5
 NEAR_EVEN = 0.9  # `_near_even`: a modelled rate within this share of plain's
 REPLAN_EVERY = 8  # steps between plans of sequences settled at 0 drafter drafts (`plan`)
 # The share by which a step with drafter drafts must beat plain decoding in the cost model
@@ -309,6 +312,7 @@ class CostController:
         self._quiet = 0  # plans skipped since the last allocate (`plan`)
         self._last_gap = 0  # the probe gap of the last drafter verify: a new sequence's start
         self.batch = 1  # sequences that wanted drafts at the last `cut` (`_lookup_gap`)
+        self.store_free = True  # the store is asked every step (`wants_store`; set by `cut`)
 
     def resized(self, k: int, max_k: int, drafter: bool) -> CostController:
         """This controller for an engine of chain length `k`, verifies up to `max_k` drafts."""
@@ -338,15 +342,23 @@ class CostController:
         return [h[b] for b in run[:n]]
 
     def wants_store(self, seq) -> bool:
-        """Whether to ask the suffix store for this sequence's drafts this step: not while its
-        last lookup / store drafts were cut to none and its next probe is not due (each skip
-        counts as an idle step). Asking costs host time (~20 us a draft, per sequence: at 16
-        sequences ~1.4 ms of a ~24 ms step, 2026-12-04) that a cut would throw away."""
+        """Whether to ask the suffix store for this sequence's drafts this step: always where
+        an even bet pays a verify row (`store_free`), else not while its last lookup / store
+        drafts were cut to none and its next probe is not due (each skip counts as an idle
+        step). Asking costs host time (~20 us a draft, per sequence: at 16 sequences ~1.4 ms of
+        a ~24 ms step, 2026-12-04) that a cut would throw away."""
         c = self.state(seq)
-        if c.idle_lookup and c.idle_lookup + 1 < self._lookup_gap(c):
+        if c.idle_lookup and not self.store_free and c.idle_lookup + 1 < self._lookup_gap(c):
             c.idle_lookup += 1
             return False
         return True
+
+    def break_even(self, batch: int) -> float:
+        """The acceptance at which one more verify row pays at `batch` sequences: the tokens
+        per second of B + p over B + 1 rows equal those of B over B rows."""
+        over = self.overhead
+        t0, t1 = self.cost.target_s(batch) + over, self.cost.target_s(batch + 1) + over
+        return batch * (t1 / t0 - 1.0) if t0 > 0 else math.inf
 
     def _lookup_gap(self, c: SeqControl) -> int:
         """Steps between a sequence's lookup / store probes: its gap times the batch's
@@ -640,6 +652,11 @@ class CostController:
         """After drafting: lookup drafts (no forward to pay) cut to what pays, jointly over the
         batch (`allocate_rows`), beside the rows and expected tokens of the others."""
         self.batch = max(len(seqs), 1)
+        # NOTE: where a store draft right as often as not pays its row (batch 1 on the default
+        # model: break-even ~0.15), whether the next tail's draft does is only known by asking:
+        # skipping the asks after a cut to none cost suffix + controller ~5% at batch 1
+        # (paired, 8 rounds, 2026-12-05). At 16 sequences (break-even ~1) they stay gated.
+        self.store_free = self.break_even(self.batch) < STORE_FREE_BELOW
         look = [s for s in seqs if s.spec.from_lookup and s.spec.drafts]
         if not look:
             return

@@ -193,21 +193,50 @@ def test_suffix_store_cli(tmp_path, capsys):
     assert "line 3" in capsys.readouterr().err
 
 
+class _Seq:
+    class spec:
+        control = None
+        drafts = ()
+        from_lookup = False
+
+
 def test_controller_skips_asking_the_store_until_a_probe_is_due():
-    """After a step whose lookup / store drafts were all cut, the store is not asked (host time
-    a cut would throw away) until the next probe is due; with no cut it is always asked."""
-    ctl = CostController(Linear(1.0, 0.05, 0.25), 3, 6, drafter=False, probe_every=4)
-
-    class Seq:
-        class spec:
-            control = None
-
-    seq = Seq()
+    """Where a verify row costs more than an even bet wins (here a row costs as much as a whole
+    step, break-even 1.0), after a step whose lookup / store drafts were all cut, the store is
+    not asked (host time a cut would throw away) until the next probe is due; with no cut it is
+    always asked."""
+    ctl = CostController(Linear(0.0, 1.0, 0.25), 3, 6, drafter=False, probe_every=4)
+    seq = _Seq()
+    ctl.cut([seq])
+    assert ctl.break_even(1) == pytest.approx(1.0) and not ctl.store_free
     assert all(ctl.wants_store(seq) for _ in range(5))  # nothing cut yet
     c = ctl.state(seq)
     c.idle_lookup, c.gap_lookup = 1, 4  # one step cut to none
     assert [ctl.wants_store(seq) for _ in range(3)] == [False, False, True]
     assert c.idle_lookup == 3  # the skips counted: the controller's cut then probes
-    off = CostController(Linear(1.0, 0.05, 0.25), 3, 6, drafter=False, probe_every=0)
+    off = CostController(Linear(0.0, 1.0, 0.25), 3, 6, drafter=False, probe_every=0)
     off.state(seq).idle_lookup = 5
     assert off.wants_store(seq)
+
+
+def test_the_store_is_asked_every_step_where_an_even_bet_pays_a_row():
+    """One more verify row pays from acceptance B * (t(B + 1) / t(B) - 1) on: with a row at 5%
+    of the fixed cost that is 0.05 / 1.05 at batch 1 (< 0.5): the store is asked even right
+    after a cut to none. At 16 sequences it is 16 * 0.05 / 1.8 = 0.44, still asked; with a row
+    at 10% (16 * 0.1 / 2.6 = 0.62) the asks are gated again."""
+    ctl = CostController(Linear(1.0, 0.05, 0.25), 3, 6, drafter=False, probe_every=4)
+    seq = _Seq()
+    ctl.cut([seq])
+    assert ctl.break_even(1) == pytest.approx(0.05 / 1.05, rel=1e-12) and ctl.store_free
+    c = ctl.state(seq)
+    c.idle_lookup, c.gap_lookup = 1, 4
+    assert all(ctl.wants_store(seq) for _ in range(5))
+    ctl.cut([_Seq() for _ in range(16)])
+    assert ctl.break_even(16) == pytest.approx(16 * 0.05 / 1.8, rel=1e-12) and ctl.store_free
+    dear = CostController(Linear(1.0, 0.1, 0.25), 3, 6, drafter=False, probe_every=4)
+    dear.cut([_Seq() for _ in range(16)])
+    assert dear.break_even(16) == pytest.approx(16 * 0.1 / 2.6, rel=1e-12)
+    assert not dear.store_free
+    c = dear.state(seq)
+    c.idle_lookup, c.gap_lookup = 1, 4
+    assert not dear.wants_store(seq)
