@@ -108,3 +108,50 @@ def test_a_rejected_probe_near_break_even_keeps_the_gap_short():
     assert all(g == 2 for g in gaps[:first_far])
     assert gaps[first_far:first_far + 4] == [4, 8, 16, 32]
     assert set(gaps[first_far + 4:]) == {MAX_PROBE_GAP}
+
+
+def test_the_slope_is_learnt_from_decode_steps_of_any_batch():
+    """16 sequences, no 1-row steps: 16-row decode steps over a wave's growing contexts give
+    the slope (one row a sequence, as a 1-row step's). A 17-row step seen only early in the
+    wave (short contexts) then prices its extra row at its own cost; before, each row count
+    learnt the context it was seen at and the 17th row was priced at nothing (the model is
+    non-decreasing), so any draft paid. Verify steps (rows > sequences) never teach the slope."""
+    net = {16: 12e-3, 17: 12.8e-3}
+
+    def true(rows, keys):
+        return net[rows] + COEF * keys
+
+    m = MeasuredCost(dict(net), {}, alpha=0.5)
+    early = []
+    for i in range(3 * REG_MIN):
+        keys = 16 * (256 + i)  # the wave: every sequence one token longer a step
+        m.observe(16, true(16, keys), keys, decode=True)
+        if i < 8:
+            early.append(keys)
+            m.observe(17, true(17, keys), keys, decode=False)
+    assert m.ctx_coef == pytest.approx(COEF, rel=1e-6)
+    for ctx in (16 * 300.0, 16 * 350.0):
+        m.context = ctx
+        assert m.target_s(17) - m.target_s(16) == pytest.approx(net[17] - net[16], rel=1e-4)
+    # decode=False everywhere (the 16-row steps counted as verifies): no slope, and the 17th
+    # row at a wave's end priced at nothing
+    old = MeasuredCost(dict(net), {}, alpha=0.5)
+    for i in range(3 * REG_MIN):
+        keys = 16 * (256 + i)
+        old.observe(16, true(16, keys), keys, decode=False)
+        if i < 8:
+            old.observe(17, true(17, keys), keys, decode=False)
+    assert old.ctx_coef == 0.0
+    assert old.target_s(17) - old.target_s(16) == 0.0
+
+
+def test_the_pooled_slope_keeps_each_batch_size_level():
+    """Decode steps at 1 and at 4 sequences, different fixed costs, the same slope: pooled
+    within each row count, the slope is exact (across them, the levels would bias it)."""
+    m = MeasuredCost({1: 3e-3, 4: 5e-3}, {}, alpha=0.5)
+    for i in range(2 * REG_MIN):
+        k1 = 16 + (i * 37) % 385
+        m.observe(1, 3e-3 + COEF * k1, k1, decode=True)
+        k4 = 4 * (300 + (i * 11) % 90)
+        m.observe(4, 5e-3 + COEF * k4, k4, decode=True)
+    assert m.ctx_coef == pytest.approx(COEF, rel=1e-6)
