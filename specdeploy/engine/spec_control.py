@@ -141,17 +141,15 @@ class MeasuredCost:
     it happened to be seen at: on the default model the 2- and 3-row steps were seen early in
     a 256-token prompt and priced 0.7 / 2.4 ms above a 1-row step, against 0.35 / 0.8 ms at
     equal context, so the heads' drafts never paid (2026-12-05). So `ctx_coef` (seconds per
-    cached key of the step's sequences) is learnt from the decode steps (one row a sequence:
-    a regression of their seconds on their keys within each row count, EMAs, `_regress`), each
-    row count keeps EMAs of its seconds and of its keys and is priced net of `ctx_coef` times
-    its keys (at the slope known when priced), and `target_s` adds `ctx_coef * context`, the
-    keys of the step being planned (set by the controller, `CostController.set_context`)."""
+    cached key of the step's sequences) is learnt from the 1-row steps (a regression of their
+    seconds on their keys, EMAs), every observation is stored net of `ctx_coef * keys`, and
+    `target_s` adds `ctx_coef * context`, the keys of the step being planned (set by the
+    controller, `CostController.set_context`)."""
 
     target: dict[int, float]
     draft: dict[int, float] = field(default_factory=dict)  # empty: no drafter (n-gram lookup)
     alpha: float = 0.1
     seen: dict[int, float] = field(default_factory=dict)  # row count -> EMA of measured seconds
-    seen_keys: dict[int, float] = field(default_factory=dict)  # row count -> EMA of its keys
     _merged: dict[int, float] | None = field(default=None, repr=False)
     _merged_xs: list[int] = field(default_factory=list, repr=False)
     _target_xs: list[int] | None = field(default=None, repr=False)
@@ -164,8 +162,7 @@ class MeasuredCost:
     _draft_memo: dict[int, float] = field(default_factory=dict, repr=False)  # (a fixed table)
     ctx_coef: float = 0.0  # seconds per cached key of a step (learnt: `_regress`)
     context: float = 0.0  # cached keys of the step being planned
-    # decode steps' row count -> EMAs of their (keys, seconds) moments: n, x, y, xx, xy
-    _reg: dict[int, list[float]] = field(default_factory=dict, repr=False)
+    _reg: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)  # n, x, y, xx, xy
 
     def target_s(self, rows: int) -> float:
         return self._target_s(rows) + self.ctx_coef * self.context
@@ -188,16 +185,12 @@ class MeasuredCost:
         return v
 
     def _merge(self) -> dict[int, float]:
-        # each row count's seconds net of its keys' share at the slope known now (a row count
-        # seen before the slope was, e.g. early in a wave, is priced at its own cost too)
-        c = self.ctx_coef
-        net = {r: max(v - c * self.seen_keys.get(r, 0.0), 0.05 * v) for r, v in self.seen.items()}
-        xs = sorted(net)
+        xs = sorted(self.seen)
         if self._target_xs is None:
             self._target_xs = sorted(self.target)
-        ratio = {x: net[x] / t if (t := _interp(self.target, x, self._target_xs)) > 0
+        ratio = {x: self.seen[x] / t if (t := _interp(self.target, x, self._target_xs)) > 0
                  else 1.0 for x in xs}
-        pts = dict(net)
+        pts = dict(self.seen)
         for r, v in self.target.items():
             if r not in pts:
                 near = min(xs, key=lambda x: (abs(x - r), -x))
@@ -208,53 +201,34 @@ class MeasuredCost:
             out[r] = top
         return out
 
-    def _regress(self, rows: int, keys: float, seconds: float) -> None:
-        """A decode step's (keys, seconds) into EMAs of their moments (weight REG_ALPHA), one
-        set per row count (= its sequences: each reads its keys once). `ctx_coef` is the slope
-        pooled within those sets (each set's own level: a fixed-effects regression) over the
-        sets of REG_MIN steps or more, once their keys spread by REG_SPREAD or more (else it
-        stays: a batch-1 sequence's 128 steps span 128 keys); never negative, nor more than
-        the steps' mean seconds a key.
-
-        Why every batch size: at 16 concurrent requests there are no 1-row steps, so the slope
-        stayed 0, each row count learnt the context it was seen at, and a 17-row step seen
-        early in a wave priced an extra row at or below nothing against 16-row steps averaged
-        over the wave (break-even acceptance 0: every lookup draft was kept, 2026-12-05). Verify
-        steps stay out: their extra rows read their sequence's keys again, from warm caches."""
-        r = self._reg.get(rows)
-        if r is None:
-            r = self._reg[rows] = [0.0] * 5
-        a = REG_ALPHA
+    def _regress(self, keys: float, seconds: float) -> None:
+        """A 1-row step's (keys, seconds) into EMAs of their moments (weight REG_ALPHA); the
+        slope is `ctx_coef` once REG_MIN steps have been seen over a spread of keys of at least
+        REG_SPREAD (else it stays: a batch-1 sequence's 128 steps span 128 keys), and never
+        negative."""
+        r, a = self._reg, REG_ALPHA
         r[0] += 1
         for i, v in enumerate((keys, seconds, keys * keys, keys * seconds), 1):
             r[i] += a * (v - r[i]) if r[0] > 1 else v - r[i]
-        cov = var = wy = wx = w = 0.0
-        for n, x, y, xx, xy in self._reg.values():
-            if n >= REG_MIN:
-                u = min(n, 1.0 / REG_ALPHA)  # an EMA holds ~1 / alpha steps
-                cov, var = cov + u * (xy - x * y), var + u * (xx - x * x)
-                wy, wx, w = wy + u * y, wx + u * x, w + u
-        if w and var >= w * REG_SPREAD ** 2:
-            coef = min(max(cov / var, 0.0), wy / max(wx, 1.0))
+        var = r[3] - r[1] * r[1]
+        if r[0] >= REG_MIN and var >= REG_SPREAD ** 2:
+            # never negative, nor a context share above the whole step's mean
+            coef = min(max((r[4] - r[1] * r[2]) / var, 0.0), r[2] / max(r[1], 1.0))
             if abs(coef - self.ctx_coef) > 0.05 * max(self.ctx_coef, 1e-12):
                 self.ctx_coef = coef
-                self._merged = None  # every row count's net price moves with it
-                self._memo.clear()
 
-    def observe(self, rows: int, seconds: float, keys: float = 0.0,
-                decode: bool | None = None) -> None:
+    def observe(self, rows: int, seconds: float, keys: float = 0.0) -> None:
         """One step of `rows` target rows over `keys` cached keys (its sequences' contexts)
-        took `seconds` (forward and verification), priced net of the context's share. The first
+        took `seconds` (forward and verification), stored net of the context's share. The first
         step at a row count is a warm-up (shape specialisation, scratch growth: several times
         a later one's) and is dropped, and a step is taken at most at twice (at least half)
         its row count's estimate: one slow outlier at a row count seldom run would otherwise
-        price it out for good (the controller then never runs it, so never re-measures it).
-        `decode`: one row a sequence (no drafts), which teaches the context slope (`_regress`);
-        None: a 1-row step."""
+        price it out for good (the controller then never runs it, so never re-measures it)."""
         if not (rows > 0 and seconds > 0 and math.isfinite(seconds)):
             return
-        if (rows == 1 if decode is None else decode) and keys > 0:
-            self._regress(rows, keys, seconds)
+        if rows == 1 and keys > 0:
+            self._regress(keys, seconds)
+        seconds = max(seconds - self.ctx_coef * keys, 0.05 * seconds)
         if rows not in self._warm:
             self._warm.add(rows)
             return
@@ -262,8 +236,6 @@ class MeasuredCost:
         if old is not None:
             seconds = min(max(seconds, 0.5 * old), 2.0 * old)
         self.seen[rows] = seconds if old is None else old + self.alpha * (seconds - old)
-        k = self.seen_keys.get(rows)
-        self.seen_keys[rows] = keys if k is None else k + self.alpha * (keys - k)
         # NOTE: a row count seen for the first time counts at once; EMA moves of known ones
         # every `refresh_every` steps (a step's refresh, the merge and the memo's ~20 costs
         # asked again, was ~20 us of a ~4 ms decode step; the EMAs move a few % a step)
@@ -463,14 +435,13 @@ class CostController:
             return self.probe_every
         return max(gap // 2, self.probe_every) if accepted else min(2 * gap, MAX_PROBE_GAP)
 
-    def observe_step(self, rows: int, seconds: float, keys: float = 0.0,
-                     decode: bool | None = None) -> None:
-        """A verify / decode step's measured time over `keys` cached keys (`decode`: one row a
-        sequence), for cost models that learn (MeasuredCost)."""
+    def observe_step(self, rows: int, seconds: float, keys: float = 0.0) -> None:
+        """A verify / decode step's measured time over `keys` cached keys, for cost models
+        that learn (MeasuredCost)."""
         learn = getattr(self.cost, "observe", None)
         if learn is not None:
             if keys and hasattr(self.cost, "ctx_coef"):
-                learn(rows, seconds, keys, decode)
+                learn(rows, seconds, keys)
             else:
                 learn(rows, seconds)
 

@@ -231,8 +231,7 @@ class SpecEngine(Engine):
         # NOTE: decode and verify steps only; a prefill chunk's rows cost another amount each
         ctl = self.controller
         if ctl is not None and all(s.kind == SEG_EXTEND or len(s.token_ids) == 1 for s in segs):
-            ctl.observe_step(rows, seconds, sum(s.cache_len for s in segs),
-                             decode=rows == len(segs))
+            ctl.observe_step(rows, seconds, sum(s.cache_len for s in segs))
             self._step_parts = [seconds, 0.0]  # the forward + verification, the drafting
 
     def _stepped(self, seconds: float) -> None:
