@@ -299,7 +299,6 @@ class CostController:
                  margin: float = 0.0):
         self.cost, self.k, self.max_k, self.drafter = cost, k, max_k, drafter
         self.margin = margin  # drafter drafts must beat plain by this share (`allocate`)
-        self.lookup_margin = 0.0  # and lookup / store drafts (`allocate_rows`)
         self.probe_every, self.alpha, self.alpha_lookup = probe_every, alpha, alpha_lookup
         # global EMAs (slower), a new sequence's starting point
         self.glob = {"model": [prior] * max_k}
@@ -596,7 +595,6 @@ class CostController:
                 gains.append((-p, j, i))  # ties: earlier positions first (a prefix each)
         gains.sort()
         rows, tokens = fixed_rows + n, fixed_tokens + n
-        tokens0 = tokens
         # NOTE: `_cost` without a drafter, inlined: it is asked once per candidate row, every
         # step (~16 a sequence with lookup runs of 16)
         target_s, over = self.cost.target_s, self.overhead
@@ -612,8 +610,6 @@ class CostController:
                 best, best_m = r, m
             elif top <= best * c:
                 break
-        if best_m and best < tokens0 / (target_s(rows) + over) * (1 + self.lookup_margin):
-            best_m = 0
         ks = [0] * n
         for _, _, i in gains[:best_m]:
             ks[i] += 1
