@@ -62,9 +62,6 @@ REG_ALPHA, REG_MIN, REG_SPREAD = 0.01, 32, 24.0
 # not; once each has GUARD_MIN steps and drafting's is below plain's by more than GUARD_TOL,
 # drafting stops at that batch size but for one step in EXPLORE_EVERY, which keeps it measured
 GUARD_ALPHA, GUARD_MIN, GUARD_TOL, EXPLORE_EVERY = 0.05, 16, 0.02, 8
-# ... and where IDLE_CUTS cuts in a row kept no draft at all and an even bet does not pay a row
-# (`store_free` false), the lookups that only the cut would read stop the same way
-IDLE_CUTS = 8
 # `wants_store`: the store is asked every step where a draft accepted with this probability
 # pays a verify row (`break_even`), else only at probes after a cut to none
 STORE_FREE_BELOW = 0.5
@@ -324,7 +321,6 @@ class CostController:
         # batch size -> [plain EMA, its steps, drafting EMA, its steps] of tokens per second
         self._rates: dict[int, list[float]] = {}
         self._explore = 0  # guarded steps since the last explored one (`guarded`)
-        self._idle_cuts = 0  # cuts in a row that kept no draft (`cut`)
 
     def resized(self, k: int, max_k: int, drafter: bool) -> CostController:
         """This controller for an engine of chain length `k`, verifies up to `max_k` drafts."""
@@ -532,17 +528,11 @@ class CostController:
         r[i + 1] += 1
 
     def guarded(self, batch: int) -> bool:
-        """Whether this step drafts and looks up nothing at `batch` sequences: drafting's
-        realized rate there is below plain's by more than GUARD_TOL (both seen GUARD_MIN steps
-        or more), or the last IDLE_CUTS cuts at this batch kept nothing where an even bet does
-        not pay a verify row; and this is not the one step in EXPLORE_EVERY that drafts as the
-        model says (to keep measuring)."""
+        """Whether this step drafts nothing at `batch` sequences: drafting's realized rate there
+        is below plain's by more than GUARD_TOL (both seen GUARD_MIN steps or more), and this is
+        not the one step in EXPLORE_EVERY that drafts as the model says (to keep measuring)."""
         r = self._rates.get(batch)
-        lost = r is not None and min(r[1], r[3]) >= GUARD_MIN and r[2] < r[0] * (1 - GUARD_TOL)
-        # NOTE: at 16 concurrent requests the cuts keep nothing in ~97% of steps, and the
-        # lookups and cuts they throw away were ~0.25 ms of a ~17 ms step (2026-12-05)
-        idle = self._idle_cuts >= IDLE_CUTS and not self.store_free and batch == self.batch
-        if not (lost or idle):
+        if r is None or min(r[1], r[3]) < GUARD_MIN or r[2] >= r[0] * (1 - GUARD_TOL):
             return False
         self._explore += 1
         if self._explore >= EXPLORE_EVERY:
@@ -710,7 +700,6 @@ class CostController:
         self.store_free = self.break_even(self.batch) < STORE_FREE_BELOW
         look = [s for s in seqs if s.spec.from_lookup and s.spec.drafts]
         if not look:
-            self._idle_cuts = 0 if any(s.spec.drafts for s in seqs) else self._idle_cuts + 1
             return
         rest = [s for s in seqs if not (s.spec.from_lookup and s.spec.drafts)]
         fixed_rows = sum(1 + len(s.spec.drafts) for s in rest)
@@ -726,7 +715,6 @@ class CostController:
                 k, c.idle_lookup = 1, 0
             if k < n:
                 cut_drafts(s.spec, k)
-        self._idle_cuts = 0 if any(s.spec.drafts for s in seqs) else self._idle_cuts + 1
 
 
 def _behind_rows(seq) -> int:

@@ -13,17 +13,9 @@ from specdeploy.engine.spec_control import (
     GUARD_ALPHA,
     GUARD_MIN,
     GUARD_TOL,
-    IDLE_CUTS,
     CostController,
 )
-from tests.spec.test_spec_controller import (  # noqa: F401
-    FREE,
-    MAX_TOKENS,
-    Linear,
-    _controlled,
-    _ids,
-    baseline,
-)
+from tests.spec.test_spec_controller import FREE, MAX_TOKENS, _controlled, _ids, baseline  # noqa: F401
 
 
 def _fed(plain: float, drafting: float, n: int = GUARD_MIN, batch: int = 4) -> CostController:
@@ -59,38 +51,6 @@ def test_guard_engages_only_when_drafting_lost_and_explores():
     assert not few.guarded(4)
     won = _fed(100.0, 150.0)
     assert not won.guarded(4)
-
-
-class _Seq:
-    def __init__(self):
-        class spec:
-            control = None
-            drafts = ()
-            from_lookup = False
-        self.spec = spec
-
-
-def test_idle_cuts_pause_lookups_only_where_an_even_bet_cannot_pay():
-    """16 sequences whose cuts keep nothing, IDLE_CUTS times in a row: where a verify row costs
-    more than an even bet wins (break-even 16 * 0.1 / 2.6 = 0.62) the next steps look nothing
-    up but one in EXPLORE_EVERY; a cut that keeps a draft ends it. Where a row costs 5% (break-
-    even 0.44) lookups go on every step."""
-    dear = CostController(Linear(1.0, 0.1, 0.25), 3, 6, drafter=False)
-    seqs = [_Seq() for _ in range(16)]
-    for _ in range(IDLE_CUTS):
-        assert not dear.guarded(16)
-        dear.cut(seqs)
-    assert [dear.guarded(16) for _ in range(EXPLORE_EVERY)] == [True] * (EXPLORE_EVERY - 1) + [
-        False]
-    assert not dear.guarded(8)  # another batch size than the cuts'
-    seqs[3].spec.drafts = [7]  # an explored step kept a draft (a drafter's: not lookup)
-    dear.cut(seqs)
-    assert not dear.guarded(16)
-    cheap = CostController(Linear(1.0, 0.05, 0.25), 3, 6, drafter=False)
-    seqs[3].spec.drafts = ()
-    for _ in range(2 * IDLE_CUTS):
-        cheap.cut(seqs)
-    assert not any(cheap.guarded(16) for _ in range(EXPLORE_EVERY))
 
 
 @pytest.mark.parametrize("lookup", [None, (3, 1)])
