@@ -179,11 +179,7 @@ class MeasuredCost:
         v = self._memo.get(rows)  # NOTE: the controller asks the same row counts many times
         if v is None:
             if not self.seen:  # the table, made non-decreasing as `_merge` does
-                if self._mono is None:
-                    top, self._mono = 0.0, {}
-                    for r in sorted(self.target):
-                        top = self._mono[r] = max(top, self.target[r])
-                v = _interp(self._mono, rows)
+                v = self.table_s(rows)
             else:
                 if self._merged is None:
                     self._merged = self._merge()
@@ -191,6 +187,14 @@ class MeasuredCost:
                 v = _interp(self._merged, rows, self._merged_xs)
             self._memo[rows] = v
         return v
+
+    def table_s(self, rows: int) -> float:
+        """The calibration table alone (made non-decreasing), interpolated."""
+        if self._mono is None:
+            top, self._mono = 0.0, {}
+            for r in sorted(self.target):
+                top = self._mono[r] = max(top, self.target[r])
+        return _interp(self._mono, rows)
 
     def _merge(self) -> dict[int, float]:
         xs = sorted(self.seen)
@@ -367,9 +371,14 @@ class CostController:
 
     def break_even(self, batch: int) -> float:
         """The acceptance at which one more verify row pays at `batch` sequences: the tokens
-        per second of B + p over B + 1 rows equal those of B over B rows."""
+        per second of B + p over B + 1 rows equal those of B over B rows. From the calibration
+        table where the cost model has one (`MeasuredCost.table_s`: every row count timed at
+        the same short context): the learnt model prices each row count at the contexts it was
+        seen at, and at 16 concurrent requests its 17th row came out at 0-7x its cost between
+        runs (no 1-row steps there to learn the context slope from, 2026-12-05)."""
+        cost = getattr(self.cost, "table_s", self.cost.target_s)
         over = self.overhead
-        t0, t1 = self.cost.target_s(batch) + over, self.cost.target_s(batch + 1) + over
+        t0, t1 = cost(batch) + over, cost(batch + 1) + over
         return batch * (t1 / t0 - 1.0) if t0 > 0 else math.inf
 
     def _lookup_gap(self, c: SeqControl) -> int:

@@ -15,6 +15,7 @@ from specdeploy.engine.spec_control import (
     GUARD_TOL,
     IDLE_CUTS,
     CostController,
+    MeasuredCost,
 )
 from tests.spec.test_spec_controller import (  # noqa: F401
     FREE,
@@ -124,3 +125,15 @@ def test_guarded_engine_drafts_rarely_and_stays_lossless(target, baseline, looku
     finally:
         llm.engine.set_controller(None)
         llm.engine.set_lookup(None)
+
+
+def test_break_even_reads_the_calibration_table():
+    """A learnt model that saw a 17-row step cheaper than the 16-row ones (early in a wave)
+    prices the 17th row at nothing; the break-even acceptance comes from the table, where
+    every row count was timed alike: 16 * (13 / 12 - 1)."""
+    m = MeasuredCost({16: 12.0, 17: 13.0, 32: 21.0}, {}, alpha=0.5)
+    for rows, s in ((16, 9.0), (16, 18.0), (17, 9.0), (17, 15.0)):
+        m.observe(rows, s)  # (the first at each row count: a warm-up)
+    assert m.target_s(17) == m.target_s(16)
+    c = CostController(m, 3, 6, drafter=False)
+    assert c.break_even(16) == pytest.approx(16 * (13.0 / 12.0 - 1), rel=1e-12)
