@@ -99,13 +99,10 @@ class Lookup:
         # with the cost controller every match drafts `max_k` and the controller cuts the run
         # to what pays (engine/spec_control.py); without it runs grow as `next_lookup_len` says
         self.longest = False
-        self.paused = False  # the controller's guard: no lookups this step (`complete`)
 
     def complete(self, seq, ids: list[int], vocab_size: int, device) -> bool:
         """Extend `seq.spec.drafts` to the sequence's lookup length when its committed tokens
         `ids` plus its drafts so far end in an n-gram seen before; True if it did."""
-        if self.paused:
-            return False
         st = seq.spec
         if st.ngram_index is None or (st.ngram_index.max_n, st.ngram_index.min_n) != (
                 self.max_n, self.min_n):

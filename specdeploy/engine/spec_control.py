@@ -57,14 +57,6 @@ MAX_PROBE_GAP = 32
 # MeasuredCost's context regression: the EMA weight of a 1-row step, the steps before its slope
 # is used, and the spread of keys (standard deviation) they must span
 REG_ALPHA, REG_MIN, REG_SPREAD = 0.01, 32, 24.0
-# The realized-rate guard (`observe_rate`, `guarded`): per batch size, EMAs (weight
-# GUARD_ALPHA) of the tokens per second of steps that verified drafts and of steps that did
-# not; once each has GUARD_MIN steps and drafting's is below plain's by more than GUARD_TOL,
-# drafting stops at that batch size but for one step in EXPLORE_EVERY, which keeps it measured
-GUARD_ALPHA, GUARD_MIN, GUARD_TOL, EXPLORE_EVERY = 0.05, 16, 0.02, 8
-# ... and where IDLE_CUTS cuts in a row kept no draft at all and an even bet does not pay a row
-# (`store_free` false), the lookups that only the cut would read stop the same way
-IDLE_CUTS = 8
 # `wants_store`: the store is asked every step where a draft accepted with this probability
 # pays a verify row (`break_even`), else only at probes after a cut to none
 STORE_FREE_BELOW = 0.5
@@ -325,10 +317,6 @@ class CostController:
         self._last_gap = 0  # the probe gap of the last drafter verify: a new sequence's start
         self.batch = 1  # sequences that wanted drafts at the last `cut` (`_lookup_gap`)
         self.store_free = True  # the store is asked every step (`wants_store`; set by `cut`)
-        # batch size -> [plain EMA, its steps, drafting EMA, its steps] of tokens per second
-        self._rates: dict[int, list[float]] = {}
-        self._explore = 0  # guarded steps since the last explored one (`guarded`)
-        self._idle_cuts = 0  # cuts in a row that kept no draft (`cut`)
 
     def resized(self, k: int, max_k: int, drafter: bool) -> CostController:
         """This controller for an engine of chain length `k`, verifies up to `max_k` drafts."""
@@ -520,45 +508,6 @@ class CostController:
         if seconds >= 0 and math.isfinite(seconds):
             self.overhead += self.alpha * (seconds - self.overhead)
 
-    def observe_rate(self, batch: int, tokens: int, seconds: float, drafted: bool) -> None:
-        """A decode / verify step of `batch` sequences made `tokens` tokens in `seconds` (the
-        whole step: forward, verification, drafting, host work), `drafted`: it verified drafts.
-
-        Why: the cost model prices rows and the acceptance tables price drafts, and both can be
-        wrong where a draft's margin is thin. At 16 concurrent requests on 2 cores an extra
-        verify row costs ~0.9 ms against ~1.1 ms a token wins, the model priced a 17th row at
-        the 16-row steps' context-blind average, and speculative configurations ran at 0.95-0.98x
-        plain (2026-12-05). The realized rates need no model: the tokens per second of plain
-        steps do not depend on the text, so drafting steps below them lost to plain decoding."""
-        if not (batch > 0 and seconds > 0 and math.isfinite(seconds)):
-            return
-        r = self._rates.get(batch)
-        if r is None:
-            r = self._rates[batch] = [0.0, 0, 0.0, 0]
-        i = 2 if drafted else 0
-        rate = tokens / seconds
-        r[i] = rate if not r[i + 1] else r[i] + GUARD_ALPHA * (rate - r[i])
-        r[i + 1] += 1
-
-    def guarded(self, batch: int) -> bool:
-        """Whether this step drafts and looks up nothing at `batch` sequences: drafting's
-        realized rate there is below plain's by more than GUARD_TOL (both seen GUARD_MIN steps
-        or more), or the last IDLE_CUTS cuts at this batch kept nothing where an even bet does
-        not pay a verify row; and this is not the one step in EXPLORE_EVERY that drafts as the
-        model says (to keep measuring)."""
-        r = self._rates.get(batch)
-        lost = r is not None and min(r[1], r[3]) >= GUARD_MIN and r[2] < r[0] * (1 - GUARD_TOL)
-        # NOTE: at 16 concurrent requests the cuts keep nothing in ~97% of steps, and the
-        # lookups and cuts they throw away were ~0.25 ms of a ~17 ms step (2026-12-05)
-        idle = self._idle_cuts >= IDLE_CUTS and not self.store_free and batch == self.batch
-        if not (lost or idle):
-            return False
-        self._explore += 1
-        if self._explore >= EXPLORE_EVERY:
-            self._explore = 0
-            return False
-        return True
-
     def step_cost(self, ks: list[int], fixed_rows: int = 0, draft: bool = True) -> float:
         """The modelled seconds of a step verifying `ks` drafts per sequence (plus `fixed_rows`
         other rows)."""
@@ -719,7 +668,6 @@ class CostController:
         self.store_free = self.break_even(self.batch) < STORE_FREE_BELOW
         look = [s for s in seqs if s.spec.from_lookup and s.spec.drafts]
         if not look:
-            self._idle_cuts = 0 if any(s.spec.drafts for s in seqs) else self._idle_cuts + 1
             return
         rest = [s for s in seqs if not (s.spec.from_lookup and s.spec.drafts)]
         fixed_rows = sum(1 + len(s.spec.drafts) for s in rest)
@@ -735,7 +683,6 @@ class CostController:
                 k, c.idle_lookup = 1, 0
             if k < n:
                 cut_drafts(s.spec, k)
-        self._idle_cuts = 0 if any(s.spec.drafts for s in seqs) else self._idle_cuts + 1
 
 
 def _behind_rows(seq) -> int:

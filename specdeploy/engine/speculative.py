@@ -136,8 +136,6 @@ class SpecEngine(Engine):
         self._cache_on_finish = deployed.draft is None
         self.controller: CostController | None = None
         self._step_parts: list[float] | None = None  # this step's timed parts (`_timed`)
-        # this step's (sequences, tokens made, whether it verified drafts) (`_verify`)
-        self._step_made: tuple[int, int, bool] | None = None
         self._measured: MeasuredCost | None = None  # calibrated once, on first use
         # the suffix store (engine/suffix_store.py): drafts behind lookup's, from the corpus
         # loaded at deploy time and this engine's finished replies
@@ -238,11 +236,8 @@ class SpecEngine(Engine):
 
     def _stepped(self, seconds: float) -> None:
         parts, self._step_parts = self._step_parts, None
-        made, self._step_made = self._step_made, None
         if parts is not None and self.controller is not None:
             self.controller.observe_overhead(seconds - parts[0] - parts[1])
-            if made is not None and made[0]:
-                self.controller.observe_rate(made[0], made[1], seconds, made[2])
 
     # ---- the step hooks -----------------------------------------------------------------------
     def _segments(self, batch: list[ScheduledSeq]) -> list[Segment]:
@@ -279,8 +274,6 @@ class SpecEngine(Engine):
                 nxt.append(t)
         tokens: list[list[int]] = [[] for _ in batch]
         st = self.spec_stats
-        self._step_made = (len(live), sum(a + 1 for a in num),
-                           any(segs[i].kind == SEG_EXTEND for i in live))
         for i, seq, a, t in zip(live, seqs, num, nxt):
             if seq.finished:
                 continue
@@ -408,13 +401,7 @@ class SpecEngine(Engine):
             tok += len(seg.token_ids)
         ctl = self.controller if not isinstance(self.source, FixedDrafter) else None
         wanting = [w.seq for w in work if w.wants]
-        # drafting has lost to plain decoding at this batch size, measured: nothing is drafted
-        # or looked up (a drafter's rows wait, `limit` 0), but for the guard's explored steps
-        guard = ctl is not None and bool(wanting) and ctl.guarded(len(wanting))
-        if guard:
-            for seq in wanting:
-                seq.spec.limit = 0
-        elif ctl is not None:
+        if ctl is not None:
             ctl.set_context(sum(seq.num_cached for seq in wanting))
             rest = self._lookup_first(wanting)
             looked = [seq for seq in wanting if seq.spec.drafts]
@@ -422,8 +409,6 @@ class SpecEngine(Engine):
             ctl.plan(rest, sum(1 + len(seq.spec.drafts) for seq in looked), float(len(looked)))
         st, undrafted = self.spec_stats, self.spec_stats.undrafted_steps
         t = time.perf_counter()
-        if guard and self.lookup is not None:
-            self.lookup.paused = True
         try:
             self.source.propose(work, out.hidden)
         except Exception:  # one sequence's drafting failed: again one by one, it alone fails
@@ -434,9 +419,6 @@ class SpecEngine(Engine):
                 except Exception as e:
                     w.seq.spec.clear()
                     self.fail(w.seq, e)
-        finally:
-            if self.lookup is not None:
-                self.lookup.paused = False
         if ctl is not None:
             t = time.perf_counter() - t
             if ctl.observe_draft(wanting, t) and self._step_parts is not None:
@@ -445,8 +427,7 @@ class SpecEngine(Engine):
             if w.seq.matcher is not None and w.seq.spec.drafts:
                 _cut_to_grammar(w.seq)
         if ctl is not None:
-            if not guard:
-                ctl.cut(wanting)
+            ctl.cut(wanting)
             bare = sum(not seq.spec.drafts for seq in wanting if not seq.finished)
             st.controlled_steps += max(bare - (st.undrafted_steps - undrafted), 0)
         for seq in wanting:

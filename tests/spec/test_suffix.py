@@ -8,7 +8,7 @@ import json
 import pytest
 
 from specdeploy import LLM, SamplingParams, SpecConfig
-from specdeploy.engine.spec_control import CostController, cut_drafts, store_bucket
+from specdeploy.engine.spec_control import CostController, MeasuredCost, cut_drafts, store_bucket
 from specdeploy.engine.suffix_store import SuffixStore
 from tests.spec.test_spec_controller import Linear
 from tests.spec.tiny_targets import LIMITS
@@ -240,3 +240,17 @@ def test_the_store_is_asked_every_step_where_an_even_bet_pays_a_row():
     c = dear.state(seq)
     c.idle_lookup, c.gap_lookup = 1, 4
     assert not dear.wants_store(seq)
+
+
+def test_break_even_reads_the_calibration_table():
+    """A learnt model that saw a 17-row step cheaper than the 16-row ones (early in a wave)
+    prices the 17th row at nothing; the break-even acceptance comes from the table, where
+    every row count was timed alike: 16 * (13 / 12 - 1)."""
+    m = MeasuredCost({16: 12.0, 17: 13.0, 32: 21.0}, {}, alpha=0.5)
+    for rows, s in ((16, 9.0), (16, 18.0), (17, 9.0), (17, 15.0)):
+        m.observe(rows, s)  # (the first at each row count: a warm-up)
+    assert m.target_s(17) == m.target_s(16)
+    c = CostController(m, 3, 6, drafter=False)
+    assert c.break_even(16) == pytest.approx(16 * (13.0 / 12.0 - 1), rel=1e-12)
+    c.cut([_Seq() for _ in range(16)])
+    assert not c.store_free
