@@ -21,7 +21,9 @@ once, each decoding exactly --max-tokens new tokens greedily (EOS ignored).
   caching is off (--prefix-caching turns it on): the rounds repeat the same prompts, and
   llama.cpp recomputes them each time.
 
-Rounds are interleaved (llama.cpp, then each configuration). Reported per system: medians over
+Rounds are interleaved, the order rotating by round (llama.cpp and each configuration in turn;
+with a fixed order each configuration always ran in the same place of the round and after the
+same predecessor, as bench/vs_llamacpp.py avoids). Reported per system: medians over
 rounds of the total rate (new tokens / wall, prefill included), of the decode rate (tokens made
 after every sequence had its first token / the time from then on) and of per-round ratios to
 llama.cpp; and how far each configuration's tokens agree with llama.cpp's.
@@ -200,9 +202,11 @@ def main() -> None:
     dec = {name: [] for name in runners}
     tokens: dict = {}
     t_start = time.perf_counter()
+    names = list(runners)
     for r in range(args.rounds):
-        for name, run in runners.items():
-            outs, wall, n_dec, dwall = run(prompts, m)
+        s = r % len(names)
+        for name in names[s:] + names[:s]:
+            outs, wall, n_dec, dwall = runners[name](prompts, m)
             total[name].append(sum(map(len, outs)) / wall)
             dec[name].append(n_dec / dwall)
             tokens.setdefault(name, outs)
