@@ -22,7 +22,8 @@ SPEC_STATS = ("num_draft_tokens", "draft_steps", "draft_tokens", "accepted_token
               "acceptance_rate", "mean_accepted_length", "accepted_per_position",
               "acceptance_per_position", "lookup_steps", "lookup_accepted_tokens",
               "store_steps", "store_accepted_tokens",
-              "undrafted_steps", "controlled_steps", "steps_by_num_drafts")
+              "undrafted_steps", "controlled_steps", "batch_off_steps", "steps_by_num_drafts",
+              "spec_off_batch_sizes")
 
 
 def cmd_generate(args) -> int:

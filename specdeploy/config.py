@@ -82,6 +82,12 @@ class SpecConfig:
     the engine is built) and the sequence's recent acceptance (engine/spec_control.py), so that
     speculation is not slower than plain decoding. "off": fixed K, every step verifies K drafts,
     which can be slower than no speculation.
+    `disable_by_batch_size` (vLLM's name): speculation is off in a step where more than this
+    many sequences decode (no lookups, no store, no drafter forwards; a drafter's catch-up is
+    deferred to its next drafting step). None (the default): with the cost controller, off at
+    the batch sizes where this machine's calibrated step costs price any run of extra verify
+    rows above `OFF_BREAK_EVEN` acceptance (engine/spec_control.py `off_batches`: where a
+    step is compute-bound); with `controller="off"`, never.
     """
 
     method: str
@@ -95,6 +101,7 @@ class SpecConfig:
     draft_quantize: str | None = "auto"
     draft_min_prob: float = 0.0
     controller: str = "cost"
+    disable_by_batch_size: int | None = None
     suffix_store: str | None = None
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_min_token_prob: float = 0.1
@@ -164,6 +171,10 @@ class SpecConfig:
         p = self.draft_min_prob
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p < 1.0:
             raise ValueError(f"draft_min_prob: must be a number in [0, 1), got {p!r}")
+        n = self.disable_by_batch_size
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"disable_by_batch_size: must be None or an integer >= 1, "
+                             f"got {n!r}")
         if self.controller not in CONTROLLERS:
             raise ValueError(f"controller: must be one of {', '.join(CONTROLLERS)}, "
                              f"got {self.controller!r}")

@@ -13,7 +13,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's form, instead of --spec ...: e.g. '{\"method\": \"eagle3\", "
                         "\"model\": DIR, \"num_speculative_tokens\": 3}' (methods eagle3, "
                         "mtp / deepseek_mtp / ..._mtp, ngram, suffix; prompt_lookup_max/min, "
-                        "suffix_decoding_max_cached_requests, suffix_decoding_min_token_prob)")
+                        "suffix_decoding_max_cached_requests, suffix_decoding_min_token_prob, "
+                        "disable_by_batch_size)")
     p.add_argument("--spec", choices=("none", *SPEC_METHODS), default="none",
                    help="drafter: mtp, eagle3, ngram (n-gram lookup drafts only, no drafter), "
                         "suffix (lookup + a store of replies, no drafter), auto")
@@ -47,6 +48,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "included) from this machine's measured step costs and recent "
                         "acceptance; off: fixed K, every step verifies K drafts (can be slower "
                         "than no speculation)")
+    p.add_argument("--spec-disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="no speculation in steps where more than N sequences decode (vLLM's "
+                        "disable_by_batch_size; default: with the cost controller, the batch "
+                        "sizes where this machine's measured step costs say drafts need a high "
+                        "acceptance to pay)")
 
 
 def spec_from_args(args) -> SpecConfig | None:
@@ -71,4 +77,5 @@ def spec_from_args(args) -> SpecConfig | None:
                       suffix_decoding_max_cached_requests=args.suffix_max_cached_requests,
                       suffix_decoding_min_token_prob=args.suffix_min_token_prob,
                       draft_min_prob=args.draft_min_prob,
-                      controller=getattr(args, "spec_controller", "cost"))
+                      controller=getattr(args, "spec_controller", "cost"),
+                      disable_by_batch_size=getattr(args, "spec_disable_by_batch_size", None))

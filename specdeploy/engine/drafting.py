@@ -104,7 +104,7 @@ class ModelDrafter:
         # written; a request that hits them gets worse drafts, never other output.
         later = [w for w in work if w.wants and w.seq.spec.limit == 0]
         for w in later:
-            _defer(w, captured)
+            defer_rows(w, captured)
             if self.lookup is not None:  # it still takes a lookup match: that costs no forward
                 self.lookup.complete(w.seq, w.seq.all_ids, d.vocab_size, self.device)
         work = [w for w in work if not (w.wants and w.seq.spec.limit == 0)]
@@ -295,7 +295,7 @@ class ModelDrafter:
         return going
 
 
-def _defer(w: DraftWork, captured: torch.Tensor) -> None:
+def defer_rows(w: DraftWork, captured: torch.Tensor) -> None:
     """Keep a work item's captured rows for the sequence's next catch-up (copied: the step's
     buffer is the next step's). `behind` = (first position, token ids, [rows per step]): the
     rows are concatenated once, at the catch-up (not every step: a growing copy)."""

@@ -42,7 +42,7 @@ from specdeploy.cache.metadata import Segment, build_metadata
 from specdeploy.config import CONTROLLERS
 
 __all__ = ["CONTROLLERS", "DRAFTER_MARGIN", "CostController", "CostModel", "MeasuredCost",
-           "calibrate"]
+           "calibrate", "off_batches"]
 
 # Copy lengths m (tokens a lookup match has copied) in buckets [.., 2), [2, 3), ..., [64, ..).
 COPY_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -61,6 +61,18 @@ REG_ALPHA, REG_MIN, REG_SPREAD = 0.01, 32, 24.0
 # pays a verify row (`break_even`), else only at probes after a cut to none
 STORE_FREE_BELOW = 0.5
 NEAR_EVEN = 0.9  # `_near_even`: a modelled rate within this share of plain's
+# `off_batches`: speculation is off from a batch size where one draft for every sequence pays
+# only at this acceptance or more (a compute-bound step). NOTE: on the default model at 16
+# concurrent requests (2 cores, AVX-512, 2026-12-05) that acceptance is 0.8-0.96 in three
+# calibrations, and suffix + controller, drafting in 5-8% of steps with 87% of its drafts
+# accepted, ran at 0.95-0.98x plain in four bench runs: ~0.5 ms of a ~22 ms step is its host
+# work (lookups, store, cut), and in a batch that finishes together the sequences a draft puts
+# ahead wait for the slowest. At batch 1 it is 0-0.05, at 3 0.1-0.25.
+OFF_BREAK_EVEN = 0.6
+# ... judged at batch sizes of at least this. NOTE: below it a step reads the weights once for
+# a few rows (a 6-row step cost ~1.2x a 3-row one here), but at batch 3 the calibrated ratio
+# of 6 to 3 rows ranged 0-0.75 over nine calibrations: one slow timing of a ~4 ms step
+OFF_MIN_BATCH = 8
 REPLAN_EVERY = 8  # steps between plans of sequences settled at 0 drafter drafts (`plan`)
 # The share by which a step with drafter drafts must beat plain decoding in the cost model
 # before it is taken (the engine's controller; 0 in a bare CostController). The model errs by a
@@ -317,6 +329,8 @@ class CostController:
         self._last_gap = 0  # the probe gap of the last drafter verify: a new sequence's start
         self.batch = 1  # sequences that wanted drafts at the last `cut` (`_lookup_gap`)
         self.store_free = True  # the store is asked every step (`wants_store`; set by `cut`)
+        # batch sizes at which the engine runs no speculation (`off_batches`; set by the engine)
+        self.off_batches: frozenset[int] = frozenset()
 
     def resized(self, k: int, max_k: int, drafter: bool) -> CostController:
         """This controller for an engine of chain length `k`, verifies up to `max_k` drafts."""
@@ -685,8 +699,23 @@ class CostController:
                 cut_drafts(s.spec, k)
 
 
+def off_batches(cost_s, calibrated: tuple[int, ...], top: int) -> frozenset[int]:
+    """The batch sizes (up to `top`) at which speculation is off: from the smallest calibrated
+    batch size B >= OFF_MIN_BATCH at which one draft for every sequence (B more rows) pays only
+    at an acceptance of OFF_BREAK_EVEN or more, cost(2B) / cost(B) - 1 (`cost_s`: the
+    calibration table, where B and 2B rows were both timed), up. NOTE: calibrated batch sizes
+    only: a row count between them is interpolated across the kernels' 8-row tiles (a step of
+    9 rows cost ~1.6x one of 6, 2026-12-05), and with one row more the break-even swings with
+    a single noisy timing (a 17th row: 0-2.8 between calibrations)."""
+    for b in sorted(x for x in calibrated if x >= OFF_MIN_BATCH):
+        t0 = cost_s(b)
+        if t0 > 0 and cost_s(2 * b) / t0 - 1.0 >= OFF_BREAK_EVEN:
+            return frozenset(range(b, top + 1))
+    return frozenset()
+
+
 def _behind_rows(seq) -> int:
-    """Drafter rows a sequence deferred while it drafted nothing (engine/drafting.py `_defer`):
+    """Drafter rows a sequence deferred while it drafted nothing (engine/drafting.py `defer_rows`):
     its next drafting step's catch-up feeds them first."""
     b = getattr(seq.spec, "behind", None)
     return len(b[1]) if b is not None else 0
@@ -800,7 +829,7 @@ CATCH_UP_ROWS = (8, 16, 32)
 def _time_catch_ups(engine, ids: list[str], reps: int, like: torch.Tensor) -> None:
     """Times drafter forwards of n = CATCH_UP_ROWS rows a sequence (one logit each): the
     catch-up of a sequence that deferred its drafter rows for n steps while the controller gave
-    it no drafts (engine/drafting.py `_defer`). Without them the drafter's table ended at K + 1
+    it no drafts (engine/drafting.py `defer_rows`). Without them the drafter's table ended at K + 1
     rows a sequence and a catch-up of 17 deferred rows was priced as one of 4 (the last slope
     of a noisy table is often 0): ~0.46 against ~1.2 ms measured on the default model's
     EAGLE-3, which drove the measured / modelled drafting scale to ~4 and every draft out
@@ -832,7 +861,10 @@ def _fit(engine, b: int, reps: int, prompt_len: int):
     kmax = engine.max_k
     per_seq = engine.blocks.num_pages * engine.blocks.page_size // b
     for r in range(reps, 0, -1):
-        schedule = [k for k in sorted({*range(engine.k + 1), kmax}) for _ in range(r + 1)]
+        # NOTE: interleaved (0, 1, .., K, 0, 1, ..): in blocks, a row count's steps all ran
+        # in whatever stretch the machine was in, and the ratio of 32 to 16 rows at batch 16
+        # came out at 1.2-1.9 between calibrations (2026-12-05)
+        schedule = [k for _ in range(r + 1) for k in sorted({*range(engine.k + 1), kmax})]
         n = min(prompt_len, engine.max_seq_len - kmax - 1 - len(schedule),
                 per_seq - 2 * kmax - 2 - len(schedule))
         if n >= 1:

@@ -29,6 +29,7 @@ from specdeploy.engine.drafting import (
     FixedDrafter,
     LookupDrafter,
     ModelDrafter,
+    defer_rows,
 )
 from specdeploy.engine.engine import Engine
 from specdeploy.engine.logits_process import logprob_pack, process, unpack_logprobs
@@ -43,6 +44,7 @@ from specdeploy.engine.spec_control import (
     MeasuredCost,
     calibrate,
     cut_drafts,
+    off_batches,
 )
 from specdeploy.engine.suffix_store import SuffixStore
 from specdeploy.engine.verify import Drafts, member_rows, verify, verify_greedy, verify_greedy_lists
@@ -65,6 +67,7 @@ class SpecStats:
     store_accepted_tokens: int = 0
     undrafted_steps: int = 0  # decode steps left without drafts by the confidence stop
     controlled_steps: int = 0  # decode steps the cost controller left without drafts
+    batch_off_steps: int = 0  # decode steps at a batch size where speculation is off
     steps_by_num_drafts: list[int] = field(default_factory=list)  # decode steps by drafts
 
     def __post_init__(self):
@@ -77,7 +80,7 @@ class SpecStats:
         self.__init__(self.k, max_k)
 
     def as_dict(self) -> dict:
-        n = self.draft_steps + self.undrafted_steps + self.controlled_steps
+        n = self.draft_steps + self.undrafted_steps + self.controlled_steps + self.batch_off_steps
         steps = max(n, 1)
         return {
             "num_draft_tokens": self.k, "draft_steps": self.draft_steps,
@@ -92,6 +95,7 @@ class SpecStats:
             "store_accepted_tokens": self.store_accepted_tokens,
             "undrafted_steps": self.undrafted_steps,
             "controlled_steps": self.controlled_steps,
+            "batch_off_steps": self.batch_off_steps,
             "steps_by_num_drafts": list(self.steps_by_num_drafts),
         }
 
@@ -126,6 +130,9 @@ class SpecEngine(Engine):
         spec = deployed.spec
         self.k = deployed.num_draft_tokens
         self._draft_min_prob: float = spec.draft_min_prob
+        # speculation off in steps of more than this many decoding sequences (None: the
+        # controller's `off_batches`)
+        self.disable_by_batch_size: int | None = spec.disable_by_batch_size
         self.scheduler = SpecScheduler(self.blocks, self.scheduler.max_batch_size,
                                        self.scheduler.max_num_tokens)
         self.spec_stats = SpecStats(self.k)  # reset in place: the draft sources hold it
@@ -137,6 +144,7 @@ class SpecEngine(Engine):
         self.controller: CostController | None = None
         self._step_parts: list[float] | None = None  # this step's timed parts (`_timed`)
         self._measured: MeasuredCost | None = None  # calibrated once, on first use
+        self._calibrated: tuple[int, ...] = ()  # the batch sizes `calibrate` timed
         # the suffix store (engine/suffix_store.py): drafts behind lookup's, from the corpus
         # loaded at deploy time and this engine's finished replies
         self.store = SuffixStore(
@@ -181,9 +189,12 @@ class SpecEngine(Engine):
                 # sequences were extrapolated, and at 16 concurrent requests the controller
                 # over-drafted until its own steps had taught it (2026-12-04, docs/benchmarks.md)
                 top = min(self.scheduler.max_batch_size, 16)
-                self._measured = calibrate(self, batches=(1, 3) + ((top,) if top >= 8 else ()))
+                self._calibrated = (1, 3) + ((top,) if top >= 8 else ())
+                self._measured = calibrate(self, batches=self._calibrated)
             controller = CostController(self._measured, self.k, self.max_k,
                                         margin=DRAFTER_MARGIN)
+            controller.off_batches = off_batches(self._measured.table_s, self._calibrated,
+                                                 self.scheduler.max_batch_size)
         elif not isinstance(controller, CostController):
             raise ValueError(f"controller: must be one of {', '.join(CONTROLLERS)} or a "
                              f"CostController, got {controller!r}")
@@ -225,7 +236,10 @@ class SpecEngine(Engine):
         self.spec_stats.reset(self.max_k)
 
     def stats_dict(self) -> dict:
-        return {**super().stats_dict(), **self.spec_stats.as_dict()}
+        n = self.disable_by_batch_size
+        off = (list(range(n + 1, self.scheduler.max_batch_size + 1)) if n is not None
+               else sorted(self.controller.off_batches) if self.controller is not None else [])
+        return {**super().stats_dict(), **self.spec_stats.as_dict(), "spec_off_batch_sizes": off}
 
     def _timed(self, segs: list[Segment], rows: int, seconds: float) -> None:
         # NOTE: decode and verify steps only; a prefill chunk's rows cost another amount each
@@ -401,6 +415,9 @@ class SpecEngine(Engine):
             tok += len(seg.token_ids)
         ctl = self.controller if not isinstance(self.source, FixedDrafter) else None
         wanting = [w.seq for w in work if w.wants]
+        if self._spec_off(len(wanting)):
+            self._off_step(work, out.hidden)
+            return
         if ctl is not None:
             ctl.set_context(sum(seq.num_cached for seq in wanting))
             rest = self._lookup_first(wanting)
@@ -434,6 +451,28 @@ class SpecEngine(Engine):
             if not seq.finished:
                 st.steps_by_num_drafts[min(len(seq.spec.drafts), self.max_k)] += 1
 
+
+    def _spec_off(self, batch: int) -> bool:
+        """Whether a step of `batch` decoding sequences runs without speculation
+        (`SpecConfig.disable_by_batch_size`, else the controller's `off_batches`). Drafts
+        fixed by `fix_drafts` are always verified."""
+        if isinstance(self.source, FixedDrafter) or batch < 1:
+            return False
+        n = self.disable_by_batch_size
+        if n is not None:
+            return batch > n
+        return self.controller is not None and batch in self.controller.off_batches
+
+    def _off_step(self, work: list[DraftWork], captured: torch.Tensor | None) -> None:
+        """No drafts this step: no lookups, no store, no drafter forward. A drafter's rows wait
+        for its next drafting step's catch-up (`defer_rows`, as a sequence the controller gives no
+        drafts); a lookup index catches up on its next match."""
+        n = sum(w.wants for w in work)
+        self.spec_stats.batch_off_steps += n
+        self.spec_stats.steps_by_num_drafts[0] += n
+        if isinstance(self.source, ModelDrafter):
+            for w in work:
+                defer_rows(w, captured)
 
     def _lookup_first(self, seqs: list[Sequence]) -> list[Sequence]:
         """With a drafter, lookup, and the controller: a sequence whose tail matches takes its
