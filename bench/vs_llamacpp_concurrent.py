@@ -47,7 +47,10 @@ from vs_llamacpp import SPECS, _median, cpu_info  # noqa: E402
 from specdeploy import LLM, SamplingParams  # noqa: E402
 from specdeploy.bench import machine, peak_rss_mib, print_json  # noqa: E402
 
-PLAIN = {"plain": "fast", "plain-exact": "exact"}  # configuration: kernels (no speculation)
+# configuration: kernels (no speculation). "plain-b": a second deployment of plain, a control:
+# two identical deployments in one process differed by ~1-2% per round here (2026-12-05), the
+# floor under which a speculative row's ratio to plain says nothing
+PLAIN = {"plain": "fast", "plain-exact": "exact", "plain-b": "fast"}
 
 
 def import_llama_cpp():
@@ -228,13 +231,15 @@ def main() -> None:
             row["agreement_with_llamacpp"] = agreement(tokens[name], tokens["llama.cpp"])
             llm = configs[name]
             if llm.spec is not None:
-                row["mean_accepted_length"] = round(
-                    llm.stats().get("mean_accepted_length") or 0.0, 3)
-                if "specdeploy plain" in total:  # round by round: the machine drifts
-                    for key, rates in (("", total), ("decode_", dec)):
-                        per = [a / b for a, b in zip(rates[name], rates["specdeploy plain"])]
-                        row[f"{key}vs_our_plain"] = round(_median(per), 3)
-                        row[f"{key}vs_our_plain_per_round"] = [round(x, 3) for x in per]
+                stats = llm.stats()
+                row["mean_accepted_length"] = round(stats.get("mean_accepted_length") or 0.0, 3)
+                row["spec_off_batch_sizes"] = stats.get("spec_off_batch_sizes")
+            if "specdeploy plain" in total and name != "specdeploy plain":
+                # round by round: the machine drifts
+                for key, rates in (("", total), ("decode_", dec)):
+                    per = [a / b for a, b in zip(rates[name], rates["specdeploy plain"])]
+                    row[f"{key}vs_our_plain"] = round(_median(per), 3)
+                    row[f"{key}vs_our_plain_per_round"] = [round(x, 3) for x in per]
     print_json({
         "machine": machine(), "cpu": cpu_info(), "threads": args.threads,
         "load_average_before": [round(x, 2) for x in load_before],

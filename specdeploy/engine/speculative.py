@@ -404,6 +404,13 @@ class SpecEngine(Engine):
     def _after_step(self, batch: list[ScheduledSeq], segs: list[Segment], cached: list[int],
                     out: StepOutput) -> None:
         """Hand every sequence that advanced to the draft source."""
+        drafter = isinstance(self.source, ModelDrafter)
+        if not drafter:  # no drafter rows to defer: decided before any work is built
+            going = sum(not s.seq.finished and s.seq.num_cached == len(s.seq) - 1
+                        for s in batch)
+            if self._spec_off(going):
+                self._count_off(going)
+                return
         work, tok = [], 0
         for s, seg, n in zip(batch, segs, cached):
             seq, start = s.seq, seg.cache_len
@@ -415,8 +422,12 @@ class SpecEngine(Engine):
             tok += len(seg.token_ids)
         ctl = self.controller if not isinstance(self.source, FixedDrafter) else None
         wanting = [w.seq for w in work if w.wants]
-        if self._spec_off(len(wanting)):
-            self._off_step(work, out.hidden)
+        if drafter and self._spec_off(len(wanting)):
+            # NOTE: its rows wait for the next drafting step's catch-up, as those of a sequence
+            # the controller gives no drafts; a lookup index catches up on its next match
+            self._count_off(len(wanting))
+            for w in work:
+                defer_rows(w, out.hidden)
             return
         if ctl is not None:
             ctl.set_context(sum(seq.num_cached for seq in wanting))
@@ -463,16 +474,10 @@ class SpecEngine(Engine):
             return batch > n
         return self.controller is not None and batch in self.controller.off_batches
 
-    def _off_step(self, work: list[DraftWork], captured: torch.Tensor | None) -> None:
-        """No drafts this step: no lookups, no store, no drafter forward. A drafter's rows wait
-        for its next drafting step's catch-up (`defer_rows`, as a sequence the controller gives no
-        drafts); a lookup index catches up on its next match."""
-        n = sum(w.wants for w in work)
+    def _count_off(self, n: int) -> None:
+        """`n` decoding sequences got no drafts: speculation is off at this batch size."""
         self.spec_stats.batch_off_steps += n
         self.spec_stats.steps_by_num_drafts[0] += n
-        if isinstance(self.source, ModelDrafter):
-            for w in work:
-                defer_rows(w, captured)
 
     def _lookup_first(self, seqs: list[Sequence]) -> list[Sequence]:
         """With a drafter, lookup, and the controller: a sequence whose tail matches takes its
