@@ -83,11 +83,12 @@ class SpecConfig:
     speculation is not slower than plain decoding. "off": fixed K, every step verifies K drafts,
     which can be slower than no speculation.
     `disable_by_batch_size` (vLLM's name): speculation is off in a step where more than this
-    many sequences decode (no lookups, no store, no drafter forwards; a drafter's catch-up is
-    deferred to its next drafting step). None (the default): with the cost controller, off at
-    the batch sizes where this machine's calibrated step costs price any run of extra verify
-    rows above `OFF_BREAK_EVEN` acceptance (engine/spec_control.py `off_batches`: where a
-    step is compute-bound); with `controller="off"`, never.
+    many sequences are running, prefilling ones included (no lookups, no store, no drafter
+    forwards; a drafter's catch-up is deferred to its next drafting step). None (the default):
+    with the cost controller, off from the calibrated batch size (8 or more) at which one draft
+    for every sequence pays only at an acceptance of `OFF_BREAK_EVEN` or more, i.e. where a
+    step is compute-bound (engine/spec_control.py `off_batches`); with `controller="off"`,
+    never.
     """
 
     method: str

@@ -49,7 +49,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "acceptance; off: fixed K, every step verifies K drafts (can be slower "
                         "than no speculation)")
     p.add_argument("--spec-disable-by-batch-size", type=int, default=None, metavar="N",
-                   help="no speculation in steps where more than N sequences decode (vLLM's "
+                   help="no speculation in steps where more than N sequences run (vLLM's "
                         "disable_by_batch_size; default: with the cost controller, the batch "
                         "sizes where this machine's measured step costs say drafts need a high "
                         "acceptance to pay)")
