@@ -110,6 +110,18 @@ def test_the_pass_fuses_every_layer_and_leaves_no_chain(tiny_gguf):
     assert not [m for m in map(fuse_layers._match, dep.gm.graph.nodes) if m is not None]
 
 
+def test_the_kv_cache_a_fused_layer_holds_is_not_counted_as_weights(tiny_gguf):
+    """After its first call a fused layer keeps its KV cache (its closure's `seen`): the
+    deployment's weight bytes are those before any step (the cache is the plan's)."""
+    _, path = tiny_gguf
+    dep = build(str(path), **LIMITS)
+    before = dep.weight_bytes()
+    for segs in _steps():
+        dep.forward(build_metadata(segs))
+    cache = sum(b.untyped_storage().nbytes() for b in _caches(dep).values())
+    assert cache > 0 and dep.weight_bytes() == before
+
+
 def _parities(gm):
     return [n.target.out_parity for n in _fused(gm)]
 
