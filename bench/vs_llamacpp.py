@@ -17,8 +17,8 @@ Every system gets the same prompt token ids: held-out ShareGPT first turns with 
 chat template applied (bench/acceptance.py `heldout_prompts`), each run decoding exactly
 --max-tokens new tokens greedily (EOS ignored, so every system makes as many tokens). All
 configurations are built first; then each round sends every prompt through every configuration
-in turn, the order rotating by prompt and round (interleaved: a busy machine slows all alike,
-and no configuration always follows the same one). Reported per configuration: the median
+in turn, the order shuffled by prompt and round (seeded; interleaved: a busy machine slows all
+alike, and no configuration always follows the same one). Reported per configuration: the median
 over rounds of the end-to-end rate (new tokens / wall time, prefill included) and of the decode
 rate (tokens after the first / time after the first), and the medians of per-round ratios to
 llama.cpp (each round's ratio taken within the round). The JSON carries the CPU model and flags,
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import sys
 import time
 from pathlib import Path
@@ -227,10 +228,11 @@ def main() -> None:
         tot = {name: [0, 0.0, 0, 0.0] for name in runners}
         names = list(runners)
         for i, p in enumerate(prompts):
-            # NOTE: the order rotates per prompt and round: a fixed order gave a configuration
-            # always the same predecessor (whose weights had just evicted the caches)
-            s = (i + r * len(prompts)) % len(names)
-            for name in names[s:] + names[:s]:
+            # NOTE: shuffled per prompt and round (seeded): a fixed order gave a configuration
+            # always the same predecessor (whose weights had just evicted the caches), and so
+            # does a rotation (it moves the start, not the cyclic order)
+            order = random.Random(r * len(prompts) + i).sample(names, len(names))
+            for name in order:
                 run = runners[name]
                 out, wall, after_first = run(p)
                 t = tot[name]

@@ -21,9 +21,11 @@ once, each decoding exactly --max-tokens new tokens greedily (EOS ignored).
   caching is off (--prefix-caching turns it on): the rounds repeat the same prompts, and
   llama.cpp recomputes them each time.
 
-Rounds are interleaved, the order rotating by round (llama.cpp and each configuration in turn;
-with a fixed order each configuration always ran in the same place of the round and after the
-same predecessor, as bench/vs_llamacpp.py avoids). Reported per system: medians over
+Rounds are interleaved, each in its own shuffled order (seeded by the round). NOTE: a fixed
+order gives each configuration the same place and the same predecessor every round; rotating
+it moves the place but keeps the predecessor (plain always ran right after llama.cpp), and
+every speculative row then measured 0.95-0.99x plain where two plain deployments in the same
+run differed by under 1% (2026-12-05). Reported per system: medians over
 rounds of the total rate (new tokens / wall, prefill included), of the decode rate (tokens made
 after every sequence had its first token / the time from then on) and of per-round ratios to
 llama.cpp; and how far each configuration's tokens agree with llama.cpp's.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -207,8 +210,7 @@ def main() -> None:
     t_start = time.perf_counter()
     names = list(runners)
     for r in range(args.rounds):
-        s = r % len(names)
-        for name in names[s:] + names[:s]:
+        for name in random.Random(r).sample(names, len(names)):  # (seeded: the same each run)
             outs, wall, n_dec, dwall = runners[name](prompts, m)
             total[name].append(sum(map(len, outs)) / wall)
             dec[name].append(n_dec / dwall)
