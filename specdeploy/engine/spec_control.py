@@ -63,11 +63,11 @@ STORE_FREE_BELOW = 0.5
 NEAR_EVEN = 0.9  # `_near_even`: a modelled rate within this share of plain's
 # `off_batches`: speculation is off from a batch size where one draft for every sequence pays
 # only at this acceptance or more (a compute-bound step). NOTE: on the default model at 16
-# concurrent requests (2 cores, AVX-512, 2026-12-05) that acceptance is 0.8-0.96 in three
+# concurrent requests (2 cores, AVX-512, 2026-12-05) that acceptance is 0.64-0.84 in five
 # calibrations, and suffix + controller, drafting in 5-8% of steps with 87% of its drafts
 # accepted, ran at 0.95-0.98x plain in four bench runs: ~0.5 ms of a ~22 ms step is its host
 # work (lookups, store, cut), and in a batch that finishes together the sequences a draft puts
-# ahead wait for the slowest. At batch 1 it is 0-0.05, at 3 0.1-0.25.
+# ahead wait for the slowest. At batch 1 it is 0-0.1, at 3 0-0.75 (noisy: see OFF_MIN_BATCH).
 OFF_BREAK_EVEN = 0.6
 # ... judged at batch sizes of at least this. NOTE: below it a step reads the weights once for
 # a few rows (a 6-row step cost ~1.2x a 3-row one here), but at batch 3 the calibrated ratio
