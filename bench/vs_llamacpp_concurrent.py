@@ -25,7 +25,11 @@ Rounds are interleaved, each in its own shuffled order (seeded by the round). NO
 order gives each configuration the same place and the same predecessor every round; rotating
 it moves the place but keeps the predecessor (plain always ran right after llama.cpp), and
 every speculative row then measured 0.95-0.99x plain where two plain deployments in the same
-run differed by under 1% (2026-12-05). Reported per system: medians over
+run differed by under 1% (2026-12-05). The deployments' build order matters as much: built
+before plain, the same speculative rows measured 1.01-1.04x (and plain-b, built last, 1.03x;
+bench/results/vs_llamacpp_concurrent_avx512_1205_specfirst.json). Deployments in one process
+differ by a few % for no reason of their own, so differences under ~3% at 16 need runs with
+the build order changed (the order of --configs). Reported per system: medians over
 rounds of the total rate (new tokens / wall, prefill included), of the decode rate (tokens made
 after every sequence had its first token / the time from then on) and of per-round ratios to
 llama.cpp; and how far each configuration's tokens agree with llama.cpp's.
