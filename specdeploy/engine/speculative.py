@@ -130,7 +130,7 @@ class SpecEngine(Engine):
         spec = deployed.spec
         self.k = deployed.num_draft_tokens
         self._draft_min_prob: float = spec.draft_min_prob
-        # speculation off in steps of more than this many decoding sequences (None: the
+        # speculation off in steps with more than this many running sequences (None: the
         # controller's `off_batches`)
         self.disable_by_batch_size: int | None = spec.disable_by_batch_size
         self.scheduler = SpecScheduler(self.blocks, self.scheduler.max_batch_size,
@@ -412,8 +412,8 @@ class SpecEngine(Engine):
                     out: StepOutput) -> None:
         """Hand every sequence that advanced to the draft source."""
         # NOTE: as vLLM's disable_by_batch_size, the running sequences count, prefilling ones
-        # too: 16 requests admitted at once ramp up through chunked prefill, and speculation in
-        # the ramp's steps cost ~1% of the run where it is off at 16 (2026-12-05)
+        # too: a batch of requests admitted together does not speculate through the ramp of
+        # its chunked prefill once it is running at a batch size where speculation is off
         running = len(self.scheduler.running)
         drafter = isinstance(self.source, ModelDrafter)
         if not drafter and self._spec_off(running):  # no rows to defer: no work to build
