@@ -82,6 +82,14 @@ SPECS = {
                                  suffix_decoding_max_cached_requests=0, **FIXED),
     "suffix+ctl": lambda: SpecConfig("suffix", 3, prompt_lookup_num_tokens=16,
                                      suffix_decoding_max_cached_requests=0, controller="cost"),
+    # K = 6: lookup runs start at 6 (the controller still chooses how many to verify)
+    "suffix6+ctl": lambda: SpecConfig("suffix", 6, prompt_lookup_num_tokens=16,
+                                      suffix_decoding_max_cached_requests=0, controller="cost"),
+    # another store (a directory written by `specdeploy suffix-store`) in $SUFFIX_STORE_B, to
+    # compare stores side by side in one run
+    "suffix-b+ctl": lambda: SpecConfig("suffix", 3, prompt_lookup_num_tokens=16,
+                                       suffix_store=os.environ["SUFFIX_STORE_B"],
+                                       suffix_decoding_max_cached_requests=0, controller="cost"),
     "mtp+suffix+ctl": lambda: SpecConfig("mtp", 3, prompt_lookup_max=4,
                                          prompt_lookup_num_tokens=16, suffix_store="shipped",
                                          suffix_decoding_max_cached_requests=0,
@@ -204,6 +212,8 @@ def main() -> None:
     bad = [c for c in args.configs if c != "plain" and c not in SPECS]
     if bad:
         raise SystemExit(f"--configs: unknown {bad}; known: plain, {', '.join(SPECS)}")
+    if "suffix-b+ctl" in args.configs and not os.environ.get("SUFFIX_STORE_B"):
+        raise SystemExit("--configs suffix-b+ctl: set SUFFIX_STORE_B to a suffix store directory")
     if args.model is None:
         from specdeploy.default_model import default_model_path
 
