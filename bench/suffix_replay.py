@@ -1,8 +1,8 @@
 """How well does a suffix store (engine/suffix_store.py) draft the default model's replies, and
 how far can its own estimate be trusted? An offline replay (no timing; drafts are lossless).
 
-    .venv/bin/python bench/suffix_replay.py [--store DIR|shipped] [--skip 6] [--held 24]
-        [--max-tokens 128] [--json-out FILE]
+    .venv/bin/python bench/suffix_replay.py [--store DIR|shipped[,DIR...]] [--skip 6]
+        [--held 24] [--max-tokens 128] [--json-out FILE]
 
 The replies: the default model's greedy replies (`LLM()` defaults) to held-out ShareGPT first
 turns `--skip`..`--skip + --held` (the bench's first 6 are skipped: this tunes nothing on
@@ -69,35 +69,46 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     llm = LLM(max_batch_size=min(args.held, 32))
-    if args.store == "shipped":  # what a deployment with SpecConfig("suffix") loads
-        corpus = LLM(max_batch_size=1, spec=SpecConfig("suffix")).deployed.suffix_corpus
-        if corpus is None:
-            raise SystemExit("--store shipped: no store is shipped for the default model")
-        store = SuffixStore(llm.deployed.vocab_size, corpus)
-    else:
-        store = SuffixStore.load(args.store, llm.deployed.vocab_size)
     prompts = heldout_prompts(llm.tokenizer, args.skip + args.held, 256)[args.skip:]
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens))
     replies = [o.token_ids for o in outs]
     total = sum(map(len, replies))
+    names = [n for n in args.store.split(",") if n]
+    runs = {name: replay_store(llm, name, prompts, replies, args.k) for name in names}
+    print_json({"machine": machine(), "command": " ".join(["python"] + sys.argv),
+                "k": args.k, "replies": len(replies), "reply_tokens": total,
+                # several stores: side by side on the same replies
+                **(runs[names[0]] if len(names) == 1 else {"stores": runs})}, args.json_out)
+
+
+def load_store(llm, name: str) -> SuffixStore:
+    if name == "shipped":  # what a deployment with SpecConfig("suffix") loads
+        corpus = LLM(max_batch_size=1, spec=SpecConfig("suffix")).deployed.suffix_corpus
+        if corpus is None:
+            raise SystemExit("--store shipped: no store is shipped for the default model")
+        return SuffixStore(llm.deployed.vocab_size, corpus)
+    return SuffixStore.load(name, llm.deployed.vocab_size)
+
+
+def replay_store(llm, name: str, prompts, replies, k: int) -> dict:
+    store = load_store(llm, name)
+    total = sum(map(len, replies))
     rows = {}
     buckets = collections.defaultdict(list)
-    for name, st, mp in [("lookup", None, 0.0)] + [(f"lookup+store min_prob {p}", store, p)
-                                                    for p in (0.0, 0.05, 0.1, 0.2, 0.3)]:
+    for row, st, mp in [("lookup", None, 0.0)] + [(f"lookup+store min_prob {p}", store, p)
+                                                   for p in (0.0, 0.05, 0.1, 0.2, 0.3)]:
         steps = drafted = 0
         for p, r in zip(prompts, replies):
-            s, d = replay(p, r, args.k, st, mp, buckets if mp == 0.0 and st else None)
+            s, d = replay(p, r, k, st, mp, buckets if mp == 0.0 and st else None)
             steps, drafted = steps + s, drafted + d
-        rows[name] = {"mean_accepted_length": round(total / steps, 3),
-                      "drafts_per_step": round(drafted / steps, 3)}
+        rows[row] = {"mean_accepted_length": round(total / steps, 3),
+                     "drafts_per_step": round(drafted / steps, 3)}
     edges = (0.0,) + STORE_BUCKETS + (1.0,)
     calib = {f"[{edges[b]}, {edges[b + 1]})": {"drafts": len(v),
                                                "accepted": round(sum(v) / max(len(v), 1), 3)}
              for b, v in sorted(buckets.items())}
-    print_json({"machine": machine(), "command": " ".join(["python"] + sys.argv),
-                "store": args.store, "store_tokens": store.num_tokens, "k": args.k,
-                "replies": len(replies), "reply_tokens": total, "results": rows,
-                "store_estimate_calibration": calib}, args.json_out)
+    return {"store": name, "store_tokens": store.num_tokens, "results": rows,
+            "store_estimate_calibration": calib}
 
 
 if __name__ == "__main__":

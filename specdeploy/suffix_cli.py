@@ -2,7 +2,8 @@
 own replies, the JSONL `specdeploy gen-drafter-data` writes (each record's last assistant
 message; prompts are not stored: lookup already drafts from the request's own prompt).
 
-    specdeploy suffix-store --replies self.jsonl --out runs/store [--model M] [--max-tokens N]
+    specdeploy suffix-store --replies self.jsonl [more.jsonl ...] --out runs/store [--model M]
+        [--max-tokens N]
 
 Deploy with it: `SpecConfig("suffix", suffix_store="runs/store")` / `--spec suffix
 --suffix-store runs/store`.
@@ -16,12 +17,13 @@ import json
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("suffix-store", help="write a store of the target's replies for "
                               "--spec suffix (from gen-drafter-data's JSONL)")
-    p.add_argument("--replies", required=True, help="gen-drafter-data output (JSONL)")
+    p.add_argument("--replies", required=True, nargs="+",
+                   help="gen-drafter-data output (JSONL); several files are read in order")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--model", default=None, help="target whose tokenizer encodes the replies "
                    "(default model)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="stop after this many tokens (the file's first replies)")
+                   help="stop after this many tokens (the files' first replies)")
     p.set_defaults(func=cmd_suffix_store)
     return p
 
@@ -55,7 +57,11 @@ def cmd_suffix_store(args) -> int:
     model = args.model or default_model_path()
     cfg = open_checkpoint(model).config
     vocab = int(cfg.get("text_config", cfg)["vocab_size"])
-    docs = read_replies(args.replies, load_tokenizer(model), args.max_tokens)
-    out = SuffixStore.save(args.out, docs, vocab, meta={"replies_file": args.replies})
+    tok, docs = load_tokenizer(model), []
+    for path in args.replies:
+        left = None if args.max_tokens is None else args.max_tokens - sum(map(len, docs))
+        docs += read_replies(path, tok, left)
+    files = args.replies[0] if len(args.replies) == 1 else list(args.replies)
+    out = SuffixStore.save(args.out, docs, vocab, meta={"replies_file": files})
     print(f"wrote {args.out}: {out['num_replies']} replies, {out['num_tokens']} tokens")
     return 0

@@ -188,6 +188,17 @@ def test_suffix_store_cli(tmp_path, capsys):
     ids = tok.encode(replies[0])
     store = SuffixStore.load(tmp_path / "st", 49152)
     assert store.next_token(ids[:2])[0] == ids[2]
+    # several files: read in order, --max-tokens over all of them
+    g = tmp_path / "more.jsonl"
+    g.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                          {"role": "assistant", "content": "Goodbye now."}]})
+                 + "\n")
+    assert main(["suffix-store", "--replies", str(f), str(g), "--out", str(tmp_path / "st3")]) == 0
+    assert "3 replies" in capsys.readouterr().out
+    cap = len(ids) + len(tok.encode(replies[1]))
+    assert main(["suffix-store", "--replies", str(f), str(g), "--out", str(tmp_path / "st4"),
+                 "--max-tokens", str(cap)]) == 0
+    assert "2 replies" in capsys.readouterr().out
     f.write_text(f.read_text() + '{"messages": []}\n')
     assert main(["suffix-store", "--replies", str(f), "--out", str(tmp_path / "st2")]) == 2
     assert "line 3" in capsys.readouterr().err
