@@ -43,6 +43,9 @@ _CPU_DRAFTER = dict(draft_quantize="q8_0")
 # there; offline replay: 2.06 vs 1.48 tokens per step). Later the same day (..._1204_margin.json,
 # ..._1204_final.json): suffix + controller 1.23x / 1.25x plain, MTP + suffix + controller 1.21x
 # / 1.28x (level, and it loads a drafter), lookup + controller 1.07x / 1.10x.
+# Since 2026-12-05 the store holds 3.48M tokens (every training-split first turn): 2.03 tokens per
+# step in the offline replay against 1.90 (bench/results/suffix_replay_stores_1205.json); level
+# with the old store on the bench's 6 prompts (..._avx512_1205_store3.json: 1.456x / 1.455x plain).
 DEFAULT_MODEL = dict(method="suffix", num_draft_tokens=3, controller="cost", **_LOOKUP)
 OWN_MTP = dict(method="mtp", num_draft_tokens=3, controller="cost", **_LOOKUP)
 LOOKUP_ONLY = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOOKUP)
