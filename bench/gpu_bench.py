@@ -309,6 +309,11 @@ def main() -> None:
                                      **fixed),
              "suffix_ctl": SpecConfig("suffix", 3, prompt_lookup_num_tokens=8,
                                       suffix_decoding_max_cached_requests=0),
+             # the controller over up to 6 drafts: if it beats suffix_ctl here, `auto` should
+             # take K = 6 on CUDA (replay of the bench's prompts on the CPU, 2026-12-05: 2.08
+             # tokens a step at K = 6 against 1.93 at K = 3)
+             "suffix_k6_ctl": SpecConfig("suffix", 6, prompt_lookup_num_tokens=8,
+                                         suffix_decoding_max_cached_requests=0),
              # what `SpecConfig("auto")` / `--spec auto` resolves to for this model
              # (no learning from finished requests: the rounds repeat the prompts)
              "auto": SpecConfig("auto", suffix_decoding_max_cached_requests=0)}
@@ -366,7 +371,7 @@ def main() -> None:
         variant("plain", True, triton=True, burst=8)
         variant("plain", True)
         for name in ("mtp", "eagle3", "ngram", "suffix", "suffix_k6", "mtp_ctl", "eagle3_ctl",
-                     "ngram_ctl", "suffix_ctl", "auto"):
+                     "ngram_ctl", "suffix_ctl", "auto", "suffix_k6_ctl"):
             variant(name, True, triton=True, drafter_graphs=name in ("mtp", "eagle3", "mtp_ctl",
                                                                      "eagle3_ctl"))
         result["host_profile"] = phase("host_profile", lambda: host_profile(args, prompts[0]))
