@@ -122,10 +122,10 @@ def hybrid_verify_ratio(args) -> dict:
 
 
 @torch.inference_mode()
-def step_profile(args, prompt: list[int], triton: bool = False) -> dict:
+def step_profile(args, prompt: list[int], triton: bool = False, gemv: bool = False) -> dict:
     """Where a batch-1 decode step's time goes with CUDA graphs: the engine's step, the graph's
     replay alone (GPU time), and the kernels of one eager run of the same step (torch.profiler:
-    how many launches, which kernels take the time)."""
+    how many launches, which kernels take the time). `gemv`: with the fused norm + linear."""
     from torch.profiler import ProfilerActivity, profile
 
     from specdeploy.cache.metadata import Segment, build_metadata
@@ -134,6 +134,7 @@ def step_profile(args, prompt: list[int], triton: bool = False) -> dict:
 
     cuda = torch.device(args.device).type == "cuda"
     gpu_kernels.set_enabled(triton)  # the phase runner turns them off again (`Phases`)
+    gpu_kernels.set_gemv(gemv)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1,
               max_seq_len=1024, cuda_graphs=cuda)
     eng, dev = llm.engine, args.device
@@ -185,7 +186,7 @@ def step_profile(args, prompt: list[int], triton: bool = False) -> dict:
             "top_kernels": [[e.key[:90], e.count, round(e.self_device_time_total, 1)]
                             for e in top],
             "top_cpu_ops": [[e.key[:60], e.count, round(e.self_cpu_time_total, 1)]
-                            for e in cpu_top], "triton": triton}
+                            for e in cpu_top], "triton": triton, "gemv": gemv}
 
 
 @torch.inference_mode()
@@ -240,8 +241,10 @@ class Phases:
             value = None
             self.result["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             print(f"[{name}] FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        # back to the default (on unless SPECDEPLOY_TRITON=0): a phase that switched them is over
+        # back to the defaults (on unless SPECDEPLOY_TRITON=0; the fused norm + linear off
+        # unless SPECDEPLOY_TRITON_GEMV=1): a phase that switched them is over
         gpu_kernels.set_enabled(os.environ.get("SPECDEPLOY_TRITON", "1") != "0")
+        gpu_kernels.set_gemv(os.environ.get("SPECDEPLOY_TRITON_GEMV", "0") == "1")
         self.result["phase_s"][name] = round(time.perf_counter() - t, 2)
         print(f"[{name}] {self.result['phase_s'][name]} s", file=sys.stderr, flush=True)
         if self.path:
@@ -319,17 +322,19 @@ def main() -> None:
              "auto": SpecConfig("auto", suffix_decoding_max_cached_requests=0)}
 
     def variant(name: str, graphs: bool, triton: bool = False, drafter_graphs: bool = False,
-                burst: int = 1) -> None:
+                burst: int = 1, gemv: bool = False) -> None:
         """One row: `name`'s spec with CUDA graphs (target), the Triton kernels
         (ops/gpu_kernels.py) and the drafter's chain steps as graphs, each on or off; `burst`:
-        decode bursts (LLM(num_scheduler_steps=burst), engine/decode_burst.py)."""
-        key = name + "_cuda_graphs" * graphs + "_triton" * triton \
+        decode bursts (LLM(num_scheduler_steps=burst), engine/decode_burst.py); `gemv`: the
+        fused RMSNorm + linear (+ SiLU-gated product) kernel (ops/norm_linear.py) too."""
+        key = name + "_cuda_graphs" * graphs + "_triton" * triton + "_gemv" * gemv \
             + "_drafter_graphs" * drafter_graphs + (f"_burst{burst}" if burst > 1 else "")
 
         def run() -> dict:
             from specdeploy.ops import gpu_kernels
 
             gpu_kernels.set_enabled(triton)  # `Phases` turns them off after
+            gpu_kernels.set_gemv(gemv)
             os.environ["SPECDEPLOY_DRAFT_GRAPHS"] = "1" if drafter_graphs else "0"
             try:
                 return bs1(args, specs[name], prompts, cuda_graphs=graphs, burst=burst)
@@ -371,9 +376,18 @@ def main() -> None:
         variant("plain", True, triton=True, burst=8)
         variant("plain", True)
         for name in ("mtp", "eagle3", "ngram", "suffix", "suffix_k6", "mtp_ctl", "eagle3_ctl",
-                     "ngram_ctl", "suffix_ctl", "auto", "suffix_k6_ctl"):
+                     "ngram_ctl", "suffix_ctl", "auto"):
             variant(name, True, triton=True, drafter_graphs=name in ("mtp", "eagle3", "mtp_ctl",
                                                                      "eagle3_ctl"))
+        # the fused RMSNorm + linear kernel (off by default until these rows measure it against
+        # cuBLAS + the separate norms): 7 launches a layer instead of 10
+        variant("plain", True, triton=True, gemv=True)
+        variant("plain", True, triton=True, gemv=True, burst=8)
+        result["step_profile_triton_gemv"] = phase(
+            "step_profile_triton_gemv",
+            lambda: step_profile(args, prompts[0], triton=True, gemv=True))
+        variant("suffix_k6_ctl", True, triton=True)
+        variant("suffix_ctl", True, triton=True, gemv=True)
         result["host_profile"] = phase("host_profile", lambda: host_profile(args, prompts[0]))
         result["concurrent_triton"] = phase("concurrent_triton", lambda: concurrent(True))
         result["concurrent_triton_burst8"] = phase("concurrent_triton_burst8",
@@ -398,12 +412,15 @@ def main() -> None:
         variant("plain", False)
     for key, r in rows.items():
         base = rows.get("plain" + "_cuda_graphs" * ("_cuda_graphs" in key)
-                        + "_triton" * ("_triton" in key))
+                        + "_triton" * ("_triton" in key) + "_gemv" * ("_gemv" in key))
         if hf_rate:
             r["vs_transformers"] = r["tokens_per_s"] / hf_rate
         if base is not None:
             r["vs_plain"] = r["tokens_per_s"] / base["tokens_per_s"]
             r["lossless"] = r["token_ids"] == base["token_ids"]
+        unfused = rows.get(key.replace("_gemv", "")) if "_gemv" in key else None
+        if unfused is not None:  # cuBLAS's sums in another order: greedy ties may flip
+            r["same_tokens_as_unfused"] = r["token_ids"] == unfused["token_ids"]
     for r in rows.values():
         r.pop("token_ids", None)
     print_json(result, args.json_out, indent=2)

@@ -49,6 +49,7 @@ PIPELINE = (
     ("pack_linears", "pack_linear_weights"),
     ("fuse_rows", "fuse_row_ops"),
     ("fuse_attention", "fuse_rope_attention"),
+    ("fuse_norm_linear", "fuse_norm_linears"),  # after fuse_row_ops' add + norm, silu_mul
     ("compile", "call_kernels_directly"),
     ("compile", "flatten_attrs"),
     ("fuse_layers", "fuse_decoder_layers"),  # after both: it matches direct kernel calls

@@ -15,6 +15,7 @@ from specdeploy.ops import (  # noqa: F401  (registers ops)
     gdn,
     moe,
     norm,
+    norm_linear,
     quant_linear,
     rope,
     shard,

@@ -25,12 +25,26 @@ from functools import lru_cache
 
 import torch
 
-_STATE = {"on": os.environ.get("SPECDEPLOY_TRITON", "1") != "0"}
+_STATE = {"on": os.environ.get("SPECDEPLOY_TRITON", "1") != "0",
+          # the fused norm + linear (`norm_linear`): off by default until a GPU run measures it
+          "gemv": os.environ.get("SPECDEPLOY_TRITON_GEMV", "0") == "1"}
+GEMV_ROWS = 32  # rows a fused norm + linear takes (decode and verify steps); more: cuBLAS
+GEMV_MAX_K = 16384  # the norm's row is one register block
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = _INTERPRET  # Triton's interpreter: the kernels run on CPU tensors (tests)
 
 
 def set_enabled(on: bool) -> None:
     _STATE["on"] = bool(on)
+
+
+def set_gemv(on: bool) -> None:
+    """The fused RMSNorm + linear (+ SiLU-gated product) kernel of `norm_linear` on or off."""
+    _STATE["gemv"] = bool(on)
+
+
+def gemv_on() -> bool:
+    return _STATE["gemv"]
 
 
 @lru_cache(maxsize=1)
@@ -54,8 +68,8 @@ def enabled(x: torch.Tensor) -> bool:
     return _STATE["on"] and (x.is_cuda or _INTERPRET) and _triton() is not None
 
 
-def _failed(what: str, e: Exception) -> None:
-    _STATE["on"] = False
+def _failed(what: str, e: Exception, key: str = "on") -> None:
+    _STATE[key] = False  # "on": every kernel off; "gemv": the fused norm + linear only
     warnings.warn(f"specdeploy: the Triton {what} kernel failed ({type(e).__name__}: {e}); "
                   "the torch ops run instead", stacklevel=3)
 
@@ -133,3 +147,33 @@ def qkv_attention(qkv, cos, sin, k_cache, v_cache, cu_host, lens_host, page_tabl
         _failed("paged attention", e)
         return None
     return out
+
+
+def norm_linear(x: torch.Tensor, add: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                w: torch.Tensor, bias: torch.Tensor | None, glu: int
+                ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """linear(rms_norm(x [+ add]), w, bias) [-> silu_mul(., glu)] in one launch: (the sum or
+    None, the output), or None (not here: the chain runs). A row's result does not depend on
+    the other rows of the step (one program per row and block of outputs): batch-invariant,
+    which cuBLAS's M-dependent kernels are not. Rows <= GEMV_ROWS only (decode and verify
+    steps; prefill chunks are GEMMs, cuBLAS's)."""
+    k = x.shape[-1]
+    rows = x.numel() // max(k, 1)
+    n = w.shape[0] // 2 if glu else w.shape[0]
+    if (not (_STATE["gemv"] and enabled(x)) or rows == 0 or rows > GEMV_ROWS or k > GEMV_MAX_K
+            or w.dim() != 2 or w.shape[1] != k or w.dtype != x.dtype or w.stride(-1) != 1
+            or x.stride(-1) != 1 or (glu and w.shape[0] != 2 * glu)
+            or (add is not None and (add.shape != x.shape or add.dtype != x.dtype
+                                     or add.stride(-1) != 1))
+            or (bias is not None and (bias.dtype != x.dtype or bias.stride(-1) != 1))):
+        return None
+    xr = x.reshape(rows, k)
+    ar = None if add is None else add.reshape(rows, k)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    total = None if add is None else torch.empty_like(xr)
+    try:
+        _triton().norm_linear_rows(xr, ar, norm_w, eps, w, bias, out, total, bool(glu))
+    except Exception as e:
+        _failed("RMSNorm + linear", e, "gemv")
+        return None
+    return (None if total is None else total.view(x.shape)), out.view(*x.shape[:-1], n)

@@ -30,6 +30,7 @@ from torch import fx
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.graph import attr_tensor
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
+from specdeploy.ops import gpu_kernels
 
 _LINEAR = torch.ops.aten.linear.default
 SKINNY_ROWS = 4  # up to here W @ x^T; above, the oneDNN-packed weight
@@ -83,8 +84,15 @@ def packable(w: torch.Tensor | None) -> bool:
             and w.dim() == 2 and not w.requires_grad and w.numel() >= MIN_ELEMENTS)
 
 
-@register("pack_linear_weights", Stage.OPTIMIZE, skip_if=lambda ctx: (
-    "compile=True: inductor packs weights itself" if ctx.compile else None))
+def _skip(ctx: DeployContext) -> str | None:
+    if ctx.compile:
+        return "compile=True: inductor packs weights itself"
+    if gpu_kernels.INTERPRET:  # the graph is a GPU's there (fuse_norm_linears reads linears)
+        return "Triton's interpreter: the GPU kernels' graph"
+    return None
+
+
+@register("pack_linear_weights", Stage.OPTIMIZE, skip_if=_skip)
 def pack_linear_weights(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     if not torch.backends.mkldnn.is_available():
         return Skipped("this torch has no oneDNN")
