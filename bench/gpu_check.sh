@@ -19,8 +19,9 @@
 # bench/gpu_check.sh $OUT train` (GEN_MIN minutes of replies, then training until TRAIN_S; the
 # replies also come back as a suffix store under OUT_DIR/suffix).
 # 2026-12-04 on an H200: tests ~50 s, bench ~230 s with BENCH_ARGS=--lean (~330 s without;
-# the suffix rows added since, ~25 s more: give BENCH_S=330),
-# ~35 s to start the machine: a round of both calls is ~350 s of the session's device time.
+# the suffix rows added since, ~25 s more; the fused norm + linear rows of 2026-12-05 (stop 44),
+# ~45 s more: give BENCH_S=380),
+# ~35 s to start the machine: a round of both calls is ~400 s of the session's device time.
 # Packages the machine lacks travel as wheels in .whl/ (gguf), installed with --no-deps into
 # /tmp/site; the GGUF is assembled there from .gpu/a (kept in /tmp/gg) and .gpu2/b.
 set -uo pipefail

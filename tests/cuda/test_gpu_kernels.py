@@ -261,3 +261,28 @@ def test_attention_rows_do_not_depend_on_the_step(dtype):
                                lens + i, wide, (lens + i).to(DEVICE), d ** -0.5, 0,
                                dev[7][rows.to(DEVICE)], hq, hkv, d)
         assert torch.equal(one[0], verify[0, rows.to(DEVICE)]), i
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["llama", "nemotron_h", "qwen3_5_moe"])
+def test_fused_norm_linear_greedy_spec_equals_plain_on_cuda(arch, tmp_path, monkeypatch):
+    """With the fused norm + linear on (CUDA graphs captured over it, fp32): greedy EAGLE-3 /
+    MTP K=3 gives plain's tokens, and plain gives the unfused graph's (cuBLAS) tokens."""
+    from specdeploy.ops import _triton_src
+    from tests.engine.test_cuda_graphs import _greedy
+    from tests.spec.tiny_targets import Target
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    calls = []
+    launch = _triton_src.norm_linear_rows
+    monkeypatch.setattr(_triton_src, "norm_linear_rows",
+                        lambda *a: calls.append(1) or launch(*a))
+    target = Target(arch, tmp_path)
+    want, _ = _greedy(target, runner=True, device="cuda", dtype="float32")
+    monkeypatch.setitem(gk._STATE, "gemv", True)
+    plain, _ = _greedy(target, runner=True, device="cuda", dtype="float32")
+    spec, _ = _greedy(target, runner=True, device="cuda", dtype="float32", spec=3, drafts=True)
+    assert calls  # the fused kernel ran (at capture)
+    assert plain == want
+    assert spec == want
