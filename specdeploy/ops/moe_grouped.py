@@ -17,8 +17,9 @@ so the result is deterministic). NOTE: only "gather" is batch-invariant (each pa
 matrix-vector product); the GEMM ways' kernels (and so the last bits) may vary with how many rows
 an expert gets, as the CPU's per-expert loop's do. Greedy speculation on a MoE GPU target
 therefore equals plain greedy only where the verify rows take the same kernels.
-NOTE: none of this has run on a GPU yet; on the CPU (tests/ops/test_moe_grouped.py) all three
-match `moe_experts_ref`, and tests/cuda checks them on a device with sync debug mode "error".
+On the CPU (tests/ops/test_moe_grouped.py) all three match `moe_experts_ref`; on an H200
+(bench/gpu_check.sh, 2026-12-04: bench/results/gpu_h200_1204_final_cuda_tests.log)
+tests/cuda/test_cuda_moe.py checked each (grouped_mm in bf16) with sync debug mode "error".
 Per-expert counts use `scatter_add_`, not `bincount` (CUDA's bincount syncs to size its output).
 """
 from __future__ import annotations
