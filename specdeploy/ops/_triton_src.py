@@ -59,25 +59,23 @@ def silu_mul_rows(x, n, out) -> None:
 
 @triton.jit
 def _norm_linear_k(x_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, total_ptr, n_out, sx, sb,
-                   sw, so, st, eps, K: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr,
-                   HAS_B: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   sw, so, st, eps, K: tl.constexpr, KB: tl.constexpr, HAS_B: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     """One row x BLOCK_N outputs of linear(rms_norm(x [+ b]), W) [-> silu(gate) * up]: the
     row's norm in one block (as `_rms_norm_k`), then the dot products over K in chunks of
     BLOCK_K. A row's result never depends on the other rows (batch-invariant)."""
     row = tl.program_id(1)
     pid = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
-    r = 1.0
-    if NORM:
-        cols = tl.arange(0, KB)
-        m = cols < K
-        x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0)
-        if HAS_B:
-            x = (x.to(tl.float32) + tl.load(b_ptr + row * sb + cols, mask=m,
-                                            other=0.0).to(tl.float32)).to(dt)
-        xf = x.to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+    cols = tl.arange(0, KB)
+    m = cols < K
+    x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0)
+    if HAS_B:
+        x = (x.to(tl.float32) + tl.load(b_ptr + row * sb + cols, mask=m,
+                                        other=0.0).to(tl.float32)).to(dt)
+    xf = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
     ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = ns < n_out
     acc = tl.zeros((BLOCK_N,), tl.float32)
@@ -90,10 +88,9 @@ def _norm_linear_k(x_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, total_ptr, n_
             xk = (xk.to(tl.float32) + tl.load(b_ptr + row * sb + ks, mask=km,
                                               other=0.0).to(tl.float32)).to(dt)
             tl.store(total_ptr + row * st + ks, xk, mask=km & (pid == 0))
-        if NORM:  # rms_norm's output, rounded to the dtype as the op's is
-            w_n = tl.load(nw_ptr + ks, mask=km, other=0.0).to(tl.float32)
-            xk = ((xk.to(tl.float32) * r) * w_n).to(dt)
-        xk = xk.to(tl.float32)
+        w_n = tl.load(nw_ptr + ks, mask=km, other=0.0).to(tl.float32)
+        # rms_norm's output, rounded to the dtype as the op's is
+        xk = ((xk.to(tl.float32) * r) * w_n).to(dt).to(tl.float32)
         wm = nm[:, None] & km[None, :]
         w = tl.load(w_ptr + ns[:, None] * sw + ks[None, :], mask=wm, other=0.0)
         acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
@@ -118,21 +115,21 @@ GEMV_BLOCK_K = 1024
 
 
 def norm_linear_rows(x, b, norm_w, eps, w, bias, out, total, glu: bool) -> None:
-    """x [M, K] (+ b [M, K] -> total); norm_w [K] or None (no norm); w [N, K] (N = 2 n_out
-    with glu); bias [N] or None; out [M, n_out]."""
+    """x [M, K] (+ b [M, K] -> total); norm_w [K]; w [N, K] (N = 2 n_out with glu); bias [N]
+    or None; out [M, n_out]."""
     rows, k = x.shape
     n_out = out.shape[1]
     block_n = 16 if n_out >= 2048 else 8
     if _INTERPRET:  # a program at a time in Python: fewer, wider ones (a row's sums the same)
         block_n = min(128, triton.next_power_of_2(n_out))
     grid = (triton.cdiv(n_out, block_n), rows)
-    _norm_linear_k[grid](x, x if b is None else b, x if norm_w is None else norm_w, w,
+    _norm_linear_k[grid](x, x if b is None else b, norm_w, w,
                          w if bias is None else bias, out, out if total is None else total,
                          n_out, x.stride(0), 0 if b is None else b.stride(0), w.stride(0),
                          out.stride(0), 0 if total is None else total.stride(0), float(eps),
-                         K=k, KB=triton.next_power_of_2(k), NORM=norm_w is not None,
-                         HAS_B=b is not None, HAS_BIAS=bias is not None, GLU=bool(glu),
-                         BLOCK_N=block_n, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)))
+                         K=k, KB=triton.next_power_of_2(k), HAS_B=b is not None,
+                         HAS_BIAS=bias is not None, GLU=bool(glu), BLOCK_N=block_n,
+                         BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(k)))
 
 
 @triton.jit
