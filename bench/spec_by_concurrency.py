@@ -1,0 +1,107 @@
+"""Speculation against plain decoding at several concurrencies, in steady state: each level keeps
+C requests in flight over a queue of held-out prompts (a finished request's slot is refilled at
+once, as a server under load does), greedy, EOS ends a reply. One process, one deployment per
+configuration and level, all built before any timing; rounds interleaved, each in its own
+shuffled order (seeded by the round).
+
+    .venv/bin/python bench/spec_by_concurrency.py [--concurrency 1 2 4 8]
+        [--configs plain,auto] [--prompts 16] [--skip 6] [--max-tokens 128] [--rounds 3]
+        [--threads 2] [--json-out FILE]
+
+Why not bench/vs_llamacpp_concurrent.py: there N requests start together and all end after
+the same number of tokens, so a step's batch only shrinks at the end and the run lasts as long
+as its slowest sequence; speculation's gain there is the slowest sequence's, which at 4
+requests measured level with plain (bench/results/vs_llamacpp_concurrent_avx512_1205_c4.json).
+Here a sequence that speculation moves ahead frees its slot for the next prompt.
+
+Prompts: held-out ShareGPT first turns (bench/acceptance.py `heldout_prompts`) from index
+--skip on (the batch-1 benches use the first 6), chat template, <= 256 tokens. Every
+configuration makes the same tokens (greedy, lossless); each row reports output tokens/s (the
+median of rounds) and the median of per-round ratios to plain at the same concurrency.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from acceptance import heldout_prompts  # noqa: E402
+
+from specdeploy import LLM, SamplingParams, SpecConfig  # noqa: E402
+from specdeploy.bench import machine, print_json, run_closed_loop  # noqa: E402
+
+CONFIGS = {
+    "plain": lambda: None,
+    "plain-b": lambda: None,  # a second plain deployment: the spread between identical ones
+    "auto": lambda: SpecConfig("auto", suffix_decoding_max_cached_requests=0),
+    "suffix+ctl": lambda: SpecConfig("suffix", 3, suffix_decoding_max_cached_requests=0),
+    "lookup+ctl": lambda: SpecConfig("ngram", 3, prompt_lookup_num_tokens=16),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--configs", default="plain,auto")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--skip", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or "plain" not in names:
+        raise SystemExit(f"--configs: known {sorted(CONFIGS)}, plain included; got {names}")
+    llms = {(n, c): LLM(spec=CONFIGS[n](), max_batch_size=c) for c in args.concurrency
+            for n in names}
+    tok = next(iter(llms.values())).tokenizer
+    prompts = heldout_prompts(tok, args.skip + args.prompts, 256)[args.skip:]
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    for (_, c), llm in llms.items():  # warm-up: a first request of each shape
+        run_closed_loop(llm, prompts[:c], SamplingParams(max_tokens=8, temperature=0), c)
+    rates: dict[tuple[str, int], list[float]] = {k: [] for k in llms}
+    tokens: dict[tuple[str, int], int] = {}
+    for r in range(args.rounds):
+        order = list(llms)
+        random.Random(r).shuffle(order)
+        for key in order:
+            out = run_closed_loop(llms[key], prompts, sp, key[1])
+            rates[key].append(out["output_tokens_per_s"])
+            tokens[key] = out["output_tokens"]
+            print(f"round {r} {key[0]} @ {key[1]}: {out['output_tokens_per_s']:.1f} tok/s",
+                  file=sys.stderr, flush=True)
+    levels = {}
+    for c in args.concurrency:
+        base = rates[("plain", c)]
+        rows = {}
+        for n in names:
+            rr = rates[(n, c)]
+            rows[n] = {"tokens_per_s": round(statistics.median(rr), 2),
+                       "per_round": [round(x, 2) for x in rr],
+                       "vs_plain": round(statistics.median(x / b for x, b in zip(rr, base)), 3),
+                       "vs_plain_per_round": [round(x / b, 3) for x, b in zip(rr, base)],
+                       "output_tokens": tokens[(n, c)]}
+            stats = llms[(n, c)].stats() if n not in ("plain", "plain-b") else {}
+            for k in ("mean_accepted_length", "spec_off_batch_sizes"):
+                if k in stats:
+                    rows[n][k] = stats[k]
+        levels[str(c)] = rows
+    print_json({"machine": machine(), "command": " ".join(sys.argv),
+                "time": time.strftime("%Y-%m-%d %H:%M:%S"), "prompts": len(prompts),
+                "skip": args.skip, "max_tokens": args.max_tokens, "rounds": args.rounds,
+                "by_concurrency": levels}, args.json_out)
+
+
+if __name__ == "__main__":
+    main()
