@@ -4,10 +4,12 @@ and for the verification of drafts alike (vLLM's order and semantics):
 1. grammar mask (structured output): tokens the request's grammar forbids get -inf. As in vLLM
    (the bitmask is applied to the logits before its sampler), this is part of the logits whose
    logprobs are reported: the "raw" logprobs are those of the masked logits.
-2. min_tokens: EOS (unless ignore_eos) and stop_token_ids get -inf while fewer tokens exist.
+2. allowed_token_ids: every other token gets -inf; logit_bias: added to its tokens' logits
+   (vLLM applies both before its penalties, after computing raw logprobs).
 3. penalties: repetition_penalty over prompt + generated tokens (a positive logit is divided
    by it, a negative one multiplied), then frequency (times the count) and presence (once per
    token seen) over the generated tokens only.
+4. min_tokens: EOS (unless ignore_eos) and stop_token_ids get -inf while fewer tokens exist.
 Temperature, min_p, top-k and top-p follow in the sampler (engine/sampler.py, verify.py).
 
 Under speculation the K+1 rows of a verify segment are the target after the committed tokens
@@ -46,11 +48,12 @@ def process(logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[list[int]],
     if rows:
         logits = _on_rows(logits, rows, lambda x, sub: _penalize(
             x, sub, [drafts[i] for i in rows], eos_token_ids), seqs)
-        if any(seqs[i].matcher is not None and seqs[i].params.min_tokens for i in rows):
-            # NOTE: a grammar that can only end (EOS) before min_tokens: the grammar wins, the
-            # row keeps its mask alone (else nothing is allowed and the request would fail)
-            dead = (logits == float("-inf")).all(-1, keepdim=True)
-            logits = torch.where(dead, raw, logits)
+        # NOTE: a row where nothing is left (a grammar that can only end (EOS) before
+        # min_tokens, one that allows none of allowed_token_ids, allowed_token_ids that are all
+        # stop tokens before min_tokens) keeps the grammar's mask alone: else nothing could be
+        # sampled and the request would fail
+        dead = (logits == float("-inf")).all(-1, keepdim=True)
+        logits = torch.where(dead, raw, logits)
     return Processed(raw, logits)
 
 
@@ -86,8 +89,10 @@ def _penalize(logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[list[int]],
               eos_token_ids: frozenset[int]) -> torch.Tensor:
     s, r, v = logits.shape
     dev = logits.device
-    counts = generated_counts(seqs, drafts, r, v, dev)  # [S, R, V]
     p = [q.params for q in seqs]
+    if any(x.allowed_token_ids is not None or x.logit_bias for x in p):
+        logits = logits + _bias_rows(p, v, dev)[:, None]
+    counts = generated_counts(seqs, drafts, r, v, dev)  # [S, R, V]
     rep = torch.tensor([x.repetition_penalty for x in p], device=dev)[:, None, None]
     freq = torch.tensor([x.frequency_penalty for x in p], device=dev)[:, None, None]
     pres = torch.tensor([x.presence_penalty for x in p], device=dev)[:, None, None]
@@ -99,6 +104,19 @@ def _penalize(logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[list[int]],
         logits = logits.masked_fill(_min_tokens_mask(seqs, r, v, dev, eos_token_ids),
                                     float("-inf"))
     return logits
+
+
+def _bias_rows(params, v: int, dev) -> torch.Tensor:
+    """[S, V]: -inf outside allowed_token_ids, + logit_bias on its ids, 0 elsewhere."""
+    bias = torch.zeros(len(params), v)
+    for i, x in enumerate(params):
+        if x.allowed_token_ids is not None:
+            bias[i] = float("-inf")
+            bias[i, torch.tensor(x.allowed_token_ids, dtype=torch.long)] = 0.0
+        if x.logit_bias:
+            ids = torch.tensor([t for t, _ in x.logit_bias], dtype=torch.long)
+            bias[i, ids] += torch.tensor([b for _, b in x.logit_bias])
+    return bias.to(dev)
 
 
 def generated_counts(seqs: Seq[Sequence], drafts: Seq[list[int]], r: int, v: int,

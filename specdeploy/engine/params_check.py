@@ -26,6 +26,9 @@ MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20  # top-N per token (OpenAI's top_logprobs bound; vLLM's default max_logprobs)
 MAX_REPETITION_PENALTY = 100.0  # beyond it every seen token is already out of reach
 MAX_SCHEMA_CHARS = 64 * 1024
+MAX_LOGIT_BIAS = 1024  # ids a request biases (OpenAI takes 300)
+MAX_BIAS = 100.0  # OpenAI's and vLLM's bound: +-100 bans or forces a token
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 
 
 def _fail(name: str, expect: str, v: Any) -> ValueError:
@@ -120,6 +123,34 @@ def guided_json(v: Any) -> str | None:
     return text
 
 
+def logit_bias(v: Any) -> tuple[tuple[int, float], ...] | None:
+    """{id: bias} (or (id, bias) pairs) -> sorted pairs; None or empty: none."""
+    if v is None:
+        return None
+    items = v.items() if isinstance(v, dict) else v
+    if isinstance(items, (str, bytes)) or not isinstance(items, (Sequence, type({}.items()))):
+        raise _fail("logit_bias", "a map of token ids to numbers", v)
+    pairs = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise _fail("logit_bias", "a map of token ids to numbers", v)
+        pairs[as_int("logit_bias", item[0], 0, MAX_TOP_K)] = as_float(
+            "logit_bias", item[1], -MAX_BIAS, MAX_BIAS)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} token ids, got {len(pairs)}")
+    return tuple(sorted(pairs.items())) or None
+
+
+def allowed_token_ids(v: Any) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or not v:
+        raise _fail("allowed_token_ids", "a non-empty list of token ids", v)
+    if len(v) > MAX_ALLOWED_TOKEN_IDS:
+        raise ValueError(f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(v)}")
+    return tuple(sorted({as_int("allowed_token_ids", t, 0, MAX_TOP_K) for t in v}))
+
+
 def check_sampling(p) -> dict[str, Any]:
     """The normalized fields of a `SamplingParams` (raises ValueError naming the first bad one)."""
     max_tokens = as_int("max_tokens", p.max_tokens, 1, MAX_TOKENS_LIMIT)
@@ -141,6 +172,8 @@ def check_sampling(p) -> dict[str, Any]:
                                                            MAX_LOGPROBS),
         "guided_json": guided_json(p.guided_json),
         "json_object": as_bool("json_object", p.json_object),
+        "logit_bias": logit_bias(p.logit_bias),
+        "allowed_token_ids": allowed_token_ids(p.allowed_token_ids),
     }
 
 
@@ -149,6 +182,9 @@ def check_for_model(p, vocab_size: int) -> None:
     if p.top_k > vocab_size:
         raise ValueError(f"top_k: must be at most the vocabulary size ({vocab_size}), "
                          f"got {p.top_k}")
-    bad = [t for t in p.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids: must be in [0, {vocab_size}), got {bad[0]}")
+    for name, ids in (("stop_token_ids", p.stop_token_ids),
+                      ("logit_bias", [t for t, _ in p.logit_bias or ()]),
+                      ("allowed_token_ids", p.allowed_token_ids or ())):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[0]}")

@@ -40,6 +40,10 @@ class SamplingParams:
     logprobs: int | None = None  # the target's raw logprobs of each token, plus the top N
     guided_json: str | dict | None = None  # a JSON schema the output must follow
     json_object: bool = False  # the output is a JSON object (any)
+    # vLLM's / OpenAI's: token id -> a bias added to its logit (in [-100, 100]; kept as sorted
+    # (id, bias) pairs), and the only ids that may be sampled; before the penalties
+    logit_bias: dict[int, float] | Seq[tuple[int, float]] | None = None
+    allowed_token_ids: Seq[int] | None = None
 
     def __post_init__(self):
         for name, value in check_sampling(self).items():  # engine/params_check.py: the rules
@@ -55,7 +59,8 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Changes the target's logits before sampling (engine/logits_process.py)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0
+                or bool(self.logit_bias) or self.allowed_token_ids is not None)
 
     @property
     def structured(self) -> bool:

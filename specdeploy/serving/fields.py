@@ -37,7 +37,6 @@ IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier",
 # Known, not implemented: refused unless the value is one of these (a harmless default).
 # An empty list / object counts as unset.
 UNSUPPORTED: dict[str, tuple] = {
-    "logit_bias": (None,),
     "functions": (None,),
     "function_call": (None, "none"),
     "audio": (None,),
@@ -52,7 +51,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "skip_special_tokens": (None, False),  # special tokens are always kept in the text
     "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,),
-    "allowed_token_ids": (None,),
     "bad_words": (None,),
     "prompt_logprobs": (None,),
     "logits_processors": (None,),

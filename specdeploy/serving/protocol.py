@@ -108,7 +108,6 @@ def _common(body: dict) -> tuple[bool, bool]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "must be a string", "invalid_type")
-    _unsupported(body, "logit_bias")
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = False

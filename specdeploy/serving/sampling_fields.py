@@ -1,5 +1,6 @@
 """Request fields that reach the engine's logits: `n`, logprobs, penalties, `min_p`,
-`min_tokens` and structured output (OpenAI's names and vLLM's extensions).
+`min_tokens`, `logit_bias`, `allowed_token_ids` and structured output (OpenAI's names and
+vLLM's extensions).
 
 Only the API's spellings are translated here; the value rules are `SamplingParams`' own
 (engine/params_check.py), so a bad value is a 400 naming its field either way.
@@ -111,9 +112,31 @@ def _structured(body: dict) -> dict:
     return found
 
 
+def _logit_bias(body: dict) -> dict[int, Any] | None:
+    """OpenAI's `logit_bias`: a JSON object whose keys are token ids as strings ("50256")."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise FieldError("logit_bias", f"must be an object of token ids to numbers, got "
+                         f"{json.dumps(v)[:80]}", "invalid_type")
+    out = {}
+    for k, b in v.items():
+        key = k.strip() if isinstance(k, str) else None
+        if not key or not key.isdigit():
+            raise FieldError("logit_bias", f"keys must be token ids, got {json.dumps(k)}")
+        out[int(key)] = b
+    return out
+
+
 def sampling_kwargs(body: dict, chat: bool) -> dict:
     """SamplingParams keyword arguments for the fields this module owns."""
     kw = {name: body[name] for name in _PASS if body.get(name) is not None}
+    bias = _logit_bias(body)
+    if bias:
+        kw["logit_bias"] = bias
+    if body.get("allowed_token_ids") is not None:
+        kw["allowed_token_ids"] = body["allowed_token_ids"]
     lp = _logprobs(body, chat)
     if lp is not None:
         kw["logprobs"] = lp

@@ -25,9 +25,14 @@ def _seq(prompt, out, **kw) -> Sequence:
 
 def _penalized_ref(row: list[float], prompt: list[int], generated: list[int],
                    p: SamplingParams, eos) -> list[float]:
-    """vLLM's order on one row: repetition over prompt + generated, then frequency and presence
-    over generated, then min_tokens bans the stop tokens."""
+    """vLLM's order on one row: allowed_token_ids and logit_bias, then repetition over prompt +
+    generated, then frequency and presence over generated, then min_tokens bans the stop
+    tokens."""
     out = list(row)
+    if p.allowed_token_ids is not None:
+        out = [x if t in p.allowed_token_ids else -math.inf for t, x in enumerate(out)]
+    for t, b in dict(p.logit_bias or {}).items():
+        out[t] += b
     for t in range(len(out)):
         if t in prompt or t in generated:
             out[t] = out[t] / p.repetition_penalty if out[t] > 0 else \
@@ -59,6 +64,44 @@ def test_penalties_match_the_naive_reference_on_every_verify_row():
             ref = _penalized_ref(logits[i, j].tolist(), seq.prompt_ids, gen, seq.params, EOS)
             assert torch.allclose(got[i, j], torch.tensor(ref), atol=1e-5), (i, j)
     assert torch.equal(got[3], logits[3])
+
+
+def test_logit_bias_and_allowed_token_ids_match_the_naive_reference():
+    """Before the penalties (a biased positive logit is then divided by the repetition
+    penalty), on every verify row; a row left with nothing falls back to the raw logits."""
+    g = torch.Generator().manual_seed(1)
+    seqs = [
+        _seq([3, 4], [6], logit_bias={6: 5.0, 7: -100.0, 30: 2.5}, repetition_penalty=1.5),
+        _seq([9], [10], allowed_token_ids=[2, 10, 11, 39], logit_bias={11: 1.0},
+             frequency_penalty=0.5),
+        _seq([1], [], allowed_token_ids=[2], min_tokens=2),  # only EOS allowed, EOS banned
+        _seq([12], [13]),
+    ]
+    drafts = [[7, 6], [11, 10], [], [5]]
+    logits = torch.randn(len(seqs), 3, V, generator=g) * 3
+    got = process(logits, seqs, drafts, EOS)
+    for i, (seq, d) in enumerate(zip(seqs, drafts)):
+        for j in range(len(d) + 1):
+            gen = seq.output_ids + d[:j]
+            ref = torch.tensor(_penalized_ref(logits[i, j].tolist(), seq.prompt_ids, gen,
+                                              seq.params, EOS))
+            if i == 2:  # nothing left: the raw row
+                assert torch.isinf(ref).all() and torch.equal(got.logits[i, j], logits[i, j])
+                continue
+            assert torch.allclose(got.logits[i, j], ref, atol=1e-5), (i, j)
+    assert torch.equal(got.raw, logits)  # raw logprobs: before bias and mask (vLLM's raw)
+    assert SamplingParams(logit_bias={5: 1, 2: -3}).logit_bias == ((2, -3.0), (5, 1.0))
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(logit_bias={1: 101}), "logit_bias"), (dict(logit_bias={-1: 1}), "logit_bias"),
+    (dict(logit_bias={1: float("nan")}), "logit_bias"), (dict(logit_bias="x"), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1, "2"]), "allowed_token_ids"),
+])
+def test_bad_logit_bias_and_allowed_ids_name_their_field(kw, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**kw)
 
 
 def test_min_tokens_bans_stops_until_reached():

@@ -76,8 +76,10 @@ def completion_cases():
     out.append(("prompt missing", "POST", "/v1/completions", JSON, _with(COMP, prompt=_DROP),
                 400, "prompt"))
     for field, v in (("echo", True), ("best_of", 2), ("logprobs", 21), ("suffix", "x"),
-                     ("logit_bias", {"1": 5}), ("stream_options", {"include_usage": True})):
-        out.append((f"{field} unsupported", "POST", "/v1/completions", JSON,
+                     ("logit_bias", {"1": 500}), ("logit_bias", {"x": 5}),
+                     ("logit_bias", [1]), ("allowed_token_ids", []),
+                     ("allowed_token_ids", [10**9]), ("stream_options", {"include_usage": True})):
+        out.append((f"{field}={json.dumps(v)[:24]} refused", "POST", "/v1/completions", JSON,
                     _with(COMP, **{field: v}), 400, field))
     out.append(("stream_options not an object", "POST", "/v1/completions", JSON,
                 _with(COMP, stream=True, stream_options="x"), 400, "stream_options"))

@@ -1,6 +1,7 @@
 """The sampling features through the official `openai` client, on a plain and an EAGLE-3 server
-of the same tiny Llama: logprobs (spec equal to plain), n > 1, penalties, min_tokens and
-structured output (response_format json_schema / json_object, vLLM's structured_outputs)."""
+of the same tiny Llama: logprobs (spec equal to plain), n > 1, penalties, min_tokens,
+logit_bias, allowed_token_ids and structured output (response_format json_schema /
+json_object, vLLM's structured_outputs)."""
 from __future__ import annotations
 
 import json
@@ -95,6 +96,29 @@ def test_penalties_and_min_tokens_greedy_spec_equals_plain(servers):
         assert r.usage.completion_tokens >= 10
         texts.append(r.choices[0].text)
     assert texts[0] == texts[1]
+
+
+def test_logit_bias_and_allowed_token_ids(servers):
+    """OpenAI's logit_bias (string keys) forces or bans tokens, vLLM's allowed_token_ids limits
+    them; speculation gives plain's tokens. The token ids are read back with /tokenize."""
+    plain, spec = servers
+    root = plain.with_options(base_url=str(plain.base_url).rstrip("/").removesuffix("/v1"))
+    ids = root.post("/tokenize", body={"prompt": "abc", "add_special_tokens": False},
+                    cast_to=object)["tokens"]
+    assert len(ids) == 3
+    got = []
+    for client in servers:
+        forced = client.completions.create(model="m", prompt="Once upon", max_tokens=6,
+                                           temperature=0, logit_bias={str(ids[0]): 100},
+                                           extra_body={"ignore_eos": True})
+        assert forced.choices[0].text == "a" * 6
+        r = client.chat.completions.create(
+            model="m", messages=MSG, max_tokens=8, temperature=0,
+            logit_bias={str(ids[1]): -100}, extra_body={"allowed_token_ids": ids,
+                                                        "ignore_eos": True})
+        assert set(r.choices[0].message.content) <= {"a", "c"}
+        got.append(r.choices[0].message.content)
+    assert got[0] == got[1]
 
 
 def _valid(doc) -> bool:

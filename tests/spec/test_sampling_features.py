@@ -1,4 +1,5 @@
-"""Penalties, min_tokens, logprobs and JSON grammars on a tiny Llama, with and without EAGLE-3:
+"""Penalties, min_tokens, logit_bias, allowed_token_ids, logprobs and JSON grammars on a tiny
+Llama, with and without EAGLE-3:
 the oracle is the plain (non-speculative) deployment of the same checkpoint.
 
 Drafts come from the real (random) drafter, which gets nearly everything rejected, and from an
@@ -59,6 +60,25 @@ def test_greedy_spec_equals_plain_with_penalties_and_min_tokens(target):
         assert a.token_ids == p.token_ids and b.token_ids == p.token_ids
     unpenalized = target.llm(None).generate(prompts, SamplingParams(max_tokens=24))
     assert [o.token_ids for o in unpenalized] != [o.token_ids for o in plain]
+
+
+def test_greedy_spec_equals_plain_with_logit_bias_and_allowed_token_ids(target):
+    """The plain run's tokens are the oracle's; a forced token (+100) and the allowed set hold
+    on every token, drafted or not."""
+    prompts = target.prompts[:4]
+    free = target.llm(None).generate(prompts, SamplingParams(max_tokens=20))
+    first = free[0].token_ids[0]
+    allowed = sorted({t for o in free for t in o.token_ids[:6]} | {first + 1})[:5]
+    params = SamplingParams(max_tokens=20, logit_bias={first: -100.0, allowed[-1]: 3.0},
+                            allowed_token_ids=allowed, repetition_penalty=1.3)
+    plain, own, oracle, accepted = _both_sources(target, prompts, params)
+    assert accepted > 0
+    for p, a, b in zip(plain, own, oracle):
+        assert a.token_ids == p.token_ids and b.token_ids == p.token_ids
+        assert set(p.token_ids) <= set(allowed) and first not in p.token_ids
+    forced = target.llm(K).generate(prompts[:2], SamplingParams(max_tokens=8,
+                                                                logit_bias={first: 100.0}))
+    assert all(o.token_ids == [first] * 8 for o in forced)
 
 
 def test_logprobs_under_speculation_equal_plain(target):
