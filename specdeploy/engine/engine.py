@@ -105,7 +105,7 @@ class Engine:
         if params.structured:
             from specdeploy.engine.grammar import Matcher
 
-            matcher = Matcher(self.grammar_compiler().compile(params.guided_json))
+            matcher = Matcher(self.grammar_compiler().compile_key(params.grammar_key))
         if request_id is not None and request_id in self._seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         detok = None

@@ -1,5 +1,6 @@
-"""Structured output: JSON (a schema, or any object) as a token-level automaton over the target's
-vocabulary, used to mask the target's logits and to cut drafts that leave the grammar.
+"""Structured output: JSON (a schema, or any object), a regular expression or a choice among
+strings, as a token-level automaton over the target's vocabulary, used to mask the target's
+logits and to cut drafts that leave the grammar.
 
 The grammar library is outlines-core (Rust, no dependencies, CPU wheels): a JSON schema becomes a
 regex, the regex an `Index` (a DFA over token ids). We chose it over xgrammar because xgrammar
@@ -30,6 +31,16 @@ _FLAT = (rf"({_SCALAR}|\[{_WS}({_SCALAR}({_WS},{_WS}{_SCALAR})*)?{_WS}\]"
          rf"{_WS}\}})")
 JSON_OBJECT_REGEX = (rf"\{{{_WS}({_STR}{_WS}:{_WS}{_FLAT}({_WS},{_WS}{_STR}{_WS}:{_WS}{_FLAT})*)?"
                      rf"{_WS}\}}")
+
+
+_REGEX_META = set("\\.^$|?*+()[]{}")
+
+
+def choice_regex(choices) -> str:
+    """One of `choices` exactly: their alternation, each escaped (only the regex
+    metacharacters: the grammar library's syntax refuses some escapes Python writes)."""
+    return "(" + "|".join("".join("\\" + c if c in _REGEX_META else c for c in choice)
+                          for choice in choices) + ")"
 
 
 class GrammarError(ValueError):
@@ -92,25 +103,37 @@ class GrammarCompiler:
 
     def compile(self, schema: str | None) -> Grammar:
         """`schema`: a JSON schema (canonical JSON text), or None for any JSON object."""
-        key = "" if schema is None else schema
+        return self.compile_key(("json", schema))
+
+    def compile_key(self, key: tuple[str, str | None]) -> Grammar:
+        """`key`: ("json", a JSON schema's canonical text or None for any object) or ("regex",
+        a regular expression the whole output must match): `SamplingParams.grammar_key`."""
+        kind, text = key
+        if kind not in ("json", "regex") or (kind == "regex" and not isinstance(text, str)):
+            raise GrammarError(f"unknown grammar {key!r}")
+        cache_key = ("" if text is None else text) if kind == "json" else "regex:" + text
         with self._lock:
-            g = self._cache.get(key)
+            g = self._cache.get(cache_key)
         if g is None:
-            g = Grammar(self._index(schema), self.vocab_size, self.eos)
+            g = Grammar(self._index(kind, text), self.vocab_size, self.eos)
             with self._lock:
-                self._cache.setdefault(key, g)
+                self._cache.setdefault(cache_key, g)
                 if len(self._cache) > 64:  # bound the memory of one-off schemas
                     self._cache.pop(next(iter(self._cache)))
         return g
 
-    def _index(self, schema: str | None):
+    def _index(self, kind: str, text: str | None):
         import outlines_core as oc
 
         try:
-            regex = JSON_OBJECT_REGEX if schema is None else _schema_regex(schema)
+            if kind == "regex":
+                regex = text
+            else:
+                regex = JSON_OBJECT_REGEX if text is None else _schema_regex(text)
             return oc.Index(regex, self._vocab)
         except Exception as e:  # the library raises ValueError / its own errors
-            raise GrammarError(f"cannot compile the JSON schema: {e}") from None
+            what = "regular expression" if kind == "regex" else "JSON schema"
+            raise GrammarError(f"cannot compile the {what}: {e}") from None
 
 
 @lru_cache(maxsize=256)

@@ -26,6 +26,7 @@ MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20  # top-N per token (OpenAI's top_logprobs bound; vLLM's default max_logprobs)
 MAX_REPETITION_PENALTY = 100.0  # beyond it every seen token is already out of reach
 MAX_SCHEMA_CHARS = 64 * 1024
+MAX_CHOICES = 1024  # guided_choice's strings
 MAX_LOGIT_BIAS = 1024  # ids a request biases (OpenAI takes 300)
 MAX_BIAS = 100.0  # OpenAI's and vLLM's bound: +-100 bans or forces a token
 MAX_ALLOWED_TOKEN_IDS = 1 << 20
@@ -123,6 +124,28 @@ def guided_json(v: Any) -> str | None:
     return text
 
 
+def guided_regex(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v or len(v) > MAX_SCHEMA_CHARS:
+        raise _fail("guided_regex", f"a non-empty regular expression of at most "
+                    f"{MAX_SCHEMA_CHARS} characters", v)
+    return v
+
+
+def guided_choice(v: Any) -> tuple[str, ...] | None:
+    if v is None:
+        return None
+    if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or not v \
+            or len(v) > MAX_CHOICES:
+        raise _fail("guided_choice", f"a list of 1 to {MAX_CHOICES} strings", v)
+    if not all(isinstance(c, str) and c for c in v):
+        raise _fail("guided_choice", "non-empty strings", v)
+    if sum(len(c) for c in v) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"guided_choice: over {MAX_SCHEMA_CHARS} characters in all")
+    return tuple(v)
+
+
 def logit_bias(v: Any) -> tuple[tuple[int, float], ...] | None:
     """{id: bias} (or (id, bias) pairs) -> sorted pairs; None or empty: none."""
     if v is None:
@@ -172,6 +195,8 @@ def check_sampling(p) -> dict[str, Any]:
                                                            MAX_LOGPROBS),
         "guided_json": guided_json(p.guided_json),
         "json_object": as_bool("json_object", p.json_object),
+        "guided_regex": guided_regex(p.guided_regex),
+        "guided_choice": guided_choice(p.guided_choice),
         "logit_bias": logit_bias(p.logit_bias),
         "allowed_token_ids": allowed_token_ids(p.allowed_token_ids),
     }

@@ -40,6 +40,8 @@ class SamplingParams:
     logprobs: int | None = None  # the target's raw logprobs of each token, plus the top N
     guided_json: str | dict | None = None  # a JSON schema the output must follow
     json_object: bool = False  # the output is a JSON object (any)
+    guided_regex: str | None = None  # a regular expression the whole output must match
+    guided_choice: Seq[str] | None = None  # the output is exactly one of these strings
     # vLLM's / OpenAI's: token id -> a bias added to its logit (in [-100, 100]; kept as sorted
     # (id, bias) pairs), and the only ids that may be sampled; before the penalties
     logit_bias: dict[int, float] | Seq[tuple[int, float]] | None = None
@@ -48,8 +50,11 @@ class SamplingParams:
     def __post_init__(self):
         for name, value in check_sampling(self).items():  # engine/params_check.py: the rules
             object.__setattr__(self, name, value)
-        if self.guided_json is not None and self.json_object:
-            raise ValueError("guided_json: give a schema or json_object, not both")
+        kinds = [k for k in ("guided_json", "json_object", "guided_regex", "guided_choice")
+                 if getattr(self, k) not in (None, False)]
+        if len(kinds) > 1:
+            raise ValueError(f"{kinds[-1]}: give one structured output kind, not "
+                             f"{' and '.join(kinds)}")
 
     @property
     def greedy(self) -> bool:
@@ -64,7 +69,20 @@ class SamplingParams:
 
     @property
     def structured(self) -> bool:
-        return self.guided_json is not None or self.json_object
+        return (self.guided_json is not None or self.json_object
+                or self.guided_regex is not None or self.guided_choice is not None)
+
+    @property
+    def grammar_key(self) -> tuple[str, str | None]:
+        """What the grammar compiler compiles (engine/grammar.py `GrammarCompiler.compile_key`):
+        ("json", schema text or None for any object) or ("regex", a regular expression)."""
+        if self.guided_regex is not None:
+            return "regex", self.guided_regex
+        if self.guided_choice is not None:
+            from specdeploy.engine.grammar import choice_regex
+
+            return "regex", choice_regex(self.guided_choice)
+        return "json", self.guided_json
 
 
 @dataclass(frozen=True)

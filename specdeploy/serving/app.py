@@ -69,7 +69,7 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         kv_capacity=blocks.num_pages * blocks.page_size - engine.scheduler.lookahead,
         vocab_size=engine.deployed.vocab_size, max_token_chars=max_token_chars(tokenizer),
         vision=engine.deployed if hasattr(engine.deployed, "image_features") else None,
-        grammar=lambda schema: engine.grammar_compiler().compile(schema),
+        grammar=lambda key: engine.grammar_compiler().compile_key(key),
         sampling_defaults=dict(getattr(llm, "sampling_defaults", {}) or {}))
     metrics = ServerMetrics(limits.model_name)
     loop = EngineLoop(engine, metrics, max_batch_size=engine.scheduler.max_batch_size,

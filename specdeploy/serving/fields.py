@@ -63,9 +63,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "prompt_embeds": (None,),
     "include_reasoning": (None,),
     "thinking_token_budget": (None,),
-    # structured outputs other than JSON (json / json_object are parsed: sampling_fields.py)
-    "guided_regex": (None,),
-    "guided_choice": (None,),
+    # structured outputs other than JSON, regex and choice (parsed: sampling_fields.py)
     "guided_grammar": (None,),
     "guided_whitespace_pattern": (None,),
     "structural_tag": (None,),

@@ -35,7 +35,7 @@ class Limits:
     # context * this cannot fit, so it is refused before the tokenizer spends seconds on it.
     max_token_chars: int | None = None
     vision: Any = None  # a vision-language deployment (deploy/vlm.py): image parts accepted
-    grammar: Any = None  # schema (None: any object) → compiled grammar; raises ValueError
+    grammar: Any = None  # SamplingParams.grammar_key → compiled grammar; raises ValueError
     # generation_config.json's sampling defaults (model_defaults.py): used where a request
     # leaves a field unset, before OpenAI's own defaults
     sampling_defaults: dict = field(default_factory=dict)
@@ -145,9 +145,13 @@ def _sampling(body: dict, max_tokens: int, limits: Limits, chat: bool) -> list[S
         raise bad(F.field_of(e), str(e).split(": ", 1)[-1], "invalid_value") from None
     if params[0].structured and limits.grammar is not None:
         try:
-            limits.grammar(params[0].guided_json)
+            limits.grammar(params[0].grammar_key)
         except ValueError as e:
-            raise bad("response_format", str(e).split(": ", 1)[-1], "invalid_value") from None
+            p = params[0]
+            field = ("guided_regex" if p.guided_regex is not None else
+                     "guided_choice" if p.guided_choice is not None else "response_format")
+            raise bad(F.structured_field(body, field), str(e).split(": ", 1)[-1],
+                      "invalid_value") from None
     return params
 
 

@@ -69,8 +69,9 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def _structured(body: dict) -> dict:
-    """`response_format` (OpenAI), `guided_json` (vLLM, older) or `structured_outputs: {"json":
-    ...}` / `{"json_object": true}` (vLLM) → SamplingParams' guided_json / json_object."""
+    """`response_format` (OpenAI), vLLM's older `guided_json` / `guided_regex` /
+    `guided_choice`, or its `structured_outputs: {"json" | "json_object" | "regex" | "choice":
+    ...}` → SamplingParams' guided_json / json_object / guided_regex / guided_choice."""
     found: dict = {}
     fmt = body.get("response_format")
     if fmt is not None:
@@ -88,28 +89,39 @@ def _structured(body: dict) -> dict:
             raise FieldError("response_format", "must be {\"type\": \"text\"}, "
                              "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", ...}",
                              "unsupported")
-    for name, value in (("guided_json", body.get("guided_json")),
-                        ("structured_outputs", body.get("structured_outputs"))):
+    for name in ("guided_json", "guided_regex", "guided_choice", "structured_outputs"):
+        value = body.get(name)
         if value is None:
             continue
         if found:
-            raise FieldError(name, "give one of response_format, guided_json and "
-                             "structured_outputs")
-        if name == "guided_json":
-            found = {"guided_json": value}
+            raise FieldError(name, "give one of response_format, guided_json, guided_regex, "
+                             "guided_choice and structured_outputs")
+        if name != "structured_outputs":
+            found = {name: value}
             continue
         if not isinstance(value, dict):
             raise FieldError(name, "must be an object", "invalid_type")
-        extra = sorted(k for k, v in value.items() if v is not None and k not in ("json",
-                                                                                 "json_object"))
+        given = sorted(k for k, v in value.items() if v is not None and v is not False)
+        extra = [k for k in given if k not in _STRUCTURED]
         if extra:
-            raise FieldError(f"{name}.{extra[0]}", "is not supported (json and json_object "
-                             "are)", "unsupported")
-        if value.get("json") is not None:
-            found = {"guided_json": value["json"]}
-        elif value.get("json_object"):
-            found = {"json_object": True}
+            raise FieldError(f"{name}.{extra[0]}", "is not supported (json, json_object, "
+                             "regex and choice are)", "unsupported")
+        if len(given) > 1:
+            raise FieldError(name, f"give one of {', '.join(given)}")
+        if given:
+            found = {_STRUCTURED[given[0]]: value[given[0]]}
     return found
+
+
+# vLLM's structured_outputs keys -> SamplingParams' fields
+_STRUCTURED = {"json": "guided_json", "json_object": "json_object", "regex": "guided_regex",
+               "choice": "guided_choice"}
+
+
+def structured_field(body: dict, field: str) -> str:
+    """The API field a structured-output value came from, for a compile error's `param`."""
+    return "structured_outputs" if body.get("structured_outputs") is not None \
+        and field != "response_format" else field
 
 
 def _logit_bias(body: dict) -> dict[int, Any] | None:

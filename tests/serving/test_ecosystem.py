@@ -119,10 +119,10 @@ def test_template_kwargs_tools_and_continue_final_message(srv, refs, llm):
 
 
 @pytest.mark.parametrize("endpoint, field, value", [
-    ("chat", "use_beam_search", True), ("chat", "guided_regex", "a+"),
+    ("chat", "use_beam_search", True), ("chat", "guided_grammar", "root ::= x"),
     ("chat", "reasoning_effort", "high"), ("chat", "modalities", ["text", "audio"]),
     ("chat", "skip_special_tokens", True), ("completion", "include_stop_str_in_output", True),
-    ("completion", "guided_choice", ["a", "b"]), ("completion", "truncate_prompt_tokens", 4),
+    ("completion", "guided_whitespace_pattern", " "), ("completion", "truncate_prompt_tokens", 4),
     ("completion", "prompt_logprobs", 1), ("chat", "bad_words", ["x"]),
 ])
 def test_known_unsupported_fields_are_400(srv, endpoint, field, value):

@@ -67,10 +67,26 @@ def test_generation_config_defaults_reach_the_sampling_fields():
     p = r.params[0]
     assert (p.min_p, p.repetition_penalty, p.presence_penalty, p.min_tokens, p.logprobs) == (
         0.3, 1.0, 0.5, 2, 2)
-    for field, value in (("guided_regex", "a+"), ("guided_choice", ["a"])):
+    assert P.parse_completion({"prompt": "abc", "guided_regex": "a+"}, tok,
+                              LIMITS).params[0].grammar_key == ("regex", "a+")
+    r = P.parse_completion({"prompt": "abc", "structured_outputs": {"choice": ["a.", "b"]}}, tok,
+                           LIMITS)
+    assert r.params[0].guided_choice == ("a.", "b")
+    assert r.params[0].grammar_key == ("regex", "(a\\.|b)")
+    for body, field in (({"guided_grammar": "root ::= x"}, "guided_grammar"),
+                        ({"structured_outputs": {"grammar": "x"}}, "structured_outputs.grammar")):
         with pytest.raises(P.APIError) as e:
-            P.parse_completion({"prompt": "abc", field: value}, tok, LIMITS)
+            P.parse_completion({"prompt": "abc", **body}, tok, LIMITS)
         assert e.value.param == field and e.value.code == "unsupported"
+    for body, field in (({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+                        ({"structured_outputs": {"regex": "a", "choice": ["b"]}},
+                         "structured_outputs"),
+                        ({"guided_choice": []}, "guided_choice"),
+                        ({"guided_choice": ["a", 3]}, "guided_choice"),
+                        ({"guided_regex": ""}, "guided_regex")):
+        with pytest.raises(P.APIError) as e:
+            P.parse_completion({"prompt": "abc", **body}, tok, LIMITS)
+        assert e.value.param == field, body
 
 
 def test_metrics_text():

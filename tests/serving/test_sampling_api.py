@@ -1,7 +1,7 @@
 """The sampling features through the official `openai` client, on a plain and an EAGLE-3 server
 of the same tiny Llama: logprobs (spec equal to plain), n > 1, penalties, min_tokens,
 logit_bias, allowed_token_ids and structured output (response_format json_schema /
-json_object, vLLM's structured_outputs)."""
+json_object, vLLM's structured_outputs, guided_regex and guided_choice)."""
 from __future__ import annotations
 
 import json
@@ -143,6 +143,28 @@ def test_json_schema_response_parses_and_validates(servers):
         assert r.choices[0].message.content.startswith("{")
 
 
+def test_regex_and_choice_through_the_api(servers):
+    """vLLM's guided_regex / guided_choice and structured_outputs {regex, choice}: the text
+    matches; speculation gives plain's text."""
+    import re
+
+    texts = []
+    for client in servers:
+        r = client.chat.completions.create(model="m", messages=MSG, max_tokens=8, temperature=0,
+                                           extra_body={"guided_choice": ["yes", "no", "n/a"]})
+        assert r.choices[0].message.content in ("yes", "no", "n/a")
+        code = "[A-C]{3}-[0-9]{2}"
+        c = client.completions.create(model="m", prompt="Code:", max_tokens=10, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": code}})
+        assert re.fullmatch(code, c.choices[0].text)
+        s = client.completions.create(model="m", prompt="Code:", max_tokens=10, temperature=0.8,
+                                      seed=2, extra_body={"guided_regex": "x(y|z)+"})
+        assert re.fullmatch("x(y|z)+", s.choices[0].text) or s.choices[0].finish_reason == \
+            "length"
+        texts.append((r.choices[0].message.content, c.choices[0].text))
+    assert texts[0] == texts[1]
+
+
 def test_bad_structured_requests_are_400(servers):
     plain, _ = servers
     bad = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
@@ -150,7 +172,10 @@ def test_bad_structured_requests_are_400(servers):
            ({"response_format": {"type": "json_schema",
                                  "json_schema": {"schema": {"type": "nonsense"}}}},
             "response_format"),
-           ({"structured_outputs": {"regex": "a+"}}, "structured_outputs.regex"),
+           ({"structured_outputs": {"grammar": "a"}}, "structured_outputs.grammar"),
+           ({"guided_regex": "(a"}, "guided_regex"),
+           ({"structured_outputs": {"regex": "[a"}}, "structured_outputs"),
+           ({"guided_choice": "a"}, "guided_choice"),
            ({"top_logprobs": 2}, "top_logprobs"),
            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")]
     for extra, param in bad:

@@ -134,3 +134,28 @@ def test_json_schema_output_parses_and_validates(target, k):
     if obj.finish_reason == "stop":  # a random model may run out of tokens inside a string
         assert isinstance(json.loads(obj.text), dict)
     assert obj.text.startswith("{")
+
+
+@pytest.mark.parametrize("k", [None, K])
+def test_regex_and_choice_outputs_match(target, k):
+    """guided_regex: the whole output matches (re.fullmatch, Python's engine, not the grammar
+    library's); guided_choice: the output is one of the strings (metacharacters escaped).
+    Greedy and sampled; with drafts, greedy equals plain."""
+    import re
+
+    llm = target.llm(k)
+    prompts = target.prompts[:3]
+    regex = r"[a-c]{2,4}-(x|yz)[0-9]"
+    choices = ["a.b", "(c)", "d|e*"]
+    for extra in ({}, {"temperature": 1.0, "seed": 3}):
+        for out in llm.generate(prompts, SamplingParams(max_tokens=12, guided_regex=regex,
+                                                        **extra)):
+            assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), out.text
+        for out in llm.generate(prompts, SamplingParams(max_tokens=8, guided_choice=choices,
+                                                        **extra)):
+            assert out.finish_reason == "stop" and out.text in choices, out.text
+    if k is not None:
+        for p in (SamplingParams(max_tokens=12, guided_regex=regex),
+                  SamplingParams(max_tokens=8, guided_choice=choices)):
+            plain = target.llm(None).generate(prompts, p)
+            assert [o.text for o in llm.generate(prompts, p)] == [o.text for o in plain]
