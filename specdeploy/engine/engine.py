@@ -114,6 +114,12 @@ class Engine:
         seq = Sequence(prompt_ids, params, detok, request_id, self.device)
         seq.mm = mm
         seq.matcher = matcher
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: needs the model's tokenizer")
+            from specdeploy.engine.logits_process import bad_word_ids
+
+            seq.bad_words_ids = bad_word_ids(self.tokenizer, params.bad_words)
         self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_requests += 1

@@ -4,8 +4,9 @@ and for the verification of drafts alike (vLLM's order and semantics):
 1. grammar mask (structured output): tokens the request's grammar forbids get -inf. As in vLLM
    (the bitmask is applied to the logits before its sampler), this is part of the logits whose
    logprobs are reported: the "raw" logprobs are those of the masked logits.
-2. allowed_token_ids: every other token gets -inf; logit_bias: added to its tokens' logits
-   (vLLM applies both before its penalties, after computing raw logprobs).
+2. allowed_token_ids: every other token gets -inf; bad_words: a word's last token gets -inf
+   where the generated tokens end with the word's other tokens; logit_bias: added to its
+   tokens' logits (vLLM applies these before its penalties, after computing raw logprobs).
 3. penalties: repetition_penalty over prompt + generated tokens (a positive logit is divided
    by it, a negative one multiplied), then frequency (times the count) and presence (once per
    token seen) over the generated tokens only.
@@ -92,6 +93,8 @@ def _penalize(logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[list[int]],
     p = [q.params for q in seqs]
     if any(x.allowed_token_ids is not None or x.logit_bias for x in p):
         logits = logits + _bias_rows(p, v, dev)[:, None]
+    if any(q.bad_words_ids for q in seqs):
+        logits = logits.masked_fill(_bad_words_mask(seqs, drafts, r, v, dev), float("-inf"))
     counts = generated_counts(seqs, drafts, r, v, dev)  # [S, R, V]
     rep = torch.tensor([x.repetition_penalty for x in p], device=dev)[:, None, None]
     freq = torch.tensor([x.frequency_penalty for x in p], device=dev)[:, None, None]
@@ -117,6 +120,38 @@ def _bias_rows(params, v: int, dev) -> torch.Tensor:
             ids = torch.tensor([t for t, _ in x.logit_bias], dtype=torch.long)
             bias[i, ids] += torch.tensor([b for _, b in x.logit_bias])
     return bias.to(dev)
+
+
+def bad_word_ids(tokenizer, words) -> list[tuple[int, ...]]:
+    """Each bad word's token ids as written (leading blanks stripped), and after a space where
+    that spelling starts with another token and has as many tokens (vLLM's rule)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out += [plain] if plain else []
+        if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
+
+
+def _bad_words_mask(seqs: Seq[Sequence], drafts: Seq[list[int]], r: int, v: int,
+                    dev) -> torch.Tensor:
+    """[S, R, V] True at a bad word's last token where row j's generated tokens (the output,
+    then drafts[:j]) end with the word's other tokens."""
+    mask = torch.zeros(len(seqs), r, v, dtype=torch.bool)
+    for i, (q, d) in enumerate(zip(seqs, drafts)):
+        if not q.bad_words_ids:
+            continue
+        longest = max(len(w) for w in q.bad_words_ids) - 1
+        gen = q.output_ids[-longest:] if longest else []
+        for j in range(r):
+            tail = (gen + d[:j])[-longest:] if longest else []
+            for w in q.bad_words_ids:
+                n = len(w) - 1
+                if w[-1] < v and (n == 0 or (len(tail) >= n and tuple(tail[-n:]) == w[:-1])):
+                    mask[i, j, w[-1]] = True
+    return mask.to(dev)
 
 
 def generated_counts(seqs: Seq[Sequence], drafts: Seq[list[int]], r: int, v: int,

@@ -27,6 +27,7 @@ MAX_LOGPROBS = 20  # top-N per token (OpenAI's top_logprobs bound; vLLM's defaul
 MAX_REPETITION_PENALTY = 100.0  # beyond it every seen token is already out of reach
 MAX_SCHEMA_CHARS = 64 * 1024
 MAX_CHOICES = 1024  # guided_choice's strings
+MAX_BAD_WORDS = 256
 MAX_LOGIT_BIAS = 1024  # ids a request biases (OpenAI takes 300)
 MAX_BIAS = 100.0  # OpenAI's and vLLM's bound: +-100 bans or forces a token
 MAX_ALLOWED_TOKEN_IDS = 1 << 20
@@ -146,6 +147,16 @@ def guided_choice(v: Any) -> tuple[str, ...] | None:
     return tuple(v)
 
 
+def bad_words(v: Any) -> tuple[str, ...] | None:
+    if v is None:
+        return None
+    if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or len(v) > MAX_BAD_WORDS:
+        raise _fail("bad_words", f"a list of at most {MAX_BAD_WORDS} strings", v)
+    if not all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in v):
+        raise _fail("bad_words", f"non-blank strings of at most {MAX_STOP_CHARS} characters", v)
+    return tuple(v) or None
+
+
 def logit_bias(v: Any) -> tuple[tuple[int, float], ...] | None:
     """{id: bias} (or (id, bias) pairs) -> sorted pairs; None or empty: none."""
     if v is None:
@@ -199,6 +210,7 @@ def check_sampling(p) -> dict[str, Any]:
         "guided_choice": guided_choice(p.guided_choice),
         "logit_bias": logit_bias(p.logit_bias),
         "allowed_token_ids": allowed_token_ids(p.allowed_token_ids),
+        "bad_words": bad_words(p.bad_words),
     }
 
 

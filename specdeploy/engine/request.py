@@ -46,6 +46,9 @@ class SamplingParams:
     # (id, bias) pairs), and the only ids that may be sampled; before the penalties
     logit_bias: dict[int, float] | Seq[tuple[int, float]] | None = None
     allowed_token_ids: Seq[int] | None = None
+    # vLLM's: a word's last token is banned where the generated tokens end with the rest of it
+    # (each word as written and after a space; engine/logits_process.py `bad_word_ids`)
+    bad_words: Seq[str] | None = None
 
     def __post_init__(self):
         for name, value in check_sampling(self).items():  # engine/params_check.py: the rules
@@ -65,7 +68,8 @@ class SamplingParams:
         """Changes the target's logits before sampling (engine/logits_process.py)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0 or self.min_tokens > 0
-                or bool(self.logit_bias) or self.allowed_token_ids is not None)
+                or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words))
 
     @property
     def structured(self) -> bool:
@@ -200,6 +204,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.new_logprobs: list[dict[int, float]] = []  # this step's, one per new token
         self.prompt_seen: torch.Tensor | None = None  # [V] bool, for repetition_penalty
+        self.bad_words_ids: list[tuple[int, ...]] = []  # params.bad_words, tokenized
         self._emitted_tokens = 0  # for delta_* in outputs
         self._emitted_text = 0
 

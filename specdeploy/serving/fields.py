@@ -51,7 +51,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "skip_special_tokens": (None, False),  # special tokens are always kept in the text
     "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,),
-    "bad_words": (None,),
     "prompt_logprobs": (None,),
     "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False),

@@ -1,6 +1,6 @@
 """Request fields that reach the engine's logits: `n`, logprobs, penalties, `min_p`,
-`min_tokens`, `logit_bias`, `allowed_token_ids` and structured output (OpenAI's names and
-vLLM's extensions).
+`min_tokens`, `logit_bias`, `allowed_token_ids`, `bad_words` and structured output (OpenAI's
+names and vLLM's extensions).
 
 Only the API's spellings are translated here; the value rules are `SamplingParams`' own
 (engine/params_check.py), so a bad value is a 400 naming its field either way.
@@ -13,7 +13,8 @@ from typing import Any
 from specdeploy.engine.params_check import MAX_LOGPROBS, MAX_SEED
 
 MAX_N = 16  # choices per prompt (each one is an engine request and holds a batch slot)
-_PASS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
+_PASS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+         "bad_words")
 
 
 class FieldError(ValueError):

@@ -93,11 +93,51 @@ def test_logit_bias_and_allowed_token_ids_match_the_naive_reference():
     assert SamplingParams(logit_bias={5: 1, 2: -3}).logit_bias == ((2, -3.0), (5, 1.0))
 
 
+def test_bad_words_ban_a_last_token_after_its_prefix_on_every_verify_row():
+    """Naive reference: on row j, a word's last token is banned where output + drafts[:j]
+    ends with its other tokens (a one-token word everywhere); nothing else changes."""
+    g = torch.Generator().manual_seed(2)
+    seqs = [_seq([1], [5, 6], bad_words=["x"]), _seq([1], [7], bad_words=["y"]), _seq([1], [])]
+    seqs[0].bad_words_ids = [(6, 7), (9,), (5, 6, 8)]
+    seqs[1].bad_words_ids = [(7, 7, 3)]
+    drafts = [[7, 5, 6], [7, 1], []]
+    logits = torch.randn(3, 4, V, generator=g)
+    got = process(logits, seqs, drafts, EOS).logits
+    for i, (seq, d) in enumerate(zip(seqs, drafts)):
+        for j in range(4):
+            gen = seq.output_ids + d[:j]
+            ref = logits[i, j].clone()
+            for w in seq.bad_words_ids:
+                if len(gen) >= len(w) - 1 and tuple(gen[len(gen) - len(w) + 1:]) == w[:-1]:
+                    ref[w[-1]] = -math.inf
+            assert torch.equal(got[i, j], ref), (i, j)
+    assert torch.isinf(got[0, 0, 7]) and torch.isinf(got[0, 0, 8])
+    assert torch.isinf(got[0, :, 9]).all()
+    assert not torch.isinf(got[0, 1, 7]) and torch.isinf(got[1, 1, 3])
+
+
+def test_bad_word_ids_spellings():
+    """As written (leading blanks stripped), and after a space only where that spelling starts
+    with another token and is as long (vLLM's rule)."""
+    from specdeploy.engine.logits_process import bad_word_ids
+
+    class Tok:
+        ids = {"hello": [5, 6], " hello": [7, 6], "bye": [8], " bye": [9, 10], "x": [11],
+               " x": [11]}
+
+        def encode(self, text, add_special_tokens=True):
+            assert add_special_tokens is False
+            return self.ids[text]
+
+    assert bad_word_ids(Tok(), [" hello", "bye", "x"]) == [(5, 6), (7, 6), (8,), (11,)]
+
+
 @pytest.mark.parametrize("kw, field", [
     (dict(logit_bias={1: 101}), "logit_bias"), (dict(logit_bias={-1: 1}), "logit_bias"),
     (dict(logit_bias={1: float("nan")}), "logit_bias"), (dict(logit_bias="x"), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[1, "2"]), "allowed_token_ids"),
+    (dict(bad_words="x"), "bad_words"), (dict(bad_words=[" "]), "bad_words"),
 ])
 def test_bad_logit_bias_and_allowed_ids_name_their_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field}:"):

@@ -123,7 +123,7 @@ def test_template_kwargs_tools_and_continue_final_message(srv, refs, llm):
     ("chat", "reasoning_effort", "high"), ("chat", "modalities", ["text", "audio"]),
     ("chat", "skip_special_tokens", True), ("completion", "include_stop_str_in_output", True),
     ("completion", "guided_whitespace_pattern", " "), ("completion", "truncate_prompt_tokens", 4),
-    ("completion", "prompt_logprobs", 1), ("chat", "bad_words", ["x"]),
+    ("completion", "prompt_logprobs", 1), ("chat", "logits_processors", ["x"]),
 ])
 def test_known_unsupported_fields_are_400(srv, endpoint, field, value):
     c = srv.client()

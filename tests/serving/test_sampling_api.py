@@ -1,6 +1,6 @@
 """The sampling features through the official `openai` client, on a plain and an EAGLE-3 server
 of the same tiny Llama: logprobs (spec equal to plain), n > 1, penalties, min_tokens,
-logit_bias, allowed_token_ids and structured output (response_format json_schema /
+logit_bias, allowed_token_ids, bad_words and structured output (response_format json_schema /
 json_object, vLLM's structured_outputs, guided_regex and guided_choice)."""
 from __future__ import annotations
 
@@ -141,6 +141,20 @@ def test_json_schema_response_parses_and_validates(servers):
         r = client.chat.completions.create(model="m", messages=MSG, max_tokens=4,
                                            response_format={"type": "json_object"})
         assert r.choices[0].message.content.startswith("{")
+
+
+def test_bad_words_through_the_api(servers):
+    """vLLM's bad_words reach the engine (tests/spec/test_sampling_features.py checks what they
+    ban): the greedy text changes, speculation gives plain's."""
+    texts = []
+    for client in servers:
+        kw = dict(model="m", prompt="Once upon", max_tokens=12, temperature=0)
+        free = client.completions.create(**kw).choices[0].text
+        words = [free[i:i + 2] for i in range(0, 6, 2) if free[i:i + 2].strip()]
+        r = client.completions.create(**kw, extra_body={"bad_words": words})
+        assert r.choices[0].text != free
+        texts.append(r.choices[0].text)
+    assert texts[0] == texts[1]
 
 
 def test_regex_and_choice_through_the_api(servers):

@@ -1,5 +1,5 @@
-"""Penalties, min_tokens, logit_bias, allowed_token_ids, logprobs and JSON grammars on a tiny
-Llama, with and without EAGLE-3:
+"""Penalties, min_tokens, logit_bias, allowed_token_ids, bad_words, logprobs and grammars
+(JSON, regex, choice) on a tiny Llama, with and without EAGLE-3:
 the oracle is the plain (non-speculative) deployment of the same checkpoint.
 
 Drafts come from the real (random) drafter, which gets nearly everything rejected, and from an
@@ -79,6 +79,29 @@ def test_greedy_spec_equals_plain_with_logit_bias_and_allowed_token_ids(target):
     forced = target.llm(K).generate(prompts[:2], SamplingParams(max_tokens=8,
                                                                 logit_bias={first: 100.0}))
     assert all(o.token_ids == [first] * 8 for o in forced)
+
+
+def test_greedy_spec_equals_plain_with_bad_words(target):
+    """Two-character words made of the free run's tokens (the tiny tokenizer: a printable
+    character a token) never appear as tokens in the output; drafts or not, the tokens are
+    plain's."""
+    from specdeploy.engine.logits_process import bad_word_ids
+
+    prompts = target.prompts[:3]
+    llm = target.llm(None)
+    free = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    chars = range(3, 3 + 95)  # ' ' .. '~'
+    pairs = {(a, b) for o in free for a, b in zip(o.token_ids, o.token_ids[1:])
+             if a in chars and b in chars and a != 3}  # no leading blank: stripped
+    words = [llm.tokenizer.decode(list(p)) for p in sorted(pairs)[:6]]
+    banned = bad_word_ids(llm.tokenizer, words)
+    assert words and all(len(w) == 2 for w in banned)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, bad_words=words)
+    plain, own, oracle, accepted = _both_sources(target, prompts, params)
+    for p, a, b in zip(plain, own, oracle):
+        assert a.token_ids == p.token_ids and b.token_ids == p.token_ids
+        assert not set(zip(p.token_ids, p.token_ids[1:])) & set(banned), words
+    assert [o.token_ids for o in plain] != [o.token_ids for o in free]
 
 
 def test_logprobs_under_speculation_equal_plain(target):
