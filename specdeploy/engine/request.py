@@ -56,7 +56,7 @@ class SamplingParams:
         kinds = [k for k in ("guided_json", "json_object", "guided_regex", "guided_choice")
                  if getattr(self, k) not in (None, False)]
         if len(kinds) > 1:
-            raise ValueError(f"{kinds[-1]}: give one structured output kind, not "
+            raise ValueError(f"{kinds[0]}: give one structured output kind, not "
                              f"{' and '.join(kinds)}")
 
     @property

@@ -22,6 +22,7 @@ from specdeploy.serving.body import parse_json
 from specdeploy.serving.chat import parse_chat
 from specdeploy.serving.engine_loop import EngineLoop, Handle
 from specdeploy.serving.metrics import CONTENT_TYPE, ServerMetrics
+from specdeploy.serving.reasoning import PARSERS
 from specdeploy.version import version
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -50,7 +51,8 @@ def max_token_chars(tokenizer) -> int | None:
 def create_app(llm, *, model_name: str | None = None, api_key: str | None = None,
                max_queue: int = 256, drain_timeout: float = 30.0,
                max_body_bytes: int = MAX_BODY_BYTES,
-               stats_log_interval: float | None = None) -> FastAPI:
+               stats_log_interval: float | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """Args:
         model_name: the id clients pass as `model` (default: the checkpoint's name).
         api_key: when set, `/v1/*` needs `Authorization: Bearer <api_key>` (else 401).
@@ -58,7 +60,12 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         drain_timeout: seconds shutdown waits for in-flight requests before aborting them.
         max_body_bytes: larger request bodies get 413, however they are sent (chunked too).
         stats_log_interval: seconds between speculative-decoding log lines (None: none).
+        reasoning_parser: "deepseek_r1" or "qwen3" (vLLM's `--reasoning-parser`): a chat
+            reply's thinking goes to `reasoning` / `reasoning_content` (serving/reasoning.py).
     """
+    if reasoning_parser is not None and reasoning_parser not in PARSERS:
+        raise ValueError(f"reasoning_parser: must be one of {', '.join(PARSERS)}, got "
+                         f"{reasoning_parser!r}")
     if max_queue < 0:
         raise ValueError(f"max_queue: must be >= 0, got {max_queue}")
     engine = llm.engine
@@ -70,7 +77,8 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         vocab_size=engine.deployed.vocab_size, max_token_chars=max_token_chars(tokenizer),
         vision=engine.deployed if hasattr(engine.deployed, "image_features") else None,
         grammar=lambda key: engine.grammar_compiler().compile_key(key),
-        sampling_defaults=dict(getattr(llm, "sampling_defaults", {}) or {}))
+        sampling_defaults=dict(getattr(llm, "sampling_defaults", {}) or {}),
+        reasoning_parser=reasoning_parser)
     metrics = ServerMetrics(limits.model_name)
     loop = EngineLoop(engine, metrics, max_batch_size=engine.scheduler.max_batch_size,
                       max_queue=max_queue)
@@ -243,7 +251,14 @@ async def _stream(req: P.GenerationRequest, handle: Handle, rid: str, created: i
         if out.logprobs is not None and (end > sent[i] or out.finished):
             lp = req.logprobs(i, out.token_ids[sent_lp[i]:], out.logprobs[sent_lp[i]:], sent[i])
             sent_lp[i] = len(out.logprobs)
-        if end > sent[i]:
+        if req.reasoning is not None:  # thinking and content apart (serving/reasoning.py)
+            fields = req.reasoning[i].delta(out.text[:end], out.finished)
+            if fields or lp is not None and not out.finished:
+                yield R.sse(R.chunk_body(req, rid, created, i, None, None, logprobs=lp,
+                                         fields=fields))
+                lp = None
+            sent[i] = end
+        elif end > sent[i]:
             yield R.sse(R.chunk_body(req, rid, created, i, out.text[sent[i]:end], None,
                                      logprobs=lp))
             sent[i], lp = end, None

@@ -20,6 +20,7 @@ from specdeploy.serving.protocol import (
     _sampling,
     _unsupported,
 )
+from specdeploy.serving.reasoning import Reasoning, prompt_opens_thinking
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -151,5 +152,10 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
         else "max_tokens"
     params = _sampling(body, _max_tokens(body, field, len(ids), limits, None), limits, True)
     n = len(params)
+    include = _bool(body, "include_reasoning", True)
+    reasoning = None
+    if limits.reasoning_parser is not None:
+        inside = prompt_opens_thinking(tokenizer, ids)
+        reasoning = [Reasoning(limits.reasoning_parser, inside, include) for _ in range(n)]
     return GenerationRequest(True, model, [ids] * n, params, stream, include_usage,
-                             None if mm is None else [mm] * n, n, tokenizer)
+                             None if mm is None else [mm] * n, n, tokenizer, reasoning)

@@ -63,6 +63,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds between the one-line speculative-decoding log (0: off)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic speculative-decoding log (vLLM's flag)")
+    p.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,
+                   help="chat replies' <think> block into `reasoning` (vLLM's flag)")
     add_parallel_args(p)
     p.set_defaults(func=cmd_serve)
     return p
@@ -99,7 +101,8 @@ def cmd_serve(args) -> int:
     app = create_app(llm, model_name=args.served_model_name, api_key=args.api_key,
                      max_queue=args.max_queue, drain_timeout=args.drain_timeout,
                      stats_log_interval=None if args.disable_log_stats
-                     or args.stats_log_interval <= 0 else args.stats_log_interval)
+                     or args.stats_log_interval <= 0 else args.stats_log_interval,
+                     reasoning_parser=args.reasoning_parser)
     shutdown.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

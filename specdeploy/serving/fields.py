@@ -60,7 +60,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
     "prompt_embeds": (None,),
-    "include_reasoning": (None,),
     "thinking_token_budget": (None,),
     # structured outputs other than JSON, regex and choice (parsed: sampling_fields.py)
     "guided_grammar": (None,),

@@ -39,6 +39,7 @@ class Limits:
     # generation_config.json's sampling defaults (model_defaults.py): used where a request
     # leaves a field unset, before OpenAI's own defaults
     sampling_defaults: dict = field(default_factory=dict)
+    reasoning_parser: str | None = None  # serving/reasoning.py: chat replies' thinking split
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -60,6 +61,7 @@ class GenerationRequest:
     mm: list | None = None  # per choice: its images (vision/prompt.py MultimodalPrompt) or None
     n: int = 1
     tokenizer: Any = None  # spells the tokens of logprobs
+    reasoning: list | None = None  # per choice: its serving/reasoning.py `Reasoning` (chat)
 
     @property
     def prompt_tokens(self) -> int:

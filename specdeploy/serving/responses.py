@@ -24,9 +24,11 @@ def response_body(req: GenerationRequest, rid: str, created: int, texts: list[st
                   reasons: list[str], use: dict, logprobs: list | None = None) -> dict:
     lps = logprobs or [None] * len(texts)
     if req.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t},
+        split = req.reasoning or [None] * len(texts)  # serving/reasoning.py
+        choices = [{"index": i, "message": {"role": "assistant", "content": t} if rs is None
+                    else {"role": "assistant", **rs.message(t)},
                     "logprobs": lp, "finish_reason": r}
-                   for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
+                   for i, (t, r, lp, rs) in enumerate(zip(texts, reasons, lps, split))]
         obj = "chat.completion"
     else:
         choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
@@ -37,12 +39,15 @@ def response_body(req: GenerationRequest, rid: str, created: int, texts: list[st
 
 
 def chunk_body(req: GenerationRequest, rid: str, created: int, index: int, text: str | None,
-               finish_reason: str | None, first: bool = False, logprobs: dict | None = None
-               ) -> dict:
-    """One streamed chunk; a chat stream's first chunk of a choice carries the role."""
+               finish_reason: str | None, first: bool = False, logprobs: dict | None = None,
+               fields: dict | None = None) -> dict:
+    """One streamed chunk; a chat stream's first chunk of a choice carries the role. `fields`:
+    a chat delta's own fields (reasoning and content, serving/reasoning.py) instead of text."""
     if req.chat:
         delta: dict = {"role": "assistant", "content": ""} if first else {}
-        if text:
+        if fields:
+            delta.update(fields)
+        elif text:
             delta["content"] = text
         choice = {"index": index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}

@@ -1,0 +1,88 @@
+"""Reasoning parsers (vLLM's `--reasoning-parser`): a chat reply's thinking, between `<think>`
+and `</think>`, goes to the message's `reasoning` (and its older name `reasoning_content`), the
+rest to `content`, in whole responses and in streamed deltas alike.
+
+- `deepseek_r1`: the reply thinks from its start (a leading `<think>` is dropped) until
+  `</think>`; a reply cut before it is all reasoning.
+- `qwen3`: the reply thinks when it starts with `<think>` or when the prompt ends with it (the
+  templates of Qwen3 thinking models and Qwen3.5 open the block themselves); otherwise (e.g.
+  `enable_thinking: false`, whose template closes an empty block) it is all content. NOTE:
+  vLLM's parser reports a thinking reply cut before `</think>` as content; here it is reasoning,
+  so that a stream, which must decide as the tokens come, spells the same as the response.
+
+A stream holds back what could still become a tag (a `<thi` at the start, a `</th` at the end
+of the reasoning), so the concatenated deltas always equal the whole response's fields.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+def _held(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+@dataclass
+class Reasoning:
+    """One choice's split. `inside`: the prompt opened the thinking block (or the parser
+    assumes it); `include`: the request's `include_reasoning` (False: reasoning dropped)."""
+
+    parser: str
+    inside: bool = False
+    include: bool = True
+    _sent_r: int = 0
+    _sent_c: int = 0
+
+    def __post_init__(self):
+        if self.parser not in PARSERS:
+            raise ValueError(f"reasoning_parser: must be one of {', '.join(PARSERS)}, got "
+                             f"{self.parser!r}")
+
+    def split(self, text: str, final: bool = True) -> tuple[str | None, str | None]:
+        """(reasoning, content) of `text`; not `final`: what may still become a tag is left
+        out of both (neither ever shrinks as text grows)."""
+        thinking = self.parser == "deepseek_r1" or self.inside
+        if text.startswith(START):
+            thinking, text = True, text[len(START):]
+        elif not final and START.startswith(text):  # "" or "<thi": may still open the block
+            return ("", None) if thinking else (None, None)
+        if not thinking:
+            return None, text
+        i = text.find(END)
+        if i >= 0:
+            return text[:i], text[i + len(END):]
+        return (text if final else text[:len(text) - _held(text, END)]), None
+
+    def message(self, text: str) -> dict:
+        """The response message's fields for the whole reply."""
+        r, c = self.split(text)
+        out = {"content": c if (c or r is None) else None}
+        if self.include:
+            out["reasoning"] = out["reasoning_content"] = r or None
+        return out
+
+    def delta(self, text: str, final: bool) -> dict:
+        """The delta fields for the reply's text so far (cumulative), those not sent before."""
+        r, c = self.split(text, final)
+        out = {}
+        if r is not None and len(r) > self._sent_r:
+            if self.include:
+                out["reasoning"] = out["reasoning_content"] = r[self._sent_r:]
+            self._sent_r = len(r)
+        if c is not None and len(c) > self._sent_c:
+            out["content"] = c[self._sent_c:]
+            self._sent_c = len(c)
+        return out
+
+
+def prompt_opens_thinking(tokenizer, prompt_ids: list[int]) -> bool:
+    """Whether the rendered prompt ends inside a thinking block (its last `<think>`)."""
+    tail = tokenizer.decode(prompt_ids[-16:]).rstrip()
+    return tail.endswith(START)
