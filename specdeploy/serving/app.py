@@ -23,6 +23,7 @@ from specdeploy.serving.chat import parse_chat
 from specdeploy.serving.engine_loop import EngineLoop, Handle
 from specdeploy.serving.metrics import CONTENT_TYPE, ServerMetrics
 from specdeploy.serving.reasoning import PARSERS
+from specdeploy.serving.tools import PARSERS as TOOL_PARSERS
 from specdeploy.version import version
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -52,7 +53,8 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
                max_queue: int = 256, drain_timeout: float = 30.0,
                max_body_bytes: int = MAX_BODY_BYTES,
                stats_log_interval: float | None = None,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, enable_auto_tool_choice: bool = False,
+               tool_call_parser: str | None = None) -> FastAPI:
     """Args:
         model_name: the id clients pass as `model` (default: the checkpoint's name).
         api_key: when set, `/v1/*` needs `Authorization: Bearer <api_key>` (else 401).
@@ -62,10 +64,17 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         stats_log_interval: seconds between speculative-decoding log lines (None: none).
         reasoning_parser: "deepseek_r1" or "qwen3" (vLLM's `--reasoning-parser`): a chat
             reply's thinking goes to `reasoning` / `reasoning_content` (serving/reasoning.py).
+        enable_auto_tool_choice, tool_call_parser: vLLM's flags; with both (parser "hermes")
+            `tool_choice: "auto"` parses calls out of replies (serving/tools.py).
     """
     if reasoning_parser is not None and reasoning_parser not in PARSERS:
         raise ValueError(f"reasoning_parser: must be one of {', '.join(PARSERS)}, got "
                          f"{reasoning_parser!r}")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser: must be one of {', '.join(TOOL_PARSERS)}, got "
+                         f"{tool_call_parser!r}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice: needs a tool_call_parser")
     if max_queue < 0:
         raise ValueError(f"max_queue: must be >= 0, got {max_queue}")
     engine = llm.engine
@@ -78,7 +87,8 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         vision=engine.deployed if hasattr(engine.deployed, "image_features") else None,
         grammar=lambda key: engine.grammar_compiler().compile_key(key),
         sampling_defaults=dict(getattr(llm, "sampling_defaults", {}) or {}),
-        reasoning_parser=reasoning_parser)
+        reasoning_parser=reasoning_parser,
+        tool_parser=tool_call_parser if enable_auto_tool_choice else None)
     metrics = ServerMetrics(limits.model_name)
     loop = EngineLoop(engine, metrics, max_batch_size=engine.scheduler.max_batch_size,
                       max_queue=max_queue)
@@ -228,6 +238,21 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return held
 
 
+def _parsed_delta(req: P.GenerationRequest, i: int, text: str, final: bool,
+                  finish_reason: str | None) -> dict:
+    """A chat delta's fields where the reply is parsed: thinking apart (serving/reasoning.py),
+    then tool calls out of what is content (serving/tools.py)."""
+    fields: dict = {}
+    if req.reasoning is not None:
+        fields = req.reasoning[i].delta(text, final)
+        if req.tools is None:
+            return fields
+        fields.pop("content", None)
+        text = req.reasoning[i].split(text, final)[1] or ""
+    fields.update(req.tools[i].delta(text, final, finish_reason))
+    return fields
+
+
 async def _stream(req: P.GenerationRequest, handle: Handle, rid: str, created: int):
     n = len(req.prompts)
     done, completion_tokens = 0, 0
@@ -251,8 +276,8 @@ async def _stream(req: P.GenerationRequest, handle: Handle, rid: str, created: i
         if out.logprobs is not None and (end > sent[i] or out.finished):
             lp = req.logprobs(i, out.token_ids[sent_lp[i]:], out.logprobs[sent_lp[i]:], sent[i])
             sent_lp[i] = len(out.logprobs)
-        if req.reasoning is not None:  # thinking and content apart (serving/reasoning.py)
-            fields = req.reasoning[i].delta(out.text[:end], out.finished)
+        if req.reasoning is not None or req.tools is not None:
+            fields = _parsed_delta(req, i, out.text[:end], out.finished, out.finish_reason)
             if fields or lp is not None and not out.finished:
                 yield R.sse(R.chunk_body(req, rid, created, i, None, None, logprobs=lp,
                                          fields=fields))
@@ -265,7 +290,9 @@ async def _stream(req: P.GenerationRequest, handle: Handle, rid: str, created: i
         if out.finished:
             done += 1
             completion_tokens += len(out.token_ids)
-            yield R.sse(R.chunk_body(req, rid, created, i, None, out.finish_reason, logprobs=lp))
+            reason = out.finish_reason if req.tools is None else \
+                req.tools[i].finish(out.finish_reason)
+            yield R.sse(R.chunk_body(req, rid, created, i, None, reason, logprobs=lp))
     if req.include_usage:
         prompt_tokens = req.prompt_tokens
         yield R.sse(R.usage_chunk(req, rid, created, R.usage(prompt_tokens, completion_tokens)))

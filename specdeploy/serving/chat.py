@@ -2,10 +2,12 @@
 the prompt ids they render to (also used by `/tokenize`)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from specdeploy.chat_template import RESERVED, chat_ids
+from specdeploy.serving import tools as tools_mod
 from specdeploy.serving.errors import APIError, bad
 from specdeploy.serving.fields import check_fields
 from specdeploy.serving.protocol import (
@@ -58,7 +60,38 @@ def _message(i: int, m: Any, images: list | None = None, vision: Any = None) -> 
     elif not isinstance(content, str):
         raise bad(f"{field}.content", "must be a string or a list of text parts",
                   "invalid_type")
-    return {"role": role, "content": content}
+    out = {"role": role, "content": content}
+    if role == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = _tool_calls(field, m["tool_calls"])
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad(f"{field}.{key}", "must be a string", "invalid_type")
+                out[key] = m[key]
+    return out
+
+
+def _tool_calls(field: str, calls: Any) -> list[dict]:
+    """An assistant message's earlier calls, for the template: `arguments` as an object (the
+    templates write it with `tojson`), as vLLM hands them over."""
+    if not isinstance(calls, list):
+        raise bad(f"{field}.tool_calls", "must be a list", "invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"{field}.tool_calls[{j}]", "must be {\"id\", \"type\": \"function\", "
+                      "\"function\": {\"name\", \"arguments\"}}", "invalid_value")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad(f"{field}.tool_calls[{j}].function.arguments", "must be JSON",
+                          "invalid_value") from None
+        out.append({**c, "function": {**fn, "arguments": args}})
+    return out
 
 
 def _text_chars(content: str | list) -> int:
@@ -67,8 +100,9 @@ def _text_chars(content: str | list) -> int:
     return sum(len(p.get("text", "")) for p in content)
 
 
-def _template_options(body: dict) -> dict:
-    """chat_ids keyword arguments from the request (400s name the field)."""
+def _template_options(body: dict, tool_parser: str | None = None) -> tuple[dict, Any]:
+    """(chat_ids keyword arguments, the tool plan or None) from the request (400s name the
+    field)."""
     gen = _bool(body, "add_generation_prompt", True)
     cont = _bool(body, "continue_final_message", False)
     if gen and cont:
@@ -90,33 +124,24 @@ def _template_options(body: dict) -> dict:
         if not isinstance(docs, list):
             raise bad("documents", "must be a list", "invalid_type")
         kwargs["documents"] = docs
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice not in (None, "none"):
-        raise bad("tool_choice", f"{json.dumps(choice)} is not supported by this server "
-                  "(no tool-call parsing)", "unsupported")
-    if tools:
-        if not isinstance(tools, list):
-            raise bad("tools", "must be a list", "invalid_type")
-        if choice != "none":  # the model would call tools nobody parses out of its text
-            raise bad("tools", "tool calling is not supported by this server (no tool-call "
-                      "parser); with tool_choice \"none\" the chat template still describes "
-                      "the tools to the model", "unsupported")
-        kwargs["tools"] = tools
+    tool_plan = tools_mod.plan(body, tool_parser)  # serving/tools.py
+    if tool_plan is not None:
+        kwargs["tools"] = tool_plan.tools
     template = body.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise bad("chat_template", "must be a string", "invalid_type")
     return dict(add_generation_prompt=gen, continue_final_message=cont,
-                chat_template=template, template_kwargs=kwargs)
+                chat_template=template, template_kwargs=kwargs), tool_plan
 
 
-def render_messages(body: dict, tokenizer, limits: Limits) -> tuple[list[int], Any]:
-    """(prompt ids, images prompt or None) of the request's `messages`."""
+def render_messages(body: dict, tokenizer, limits: Limits) -> tuple[list[int], Any, Any]:
+    """(prompt ids, images prompt or None, tool plan or None) of the request's `messages`."""
     msgs = body.get("messages")
     if msgs is None:
         raise bad("messages", "is required", "missing_required_parameter")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list of messages", "invalid_type")
-    options = _template_options(body)
+    options, tool_plan = _template_options(body, limits.tool_parser)
     specials = _bool(body, "add_special_tokens", False)
     images: list = []
     conversation = [_message(i, m, images, limits.vision) for i, m in enumerate(msgs)]
@@ -138,7 +163,7 @@ def render_messages(body: dict, tokenizer, limits: Limits) -> tuple[list[int], A
         except ImageError as e:
             raise APIError(400, str(e), "messages", "invalid_image") from None
         ids = mm.ids
-    return ids, mm
+    return ids, mm, tool_plan
 
 
 def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
@@ -146,16 +171,36 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
     stream, include_usage = _common(body)
     model = _model(body, limits)
     _unsupported(body, "echo", (None, False))
-    ids, mm = render_messages(body, tokenizer, limits)
+    ids, mm, tool_plan = render_messages(body, tokenizer, limits)
     _check_prompt(ids, limits, "messages")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     params = _sampling(body, _max_tokens(body, field, len(ids), limits, None), limits, True)
+    if tool_plan is not None and tool_plan.guided_json is not None:
+        params = _held_to_tools(params, tool_plan, limits)
     n = len(params)
     include = _bool(body, "include_reasoning", True)
     reasoning = None
     if limits.reasoning_parser is not None:
         inside = prompt_opens_thinking(tokenizer, ids)
         reasoning = [Reasoning(limits.reasoning_parser, inside, include) for _ in range(n)]
+    tools = None
+    if tool_plan is not None and tool_plan.kind != "none":
+        tools = [tools_mod.ToolReply(tool_plan) for _ in range(n)]
     return GenerationRequest(True, model, [ids] * n, params, stream, include_usage,
-                             None if mm is None else [mm] * n, n, tokenizer, reasoning)
+                             None if mm is None else [mm] * n, n, tokenizer, reasoning, tools)
+
+
+def _held_to_tools(params: list, tool_plan, limits: Limits) -> list:
+    """A named / required tool_choice: the reply held to its JSON schema (structured output)."""
+    if params[0].structured:
+        raise bad("tool_choice", "cannot be combined with response_format or another "
+                  "structured output", "invalid_value")
+    try:
+        params = [dataclasses.replace(p, guided_json=tool_plan.guided_json) for p in params]
+        if limits.grammar is not None:
+            limits.grammar(params[0].grammar_key)
+    except ValueError as e:
+        raise bad("tool_choice", f"the tool's parameters: {str(e).split(': ', 1)[-1]}",
+                  "invalid_value") from None
+    return params

@@ -65,6 +65,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="no periodic speculative-decoding log (vLLM's flag)")
     p.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,
                    help="chat replies' <think> block into `reasoning` (vLLM's flag)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice \"auto\": calls parsed out of replies (vLLM's flag)")
+    p.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+                   help="the format of the model's tool calls (vLLM's flag)")
     add_parallel_args(p)
     p.set_defaults(func=cmd_serve)
     return p
@@ -102,7 +106,9 @@ def cmd_serve(args) -> int:
                      max_queue=args.max_queue, drain_timeout=args.drain_timeout,
                      stats_log_interval=None if args.disable_log_stats
                      or args.stats_log_interval <= 0 else args.stats_log_interval,
-                     reasoning_parser=args.reasoning_parser)
+                     reasoning_parser=args.reasoning_parser,
+                     enable_auto_tool_choice=args.enable_auto_tool_choice,
+                     tool_call_parser=args.tool_call_parser)
     shutdown.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

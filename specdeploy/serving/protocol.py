@@ -40,6 +40,7 @@ class Limits:
     # leaves a field unset, before OpenAI's own defaults
     sampling_defaults: dict = field(default_factory=dict)
     reasoning_parser: str | None = None  # serving/reasoning.py: chat replies' thinking split
+    tool_parser: str | None = None  # serving/tools.py: tool_choice "auto" parses calls
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -62,6 +63,7 @@ class GenerationRequest:
     n: int = 1
     tokenizer: Any = None  # spells the tokens of logprobs
     reasoning: list | None = None  # per choice: its serving/reasoning.py `Reasoning` (chat)
+    tools: list | None = None  # per choice: its serving/tools.py `ToolReply` (chat with tools)
 
     @property
     def prompt_tokens(self) -> int:

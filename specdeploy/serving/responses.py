@@ -24,11 +24,16 @@ def response_body(req: GenerationRequest, rid: str, created: int, texts: list[st
                   reasons: list[str], use: dict, logprobs: list | None = None) -> dict:
     lps = logprobs or [None] * len(texts)
     if req.chat:
-        split = req.reasoning or [None] * len(texts)  # serving/reasoning.py
-        choices = [{"index": i, "message": {"role": "assistant", "content": t} if rs is None
-                    else {"role": "assistant", **rs.message(t)},
-                    "logprobs": lp, "finish_reason": r}
-                   for i, (t, r, lp, rs) in enumerate(zip(texts, reasons, lps, split))]
+        choices = []
+        for i, (t, r, lp) in enumerate(zip(texts, reasons, lps)):
+            message = {"role": "assistant", "content": t}
+            if req.reasoning is not None:  # serving/reasoning.py
+                message.update(req.reasoning[i].message(t))
+            if req.tools is not None:  # serving/tools.py: on what is content
+                fields, r = req.tools[i].message(message["content"] or "", r)
+                message.update(fields)
+            choices.append({"index": i, "message": message, "logprobs": lp,
+                            "finish_reason": r})
         obj = "chat.completion"
     else:
         choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}

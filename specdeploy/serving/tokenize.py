@@ -20,7 +20,7 @@ def tokenize(body: dict, tokenizer, limits: Limits) -> dict:
     if body.get("messages") is not None:
         if body.get("prompt") is not None:
             raise bad("prompt", "give prompt or messages, not both", "invalid_value")
-        ids, _ = render_messages(body, tokenizer, limits)
+        ids, _, _ = render_messages(body, tokenizer, limits)
     else:
         prompt = body.get("prompt")
         if prompt is None:

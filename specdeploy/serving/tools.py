@@ -1,0 +1,245 @@
+"""Tool calling on `/v1/chat/completions`, vLLM's way:
+
+- `tool_choice: "auto"` (needs `--enable-auto-tool-choice --tool-call-parser hermes`): the
+  model writes calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the
+  Hermes format Qwen2.5 / Qwen3's templates teach); they are parsed out of the reply into
+  `tool_calls`, `finish_reason` "tool_calls", `content` the text before the first block.
+- `tool_choice: {"type": "function", "function": {"name": F}}`: the reply is F's arguments,
+  held to F's `parameters` schema by structured output (engine/grammar.py); one call to F.
+- `tool_choice: "required"`: the reply is a JSON array of `{"name", "parameters"}` objects, one
+  of the tools each, held to that schema; one call per element.
+- `tool_choice: "none"`: the template describes the tools; the reply is text. Tools without a
+  tool_choice mean "auto" (vLLM's default).
+
+A stream sends text until a block may begin (a `<tool_c` is held back), then each call as one
+delta when its block closes and parses; a block that never closes or does not parse is sent as
+text at the end. NOTE: a whole response with such a block is all text, while the stream has
+already sent the calls before it (vLLM's streams behave the same way).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdeploy.serving.errors import bad
+
+PARSERS = ("hermes",)
+START, END = "<tool_call>", "</tool_call>"
+MAX_TOOLS = 128
+
+
+def call_id() -> str:
+    return "chatcmpl-tool-" + uuid.uuid4().hex
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    return {"id": call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def check_tools(tools: Any) -> list[dict]:
+    """OpenAI's `tools`: function definitions (`name`, optional `description`, `parameters`)."""
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise bad("tools", f"must be a list of at most {MAX_TOOLS} tools", "invalid_type")
+    names = set()
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" \
+                or not isinstance(fn, dict):
+            raise bad(f"tools[{i}]", "must be {\"type\": \"function\", \"function\": {...}}",
+                      "invalid_value")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or name in names:
+            raise bad(f"tools[{i}].function.name", "must be a unique non-empty string",
+                      "invalid_value")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad(f"tools[{i}].function.parameters", "must be a JSON schema object",
+                      "invalid_type")
+        names.add(name)
+    return tools
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+@dataclass
+class ToolPlan:
+    """What a request's `tool_choice` makes of its reply. `kind`: "none", "auto", "named" or
+    "required"; `guided_json`: the schema structured output holds the reply to (named,
+    required)."""
+
+    kind: str
+    name: str | None = None
+    guided_json: dict | None = None
+    tools: list = field(default_factory=list)
+
+
+def plan(body: dict, parser: str | None) -> ToolPlan | None:
+    """The request's tool plan (None: no tools). As vLLM: tools without a tool_choice mean
+    "auto", which needs a server that parses calls (else 400: pass "none" to have the template
+    describe the tools alone)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad("tool_choice", "needs `tools`", "invalid_value")
+        return None
+    tools = check_tools(tools)
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return ToolPlan("none", tools=tools)
+    if choice == "auto":
+        if parser is None:
+            raise bad("tool_choice", "\"auto\" needs the server started with "
+                      "--enable-auto-tool-choice and --tool-call-parser", "unsupported")
+        return ToolPlan("auto", tools=tools)
+    if choice == "required":
+        items = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                                   "parameters": _parameters(t)},
+                  "required": ["name", "parameters"]} for t in tools]
+        schema = {"type": "array", "minItems": 1,
+                  "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        return ToolPlan("required", guided_json=schema, tools=tools)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function"
+            and isinstance(name, str)):
+        raise bad("tool_choice", "must be \"none\", \"auto\", \"required\" or {\"type\": "
+                  "\"function\", \"function\": {\"name\": ...}}", "invalid_value")
+    found = [t for t in tools if t["function"]["name"] == name]
+    if not found:
+        raise bad("tool_choice", f"names no tool in `tools`: {name!r}", "invalid_value")
+    return ToolPlan("named", name=name, guided_json=_parameters(found[0]), tools=tools)
+
+
+def _parse_block(text: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one Hermes block's body, or None."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """(content, [(name, arguments)]) of a whole reply: the calls of its complete blocks, the
+    text before the first as content; a reply with none, or with a block that does not parse
+    or never closes, is all content."""
+    calls, pos = [], 0
+    first = text.find(START)
+    if first < 0:
+        return text, []
+    while True:
+        i = text.find(START, pos)
+        if i < 0:
+            break
+        j = text.find(END, i)
+        parsed = None if j < 0 else _parse_block(text[i + len(START):j])
+        if parsed is None:
+            return text, []
+        calls.append(parsed)
+        pos = j + len(END)
+    return (text[:first] if text[:first].strip() else None), calls
+
+
+def _held(text: str, tag: str) -> int:
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+@dataclass
+class ToolReply:
+    """One choice's reply under a tool plan: its whole message, or its stream's deltas."""
+
+    plan: ToolPlan
+    _sent: int = 0  # characters of the reply handled (sent as text, or parsed as calls)
+    _calls: int = 0
+    _started: bool = False  # the first block has begun: no more text but failed blocks
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """(message fields, finish_reason) of the whole reply."""
+        kind = self.plan.kind
+        if kind == "auto":
+            content, calls = parse_hermes(text)
+            if calls:
+                return {"content": content, "tool_calls": [tool_call(n, a) for n, a in calls]}, \
+                    ("tool_calls" if finish_reason == "stop" else finish_reason)
+            return {"content": text}, finish_reason
+        calls = self._forced(text, finish_reason)
+        if calls is None:
+            return {"content": text}, finish_reason
+        return {"content": None, "tool_calls": [tool_call(n, a) for n, a in calls]}, \
+            ("tool_calls" if kind == "required" and finish_reason == "stop" else finish_reason)
+
+    def _forced(self, text: str, finish_reason: str | None) -> list[tuple[str, str]] | None:
+        """The calls of a named / required reply (None: cut short, not valid JSON)."""
+        if finish_reason != "stop":
+            return None
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return None
+        if self.plan.kind == "named":
+            return [(self.plan.name, json.dumps(obj, ensure_ascii=False))]
+        return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in obj]
+
+    def delta(self, text: str, final: bool, finish_reason: str | None = None) -> dict:
+        """Delta fields for the reply's text so far (cumulative): text, and each call once."""
+        if self.plan.kind != "auto":  # held to a schema: the calls when the reply is whole
+            if not final:
+                return {}
+            msg, _ = self.message(text, finish_reason)
+            return self._calls_delta(msg.get("tool_calls") or []) if "tool_calls" in msg \
+                else ({"content": text} if text else {})
+        out: dict = {}
+        calls = []
+        if not self._started:  # text until the first block may begin
+            i = text.find(START)
+            stop = i if i >= 0 else len(text) - (0 if final else _held(text, START))
+            if stop > self._sent:
+                out["content"] = text[self._sent:stop]
+                self._sent = stop
+            if i < 0:
+                return out
+            self._started = True
+        while True:  # then the blocks; the text between them is dropped, as in `message`
+            i = text.find(START, self._sent)
+            if i < 0:  # what may still begin a block stays to be searched again
+                self._sent = max(self._sent, len(text) - (0 if final else _held(text, START)))
+                break
+            j = text.find(END, i)
+            if j < 0:
+                if final:  # never closed: the block's text, as text
+                    out["content"] = out.get("content", "") + text[i:]
+                    self._sent = len(text)
+                break
+            parsed = _parse_block(text[i + len(START):j])
+            if parsed is None:  # not a call: its text, as text
+                out["content"] = out.get("content", "") + text[i:j + len(END)]
+            else:
+                calls.append(tool_call(*parsed))
+            self._sent = j + len(END)
+        if calls:
+            out.update(self._calls_delta(calls))
+        return out
+
+    def _calls_delta(self, calls: list[dict]) -> dict:
+        out = []
+        for c in calls:
+            out.append({"index": self._calls, **c})
+            self._calls += 1
+        return {"tool_calls": out}
+
+    def finish(self, reason: str | None) -> str | None:
+        """The stream's finish_reason: "tool_calls" where it sent calls (auto, required)."""
+        if self._calls and self.plan.kind in ("auto", "required") and reason == "stop":
+            return "tool_calls"
+        return reason
