@@ -67,7 +67,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="chat replies' <think> block into `reasoning` (vLLM's flag)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice \"auto\": calls parsed out of replies (vLLM's flag)")
-    p.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+    p.add_argument("--tool-call-parser", choices=("hermes", "qwen3_coder", "qwen3_xml"),
+                   default=None,
                    help="the format of the model's tool calls (vLLM's flag)")
     add_parallel_args(p)
     p.set_defaults(func=cmd_serve)

@@ -6,7 +6,9 @@ rest to `content`, in whole responses and in streamed deltas alike.
   `</think>`; a reply cut before it is all reasoning.
 - `qwen3`: the reply thinks when it starts with `<think>` or when the prompt ends with it (the
   templates of Qwen3 thinking models and Qwen3.5 open the block themselves); otherwise (e.g.
-  `enable_thinking: false`, whose template closes an empty block) it is all content. NOTE:
+  `enable_thinking: false`, whose template closes an empty block) it is all content. A
+  `<tool_call>` inside the thinking ends it as `</think>` does (Qwen3.5 calls tools from
+  there; the call stays in the content, for the tool parser, as vLLM does). NOTE:
   vLLM's parser reports a thinking reply cut before `</think>` as content; here it is reasoning,
   so that a stream, which must decide as the tokens come, spells the same as the response.
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
+TOOL = "<tool_call>"  # qwen3: Qwen3.5 may call a tool from inside its thinking
 
 
 def _held(text: str, tag: str) -> int:
@@ -56,9 +59,15 @@ class Reasoning:
         if not thinking:
             return None, text
         i = text.find(END)
+        t = text.find(TOOL) if self.parser == "qwen3" else -1
+        if t >= 0 and (i < 0 or t < i):  # a call ends the thinking too (content from it on)
+            return text[:t], text[t:]
         if i >= 0:
             return text[:i], text[i + len(END):]
-        return (text if final else text[:len(text) - _held(text, END)]), None
+        if final:
+            return text, None
+        held = max(_held(text, END), _held(text, TOOL) if self.parser == "qwen3" else 0)
+        return text[:len(text) - held], None
 
     def message(self, text: str) -> dict:
         """The response message's fields for the whole reply."""

@@ -1,9 +1,12 @@
 """Tool calling on `/v1/chat/completions`, vLLM's way:
 
-- `tool_choice: "auto"` (needs `--enable-auto-tool-choice --tool-call-parser hermes`): the
-  model writes calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the
-  Hermes format Qwen2.5 / Qwen3's templates teach); they are parsed out of the reply into
-  `tool_calls`, `finish_reason` "tool_calls", `content` the text before the first block.
+- `tool_choice: "auto"` (needs `--enable-auto-tool-choice --tool-call-parser P`): the model
+  writes calls as `<tool_call>...</tool_call>` blocks, JSON `{"name": ..., "arguments": {...}}`
+  in them (P = "hermes": the format Qwen2.5 / Qwen3's templates teach) or XML
+  `<function=NAME><parameter=KEY>VALUE</parameter></function>` (P = "qwen3_coder" or
+  "qwen3_xml": Qwen3-Coder, Qwen3.5; values take their parameter's JSON-schema type); they are
+  parsed out of the reply into `tool_calls`, `finish_reason` "tool_calls", `content` the text
+  before the first block.
 - `tool_choice: {"type": "function", "function": {"name": F}}`: the reply is F's arguments,
   held to F's `parameters` schema by structured output (engine/grammar.py); one call to F.
 - `tool_choice: "required"`: the reply is a JSON array of `{"name", "parameters"}` objects, one
@@ -25,7 +28,9 @@ from typing import Any
 
 from specdeploy.serving.errors import bad
 
-PARSERS = ("hermes",)
+# "hermes": JSON in the block (Qwen2.5 / Qwen3); "qwen3_coder" (= "qwen3_xml"): XML in the
+# block, `<function=NAME><parameter=KEY>VALUE</parameter></function>` (Qwen3-Coder, Qwen3.5)
+PARSERS = ("hermes", "qwen3_coder", "qwen3_xml")
 START, END = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
 
@@ -76,6 +81,7 @@ class ToolPlan:
     name: str | None = None
     guided_json: dict | None = None
     tools: list = field(default_factory=list)
+    parser: str = "hermes"  # the format "auto" parses (PARSERS)
 
 
 def plan(body: dict, parser: str | None) -> ToolPlan | None:
@@ -96,7 +102,7 @@ def plan(body: dict, parser: str | None) -> ToolPlan | None:
         if parser is None:
             raise bad("tool_choice", "\"auto\" needs the server started with "
                       "--enable-auto-tool-choice and --tool-call-parser", "unsupported")
-        return ToolPlan("auto", tools=tools)
+        return ToolPlan("auto", tools=tools, parser=parser)
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
                                                    "parameters": _parameters(t)},
@@ -115,7 +121,7 @@ def plan(body: dict, parser: str | None) -> ToolPlan | None:
     return ToolPlan("named", name=name, guided_json=_parameters(found[0]), tools=tools)
 
 
-def _parse_block(text: str) -> tuple[str, str] | None:
+def _parse_json_block(text: str) -> tuple[str, str] | None:
     """(name, arguments JSON) of one Hermes block's body, or None."""
     try:
         obj = json.loads(text)
@@ -127,7 +133,67 @@ def _parse_block(text: str) -> tuple[str, str] | None:
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
+_FN, _FN_END, _PARAM, _PARAM_END = "<function=", "</function>", "<parameter=", "</parameter>"
+
+
+def _xml_value(raw: str, schema: dict | None):
+    """A parameter's text as its schema's type: strings as written (one newline around it
+    dropped), numbers, booleans, null, objects and arrays as JSON; without a type, JSON where it
+    parses, else the text."""
+    text = raw[1:] if raw.startswith("\n") else raw
+    text = text[:-1] if text.endswith("\n") else text
+    kind = (schema or {}).get("type")
+    if kind == "string":
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        if kind in ("integer", "number", "boolean", "object", "array", "null"):
+            raise
+        return text
+
+
+def _parse_xml_block(text: str, tools: list) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one Qwen3-Coder block's body, or None (not that shape, or a
+    typed value that does not parse)."""
+    body = text.strip()
+    if not body.startswith(_FN) or not body.endswith(_FN_END):
+        return None
+    head, _, rest = body[len(_FN):-len(_FN_END)].partition(">")
+    name = head.strip()
+    if not name:
+        return None
+    props = next((t["function"].get("parameters") or {} for t in tools
+                  if t["function"]["name"] == name), {}).get("properties", {})
+    args, pos = {}, 0
+    while True:
+        i = rest.find(_PARAM, pos)
+        if i < 0:
+            break
+        j = rest.find(">", i)
+        k = rest.find(_PARAM_END, j)
+        if j < 0 or k < 0:
+            return None
+        key = rest[i + len(_PARAM):j].strip()
+        try:
+            args[key] = _xml_value(rest[j + 1:k], props.get(key))
+        except ValueError:
+            return None
+        pos = k + len(_PARAM_END)
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+def parse_block(parser: str, text: str, tools: list) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one block's body in `parser`'s format, or None."""
+    return _parse_json_block(text) if parser == "hermes" else _parse_xml_block(text, tools)
+
+
 def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """`parse_calls` of the Hermes format."""
+    return parse_calls("hermes", text, [])
+
+
+def parse_calls(parser: str, text: str, tools: list) -> tuple[str | None, list[tuple[str, str]]]:
     """(content, [(name, arguments)]) of a whole reply: the calls of its complete blocks, the
     text before the first as content; a reply with none, or with a block that does not parse
     or never closes, is all content."""
@@ -140,7 +206,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]]:
         if i < 0:
             break
         j = text.find(END, i)
-        parsed = None if j < 0 else _parse_block(text[i + len(START):j])
+        parsed = None if j < 0 else parse_block(parser, text[i + len(START):j], tools)
         if parsed is None:
             return text, []
         calls.append(parsed)
@@ -168,7 +234,7 @@ class ToolReply:
         """(message fields, finish_reason) of the whole reply."""
         kind = self.plan.kind
         if kind == "auto":
-            content, calls = parse_hermes(text)
+            content, calls = parse_calls(self.plan.parser, text, self.plan.tools)
             if calls:
                 return {"content": content, "tool_calls": [tool_call(n, a) for n, a in calls]}, \
                     ("tool_calls" if finish_reason == "stop" else finish_reason)
@@ -221,7 +287,7 @@ class ToolReply:
                     out["content"] = out.get("content", "") + text[i:]
                     self._sent = len(text)
                 break
-            parsed = _parse_block(text[i + len(START):j])
+            parsed = parse_block(self.plan.parser, text[i + len(START):j], self.plan.tools)
             if parsed is None:  # not a call: its text, as text
                 out["content"] = out.get("content", "") + text[i:j + len(END)]
             else:

@@ -23,6 +23,9 @@ CASES = [  # (parser, prompt opens the block, reply, reasoning, content)
     ("deepseek_r1", False, "r1 thinks</think>then says", "r1 thinks", "then says"),
     ("deepseek_r1", False, "<think>x</think>y</think>z", "x", "y</think>z"),
     ("deepseek_r1", False, "never closes <", "never closes <", None),
+    ("qwen3", True, "plan<tool_call>{}</tool_call>", "plan", "<tool_call>{}</tool_call>"),
+    ("qwen3", False, "<think>a</think>b<tool_call>", "a", "b<tool_call>"),
+    ("deepseek_r1", False, "a<tool_call>b", "a<tool_call>b", None),
 ]
 
 

@@ -55,6 +55,34 @@ def test_hermes_stream_sends_each_call_once(reply, content, calls):
             assert rep.finish("stop") == ("tool_calls" if calls else "stop")
 
 
+XML = ("Let me check.<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Jose\n"
+       "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=alerts>\ntrue\n"
+       "</parameter>\n<parameter=note>\n{\"a\": 1}\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_xml_calls_take_their_schema_types():
+    """Strings as written (even when they look like numbers), typed values as JSON, untyped
+    ones as JSON where they parse; a typed value that does not parse leaves the reply text."""
+    from specdeploy.serving.tools import parse_calls
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                         "alerts": {"type": "boolean"}}}}}]
+    content, calls = parse_calls("qwen3_coder", XML, tools)
+    assert content == "Let me check." and calls[0][0] == "get_weather"
+    assert json.loads(calls[0][1]) == {"city": "San Jose", "days": 3, "alerts": True,
+                                       "note": {"a": 1}}
+    as_text = XML.replace("San Jose", "42")
+    assert json.loads(parse_calls("qwen3_xml", as_text, tools)[1][0][1])["city"] == "42"
+    broken = XML.replace("\n3\n", "\nthree\n")
+    assert parse_calls("qwen3_coder", broken, tools) == (broken, [])
+    rep = ToolReply(ToolPlan("auto", tools=tools, parser="qwen3_coder"))
+    deltas = [rep.delta(XML[:end], end == len(XML), "stop") for end in range(1, len(XML) + 1)]
+    assert "".join(d.get("content", "") for d in deltas) == "Let me check."
+    (call,) = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert json.loads(call["function"]["arguments"])["days"] == 3
+
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}},
@@ -200,3 +228,21 @@ def test_thinking_then_calls(tmp_path, serve):
             got["calls"] += [t.function.arguments for t in d.tool_calls or []]
         assert got == {"reasoning": m.model_extra["reasoning"], "content": "Ok",
                        "calls": [m.tool_calls[0].function.arguments]}
+
+
+def test_qwen3_coder_calls_through_the_server(tmp_path, serve):
+    from specdeploy.serving.app import create_app
+    from tests.spec.tiny_targets import Target
+
+    app = create_app(Target("llama", tmp_path).llm(None), model_name="m",
+                     enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")
+    shape = (r"<tool_call>\n<function=get_time>\n<parameter=zone>\n(UTC|CET)\n</parameter>\n"
+             r"</function>\n</tool_call>")
+    with serve(app) as srv:
+        r = srv.client(None).chat.completions.create(
+            model="m", messages=MSG, tools=TOOLS, max_tokens=100, temperature=0,
+            extra_body={"guided_regex": shape})
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == \
+            "get_time"
+        assert json.loads(c.message.tool_calls[0].function.arguments)["zone"] in ("UTC", "CET")
