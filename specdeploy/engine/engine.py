@@ -110,7 +110,11 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer.decode, prompt_ids)
+            decode = self.tokenizer.decode
+            if params.skip_special_tokens:
+                def decode(ids, _d=self.tokenizer.decode):
+                    return _d(ids, skip_special_tokens=True)
+            detok = IncrementalDetokenizer(decode, prompt_ids)
         seq = Sequence(prompt_ids, params, detok, request_id, self.device)
         seq.mm = mm
         seq.matcher = matcher

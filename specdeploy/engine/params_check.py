@@ -211,6 +211,7 @@ def check_sampling(p) -> dict[str, Any]:
         "logit_bias": logit_bias(p.logit_bias),
         "allowed_token_ids": allowed_token_ids(p.allowed_token_ids),
         "bad_words": bad_words(p.bad_words),
+        "skip_special_tokens": as_bool("skip_special_tokens", p.skip_special_tokens),
     }
 
 

@@ -49,6 +49,9 @@ class SamplingParams:
     # vLLM's: a word's last token is banned where the generated tokens end with the rest of it
     # (each word as written and after a space; engine/logits_process.py `bad_word_ids`)
     bad_words: Seq[str] | None = None
+    # vLLM's (its default is True): special tokens (control tokens such as <|im_start|>; the
+    # stop token is never in the text) left out of the text. Off here by default.
+    skip_special_tokens: bool = False
 
     def __post_init__(self):
         for name, value in check_sampling(self).items():  # engine/params_check.py: the rules

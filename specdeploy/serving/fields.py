@@ -48,7 +48,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, False),  # special tokens are always kept in the text
     "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,),
     "prompt_logprobs": (None,),

@@ -143,6 +143,22 @@ def test_json_schema_response_parses_and_validates(servers):
         assert r.choices[0].message.content.startswith("{")
 
 
+def test_skip_special_tokens(servers):
+    """vLLM's skip_special_tokens: control tokens (the tiny tokenizer's <|im_start|>, id 1,
+    forced in here) leave the text, the other tokens stay."""
+    plain, spec = servers
+    a = 3 + ord("a") - 32  # the tiny tokenizer: printable characters from id 3
+    texts = []
+    for client in servers:
+        got = [client.completions.create(
+            model="m", prompt="Hi", max_tokens=6, temperature=0, logit_bias={"1": 3.0},
+            extra_body={"allowed_token_ids": [1, a], "ignore_eos": True,
+                        "skip_special_tokens": skip}).choices[0].text for skip in (False, True)]
+        assert "<|im_start|>" in got[0] and got[1] == got[0].replace("<|im_start|>", "")
+        texts.append(got)
+    assert texts[0] == texts[1]
+
+
 def test_bad_words_through_the_api(servers):
     """vLLM's bad_words reach the engine (tests/spec/test_sampling_features.py checks what they
     ban): the greedy text changes, speculation gives plain's."""
