@@ -404,7 +404,8 @@ class Engine:
             # Only text that just arrived (plus len(s)-1 before it) can complete a new match.
             at = seq.text.find(s, max(0, prev - len(s) + 1))
             if at >= 0:
-                seq.text = seq.text[:at]
+                seq.text = seq.text[:at + (len(s) if seq.params.include_stop_str_in_output
+                                           else 0)]
                 self._finish(seq, "stop")
                 return True
         return False

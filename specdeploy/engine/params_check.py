@@ -212,6 +212,8 @@ def check_sampling(p) -> dict[str, Any]:
         "allowed_token_ids": allowed_token_ids(p.allowed_token_ids),
         "bad_words": bad_words(p.bad_words),
         "skip_special_tokens": as_bool("skip_special_tokens", p.skip_special_tokens),
+        "include_stop_str_in_output": as_bool("include_stop_str_in_output",
+                                              p.include_stop_str_in_output),
     }
 
 

@@ -52,6 +52,7 @@ class SamplingParams:
     # vLLM's (its default is True): special tokens (control tokens such as <|im_start|>; the
     # stop token is never in the text) left out of the text. Off here by default.
     skip_special_tokens: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's: a matched stop string kept in the text
 
     def __post_init__(self):
         for name, value in check_sampling(self).items():  # engine/params_check.py: the rules

@@ -47,7 +47,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "verbosity": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "include_stop_str_in_output": (None, False),
     "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,),
     "prompt_logprobs": (None,),

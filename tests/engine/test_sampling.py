@@ -74,6 +74,9 @@ def test_stop_strings():
         assert s.finish_reason == "stop"
         assert s.text == o.text[:at]
         assert s.token_ids == o.token_ids[:at + len(stop)]
+        (k,) = run_all(eng, [p], SamplingParams(max_tokens=15, stop=["zzzzzz", stop],
+                                                ignore_eos=True, include_stop_str_in_output=True))
+        assert k.text == o.text[:at + len(stop)] and k.token_ids == s.token_ids  # vLLM's field
 
 
 def test_eos_stops_unless_ignored():
