@@ -24,8 +24,9 @@ START, END = "<think>", "</think>"
 TOOL = "<tool_call>"  # qwen3: Qwen3.5 may call a tool from inside its thinking
 
 
-def _held(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper prefix of `tag`."""
+def held(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of `tag` (a stream holds it
+    back: it may still become the tag)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
             return k
@@ -66,8 +67,8 @@ class Reasoning:
             return text[:i], text[i + len(END):]
         if final:
             return text, None
-        held = max(_held(text, END), _held(text, TOOL) if self.parser == "qwen3" else 0)
-        return text[:len(text) - held], None
+        keep = max(held(text, END), held(text, TOOL) if self.parser == "qwen3" else 0)
+        return text[:len(text) - keep], None
 
     def message(self, text: str) -> dict:
         """The response message's fields for the whole reply."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdeploy.serving.errors import bad
+from specdeploy.serving.reasoning import held as _held
 
 # "hermes": JSON in the block (Qwen2.5 / Qwen3); "qwen3_coder" (= "qwen3_xml"): XML in the
 # block, `<function=NAME><parameter=KEY>VALUE</parameter></function>` (Qwen3-Coder, Qwen3.5)
@@ -212,13 +213,6 @@ def parse_calls(parser: str, text: str, tools: list) -> tuple[str | None, list[t
         calls.append(parsed)
         pos = j + len(END)
     return (text[:first] if text[:first].strip() else None), calls
-
-
-def _held(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 @dataclass
