@@ -261,6 +261,9 @@ async def _stream(req: P.GenerationRequest, handle: Handle, rid: str, created: i
     if req.chat:
         for i in range(n):
             yield R.sse(R.chunk_body(req, rid, created, i, None, None, first=True))
+    elif req.echo is not None:  # the prompt's text first (vLLM's echo)
+        for i in range(n):
+            yield R.sse(R.chunk_body(req, rid, created, i, req.echo[i], None))
     while done < n:
         ev = await handle.queue.get()
         if ev.error is not None:

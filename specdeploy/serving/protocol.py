@@ -64,6 +64,7 @@ class GenerationRequest:
     tokenizer: Any = None  # spells the tokens of logprobs
     reasoning: list | None = None  # per choice: its serving/reasoning.py `Reasoning` (chat)
     tools: list | None = None  # per choice: its serving/tools.py `ToolReply` (chat with tools)
+    echo: list | None = None  # per choice: the prompt's text, before the reply (completions)
 
     @property
     def prompt_tokens(self) -> int:
@@ -208,8 +209,10 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
     stream, include_usage = _common(body)
     specials = _bool(body, "add_special_tokens", True)
     model = _model(body, limits)
-    for name in ("echo",):
-        _unsupported(body, name, (None, False))
+    echo = _bool(body, "echo", False)
+    if echo and body.get("logprobs") is not None:
+        raise bad("echo", "with logprobs it needs the prompt's logprobs, which this server does "
+                  "not compute", "unsupported")
     _unsupported(body, "best_of", (None, 1))
     _unsupported(body, "suffix", (None, ""))
     if "prompt" not in body or body["prompt"] is None:
@@ -222,16 +225,19 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
                   "invalid_type")
     if len(raw) > MAX_PROMPTS:
         raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request", "invalid_value")
-    prompts = []
+    prompts, texts = [], []
     for p in raw:
         if isinstance(p, str):
             if not p:
                 raise bad("prompt", "must not be empty", "invalid_value")
             _check_chars(len(p), limits, "prompt")
+            texts.append(p)
             p = list(tokenizer.encode(p, add_special_tokens=specials))
         elif not (isinstance(p, list) and all(_is_int(t) for t in p)):
             raise bad("prompt", "must be a string, a list of token ids or a list of those",
                       "invalid_type")
+        else:
+            texts.append(None)
         _check_prompt(p, limits, "prompt")
         prompts.append(p)
     choices = [_sampling(body, _max_tokens(body, "max_tokens", len(p), limits, 16), limits,
@@ -240,6 +246,10 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
     if n * len(prompts) > MAX_PROMPTS:
         raise bad("n", f"at most {MAX_PROMPTS} choices (prompts x n) per request",
                   "invalid_value")
+    shown = None
+    if echo:  # the prompt as sent, or its ids' text (vLLM's echo)
+        shown = [t if t is not None else tokenizer.decode(p) for t, p in zip(texts, prompts)
+                 for _ in range(n)]
     return GenerationRequest(False, model, [p for p in prompts for _ in range(n)],
                              [sp for c in choices for sp in c], stream, include_usage, None, n,
-                             tokenizer)
+                             tokenizer, echo=shown)

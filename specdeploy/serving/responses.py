@@ -36,8 +36,9 @@ def response_body(req: GenerationRequest, rid: str, created: int, texts: list[st
                             "finish_reason": r})
         obj = "chat.completion"
     else:
-        choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
-                   for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
+        shown = req.echo or [""] * len(texts)
+        choices = [{"index": i, "text": e + t, "logprobs": lp, "finish_reason": r}
+                   for i, (t, r, lp, e) in enumerate(zip(texts, reasons, lps, shown))]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model,
             "choices": choices, "usage": use}

@@ -75,7 +75,7 @@ def completion_cases():
             _with(COMP, prompt=p), 400, "prompt") for p in BAD_PROMPTS]
     out.append(("prompt missing", "POST", "/v1/completions", JSON, _with(COMP, prompt=_DROP),
                 400, "prompt"))
-    for field, v in (("echo", True), ("best_of", 2), ("logprobs", 21), ("suffix", "x"),
+    for field, v in (("echo", "yes"), ("best_of", 2), ("logprobs", 21), ("suffix", "x"),
                      ("logit_bias", {"1": 500}), ("logit_bias", {"x": 5}),
                      ("logit_bias", [1]), ("allowed_token_ids", []),
                      ("allowed_token_ids", [10**9]), ("stream_options", {"include_usage": True})):

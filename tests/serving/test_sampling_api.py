@@ -143,6 +143,27 @@ def test_json_schema_response_parses_and_validates(servers):
         assert r.choices[0].message.content.startswith("{")
 
 
+def test_echo_prepends_the_prompt(servers):
+    """vLLM's completions `echo`: the prompt's text (as sent, or its ids' text) before the
+    reply, streamed first; with logprobs it would need prompt logprobs: 400."""
+    plain, _ = servers
+    kw = dict(model="m", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    base = plain.completions.create(prompt="Once", **kw).choices[0].text
+    r = plain.completions.create(prompt=["Once", "Up"], echo=True, **kw)
+    assert r.choices[0].text == "Once" + base and r.choices[1].text.startswith("Up")
+    streamed = "".join(c.choices[0].text for c in plain.completions.create(
+        prompt="Once", echo=True, stream=True, **kw) if c.choices)
+    assert streamed == "Once" + base
+    root = plain.with_options(base_url=str(plain.base_url).rstrip("/").removesuffix("/v1"))
+    ids = root.post("/tokenize", body={"prompt": "Once", "add_special_tokens": False},
+                    cast_to=object)["tokens"]
+    assert plain.completions.create(prompt=ids, echo=True, **kw).choices[0].text == \
+        "Once" + base
+    with pytest.raises(openai.BadRequestError) as e:
+        plain.completions.create(prompt="Once", echo=True, logprobs=1, **kw)
+    assert e.value.body["param"] == "echo"
+
+
 def test_skip_special_tokens(servers):
     """vLLM's skip_special_tokens: control tokens (the tiny tokenizer's <|im_start|>, id 1,
     forced in here) leave the text, the other tokens stay."""
