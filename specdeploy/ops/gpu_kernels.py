@@ -1,7 +1,8 @@
 """Triton kernels for the small ops of a step on a CUDA device: RMSNorm (and residual add +
 RMSNorm), the SiLU-gated product, and a Llama-type layer's attention from its fused q/k/v
 projection (RoPE on q and k, the new keys and values into the paged cache, paged attention of
-uniform steps). One launch each where the torch chains they replace take 6-30: a batch-1 decode
+uniform steps), and RMSNorm fused with the linear that reads it (`norm_linear`, off by default:
+ops/norm_linear.py). One launch each where the torch chains they replace take 6-30: a batch-1 decode
 step of a small model is launch-bound (1,729 kernels, 4.1 ms a replayed step of the default
 model on an H200 before these), so the count of launches is its cost.
 
