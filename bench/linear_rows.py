@@ -6,8 +6,9 @@ where that kernel cannot be built), `q4_1_dequant` those blocks dequantized one 
 time into a reused buffer and multiplied (`ggml_linears`' path above MAX_ROWS rows); and
 `q4_1_int_<isa>`, the integer-dot kernels
 (ops/ggml_kernels_int.c) on the same blocks, per ISA path this CPU runs, and `q4_1_tiled_<isa>`
-the same model on those blocks repacked in tiles of 16 outputs (ops/ggml_tiled.c). Prints one JSON
-object (median of --reps, milliseconds for all 30 layers). --lm-head adds
+the same model on those blocks repacked in tiles of 16 outputs (ops/ggml_tiled.c), AMX off;
+`q4_1_tiled_amx` the avx512_vnni path with AMX at every row count, where the CPU has it.
+Prints one JSON object (median of --reps, milliseconds for all 30 layers). --lm-head adds
 `q8_0_lm_head_tiled_<isa>`: one call of the tied lm_head (49152 x 576, Q8_0 as in the default
 GGUF) on the tiled kernel; --only keeps the kinds whose names start with one of its prefixes.
 
@@ -60,8 +61,29 @@ def _lm_heads() -> dict:
     w = torch.randn(49152, 576, generator=torch.Generator().manual_seed(1))
     raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
     tw = ggml_tiled.repack(make_weight("q8_0", torch.from_numpy(raw), tuple(w.shape)))
-    return {f"q8_0_lm_head_tiled_{isa}": ggml_tiled.tiled_linear_fn(tw, None, isa)
-            for isa in ggml_tiled.supported_isas() if isa != "scalar"}
+    return {f"q8_0_lm_head_tiled_{name}":
+            _amx_switched(ggml_tiled.tiled_linear_fn(tw, None, isa), rows)
+            for name, isa, rows in _tiled_paths()}
+
+
+def _tiled_paths() -> list[tuple[str, str, int]]:
+    """(name, ISA, AMX min rows) of each tiled path to time: the SIMD ISAs with AMX off, then
+    `amx` (the avx512_vnni path with AMX at every row count) where this CPU lets us use it."""
+    from specdeploy.ops import ggml_tiled
+
+    paths = [(isa, isa, 0) for isa in ggml_tiled.supported_isas() if isa != "scalar"]
+    if ggml_tiled.amx_usable():
+        paths.append(("amx", "avx512_vnni", 1))
+    return paths
+
+
+def _amx_switched(fn, min_rows: int):
+    from specdeploy.ops import ggml_tiled
+
+    def run(*args):
+        with ggml_tiled.amx(min_rows):
+            return fn(*args)
+    return run
 
 
 def main() -> None:
@@ -105,10 +127,10 @@ def main() -> None:
 
         tiled = {k: ggml_tiled.repack(v) for k, v in blocks.items()} \
             if ggml_tiled.kernel_unavailable() is None else {}
-        for isa in ggml_tiled.supported_isas() if tiled else ():  # the same, tiled
-            if isa != "scalar":  # NOTE: the reference path, far too slow to time here
-                kinds[f"q4_1_tiled_{isa}"] = (lambda x, w, p, isa=isa: ggml_tiled.tiled_linear(
-                    x, tiled[id(w)], isa=isa))
+        # the same, tiled (not scalar: the reference path, far too slow to time here)
+        for name, isa, rows in _tiled_paths() if tiled else ():
+            kinds[f"q4_1_tiled_{name}"] = _amx_switched(
+                lambda x, w, p, isa=isa: ggml_tiled.tiled_linear(x, tiled[id(w)], isa=isa), rows)
     lm_heads = _lm_heads() if args.lm_head else {}
     keep = (lambda name: any(name.startswith(p) for p in args.only)) if args.only else bool
     kinds = {k: v for k, v in kinds.items() if keep(k)}

@@ -17,8 +17,8 @@
  *
  * Per (output, row, block) the integer dot product p is exact; then, per output lane, in block
  * order: scale = d_w * d_x (one rounding), acc = fma(float(p), scale, acc), for Q4_1 also
- * macc = fma(m, s_x, macc); y = acc + macc (Q4_1) or acc. The scalar C, AVX2 and AVX-512 paths
- * perform exactly those fp32 operations (per lane), so they are bit-identical, and an output
+ * macc = fma(m, s_x, macc); y = acc + macc (Q4_1) or acc. The scalar C, AVX2, AVX-512 and AMX
+ * paths perform exactly those fp32 operations (per lane), so they are bit-identical, and an output
  * never depends on R or the thread count (batch invariance). No -m flags: the SIMD functions
  * carry target attributes. Must be compiled with -ffp-contract=off. Built by ggml_tiled.py.
  */
@@ -403,7 +403,186 @@ TILES_FN(q4_0_avx2, tile_avx2, Q4_0, AVX2_ROWS, AVX2_ATTR)
 TILES_FN(q4_1_avx512, tile_avx512, Q4_1, AVX512_ROWS, AVX512_ATTR)
 TILES_FN(q8_0_avx512, tile_avx512, Q8_0, AVX512_ROWS, AVX512_ATTR)
 TILES_FN(q4_0_avx512, tile_avx512, Q4_0, AVX512_ROWS, AVX512_ATTR)
+/* AMX (Intel's tile matrix unit, AMX-INT8): one TDPBSSD / TDPBSUD multiplies 16 rows of a
+ * block's 32 activation bytes by the block's 16 outputs x 32 weights into 16 x 16 exact int32
+ * sums, the work of 128 dpbusd. The tiled layout's 8 groups of 16 outputs x 4 bytes are AMX's B
+ * operand as they stand (Q8_0 loads straight from the weights; 4-bit kinds are unpacked into
+ * 8 x 64 bytes first, once per block for up to 16 rows). Per block the sums leave the tile unit
+ * (tilestored) and meet fp32 in exactly the AVX-512 path's operations per lane: p (Q4_0: - 8 S,
+ * Q8_0 signed x signed needs no shift), scale = d_w * d_x, acc = fma(float(p), scale, acc),
+ * Q4_1 macc = fma(m, s_x, macc); so AMX, AVX-512, AVX2 and scalar are bit-identical.
+ * Tiles: tmm0/1 C (16 x 16 int32), tmm2/3 A (16 rows x 32 bytes: the rows' block, stride K),
+ * tmm4/5 B (8 x 64 bytes); two blocks in flight. A always reads 16 rows, so the quantized rows
+ * are padded to a multiple of 16 with zeros (ggml_tiled_linear). Linux hands out the tile
+ * state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once per process: amx_usable). */
+#define AMX_ATTR __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni," \
+                                       "amx-tile,amx-int8")))
+#define AMX_ROWS 16
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* rows: the A and C tiles' rows (a step's last group of rows may be short) */
+AMX_ATTR static void amx_config(int rows) {
+    tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 2; i++) {
+        c.rows[i] = rows, c.colsb[i] = 64;         /* C: rows x 16 int32 */
+        c.rows[2 + i] = rows, c.colsb[2 + i] = 32; /* A: rows x one block of 32 bytes */
+        c.rows[4 + i] = 8, c.colsb[4 + i] = 64;    /* B: 8 groups x 16 outputs x 4 bytes */
+    }
+    _tile_loadconfig(&c);
+}
+
+/* a tile's 4-bit blocks unpacked to AMX's B layout, all of them before the first is read (a
+ * tile load of bytes just stored waits for the stores: the unpacking runs ahead) */
+AMX_ATTR INLINE void amx_unpack(const uint8_t *tile, int nb, int tb, int qo, uint8_t *wb) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < nb; b++)
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(tile + (size_t)b * tb + qo + 64 * j));
+            uint8_t *o = wb + (size_t)b * 512;
+            _mm512_store_si512((void *)(o + 64 * j), _mm512_and_si512(v, mask));
+            _mm512_store_si512((void *)(o + 64 * (j + 4)),
+                               _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+        }
+}
+
+/* one block's sums into cout: C = A (signed activations) x B (signed Q8_0 / unsigned nibbles) */
+#define AMX_BLOCK(TC, TA, TB, b, cout)                                                    \
+    do {                                                                                  \
+        if (kind == Q8_0) _tile_loadd(TB, tile + (size_t)(b) * tb + qo, 64);               \
+        else _tile_loadd(TB, wb + (size_t)(b) * 512, 64);                                  \
+        _tile_loadd(TA, qa + 32 * (b), K);                                                \
+        _tile_zero(TC);                                                                   \
+        if (kind == Q8_0) _tile_dpbssd(TC, TA, TB);                                        \
+        else _tile_dpbsud(TC, TA, TB);                                                     \
+        _tile_stored(TC, (cout), 64);                                                     \
+    } while (0)
+
+/* block b's sums (c) into the rows' accumulators: the AVX-512 path's operations */
+#define AMX_EPI(b, c)                                                                     \
+    do {                                                                                  \
+        const __m512 dw = _mm512_cvtph_ps(                                                \
+            _mm256_loadu_si256((const __m256i *)(tile + (size_t)(b) * tb)));               \
+        for (int r = 0; r < rg; r++) {                                                    \
+            const size_t rb = (size_t)(r0 + r) * nb + (b);                                \
+            __m512i p = _mm512_load_si512((const void *)((c) + 16 * r));                  \
+            if (kind == Q4_0) p = _mm512_sub_epi32(p, _mm512_set1_epi32(8 * a->S[rb]));   \
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[rb]));             \
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc[r]);               \
+        }                                                                                 \
+    } while (0)
+
+/* rows r0 .. r0 + rg - 1 of one tile (rg constant in each inlined call: acc in registers).
+ * Pipelined: blocks b, b + 1 go to a ring of 4 sum buffers while the epilogue reads those of
+ * b - 2, b - 1 (stored one pair earlier: reading a tile store at once stalls). Q4_1's macc
+ * runs in a pass of its own (per lane the same fmas in block order: the same bits). */
+AMX_ATTR INLINE void group_amx(const act_t *a, int K, const uint8_t *tile, const uint8_t *wb,
+                               int N, float *yt, int r0, const int rg, const int kind) {
+    const int nb = K / 32, tb = TILE * block_bytes(kind), qo = quant_off(kind);
+    _Alignas(64) int32_t c[4][AMX_ROWS * 16];
+    const int8_t *qa = a->q + (size_t)r0 * K;
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < rg; r++) acc[r] = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + 1 < nb; b += 2) {
+        AMX_BLOCK(0, 2, 4, b, c[b & 3]);
+        AMX_BLOCK(1, 3, 5, b + 1, c[(b + 1) & 3]);
+        if (b >= 2) {
+            AMX_EPI(b - 2, c[(b - 2) & 3]);
+            AMX_EPI(b - 1, c[(b - 1) & 3]);
+        }
+    }
+    if (b < nb) AMX_BLOCK(0, 2, 4, b, c[b & 3]); /* odd nb: the last block */
+    for (int e = nb - (nb & 1) - 2 < 0 ? 0 : nb - (nb & 1) - 2; e < nb; e++) AMX_EPI(e, c[e & 3]);
+    if (kind == Q4_1) {
+        __m512 macc[AMX_ROWS];
+        for (int r = 0; r < rg; r++) macc[r] = _mm512_setzero_ps();
+        for (int e = 0; e < nb; e++) {
+            const __m512 m = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(tile + (size_t)e * tb + 32)));
+            for (int r = 0; r < rg; r++)
+                macc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->s[(size_t)(r0 + r) * nb + e]),
+                                          macc[r]);
+        }
+        for (int r = 0; r < rg; r++) acc[r] = _mm512_add_ps(acc[r], macc[r]);
+    }
+    for (int r = 0; r < rg; r++) _mm512_storeu_ps(yt + (size_t)(r0 + r) * N, acc[r]);
+}
+
+#define AMX_CASE(KIND, RG) case RG: group_amx(a, K, tile, wb, N, yt, r0, RG, KIND); break;
+AMX_ATTR INLINE void tiles_amx(const act_t *a, int R, int K, const uint8_t *w, int t0, int t1,
+                               int N, float *y, const int kind, uint8_t *wb) {
+    const int nb = K / 32, tb = TILE * block_bytes(kind), qo = quant_off(kind);
+    int rows = 0; /* the configured A / C rows */
+    for (int t = t0; t < t1; t++) {
+        const uint8_t *tile = w + (size_t)t * nb * tb;
+        float *yt = y + (size_t)t * TILE;
+        if (kind != Q8_0) amx_unpack(tile, nb, tb, qo, wb);
+        for (int r0 = 0; r0 < R; r0 += AMX_ROWS) {
+            const int rg = R - r0 < AMX_ROWS ? R - r0 : AMX_ROWS;
+            if (rg != rows) amx_config(rows = rg);
+            switch (rg) {
+            AMX_CASE(kind, 1) AMX_CASE(kind, 2) AMX_CASE(kind, 3) AMX_CASE(kind, 4)
+            AMX_CASE(kind, 5) AMX_CASE(kind, 6) AMX_CASE(kind, 7) AMX_CASE(kind, 8)
+            AMX_CASE(kind, 9) AMX_CASE(kind, 10) AMX_CASE(kind, 11) AMX_CASE(kind, 12)
+            AMX_CASE(kind, 13) AMX_CASE(kind, 14) AMX_CASE(kind, 15) AMX_CASE(kind, 16)
+            }
+        }
+    }
+    if (rows) _tile_release(); /* NOTE: a thread holding tile state makes context switches
+                                  save 8 KB more */
+}
+
+/* the per-kind entry points; 4-bit kinds unpack a tile into wb (K / 32 * 512 bytes) */
+#define AMX_FN(NAME, KIND)                                                                 \
+    AMX_ATTR static void NAME(const act_t *a, int R, int K, const uint8_t *w, int t0, int t1, \
+                              int N, float *y, uint8_t *wb) {                              \
+        tiles_amx(a, R, K, w, t0, t1, N, y, KIND, wb);                                     \
+    }
+AMX_FN(q4_1_amx, Q4_1)
+AMX_FN(q8_0_amx, Q8_0)
+AMX_FN(q4_0_amx, Q4_0)
+
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SD_ARCH_REQ_XCOMP_PERM 0x1023
+#define SD_XFEATURE_XTILEDATA 18
+
+/* 1 when this CPU has AMX-INT8 and the kernel lets this process use it (asked once) */
+static int amx_usable(void) {
+    static int state = -1;
+    if (state < 0) {
+        __builtin_cpu_init();
+        state = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+                __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                syscall(SYS_arch_prctl, SD_ARCH_REQ_XCOMP_PERM, SD_XFEATURE_XTILEDATA) == 0;
+    }
+    return state;
+}
+#else
+static int amx_usable(void) { return 0; }
 #endif /* SD_X86 */
+
+/* The AVX-512 path hands steps of at least this many rows of each kind to AMX where
+ * amx_usable (0: never). Off until ggml_tiled.py sets them. */
+static int amx_min_rows[3] = {0, 0, 0};
+
+int ggml_tiled_amx_usable(void) { return amx_usable(); }
+
+/* sets kind's row threshold (rows < 0: only reads it; 0 turns AMX off; a threshold stays 0
+ * where AMX is unusable) and returns the one before; -1 for an unknown kind */
+int ggml_tiled_amx_min_rows(int kind, int rows) {
+    if (kind < 0 || kind > 2) return -1;
+    const int before = amx_min_rows[kind];
+    if (rows >= 0) amx_min_rows[kind] = amx_usable() ? rows : 0;
+    return before;
+}
 
 /* 1 when this build and this CPU can run `isa` */
 int ggml_tiled_isa_supported(int isa) {
@@ -420,17 +599,22 @@ int ggml_tiled_isa_supported(int isa) {
     return 0;
 }
 
-static void run_tiles(int kind, int isa, const act_t *a, int R, int K, const uint8_t *w, int t0,
-                      int t1, int N, float *y) {
+/* amx: the AMX path (wb: this thread's unpacking buffer) instead of `isa`'s */
+static void run_tiles(int kind, int isa, int amx, uint8_t *wb, const act_t *a, int R, int K,
+                      const uint8_t *w, int t0, int t1, int N, float *y) {
 #ifdef SD_X86
     typedef void (*tiles_fn)(const act_t *, int, int, const uint8_t *, int, int, int, float *);
+    typedef void (*amx_fn)(const act_t *, int, int, const uint8_t *, int, int, int, float *,
+                           uint8_t *);
     static const tiles_fn simd[2][3] = {{q4_1_avx2, q8_0_avx2, q4_0_avx2},      /* by kind */
                                         {q4_1_avx512, q8_0_avx512, q4_0_avx512}};
-    if (isa == ISA_AVX2 || isa == ISA_AVX512) simd[isa - 1][kind](a, R, K, w, t0, t1, N, y);
+    static const amx_fn amx_fns[3] = {q4_1_amx, q8_0_amx, q4_0_amx};
+    if (amx) amx_fns[kind](a, R, K, w, t0, t1, N, y, wb);
+    else if (isa == ISA_AVX2 || isa == ISA_AVX512) simd[isa - 1][kind](a, R, K, w, t0, t1, N, y);
     else
 #endif
         tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
-    (void)isa;
+    (void)isa, (void)amx, (void)wb;
 }
 
 /* kind: Q4_1, Q8_0 or Q4_0; x [R, K] and y [R, N] row-major fp32, N % 16 == 0, K % 32 == 0;
@@ -441,10 +625,14 @@ int ggml_tiled_linear(int kind, int isa, const float *x, int R, int K, const uin
     if (!ggml_tiled_isa_supported(isa)) return -2;
     if (N % TILE) return -3;
     const int nb = K / 32, tiles = N / TILE;
-    /* one allocation: q (R * K bytes), then d, s, S (R * nb 4-byte values each), 64-aligned */
+    /* one allocation: q (R * K bytes), then d, s, S (R * nb 4-byte values each), then AMX's
+     * unpacking buffers (4-bit kinds: nb * 512 bytes a thread), 64-aligned */
+    const int amx = isa == ISA_AVX512 && amx_min_rows[kind] && R >= amx_min_rows[kind];
     const size_t qbytes = ((size_t)R * K + 63) / 64 * 64;
     const size_t fbytes = (12 * (size_t)R * nb + 63) / 64 * 64;
-    uint8_t *scratch = (uint8_t *)aligned_alloc(64, qbytes + fbytes + 64);
+    const size_t wbytes = amx && kind != Q8_0 ? (size_t)nb * 512 : 0;
+    const int nt_max = nthreads > 0 ? nthreads : 1;
+    uint8_t *scratch = (uint8_t *)aligned_alloc(64, qbytes + fbytes + wbytes * nt_max + 64);
     if (!scratch) return -1;
     float *d = (float *)(scratch + qbytes), *s = d + (size_t)R * nb;
     int32_t *S = (int32_t *)(s + (size_t)R * nb);
@@ -464,7 +652,8 @@ int ggml_tiled_linear(int kind, int isa, const float *x, int R, int K, const uin
 #endif
         const int per = (tiles + nt - 1) / nt; /* a contiguous range of tiles per thread */
         const int t0 = t * per, t1 = t0 + per < tiles ? t0 + per : tiles;
-        if (t0 < t1) run_tiles(kind, isa, &a, R, K, w, t0, t1, N, y);
+        uint8_t *wb = scratch + qbytes + fbytes + wbytes * (size_t)(t < nt_max ? t : 0);
+        if (t0 < t1) run_tiles(kind, isa, amx, wb, &a, R, K, w, t0, t1, N, y);
     }
     free(scratch);
     return 0;

@@ -9,7 +9,9 @@ weights of a block serve a group of rows (AVX2: 5, Q8_0 4; AVX-512: 8): several 
 little more than one.
 
 The packed copy replaces the blocks (same bytes). Scalar C, AVX2 and AVX-512 VNNI paths give
-bit-identical outputs, independent of the other rows and the thread count, so greedy speculative
+bit-identical outputs (and so does AMX, which the AVX-512 path hands steps of >= AMX_MIN_ROWS
+rows where the CPU has AMX-INT8: the tile unit makes the exact integer block sums, the same fp32
+operations follow), independent of the other rows and the thread count, so greedy speculative
 decoding still equals greedy plain decoding. The outputs are not those of `ggml_int` (the fp32
 sums run in another order), so a deployment uses one kernel per weight, at every row count.
 Compiled on first use next to the other kernels; where it cannot be built, one warning says why
@@ -20,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -35,6 +38,11 @@ SOURCE = Path(__file__).with_name("ggml_tiled.c")
 # scalar path's fp32 operations the ones the SIMD paths perform
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 TILE = 16
+# Steps of at least this many rows run on AMX where the CPU has it (the same bits: ggml_tiled.c);
+# SPECDEPLOY_GGML_AMX=0 keeps them on AVX-512. Where AMX starts to pay with 2 threads on a
+# 2-core Xeon with AMX (2026-12-05, bench/linear_rows.py): Q8_0 (the lm_head) from ~6 rows,
+# the 4-bit kinds, whose nibbles AMX needs unpacked to bytes, from ~32.
+AMX_MIN_ROWS = {"q4_1": 32, "q8_0": 8, "q4_0": 32}
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
@@ -65,11 +73,15 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
             errors.append(f"{path}: {e}")
             continue
         for name, args in (("ggml_tiled_linear", [_I, _I, _P, _I, _I, _P, _I, _P, _I]),
-                           ("ggml_tiled_isa_supported", [_I])):
+                           ("ggml_tiled_isa_supported", [_I]), ("ggml_tiled_amx_usable", []),
+                           ("ggml_tiled_amx_min_rows", [_I, _I])):
             getattr(lib, name).argtypes, getattr(lib, name).restype = args, _I
         for name, args in (("ggml_tiled_repack", [_I, _P, _I, _I, _P, _I, _I]),
                            ("ggml_tiled_rows", [_I, _P, _I, _P, _I, _P, _I])):
             getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
+        if os.environ.get("SPECDEPLOY_GGML_AMX", "1") != "0":
+            for kind, rows in AMX_MIN_ROWS.items():  # a no-op where AMX is unusable
+                lib.ggml_tiled_amx_min_rows(KINDS[kind][0], rows)
         return lib, None
     why = "; ".join(errors)
     _gl.warn_unbuilt("the tiled integer-dot GGUF kernels", why)
@@ -86,6 +98,37 @@ def _lib() -> ctypes.CDLL:
 def kernel_unavailable() -> str | None:
     """None when the tiled kernels are built and loaded here, else why not."""
     return _library()[1]
+
+
+def amx_usable() -> bool:
+    """Whether this CPU has AMX-INT8 and the OS let this process use it (asked once)."""
+    lib, _ = _library()
+    return lib is not None and bool(lib.ggml_tiled_amx_usable())
+
+
+def amx_min_rows() -> dict[str, int]:
+    """Per kind: steps of at least this many rows take AMX on the avx512_vnni path (0: never)."""
+    lib = _lib()
+    return {kind: lib.ggml_tiled_amx_min_rows(KINDS[kind][0], -1) for kind in AMX_MIN_ROWS}
+
+
+@contextmanager
+def amx(min_rows: int | dict[str, int]):
+    """Within: steps of >= min_rows rows (one number for every kind, or per kind) take AMX
+    (0: none) where it is usable; the outputs are the same bits either way (ggml_tiled.c),
+    only the time differs. Process-wide: not for use while another thread runs a step."""
+    want = min_rows if isinstance(min_rows, dict) else dict.fromkeys(AMX_MIN_ROWS, min_rows)
+    bad = {k: v for k, v in want.items() if k not in AMX_MIN_ROWS or v < 0}
+    if bad:
+        raise ValueError(f"amx: min_rows must be >= 0 for kinds of {sorted(AMX_MIN_ROWS)}, "
+                         f"got {bad}")
+    lib = _lib()
+    before = {k: lib.ggml_tiled_amx_min_rows(KINDS[k][0], v) for k, v in want.items()}
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            lib.ggml_tiled_amx_min_rows(KINDS[k][0], v)
 
 
 def supported_isas() -> list[str]:
