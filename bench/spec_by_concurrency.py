@@ -5,7 +5,8 @@ configuration and level, all built before any timing; rounds interleaved, each i
 shuffled order (seeded by the round).
 
     .venv/bin/python bench/spec_by_concurrency.py [--concurrency 1 2 4 8]
-        [--configs plain,auto] [--prompts 16] [--skip 6] [--max-tokens 128] [--rounds 3]
+        [--configs plain,auto] (also plain-b, suffix+ctl, lookup+ctl, plain-noamx, auto-noamx)
+        [--prompts 16] [--skip 6] [--max-tokens 128] [--rounds 3]
         [--threads 2] [--json-out FILE]
 
 Why not bench/vs_llamacpp_concurrent.py: there N requests start together and all end after
@@ -22,6 +23,7 @@ median of rounds) and the median of per-round ratios to plain at the same concur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -44,6 +46,19 @@ CONFIGS = {
     "suffix+ctl": lambda: SpecConfig("suffix", 3, suffix_decoding_max_cached_requests=0),
     "lookup+ctl": lambda: SpecConfig("ngram", 3, prompt_lookup_num_tokens=16),
 }
+# the same deployments with the GGUF kernels' AMX path off (ops/ggml_tiled.py), built (so
+# calibrated) and run inside that setting: AMX's effect side by side, where the CPU has it
+for _name in ("plain", "auto"):
+    CONFIGS[f"{_name}-noamx"] = CONFIGS[_name]
+
+
+def _setting(name: str):
+    """The kernel setting a configuration deploys and runs in."""
+    if name.endswith("-noamx"):
+        from specdeploy.ops import ggml_tiled
+
+        return ggml_tiled.amx(0)
+    return contextlib.nullcontext()
 
 
 def main() -> None:
@@ -63,20 +78,25 @@ def main() -> None:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or "plain" not in names:
         raise SystemExit(f"--configs: known {sorted(CONFIGS)}, plain included; got {names}")
-    llms = {(n, c): LLM(spec=CONFIGS[n](), max_batch_size=c) for c in args.concurrency
-            for n in names}
+    llms = {}
+    for c in args.concurrency:
+        for n in names:
+            with _setting(n):
+                llms[(n, c)] = LLM(spec=CONFIGS[n](), max_batch_size=c)
     tok = next(iter(llms.values())).tokenizer
     prompts = heldout_prompts(tok, args.skip + args.prompts, 256)[args.skip:]
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    for (_, c), llm in llms.items():  # warm-up: a first request of each shape
-        run_closed_loop(llm, prompts[:c], SamplingParams(max_tokens=8, temperature=0), c)
+    for (n, c), llm in llms.items():  # warm-up: a first request of each shape
+        with _setting(n):
+            run_closed_loop(llm, prompts[:c], SamplingParams(max_tokens=8, temperature=0), c)
     rates: dict[tuple[str, int], list[float]] = {k: [] for k in llms}
     tokens: dict[tuple[str, int], int] = {}
     for r in range(args.rounds):
         order = list(llms)
         random.Random(r).shuffle(order)
         for key in order:
-            out = run_closed_loop(llms[key], prompts, sp, key[1])
+            with _setting(key[0]):
+                out = run_closed_loop(llms[key], prompts, sp, key[1])
             rates[key].append(out["output_tokens_per_s"])
             tokens[key] = out["output_tokens"]
             print(f"round {r} {key[0]} @ {key[1]}: {out['output_tokens_per_s']:.1f} tok/s",
@@ -92,7 +112,7 @@ def main() -> None:
                        "vs_plain": round(statistics.median(x / b for x, b in zip(rr, base)), 3),
                        "vs_plain_per_round": [round(x / b, 3) for x, b in zip(rr, base)],
                        "output_tokens": tokens[(n, c)]}
-            stats = llms[(n, c)].stats() if n not in ("plain", "plain-b") else {}
+            stats = llms[(n, c)].stats() if not n.startswith("plain") else {}
             for k in ("mean_accepted_length", "spec_off_batch_sizes"):
                 if k in stats:
                     rows[n][k] = stats[k]
