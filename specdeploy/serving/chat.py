@@ -22,7 +22,7 @@ from specdeploy.serving.protocol import (
     _sampling,
     _unsupported,
 )
-from specdeploy.serving.reasoning import Reasoning, prompt_opens_thinking
+from specdeploy.serving.reasoning import Reasoning, forces_content, prompt_opens_thinking
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -183,7 +183,9 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
     reasoning = None
     if limits.reasoning_parser is not None:
         inside = prompt_opens_thinking(tokenizer, ids)
-        reasoning = [Reasoning(limits.reasoning_parser, inside, include) for _ in range(n)]
+        force = forces_content(body.get("chat_template_kwargs"))
+        reasoning = [Reasoning(limits.reasoning_parser, inside, include, force)
+                     for _ in range(n)]
     tools = None
     if tool_plan is not None and tool_plan.kind != "none":
         tools = [tools_mod.ToolReply(tool_plan) for _ in range(n)]

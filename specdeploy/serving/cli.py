@@ -63,7 +63,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds between the one-line speculative-decoding log (0: off)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic speculative-decoding log (vLLM's flag)")
-    p.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,
+    p.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3", "nemotron_v3"),
+                   default=None,
                    help="chat replies' <think> block into `reasoning` (vLLM's flag)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice \"auto\": calls parsed out of replies (vLLM's flag)")
