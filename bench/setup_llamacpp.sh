@@ -21,10 +21,16 @@ args+=" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF"
 if has avx512f && has avx512bw && has avx512vl; then
   args+=" -DGGML_AVX512=ON"
   has avx512_vnni && args+=" -DGGML_AVX512_VNNI=ON"
-  has avx512_vbmi && args+=" -DGGML_AVX512_VBMI=ON"
+  has avx512vbmi && args+=" -DGGML_AVX512_VBMI=ON"
   has avx512_bf16 && args+=" -DGGML_AVX512_BF16=ON"
 fi
-# AMX stays off on purpose (the crash above).
+# AMX stays off by default (the crash above); LLAMACPP_AMX=1 turns it on where the CPU has it
+# (llama.cpp's AMX kernels for Q4_0 / Q4_1 / Q8_0 and others: the peer a user of an AMX Xeon
+# would build natively).
+if [[ "${LLAMACPP_AMX:-0}" == 1 ]] && has amx_tile && has amx_int8; then
+  args+=" -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON"
+  has amx_bf16 && args+=" -DGGML_AMX_BF16=ON"
+fi
 echo "CMAKE_ARGS=$args"
 target=()
 if [[ $# -ge 1 ]]; then target=(--target "$1" --no-deps); fi

@@ -24,6 +24,7 @@ import torch
 from specdeploy.cache.metadata import SEG_NORMAL, Segment, build_metadata
 from specdeploy.cache.prefix import PrefixCache
 from specdeploy.deploy.base import DeployedModel, StepOutput
+from specdeploy.engine import prompt_logprobs
 from specdeploy.engine.decode_burst import burst_len, run_burst
 from specdeploy.engine.detokenizer import IncrementalDetokenizer
 from specdeploy.engine.logits_process import logprob_pack, process, unpack_logprobs
@@ -171,6 +172,7 @@ class Engine:
             return self._emit(touched, t0)
         if batch:
             segs = self._segments(batch)  # propose
+            wide = prompt_logprobs.widen(batch, segs)  # None: no prompt logprobs this step
             self._prefix_before(batch, segs)
             meta = build_metadata(segs)  # host tensors: the deployment copies what it needs
             gov = self.threads
@@ -178,6 +180,8 @@ class Engine:
                 gov.before_step(meta.num_tokens)
             tf = time.perf_counter()
             out = self.deployed.forward(meta)  # forward
+            if wide is not None:  # the prompt logprobs, then the rows the engine expects
+                out = prompt_logprobs.take(wide, batch, segs, out)
             tokens = self._verify(batch, segs, out)  # verify (the step's one host sync)
             if gov is None or not gov.trialing:  # a trial step's time is another count's
                 self._timed(segs, meta.num_tokens, time.perf_counter() - tf)

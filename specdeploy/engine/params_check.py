@@ -204,6 +204,8 @@ def check_sampling(p) -> dict[str, Any]:
         "repetition_penalty": repetition_penalty(p.repetition_penalty),
         "logprobs": None if p.logprobs is None else as_int("logprobs", p.logprobs, 0,
                                                            MAX_LOGPROBS),
+        "prompt_logprobs": None if p.prompt_logprobs is None else as_int(
+            "prompt_logprobs", p.prompt_logprobs, 0, MAX_LOGPROBS),
         "guided_json": guided_json(p.guided_json),
         "json_object": as_bool("json_object", p.json_object),
         "guided_regex": guided_regex(p.guided_regex),

@@ -38,6 +38,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # over the generated tokens, per occurrence
     repetition_penalty: float = 1.0  # over prompt + generated: positive / r, negative * r
     logprobs: int | None = None  # the target's raw logprobs of each token, plus the top N
+    # vLLM's: the raw logprobs of each prompt token after the first, plus the top N
+    # (engine/prompt_logprobs.py; such a request does not start on prefix-cached pages)
+    prompt_logprobs: int | None = None
     guided_json: str | dict | None = None  # a JSON schema the output must follow
     json_object: bool = False  # the output is a JSON object (any)
     guided_regex: str | None = None  # a regular expression the whole output must match
@@ -126,6 +129,11 @@ class RequestOutput:
     # with SamplingParams.logprobs: per token, {id: logprob} of the sampled token and the top N
     # (top N first, best first; vLLM's shape without its Logprob objects)
     logprobs: list[dict[int, float]] | None = None
+    # with SamplingParams.prompt_logprobs: per prompt token, None for the first, then {id:
+    # logprob} of the top N and the prompt token (vLLM's `prompt_logprobs`), and that token's
+    # rank (1: the most likely; None for the first); complete once the prompt is prefilled
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -207,6 +215,9 @@ class Sequence:
         self.matcher = None  # grammar state (engine/grammar.py Matcher), structured output
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.new_logprobs: list[dict[int, float]] = []  # this step's, one per new token
+        asks = params.prompt_logprobs is not None  # engine/prompt_logprobs.py fills these
+        self.prompt_logprobs: list[dict[int, float] | None] | None = [None] if asks else None
+        self.prompt_ranks: list[int | None] = [None] if asks else []
         self.prompt_seen: torch.Tensor | None = None  # [V] bool, for repetition_penalty
         self.bad_words_ids: list[tuple[int, ...]] = []  # params.bad_words, tokenized
         self._emitted_tokens = 0  # for delta_* in outputs
@@ -253,6 +264,9 @@ class Sequence:
             delta_token_ids=self.output_ids[self._emitted_tokens:], error=self.error,
             logprobs=None if self.logprobs is None else list(self.logprobs),
         )
+        if self.prompt_logprobs is not None:
+            out.prompt_logprobs = list(self.prompt_logprobs)
+            out.prompt_logprob_ranks = list(self.prompt_ranks)
         self._emitted_tokens = len(self.output_ids)
         self._emitted_text = len(self.text)
         return out

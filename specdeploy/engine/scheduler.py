@@ -34,7 +34,10 @@ class BlockManager:
             self.free_pages.extend(self.prefix.clear())
 
     def match(self, seq: Sequence) -> Hit:
-        return NO_HIT if self.prefix is None else self.prefix.match(seq)
+        # NOTE: a request owing prompt logprobs computes every position (prompt_logprobs.py)
+        if self.prefix is None or seq.prompt_logprobs is not None:
+            return NO_HIT
+        return self.prefix.match(seq)
 
     def can_admit(self, seq: Sequence, hit: Hit, total_tokens: int) -> bool:
         """`seq` (its `num_cached` already set to the hit) can start with `hit` and grow."""
