@@ -307,7 +307,7 @@ async def _collect(request: Request, req: P.GenerationRequest, handle: Handle, r
                    created: int, loop: EngineLoop):
     """Wait for every prompt's output; a client that leaves aborts its requests."""
     n = len(req.prompts)
-    texts, reasons, ntok, lps = [""] * n, [None] * n, [0] * n, [None] * n
+    texts, reasons, ntok, lps, plps = [""] * n, [None] * n, [0] * n, [None] * n, [None] * n
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         done = 0
@@ -327,11 +327,12 @@ async def _collect(request: Request, req: P.GenerationRequest, handle: Handle, r
                 texts[ev.index] = ev.output.text
                 reasons[ev.index] = ev.output.finish_reason
                 ntok[ev.index] = len(ev.output.token_ids)
-                lps[ev.index] = req.logprobs(ev.index, ev.output.token_ids, ev.output.logprobs)
+                lps[ev.index] = req.final_logprobs(ev.index, ev.output)
+                plps[ev.index] = req.prompt_logprobs(ev.index, ev.output)
     finally:
         gone.cancel()
     use = R.usage(req.prompt_tokens, sum(ntok))
-    return JSONResponse(R.response_body(req, rid, created, texts, reasons, use, lps))
+    return JSONResponse(R.response_body(req, rid, created, texts, reasons, use, lps, plps))
 
 
 async def _disconnected(request: Request) -> None:

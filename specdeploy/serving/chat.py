@@ -189,8 +189,12 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
     tools = None
     if tool_plan is not None and tool_plan.kind != "none":
         tools = [tools_mod.ToolReply(tool_plan) for _ in range(n)]
+    if stream and params[0].prompt_logprobs is not None:
+        raise bad("prompt_logprobs", "the prompt's logprobs are not streamed; send the request "
+                  "without stream", "unsupported")
     return GenerationRequest(True, model, [ids] * n, params, stream, include_usage,
-                             None if mm is None else [mm] * n, n, tokenizer, reasoning, tools)
+                             None if mm is None else [mm] * n, n, tokenizer, reasoning, tools,
+                             prompt_logprobs_asked=params[0].prompt_logprobs is not None)
 
 
 def _held_to_tools(params: list, tool_plan, limits: Limits) -> list:

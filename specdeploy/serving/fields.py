@@ -20,7 +20,7 @@ PARSED_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "stop_token_ids", "ignore_eos", "stream", "stream_options",
                  "add_special_tokens", "n", "logprobs", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-                 "response_format", "guided_json", "structured_outputs")
+                 "response_format", "guided_json", "structured_outputs", "prompt_logprobs")
 PARSED = {
     "completion": PARSED_COMMON + ("prompt", "echo", "suffix", "best_of"),
     "chat": PARSED_COMMON + ("messages", "max_completion_tokens", "add_generation_prompt",
@@ -49,7 +49,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "length_penalty": (None, 1, 1.0),
     "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": (None,),
-    "prompt_logprobs": (None,),
     "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),

@@ -3,7 +3,10 @@ logprobs, vLLM's default `logprobs_mode`: before penalties and temperature, afte
 mask).
 
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`; completions:
-`{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`. A logprob of
+`{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`, and with
+`echo` the prompt's tokens first (the first one's logprob null, as OpenAI's legacy endpoint).
+`prompt_logprobs` (vLLM's): a list over the prompt, null first, then {"<id>": {"logprob",
+"rank", "decoded_token"}} of the top N and the prompt token. A logprob of
 -inf (a token the grammar forbids, among the top N) is reported as -9999.0, as vLLM does: JSON
 has no infinity.
 """
@@ -61,3 +64,55 @@ def format_logprobs(chat: bool, tokenizer, token_ids: list[int],
     if chat:
         return chat_logprobs(tokenizer, token_ids[:n], logprobs, top_n)
     return completion_logprobs(tokenizer, token_ids[:n], logprobs, top_n, offset)
+
+
+def prompt_logprobs_json(tokenizer, entries: list | None, ranks: list | None,
+                         prompt_ids: list[int], top_n: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {"<id>": {"logprob",
+    "rank", "decoded_token"}}; ranks of the top N are their places, the prompt token's its own."""
+    if entries is None:
+        return None
+    out: list = []
+    for i, entry in enumerate(entries):
+        if entry is None:
+            out.append(None)
+            continue
+        item = {}
+        for place, (t, lp) in enumerate(entry.items()):
+            rank = place + 1 if place < top_n else ranks[i]
+            item[str(t)] = {"logprob": _lp(lp), "rank": rank,
+                            "decoded_token": tokenizer.decode([t])}
+        tok = prompt_ids[i]
+        if str(tok) in item and list(entry).index(tok) < top_n:
+            item[str(tok)]["rank"] = ranks[i]  # NOTE: its own rank (equal, barring exact ties)
+        out.append(item)
+    return out
+
+
+def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list, top_n: int,
+                  output: dict | None, echo_chars: int) -> dict:
+    """Completions' logprobs with `echo`: the prompt's tokens (the first with null logprob and
+    null top_logprobs, OpenAI's legacy shape) before the reply's (`output`, whose text_offset
+    counts from the echoed text's end, `echo_chars`)."""
+    tokens, lps, tops, offsets, offset = [], [], [], [], 0
+    for t, entry in zip(prompt_ids, entries):
+        text = tokenizer.decode([t])
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        lps.append(_lp(entry[t]))
+        top: dict[str, float] = {}
+        for i, lp in _top(entry, top_n):
+            top.setdefault(tokenizer.decode([i]), _lp(lp))
+        tops.append(top)
+    if output is not None:
+        tokens += output["tokens"]
+        lps += output["token_logprobs"]
+        tops += output["top_logprobs"]
+        offsets += [echo_chars + o for o in output["text_offset"]]
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}

@@ -8,6 +8,7 @@ which fields are known: fields.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,11 @@ from specdeploy.engine.params_check import check_for_model
 from specdeploy.serving import sampling_fields as F
 from specdeploy.serving.errors import APIError, bad
 from specdeploy.serving.fields import check_fields
-from specdeploy.serving.logprobs_format import format_logprobs
+from specdeploy.serving.logprobs_format import (
+    echo_logprobs,
+    format_logprobs,
+    prompt_logprobs_json,
+)
 
 __all__ = ["APIError", "GenerationRequest", "Limits", "bad", "parse_completion"]
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
@@ -65,6 +70,8 @@ class GenerationRequest:
     reasoning: list | None = None  # per choice: its serving/reasoning.py `Reasoning` (chat)
     tools: list | None = None  # per choice: its serving/tools.py `ToolReply` (chat with tools)
     echo: list | None = None  # per choice: the prompt's text, before the reply (completions)
+    echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens lead them
+    prompt_logprobs_asked: bool = False  # vLLM's `prompt_logprobs` field was sent
 
     @property
     def prompt_tokens(self) -> int:
@@ -74,6 +81,23 @@ class GenerationRequest:
     def logprobs(self, index: int, token_ids: list[int], logprobs, offset: int = 0):
         return format_logprobs(self.chat, self.tokenizer, token_ids, logprobs,
                                self.params[index].logprobs, offset)
+
+    def final_logprobs(self, index: int, out) -> dict | None:
+        """A whole choice's logprobs (`out`: its finished RequestOutput): with echo, the
+        prompt's tokens' first."""
+        lp = self.logprobs(index, out.token_ids, out.logprobs)
+        if not self.echo_logprobs:
+            return lp
+        return echo_logprobs(self.tokenizer, out.prompt_token_ids, out.prompt_logprobs,
+                             self.params[index].logprobs, lp, len(self.echo[index]))
+
+    def prompt_logprobs(self, index: int, out) -> list | None:
+        """vLLM's `prompt_logprobs` of a choice (None unless the request asked for them)."""
+        n = self.params[index].prompt_logprobs
+        if n is None or not self.prompt_logprobs_asked:  # (echo's own are in its logprobs)
+            return None
+        return prompt_logprobs_json(self.tokenizer, out.prompt_logprobs,
+                                    out.prompt_logprob_ranks, out.prompt_token_ids, n)
 
 
 def _is_int(v: Any) -> bool:
@@ -210,9 +234,6 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
     specials = _bool(body, "add_special_tokens", True)
     model = _model(body, limits)
     echo = _bool(body, "echo", False)
-    if echo and body.get("logprobs") is not None:
-        raise bad("echo", "with logprobs it needs the prompt's logprobs, which this server does "
-                  "not compute", "unsupported")
     _unsupported(body, "best_of", (None, 1))
     _unsupported(body, "suffix", (None, ""))
     if "prompt" not in body or body["prompt"] is None:
@@ -250,6 +271,16 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
     if echo:  # the prompt as sent, or its ids' text (vLLM's echo)
         shown = [t if t is not None else tokenizer.decode(p) for t, p in zip(texts, prompts)
                  for _ in range(n)]
-    return GenerationRequest(False, model, [p for p in prompts for _ in range(n)],
-                             [sp for c in choices for sp in c], stream, include_usage, None, n,
-                             tokenizer, echo=shown)
+    params = [sp for c in choices for sp in c]
+    echo_lp = echo and params[0].logprobs is not None
+    if echo_lp:  # the prompt's tokens lead the logprobs: the engine computes theirs too
+        want = max(params[0].logprobs, params[0].prompt_logprobs or 0)
+        params = [dataclasses.replace(sp, prompt_logprobs=want) for sp in params]
+    if stream and params[0].prompt_logprobs is not None:
+        raise bad("echo" if echo_lp and body.get("prompt_logprobs") is None
+                  else "prompt_logprobs", "the prompt's logprobs are not streamed; send the "
+                  "request without stream", "unsupported")
+    return GenerationRequest(False, model, [p for p in prompts for _ in range(n)], params,
+                             stream, include_usage, None, n, tokenizer, echo=shown,
+                             echo_logprobs=echo_lp,
+                             prompt_logprobs_asked=body.get("prompt_logprobs") is not None)

@@ -21,8 +21,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def response_body(req: GenerationRequest, rid: str, created: int, texts: list[str],
-                  reasons: list[str], use: dict, logprobs: list | None = None) -> dict:
+                  reasons: list[str], use: dict, logprobs: list | None = None,
+                  prompt_logprobs: list | None = None) -> dict:
+    """`prompt_logprobs` (vLLM's, per choice; None where not asked): on each completions
+    choice, and once at the top of a chat response (its choices share the prompt)."""
     lps = logprobs or [None] * len(texts)
+    plps = prompt_logprobs or [None] * len(texts)
     if req.chat:
         choices = []
         for i, (t, r, lp) in enumerate(zip(texts, reasons, lps)):
@@ -39,9 +43,15 @@ def response_body(req: GenerationRequest, rid: str, created: int, texts: list[st
         shown = req.echo or [""] * len(texts)
         choices = [{"index": i, "text": e + t, "logprobs": lp, "finish_reason": r}
                    for i, (t, r, lp, e) in enumerate(zip(texts, reasons, lps, shown))]
+        for c, p in zip(choices, plps):
+            if p is not None:
+                c["prompt_logprobs"] = p
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model,
+    body = {"id": rid, "object": obj, "created": created, "model": req.model,
             "choices": choices, "usage": use}
+    if req.chat and plps[0] is not None:
+        body["prompt_logprobs"] = plps[0]
+    return body
 
 
 def chunk_body(req: GenerationRequest, rid: str, created: int, index: int, text: str | None,

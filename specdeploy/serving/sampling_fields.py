@@ -14,7 +14,7 @@ from specdeploy.engine.params_check import MAX_LOGPROBS, MAX_SEED
 
 MAX_N = 16  # choices per prompt (each one is an engine request and holds a batch slot)
 _PASS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-         "bad_words", "skip_special_tokens", "include_stop_str_in_output")
+         "bad_words", "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs")
 
 
 class FieldError(ValueError):

@@ -123,7 +123,7 @@ def test_template_kwargs_tools_and_continue_final_message(srv, refs, llm):
     ("chat", "reasoning_effort", "high"), ("chat", "modalities", ["text", "audio"]),
     ("chat", "echo", True), ("completion", "return_tokens_as_token_ids", True),
     ("completion", "guided_whitespace_pattern", " "), ("completion", "truncate_prompt_tokens", 4),
-    ("completion", "prompt_logprobs", 1), ("chat", "logits_processors", ["x"]),
+    ("completion", "prompt_embeds", "e30="), ("chat", "logits_processors", ["x"]),
 ])
 def test_known_unsupported_fields_are_400(srv, endpoint, field, value):
     c = srv.client()
