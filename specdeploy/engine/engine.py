@@ -104,9 +104,7 @@ class Engine:
         check_for_model(params, vocab)
         matcher = None
         if params.structured:
-            from specdeploy.engine.grammar import Matcher
-
-            matcher = Matcher(self.grammar_compiler().compile_key(params.grammar_key))
+            matcher = self.grammar_compiler().compile_key(params.grammar_key).matcher()
         if request_id is not None and request_id in self._seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         detok = None

@@ -1,6 +1,7 @@
 """Structured output: JSON (a schema, or any object), a regular expression or a choice among
 strings, as a token-level automaton over the target's vocabulary, used to mask the target's
-logits and to cut drafts that leave the grammar.
+logits and to cut drafts that leave the grammar. Context-free grammars (`guided_grammar`) are
+engine/grammar_cfg.py's, behind the same matcher interface (`advance`, `walk`, `row_masks`).
 
 The grammar library is outlines-core (Rust, no dependencies, CPU wheels): a JSON schema becomes a
 regex, the regex an `Index` (a DFA over token ids). We chose it over xgrammar because xgrammar
@@ -98,6 +99,7 @@ class GrammarCompiler:
             if i < vocab_size and i not in self.eos:
                 by_bytes.setdefault(b, []).append(i)
         self._vocab = oc.Vocabulary(self.eos[0], by_bytes)
+        self._tokenizer, self._cfg_tok = tokenizer, None  # guided_grammar's, built on first use
         self._lock = threading.Lock()
         self._cache: dict[str, Grammar] = {}
 
@@ -109,18 +111,33 @@ class GrammarCompiler:
         """`key`: ("json", a JSON schema's canonical text or None for any object) or ("regex",
         a regular expression the whole output must match): `SamplingParams.grammar_key`."""
         kind, text = key
-        if kind not in ("json", "regex") or (kind == "regex" and not isinstance(text, str)):
+        if kind not in ("json", "regex", "grammar") or (kind != "json"
+                                                         and not isinstance(text, str)):
             raise GrammarError(f"unknown grammar {key!r}")
-        cache_key = ("" if text is None else text) if kind == "json" else "regex:" + text
+        cache_key = ("" if text is None else text) if kind == "json" else f"{kind}:{text}"
         with self._lock:
             g = self._cache.get(cache_key)
         if g is None:
-            g = Grammar(self._index(kind, text), self.vocab_size, self.eos)
+            g = self._cfg(text) if kind == "grammar" else \
+                Grammar(self._index(kind, text), self.vocab_size, self.eos)
             with self._lock:
                 self._cache.setdefault(cache_key, g)
                 if len(self._cache) > 64:  # bound the memory of one-off schemas
                     self._cache.pop(next(iter(self._cache)))
         return g
+
+    def _cfg(self, text: str):
+        """A context-free grammar (engine/grammar_cfg.py, llguidance)."""
+        try:
+            from specdeploy.engine import grammar_cfg
+        except ImportError:  # pragma: no cover (an install without the serve extra)
+            raise GrammarError("guided_grammar needs llguidance (pip install llguidance)") \
+                from None
+        with self._lock:
+            if self._cfg_tok is None:
+                self._cfg_tok = grammar_cfg.CfgTokenizer(self._tokenizer, self.vocab_size,
+                                                         self.eos)
+        return grammar_cfg.CfgGrammar(self._cfg_tok, text)
 
     def _index(self, kind: str, text: str | None):
         import outlines_core as oc
@@ -160,6 +177,9 @@ class Grammar:
         if token in self.eos:
             return state if self.index.is_final_state(state) else None
         return self.index.get_next_state(state, token)
+
+    def matcher(self) -> Matcher:
+        return Matcher(self)
 
     def bitmask(self, state: int) -> torch.Tensor:
         """[words] int32 of the tokens allowed in `state` (EOS ids in final states)."""
@@ -202,6 +222,16 @@ class Matcher:
                 break
             states.append(nxt)
         return states
+
+
+    def row_masks(self, drafts: list[int], rows: int) -> torch.Tensor:
+        """[rows, words] int32: the tokens allowed after the committed tokens and after each
+        allowed draft (the last mask repeats past them)."""
+        states = self.walk(drafts[:rows - 1])
+        # NOTE: a forbidden draft (cut before verification, so only by a bug) gets p = 0 and is
+        # rejected: the rows after it are never read
+        states += [states[-1]] * (rows - len(states))
+        return torch.stack([self.grammar.bitmask(st) for st in states])
 
 
 def unpack_bitmask(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:

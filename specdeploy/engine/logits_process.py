@@ -77,12 +77,7 @@ def _grammar_allowed(logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[list
         if seq.matcher is None:
             rows.append(torch.full((r, words), -1, dtype=torch.int32))
             continue
-        g = seq.matcher.grammar
-        states = seq.matcher.walk(d[:r - 1])
-        # NOTE: a forbidden draft (cut before verification, so only by a bug) gets p = 0 and is
-        # rejected: the rows after it are never read
-        states += [states[-1]] * (r - len(states))
-        rows.append(torch.stack([g.bitmask(st) for st in states]))
+        rows.append(seq.matcher.row_masks(d[:r - 1], r))
     return unpack_bitmask(torch.stack(rows).to(logits.device), v)
 
 

@@ -134,6 +134,15 @@ def guided_regex(v: Any) -> str | None:
     return v
 
 
+def guided_grammar(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.strip() or len(v) > MAX_SCHEMA_CHARS:
+        raise _fail("guided_grammar", f"a non-empty grammar of at most {MAX_SCHEMA_CHARS} "
+                    "characters", v)
+    return v
+
+
 def guided_choice(v: Any) -> tuple[str, ...] | None:
     if v is None:
         return None
@@ -210,6 +219,7 @@ def check_sampling(p) -> dict[str, Any]:
         "json_object": as_bool("json_object", p.json_object),
         "guided_regex": guided_regex(p.guided_regex),
         "guided_choice": guided_choice(p.guided_choice),
+        "guided_grammar": guided_grammar(p.guided_grammar),
         "logit_bias": logit_bias(p.logit_bias),
         "allowed_token_ids": allowed_token_ids(p.allowed_token_ids),
         "bad_words": bad_words(p.bad_words),

@@ -45,6 +45,9 @@ class SamplingParams:
     json_object: bool = False  # the output is a JSON object (any)
     guided_regex: str | None = None  # a regular expression the whole output must match
     guided_choice: Seq[str] | None = None  # the output is exactly one of these strings
+    # a context-free grammar the whole output must follow: GBNF / EBNF (`root ::= ...`, as
+    # llama.cpp and vLLM's xgrammar take) or Lark (`start: ...`); engine/grammar_cfg.py
+    guided_grammar: str | None = None
     # vLLM's / OpenAI's: token id -> a bias added to its logit (in [-100, 100]; kept as sorted
     # (id, bias) pairs), and the only ids that may be sampled; before the penalties
     logit_bias: dict[int, float] | Seq[tuple[int, float]] | None = None
@@ -60,8 +63,8 @@ class SamplingParams:
     def __post_init__(self):
         for name, value in check_sampling(self).items():  # engine/params_check.py: the rules
             object.__setattr__(self, name, value)
-        kinds = [k for k in ("guided_json", "json_object", "guided_regex", "guided_choice")
-                 if getattr(self, k) not in (None, False)]
+        kinds = [k for k in ("guided_json", "json_object", "guided_regex", "guided_choice",
+                             "guided_grammar") if getattr(self, k) not in (None, False)]
         if len(kinds) > 1:
             raise ValueError(f"{kinds[0]}: give one structured output kind, not "
                              f"{' and '.join(kinds)}")
@@ -81,12 +84,16 @@ class SamplingParams:
     @property
     def structured(self) -> bool:
         return (self.guided_json is not None or self.json_object
-                or self.guided_regex is not None or self.guided_choice is not None)
+                or self.guided_regex is not None or self.guided_choice is not None
+                or self.guided_grammar is not None)
 
     @property
     def grammar_key(self) -> tuple[str, str | None]:
         """What the grammar compiler compiles (engine/grammar.py `GrammarCompiler.compile_key`):
-        ("json", schema text or None for any object) or ("regex", a regular expression)."""
+        ("json", schema text or None for any object), ("regex", a regular expression) or
+        ("grammar", a context-free grammar's text)."""
+        if self.guided_grammar is not None:
+            return "grammar", self.guided_grammar
         if self.guided_regex is not None:
             return "regex", self.guided_regex
         if self.guided_choice is not None:

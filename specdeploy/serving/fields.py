@@ -20,19 +20,22 @@ PARSED_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "stop_token_ids", "ignore_eos", "stream", "stream_options",
                  "add_special_tokens", "n", "logprobs", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-                 "response_format", "guided_json", "structured_outputs", "prompt_logprobs")
+                 "response_format", "guided_json", "structured_outputs", "prompt_logprobs",
+                 "guided_regex", "guided_choice", "guided_grammar", "logit_bias",
+                 "allowed_token_ids", "bad_words", "skip_special_tokens",
+                 "include_stop_str_in_output")
 PARSED = {
     "completion": PARSED_COMMON + ("prompt", "echo", "suffix", "best_of"),
     "chat": PARSED_COMMON + ("messages", "max_completion_tokens", "add_generation_prompt",
                              "continue_final_message", "chat_template", "chat_template_kwargs",
                              "documents", "tools", "tool_choice", "parallel_tool_calls",
-                             "echo", "top_logprobs"),
+                             "echo", "top_logprobs", "include_reasoning"),
 }
 
 # Informational: no effect on the answer whatever their value.
 IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier",
            "prompt_cache_key", "request_id", "cache_salt",
-           "guided_decoding_backend")  # one backend here (outlines-core); same answer
+           "guided_decoding_backend")  # outlines-core (regular), llguidance (guided_grammar)
 
 # Known, not implemented: refused unless the value is one of these (a harmless default).
 # An empty list / object counts as unset.
@@ -59,7 +62,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "prompt_embeds": (None,),
     "thinking_token_budget": (None,),
     # structured outputs other than JSON, regex and choice (parsed: sampling_fields.py)
-    "guided_grammar": (None,),
     "guided_whitespace_pattern": (None,),
     "structural_tag": (None,),
 }

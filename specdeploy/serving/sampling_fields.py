@@ -71,8 +71,9 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 def _structured(body: dict) -> dict:
     """`response_format` (OpenAI), vLLM's older `guided_json` / `guided_regex` /
-    `guided_choice`, or its `structured_outputs: {"json" | "json_object" | "regex" | "choice":
-    ...}` → SamplingParams' guided_json / json_object / guided_regex / guided_choice."""
+    `guided_choice` / `guided_grammar`, or its `structured_outputs: {"json" | "json_object" |
+    "regex" | "choice" | "grammar": ...}` → SamplingParams' guided_json / json_object /
+    guided_regex / guided_choice / guided_grammar."""
     found: dict = {}
     fmt = body.get("response_format")
     if fmt is not None:
@@ -90,13 +91,14 @@ def _structured(body: dict) -> dict:
             raise FieldError("response_format", "must be {\"type\": \"text\"}, "
                              "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", ...}",
                              "unsupported")
-    for name in ("guided_json", "guided_regex", "guided_choice", "structured_outputs"):
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs"):
         value = body.get(name)
         if value is None:
             continue
         if found:
             raise FieldError(name, "give one of response_format, guided_json, guided_regex, "
-                             "guided_choice and structured_outputs")
+                             "guided_choice, guided_grammar and structured_outputs")
         if name != "structured_outputs":
             found = {name: value}
             continue
@@ -106,7 +108,7 @@ def _structured(body: dict) -> dict:
         extra = [k for k in given if k not in _STRUCTURED]
         if extra:
             raise FieldError(f"{name}.{extra[0]}", "is not supported (json, json_object, "
-                             "regex and choice are)", "unsupported")
+                             "regex, choice and grammar are)", "unsupported")
         if len(given) > 1:
             raise FieldError(name, f"give one of {', '.join(given)}")
         if given:
@@ -116,7 +118,7 @@ def _structured(body: dict) -> dict:
 
 # vLLM's structured_outputs keys -> SamplingParams' fields
 _STRUCTURED = {"json": "guided_json", "json_object": "json_object", "regex": "guided_regex",
-               "choice": "guided_choice"}
+               "choice": "guided_choice", "grammar": "guided_grammar"}
 
 
 def structured_field(body: dict, field: str) -> str:

@@ -119,7 +119,7 @@ def test_template_kwargs_tools_and_continue_final_message(srv, refs, llm):
 
 
 @pytest.mark.parametrize("endpoint, field, value", [
-    ("chat", "use_beam_search", True), ("chat", "guided_grammar", "root ::= x"),
+    ("chat", "use_beam_search", True), ("chat", "structural_tag", "{}"),
     ("chat", "reasoning_effort", "high"), ("chat", "modalities", ["text", "audio"]),
     ("chat", "echo", True), ("completion", "return_tokens_as_token_ids", True),
     ("completion", "guided_whitespace_pattern", " "), ("completion", "truncate_prompt_tokens", 4),

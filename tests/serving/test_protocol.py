@@ -73,11 +73,17 @@ def test_generation_config_defaults_reach_the_sampling_fields():
                            LIMITS)
     assert r.params[0].guided_choice == ("a.", "b")
     assert r.params[0].grammar_key == ("regex", "(a\\.|b)")
-    for body, field in (({"guided_grammar": "root ::= x"}, "guided_grammar"),
-                        ({"structured_outputs": {"grammar": "x"}}, "structured_outputs.grammar")):
-        with pytest.raises(P.APIError) as e:
-            P.parse_completion({"prompt": "abc", **body}, tok, LIMITS)
-        assert e.value.param == field and e.value.code == "unsupported"
+    g = 'root ::= "a" root | "b"'
+    for body in ({"guided_grammar": g}, {"structured_outputs": {"grammar": g}}):
+        r = P.parse_completion({"prompt": "abc", **body}, tok, LIMITS)
+        assert r.params[0].grammar_key == ("grammar", g)
+    with pytest.raises(P.APIError) as e:
+        P.parse_completion({"prompt": "abc", "guided_grammar": g, "guided_regex": "a"}, tok,
+                           LIMITS)
+    assert e.value.param == "guided_grammar"
+    with pytest.raises(P.APIError) as e:
+        P.parse_completion({"prompt": "abc", "guided_grammar": " "}, tok, LIMITS)
+    assert e.value.param == "guided_grammar"
     for body, field in (({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
                         ({"structured_outputs": {"regex": "a", "choice": ["b"]}},
                          "structured_outputs"),
