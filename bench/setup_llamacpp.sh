@@ -26,7 +26,10 @@ if has avx512f && has avx512bw && has avx512vl; then
 fi
 # AMX stays off by default (the crash above); LLAMACPP_AMX=1 turns it on where the CPU has it
 # (llama.cpp's AMX kernels for Q4_0 / Q4_1 / Q8_0 and others: the peer a user of an AMX Xeon
-# would build natively).
+# would build natively). Tried on 2026-12-05 (0.3.36, a 2-core Xeon with AMX): it repacks the
+# weights for AMX, then the first matmul dies with SIGILL at `tilezero` in
+# ggml_backend_amx_mul_mat (gdb), with or without the process holding the tile permission, so
+# the benches' peer stays the build without AMX.
 if [[ "${LLAMACPP_AMX:-0}" == 1 ]] && has amx_tile && has amx_int8; then
   args+=" -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON"
   has amx_bf16 && args+=" -DGGML_AMX_BF16=ON"
