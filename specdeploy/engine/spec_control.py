@@ -68,7 +68,10 @@ NEAR_EVEN = 0.9  # `_near_even`: a modelled rate within this share of plain's
 # accepted, ran at 0.95-0.98x plain in four bench runs: ~0.5 ms of a ~22 ms step is its host
 # work (lookups, store, cut), and in a batch that finishes together the sequences a draft puts
 # ahead wait for the slowest. At batch 1 it is 0-0.1, at 3 0-0.75 (noisy: see OFF_MIN_BATCH).
-OFF_BREAK_EVEN = 0.6
+# On a 2-core Xeon with AMX (2026-12-05) it is 0.41-0.52 at 16 in four calibrations (AMX on or
+# off), where 0.6 kept speculation on and `auto` ran at 0.915x plain in steady state (bench/
+# spec_by_concurrency.py, 16 in flight) and 0.933x with 16 requests at once: lowered from 0.6.
+OFF_BREAK_EVEN = 0.4
 # ... judged at batch sizes of at least this. NOTE: below it a step reads the weights once for
 # a few rows (a 6-row step cost ~1.2x a 3-row one here), but at batch 3 the calibrated ratio
 # of 6 to 3 rows ranged 0-0.75 over nine calibrations: one slow timing of a ~4 ms step
