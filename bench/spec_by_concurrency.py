@@ -45,6 +45,9 @@ CONFIGS = {
     "auto": lambda: SpecConfig("auto", suffix_decoding_max_cached_requests=0),
     "suffix+ctl": lambda: SpecConfig("suffix", 3, suffix_decoding_max_cached_requests=0),
     "lookup+ctl": lambda: SpecConfig("ngram", 3, prompt_lookup_num_tokens=16),
+    # `auto` with speculation off wherever more than one request runs: its engine's own cost
+    "auto-off": lambda: SpecConfig("auto", suffix_decoding_max_cached_requests=0,
+                                   disable_by_batch_size=1),
 }
 # the same deployments with the GGUF kernels' AMX path off (ops/ggml_tiled.py), built (so
 # calibrated) and run inside that setting: AMX's effect side by side, where the CPU has it

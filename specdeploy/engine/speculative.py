@@ -189,7 +189,11 @@ class SpecEngine(Engine):
                 # sequences were extrapolated, and at 16 concurrent requests the controller
                 # over-drafted until its own steps had taught it (2026-12-04, docs/benchmarks.md)
                 top = min(self.scheduler.max_batch_size, 16)
-                self._calibrated = (1, 3) + ((top,) if top >= 8 else ())
+                # NOTE: 8 as well below a top of 16: speculation is off from the smallest
+                # calibrated size that judges it dear, so a batch of 8-15 (a draining queue)
+                # does not speculate where 16 would not (2 cores with AMX, 2026-12-05)
+                self._calibrated = (1, 3) + ((8,) if top > 8 else ()) + (
+                    (top,) if top >= 8 else ())
                 self._measured = calibrate(self, batches=self._calibrated)
             controller = CostController(self._measured, self.k, self.max_k,
                                         margin=DRAFTER_MARGIN)
