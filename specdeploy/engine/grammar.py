@@ -20,6 +20,8 @@ from functools import lru_cache
 
 import torch
 
+from specdeploy.engine.grammar_vocab import GrammarError, token_bytes  # noqa: F401 (API)
+
 # Any JSON object for `response_format: {"type": "json_object"}`, values nested two levels.
 # NOTE: outlines' own regex for `{"type": "object"}` nests arbitrarily deep and takes seconds to
 # compile even for a 2k-token vocabulary; this bounded one compiles in well under a second.
@@ -42,45 +44,6 @@ def choice_regex(choices) -> str:
     metacharacters: the grammar library's syntax refuses some escapes Python writes)."""
     return "(" + "|".join("".join("\\" + c if c in _REGEX_META else c for c in choice)
                           for choice in choices) + ")"
-
-
-class GrammarError(ValueError):
-    """A schema the grammar library cannot compile (the server answers 400)."""
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2 byte-level alphabet (printable stand-ins for bytes) → byte."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    chars = {b: chr(b) for b in keep}
-    n = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + n)
-            n += 1
-    return {c: b for b, c in chars.items()}
-
-
-def token_bytes(tokenizer) -> dict[int, bytes]:
-    """Each ordinary token's bytes (specials left out: the grammar never emits them). Byte-level
-    BPE vocabularies are decoded from their alphabet; others by decoding the token alone (a
-    token that is part of a multi-byte character then cannot be used inside the grammar)."""
-    backend = tokenizer.backend
-    special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
-    vocab = backend.get_vocab(with_added_tokens=True)
-    out: dict[int, bytes] = {}
-    if type(backend.decoder).__name__ == "ByteLevel":
-        dec = _byte_decoder()
-        for tok, i in vocab.items():
-            if tok not in special and all(c in dec for c in tok):
-                out[i] = bytes(dec[c] for c in tok)
-        return out
-    for tok, i in vocab.items():
-        if tok in special:
-            continue
-        text = tokenizer.decode([i])
-        if text and "\ufffd" not in text:
-            out[i] = text.encode()
-    return out
 
 
 class GrammarCompiler:

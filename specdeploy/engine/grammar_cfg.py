@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from specdeploy.engine.grammar import GrammarError
+from specdeploy.engine.grammar_vocab import GrammarError, token_bytes
 
 
 def to_lark(text: str) -> str:
@@ -56,8 +56,6 @@ class _Wrapped:
     """What llguidance's TokenizerWrapper reads: every id's bytes, the special ids, encode."""
 
     def __init__(self, tokenizer, vocab_size: int, eos: list[int]):
-        from specdeploy.engine.grammar import token_bytes
-
         text = token_bytes(tokenizer)
         self.tokens = [text.get(i, f"<[{i}]>".encode()) for i in range(vocab_size)]
         self.special_token_ids = [i for i in range(vocab_size) if i not in text]

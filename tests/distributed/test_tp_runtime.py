@@ -52,6 +52,7 @@ def targets(tmp_path_factory):
             t.loaded_bytes = llm.deployed.load_stats["load_peak_bytes"]  # the whole model
             llm.reset_prefix_cache()
             t.shared_cold = llm.generate([SHARED[1]], _lp_params())[0]
+            t.prompt_lp = llm.generate([t.prompts[2]], _plp_params())[0].prompt_logprobs
             cache[arch] = t
         return cache[arch]
 
@@ -84,6 +85,20 @@ def _check_rank_memory(t, ranks):
 
 def _lp_params():
     return SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=0)
+
+
+def _plp_params():
+    return SamplingParams(max_tokens=2, prompt_logprobs=0)
+
+
+def _check_prompt_logprobs(llm, t):
+    """The prompt's logprobs (every row of a prefill chunk, engine/prompt_logprobs.py) under
+    TP equal TP=1's within 1e-4 (fp32; the row-parallel reductions sum in another order)."""
+    got = llm.generate([t.prompts[2]], _plp_params())[0].prompt_logprobs
+    assert len(got) == len(t.prompt_lp) == len(t.prompts[2]) and got[0] is None
+    for i, (a, b) in enumerate(zip(got[1:], t.prompt_lp[1:])):
+        tok = t.prompts[2][i + 1]
+        assert abs(a[tok] - b[tok]) < 1e-4, (i, a, b)
 
 
 def _check_prefix_hits(llm, want):
@@ -130,6 +145,7 @@ def test_tp2_greedy_equals_tp1(targets, arch, spec, tp, ep):
               expert_parallel_size=ep, dist_timeout=30, **LIMITS)
     try:
         assert _ids(llm.generate(t.prompts, _params())) == t.baseline
+        _check_prompt_logprobs(llm, t)
         graph = llm.deployed.target.gm if spec else llm.deployed.gm
         assert param_bytes(graph) < 0.75 * t.baseline_bytes  # sharded: rank 0 holds ~half
         _check_rank_memory(t, llm.deployed.rank_memory)
