@@ -13,27 +13,32 @@ from tests.spec.tiny_targets import Target
 PROMPT = "Once upon a time there was"
 
 
+MSGS = [{"role": "user", "content": "Hello there"}]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, serve):
+    """The LLM, a client of its server, and the engine's own prompt logprobs of the prompts the
+    tests send, computed before the server's engine thread owns the LLM (NOTE: never step an
+    engine from two threads)."""
     from specdeploy.serving.app import create_app
 
     target = Target("llama", tmp_path_factory.mktemp("plp_api"))
     llm = target.llm(None)
+    refs = {}
+    for ids, n in ((llm.tokenizer.encode(PROMPT), 2), (llm.chat_ids(MSGS), 0)):
+        out = llm.generate([ids], SamplingParams(max_tokens=3, prompt_logprobs=n))[0]
+        refs[tuple(ids), n] = out.prompt_logprobs, out.prompt_logprob_ranks
     with serve(create_app(llm, model_name="m")) as srv:
-        yield llm, srv.client(None)
-
-
-def _ref(llm, ids, n):
-    out = llm.generate([ids], SamplingParams(max_tokens=3, prompt_logprobs=n))[0]
-    return out.prompt_logprobs, out.prompt_logprob_ranks
+        yield llm, srv.client(None), refs
 
 
 def test_completions_prompt_logprobs_in_vllm_shape(setup):
-    llm, client = setup
+    llm, client, refs = setup
     r = client.completions.create(model="m", prompt=PROMPT, max_tokens=3, temperature=0,
                                   extra_body={"prompt_logprobs": 2})
     ids = llm.tokenizer.encode(PROMPT)
-    want, ranks = _ref(llm, ids, 2)
+    want, ranks = refs[tuple(ids), 2]
     got = r.choices[0].model_extra["prompt_logprobs"]
     assert len(got) == len(ids) and got[0] is None
     for i in range(1, len(ids)):
@@ -51,14 +56,13 @@ def test_completions_prompt_logprobs_in_vllm_shape(setup):
 
 
 def test_chat_prompt_logprobs_at_the_top(setup):
-    llm, client = setup
-    msgs = [{"role": "user", "content": "Hello there"}]
+    llm, client, refs = setup
     raw = client.chat.completions.with_raw_response.create(
-        model="m", messages=msgs, max_tokens=2, temperature=0, n=2,
+        model="m", messages=MSGS, max_tokens=2, temperature=0, n=2,
         extra_body={"prompt_logprobs": 0})
     body = raw.http_response.json()
-    ids = llm.chat_ids(msgs)
-    want, _ = _ref(llm, ids, 0)
+    ids = llm.chat_ids(MSGS)
+    want, _ = refs[tuple(ids), 0]
     got = body["prompt_logprobs"]
     assert len(got) == len(ids) and got[0] is None
     assert all(list(g) == [str(ids[i])] for i, g in enumerate(got) if i)
@@ -69,9 +73,9 @@ def test_chat_prompt_logprobs_at_the_top(setup):
 def test_echo_with_logprobs_leads_with_the_prompt(setup):
     """OpenAI's legacy shape: the prompt's tokens, the first with null logprob and null
     top_logprobs, then the reply's; text_offset indexes the echoed text + reply."""
-    llm, client = setup
+    llm, client, refs = setup
     ids = llm.tokenizer.encode(PROMPT)
-    want, _ = _ref(llm, ids, 2)
+    want, _ = refs[tuple(ids), 2]
     r = client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0,
                                   echo=True, logprobs=2, extra_body={"ignore_eos": True})
     c = r.choices[0]
@@ -95,7 +99,7 @@ def test_echo_with_logprobs_leads_with_the_prompt(setup):
     ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"prompt_logprobs": True}, "prompt_logprobs")])
 def test_bad_or_streamed_prompt_logprobs_are_400(setup, extra, param):
-    _, client = setup
+    _, client, _ = setup
     stream = extra.get("prompt_logprobs") == 1
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="m", prompt="Hi", max_tokens=2, stream=stream,
