@@ -179,7 +179,8 @@ def _sampling(body: dict, max_tokens: int, limits: Limits, chat: bool) -> list[S
             p = params[0]
             field = ("guided_regex" if p.guided_regex is not None else
                      "guided_choice" if p.guided_choice is not None else
-                     "guided_grammar" if p.guided_grammar is not None else "response_format")
+                     "guided_grammar" if p.guided_grammar is not None
+                     and body.get("response_format") is None else "response_format")
             raise bad(F.structured_field(body, field), str(e).split(": ", 1)[-1],
                       "invalid_value") from None
     return params

@@ -87,10 +87,12 @@ def _structured(body: dict) -> dict:
                 raise FieldError("response_format", "json_schema needs `json_schema.schema`, "
                                  "a JSON schema object")
             found = {"guided_json": schema}
+        elif kind == "structural_tag":
+            found = {"guided_grammar": structural_tag(fmt, "response_format")}
         elif kind != "text":
             raise FieldError("response_format", "must be {\"type\": \"text\"}, "
-                             "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", ...}",
-                             "unsupported")
+                             "{\"type\": \"json_object\"}, {\"type\": \"json_schema\", ...} "
+                             "or {\"type\": \"structural_tag\", ...}", "unsupported")
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "structured_outputs"):
         value = body.get(name)
@@ -108,17 +110,65 @@ def _structured(body: dict) -> dict:
         extra = [k for k in given if k not in _STRUCTURED]
         if extra:
             raise FieldError(f"{name}.{extra[0]}", "is not supported (json, json_object, "
-                             "regex, choice and grammar are)", "unsupported")
+                             "regex, choice, grammar and structural_tag are)", "unsupported")
         if len(given) > 1:
             raise FieldError(name, f"give one of {', '.join(given)}")
-        if given:
+        if given and given[0] == "structural_tag":
+            found = {"guided_grammar": structural_tag(value["structural_tag"],
+                                                      f"{name}.structural_tag")}
+        elif given:
             found = {_STRUCTURED[given[0]]: value[given[0]]}
     return found
 
 
+def structural_tag(value: Any, field: str) -> str:
+    """vLLM's (xgrammar's) structural tag: `{"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}` (as an object or JSON text): free text, in which every trigger must
+    go on as one of the structures that begin with it, `begin` + a JSON value of `schema` +
+    `end` (a tool call in the middle of a reply). Compiled to a context-free grammar for
+    `guided_grammar` (llguidance's StructTag: the trigger is a lazy lexeme)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise FieldError(field, "must be a structural tag object or its JSON text") from None
+    if not isinstance(value, dict):
+        raise FieldError(field, "must be a structural tag object", "invalid_type")
+    if "format" in value and "structures" not in value:
+        raise FieldError(field, "the {\"format\": ...} form is not supported; give "
+                         "\"structures\" and \"triggers\"", "unsupported")
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not isinstance(structures, list) or not structures or len(structures) > 64:
+        raise FieldError(field, "needs \"structures\": a list of 1 to 64 {begin, schema, end}")
+    if not isinstance(triggers, list) or not triggers or \
+            not all(isinstance(t, str) and t for t in triggers):
+        raise FieldError(field, "needs \"triggers\": a list of non-empty strings")
+    try:
+        from llguidance import StructTag
+    except ImportError:  # pragma: no cover (an install without the serve extra)
+        raise FieldError(field, "needs llguidance (pip install llguidance)",
+                         "unsupported") from None
+    tags = []
+    for i, s in enumerate(structures):
+        begin, schema, end = (s.get(k) for k in ("begin", "schema", "end")) \
+            if isinstance(s, dict) else (None, None, None)
+        if not isinstance(begin, str) or not begin or not isinstance(end, str) \
+                or not isinstance(schema, dict):
+            raise FieldError(field, f"structures[{i}] needs \"begin\" (a non-empty string), "
+                             "\"schema\" (a JSON schema object) and \"end\" (a string)")
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise FieldError(field, f"structures[{i}].begin {json.dumps(begin)[:60]} starts "
+                             "with none of the triggers")
+        tags.append(StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
+    # NOTE: assume_special=False: a "<...>" trigger is text here, not a special token
+    return StructTag.to_grammar(tags, assume_special=False)
+
+
 # vLLM's structured_outputs keys -> SamplingParams' fields
 _STRUCTURED = {"json": "guided_json", "json_object": "json_object", "regex": "guided_regex",
-               "choice": "guided_choice", "grammar": "guided_grammar"}
+               "choice": "guided_choice", "grammar": "guided_grammar",
+               "structural_tag": "guided_grammar"}
 
 
 def structured_field(body: dict, field: str) -> str:
