@@ -44,10 +44,19 @@ def _llm(target, spec=None):
 
 def test_greedy_spec_equals_plain_on_cuda(target):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    plain = [o.token_ids for o in _llm(target).generate(target.prompts, params)]
+    plain_llm = _llm(target)
+    plain = [o.token_ids for o in plain_llm.generate(target.prompts, params)]
     spec = _llm(target, target.spec(3))
     assert [o.token_ids for o in spec.generate(target.prompts, params)] == plain
     assert spec.stats()["draft_steps"] > 0
+    # the prompt's logprobs (every prefill row, cut back on the device) through both engines
+    lp = SamplingParams(max_tokens=4, prompt_logprobs=2)
+    a = plain_llm.generate([target.prompts[3]], lp)[0].prompt_logprobs
+    b = spec.generate([target.prompts[3]], lp)[0].prompt_logprobs
+    assert len(a) == len(b) == len(target.prompts[3]) and a[0] is None and b[0] is None
+    for i, (x, y) in enumerate(zip(a[1:], b[1:])):
+        tok = target.prompts[3][i + 1]
+        assert abs(x[tok] - y[tok]) < 1e-4, (i, x, y)
 
 
 def test_seeded_sampling_on_cuda(target):
