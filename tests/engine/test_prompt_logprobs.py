@@ -102,3 +102,24 @@ def test_validation_names_the_field():
     for bad in (-1, 21, 1.5, "3"):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_preempted_requests_keep_their_prompt_logprobs(target):
+    """A cache too small for the batch: sequences are preempted and recompute prompt + output
+    as a prefill; their prompt logprobs are recorded once (not again, not cut) and equal an
+    unpreempted run's, and the tokens stay lossless."""
+    from tests.spec.test_spec_everything import _budget_for_tokens
+
+    prompts = target.prompts * 3
+    sp = SamplingParams(max_tokens=24, ignore_eos=True, prompt_logprobs=1)
+    want = target.llm(None).generate(prompts, sp)
+    tight = dict(LIMITS, max_seq_len=160, page_size=8)
+    tight["max_cache_gib"] = _budget_for_tokens(target, 24 * 8 + 4)
+    llm = LLM(str(target.path), spec=target.spec(3), **tight)
+    got = llm.generate(prompts, sp)
+    assert llm.stats()["num_preemptions"] > 0
+    for a, b, p in zip(got, want, prompts):
+        assert a.token_ids == b.token_ids
+        assert len(a.prompt_logprobs) == len(p) == len(a.prompt_logprob_ranks)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) <= 1e-5 for t in x)
