@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from specdeploy.serving import protocol as P
-from specdeploy.serving.app import _held_back
 from specdeploy.serving.chat import parse_chat
 from specdeploy.serving.metrics import ServerMetrics, parse_text
+from specdeploy.serving.replies import _held_back
 
 LIMITS = P.Limits(model_name="m", max_seq_len=32, kv_capacity=24, vocab_size=100)
 
