@@ -55,7 +55,8 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
                max_body_bytes: int = MAX_BODY_BYTES,
                stats_log_interval: float | None = None,
                reasoning_parser: str | None = None, enable_auto_tool_choice: bool = False,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None,
+               return_tokens_as_token_ids: bool = False) -> FastAPI:
     """Args:
         model_name: the id clients pass as `model` (default: the checkpoint's name).
         api_key: when set, `/v1/*` needs `Authorization: Bearer <api_key>` (else 401).
@@ -68,6 +69,8 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
             `reasoning_content` (serving/reasoning.py).
         enable_auto_tool_choice, tool_call_parser: vLLM's flags; with both (parser "hermes")
             `tool_choice: "auto"` parses calls out of replies (serving/tools.py).
+        return_tokens_as_token_ids: the default of the request field of that name (vLLM's
+            flag): logprobs name tokens "token_id:<id>" (serving/token_fields.py).
     """
     if reasoning_parser is not None and reasoning_parser not in PARSERS:
         raise ValueError(f"reasoning_parser: must be one of {', '.join(PARSERS)}, got "
@@ -90,7 +93,8 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         grammar=lambda key: engine.grammar_compiler().compile_key(key),
         sampling_defaults=dict(getattr(llm, "sampling_defaults", {}) or {}),
         reasoning_parser=reasoning_parser,
-        tool_parser=tool_call_parser if enable_auto_tool_choice else None)
+        tool_parser=tool_call_parser if enable_auto_tool_choice else None,
+        return_tokens_as_token_ids=return_tokens_as_token_ids)
     metrics = ServerMetrics(limits.model_name)
     loop = EngineLoop(engine, metrics, max_batch_size=engine.scheduler.max_batch_size,
                       max_queue=max_queue)

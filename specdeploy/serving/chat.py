@@ -23,6 +23,7 @@ from specdeploy.serving.protocol import (
     _unsupported,
 )
 from specdeploy.serving.reasoning import Reasoning, forces_content, prompt_opens_thinking
+from specdeploy.serving.token_fields import token_ids_flags, truncation
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -134,8 +135,10 @@ def _template_options(body: dict, tool_parser: str | None = None) -> tuple[dict,
                 chat_template=template, template_kwargs=kwargs), tool_plan
 
 
-def render_messages(body: dict, tokenizer, limits: Limits) -> tuple[list[int], Any, Any]:
-    """(prompt ids, images prompt or None, tool plan or None) of the request's `messages`."""
+def render_messages(body: dict, tokenizer, limits: Limits,
+                    check_chars: bool = True) -> tuple[list[int], Any, Any]:
+    """(prompt ids, images prompt or None, tool plan or None) of the request's `messages`.
+    `check_chars` False: the text may be longer than the context (it will be truncated)."""
     msgs = body.get("messages")
     if msgs is None:
         raise bad("messages", "is required", "missing_required_parameter")
@@ -145,7 +148,8 @@ def render_messages(body: dict, tokenizer, limits: Limits) -> tuple[list[int], A
     specials = _bool(body, "add_special_tokens", False)
     images: list = []
     conversation = [_message(i, m, images, limits.vision) for i, m in enumerate(msgs)]
-    _check_chars(sum(_text_chars(m["content"]) for m in conversation), limits, "messages")
+    if check_chars:
+        _check_chars(sum(_text_chars(m["content"]) for m in conversation), limits, "messages")
     try:
         ids = chat_ids(tokenizer, conversation, **options)
     except Exception as e:  # the template may reject a conversation (roles, order)
@@ -171,10 +175,12 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
     stream, include_usage = _common(body)
     model = _model(body, limits)
     _unsupported(body, "echo", (None, False))
-    ids, mm, tool_plan = render_messages(body, tokenizer, limits)
-    _check_prompt(ids, limits, "messages")
+    trunc = truncation(body)  # (serving/token_fields.py)
+    ids, mm, tool_plan = render_messages(body, tokenizer, limits, trunc.keep is None)
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
+    ids = trunc.apply(ids, limits.context, body.get(field), mm is not None)
+    _check_prompt(ids, limits, "messages")
     params = _sampling(body, _max_tokens(body, field, len(ids), limits, None), limits, True)
     if tool_plan is not None and tool_plan.guided_json is not None:
         params = _held_to_tools(params, tool_plan, limits)
@@ -192,9 +198,11 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
     if stream and params[0].prompt_logprobs is not None:
         raise bad("prompt_logprobs", "the prompt's logprobs are not streamed; send the request "
                   "without stream", "unsupported")
+    ret_ids, as_ids = token_ids_flags(body, limits.return_tokens_as_token_ids)
     return GenerationRequest(True, model, [ids] * n, params, stream, include_usage,
                              None if mm is None else [mm] * n, n, tokenizer, reasoning, tools,
-                             prompt_logprobs_asked=params[0].prompt_logprobs is not None)
+                             prompt_logprobs_asked=params[0].prompt_logprobs is not None,
+                             return_token_ids=ret_ids, as_ids=as_ids)
 
 
 def _held_to_tools(params: list, tool_plan, limits: Limits) -> list:

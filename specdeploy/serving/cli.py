@@ -71,6 +71,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=("hermes", "qwen3_coder", "qwen3_xml"),
                    default=None,
                    help="the format of the model's tool calls (vLLM's flag)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens \"token_id:<id>\" unless a request says "
+                   "otherwise (vLLM's flag)")
     add_parallel_args(p)
     p.set_defaults(func=cmd_serve)
     return p
@@ -110,7 +113,8 @@ def cmd_serve(args) -> int:
                      or args.stats_log_interval <= 0 else args.stats_log_interval,
                      reasoning_parser=args.reasoning_parser,
                      enable_auto_tool_choice=args.enable_auto_tool_choice,
-                     tool_call_parser=args.tool_call_parser)
+                     tool_call_parser=args.tool_call_parser,
+                     return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     shutdown.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -23,7 +23,8 @@ PARSED_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "response_format", "guided_json", "structured_outputs", "prompt_logprobs",
                  "guided_regex", "guided_choice", "guided_grammar", "logit_bias",
                  "allowed_token_ids", "bad_words", "skip_special_tokens",
-                 "include_stop_str_in_output")
+                 "include_stop_str_in_output", "truncate_prompt_tokens", "truncation_side",
+                 "return_token_ids", "return_tokens_as_token_ids")
 PARSED = {
     "completion": PARSED_COMMON + ("prompt", "echo", "suffix", "best_of"),
     "chat": PARSED_COMMON + ("messages", "max_completion_tokens", "add_generation_prompt",
@@ -51,10 +52,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "spaces_between_special_tokens": (None, True),
-    "truncate_prompt_tokens": (None,),
     "logits_processors": (None,),
-    "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False),
     "mm_processor_kwargs": (None,),
     "priority": (None, 0),
     "kv_transfer_params": (None,),

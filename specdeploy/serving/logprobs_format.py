@@ -6,7 +6,9 @@ Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`; com
 `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`, and with
 `echo` the prompt's tokens first (the first one's logprob null, as OpenAI's legacy endpoint).
 `prompt_logprobs` (vLLM's): a list over the prompt, null first, then {"<id>": {"logprob",
-"rank", "decoded_token"}} of the top N and the prompt token. A logprob of
+"rank", "decoded_token"}} of the top N and the prompt token. `as_ids` (vLLM's
+`return_tokens_as_token_ids`): each token of `logprobs` is named "token_id:<id>" instead of by
+its text (its `bytes` and `text_offset` still those of its text). A logprob of
 -inf (a token the grammar forbids, among the top N) is reported as -9999.0, as vLLM does: JSON
 has no infinity.
 """
@@ -23,11 +25,24 @@ def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
 
 
+def _name(text: str, t: int, as_ids: bool) -> str:
+    return f"token_id:{t}" if as_ids else text
+
+
+def _tops(tokenizer, entry: dict[int, float], n: int, as_ids: bool) -> dict[str, float]:
+    # NOTE: keyed by text, as OpenAI's shape is: two ids spelling alike keep the better
+    top: dict[str, float] = {}
+    for i, lp in _top(entry, n):
+        top.setdefault(f"token_id:{i}" if as_ids else tokenizer.decode([i]), _lp(lp))
+    return top
+
+
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
-                  top_n: int) -> dict:
+                  top_n: int, as_ids: bool = False) -> dict:
     def item(t: int, lp: float) -> dict:
         text = tokenizer.decode([t])
-        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode())}
+        return {"token": _name(text, t, as_ids), "logprob": _lp(lp),
+                "bytes": list(text.encode())}
 
     content = []
     for t, entry in zip(token_ids, logprobs):
@@ -37,18 +52,14 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, floa
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
-                        top_n: int, offset: int = 0) -> dict:
+                        top_n: int, offset: int = 0, as_ids: bool = False) -> dict:
     """`offset`: characters of the choice's text before these tokens (streaming chunks)."""
     tokens, lps, tops, offsets = [], [], [], []
     for t, entry in zip(token_ids, logprobs):
         text = tokenizer.decode([t])
-        tokens.append(text)
+        tokens.append(_name(text, t, as_ids))
         lps.append(_lp(entry[t]))
-        # NOTE: keyed by text, as OpenAI's shape is: two ids spelling alike keep the better
-        top: dict[str, float] = {}
-        for i, lp in _top(entry, top_n):
-            top.setdefault(tokenizer.decode([i]), _lp(lp))
-        tops.append(top)
+        tops.append(_tops(tokenizer, entry, top_n, as_ids))
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
@@ -57,13 +68,13 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int
 
 def format_logprobs(chat: bool, tokenizer, token_ids: list[int],
                     logprobs: list[dict[int, float]] | None, top_n: int | None,
-                    offset: int = 0) -> dict | None:
+                    offset: int = 0, as_ids: bool = False) -> dict | None:
     if logprobs is None or top_n is None:
         return None
     n = len(logprobs)
     if chat:
-        return chat_logprobs(tokenizer, token_ids[:n], logprobs, top_n)
-    return completion_logprobs(tokenizer, token_ids[:n], logprobs, top_n, offset)
+        return chat_logprobs(tokenizer, token_ids[:n], logprobs, top_n, as_ids)
+    return completion_logprobs(tokenizer, token_ids[:n], logprobs, top_n, offset, as_ids)
 
 
 def prompt_logprobs_json(tokenizer, entries: list | None, ranks: list | None,
@@ -90,14 +101,14 @@ def prompt_logprobs_json(tokenizer, entries: list | None, ranks: list | None,
 
 
 def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list, top_n: int,
-                  output: dict | None, echo_chars: int) -> dict:
+                  output: dict | None, echo_chars: int, as_ids: bool = False) -> dict:
     """Completions' logprobs with `echo`: the prompt's tokens (the first with null logprob and
     null top_logprobs, OpenAI's legacy shape) before the reply's (`output`, whose text_offset
     counts from the echoed text's end, `echo_chars`)."""
     tokens, lps, tops, offsets, offset = [], [], [], [], 0
     for t, entry in zip(prompt_ids, entries):
         text = tokenizer.decode([t])
-        tokens.append(text)
+        tokens.append(_name(text, t, as_ids))
         offsets.append(offset)
         offset += len(text)
         if entry is None:
@@ -105,10 +116,7 @@ def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list, top_n: int,
             tops.append(None)
             continue
         lps.append(_lp(entry[t]))
-        top: dict[str, float] = {}
-        for i, lp in _top(entry, top_n):
-            top.setdefault(tokenizer.decode([i]), _lp(lp))
-        tops.append(top)
+        tops.append(_tops(tokenizer, entry, top_n, as_ids))
     if output is not None:
         tokens += output["tokens"]
         lps += output["token_logprobs"]

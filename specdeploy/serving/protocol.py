@@ -23,6 +23,7 @@ from specdeploy.serving.logprobs_format import (
     format_logprobs,
     prompt_logprobs_json,
 )
+from specdeploy.serving.token_fields import token_ids_flags, truncation
 
 __all__ = ["APIError", "GenerationRequest", "Limits", "bad", "parse_completion"]
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is one engine request)
@@ -46,6 +47,12 @@ class Limits:
     sampling_defaults: dict = field(default_factory=dict)
     reasoning_parser: str | None = None  # serving/reasoning.py: chat replies' thinking split
     tool_parser: str | None = None  # serving/tools.py: tool_choice "auto" parses calls
+    return_tokens_as_token_ids: bool = False  # the default of the request field (token_fields)
+
+    @property
+    def context(self) -> int:
+        """Tokens one sequence may hold: prompt and reply."""
+        return min(self.max_seq_len, self.kv_capacity)
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -72,6 +79,25 @@ class GenerationRequest:
     echo: list | None = None  # per choice: the prompt's text, before the reply (completions)
     echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens lead them
     prompt_logprobs_asked: bool = False  # vLLM's `prompt_logprobs` field was sent
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the response
+    as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name "token_id:<id>"
+    # max_tokens 0 with echo (scoring a prompt: its logprobs, OpenAI's legacy use): the engine
+    # makes one token, which the response leaves out
+    drop_reply: bool = False
+
+    @property
+    def reply_ids_shown(self) -> bool:
+        """`return_token_ids`' reply ids, but not where they would show dropped reasoning
+        (`include_reasoning` false; as vLLM)."""
+        return self.return_token_ids and not (self.reasoning and not self.reasoning[0].include)
+
+    def view(self, out):
+        """The output as the client sees it: without its one token where `drop_reply`."""
+        if not self.drop_reply:
+            return out
+        return dataclasses.replace(out, text="", token_ids=[], delta_text="", delta_token_ids=[],
+                                   logprobs=None if out.logprobs is None else [],
+                                   finish_reason=out.finish_reason and "length")
 
     @property
     def prompt_tokens(self) -> int:
@@ -80,7 +106,7 @@ class GenerationRequest:
 
     def logprobs(self, index: int, token_ids: list[int], logprobs, offset: int = 0):
         return format_logprobs(self.chat, self.tokenizer, token_ids, logprobs,
-                               self.params[index].logprobs, offset)
+                               self.params[index].logprobs, offset, self.as_ids)
 
     def final_logprobs(self, index: int, out) -> dict | None:
         """A whole choice's logprobs (`out`: its finished RequestOutput): with echo, the
@@ -89,7 +115,17 @@ class GenerationRequest:
         if not self.echo_logprobs:
             return lp
         return echo_logprobs(self.tokenizer, out.prompt_token_ids, out.prompt_logprobs,
-                             self.params[index].logprobs, lp, len(self.echo[index]))
+                             self.params[index].logprobs, lp, len(self.echo[index]), self.as_ids)
+
+    def echo_chars(self, index: int) -> int:
+        """Characters the reply's text_offset counts from: the echo's, where its logprobs
+        lead."""
+        return len(self.echo[index]) if self.echo_logprobs else 0
+
+    def echo_logprobs_alone(self, index: int, out) -> dict:
+        """The prompt's tokens' logprobs in completions' shape (a stream's echo chunk)."""
+        return echo_logprobs(self.tokenizer, out.prompt_token_ids, out.prompt_logprobs,
+                             self.params[index].logprobs, None, 0, self.as_ids)
 
     def prompt_logprobs(self, index: int, out) -> list | None:
         """vLLM's `prompt_logprobs` of a choice (None unless the request asked for them)."""
@@ -206,7 +242,7 @@ def _check_chars(n: int, limits: Limits, field: str) -> None:
 
 
 def _room(n: int, limits: Limits) -> int:
-    return min(limits.max_seq_len, limits.kv_capacity) - n
+    return limits.context - n
 
 
 def _max_tokens(body: dict, field: str, n: int, limits: Limits, default: int | None) -> int:
@@ -248,12 +284,15 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
                   "invalid_type")
     if len(raw) > MAX_PROMPTS:
         raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request", "invalid_value")
+    trunc = truncation(body)  # (serving/token_fields.py)
+    zero = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
     prompts, texts = [], []
     for p in raw:
         if isinstance(p, str):
             if not p:
                 raise bad("prompt", "must not be empty", "invalid_value")
-            _check_chars(len(p), limits, "prompt")
+            if trunc.keep is None:  # (a prompt to truncate may be longer than the context)
+                _check_chars(len(p), limits, "prompt")
             texts.append(p)
             p = list(tokenizer.encode(p, add_special_tokens=specials))
         elif not (isinstance(p, list) and all(_is_int(t) for t in p)):
@@ -261,10 +300,13 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
                       "invalid_type")
         else:
             texts.append(None)
+        cut = trunc.apply(p, limits.context, body.get("max_tokens", 16))
+        if len(cut) < len(p):
+            p, texts[-1] = cut, None  # (echo shows the prompt as the model saw it)
         _check_prompt(p, limits, "prompt")
         prompts.append(p)
-    choices = [_sampling(body, _max_tokens(body, "max_tokens", len(p), limits, 16), limits,
-                         False) for p in prompts]
+    choices = [_sampling(body, 1 if zero else _max_tokens(body, "max_tokens", len(p), limits, 16),
+                         limits, False) for p in prompts]
     n = len(choices[0])
     if n * len(prompts) > MAX_PROMPTS:
         raise bad("n", f"at most {MAX_PROMPTS} choices (prompts x n) per request",
@@ -278,11 +320,12 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
     if echo_lp:  # the prompt's tokens lead the logprobs: the engine computes theirs too
         want = max(params[0].logprobs, params[0].prompt_logprobs or 0)
         params = [dataclasses.replace(sp, prompt_logprobs=want) for sp in params]
-    if stream and params[0].prompt_logprobs is not None:
-        raise bad("echo" if echo_lp and body.get("prompt_logprobs") is None
-                  else "prompt_logprobs", "the prompt's logprobs are not streamed; send the "
-                  "request without stream", "unsupported")
+    if stream and body.get("prompt_logprobs") is not None:  # (vLLM: not with stream either)
+        raise bad("prompt_logprobs", "the prompt's logprobs are not streamed; send the request "
+                  "without stream (or use echo with logprobs)", "unsupported")
+    ret_ids, as_ids = token_ids_flags(body, limits.return_tokens_as_token_ids)
     return GenerationRequest(False, model, [p for p in prompts for _ in range(n)], params,
                              stream, include_usage, None, n, tokenizer, echo=shown,
                              echo_logprobs=echo_lp,
-                             prompt_logprobs_asked=body.get("prompt_logprobs") is not None)
+                             prompt_logprobs_asked=body.get("prompt_logprobs") is not None,
+                             return_token_ids=ret_ids, as_ids=as_ids, drop_reply=zero)

@@ -121,8 +121,8 @@ def test_template_kwargs_tools_and_continue_final_message(srv, refs, llm):
 @pytest.mark.parametrize("endpoint, field, value", [
     ("chat", "use_beam_search", True), ("chat", "structural_tag", "{}"),
     ("chat", "reasoning_effort", "high"), ("chat", "modalities", ["text", "audio"]),
-    ("chat", "echo", True), ("completion", "return_tokens_as_token_ids", True),
-    ("completion", "guided_whitespace_pattern", " "), ("completion", "truncate_prompt_tokens", 4),
+    ("chat", "echo", True), ("completion", "priority", 1),
+    ("completion", "guided_whitespace_pattern", " "), ("chat", "thinking_token_budget", 8),
     ("completion", "prompt_embeds", "e30="), ("chat", "logits_processors", ["x"]),
 ])
 def test_known_unsupported_fields_are_400(srv, endpoint, field, value):

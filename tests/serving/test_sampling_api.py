@@ -145,8 +145,7 @@ def test_json_schema_response_parses_and_validates(servers):
 
 def test_echo_prepends_the_prompt(servers):
     """vLLM's completions `echo`: the prompt's text (as sent, or its ids' text) before the
-    reply, streamed first; with logprobs it is not streamed (400; test_prompt_logprobs_api.py
-    has it unstreamed)."""
+    reply, streamed first (with logprobs: test_token_fields_api.py)."""
     plain, _ = servers
     kw = dict(model="m", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     base = plain.completions.create(prompt="Once", **kw).choices[0].text
@@ -160,9 +159,6 @@ def test_echo_prepends_the_prompt(servers):
                     cast_to=object)["tokens"]
     assert plain.completions.create(prompt=ids, echo=True, **kw).choices[0].text == \
         "Once" + base
-    with pytest.raises(openai.BadRequestError) as e:
-        plain.completions.create(prompt="Once", echo=True, logprobs=1, stream=True, **kw)
-    assert e.value.body["param"] == "echo"
 
 
 def test_skip_special_tokens(servers):
