@@ -66,6 +66,9 @@ class LLM:
             replays with one host sync each (vLLM's multi-step scheduling;
             engine/decode_burst.py): tokens stream in groups, the host's work overlaps the
             GPU's. 1 (default): every step alone. Needs CUDA graphs to take effect.
+        scheduling_policy: "fcfs" (default: arrival order) or "priority" (vLLM's: requests
+            ordered by their `priority`, lower first, then arrival; a full cache preempts the
+            least urgent; engine/scheduler.py).
         tensor_parallel_size / expert_parallel_size: ranks (worker processes started here, or
             the processes of a torchrun launch) and MoE expert groups among them; rank 0 runs the
             engine. Under torchrun, a rank > 0 serves as a worker inside this constructor and
@@ -101,8 +104,14 @@ class LLM:
                  speculative_config: dict | SpecConfig | None = None,
                  max_num_seqs: int | None = None, kv_cache_dtype: str = "auto",
                  gpu_memory_utilization: float | None = None, cuda_graphs: bool | None = None,
-                 threads: int | str | None = None, num_scheduler_steps: int = 1):
+                 threads: int | str | None = None, num_scheduler_steps: int = 1,
+                 scheduling_policy: str = "fcfs"):
         _check_threads(threads, kernels, device)
+        from specdeploy.engine.scheduler import POLICIES
+
+        if scheduling_policy not in POLICIES:  # (before minutes of loading)
+            raise ValueError(f"scheduling_policy: must be one of {', '.join(POLICIES)}, got "
+                             f"{scheduling_policy!r}")
         import torch
 
         if isinstance(threads, int):  # before loading: the build's kernels use them too
@@ -187,6 +196,7 @@ class LLM:
             raise ValueError(f"num_scheduler_steps: must be an integer >= 1, got "
                              f"{num_scheduler_steps!r}")
         self.engine.num_scheduler_steps = num_scheduler_steps
+        self.engine.scheduler.set_policy(scheduling_policy)
         if num_scheduler_steps > 1 and (spec is not None
                                         or getattr(self.deployed, "graph_runner", None) is None):
             why = "speculative steps verify drafts" if spec is not None else "no CUDA graphs"
@@ -209,9 +219,13 @@ class LLM:
         return list(prompt)
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams],
-                 images: list[list] | None = None) -> list[str]:
+                 images: list[list] | None = None, priority: list[int] | None = None
+                 ) -> list[str]:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        if priority is not None and (not isinstance(priority, (list, tuple))
+                                     or len(priority) != len(prompts)):
+            raise ValueError(f"priority: give one per prompt ({len(prompts)})")
         if images is not None and len(images) != len(prompts):
             raise ValueError(f"images: got {len(images)} image lists for {len(prompts)} prompts")
         ids: list[str] = []
@@ -223,7 +237,8 @@ class LLM:
 
                     mm = build_prompt(self.deployed, tokens, images[i], f"prompt {i}")
                     tokens = mm.ids
-                ids.append(self.engine.add_request(tokens, sp, mm=mm))
+                ids.append(self.engine.add_request(
+                    tokens, sp, mm=mm, priority=0 if priority is None else priority[i]))
         except Exception:
             for rid in ids:  # all or nothing: do not leave half a batch queued
                 self.engine.abort(rid)
@@ -239,10 +254,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 images: list | None = None, *, use_tqdm: bool = False
-                 ) -> list[RequestOutput]:
+                 images: list | None = None, *, use_tqdm: bool = False,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a batch; outputs are in prompt order. `use_tqdm`: a
-        progress bar of finished requests and tokens/s on stderr. `images` (a VLM):
+        progress bar of finished requests and tokens/s on stderr. `priority` (vLLM's; needs
+        `scheduling_policy="priority"`): one per prompt, lower runs first. `images` (a VLM):
         the images of one prompt, or one list per prompt (PIL images, paths, file:// or data
         URLs, bytes), each filling one image placeholder of its prompt in order (the chat
         template's `<|vision_start|><|image_pad|><|vision_end|>`)."""
@@ -259,7 +275,9 @@ class LLM:
         params = list(sp) if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
         if images is not None and not all(isinstance(x, (list, tuple)) for x in images):
             raise ValueError("images: give one list of images per prompt")
-        ids = self._add_all(prompts, params, images)
+        if single and priority is not None and not isinstance(priority, (list, tuple)):
+            priority = [priority]
+        ids = self._add_all(prompts, params, images, priority)
         done: dict[str, RequestOutput] = {}
         bar = _progress_bar(len(ids)) if use_tqdm else None
         try:

@@ -72,11 +72,17 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, mm=None) -> str:
+                    request_id: str | None = None, mm=None, priority: int = 0) -> str:
         """Queue a request; raises ValueError (naming the parameter) if it can never run. `mm`
         (vision/prompt.py `MultimodalPrompt`) carries its images; `prompt_ids` are then its
-        expanded ids."""
+        expanded ids. `priority`: lower runs first (the scheduler's policy "priority"; any
+        other value than 0 is refused under "fcfs", as vLLM)."""
         params = params or SamplingParams()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        if priority and self.scheduler.policy != "priority":
+            raise ValueError(f"priority: {priority} needs the \"priority\" scheduling policy "
+                             "(this engine schedules first come, first served)")
         if mm is not None and list(prompt_ids) != mm.ids:
             raise ValueError("images: prompt_ids must be the multimodal prompt's expanded ids")
         if mm is not None and not hasattr(self.deployed, "image_features"):
@@ -115,6 +121,7 @@ class Engine:
                     return _d(ids, skip_special_tokens=True)
             detok = IncrementalDetokenizer(decode, prompt_ids)
         seq = Sequence(prompt_ids, params, detok, request_id, self.device)
+        seq.priority = priority
         seq.mm = mm
         seq.matcher = matcher
         if params.bad_words:

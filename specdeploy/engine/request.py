@@ -188,6 +188,7 @@ class SpecSeqState:
 
 
 _ids = itertools.count()
+_arrivals = itertools.count()  # arrival order (request ids may be the caller's)
 
 
 class Sequence:
@@ -199,6 +200,8 @@ class Sequence:
                  detok: IncrementalDetokenizer | None, request_id: str | None = None,
                  device: torch.device | str = "cpu"):
         self.request_id = request_id if request_id is not None else str(next(_ids))
+        self.arrival = next(_arrivals)
+        self.priority = 0  # vLLM's: lower runs first under the "priority" scheduling policy
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params

@@ -1,6 +1,8 @@
-"""FCFS continuous batching with chunked prefill, page/slot allocation and preemption."""
+"""Continuous batching with chunked prefill, page/slot allocation and preemption; requests in
+arrival order (FCFS) or by priority (vLLM's `--scheduling-policy priority`)."""
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -103,10 +105,19 @@ class ScheduledSeq:
         return self.seq.num_cached + self.num_tokens == len(self.seq)
 
 
+POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
     """Each step: running sequences first (oldest first), then waiting ones in arrival order,
     within a budget of `max_num_tokens` fed tokens. A prompt longer than the remaining budget is
     fed in chunks over several steps.
+
+    `policy` "priority" (vLLM's): the same, ordered by (`seq.priority`, arrival) instead of by
+    arrival alone, lower first: the waiting queue and the running list both keep that order,
+    so a step serves the most urgent sequences first and a cache too full to grow them
+    preempts the least urgent (the newest of the lowest priority). A request that waits does
+    not preempt running ones (as vLLM): it takes the next free place.
 
     `lookahead` is the number of extra cache positions a decoding sequence reserves beyond its
     fed tokens (speculative drafts use it); 0 for plain decoding.
@@ -127,11 +138,31 @@ class Scheduler:
         self._held: set[int] = set()  # ids of prefills held back this step (at most one step)
         self._held_last: set[int] = set()
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
+        self.running: list[Sequence] = []  # in admission order (policy "priority": by key)
         self.num_preemptions = 0
+        self.policy = "fcfs"
+
+    def set_policy(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy: must be one of {', '.join(POLICIES)}, got "
+                             f"{policy!r}")
+        if self.has_work():
+            raise ValueError("scheduling_policy: cannot change with requests in flight")
+        self.policy = policy
+
+    @staticmethod
+    def _key(seq: Sequence) -> tuple[int, int]:
+        return seq.priority, seq.arrival
+
+    def _insert(self, queue, seq: Sequence) -> None:
+        """Into `queue` (kept in key order) after every sequence of a smaller or equal key."""
+        queue.insert(bisect.bisect_right([self._key(s) for s in queue], self._key(seq)), seq)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.policy == "priority":
+            self._insert(self.waiting, seq)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -193,7 +224,10 @@ class Scheduler:
             self.blocks.admit(seq, hit)
             self.blocks.grow(seq, need)
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            if self.policy == "priority":
+                self._insert(self.running, seq)
+            else:
+                self.running.append(seq)
             out.append(ScheduledSeq(seq, n))
             budget -= n
         return out
@@ -206,7 +240,10 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.policy == "priority":  # (ahead of later arrivals of its priority)
+            self._insert(self.waiting, seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished or aborted sequence, wherever it is."""

@@ -94,7 +94,8 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         sampling_defaults=dict(getattr(llm, "sampling_defaults", {}) or {}),
         reasoning_parser=reasoning_parser,
         tool_parser=tool_call_parser if enable_auto_tool_choice else None,
-        return_tokens_as_token_ids=return_tokens_as_token_ids)
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
+        priority_scheduling=engine.scheduler.policy == "priority")
     metrics = ServerMetrics(limits.model_name)
     loop = EngineLoop(engine, metrics, max_batch_size=engine.scheduler.max_batch_size,
                       max_queue=max_queue)
@@ -190,7 +191,7 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         # NOTE: off the event loop: walking a big body and tokenizing a long prompt must not
         # stall other streams
         req = await asyncio.to_thread(lambda: parse(parse_json(raw), tokenizer, limits))
-        handle = loop.submit(req.prompts, req.params, req.mm)
+        handle = loop.submit(req.prompts, req.params, req.mm, req.priority)
         try:
             await handle.accepted()
         except BaseException:

@@ -21,6 +21,7 @@ from specdeploy.serving.protocol import (
     _model,
     _sampling,
     _unsupported,
+    priority,
 )
 from specdeploy.serving.reasoning import Reasoning, forces_content, prompt_opens_thinking
 from specdeploy.serving.token_fields import token_ids_flags, truncation
@@ -202,7 +203,8 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
     return GenerationRequest(True, model, [ids] * n, params, stream, include_usage,
                              None if mm is None else [mm] * n, n, tokenizer, reasoning, tools,
                              prompt_logprobs_asked=params[0].prompt_logprobs is not None,
-                             return_token_ids=ret_ids, as_ids=as_ids)
+                             return_token_ids=ret_ids, as_ids=as_ids,
+                             priority=priority(body, limits))
 
 
 def _held_to_tools(params: list, tool_plan, limits: Limits) -> list:

@@ -71,6 +71,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=("hermes", "qwen3_coder", "qwen3_xml"),
                    default=None,
                    help="the format of the model's tool calls (vLLM's flag)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="fcfs: arrival order; priority: by each request's `priority`, lower "
+                   "first (vLLM's flag)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name tokens \"token_id:<id>\" unless a request says "
                    "otherwise (vLLM's flag)")
@@ -102,6 +105,7 @@ def cmd_serve(args) -> int:
               backend=args.backend, progress=True, seed=args.seed,
               generation_config=args.generation_config,
               enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
+              scheduling_policy=args.scheduling_policy,
               **parallel_kwargs(args))
     if template is not None:
         llm.tokenizer.chat_template = template

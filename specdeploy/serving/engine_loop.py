@@ -101,7 +101,7 @@ class EngineLoop:
         return max(0, self._inflight - self.snapshot.get("num_running", 0))
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams],
-               mm: list | None = None) -> Handle:
+               mm: list | None = None, priority: int = 0) -> Handle:
         """Admit a request (429 when full, 503 when shutting down); call on the event loop."""
         if not self.accepting or not self.alive:
             raise APIError(503, "the server is shutting down", None, "shutting_down",
@@ -113,7 +113,7 @@ class EngineLoop:
             self._inflight += len(prompts)
         handle = Handle([uuid.uuid4().hex for _ in prompts], asyncio.Queue(),
                         asyncio.get_running_loop())
-        self._command("add", handle, prompts, params, mm or [None] * len(prompts))
+        self._command("add", handle, prompts, params, mm or [None] * len(prompts), priority)
         return handle
 
     def abort(self, handle: Handle) -> None:
@@ -177,11 +177,11 @@ class EngineLoop:
                     if rid in self._routes:
                         self.engine.abort(rid)
 
-    def _add(self, handle: Handle, prompts, params, mm) -> None:
+    def _add(self, handle: Handle, prompts, params, mm, priority: int) -> None:
         added = []
         try:
             for i, (rid, p, sp, m) in enumerate(zip(handle.ids, prompts, params, mm)):
-                self.engine.add_request(p, sp, rid, mm=m)
+                self.engine.add_request(p, sp, rid, mm=m, priority=priority)
                 self._routes[rid] = _Route(handle, i)
                 added.append(rid)
                 self.metrics.request_added(len(p))

@@ -24,7 +24,7 @@ PARSED_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "guided_regex", "guided_choice", "guided_grammar", "logit_bias",
                  "allowed_token_ids", "bad_words", "skip_special_tokens",
                  "include_stop_str_in_output", "truncate_prompt_tokens", "truncation_side",
-                 "return_token_ids", "return_tokens_as_token_ids")
+                 "return_token_ids", "return_tokens_as_token_ids", "priority")
 PARSED = {
     "completion": PARSED_COMMON + ("prompt", "echo", "suffix", "best_of"),
     "chat": PARSED_COMMON + ("messages", "max_completion_tokens", "add_generation_prompt",
@@ -54,7 +54,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "spaces_between_special_tokens": (None, True),
     "logits_processors": (None,),
     "mm_processor_kwargs": (None,),
-    "priority": (None, 0),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
     "prompt_embeds": (None,),

@@ -48,6 +48,7 @@ class Limits:
     reasoning_parser: str | None = None  # serving/reasoning.py: chat replies' thinking split
     tool_parser: str | None = None  # serving/tools.py: tool_choice "auto" parses calls
     return_tokens_as_token_ids: bool = False  # the default of the request field (token_fields)
+    priority_scheduling: bool = False  # the engine schedules by `priority` (else only 0)
 
     @property
     def context(self) -> int:
@@ -81,6 +82,7 @@ class GenerationRequest:
     prompt_logprobs_asked: bool = False  # vLLM's `prompt_logprobs` field was sent
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the response
     as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name "token_id:<id>"
+    priority: int = 0  # vLLM's: lower runs first (the "priority" scheduling policy)
     # max_tokens 0 with echo (scoring a prompt: its logprobs, OpenAI's legacy use): the engine
     # makes one token, which the response leaves out
     drop_reply: bool = False
@@ -166,6 +168,15 @@ def _unsupported(body: dict, name: str, ok: tuple = (None,)) -> None:
     v = body.get(name)
     if v not in ok and not (isinstance(v, (list, dict)) and not v):
         raise bad(name, f"{json.dumps(v)} is not supported by this server", "unsupported")
+
+
+def priority(body: dict, limits: Limits) -> int:
+    """vLLM's `priority` (lower first): anything but 0 needs the priority policy."""
+    v = _int(body, "priority", 0)
+    if v and not limits.priority_scheduling:
+        raise bad("priority", f"{v} needs a server started with --scheduling-policy priority",
+                  "unsupported")
+    return v
 
 
 def _common(body: dict) -> tuple[bool, bool]:
@@ -328,4 +339,5 @@ def parse_completion(body: dict, tokenizer, limits: Limits) -> GenerationRequest
                              stream, include_usage, None, n, tokenizer, echo=shown,
                              echo_logprobs=echo_lp,
                              prompt_logprobs_asked=body.get("prompt_logprobs") is not None,
-                             return_token_ids=ret_ids, as_ids=as_ids, drop_reply=zero)
+                             return_token_ids=ret_ids, as_ids=as_ids, drop_reply=zero,
+                             priority=priority(body, limits))

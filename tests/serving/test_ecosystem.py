@@ -121,7 +121,7 @@ def test_template_kwargs_tools_and_continue_final_message(srv, refs, llm):
 @pytest.mark.parametrize("endpoint, field, value", [
     ("chat", "use_beam_search", True), ("chat", "structural_tag", "{}"),
     ("chat", "reasoning_effort", "high"), ("chat", "modalities", ["text", "audio"]),
-    ("chat", "echo", True), ("completion", "priority", 1),
+    ("chat", "echo", True), ("completion", "use_beam_search", True),
     ("completion", "guided_whitespace_pattern", " "), ("chat", "thinking_token_budget", 8),
     ("completion", "prompt_embeds", "e30="), ("chat", "logits_processors", ["x"]),
 ])

@@ -196,3 +196,46 @@ def test_max_tokens_zero_with_echo_scores_the_prompt(setup):
     with pytest.raises(openai.BadRequestError) as e:  # without echo there is nothing to show
         client.completions.create(model="m", prompt=PROMPT, max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
+
+
+def test_priority_needs_the_priority_policy():
+    """vLLM's `priority`: 0 anywhere; anything else only on a server started with
+    --scheduling-policy priority (Limits.priority_scheduling), else a 400 naming it."""
+    class Tok:
+        def encode(self, s, add_special_tokens=True):
+            return [3, 4]
+
+    fcfs = P.Limits("m", 32, 32, 10)
+    assert P.parse_completion({"prompt": "x", "priority": 0}, Tok(), fcfs).priority == 0
+    with pytest.raises(P.APIError) as e:
+        P.parse_completion({"prompt": "x", "priority": 2}, Tok(), fcfs)
+    assert e.value.param == "priority" and "--scheduling-policy priority" in e.value.message
+    prio = P.Limits("m", 32, 32, 10, priority_scheduling=True)
+    assert P.parse_completion({"prompt": "x", "priority": -3}, Tok(), prio).priority == -3
+    with pytest.raises(P.APIError) as e:
+        P.parse_completion({"prompt": "x", "priority": 1.5}, Tok(), prio)
+    assert e.value.param == "priority"
+
+
+def test_priority_reaches_the_engine(tmp_path_factory, serve):
+    """A priority server hands each request's priority to the engine (recorded at add, on the
+    engine thread), and the reply is the one without it."""
+    from specdeploy.serving.app import create_app
+
+    llm = Target("llama", tmp_path_factory.mktemp("prio_api")).llm(None)
+    llm.engine.scheduler.set_policy("priority")
+    ref = llm.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))[0].text
+    seen, add = [], llm.engine.add_request
+
+    def record(*a, priority=0, **kw):
+        seen.append(priority)
+        return add(*a, priority=priority, **kw)
+
+    llm.engine.add_request = record
+    with serve(create_app(llm, model_name="m")) as srv:
+        client = srv.client(None)
+        r = client.completions.create(prompt=PROMPT, max_tokens=4, **_extra(priority=-2))
+        c = client.chat.completions.create(messages=MSGS, max_tokens=2, n=2,
+                                           **_extra(priority=3))
+    assert r.choices[0].text == ref and len(c.choices) == 2
+    assert seen == [-2, 3, 3]
