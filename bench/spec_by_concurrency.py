@@ -7,13 +7,21 @@ shuffled order (seeded by the round).
     .venv/bin/python bench/spec_by_concurrency.py [--concurrency 1 2 4 8]
         [--configs plain,auto] (also plain-b, suffix+ctl, lookup+ctl, plain-noamx, auto-noamx)
         [--prompts 16] [--skip 6] [--max-tokens 128] [--rounds 3]
-        [--threads 2] [--json-out FILE]
+        [--threads 2] [--lockstep] [--json-out FILE]
 
 Why not bench/vs_llamacpp_concurrent.py: there N requests start together and all end after
 the same number of tokens, so a step's batch only shrinks at the end and the run lasts as long
 as its slowest sequence; speculation's gain there is the slowest sequence's, which at 4
 requests measured level with plain (bench/results/vs_llamacpp_concurrent_avx512_1205_c4.json).
 Here a sequence that speculation moves ahead frees its slot for the next prompt.
+
+--lockstep: the configurations of a concurrency run their closed loops side by side, one engine
+step each in turn (the order rotating), and a configuration's rate is its output tokens over the
+sum of its own steps' wall times. On a shared machine whose speed drifts by 15-30% within minutes
+(docs/benchmarks.md), whole rounds one after another compare a configuration's round with
+another machine state; steps ~20 ms apart see the same one. (An A/B of the same decode steps
+measured this way differed by 0.2%, where whole rounds of identical deployments differed by up
+to 20%.) Without it, rounds run whole, in a shuffled order.
 
 Prompts: held-out ShareGPT first turns (bench/acceptance.py `heldout_prompts`) from index
 --skip on (the batch-1 benches use the first 6), chat template, <= 256 tokens. Every
@@ -64,6 +72,28 @@ def _setting(name: str):
     return contextlib.nullcontext()
 
 
+def run_lockstep(llms: dict, prompts: list[list[int]], sp: SamplingParams, c: int) -> dict:
+    """{key: (output tokens / seconds of its own steps, output tokens)} of the closed loops of
+    `llms` (keyed (config, C)), advanced one step each in turn."""
+    state = {k: {"pending": list(prompts), "busy": 0.0, "tokens": 0} for k in llms}
+    active, turn = list(llms), 0
+    while active:
+        order = active[turn % len(active):] + active[:turn % len(active)]
+        turn += 1
+        for k in order:
+            eng, st = llms[k].engine, state[k]
+            while st["pending"] and len(eng.scheduler.running) + len(eng.scheduler.waiting) < c:
+                eng.add_request(st["pending"].pop(0), sp)
+            with _setting(k[0]):
+                t = time.perf_counter()
+                outs = eng.step()
+                st["busy"] += time.perf_counter() - t
+            st["tokens"] += sum(len(o.token_ids) for o in outs if o.finished)
+            if not st["pending"] and not eng.has_unfinished():
+                active.remove(k)
+    return {k: (st["tokens"] / st["busy"], st["tokens"]) for k, st in state.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -73,6 +103,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--lockstep", action="store_true")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -95,6 +126,15 @@ def main() -> None:
     rates: dict[tuple[str, int], list[float]] = {k: [] for k in llms}
     tokens: dict[tuple[str, int], int] = {}
     for r in range(args.rounds):
+        if args.lockstep:
+            for c in args.concurrency:
+                res = run_lockstep({k: v for k, v in llms.items() if k[1] == c}, prompts, sp, c)
+                for key, (rate, ntok) in res.items():
+                    rates[key].append(rate)
+                    tokens[key] = ntok
+                    print(f"round {r} {key[0]} @ {c}: {rate:.1f} tok/s (lockstep)",
+                          file=sys.stderr, flush=True)
+            continue
         order = list(llms)
         random.Random(r).shuffle(order)
         for key in order:
@@ -123,6 +163,7 @@ def main() -> None:
     print_json({"machine": machine(), "command": " ".join(sys.argv),
                 "time": time.strftime("%Y-%m-%d %H:%M:%S"), "prompts": len(prompts),
                 "skip": args.skip, "max_tokens": args.max_tokens, "rounds": args.rounds,
+                "lockstep": args.lockstep,
                 "by_concurrency": levels}, args.json_out)
 
 
