@@ -52,18 +52,25 @@ class QuantizedReader:
         self._r, self.qcfg = reader, qcfg
         self.config, self.path = reader.config, reader.path
         self._log: list[tuple[str, object, torch.Tensor | None]] = []
+        # compressed-tensors NVFP4 stores `X.weight` as `X.weight_packed`: the families read
+        # `X.weight`, so that name stands for it
+        self._packed = qcfg.method == "ct_nvfp4"
 
     def keys(self) -> list[str]:
-        return self._r.keys()
+        keys = self._r.keys()
+        if self._packed:
+            keys = keys + [k[:-len("_packed")] for k in keys if k.endswith(".weight_packed")]
+        return keys
 
     def __contains__(self, name: str) -> bool:
-        return name in self._r
+        return name in self._r or (self._packed and name.endswith(".weight")
+                                   and name + "_packed" in self._r)
 
     def has_prefix(self, prefix: str) -> bool:
         return self._r.has_prefix(prefix)
 
     def missing(self, names) -> list[str]:
-        return self._r.missing(names)
+        return [n for n in self._r.missing(names) if n not in self]
 
     @staticmethod
     def _base(name: str) -> str:
@@ -72,7 +79,8 @@ class QuantizedReader:
         return name[: -len("weight")] if name.endswith(".weight") else name + "_"
 
     def is_quantized(self, name: str) -> bool:
-        suffix = "weight_scale_inv" if self.qcfg.method == "fp8_block" else "weight_scale"
+        suffix = {"fp8_block": "weight_scale_inv", "ct_nvfp4": "weight_packed"}.get(
+            self.qcfg.method, "weight_scale")
         return self._base(name) + suffix in self._r
 
     def get(self, name: str) -> torch.Tensor:
@@ -100,7 +108,9 @@ class QuantizedReader:
 
     def _quantized(self, name: str):
         base, m = self._base(name), self.qcfg.method
-        w = self._r.get(name)
+        if m == "ct_fp8":
+            return self._ct_fp8(name, base)
+        w = self._r.get(base + "weight_packed" if m == "ct_nvfp4" else name)
         lead, n = tuple(w.shape[:-2]), w.shape[-2]
         if m in ("fp8", "fp8_block"):
             _check(w.dtype == torch.float8_e4m3fn, self.path, name, f"float8_e4m3fn, got {w.dtype}")
@@ -125,8 +135,40 @@ class QuantizedReader:
         want = (*lead, n, w.shape[-1] * 2 // GROUP)
         _check(s.dtype == torch.float8_e4m3fn and tuple(s.shape) == want, self.path,
                base + "weight_scale", f"float8_e4m3fn {want}, got {s.dtype} {tuple(s.shape)}")
-        s2 = self._per_matrix(base + "weight_scale_2", lead, "weight_scale_2")
+        if m == "ct_nvfp4":  # w = E2M1 * scale / global scale
+            s2 = 1.0 / self._per_matrix(base + "weight_global_scale", lead, "weight_global_scale")
+        else:
+            s2 = self._per_matrix(base + "weight_scale_2", lead, "weight_scale_2")
         return Nvfp4Weight(w, s, s2[..., None].expand(*lead, n).contiguous()), None
+
+    def _ct_fp8(self, name: str, base: str):
+        """compressed-tensors FP8: `weight_scale` by the config's strategy (its docstring)."""
+        w, q = self._r.get(name), self.qcfg
+        _check(w.dtype == torch.float8_e4m3fn and w.dim() == 2, self.path, name,
+               f"a 2-D float8_e4m3fn weight, got {w.dtype} {tuple(w.shape)}")
+        n, k = w.shape
+        s = self._r.get(base + "weight_scale").float()
+        bn, bk = q.block_size
+        want = {"tensor": (1,), "channel": (n, 1), "group": (n, -(-k // bk)),
+                "block": (-(-n // bn), -(-k // bk))}[q.strategy]
+        ok = tuple(s.shape) == want or (q.strategy == "tensor" and s.numel() == 1) or (
+            q.strategy == "channel" and tuple(s.shape) == (n,))
+        _check(ok, self.path, base + "weight_scale", f"per-{q.strategy} scales of shape {want} "
+               f"for weight {tuple(w.shape)}, got {tuple(s.shape)}")
+        if q.strategy == "tensor":
+            scale, block_k = s.reshape(()).expand(n, 1).contiguous(), k
+        elif q.strategy == "channel":
+            scale, block_k = s.reshape(n, 1), k
+        elif q.strategy == "group":
+            scale, block_k = s, bk
+        else:
+            scale, block_k = row_scales_from_blocks(s, n, bn), bk
+        in_scale = None
+        if q.static_activations:
+            _check(base + "input_scale" in self._r, self.path, base + "input_scale",
+                   "a static activation scale (input_activations dynamic false)")
+            in_scale = self._r.get(base + "input_scale").float().max()
+        return Fp8Weight(w, scale, block_k), in_scale
 
     def wrap_params(self, params: dict[str, Callable[[], torch.Tensor]], info: PrequantInfo
                     ) -> dict[str, Callable[[], torch.Tensor]]:

@@ -7,6 +7,7 @@ Supported (DESIGN.md invariant 10: everything else is refused with the method's 
   list `ignore`). quant_algo FP8 (per-tensor) or NVFP4 (group 16).
 - Hugging Face fine-grained FP8: config.json `quantization_config` {"quant_method": "fp8",
   "weight_block_size": [bn, bk], "activation_scheme", "modules_to_not_convert"}.
+- compressed-tensors (llm-compressor) FP8 and NVFP4: compressed_tensors.py.
 A checkpoint with quantization tensors (`*.weight_scale`, `*.qweight`, ...) but no config is
 refused too: loading it as plain weights would drop the scales.
 """
@@ -17,11 +18,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdeploy.checkpoint import compressed_tensors
 from specdeploy.checkpoint.reader import CheckpointError
 
 __all__ = ["QuantConfig", "SUPPORTED", "UnsupportedQuantization", "detect_quant_config"]
 
-SUPPORTED = ("modelopt FP8", "modelopt NVFP4", "fp8 with weight_block_size (HF fine-grained)")
+SUPPORTED = ("modelopt FP8", "modelopt NVFP4", "fp8 with weight_block_size (HF fine-grained)",
+             "compressed-tensors float-quantized (FP8) / nvfp4-pack-quantized")
 _KV_ALGOS = (None, "FP8")
 # tensor-name endings that only quantized checkpoints have (ModelOpt, HF fp8, compressed-tensors,
 # GPTQ / AWQ, bitsandbytes)
@@ -37,20 +40,30 @@ class UnsupportedQuantization(CheckpointError):
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # "fp8" (ModelOpt per-tensor) | "nvfp4" | "fp8_block" (HF fine-grained)
+    # "fp8" (ModelOpt per-tensor) | "nvfp4" | "fp8_block" (HF fine-grained) | "ct_fp8" |
+    # "ct_nvfp4" (compressed-tensors)
+    method: str
     source: str  # where it was read: "hf_quant_config.json" | "config.json"
     exclude: tuple[str, ...] = ()  # fnmatch globs over the checkpoint's module names
     group_size: int = 16  # NVFP4 inputs per block scale
     block_size: tuple[int, int] = (128, 128)  # fp8_block (rows, cols) per scale
     kv_cache: str | None = None  # "FP8" or None
     static_activations: bool = False  # ModelOpt FP8 `input_scale` applies to activations
+    strategy: str = ""  # ct_fp8's weight scales: "tensor" | "channel" | "group" | "block"
 
     def describe(self) -> str:
         what = {"fp8": "ModelOpt FP8 (per-tensor weights, static per-tensor activations)",
                 "nvfp4": f"ModelOpt NVFP4 (group {self.group_size}, weight-only on this "
                          "hardware: no FP4 units)",
                 "fp8_block": f"HF fine-grained FP8 (blocks {self.block_size[0]}x"
-                             f"{self.block_size[1]}, weight-only)"}[self.method]
+                             f"{self.block_size[1]}, weight-only)",
+                "ct_fp8": f"compressed-tensors FP8 (per-{self.strategy} weight scales"
+                          + (f" {self.block_size[0]}x{self.block_size[1]}"
+                             if self.strategy in ("block", "group") else "")
+                          + (", static per-tensor activations)" if self.static_activations
+                             else ", weight-only)"),
+                "ct_nvfp4": "compressed-tensors NVFP4 (group 16, weight-only on this "
+                            "hardware: no FP4 units)"}[self.method]
         return what + (f", kv cache {self.kv_cache}" if self.kv_cache else "")
 
 
@@ -118,6 +131,10 @@ def detect_quant_config(path: str | Path, config: dict, keys: Iterable[str]
             return _modelopt(qc.get("quantization") or qc, where, "config.json")
         if method == "fp8":
             return _hf_fp8(qc, where)
+        if method == "compressed-tensors":
+            return compressed_tensors.parse(
+                qc, where, keys, _unsupported,
+                lambda **kw: QuantConfig(source="config.json", **kw))
         raise _unsupported(where, f"method {method!r}")
     found = sorted({s for k in keys for s in QUANT_SUFFIXES if k.endswith(s)})
     if found:

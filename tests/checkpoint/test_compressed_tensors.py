@@ -1,0 +1,161 @@
+"""compressed-tensors checkpoints (llm-compressor's FP8 and NVFP4 layouts) deploy as they ship.
+
+The checkpoints are written by the compressed-tensors library's own compressors, and the oracle
+is the same library's decompression (tests/checkpoint/ct_layout.py): the deployed quantized
+graph's logits equal those of the plain model built from the library-decompressed weights.
+Tolerance: 1e-4 of the logits' scale (fp32 reassociation, as tests/checkpoint/
+test_prequant_logits.py; NVFP4's global scale is applied as a reciprocal multiplier, within an
+ulp of the library's division)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdeploy.checkpoint import CheckpointError
+from specdeploy.checkpoint.quant_config import UnsupportedQuantization, detect_quant_config
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.export import export_model
+from specdeploy.deploy.pipeline import run_transform
+from specdeploy.loading import load_model
+from specdeploy.models import nemotron_h_blocks, qwen3_5_blocks
+from specdeploy.quantize_cli import make_tiny_quantized
+from tests.checkpoint.quant_oracle import fake_quant_hooks
+from tests.checkpoint.test_prequant_logits import EXPECTED, assert_close
+
+ct_layout = pytest.importorskip("tests.checkpoint.ct_layout")
+
+CASES = [("llama", k) for k in ct_layout.KINDS] + [
+    ("qwen3_5_moe", "fp8-channel"), ("qwen3_5_moe", "nvfp4"), ("nemotron_h", "fp8-tensor")]
+
+
+@pytest.fixture(scope="module")
+def ct_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ct")
+    cache = {}
+
+    def get(arch: str, kind: str):
+        if (arch, kind) not in cache:
+            method = ct_layout.KINDS[kind][0]
+            src = root / f"{arch}-{method}"
+            if not src.exists():
+                make_tiny_quantized(arch, src, method, mtp_layers=0 if arch == "llama" else 1)
+            cache[arch, kind] = ct_layout.write_ct(src, root / f"{arch}-ct-{kind}", kind)
+        return cache[arch, kind]
+
+    return get
+
+
+@pytest.mark.parametrize("arch, kind", CASES)
+def test_deployed_logits_match_the_library_decompressed_model(ct_ckpt, tmp_path, arch, kind):
+    path = ct_ckpt(arch, kind)
+    in_scales = ct_layout.dequantize_ct_dir(path, tmp_path / "oracle")
+    assert bool(in_scales) == (kind == "fp8-tensor")  # static activations: only that scheme
+    oracle = load_model(tmp_path / "oracle")
+    g = torch.Generator().manual_seed(5)
+    ids, pos = torch.randint(3, 120, (1, 23), generator=g), torch.arange(23)[None]
+    with torch.no_grad(), fake_quant_hooks(oracle, in_scales,
+                                           (nemotron_h_blocks, qwen3_5_blocks)):
+        want = oracle(ids)
+    model = load_model(path)
+    assert model.prequant.config.method == ("ct_nvfp4" if kind == "nvfp4" else "ct_fp8")
+    gm = export_model(model, max_tokens=64)
+    info, _ = run_transform("prequantized_weights", gm, DeployContext(model=model))
+    assert info.num_matches == EXPECTED[arch] and not info.skipped
+    dtypes = {t.dtype for t in gm.buffers()}
+    assert (torch.uint8 if kind == "nvfp4" else torch.float8_e4m3fn) in dtypes
+    with torch.no_grad():
+        got = gm(ids, pos)[0]
+    assert_close(got, want)
+
+
+def test_ignore_regexes_become_exclusions(ct_ckpt):
+    """`ignore` ("re:" patterns from llm-compressor recipes) names the modules left in full
+    precision: the LM head and the MoE routers here; one of them quantized anyway is refused."""
+    path = ct_ckpt("qwen3_5_moe", "nvfp4")
+    model = load_model(path)
+    excluded = set(model.prequant.excluded)
+    assert "lm_head" in excluded
+    assert {f"model.layers.{i}.mlp.gate" for i in range(2)} <= excluded
+    assert not any(n.endswith("in_proj_qkv") for n in excluded)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["ignore"].append("re:.*layers\\.0\\.linear_attn\\.in_proj_qkv$")
+    bad = path.with_name(path.name + "-bad")
+    bad.mkdir()
+    for f in path.iterdir():
+        (bad / f.name).symlink_to(f)
+    (bad / "config.json").unlink()
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="in_proj_qkv.*quantized in the checkpoint"):
+        load_model(bad)
+
+
+def _qc(weights: dict, acts=None, fmt="float-quantized", **top) -> dict:
+    return {"quantization_config": {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"g": {"targets": ["Linear"], "weights": weights,
+                                "input_activations": acts}}, "ignore": ["lm_head"], **top}}
+
+
+FP8_W = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}
+KEYS = ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"]
+
+
+def test_config_fields(tmp_path):
+    q = detect_quant_config(tmp_path, _qc(FP8_W, {"num_bits": 8, "type": "float",
+                                                  "dynamic": True, "strategy": "token"}), KEYS)
+    assert (q.method, q.strategy, q.static_activations, q.kv_cache) == (
+        "ct_fp8", "channel", False, None)
+    q = detect_quant_config(tmp_path, _qc(
+        {**FP8_W, "strategy": "block", "block_structure": [128, 64]},
+        {"num_bits": 8, "type": "float", "dynamic": False, "strategy": "tensor"},
+        kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"},
+        ignore=["lm_head", "re:.*mlp\\.gate$"]), KEYS)
+    assert (q.strategy, q.block_size, q.static_activations, q.kv_cache) == (
+        "block", (128, 64), True, "FP8")
+    assert q.exclude == ("lm_head", "model.layers.0.mlp.gate")
+    assert "per-block weight scales 128x64, static" in q.describe()
+    nv = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+          "group_size": 16}
+    q = detect_quant_config(tmp_path, _qc(nv, None, "nvfp4-pack-quantized"), KEYS)
+    assert (q.method, q.group_size) == ("ct_nvfp4", 16)
+
+
+INT4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+
+
+@pytest.mark.parametrize("qc, match", [
+    (_qc(INT4, None, "pack-quantized"), "format 'pack-quantized' \\(integer weights 4-bit"),
+    (_qc({**INT4, "num_bits": 8}, {"num_bits": 8, "type": "int"}, "int-quantized"),
+     "format 'int-quantized'"),
+    (_qc({**FP8_W, "num_bits": 4, "group_size": 32}, None, "mxfp4-pack-quantized"),
+     "format 'mxfp4-pack-quantized'"),
+    (_qc({**FP8_W, "symmetric": False}), "asymmetric"),
+    (_qc({**FP8_W, "actorder": "group"}), "actorder 'group'"),
+    (_qc(FP8_W, {"num_bits": 8, "type": "float", "dynamic": False, "strategy": "channel"}),
+     "static activations by 'channel'"),
+    (_qc(FP8_W, kv_cache_scheme={"num_bits": 8, "type": "int", "strategy": "tensor"}),
+     "kv_cache_scheme"),
+    (_qc(FP8_W, quantization_status="frozen"), "quantization_status 'frozen'"),
+    (_qc({**FP8_W, "num_bits": 4, "strategy": "tensor_group", "group_size": 32}, None,
+         "nvfp4-pack-quantized"), "only 4-bit tensor_group 16"),
+])
+def test_unsupported_schemes_are_refused_by_name(tmp_path, qc, match):
+    with pytest.raises(UnsupportedQuantization, match=match):
+        detect_quant_config(tmp_path, qc, KEYS)
+
+
+def test_mixed_groups_and_malformed_fields(tmp_path):
+    qc = _qc(FP8_W)
+    qc["quantization_config"]["config_groups"]["h"] = {
+        "targets": ["re:.*down_proj"], "format": "nvfp4-pack-quantized",
+        "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                    "group_size": 16}}
+    with pytest.raises(UnsupportedQuantization, match="mixed schemes"):
+        detect_quant_config(tmp_path, qc, KEYS)
+    with pytest.raises(CheckpointError, match="block_structure"):
+        detect_quant_config(tmp_path, _qc({**FP8_W, "strategy": "block",
+                                           "block_structure": [0, 8]}), KEYS)
+    with pytest.raises(CheckpointError, match="ignore entry 're:\\('"):
+        detect_quant_config(tmp_path, _qc(FP8_W, ignore=["re:("]), KEYS)
