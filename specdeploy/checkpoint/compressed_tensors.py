@@ -16,8 +16,11 @@ start of the name], "kv_cache_scheme"}. Per quantized linear `X`:
   w = E2M1 * weight_scale / weight_global_scale (ModelOpt's weight_scale_2 is 1 / global).
 - `kv_cache_scheme` {num_bits 8, type float, strategy tensor}: an FP8 KV cache with per-layer
   `self_attn.k_scale` / `v_scale`.
-Integer formats (W4A16 / W8A8 `pack-quantized`, `int-quantized`, `naive-quantized`), MX
-formats, asymmetric or activation-reordered weights and mixed groups are refused by name.
+- `pack-quantized` W4A16 (weights {num_bits 4, type int, symmetric, strategy group or
+  channel}, no activation quantization): checkpoint/ct_int4.py, as GGUF Q4_0 blocks.
+Other integer formats (8-bit `pack-quantized`, W8A8 `int-quantized`, `naive-quantized`), MX
+formats, asymmetric or group-reordered (`actorder: group`, a `g_idx`) weights and mixed groups
+are refused by name.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from collections.abc import Iterable
 
 from specdeploy.checkpoint.reader import CheckpointError
 
-FORMATS = ("float-quantized", "nvfp4-pack-quantized")
+FORMATS = ("float-quantized", "nvfp4-pack-quantized", "pack-quantized")
 _FP8_STRATEGIES = ("tensor", "channel", "group", "block")
 
 
@@ -49,6 +52,8 @@ def parse(qc: dict, where: str, keys: Iterable[str], unsupported, make):
     exclude = _ignored_modules(qc.get("ignore") or [], keys, where)
     if kind[0] == "nvfp4":
         return make(method="ct_nvfp4", exclude=exclude, group_size=16, kv_cache=kv)
+    if kind[0] == "int4":
+        return make(method="ct_int4", exclude=exclude, group_size=kind[1], kv_cache=kv)
     _, strategy, block, static = kind
     return make(method="ct_fp8", exclude=exclude, strategy=strategy, kv_cache=kv,
                 block_size=block, static_activations=static)
@@ -70,8 +75,10 @@ def _group_kind(name: str, g: dict, top_format, where: str, unsupported) -> tupl
                           f"-bit; supported: {', '.join(FORMATS)})")
     if w.get("symmetric") is False:
         raise unsupported(at, "compressed-tensors with asymmetric weights (zero points)")
-    if w.get("actorder") not in (None, "static"):
+    if w.get("actorder") not in (None, "static", "weight"):  # "group": columns permuted
         raise unsupported(at, f"compressed-tensors with actorder {w.get('actorder')!r}")
+    if fmt == "pack-quantized":
+        return _int4(w, a, at, unsupported)
     if w.get("type") != "float":
         raise unsupported(at, f"compressed-tensors {fmt} with weight type {w.get('type')!r}")
     bits, strategy = w.get("num_bits"), w.get("strategy")
@@ -106,6 +113,19 @@ def _group_kind(name: str, g: dict, top_format, where: str, unsupported) -> tupl
             raise unsupported(at, f"compressed-tensors static activations by "
                               f"{a.get('strategy')!r} (only per tensor)")
     return ("fp8", strategy, block, static)
+
+
+def _int4(w: dict, a, at: str, unsupported) -> tuple:
+    bits, strategy, gs = w.get("num_bits"), w.get("strategy"), w.get("group_size")
+    if w.get("type") != "int" or bits != 4 or strategy not in ("group", "channel"):
+        raise unsupported(at, f"compressed-tensors pack-quantized with {bits}-bit "
+                          f"{w.get('type')} weights by {strategy!r} (only int4 by group or "
+                          "channel: W4A16)")
+    if a is not None:
+        raise unsupported(at, "compressed-tensors pack-quantized with quantized activations")
+    if strategy == "group" and (not isinstance(gs, int) or gs <= 0):
+        raise CheckpointError(f"{at}: group_size must be a positive int, got {gs!r}")
+    return ("int4", gs if strategy == "group" else 0)
 
 
 def _kv_scheme(kv, where: str, unsupported) -> str | None:

@@ -24,7 +24,8 @@ from specdeploy.checkpoint.reader import CheckpointError
 __all__ = ["QuantConfig", "SUPPORTED", "UnsupportedQuantization", "detect_quant_config"]
 
 SUPPORTED = ("modelopt FP8", "modelopt NVFP4", "fp8 with weight_block_size (HF fine-grained)",
-             "compressed-tensors float-quantized (FP8) / nvfp4-pack-quantized")
+             "compressed-tensors float-quantized (FP8) / nvfp4-pack-quantized / "
+             "pack-quantized (W4A16)")
 _KV_ALGOS = (None, "FP8")
 # tensor-name endings that only quantized checkpoints have (ModelOpt, HF fp8, compressed-tensors,
 # GPTQ / AWQ, bitsandbytes)
@@ -41,7 +42,7 @@ class UnsupportedQuantization(CheckpointError):
 @dataclass(frozen=True)
 class QuantConfig:
     # "fp8" (ModelOpt per-tensor) | "nvfp4" | "fp8_block" (HF fine-grained) | "ct_fp8" |
-    # "ct_nvfp4" (compressed-tensors)
+    # "ct_nvfp4" | "ct_int4" (compressed-tensors)
     method: str
     source: str  # where it was read: "hf_quant_config.json" | "config.json"
     exclude: tuple[str, ...] = ()  # fnmatch globs over the checkpoint's module names
@@ -63,7 +64,10 @@ class QuantConfig:
                           + (", static per-tensor activations)" if self.static_activations
                              else ", weight-only)"),
                 "ct_nvfp4": "compressed-tensors NVFP4 (group 16, weight-only on this "
-                            "hardware: no FP4 units)"}[self.method]
+                            "hardware: no FP4 units)",
+                "ct_int4": "compressed-tensors W4A16 (int4 "
+                           + (f"groups of {self.group_size}" if self.group_size else
+                              "per channel") + ", as GGUF Q4_0 blocks)"}[self.method]
         return what + (f", kv cache {self.kv_cache}" if self.kv_cache else "")
 
 

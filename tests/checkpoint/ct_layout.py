@@ -24,6 +24,9 @@ from tests.checkpoint.quant_oracle import _base, _read_all, dequantize_dir
 pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.base import BaseCompressor  # noqa: E402
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8  # noqa: E402
+from compressed_tensors.compressors.pack_quantized.helpers import (  # noqa: E402
+    unpack_from_int32,
+)
 from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 from compressed_tensors.quantization.lifecycle.forward import dequantize  # noqa: E402
 
@@ -39,6 +42,13 @@ KINDS = {
                   {**_DYN, "strategy": "group", "group_size": 16}),
     "fp8-block": ("fp8-block", "float-quantized",
                   {**_FP8, "strategy": "block", "block_structure": [16, 32]}, None),
+    # W4A16 from a plain checkpoint (our source method None): bfloat16 scales, as released
+    "w4a16": (None, "pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True,
+                                       "strategy": "group", "group_size": 32}, None),
+    "w4a16-channel": (None, "pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True,
+                                               "strategy": "channel"}, None),
+    "w4a16-g16": (None, "pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True,
+                                           "strategy": "group", "group_size": 16}, None),
     "nvfp4": ("nvfp4", "nvfp4-pack-quantized",
               {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False,
                "strategy": "tensor_group", "group_size": 16},
@@ -52,6 +62,11 @@ def _scales(w: torch.Tensor, weights: dict) -> dict[str, torch.Tensor]:
     observers), shaped as the library stores them."""
     s, n, k = weights["strategy"], *w.shape
     a = w.abs()
+    if weights["type"] == "int":  # symmetric int4: amax / 7, stored in bfloat16
+        g = k if s == "channel" else weights["group_size"]
+        amax = a.reshape(n, k // g, g).amax(-1)
+        return {"weight_scale": torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+                .to(torch.bfloat16)}
     if s == "tensor_group":  # NVFP4: global = 448 * 6 / amax, group scales / global in fp8
         g = (448.0 * 6.0 / a.max().clamp_min(1e-12)).reshape(1)
         groups = a.reshape(n, k // 16, 16).amax(-1) / 6.0
@@ -73,18 +88,29 @@ def _regex(glob: str) -> str:
     return "re:" + fnmatch.translate(glob)
 
 
+INT_EXCLUDE = ("lm_head", "*.mlp.gate", "*.mixer.gate", "*.shared_expert_gate", "mtp*")
+
+
 def write_ct(src: Path, dst: Path, kind: str, kv_cache: bool = False) -> Path:
-    """`src` (our quantized checkpoint of KINDS[kind][0]) rewritten as compressed-tensors."""
-    _, fmt, weights, acts = KINDS[kind]
+    """`src` (our quantized checkpoint of KINDS[kind][0]; for the int kinds a plain one, its
+    `*_proj` linears quantized) rewritten as compressed-tensors."""
+    method, fmt, weights, acts = KINDS[kind]
     src, dst = Path(src), Path(dst)
     tmp = dst.with_name(dst.name + "-dense")
-    in_scales = dequantize_dir(src, tmp)
     config = json.loads((src / "config.json").read_text())
-    hqc = src / "hf_quant_config.json"
-    excl = (json.loads(hqc.read_text())["quantization"]["exclude_modules"] if hqc.is_file()
-            else config["quantization_config"]["modules_to_not_convert"])
-    quantized = {k.rpartition(".")[0] + "." for k in _read_all(src)
-                 if k.endswith((".weight_scale", ".weight_scale_inv"))}
+    if method is None:
+        in_scales, tmp = {}, src
+        excl = list(INT_EXCLUDE)
+        quantized = {k[: -len("weight")] for k, t in _read_all(src).items()
+                     if k.endswith("proj.weight") and t.dim() == 2 and not
+                     any(fnmatch.fnmatchcase(k[:-7], g) for g in excl)}
+    else:
+        in_scales = dequantize_dir(src, tmp)
+        hqc = src / "hf_quant_config.json"
+        excl = (json.loads(hqc.read_text())["quantization"]["exclude_modules"] if hqc.is_file()
+                else config["quantization_config"]["modules_to_not_convert"])
+        quantized = {k.rpartition(".")[0] + "." for k in _read_all(src)
+                     if k.endswith((".weight_scale", ".weight_scale_inv"))}
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
     comp = BaseCompressor.get_value_from_registry(fmt)
     out = {}
@@ -111,13 +137,19 @@ def write_ct(src: Path, dst: Path, kind: str, kv_cache: bool = False) -> Path:
     for f in src.iterdir():
         if f.name.startswith("tokenizer") or f.name == "generation_config.json":
             shutil.copy2(f, dst / f.name)
-    shutil.rmtree(tmp)
+    if method is not None:
+        shutil.rmtree(tmp)
     return dst
 
 
 def _decompress(comp, sd: dict, scheme) -> torch.Tensor:
     """The library's decompression in fp32 (its NVFP4 decompressor unpacks to bfloat16: the
     same steps, its own unpacking and dequantize, in fp32 here)."""
+    if "weight_shape" in sd:  # int: the library's unpacking, its dequantize in fp32
+        q = unpack_from_int32(sd["weight_packed"], scheme.weights.num_bits,
+                              torch.Size(sd["weight_shape"].tolist()))
+        return dequantize(x_q=q, scale=sd["weight_scale"].float(), args=scheme.weights,
+                          dtype=torch.float32)
     if "weight_packed" not in sd:
         return comp.decompress(sd, scheme)["weight"].float()
     packed = sd["weight_packed"]

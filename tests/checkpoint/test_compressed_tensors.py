@@ -26,7 +26,7 @@ from tests.checkpoint.test_prequant_logits import EXPECTED, assert_close
 
 ct_layout = pytest.importorskip("tests.checkpoint.ct_layout")
 
-CASES = [("llama", k) for k in ct_layout.KINDS] + [
+CASES = [("llama", k) for k, v in ct_layout.KINDS.items() if v[0] is not None] + [
     ("qwen3_5_moe", "fp8-channel"), ("qwen3_5_moe", "nvfp4"), ("nemotron_h", "fp8-tensor")]
 
 
@@ -126,7 +126,6 @@ INT4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "g
 
 
 @pytest.mark.parametrize("qc, match", [
-    (_qc(INT4, None, "pack-quantized"), "format 'pack-quantized' \\(integer weights 4-bit"),
     (_qc({**INT4, "num_bits": 8}, {"num_bits": 8, "type": "int"}, "int-quantized"),
      "format 'int-quantized'"),
     (_qc({**FP8_W, "num_bits": 4, "group_size": 32}, None, "mxfp4-pack-quantized"),
@@ -159,3 +158,61 @@ def test_mixed_groups_and_malformed_fields(tmp_path):
                                            "block_structure": [0, 8]}), KEYS)
     with pytest.raises(CheckpointError, match="ignore entry 're:\\('"):
         detect_quant_config(tmp_path, _qc(FP8_W, ignore=["re:("]), KEYS)
+
+
+# ---- W4A16 (pack-quantized int4) as GGUF Q4_0 blocks ---------------------------------------
+LIMITS = dict(max_batch_size=2, max_seq_len=64, page_size=4, max_cache_gib=0.01)
+
+
+@pytest.fixture(scope="module")
+def w4a16(tmp_path_factory):
+    from specdeploy.models.registry import family_module
+
+    root = tmp_path_factory.mktemp("w4a16")
+    plain = family_module("llama").make_tiny(root / "plain", seed=1, mtp_layers=0)
+    return lambda kind: ct_layout.write_ct(plain, root / kind, kind)
+
+
+@pytest.mark.parametrize("kind, blocks", [("w4a16", 14), ("w4a16-channel", 14),
+                                          ("w4a16-g16", 0)])
+def test_w4a16_deploys_on_q4_0_blocks(w4a16, tmp_path, kind, blocks):
+    """Groups of 32 (or whole rows) with bfloat16 scales are Q4_0 blocks exactly: every quantized
+    linear runs on them; groups of 16 are not (fp32 weights). Prefill and decode / verify steps'
+    logits equal the library-decompressed model's (fp32, other summation order: 1e-5)."""
+    from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, Segment, build_metadata
+    from specdeploy.deploy.build import build
+    from specdeploy.ops.ggml_linear import kernel_unavailable
+
+    path = w4a16(kind)
+    ct_layout.dequantize_ct_dir(path, tmp_path / "oracle")
+    oracle = load_model(tmp_path / "oracle")
+    model = load_model(path)
+    assert len(model.ggml_weights) == blocks
+    ids = torch.randint(3, 120, (1, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = oracle(ids)[0]
+        assert torch.equal(model(ids)[0], want)  # the eager model: the exact weights
+    if blocks and kernel_unavailable() is not None:
+        pytest.skip(f"ggml kernel unavailable: {kernel_unavailable()}")
+    dep = build(str(path), kernels="exact", **LIMITS)
+    info = {i.name: i for i in dep.infos}["ggml_linears"]
+    assert info.num_matches == blocks, info
+    pos, pages = 0, list(range(16))
+    for n, seg_kind in ((21, SEG_NORMAL), (1, SEG_NORMAL), (4, SEG_EXTEND), (1, SEG_NORMAL)):
+        seg = Segment(ids[0, pos:pos + n].tolist(), pos, pages, 0, n, seg_kind)
+        assert_close(dep.forward(build_metadata([seg])).logits, want[pos:pos + n], rtol=1e-5)
+        pos += n
+
+
+def test_w4a16_config_and_refusals(tmp_path):
+    q = detect_quant_config(tmp_path, _qc(INT4, None, "pack-quantized"), KEYS)
+    assert (q.method, q.group_size) == ("ct_int4", 128) and "Q4_0" in q.describe()
+    ch = {**INT4, "strategy": "channel", "group_size": None}
+    assert detect_quant_config(tmp_path, _qc(ch, None, "pack-quantized"), KEYS).group_size == 0
+    for qc, match in ((_qc({**INT4, "num_bits": 8}, None, "pack-quantized"), "8-bit int"),
+                      (_qc(INT4, {"num_bits": 8, "type": "int"}, "pack-quantized"),
+                       "quantized activations"),
+                      (_qc({**INT4, "actorder": "group"}, None, "pack-quantized"),
+                       "actorder 'group'")):
+        with pytest.raises(UnsupportedQuantization, match=match):
+            detect_quant_config(tmp_path, qc, KEYS)
