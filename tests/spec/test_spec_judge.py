@@ -12,6 +12,11 @@ from specdeploy.engine.spec_judge import SpecJudge
 from tests.spec.tiny_targets import LIMITS, Target
 
 
+def _hold(judge: SpecJudge, batch: int, steps: int) -> None:
+    for _ in range(steps):
+        judge.record(batch, judge.on(batch), 1, 1.0)
+
+
 def _run_trial(judge: SpecJudge, batch: int, on_step, off_step) -> list[bool]:
     """Steps through one whole trial; (tokens, seconds) per step by mode. Returns the modes."""
     modes = []
@@ -24,26 +29,31 @@ def _run_trial(judge: SpecJudge, batch: int, on_step, off_step) -> list[bool]:
 
 def test_a_trial_alternates_blocks_then_keeps_the_faster_mode():
     judge = SpecJudge(frozenset(range(16, 21)), 8)
+    _hold(judge, 17, J.FIRST)  # the calibration's mode (off) first, untried
+    assert not judge.on(17) and judge.state() == {32: "off (trial)"}
     # on: 20 tokens in 10 ms (2,000 tok/s); off: 16 in 9 ms (1,778): on wins
     modes = _run_trial(judge, 17, (20, 0.010), (16, 0.009))
     assert modes[:J.BLOCK] == [False] * J.BLOCK  # started from the calibration's off
     assert modes[J.BLOCK:2 * J.BLOCK] == [True] * J.BLOCK
     assert sum(modes) == J.TRIAL * J.BLOCK and judge.trials == 1
-    assert judge.on(17) and judge.on(19) and judge.state() == {16: "on"}
+    assert judge.on(17) and judge.on(32) and judge.state() == {32: "on"}
+    assert not judge.on(16)  # another bucket: 9-16, still the calibration's
     for _ in range(J.HOLD - 1):  # held, whatever the steps now say
         judge.record(17, True, 1, 1.0)
         assert judge.on(17)
     judge.record(17, True, 1, 1.0)
-    assert judge.state() == {16: "on (trial)"}  # and tried again
+    assert judge.state() == {16: "off", 32: "on (trial)"}  # and tried again
     modes = _run_trial(judge, 18, (17, 0.010), (16, 0.009))  # 1,700 vs 1,778: off now
     assert modes[0] is True and not judge.on(18) and judge.trials == 2
 
 
 def test_speculation_must_win_by_the_margin():
     judge = SpecJudge(frozenset(), 8)
+    _hold(judge, 8, J.FIRST)
     _run_trial(judge, 8, (1000 * (1 + J.MARGIN / 2), 1.0), (1000, 1.0))
     assert not judge.on(8)
     judge = SpecJudge(frozenset(), 8)
+    _hold(judge, 8, J.FIRST)
     _run_trial(judge, 8, (1000 * (1 + 2 * J.MARGIN), 1.0), (1000, 1.0))
     assert judge.on(8)
 
@@ -53,7 +63,9 @@ def test_small_batches_keep_the_calibration_and_stale_steps_do_not_count():
     assert judge.on(3) and not judge.on(4)  # below min_batch: the prior, never trialled
     judge.record(4, False, 1, 1.0)
     assert judge.state() == {}
+    assert [J.bucket_of(b) for b in (8, 9, 15, 16, 17, 32, 33)] == [8, 16, 16, 16, 32, 32, 64]
     judge = SpecJudge(frozenset(), 8)
+    _hold(judge, 12, J.FIRST)
     assert judge.on(12)
     judge.record(12, False, 10**6, 1e-6)  # planned off before this block began: ignored
     judge.record(12, True, 1, 1.0)
@@ -69,6 +81,7 @@ def test_an_engine_switching_every_few_steps_is_lossless(tmp_path, monkeypatch, 
     monkeypatch.setattr(J, "BLOCK", 2)
     monkeypatch.setattr(J, "TRIAL", 2)
     monkeypatch.setattr(J, "HOLD", 3)
+    monkeypatch.setattr(J, "FIRST", 2)
     target = Target(arch, tmp_path)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     prompts = (target.prompts * 3)[:12]
