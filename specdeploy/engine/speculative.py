@@ -34,20 +34,18 @@ from specdeploy.engine.drafting import (
 from specdeploy.engine.engine import Engine
 from specdeploy.engine.logits_process import logprob_pack, process, unpack_logprobs
 from specdeploy.engine.lookup import Lookup
-from specdeploy.engine.request import RequestOutput, Sequence
+from specdeploy.engine.request import Sequence
 from specdeploy.engine.sampler import argmax_rows
 from specdeploy.engine.scheduler import ScheduledSeq, Scheduler
 from specdeploy.engine.spec_control import (
     CONTROLLERS,
     DRAFTER_MARGIN,
-    OFF_MIN_BATCH,
     CostController,
     MeasuredCost,
     calibrate,
     cut_drafts,
     off_batches,
 )
-from specdeploy.engine.spec_judge import SpecJudge
 from specdeploy.engine.suffix_store import SuffixStore
 from specdeploy.engine.verify import Drafts, member_rows, verify, verify_greedy, verify_greedy_lists
 
@@ -144,11 +142,6 @@ class SpecEngine(Engine):
         # drafter has not caught up on, are not cached.
         self._cache_on_finish = deployed.draft is None
         self.controller: CostController | None = None
-        # the cost controller's judge of speculation at large batches (engine/spec_judge.py);
-        # the next step's planned (batch, speculating), and whether this step is all decode
-        self.judge: SpecJudge | None = None
-        self._planned: tuple[int, bool] | None = None
-        self._pure = False
         self._step_parts: list[float] | None = None  # this step's timed parts (`_timed`)
         self._measured: MeasuredCost | None = None  # calibrated once, on first use
         self._calibrated: tuple[int, ...] = ()  # the batch sizes `calibrate` timed
@@ -185,7 +178,6 @@ class SpecEngine(Engine):
         """"cost": the cost controller over this machine's measured costs (calibrated on first
         use, ~1 s on the default model); a `CostController` (e.g. over a synthetic cost
         model; it is resized to this engine's K); "off" / None: every draft is verified."""
-        self.judge = None
         if controller in (None, "off"):
             self.controller = None
             if self.lookup is not None:
@@ -207,7 +199,6 @@ class SpecEngine(Engine):
                                         margin=DRAFTER_MARGIN)
             controller.off_batches = off_batches(self._measured.table_s, self._calibrated,
                                                  self.scheduler.max_batch_size)
-            self.judge = SpecJudge(controller.off_batches, OFF_MIN_BATCH)
         elif not isinstance(controller, CostController):
             raise ValueError(f"controller: must be one of {', '.join(CONTROLLERS)} or a "
                              f"CostController, got {controller!r}")
@@ -252,10 +243,7 @@ class SpecEngine(Engine):
         n = self.disable_by_batch_size
         off = (list(range(n + 1, self.scheduler.max_batch_size + 1)) if n is not None
                else sorted(self.controller.off_batches) if self.controller is not None else [])
-        d = {**super().stats_dict(), **self.spec_stats.as_dict(), "spec_off_batch_sizes": off}
-        if self.judge is not None and n is None:  # judged from served steps from 8 up
-            d["spec_judged_batches"] = self.judge.state()
-        return d
+        return {**super().stats_dict(), **self.spec_stats.as_dict(), "spec_off_batch_sizes": off}
 
     def _timed(self, segs: list[Segment], rows: int, seconds: float) -> None:
         # NOTE: decode and verify steps only; a prefill chunk's rows cost another amount each
@@ -270,15 +258,6 @@ class SpecEngine(Engine):
             self.controller.observe_overhead(seconds - parts[0] - parts[1])
 
     # ---- the step hooks -----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        planned, self._planned, self._pure = self._planned, None, False
-        t = time.perf_counter()
-        outs = super().step()
-        if self.judge is not None and planned is not None and self._pure:
-            self.judge.record(*planned, sum(len(o.delta_token_ids) for o in outs),
-                              time.perf_counter() - t)
-        return outs
-
     def _segments(self, batch: list[ScheduledSeq]) -> list[Segment]:
         segs = super()._segments(batch)
         for i, s in enumerate(batch):
@@ -287,7 +266,6 @@ class SpecEngine(Engine):
                 ids = s.seq.pending_ids(1) + st.drafts
                 segs[i] = Segment(ids, s.seq.num_cached, s.seq.pages, s.seq.slot, len(ids),
                                   SEG_EXTEND, mm=s.seq.mm)
-        self._pure = all(seg.kind == SEG_EXTEND or len(seg.token_ids) == 1 for seg in segs)
         return segs
 
     def _verify(self, batch: list[ScheduledSeq], segs: list[Segment], out: StepOutput
@@ -442,9 +420,7 @@ class SpecEngine(Engine):
         # its chunked prefill once it is running at a batch size where speculation is off
         running = len(self.scheduler.running)
         drafter = isinstance(self.source, ModelDrafter)
-        off = self._spec_off(running)
-        self._planned = (running, not off)
-        if not drafter and off:  # no rows to defer: no work to build
+        if not drafter and self._spec_off(running):  # no rows to defer: no work to build
             self._count_off(sum(not s.seq.finished and s.seq.num_cached == len(s.seq) - 1
                                 for s in batch))
             return
@@ -459,7 +435,7 @@ class SpecEngine(Engine):
             tok += len(seg.token_ids)
         ctl = self.controller if not isinstance(self.source, FixedDrafter) else None
         wanting = [w.seq for w in work if w.wants]
-        if drafter and off:
+        if drafter and self._spec_off(running):
             # NOTE: its rows wait for the next drafting step's catch-up, as those of a sequence
             # the controller gives no drafts; a lookup index catches up on its next match
             self._count_off(len(wanting))
@@ -509,8 +485,6 @@ class SpecEngine(Engine):
         n = self.disable_by_batch_size
         if n is not None:
             return batch > n
-        if self.judge is not None:
-            return not self.judge.on(batch)
         return self.controller is not None and batch in self.controller.off_batches
 
     def _count_off(self, n: int) -> None:
