@@ -5,7 +5,9 @@ configuration and level, all built before any timing; rounds interleaved, each i
 shuffled order (seeded by the round).
 
     .venv/bin/python bench/spec_by_concurrency.py [--concurrency 1 2 4 8]
-        [--configs plain,auto] (also plain-b, suffix+ctl, lookup+ctl, plain-noamx, auto-noamx)
+        [--configs plain,auto] (also plain-b, suffix+ctl, lookup+ctl, plain-noamx, auto-noamx,
+        auto-fromN: `auto` with speculation off from N running sequences up, whatever its
+        calibration says)
         [--prompts 16] [--skip 6] [--max-tokens 128] [--rounds 3]
         [--threads 2] [--lockstep] [--json-out FILE]
 
@@ -63,6 +65,12 @@ for _name in ("plain", "auto"):
     CONFIGS[f"{_name}-noamx"] = CONFIGS[_name]
 
 
+def _from_n(name: str) -> int | None:
+    """N of "auto-fromN"."""
+    rest = name.removeprefix("auto-from")
+    return int(rest) if rest != name and rest.isdigit() else None
+
+
 def _setting(name: str):
     """The kernel setting a configuration deploys and runs in."""
     if name.endswith("-noamx"):
@@ -109,14 +117,17 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     names = args.configs.split(",")
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in CONFIGS and not _from_n(n)]
     if unknown or "plain" not in names:
         raise SystemExit(f"--configs: known {sorted(CONFIGS)}, plain included; got {names}")
     llms = {}
     for c in args.concurrency:
         for n in names:
             with _setting(n):
-                llms[(n, c)] = LLM(spec=CONFIGS[n](), max_batch_size=c)
+                llms[(n, c)] = LLM(spec=CONFIGS["auto" if _from_n(n) else n](),
+                                   max_batch_size=c)
+            if _from_n(n):
+                llms[(n, c)].engine.controller.off_batches = frozenset(range(_from_n(n), c + 1))
     tok = next(iter(llms.values())).tokenizer
     prompts = heldout_prompts(tok, args.skip + args.prompts, 256)[args.skip:]
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0)

@@ -703,17 +703,35 @@ class CostController:
 
 
 def off_batches(cost_s, calibrated: tuple[int, ...], top: int) -> frozenset[int]:
-    """The batch sizes (up to `top`) at which speculation is off: from the smallest calibrated
-    batch size B >= OFF_MIN_BATCH at which one draft for every sequence (B more rows) pays only
-    at an acceptance of OFF_BREAK_EVEN or more, cost(2B) / cost(B) - 1 (`cost_s`: the
-    calibration table, where B and 2B rows were both timed), up. NOTE: calibrated batch sizes
-    only: a row count between them is interpolated across the kernels' 8-row tiles (a step of
-    9 rows cost ~1.6x one of 6, 2026-12-05), and with one row more the break-even swings with
-    a single noisy timing (a 17th row: 0-2.8 between calibrations)."""
+    """The batch sizes (up to `top`) at which speculation is off. At each calibrated batch size
+    B >= OFF_MIN_BATCH, r(B) = cost(2B) / cost(B) - 1 is the acceptance one draft for every
+    sequence (B more rows) needs to pay (`cost_s`: the calibration table, where B and 2B rows
+    were both timed). Off from the smallest B where r(B) >= OFF_BREAK_EVEN, up; where r
+    crosses the threshold between two calibrated sizes B1 < B2, from the first size at which r
+    linearly interpolated between them does. NOTE: the ratio is interpolated, not the cost of a
+    row count between them: across the kernels' 8-row tiles a step of 9 rows cost ~1.6x one of
+    6 (2026-12-05), and with one row more the break-even swings with a single noisy timing (a
+    17th row: 0-2.8 between calibrations). Why interpolate: on a 2-core Xeon with AMX r(8) was
+    0.37-0.43 and r(16) 0.35-0.60 in six calibrations; a calibration with r(8) just under 0.4
+    kept speculation on at 9-15, and a server at 16 in flight (15 and 16 running in turn) made
+    0.956x plain's tokens/s, against 0.993x where r(8) had turned it off from 8
+    (bench/spec_by_concurrency.py --lockstep, 2026-12-05); at 8 itself it paid (1.01-1.06x)."""
+    prev = None
     for b in sorted(x for x in calibrated if x >= OFF_MIN_BATCH):
         t0 = cost_s(b)
-        if t0 > 0 and cost_s(2 * b) / t0 - 1.0 >= OFF_BREAK_EVEN:
-            return frozenset(range(b, top + 1))
+        if t0 <= 0:
+            continue
+        r = cost_s(2 * b) / t0 - 1.0
+        if r >= OFF_BREAK_EVEN:
+            start = b
+            if prev is not None and prev[1] < OFF_BREAK_EVEN:
+                b1, r1 = prev
+                for x in range(b1 + 1, b + 1):
+                    if r1 + (r - r1) * (x - b1) / (b - b1) >= OFF_BREAK_EVEN:
+                        start = x
+                        break
+            return frozenset(range(start, top + 1))
+        prev = (b, r)
     return frozenset()
 
 

@@ -23,7 +23,13 @@ def test_off_batches_where_one_draft_a_sequence_needs_a_high_acceptance():
     assert cost(32) / cost(16) - 1 >= OFF_BREAK_EVEN > cost(16) / cost(8) - 1
     assert off_batches(cost, (1, 3, 16), 20) == frozenset(range(16, 21))
     assert off_batches(cost, (1, 3, 8), 16) == frozenset()  # 16 never calibrated: not judged
-    assert off_batches(cost, (1, 3, 8, 16), 16) == frozenset({16})
+    # between 8 (0.324) and 16 (0.490) the ratio crosses 0.4 at 8 + 8 * 0.076 / 0.166 = 11.66
+    assert off_batches(cost, (1, 3, 8, 16), 16) == frozenset(range(12, 17))
+    assert off_batches(cost, (1, 3, 8, 16), 20) == frozenset(range(12, 21))
+    # above at 8 already: from 8; a ratio falling under it again (noise) changes nothing
+    assert off_batches(_linear(1.0, 0.1), (1, 3, 8, 16), 16) == frozenset(range(8, 17))
+    table = {8: 1.0, 16: 1.45, 32: 1.6}.__getitem__  # r(8) = 0.45, r(16) = 0.10
+    assert off_batches(table, (8, 16), 16) == frozenset(range(8, 17))
     # a flat (memory-bound) step: drafts pay at any acceptance
     assert off_batches(_linear(1.0, 0.0), (1, 3, 16), 16) == frozenset()
 
