@@ -1,6 +1,7 @@
-"""The FastAPI app: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/tokenize`,
-`/detokenize`, `/version`, `/health`, `/metrics`. `create_app(llm)` serves an `LLM` (its engine
-then belongs to the app's engine thread: do not call `llm.generate` while the app runs)."""
+"""The FastAPI app: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/v1/responses`,
+`/tokenize`, `/detokenize`, `/version`, `/health`, `/metrics`. `create_app(llm)` serves an `LLM`
+(its engine then belongs to the app's engine thread: do not call `llm.generate` while the app
+runs)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,8 @@ from starlette.requests import ClientDisconnect
 
 from specdeploy.serving import protocol as P
 from specdeploy.serving import responses as R
+from specdeploy.serving import responses_api as RA
+from specdeploy.serving import responses_stream as RS
 from specdeploy.serving import tokenize as T
 from specdeploy.serving.body import parse_json
 from specdeploy.serving.chat import parse_chat
@@ -30,8 +33,8 @@ from specdeploy.version import version
 MAX_BODY_BYTES = 16 * 2**20
 MAX_HEADER_BYTES = 16 * 2**10  # as h11's default limit on an incomplete request head
 log = logging.getLogger("specdeploy.serving")
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-             "/version", "/health", "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses",
+             "/tokenize", "/detokenize", "/version", "/health", "/metrics")
 
 
 def default_model_name(llm) -> str:
@@ -183,24 +186,31 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
     async def detokenize(request: Request):
         return await tokenizer_call(request, T.detokenize)
 
-    async def generate(request: Request, parse):
+    async def generate(request: Request, parse, responses: bool = False):
         auth(request)
         if not loop.accepting:  # before reading the body: nothing will run it
             raise P.APIError(503, "the server is shutting down", None, "shutting_down")
         raw = await _read_body(request, max_body_bytes)
         # NOTE: off the event loop: walking a big body and tokenizing a long prompt must not
         # stall other streams
-        req = await asyncio.to_thread(lambda: parse(parse_json(raw), tokenizer, limits))
+        body = await asyncio.to_thread(parse_json, raw)
+        req = await asyncio.to_thread(lambda: parse(body, tokenizer, limits))
         handle = loop.submit(req.prompts, req.params, req.mm, req.priority)
         try:
             await handle.accepted()
         except BaseException:
             loop.abort(handle)
             raise
+        on_close = lambda: None if handle.done else loop.abort(handle)  # noqa: E731
+        if responses:  # /v1/responses: its own shapes (responses_api.py)
+            ids = RA.new_ids()
+            if req.stream:
+                return _SSEResponse(RS.stream(req, body, handle, ids), on_close=on_close)
+            return await collect(request, req, handle, ids["resp"], ids["created"], loop,
+                                 render=RS.render(body, ids))
         rid, created = R.new_id(req.chat), R.now()
         if req.stream:
-            return _SSEResponse(stream(req, handle, rid, created), on_close=lambda: (
-                None if handle.done else loop.abort(handle)))
+            return _SSEResponse(stream(req, handle, rid, created), on_close=on_close)
         return await collect(request, req, handle, rid, created, loop)
 
     @app.post("/v1/completions")
@@ -210,6 +220,10 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await generate(request, parse_chat)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await generate(request, RA.parse_responses, responses=True)
 
     return app
 

@@ -127,8 +127,9 @@ async def stream(req: P.GenerationRequest, handle: Handle, rid: str, created: in
 
 
 async def collect(request: Request, req: P.GenerationRequest, handle: Handle, rid: str,
-                   created: int, loop: EngineLoop):
-    """Wait for every prompt's output; a client that leaves aborts its requests."""
+                  created: int, loop: EngineLoop, render=None):
+    """Wait for every prompt's output; a client that leaves aborts its requests. `render`:
+    the body from `R.response_body`'s arguments (default: it; /v1/responses has its own)."""
     n = len(req.prompts)
     texts, reasons, toks, lps, plps = [""] * n, [None] * n, [[]] * n, [None] * n, [None] * n
     gone = asyncio.ensure_future(_disconnected(request))
@@ -154,8 +155,8 @@ async def collect(request: Request, req: P.GenerationRequest, handle: Handle, ri
     finally:
         gone.cancel()
     use = R.usage(req.prompt_tokens, sum(map(len, toks)))
-    return JSONResponse(R.response_body(req, rid, created, texts, reasons, use, lps, plps,
-                                        toks))
+    return JSONResponse((render or R.response_body)(req, rid, created, texts, reasons, use, lps,
+                                                    plps, toks))
 
 
 async def _disconnected(request: Request) -> None:

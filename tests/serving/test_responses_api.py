@@ -1,0 +1,120 @@
+"""`/v1/responses` (OpenAI's Responses API, as vLLM serves it) on a tiny Llama with the qwen3
+reasoning parser, through the openai client (whose typed objects check the shapes). Oracles:
+the chat endpoint's reply to the same conversation (a Responses request is that chat request),
+the unstreamed response for a stream, a JSON schema's own validation."""
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+MSGS = [{"role": "user", "content": "Hello there"}]
+GREEDY = dict(model="m", temperature=0, extra_body={"ignore_eos": True})
+SHAPE = "<think>[a-z]{3,6}</think>[A-Z]{2,4}"  # a grammar-shaped thinking reply
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, serve):
+    from specdeploy.serving.app import create_app
+    from tests.spec.tiny_targets import Target
+
+    target = Target("llama", tmp_path_factory.mktemp("responses"))
+    with serve(create_app(target.llm(None), model_name="m", reasoning_parser="qwen3")) as srv:
+        yield srv.client(None)
+
+
+def _chat(client, messages, n=8, **kw):
+    return client.chat.completions.create(messages=messages, max_tokens=n, **GREEDY, **kw)
+
+
+def test_text_is_the_chat_reply_and_a_cut_reply_is_incomplete(client):
+    r = client.responses.create(input="Hello there", max_output_tokens=8, **GREEDY)
+    chat = _chat(client, MSGS)
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == chat.choices[0].message.content
+    assert [o.type for o in r.output] == ["message"] and r.output[0].role == "assistant"
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 8)
+    assert r.usage.total_tokens == chat.usage.total_tokens and r.store is False
+
+
+def test_instructions_and_message_lists(client):
+    convo = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Again"}]
+    want = _chat(client, convo).choices[0].message.content
+    r = client.responses.create(
+        instructions="Be brief", max_output_tokens=8, **GREEDY,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+               {"type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": "Hello"}]},
+               {"role": "user", "content": "Again"}])
+    assert r.output_text == want and r.instructions == "Be brief"
+
+
+def test_stream_events_spell_the_response(client):
+    whole = client.responses.create(input="Hello there", max_output_tokens=10, **GREEDY)
+    events = list(client.responses.create(input="Hello there", max_output_tokens=10,
+                                          stream=True, **GREEDY))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == 10
+
+
+def test_reasoning_becomes_its_own_item(client):
+    r = client.responses.create(input="Think first", max_output_tokens=40, temperature=0,
+                                model="m", extra_body={"guided_regex": SHAPE})
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert re.fullmatch("[a-z]{3,6}", r.output[0].content[0].text)
+    assert re.fullmatch("[A-Z]{2,4}", r.output_text) and r.status == "completed"
+    events = list(client.responses.create(input="Think first", max_output_tokens=40,
+                                          temperature=0, model="m", stream=True,
+                                          extra_body={"guided_regex": SHAPE}))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, said) == (r.output[0].content[0].text, r.output_text)
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert done == ["reasoning", "message"] and events[-1].type == "response.completed"
+
+
+def test_json_schema_format_and_logprobs(client):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    r = client.responses.create(input="A number", max_output_tokens=30, model="m",
+                                temperature=0, text={"format": {
+                                    "type": "json_schema", "name": "n", "schema": schema}})
+    assert isinstance(json.loads(r.output_text)["a"], int)
+    r = client.responses.create(input="Hello there", max_output_tokens=6, top_logprobs=2,
+                                **GREEDY)
+    chat = _chat(client, MSGS, 6, logprobs=True, top_logprobs=2)
+    got = r.output[0].content[0].logprobs
+    want = chat.choices[0].logprobs.content
+    assert [(x.token, x.logprob) for x in got] == [(x.token, x.logprob) for x in want]
+    assert all(len(x.top_logprobs) == 2 for x in got)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_x"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+     "input[0].type"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input[0].content[0].type"),
+])
+def test_refusals_name_the_responses_field(client, extra, param):
+    body = {"input": "Hi", "max_output_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.post("/responses", body={"model": "m", **body}, cast_to=object)
+    assert e.value.body["param"] == param
