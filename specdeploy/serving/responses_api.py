@@ -4,14 +4,17 @@ A request is translated into a chat request and parsed by chat.py, so every rule
 chat applies; a refusal names the Responses field (`max_output_tokens`, `text.format`, `input`).
 - `input`: a string (one user message) or a list of messages ({"role", "content"}, `type`
   "message" or none): content a string or parts `input_text` / `output_text` / `input_image`;
-  `instructions`: a system message first. Other items (function calls and their outputs,
-  reasoning items) are refused: this server keeps no conversation state and runs no tools.
+  `instructions`: a system message first. Other items (reasoning items, ...) are refused.
 - `max_output_tokens`, `temperature`, `top_p`, `top_logprobs`, `text.format` (text, json_object,
   json_schema), `truncation` ("auto": the input's oldest tokens cut to fit), vLLM's sampling
   extras (`top_k`, `min_p`, `repetition_penalty`, `seed`, penalties), `priority`.
+- Function `tools` and `tool_choice` (chat's, so `--enable-auto-tool-choice --tool-call-parser`
+  for "auto"); `function_call` / `function_call_output` input items are the assistant's
+  tool_calls and the tool messages of the conversation; calls come back as `function_call`
+  items.
 - `store` is accepted and answered `false` (nothing is stored, as vLLM without its store);
-  `previous_response_id`, `background`, tools, `reasoning` options and `include` entries other
-  than `message.output_text.logprobs` are refused by name.
+  `previous_response_id`, `background`, other tool types, `reasoning` options and `include`
+  entries other than `message.output_text.logprobs` are refused by name.
 The response: `output` = a `reasoning` item (with `--reasoning-parser`, when the reply thinks)
 and a `message` item of one `output_text` part; `status` "incomplete" with reason
 `max_output_tokens` where the reply was cut. Streaming sends the typed events
@@ -32,11 +35,11 @@ from specdeploy.serving.fields import _log_unknown as log_unknown
 _RENAMED = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
             "messages": "input", "truncate_prompt_tokens": "truncation"}
 _PASSED = ("model", "temperature", "top_p", "stream", "top_k", "min_p", "repetition_penalty",
+           "parallel_tool_calls",
            "seed", "presence_penalty", "frequency_penalty", "priority", "user", "metadata",
            "stop", "chat_template_kwargs", "ignore_eos", "min_tokens", "guided_regex",
            "guided_choice", "structured_outputs")
-_IGNORED = ("store", "service_tier", "prompt_cache_key", "safety_identifier",
-            "parallel_tool_calls", "stream_options")
+_IGNORED = ("store", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options")
 _HANDLED = ("input", "instructions", "max_output_tokens", "text", "top_logprobs", "include",
             "truncation", "tools", "tool_choice", "reasoning")
 _REFUSED = ("previous_response_id", "background", "conversation", "prompt", "max_tool_calls")
@@ -81,12 +84,54 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(item, dict):
             raise bad(f"input[{i}]", "must be an object", "invalid_type")
         kind = item.get("type", "message")
-        if kind != "message":
-            raise bad(f"input[{i}].type", f"{json.dumps(kind)} items are not supported (this "
-                      "server keeps no conversation state and runs no tools)", "unsupported")
-        msgs.append({"role": item.get("role"),
-                     "content": _text_parts(item.get("content"), f"input[{i}].content")})
+        if kind == "function_call":  # the model's call: an assistant turn's tool_calls
+            call = {"id": _str(item, "call_id", i), "type": "function", "function": {
+                "name": _str(item, "name", i), "arguments": _str(item, "arguments", i)}}
+            if msgs and msgs[-1]["role"] == "assistant":
+                msgs[-1].setdefault("tool_calls", []).append(call)
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            msgs.append({"role": "tool", "tool_call_id": _str(item, "call_id", i),
+                         "content": _str(item, "output", i)})
+        elif kind == "message":
+            msgs.append({"role": item.get("role"),
+                         "content": _text_parts(item.get("content"), f"input[{i}].content")})
+        else:
+            raise bad(f"input[{i}].type", f"{json.dumps(kind)} items are not supported "
+                      "(message, function_call, function_call_output are)", "unsupported")
     return msgs
+
+
+def _str(item: dict, key: str, i: int) -> str:
+    v = item.get(key)
+    if not isinstance(v, str):
+        raise bad(f"input[{i}].{key}", "must be a string", "invalid_type")
+    return v
+
+
+def _tools(body: dict, out: dict) -> None:
+    """Function tools and tool_choice in chat's shapes (the server's tool parser runs them)."""
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise bad("tools", "must be a list", "invalid_type")
+        out["tools"] = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                kind = t.get("type") if isinstance(t, dict) else None
+                raise bad(f"tools[{i}].type", f"{json.dumps(kind)} tools are not supported "
+                          "(function tools are)", "unsupported")
+            fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
+            out["tools"].append({"type": "function", "function": fn})
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict):
+        if tc.get("type") != "function" or not isinstance(tc.get("name"), str):
+            raise bad("tool_choice", "must be \"auto\", \"none\", \"required\" or "
+                      "{\"type\": \"function\", \"name\": ...}", "invalid_value")
+        out["tool_choice"] = {"type": "function", "function": {"name": tc["name"]}}
+    elif tc is not None:
+        out["tool_choice"] = tc
 
 
 def _format(body: dict) -> dict | None:
@@ -113,9 +158,6 @@ def chat_body(body: dict) -> dict:
         if body.get(name) not in (None, False):
             raise bad(name, "is not supported by this server (no stored responses or "
                       "background runs)", "unsupported")
-    if body.get("tools") or body.get("tool_choice") not in (None, "none", "auto"):
-        raise bad("tools", "tools are not supported on /v1/responses by this server",
-                  "unsupported")
     reasoning = body.get("reasoning")
     if reasoning not in (None, {}) and not (isinstance(reasoning, dict) and all(
             v is None for v in reasoning.values())):
@@ -129,6 +171,7 @@ def chat_body(body: dict) -> dict:
         raise bad("include", f"only {LOGPROBS_INCLUDE!r} is supported", "unsupported")
     out = {k: body[k] for k in _PASSED if k in body}
     out["messages"] = _messages(body)
+    _tools(body, out)
     if body.get("max_output_tokens") is not None:
         out["max_completion_tokens"] = body["max_output_tokens"]
     fmt = _format(body)
@@ -197,7 +240,8 @@ def response_object(req, body: dict, ids: dict, output: list, reason: str | None
         "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
         "store": False, "temperature": req.params[0].temperature,
         "text": {"format": body.get("text", {}).get("format") or {"type": "text"}},
-        "tool_choice": "auto", "tools": [], "top_p": req.params[0].top_p,
+        "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+        "top_p": req.params[0].top_p,
         "truncation": body.get("truncation") or "disabled", "usage": usage}
 
 
@@ -208,13 +252,24 @@ def usage(req, completion_tokens: int) -> dict:
             "total_tokens": req.prompt_tokens + completion_tokens}
 
 
-def output_items(req, ids: dict, text: str, lp: dict | None) -> list:
-    """The whole reply as items: its reasoning (with a parser) and its message."""
+def output_items(req, ids: dict, text: str, lp: dict | None, reason: str | None = None
+                 ) -> list:
+    """The whole reply as items: its reasoning (with a parser), its message (unless it is
+    all calls) and its function calls (with tools: serving/tools.py's parse)."""
     items = []
     if req.reasoning is not None:
         fields = req.reasoning[0].message(text)
         if fields.get("reasoning"):
             items.append(reasoning_item(ids, fields["reasoning"]))
         text = fields.get("content") or ""
-    items.append(message_item(ids, text, _logprobs(lp)))
+    calls = []
+    if req.tools is not None:
+        fields, _ = req.tools[0].message(text, reason)
+        text, calls = fields.get("content") or "", fields.get("tool_calls") or []
+    if text or not calls:
+        items.append(message_item(ids, text, _logprobs(lp)))
+    for c in calls:
+        items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex,
+                      "call_id": c["id"], "name": c["function"]["name"],
+                      "arguments": c["function"]["arguments"], "status": "completed"})
     return items

@@ -13,7 +13,7 @@ from specdeploy.serving.replies import _held_back
 def render(body: dict, ids: dict):
     """A `replies.collect` renderer: the Responses object of the one choice."""
     def run(req, rid, created, texts, reasons, use, lps, plps, toks):
-        items = RA.output_items(req, ids, texts[0], lps[0])
+        items = RA.output_items(req, ids, texts[0], lps[0], reasons[0])
         return RA.response_object(req, body, ids, items, reasons[0],
                                   RA.usage(req, use["completion_tokens"]))
     return run
@@ -67,6 +67,8 @@ async def stream(req, body: dict, handle: Handle, ids: dict):
             fields = {"content": out.text[sent:end]} if end > sent else {}
             sent = max(sent, end)
         r, c = fields.get("reasoning"), fields.get("content")
+        if req.tools is not None:  # content and calls parsed once the reply is whole
+            c = None
         lp = []
         if out.logprobs is not None and (c or out.finished):
             lp = RA._logprobs(req.logprobs(0, out.token_ids[sent_lp:], out.logprobs[sent_lp:]))
@@ -95,17 +97,31 @@ async def stream(req, body: dict, handle: Handle, ids: dict):
     if open_kind == "reasoning":
         for x in close_reasoning():
             yield x
-    if open_kind != "message":
-        for x in open_message():
-            yield x
-    final = RA.output_items(req, ids, out.text, req.final_logprobs(0, out))
-    item = final[-1]
-    at = len(items)
-    part = item["content"][0]
-    yield ev("response.output_text.done", **msg, output_index=at, content_index=0,
-             text=part["text"], logprobs=part["logprobs"])
-    yield ev("response.content_part.done", **msg, output_index=at, content_index=0, part=part)
-    yield ev("response.output_item.done", output_index=at, item=item)
+    final = RA.output_items(req, ids, out.text, req.final_logprobs(0, out), out.finish_reason)
+    for at, item in enumerate(final):
+        if item["type"] == "reasoning":
+            continue  # streamed and closed above
+        if item["type"] == "function_call":
+            fc = {"item_id": item["id"], "output_index": at}
+            yield ev("response.output_item.added", output_index=at,
+                     item={**item, "arguments": "", "status": "in_progress"})
+            yield ev("response.function_call_arguments.delta", **fc, delta=item["arguments"])
+            yield ev("response.function_call_arguments.done", **fc, arguments=item["arguments"])
+            yield ev("response.output_item.done", output_index=at, item=item)
+            continue
+        part = item["content"][0]
+        if open_kind != "message":
+            open_kind = "message"
+            for x in open_message():
+                yield x
+            if part["text"]:  # (with tools: the content, whole)
+                yield ev("response.output_text.delta", **msg, output_index=at, content_index=0,
+                         delta=part["text"], logprobs=part["logprobs"])
+        yield ev("response.output_text.done", **msg, output_index=at, content_index=0,
+                 text=part["text"], logprobs=part["logprobs"])
+        yield ev("response.content_part.done", **msg, output_index=at, content_index=0,
+                 part=part)
+        yield ev("response.output_item.done", output_index=at, item=item)
     resp = RA.response_object(req, body, ids, final, out.finish_reason,
                               RA.usage(req, len(out.token_ids)))
     yield ev("response.completed" if resp["status"] == "completed" else "response.incomplete",

@@ -103,9 +103,11 @@ def test_json_schema_format_and_logprobs(client):
 @pytest.mark.parametrize("extra, param", [
     ({"previous_response_id": "resp_x"}, "previous_response_id"),
     ({"background": True}, "background"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
-     "input[0].type"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]},
+     "input[0].output"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "xml"}}}, "text.format"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
@@ -118,3 +120,66 @@ def test_refusals_name_the_responses_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.post("/responses", body={"model": "m", **body}, cast_to=object)
     assert e.value.body["param"] == param
+
+
+# ---- function tools (a server with vLLM's tool flags; hermes calls shaped by a grammar) --------
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                         "required": ["city"]}}]
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items()
+                                                if k != "type"}}]
+CALL = (r'Ok<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,3}"\}\}'
+        r'</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def tools_client(tmp_path_factory, serve):
+    from specdeploy.serving.app import create_app
+    from tests.spec.tiny_targets import Target
+
+    target = Target("llama", tmp_path_factory.mktemp("responses_tools"))
+    app = create_app(target.llm(None), model_name="m", enable_auto_tool_choice=True,
+                     tool_call_parser="hermes")
+    with serve(app) as srv:
+        yield srv.client(None)
+
+
+def test_function_calls_come_back_as_items(tools_client):
+    kw = dict(model="m", input="Weather in Paris?", tools=TOOLS, max_output_tokens=80,
+              temperature=0, extra_body={"guided_regex": CALL})
+    r = tools_client.responses.create(**kw)
+    chat = tools_client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=CHAT_TOOLS, max_tokens=80, temperature=0, extra_body={"guided_regex": CALL})
+    (want,) = chat.choices[0].message.tool_calls
+    assert [o.type for o in r.output] == ["message", "function_call"]
+    assert r.output_text == "Ok" and r.status == "completed"
+    call = r.output[1]
+    assert (call.name, call.arguments) == (want.function.name, want.function.arguments)
+    assert call.call_id and call.id.startswith("fc_") and r.tools[0].name == "get_weather"
+    events = list(tools_client.responses.create(stream=True, **kw))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [call.arguments]
+    assert [o.type for o in events[-1].response.output] == ["message", "function_call"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Ok"
+
+
+def test_call_and_output_items_are_the_tool_turns(tools_client):
+    """function_call / function_call_output input items = chat's assistant tool_calls and tool
+    message: the same prompt, so the same greedy reply."""
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"}]
+    r = tools_client.responses.create(model="m", input=items, tools=TOOLS, max_output_tokens=8,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]
+    chat = tools_client.chat.completions.create(model="m", messages=msgs, tools=CHAT_TOOLS,
+                                                max_tokens=8, temperature=0,
+                                                extra_body={"ignore_eos": True})
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == (chat.choices[0].message.content or "")
