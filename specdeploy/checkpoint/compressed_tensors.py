@@ -16,11 +16,11 @@ start of the name], "kv_cache_scheme"}. Per quantized linear `X`:
   w = E2M1 * weight_scale / weight_global_scale (ModelOpt's weight_scale_2 is 1 / global).
 - `kv_cache_scheme` {num_bits 8, type float, strategy tensor}: an FP8 KV cache with per-layer
   `self_attn.k_scale` / `v_scale`.
-- `pack-quantized` W4A16 (weights {num_bits 4, type int, symmetric, strategy group or
-  channel}, no activation quantization): checkpoint/ct_int4.py, as GGUF Q4_0 blocks.
-Other integer formats (8-bit `pack-quantized`, W8A8 `int-quantized`, `naive-quantized`), MX
-formats, asymmetric or group-reordered (`actorder: group`, a `g_idx`) weights and mixed groups
-are refused by name.
+- integer weights (type int, symmetric, strategy group or channel): `pack-quantized` 4 or 8
+  bits without activation quantization (W4A16, W8A16), `int-quantized` 8 bits with dynamic
+  int8 activations (W8A8, run weight-only): checkpoint/ct_int.py, as GGUF Q4_0 / Q8_0 blocks.
+`naive-quantized`, MX formats, static integer activations, asymmetric or group-reordered
+(`actorder: group`, a `g_idx`) weights and mixed groups are refused by name.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 from specdeploy.checkpoint.reader import CheckpointError
 
-FORMATS = ("float-quantized", "nvfp4-pack-quantized", "pack-quantized")
+FORMATS = ("float-quantized", "nvfp4-pack-quantized", "pack-quantized", "int-quantized")
 _FP8_STRATEGIES = ("tensor", "channel", "group", "block")
 
 
@@ -52,8 +52,10 @@ def parse(qc: dict, where: str, keys: Iterable[str], unsupported, make):
     exclude = _ignored_modules(qc.get("ignore") or [], keys, where)
     if kind[0] == "nvfp4":
         return make(method="ct_nvfp4", exclude=exclude, group_size=16, kv_cache=kv)
-    if kind[0] == "int4":
-        return make(method="ct_int4", exclude=exclude, group_size=kind[1], kv_cache=kv)
+    if kind[0] == "int":
+        _, bits, group, packed = kind
+        return make(method="ct_int", exclude=exclude, group_size=group, kv_cache=kv, bits=bits,
+                    packed=packed)
     _, strategy, block, static = kind
     return make(method="ct_fp8", exclude=exclude, strategy=strategy, kv_cache=kv,
                 block_size=block, static_activations=static)
@@ -77,8 +79,8 @@ def _group_kind(name: str, g: dict, top_format, where: str, unsupported) -> tupl
         raise unsupported(at, "compressed-tensors with asymmetric weights (zero points)")
     if w.get("actorder") not in (None, "static", "weight"):  # "group": columns permuted
         raise unsupported(at, f"compressed-tensors with actorder {w.get('actorder')!r}")
-    if fmt == "pack-quantized":
-        return _int4(w, a, at, unsupported)
+    if fmt in ("pack-quantized", "int-quantized"):
+        return _int(fmt, w, a, at, unsupported)
     if w.get("type") != "float":
         raise unsupported(at, f"compressed-tensors {fmt} with weight type {w.get('type')!r}")
     bits, strategy = w.get("num_bits"), w.get("strategy")
@@ -115,17 +117,22 @@ def _group_kind(name: str, g: dict, top_format, where: str, unsupported) -> tupl
     return ("fp8", strategy, block, static)
 
 
-def _int4(w: dict, a, at: str, unsupported) -> tuple:
+def _int(fmt: str, w: dict, a, at: str, unsupported) -> tuple:
     bits, strategy, gs = w.get("num_bits"), w.get("strategy"), w.get("group_size")
-    if w.get("type") != "int" or bits != 4 or strategy not in ("group", "channel"):
-        raise unsupported(at, f"compressed-tensors pack-quantized with {bits}-bit "
-                          f"{w.get('type')} weights by {strategy!r} (only int4 by group or "
-                          "channel: W4A16)")
-    if a is not None:
+    allowed = (4, 8) if fmt == "pack-quantized" else (8,)
+    if w.get("type") != "int" or bits not in allowed or strategy not in ("group", "channel"):
+        raise unsupported(at, f"compressed-tensors {fmt} with {bits}-bit {w.get('type')} "
+                          f"weights by {strategy!r} (only int{'4 or 8' if len(allowed) > 1 else 8}"
+                          " by group or channel)")
+    if fmt == "pack-quantized" and a is not None:
         raise unsupported(at, "compressed-tensors pack-quantized with quantized activations")
+    if fmt == "int-quantized" and a is not None and (
+            a.get("type") != "int" or a.get("num_bits") != 8 or a.get("dynamic") is not True):
+        raise unsupported(at, "compressed-tensors int-quantized with static or non-int8 "
+                          "activations (only dynamic int8)")
     if strategy == "group" and (not isinstance(gs, int) or gs <= 0):
         raise CheckpointError(f"{at}: group_size must be a positive int, got {gs!r}")
-    return ("int4", gs if strategy == "group" else 0)
+    return ("int", bits, gs if strategy == "group" else 0, fmt == "pack-quantized")
 
 
 def _kv_scheme(kv, where: str, unsupported) -> str | None:

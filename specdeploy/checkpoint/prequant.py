@@ -253,10 +253,10 @@ def open_prequantized(reader, n_layers: int, model: nn.Module
     qcfg = detect_quant_config(reader.path, reader.config, reader.keys())
     if qcfg is None:
         return reader, None
-    if qcfg.method == "ct_int4":  # GGUF Q4_0 blocks: the loader's block path, not this one
-        from specdeploy.checkpoint.ct_int4 import Int4Reader
+    if qcfg.method == "ct_int":  # GGUF blocks: the loader's block path, not this one
+        from specdeploy.checkpoint.ct_int import IntReader
 
-        return Int4Reader(reader, qcfg), None
+        return IntReader(reader, qcfg), None
     ckpt_modules = sorted({k.rpartition(".")[0] for k in reader.keys()})
     excl = map_exclusions(qcfg.exclude, ckpt_modules, n_layers, _quantizable_modules(model))
     info = PrequantInfo(qcfg, excl, kv_scales=_kv_scales(reader) if qcfg.kv_cache else {})

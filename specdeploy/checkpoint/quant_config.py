@@ -25,7 +25,7 @@ __all__ = ["QuantConfig", "SUPPORTED", "UnsupportedQuantization", "detect_quant_
 
 SUPPORTED = ("modelopt FP8", "modelopt NVFP4", "fp8 with weight_block_size (HF fine-grained)",
              "compressed-tensors float-quantized (FP8) / nvfp4-pack-quantized / "
-             "pack-quantized (W4A16)")
+             "pack-quantized (W4A16, W8A16) / int-quantized (W8A8)")
 _KV_ALGOS = (None, "FP8")
 # tensor-name endings that only quantized checkpoints have (ModelOpt, HF fp8, compressed-tensors,
 # GPTQ / AWQ, bitsandbytes)
@@ -42,7 +42,7 @@ class UnsupportedQuantization(CheckpointError):
 @dataclass(frozen=True)
 class QuantConfig:
     # "fp8" (ModelOpt per-tensor) | "nvfp4" | "fp8_block" (HF fine-grained) | "ct_fp8" |
-    # "ct_nvfp4" | "ct_int4" (compressed-tensors)
+    # "ct_nvfp4" | "ct_int" (compressed-tensors)
     method: str
     source: str  # where it was read: "hf_quant_config.json" | "config.json"
     exclude: tuple[str, ...] = ()  # fnmatch globs over the checkpoint's module names
@@ -51,6 +51,8 @@ class QuantConfig:
     kv_cache: str | None = None  # "FP8" or None
     static_activations: bool = False  # ModelOpt FP8 `input_scale` applies to activations
     strategy: str = ""  # ct_fp8's weight scales: "tensor" | "channel" | "group" | "block"
+    bits: int = 0  # ct_int: 4 or 8
+    packed: bool = False  # ct_int: pack-quantized (else int-quantized)
 
     def describe(self) -> str:
         what = {"fp8": "ModelOpt FP8 (per-tensor weights, static per-tensor activations)",
@@ -65,9 +67,12 @@ class QuantConfig:
                              else ", weight-only)"),
                 "ct_nvfp4": "compressed-tensors NVFP4 (group 16, weight-only on this "
                             "hardware: no FP4 units)",
-                "ct_int4": "compressed-tensors W4A16 (int4 "
-                           + (f"groups of {self.group_size}" if self.group_size else
-                              "per channel") + ", as GGUF Q4_0 blocks)"}[self.method]
+                "ct_int": f"compressed-tensors W{self.bits}A"
+                          + ("16" if self.packed else "8, run weight-only") + f" (int{self.bits} "
+                          + (f"groups of {self.group_size}" if self.group_size else
+                             "per channel")
+                          + f", as GGUF {'Q4_0' if self.bits == 4 else 'Q8_0'} blocks)"
+                }[self.method]
         return what + (f", kv cache {self.kv_cache}" if self.kv_cache else "")
 
 

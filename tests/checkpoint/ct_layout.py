@@ -49,6 +49,12 @@ KINDS = {
                                                "strategy": "channel"}, None),
     "w4a16-g16": (None, "pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True,
                                            "strategy": "group", "group_size": 16}, None),
+    "w8a16": (None, "pack-quantized", {"num_bits": 8, "type": "int", "symmetric": True,
+                                       "strategy": "channel"}, None),
+    "w8a8": (None, "int-quantized", {"num_bits": 8, "type": "int", "symmetric": True,
+                                     "strategy": "group", "group_size": 32},
+             {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
+              "strategy": "token"}),
     "nvfp4": ("nvfp4", "nvfp4-pack-quantized",
               {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False,
                "strategy": "tensor_group", "group_size": 16},
@@ -62,10 +68,12 @@ def _scales(w: torch.Tensor, weights: dict) -> dict[str, torch.Tensor]:
     observers), shaped as the library stores them."""
     s, n, k = weights["strategy"], *w.shape
     a = w.abs()
-    if weights["type"] == "int":  # symmetric int4: amax / 7, stored in bfloat16
+    if weights["type"] == "int":  # amax / 2^(bits-1), in bfloat16: a group's most negative
+        # weight at amax quantizes to the code -2^(bits-1) (int8's -128, int4's -8)
         g = k if s == "channel" else weights["group_size"]
         amax = a.reshape(n, k // g, g).amax(-1)
-        return {"weight_scale": torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+        top = float(1 << (weights["num_bits"] - 1))
+        return {"weight_scale": torch.where(amax > 0, amax / top, torch.ones_like(amax))
                 .to(torch.bfloat16)}
     if s == "tensor_group":  # NVFP4: global = 448 * 6 / amax, group scales / global in fp8
         g = (448.0 * 6.0 / a.max().clamp_min(1e-12)).reshape(1)
@@ -150,6 +158,9 @@ def _decompress(comp, sd: dict, scheme) -> torch.Tensor:
                               torch.Size(sd["weight_shape"].tolist()))
         return dequantize(x_q=q, scale=sd["weight_scale"].float(), args=scheme.weights,
                           dtype=torch.float32)
+    if sd.get("weight") is not None and sd["weight"].dtype == torch.int8:  # int-quantized
+        return dequantize(x_q=sd["weight"], scale=sd["weight_scale"].float(),
+                          args=scheme.weights, dtype=torch.float32)
     if "weight_packed" not in sd:
         return comp.decompress(sd, scheme)["weight"].float()
     packed = sd["weight_packed"]

@@ -126,8 +126,7 @@ INT4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "g
 
 
 @pytest.mark.parametrize("qc, match", [
-    (_qc({**INT4, "num_bits": 8}, {"num_bits": 8, "type": "int"}, "int-quantized"),
-     "format 'int-quantized'"),
+    (_qc({**INT4, "num_bits": 8}, None, "naive-quantized"), "format 'naive-quantized'"),
     (_qc({**FP8_W, "num_bits": 4, "group_size": 32}, None, "mxfp4-pack-quantized"),
      "format 'mxfp4-pack-quantized'"),
     (_qc({**FP8_W, "symmetric": False}), "asymmetric"),
@@ -174,11 +173,12 @@ def w4a16(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind, blocks", [("w4a16", 14), ("w4a16-channel", 14),
-                                          ("w4a16-g16", 0)])
-def test_w4a16_deploys_on_q4_0_blocks(w4a16, tmp_path, kind, blocks):
-    """Groups of 32 (or whole rows) with bfloat16 scales are Q4_0 blocks exactly: every quantized
-    linear runs on them; groups of 16 are not (fp32 weights). Prefill and decode / verify steps'
-    logits equal the library-decompressed model's (fp32, other summation order: 1e-5)."""
+                                          ("w4a16-g16", 0), ("w8a16", 14), ("w8a8", 14)])
+def test_int_weights_deploy_on_gguf_blocks(w4a16, tmp_path, kind, blocks):
+    """Groups of 32 (or whole rows) with bfloat16 scales are Q4_0 / Q8_0 blocks exactly (the
+    codes -8 and -128 included): every quantized linear runs on them; groups of 16 are not
+    (fp32 weights). Prefill and decode / verify steps' logits equal the library-decompressed
+    model's (fp32, other summation order: 1e-5)."""
     from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, Segment, build_metadata
     from specdeploy.deploy.build import build
     from specdeploy.ops.ggml_linear import kernel_unavailable
@@ -188,6 +188,13 @@ def test_w4a16_deploys_on_q4_0_blocks(w4a16, tmp_path, kind, blocks):
     oracle = load_model(tmp_path / "oracle")
     model = load_model(path)
     assert len(model.ggml_weights) == blocks
+    assert {w.kind for w in model.ggml_weights.values()} <= {"q8_0" if "w8" in kind else "q4_0"}
+    if kind == "w8a8":
+        from safetensors import safe_open
+
+        with safe_open(str(path / "model.safetensors"), framework="pt") as h:
+            q = h.get_tensor("model.layers.0.mlp.down_proj.weight")
+        assert q.dtype == torch.int8 and int(q.min()) == -128  # the sign trick's edge case
     ids = torch.randint(3, 120, (1, 30), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = oracle(ids)[0]
@@ -204,12 +211,21 @@ def test_w4a16_deploys_on_q4_0_blocks(w4a16, tmp_path, kind, blocks):
         pos += n
 
 
-def test_w4a16_config_and_refusals(tmp_path):
+def test_int_config_and_refusals(tmp_path):
     q = detect_quant_config(tmp_path, _qc(INT4, None, "pack-quantized"), KEYS)
-    assert (q.method, q.group_size) == ("ct_int4", 128) and "Q4_0" in q.describe()
+    assert (q.method, q.bits, q.group_size, q.packed) == ("ct_int", 4, 128, True)
+    assert "W4A16" in q.describe() and "Q4_0" in q.describe()
+    q = detect_quant_config(tmp_path, _qc({**INT4, "num_bits": 8}, {
+        "num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"}, "int-quantized"),
+        KEYS)
+    assert (q.bits, q.packed) == (8, False) and "W8A8, run weight-only" in q.describe()
     ch = {**INT4, "strategy": "channel", "group_size": None}
     assert detect_quant_config(tmp_path, _qc(ch, None, "pack-quantized"), KEYS).group_size == 0
-    for qc, match in ((_qc({**INT4, "num_bits": 8}, None, "pack-quantized"), "8-bit int"),
+    for qc, match in ((_qc({**INT4, "num_bits": 2}, None, "pack-quantized"), "2-bit int"),
+                      (_qc(INT4, None, "int-quantized"), "int-quantized with 4-bit"),
+                      (_qc({**INT4, "num_bits": 8}, {"num_bits": 8, "type": "int",
+                                                    "dynamic": False}, "int-quantized"),
+                       "static or non-int8 activations"),
                       (_qc(INT4, {"num_bits": 8, "type": "int"}, "pack-quantized"),
                        "quantized activations"),
                       (_qc({**INT4, "actorder": "group"}, None, "pack-quantized"),

@@ -46,9 +46,9 @@ def test_modelopt_fields_inside_config_json_load_the_same(fp8_llama, tmp_path):
 
 
 UNSUPPORTED = [
-    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {
-        "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}},
-     "'int-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group",
+                          "group_size": 32}}}}, "'mxfp4-pack-quantized'"),
     ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
     ({"quant_method": "awq", "bits": 4}, "'awq'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
