@@ -27,6 +27,7 @@ from specdeploy.serving.engine_loop import EngineLoop
 from specdeploy.serving.metrics import CONTENT_TYPE, ServerMetrics
 from specdeploy.serving.reasoning import PARSERS
 from specdeploy.serving.replies import collect, stream
+from specdeploy.serving.responses_store import ResponseStore
 from specdeploy.serving.tools import PARSERS as TOOL_PARSERS
 from specdeploy.version import version
 
@@ -59,7 +60,7 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
                stats_log_interval: float | None = None,
                reasoning_parser: str | None = None, enable_auto_tool_choice: bool = False,
                tool_call_parser: str | None = None,
-               return_tokens_as_token_ids: bool = False) -> FastAPI:
+               return_tokens_as_token_ids: bool = False, responses_store: int = 0) -> FastAPI:
     """Args:
         model_name: the id clients pass as `model` (default: the checkpoint's name).
         api_key: when set, `/v1/*` needs `Authorization: Bearer <api_key>` (else 401).
@@ -74,6 +75,8 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
             `tool_choice: "auto"` parses calls out of replies (serving/tools.py).
         return_tokens_as_token_ids: the default of the request field of that name (vLLM's
             flag): logprobs name tokens "token_id:<id>" (serving/token_fields.py).
+        responses_store: /v1/responses kept in memory (the last N; 0: none), for
+            `GET /v1/responses/{id}` and `previous_response_id` (serving/responses_store.py).
     """
     if reasoning_parser is not None and reasoning_parser not in PARSERS:
         raise ValueError(f"reasoning_parser: must be one of {', '.join(PARSERS)}, got "
@@ -100,6 +103,7 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         return_tokens_as_token_ids=return_tokens_as_token_ids,
         priority_scheduling=engine.scheduler.policy == "priority")
     metrics = ServerMetrics(limits.model_name)
+    store = ResponseStore(responses_store) if responses_store else None
     loop = EngineLoop(engine, metrics, max_batch_size=engine.scheduler.max_batch_size,
                       max_queue=max_queue)
 
@@ -205,9 +209,9 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         if responses:  # /v1/responses: its own shapes (responses_api.py)
             ids = RA.new_ids()
             if req.stream:
-                return _SSEResponse(RS.stream(req, body, handle, ids), on_close=on_close)
+                return _SSEResponse(RS.stream(req, body, handle, ids, store), on_close=on_close)
             return await collect(request, req, handle, ids["resp"], ids["created"], loop,
-                                 render=RS.render(body, ids))
+                                 render=RS.render(body, ids, store))
         rid, created = R.new_id(req.chat), R.now()
         if req.stream:
             return _SSEResponse(stream(req, handle, rid, created), on_close=on_close)
@@ -223,7 +227,18 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        return await generate(request, RA.parse_responses, responses=True)
+        return await generate(request, lambda b, t, lim: RA.parse_responses(b, t, lim, store),
+                              responses=True)
+
+    @app.get("/v1/responses/{rid}")
+    async def stored_response(request: Request, rid: str):
+        auth(request)
+        found = store.get(rid) if store is not None else None
+        if found is None:
+            raise P.APIError(404, f"response {rid!r} not found" + (
+                "" if store is not None else " (this server stores none: serve "
+                "--responses-store N)"), None, "not_found")
+        return found[0]
 
     return app
 

@@ -71,6 +71,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=("hermes", "qwen3_coder", "qwen3_xml"),
                    default=None,
                    help="the format of the model's tool calls (vLLM's flag)")
+    p.add_argument("--responses-store", type=int, default=0, metavar="N",
+                   help="keep the last N /v1/responses in memory for GET /v1/responses/{id} "
+                   "and previous_response_id (default 0: none)")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="fcfs: arrival order; priority: by each request's `priority`, lower "
                    "first (vLLM's flag)")
@@ -118,7 +121,8 @@ def cmd_serve(args) -> int:
                      reasoning_parser=args.reasoning_parser,
                      enable_auto_tool_choice=args.enable_auto_tool_choice,
                      tool_call_parser=args.tool_call_parser,
-                     return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                     responses_store=args.responses_store)
     shutdown.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

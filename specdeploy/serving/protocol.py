@@ -83,6 +83,7 @@ class GenerationRequest:
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the response
     as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name "token_id:<id>"
     priority: int = 0  # vLLM's: lower runs first (the "priority" scheduling policy)
+    history: list | None = None  # /v1/responses: the conversation sent, to store with the reply
     # max_tokens 0 with echo (scoring a prompt: its logprobs, OpenAI's legacy use): the engine
     # makes one token, which the response leaves out
     drop_reply: bool = False

@@ -12,9 +12,10 @@ chat applies; a refusal names the Responses field (`max_output_tokens`, `text.fo
   for "auto"); `function_call` / `function_call_output` input items are the assistant's
   tool_calls and the tool messages of the conversation; calls come back as `function_call`
   items.
-- `store` is accepted and answered `false` (nothing is stored, as vLLM without its store);
-  `previous_response_id`, `background`, other tool types, `reasoning` options and `include`
-  entries other than `message.output_text.logprobs` are refused by name.
+- `store` / `previous_response_id`: with `serve --responses-store N` the last N responses are
+  kept (responses_store.py; `store: false` keeps one out), else `store` answers false and
+  `previous_response_id` is refused. `background`, other tool types, `reasoning` options and
+  `include` entries other than `message.output_text.logprobs` are refused by name.
 The response: `output` = a `reasoning` item (with `--reasoning-parser`, when the reply thinks)
 and a `message` item of one `output_text` part; `status` "incomplete" with reason
 `max_output_tokens` where the reply was cut. Streaming sends the typed events
@@ -23,6 +24,7 @@ and a `message` item of one `output_text` part; `status` "incomplete" with reaso
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -42,7 +44,7 @@ _PASSED = ("model", "temperature", "top_p", "stream", "top_k", "min_p", "repetit
 _IGNORED = ("store", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options")
 _HANDLED = ("input", "instructions", "max_output_tokens", "text", "top_logprobs", "include",
             "truncation", "tools", "tool_choice", "reasoning")
-_REFUSED = ("previous_response_id", "background", "conversation", "prompt", "max_tool_calls")
+_REFUSED = ("background", "conversation", "prompt", "max_tool_calls")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
@@ -68,14 +70,19 @@ def _text_parts(content, where: str) -> list | str:
     return out
 
 
-def _messages(body: dict) -> list[dict]:
-    raw = body.get("input")
-    msgs = []
+def _instructions(body: dict) -> list[dict]:
     instr = body.get("instructions")
-    if instr is not None:
-        if not isinstance(instr, str):
-            raise bad("instructions", "must be a string", "invalid_type")
-        msgs.append({"role": "system", "content": instr})
+    if instr is None:
+        return []
+    if not isinstance(instr, str):
+        raise bad("instructions", "must be a string", "invalid_type")
+    return [{"role": "system", "content": instr}]
+
+
+def _messages(body: dict) -> list[dict]:
+    """The input as chat messages (without the instructions)."""
+    raw = body.get("input")
+    msgs: list[dict] = []
     if isinstance(raw, str):
         return msgs + [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
@@ -152,12 +159,14 @@ def _format(body: dict) -> dict | None:
                                                                        "strict") if k in fmt}}
 
 
-def chat_body(body: dict) -> dict:
-    """The chat request a Responses request stands for (400s name the Responses field)."""
+def chat_body(body: dict, prior: list[dict] | None = None) -> tuple[dict, list[dict]]:
+    """(the chat request a Responses request stands for, the conversation it sends without
+    the instructions); `prior`: the stored conversation it continues. 400s name the
+    Responses field."""
     for name in _REFUSED:
         if body.get(name) not in (None, False):
-            raise bad(name, "is not supported by this server (no stored responses or "
-                      "background runs)", "unsupported")
+            raise bad(name, "is not supported by this server (no background runs or "
+                      "conversation objects)", "unsupported")
     reasoning = body.get("reasoning")
     if reasoning not in (None, {}) and not (isinstance(reasoning, dict) and all(
             v is None for v in reasoning.values())):
@@ -170,7 +179,8 @@ def chat_body(body: dict) -> dict:
     if not isinstance(include, list) or any(x != LOGPROBS_INCLUDE for x in include):
         raise bad("include", f"only {LOGPROBS_INCLUDE!r} is supported", "unsupported")
     out = {k: body[k] for k in _PASSED if k in body}
-    out["messages"] = _messages(body)
+    history = (prior or []) + _messages(body)
+    out["messages"] = _instructions(body) + history
     _tools(body, out)
     if body.get("max_output_tokens") is not None:
         out["max_completion_tokens"] = body["max_output_tokens"]
@@ -185,12 +195,27 @@ def chat_body(body: dict) -> dict:
         raise bad("truncation", "must be \"auto\" or \"disabled\"", "invalid_value")
     if trunc == "auto":
         out["truncate_prompt_tokens"] = -1
-    return out
+    return out, history
 
 
-def parse_responses(body: dict, tokenizer, limits):
+def parse_responses(body: dict, tokenizer, limits, store=None):
+    """The GenerationRequest (its `history`: the conversation to store); `store`: the
+    server's ResponseStore (responses_store.py), None when it keeps none."""
+    prior = None
+    prev = body.get("previous_response_id")
+    if prev is not None:
+        if store is None:
+            raise bad("previous_response_id", "needs a server that stores responses "
+                      "(serve --responses-store N)", "unsupported")
+        found = store.get(prev) if isinstance(prev, str) else None
+        if found is None:
+            raise APIError(404, f"previous_response_id: response {prev!r} not found (unknown, "
+                           f"or older than the last {store.capacity} stored)",
+                           "previous_response_id", "not_found")
+        prior = found[1]
     try:
-        return parse_chat(chat_body(body), tokenizer, limits)
+        chat, history = chat_body(body, prior)
+        return dataclasses.replace(parse_chat(chat, tokenizer, limits), history=history)
     except APIError as e:
         p = e.param or ""
         head = p.split(".")[0].split("[")[0]
@@ -227,7 +252,8 @@ def message_item(ids: dict, text: str, lp: list, status: str = "completed") -> d
 
 
 def response_object(req, body: dict, ids: dict, output: list, reason: str | None,
-                    usage: dict | None, status: str | None = None) -> dict:
+                    usage: dict | None, status: str | None = None, stored: bool = False
+                    ) -> dict:
     cut = reason == "length"
     status = status or ("incomplete" if cut else "completed")
     return {
@@ -237,8 +263,9 @@ def response_object(req, body: dict, ids: dict, output: list, reason: str | None
         "incomplete" else None,
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata"),
-        "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
-        "store": False, "temperature": req.params[0].temperature,
+        "parallel_tool_calls": True,
+        "previous_response_id": body.get("previous_response_id"), "reasoning": None,
+        "store": stored, "temperature": req.params[0].temperature,
         "text": {"format": body.get("text", {}).get("format") or {"type": "text"}},
         "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
         "top_p": req.params[0].top_p,

@@ -8,14 +8,26 @@ import json
 from specdeploy.serving import responses_api as RA
 from specdeploy.serving.engine_loop import Handle
 from specdeploy.serving.replies import _held_back
+from specdeploy.serving.responses_store import assistant_turn
 
 
-def render(body: dict, ids: dict):
+def finish(req, body: dict, ids: dict, items: list, reason, completion_tokens: int,
+           store) -> dict:
+    """The final Responses object; stored (with its conversation) where the server keeps
+    responses and the request did not say `store: false`."""
+    keep = store is not None and body.get("store") is not False
+    resp = RA.response_object(req, body, ids, items, reason, RA.usage(req, completion_tokens),
+                              stored=keep)
+    if keep:
+        store.put(resp, (req.history or []) + assistant_turn(items))
+    return resp
+
+
+def render(body: dict, ids: dict, store=None):
     """A `replies.collect` renderer: the Responses object of the one choice."""
     def run(req, rid, created, texts, reasons, use, lps, plps, toks):
         items = RA.output_items(req, ids, texts[0], lps[0], reasons[0])
-        return RA.response_object(req, body, ids, items, reasons[0],
-                                  RA.usage(req, use["completion_tokens"]))
+        return finish(req, body, ids, items, reasons[0], use["completion_tokens"], store)
     return run
 
 
@@ -29,7 +41,7 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
 
-async def stream(req, body: dict, handle: Handle, ids: dict):
+async def stream(req, body: dict, handle: Handle, ids: dict, store=None):
     ev, out = _Events(), None
     start = RA.response_object(req, body, ids, [], None, None, status="in_progress")
     yield ev("response.created", response=start)
@@ -122,7 +134,6 @@ async def stream(req, body: dict, handle: Handle, ids: dict):
         yield ev("response.content_part.done", **msg, output_index=at, content_index=0,
                  part=part)
         yield ev("response.output_item.done", output_index=at, item=item)
-    resp = RA.response_object(req, body, ids, final, out.finish_reason,
-                              RA.usage(req, len(out.token_ids)))
+    resp = finish(req, body, ids, final, out.finish_reason, len(out.token_ids), store)
     yield ev("response.completed" if resp["status"] == "completed" else "response.incomplete",
              response=resp)

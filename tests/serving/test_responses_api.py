@@ -183,3 +183,59 @@ def test_call_and_output_items_are_the_tool_turns(tools_client):
                                                 extra_body={"ignore_eos": True})
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.output_text == (chat.choices[0].message.content or "")
+
+
+# ---- stored responses (serve --responses-store N) ------------------------------------------
+@pytest.fixture(scope="module")
+def stored_client(tmp_path_factory, serve):
+    from specdeploy.serving.app import create_app
+    from tests.spec.tiny_targets import Target
+
+    target = Target("llama", tmp_path_factory.mktemp("responses_store"))
+    with serve(create_app(target.llm(None), model_name="m", responses_store=3)) as srv:
+        yield srv.client(None)
+
+
+def _get(client, rid):
+    return client.get(f"/responses/{rid}", cast_to=object)
+
+
+def test_previous_response_id_continues_the_stored_conversation(stored_client):
+    """A continued conversation is the stored one, the reply as an assistant turn, then the new
+    input: the chat endpoint's reply to those messages (instructions not carried over)."""
+    c = stored_client
+    first = c.responses.create(input="Hello there", instructions="Be brief",
+                               max_output_tokens=6, **GREEDY)
+    assert first.store is True and _get(c, first.id)["output"][0]["content"][0]["text"] == \
+        first.output_text
+    second = c.responses.create(input="Again", previous_response_id=first.id,
+                                max_output_tokens=6, **GREEDY)
+    assert second.previous_response_id == first.id
+    msgs = [{"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "Again"}]
+    assert second.output_text == _chat(c, msgs, 6).choices[0].message.content
+    third = c.responses.create(input="More", previous_response_id=second.id,
+                               max_output_tokens=6, stream=True, **GREEDY)
+    final = list(third)[-1].response
+    assert final.store is True and _get(c, final.id)["id"] == final.id
+    msgs += [{"role": "assistant", "content": second.output_text},
+             {"role": "user", "content": "More"}]
+    assert final.output_text == _chat(c, msgs, 6).choices[0].message.content
+
+
+def test_the_store_is_bounded_and_store_false_keeps_one_out(stored_client):
+    c = stored_client
+    kept = c.responses.create(input="Hi", max_output_tokens=2, **GREEDY)
+    out = c.responses.create(input="Hi", max_output_tokens=2, store=False, **GREEDY)
+    assert out.store is False
+    with pytest.raises(openai.NotFoundError):
+        _get(c, out.id)
+    for _ in range(3):  # three more: the oldest (kept) leaves
+        c.responses.create(input="Hi", max_output_tokens=2, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        _get(c, kept.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.responses.create(input="x", previous_response_id=kept.id, max_output_tokens=2,
+                           model="m")
+    assert e.value.body["param"] == "previous_response_id"
