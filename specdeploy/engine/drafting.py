@@ -23,6 +23,7 @@ from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, Segment, build_met
 from specdeploy.engine.lookup import Lookup
 from specdeploy.engine.request import Sequence
 from specdeploy.engine.sampler import argmax_rows
+from specdeploy.engine.spec_control import cut_drafts
 from specdeploy.ops.cached_attention import UNIFORM_MAX
 
 
@@ -307,3 +308,12 @@ def defer_rows(w: DraftWork, captured: torch.Tensor) -> None:
         _, ids, feats = st.behind
         ids.extend(w.next_ids)
         feats.append(rows)
+
+
+def cut_to_grammar(seq: Sequence) -> None:
+    """Drop the drafts from the first one the sequence's grammar forbids (verifying fewer
+    drafts is still exact; a forbidden one could only be rejected). The committed grammar
+    state is not moved: accepted tokens advance it in `_append`, rejected drafts never did."""
+    n = len(seq.matcher.walk(seq.spec.drafts)) - 1
+    if n < len(seq.spec.drafts):
+        cut_drafts(seq.spec, n)

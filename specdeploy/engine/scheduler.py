@@ -253,3 +253,21 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq)
         seq.status = Status.FINISHED
+
+
+class SpecScheduler(Scheduler):
+    """A drafting sequence feeds its whole extend segment at once and reserves room for the
+    drafter's next positions."""
+
+    def _want(self, seq: Sequence, budget: int) -> int:
+        return 1 + len(seq.spec.drafts) if seq.spec.drafts else super()._want(seq, budget)
+
+    def _reserve(self, seq: Sequence, n: int) -> int:
+        if seq.spec.drafts:
+            return seq.num_cached + n + self.lookahead - 1
+        return super()._reserve(seq, n)
+
+    def preempt(self, seq: Sequence) -> None:
+        seq.spec.clear()  # recomputed from scratch with the prefill
+        seq.spec.behind = None
+        super().preempt(seq)

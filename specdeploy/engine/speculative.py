@@ -17,7 +17,6 @@ A step, as `Engine.step` reads it:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -29,93 +28,25 @@ from specdeploy.engine.drafting import (
     FixedDrafter,
     LookupDrafter,
     ModelDrafter,
+    cut_to_grammar,
     defer_rows,
 )
 from specdeploy.engine.engine import Engine
-from specdeploy.engine.logits_process import logprob_pack, process, unpack_logprobs
 from specdeploy.engine.lookup import Lookup
 from specdeploy.engine.request import Sequence
-from specdeploy.engine.sampler import argmax_rows
-from specdeploy.engine.scheduler import ScheduledSeq, Scheduler
+from specdeploy.engine.scheduler import ScheduledSeq, SpecScheduler
 from specdeploy.engine.spec_control import (
     CONTROLLERS,
     DRAFTER_MARGIN,
     CostController,
     MeasuredCost,
     calibrate,
-    cut_drafts,
     off_batches,
 )
+from specdeploy.engine.spec_stats import SpecStats
 from specdeploy.engine.suffix_store import SuffixStore
-from specdeploy.engine.verify import Drafts, member_rows, verify, verify_greedy, verify_greedy_lists
-
-
-@dataclass
-class SpecStats:
-    """Acceptance counters. mean accepted length = 1 + accepted / (draft steps + undrafted
-    steps): tokens per target forward of a decoding sequence, bonus included."""
-
-    k: int
-    max_k: int = 0  # most drafts in one verify segment (lookup may draft more than K); 0: K
-    draft_steps: int = 0  # verify segments
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    lookup_steps: int = 0  # verify segments whose drafts came from n-gram lookup
-    lookup_accepted_tokens: int = 0
-    store_steps: int = 0  # of which the suffix store's (engine/suffix_store.py)
-    store_accepted_tokens: int = 0
-    undrafted_steps: int = 0  # decode steps left without drafts by the confidence stop
-    controlled_steps: int = 0  # decode steps the cost controller left without drafts
-    batch_off_steps: int = 0  # decode steps at a batch size where speculation is off
-    steps_by_num_drafts: list[int] = field(default_factory=list)  # decode steps by drafts
-
-    def __post_init__(self):
-        self.max_k = max(self.max_k, self.k)
-        self.accepted_per_position = [0] * self.max_k
-        self.steps_by_num_drafts = [0] * (self.max_k + 1)
-
-    def reset(self, max_k: int) -> None:
-        """Fresh counters in place (the draft sources hold this object)."""
-        self.__init__(self.k, max_k)
-
-    def as_dict(self) -> dict:
-        n = self.draft_steps + self.undrafted_steps + self.controlled_steps + self.batch_off_steps
-        steps = max(n, 1)
-        return {
-            "num_draft_tokens": self.k, "draft_steps": self.draft_steps,
-            "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": self.accepted_tokens / max(self.draft_tokens, 1),
-            "mean_accepted_length": 1 + self.accepted_tokens / steps if n else 0.0,
-            "accepted_per_position": list(self.accepted_per_position),
-            "acceptance_per_position": [a / steps for a in self.accepted_per_position],
-            "lookup_steps": self.lookup_steps,
-            "lookup_accepted_tokens": self.lookup_accepted_tokens,
-            "store_steps": self.store_steps,
-            "store_accepted_tokens": self.store_accepted_tokens,
-            "undrafted_steps": self.undrafted_steps,
-            "controlled_steps": self.controlled_steps,
-            "batch_off_steps": self.batch_off_steps,
-            "steps_by_num_drafts": list(self.steps_by_num_drafts),
-        }
-
-
-class SpecScheduler(Scheduler):
-    """A drafting sequence feeds its whole extend segment at once and reserves room for the
-    drafter's next positions."""
-
-    def _want(self, seq: Sequence, budget: int) -> int:
-        return 1 + len(seq.spec.drafts) if seq.spec.drafts else super()._want(seq, budget)
-
-    def _reserve(self, seq: Sequence, n: int) -> int:
-        if seq.spec.drafts:
-            return seq.num_cached + n + self.lookahead - 1
-        return super()._reserve(seq, n)
-
-    def preempt(self, seq: Sequence) -> None:
-        seq.spec.clear()  # recomputed from scratch with the prefill
-        seq.spec.behind = None
-        super().preempt(seq)
+from specdeploy.engine.verify import member_rows
+from specdeploy.engine.verify_rows import verify_rows
 
 
 class SpecEngine(Engine):
@@ -320,56 +251,8 @@ class SpecEngine(Engine):
 
     def _verify_rows(self, logits: torch.Tensor, rows: tuple[tuple[int, ...], ...], k1: int,
                      seqs: list[Sequence]) -> tuple[list[int], list[int]]:
-        """`logits` [N, V] of the step, `rows[s]` the logit rows of sequence s (padded to `k1`
-        with its last where the torch paths need [S, K+1])."""
-        plain = all(not s.params.penalized and s.matcher is None and s.params.logprobs is None
-                    for s in seqs)
-        if plain and all(s.params.greedy for s in seqs):
-            # NOTE: on any device: the argmaxes are computed there and only [N] ints come back,
-            # where the torch path's index and draft tensors cost host-to-device copies and
-            # launches (a GPU step of a small model is host-bound)
-            argmax = argmax_rows(logits).tolist()  # the step's one host synchronisation
-            return verify_greedy_lists(argmax, rows, [s.spec.drafts for s in seqs], k1)
-        index = torch.tensor([r + r[-1:] * (k1 - len(r)) for r in rows], device=logits.device)
-        drafts = Drafts.of([s.spec.drafts for s in seqs], [s.spec.draft_probs for s in seqs],
-                           self.deployed.vocab_size)
-        # grammar masks, min_tokens and penalties: row j sees the drafts before it
-        proc = process(logits[index], seqs, [s.spec.drafts for s in seqs], self.eos_token_ids)
-        if all(s.params.greedy for s in seqs):
-            num, nxt = verify_greedy(proc.logits.argmax(-1), drafts)
-        else:
-            num, nxt = verify(proc.logits, drafts, [s.params for s in seqs],
-                              [s.generator for s in seqs], self.generator)
-        head = torch.stack((num, nxt))
-        asks = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if not asks:
-            return head.tolist()
-        return self._with_logprobs(proc.raw, drafts, head, seqs, asks)
-
-    def _with_logprobs(self, raw: torch.Tensor, drafts: Drafts, head: torch.Tensor,
-                       seqs: list[Sequence], asks: list[int]) -> list[list[int]]:
-        """The target's (raw) logprobs at each emitted token: row j's at draft j while j is
-        accepted, then the next token's; copied with (num, next) in one host transfer."""
-        s, k1, _ = raw.shape
-        dev = raw.device
-        ids = torch.full((s, k1), -1, dtype=torch.long)
-        ids[:, :min(k1, drafts.ids.shape[1])] = drafts.ids[:, :k1]
-        num, nxt = head[0], head[1]
-        j = torch.arange(k1, device=dev)[None]
-        tokens = torch.where(j < num[:, None], ids.to(dev), nxt[:, None])
-        n = max(seqs[i].params.logprobs for i in asks)
-        idx = torch.tensor(asks, device=dev)
-        pack = logprob_pack(raw[idx], tokens[idx], n)  # [A, K+1, 1 + 2n]
-        host = torch.cat((head.double().flatten(), pack.flatten())).tolist()
-        num_h, nxt_h = [int(x) for x in host[:s]], [int(x) for x in host[s:2 * s]]
-        w = pack.shape[-1]
-        for r, i in enumerate(asks):
-            seq, base = seqs[i], 2 * s + r * k1 * w
-            toks = seq.spec.drafts[:num_h[i]] + [nxt_h[i]]
-            seq.new_logprobs = [
-                unpack_logprobs(host[base + t * w:base + (t + 1) * w], n, seq.params.logprobs,
-                                tok) for t, tok in enumerate(toks)]
-        return [num_h, nxt_h]
+        return verify_rows(logits, rows, k1, seqs, self.deployed.vocab_size,
+                           self.eos_token_ids, self.generator)
 
     def _commit(self, batch: list[ScheduledSeq], segs: list[Segment],
                 tokens: list[list[int]]) -> list[int]:
@@ -466,7 +349,7 @@ class SpecEngine(Engine):
                 self._step_parts[1] = t  # modelled by the drafter's cost, not the overhead
         for w in work:
             if w.seq.matcher is not None and w.seq.spec.drafts:
-                _cut_to_grammar(w.seq)
+                cut_to_grammar(w.seq)
         if ctl is not None:
             ctl.cut(wanting)
             bare = sum(not seq.spec.drafts for seq in wanting if not seq.finished)
@@ -507,12 +390,3 @@ class SpecEngine(Engine):
             else:
                 rest.append(seq)
         return rest
-
-
-def _cut_to_grammar(seq: Sequence) -> None:
-    """Drop the drafts from the first one the sequence's grammar forbids (verifying fewer
-    drafts is still exact; a forbidden one could only be rejected). The committed grammar
-    state is not moved: accepted tokens advance it in `_append`, rejected drafts never did."""
-    n = len(seq.matcher.walk(seq.spec.drafts)) - 1
-    if n < len(seq.spec.drafts):
-        cut_drafts(seq.spec, n)

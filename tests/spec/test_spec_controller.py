@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-import specdeploy.engine.speculative as speculative
 from specdeploy import SamplingParams
+from specdeploy.engine import verify_rows
 from specdeploy.engine.spec_control import (
     COPY_BUCKETS,
     LOOKUP_HOLD_PRIOR,
@@ -293,8 +293,8 @@ def test_deferred_catch_up_drafts_as_if_never_skipped(target):
 
 def test_sampled_requests_keep_rejection_sampling(target, monkeypatch):
     calls = []
-    verify = speculative.verify
-    monkeypatch.setattr(speculative, "verify",
+    verify = verify_rows.verify
+    monkeypatch.setattr(verify_rows, "verify",
                         lambda logits, drafts, *a: (calls.append(drafts.ids.shape), verify(
                             logits, drafts, *a))[1])
     llm = _controlled(target, CostController(FREE, 3, 3, probe_every=0))
