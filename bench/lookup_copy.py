@@ -9,7 +9,7 @@ n-gram (4, 2)), its copy length (`NgramIndex.copied`) and how many of its 16 dra
 then follows. Prints, as JSON:
 - "hold": P(a copy of m tokens holds for one more) by `COPY_BUCKETS` of m, fitted on the
   prompts from --fit-from on (not the first ones, which bench/vs_llamacpp.py measures): the
-  source of engine/spec_control.py's LOOKUP_HOLD_PRIOR;
+  source of engine/spec_accept.py's LOOKUP_HOLD_PRIOR;
 - "replay": tokens/s relative to plain decoding when each reply is decoded again on paper with
   this machine's step cost by rows (measured here at batch 1, or --costs: a JSON of drafts ->
   ms), for the first --fit-from prompts and for the rest: "fixed" lookup runs (K=3, doubled
@@ -35,12 +35,12 @@ from acceptance import heldout_prompts  # noqa: E402
 from specdeploy import LLM, SamplingParams, SpecConfig  # noqa: E402
 from specdeploy.bench import machine, print_json  # noqa: E402
 from specdeploy.engine.lookup import NgramIndex  # noqa: E402
-from specdeploy.engine.spec_control import (  # noqa: E402
+from specdeploy.engine.spec_accept import (  # noqa: E402
     COPY_BUCKETS,
     LOOKUP_HOLD_PRIOR,
-    CostController,
     copy_bucket,
 )
+from specdeploy.engine.spec_control import CostController  # noqa: E402
 
 RUN = 16  # longest lookup run
 

@@ -11,7 +11,7 @@ longest run of accepted drafts, then the target's token): lookup (n 4..2 over pr
 first, the store where lookup finds nothing. Prints the mean accepted length (tokens per step)
 and the drafts verified per step for lookup alone and for lookup + store at several
 `min_prob`; and, over every store draft that was reached (its earlier drafts accepted), the
-acceptance by bucket of the store's estimate (what engine/spec_control.py STORE_PRIOR starts
+acceptance by bucket of the store's estimate (what engine/spec_accept.py STORE_PRIOR starts
 from).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from acceptance import heldout_prompts  # noqa: E402
 from specdeploy import LLM, SamplingParams, SpecConfig  # noqa: E402
 from specdeploy.bench import machine, print_json  # noqa: E402
 from specdeploy.engine.lookup import NgramIndex  # noqa: E402
-from specdeploy.engine.spec_control import STORE_BUCKETS, store_bucket  # noqa: E402
+from specdeploy.engine.spec_accept import STORE_BUCKETS, store_bucket  # noqa: E402
 from specdeploy.engine.suffix_store import MAX_N, SuffixStore  # noqa: E402
 
 

@@ -110,12 +110,12 @@ def cmd_deploy(args) -> int:
     # with --tensor-parallel-size: rank 0's program alone (no other process is started)
     from specdeploy.checkpoint import open_checkpoint
     from specdeploy.default_model import default_model_path
-    from specdeploy.llm import _dist_config
+    from specdeploy.distributed import dist_config
     from specdeploy.model_defaults import resolve_max_len
 
     par = parallel_kwargs(args)
-    dist = _dist_config(par["tensor_parallel_size"], par["expert_parallel_size"],
-                        par["shard_layers"])
+    dist = dist_config(par["tensor_parallel_size"], par["expert_parallel_size"],
+                       par["shard_layers"])
     max_len = resolve_max_len(open_checkpoint(args.model or default_model_path()).config,
                               max_seq_len=args.max_seq_len)
     print(describe(args.model, dtype=args.dtype, device=args.device,

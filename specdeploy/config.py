@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 SPEC_METHODS = ("mtp", "eagle3", "ngram", "suffix", "auto")  # auto: spec_auto.py picks one
 DRAFT_DTYPES = (None, "float32", "bfloat16", "float16")
-DRAFT_QUANTIZE = (None, "int8", "q8_0", "auto")  # auto: deploy/build.py _draft_quantize
+DRAFT_QUANTIZE = (None, "int8", "q8_0", "auto")  # auto: deploy/build_policy.py draft_quantize_auto
 CONTROLLERS = ("off", "cost")  # SpecConfig.controller (engine/spec_control.py)
 # vLLM's `speculative_config.method` names → ours. Every "<family>_mtp" of vLLM is the
 # checkpoint's own MTP head, which our "mtp" deploys for any family that ships one.
@@ -87,7 +87,7 @@ class SpecConfig:
     forwards; a drafter's catch-up is deferred to its next drafting step). None (the default):
     with the cost controller, off from the calibrated batch size (8 or more) at which one draft
     for every sequence pays only at an acceptance of `OFF_BREAK_EVEN` or more, i.e. where a
-    step is compute-bound (engine/spec_control.py `off_batches`); with `controller="off"`,
+    step is compute-bound (engine/spec_calibrate.py `off_batches`); with `controller="off"`,
     never.
     """
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from specdeploy.chat_template import chat_ids
 from specdeploy.config import SpecConfig
+from specdeploy.distributed.config import dist_config
 from specdeploy.engine import Engine, RequestOutput, SamplingParams
+from specdeploy.progress import progress_bar, stderr_log, token_rate
 from specdeploy.tokenizer import eos_token_ids
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
@@ -149,12 +151,12 @@ class LLM:
                                gpu_memory_utilization=gpu_memory_utilization,
                                quantize=quantize, compile=compile, device=device,
                                kernels=kernels, kv_cache_dtype=kv_cache_dtype,
-                               dist=_dist_config(tensor_parallel_size, expert_parallel_size,
+                               dist=dist_config(tensor_parallel_size, expert_parallel_size,
                                                  shard_layers),
                                enable_prefix_caching=enable_prefix_caching,
                                checkpoint_every=checkpoint_every, progress=progress)
         self.spec = spec = options.spec
-        log = _stderr_log if progress else (lambda msg: None)
+        log = stderr_log if progress else (lambda msg: None)
         self.model_path = Path(model)
         self.max_model_len = max_seq_len
         self.sampling_defaults = generation_defaults(self.model_path, generation_config)
@@ -279,12 +281,12 @@ class LLM:
             priority = [priority]
         ids = self._add_all(prompts, params, images, priority)
         done: dict[str, RequestOutput] = {}
-        bar = _progress_bar(len(ids)) if use_tqdm else None
+        bar = progress_bar(len(ids)) if use_tqdm else None
         try:
             while len(done) < len(ids):
                 for out in self.engine.step():
                     if bar is not None and out.delta_token_ids:
-                        bar.set_postfix_str(f"{_rate(bar, len(out.delta_token_ids))} tok/s")
+                        bar.set_postfix_str(f"{token_rate(bar, len(out.delta_token_ids))} tok/s")
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:
@@ -376,32 +378,3 @@ class LLM:
                                 if hasattr(p, "weight_bytes"))
         d.update({f"{k}_bytes": v for k, v in process_memory().items()})
         return d
-
-
-def _dist_config(tp: int, ep: int, shard_layers):
-    if tp == 1 and ep == 1:
-        return None
-    from specdeploy.distributed import DistConfig
-
-    return DistConfig(tp, ep, **({} if shard_layers is None else {"shard_layers": shard_layers}))
-
-
-def _progress_bar(total: int):
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, desc="generating", unit="req", dynamic_ncols=True)
-    bar.tokens = 0
-    return bar
-
-
-def _rate(bar, new_tokens: int) -> str:
-    """Output tokens per second since the bar started (tqdm's own rate counts requests)."""
-    bar.tokens += new_tokens
-    elapsed = bar.format_dict.get("elapsed") or 0.0
-    return f"{bar.tokens / elapsed:.1f}" if elapsed > 0 else "-"
-
-
-def _stderr_log(msg: str) -> None:
-    print(f"[specdeploy] {msg}", file=sys.stderr, flush=True)
-
-

@@ -11,100 +11,30 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 
 from specdeploy.cache.allocate import allocate
-from specdeploy.cache.plan import check_budget, default_page_size, plan_cache
+from specdeploy.cache.plan import default_page_size, plan_cache
 from specdeploy.checkpoint import CheckpointError
-from specdeploy.config import SpecConfig
+from specdeploy.deploy.build_policy import (
+    defer_blocks,
+    draft_quantize_auto,
+    kv_dtype,
+    per_rank_loading,
+)
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.deferred import materialize_deferred
 from specdeploy.deploy.eager import EagerDeployed, eager_layout
 from specdeploy.deploy.export import export_model
 from specdeploy.deploy.graph import placeholders
-from specdeploy.deploy.passes.ggml_linears import KERNELS
+from specdeploy.deploy.options import BuildOptions
 from specdeploy.deploy.pipeline import PipelineResult, run_pipeline
 from specdeploy.deploy.runner import GraphDeployed
 from specdeploy.deploy.spec import SpecDeployed, prepare_drafter, resource_prefix, suffix_corpus
-from specdeploy.distributed.config import DistConfig
 
-BACKENDS = ("graph", "eager")
-QUANTIZE_METHODS = (None, "int8")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 Deployed = GraphDeployed | SpecDeployed | EagerDeployed
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    """How to deploy. `quantize="int8"` makes linear weights int8 (weight-only);
-    `quant_exclude` replaces the default exclusion globs of the target (deploy/passes/quantize);
-    `disabled` names transforms to skip (A/B runs); `vision` (None: whenever the checkpoint has
-    a vision tower) deploys a vision-language target (deploy/vlm.py); `dist` the rank this
-    process builds (the `shard` transform slices the target and the drafter alike; None: one
-    process). `page_size` None: 16 tokens for attention-only targets, the scan chunk (64 for
-    Mamba2 / gated delta) for targets with recurrent layers (`cache.plan.default_page_size`).
-    `enable_prefix_caching` (vLLM's name): cached KV pages are shared by prompts that start
-    alike, and recurrent layers get a checkpoint pool with a checkpoint every
-    `checkpoint_every` pages (None: every page when memory allows; cache/plan.py)."""
-
-    dtype: str | torch.dtype = "auto"
-    max_batch_size: int = 16
-    max_seq_len: int = 2048
-    page_size: int | None = None  # None: per architecture (see above)
-    max_cache_gib: float | None = None
-    # the fraction of the device's total memory this instance may hold (vLLM's knob; exclusive
-    # with max_cache_gib; cache/plan.py `cache_budget`)
-    gpu_memory_utilization: float | None = None
-    spec: SpecConfig | None = None
-    compile: bool = False
-    quantize: str | None = None
-    quant_exclude: tuple[str, ...] | None = None
-    disabled: frozenset[str] = frozenset()
-    backend: str = "graph"
-    device: str | torch.device = "cpu"
-    vision: bool | None = None
-    kernels: str = "exact"  # GGUF-block linears: "exact" (the fp32 model) or "fast" (int-dot)
-    # the target's paged KV: "auto" = bfloat16 with kernels="fast" on an fp32 CPU deployment
-    # (attention reads it back exactly as fp32), else the model dtype (the exact path: fp32)
-    kv_cache_dtype: str = "auto"
-    dist: DistConfig | None = None
-    enable_prefix_caching: bool = True
-    checkpoint_every: int | None = None  # None: every page when memory allows (cache/plan.py)
-    progress: bool = False  # a tqdm bar while the checkpoint's tensors load
-
-    def __post_init__(self):
-        for name in ("max_batch_size", "max_seq_len", "page_size", "checkpoint_every"):
-            v = getattr(self, name)
-            if v is None and name in ("page_size", "checkpoint_every"):
-                continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {v!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got "
-                             f"{self.backend!r}")
-        check_budget(self.max_cache_gib, self.gpu_memory_utilization)
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels: one of {', '.join(KERNELS)}, got {self.kernels!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: one of {', '.join(KV_CACHE_DTYPES)}, got "
-                             f"{self.kv_cache_dtype!r}")
-        if self.quantize not in QUANTIZE_METHODS:
-            raise ValueError(f"quantize: must be None or 'int8', got {self.quantize!r}")
-        if isinstance(self.spec, dict):
-            object.__setattr__(self, "spec", SpecConfig.from_dict(self.spec))
-        if self.backend != "graph" and (self.quantize or self.compile or self.spec or (
-                self.dist and self.dist.world_size > 1)):
-            raise ValueError("backend: quantize, compile, spec and tensor parallelism need the "
-                             "graph backend")
-        object.__setattr__(self, "disabled", frozenset(self.disabled))
-        object.__setattr__(self, "device", _device(self.device))
-        if self.backend != "graph" and self.device.type != "cpu":
-            raise ValueError(f"device: the eager reference runner is CPU-only, got {self.device}")
-        if self.quant_exclude is not None:
-            object.__setattr__(self, "quant_exclude", tuple(self.quant_exclude))
 
 
 def build(model_path: str | os.PathLike | None = None, options: BuildOptions | None = None, *,
@@ -128,18 +58,18 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
 
     t0 = time.perf_counter()
     spec = opts.spec
-    lazy = _per_rank_loading(opts, model, model_path)
+    lazy = per_rank_loading(opts, model, model_path)
     if model is None:
         own_mtp = (spec is not None and spec.method == "mtp" and spec.draft_model is None
                    and _declares_mtp(model_path))
         model = load_model(model_path, dtype=resolve_dtype(opts.dtype, device=opts.device),
                            with_mtp=own_mtp, progress=opts.progress, lazy=lazy,
-                           defer_blocks=_defer_blocks(opts))
+                           defer_blocks=defer_blocks(opts))
         if own_mtp:
             _own_mtp_draft_vocab(model, model_path, lazy)
     dtype = resolve_dtype(opts.dtype, device=opts.device)
     if spec is not None and spec.draft_quantize == "auto":
-        spec = dataclasses.replace(spec, draft_quantize=_draft_quantize(opts, dtype, model))
+        spec = dataclasses.replace(spec, draft_quantize=draft_quantize_auto(opts, dtype, model))
     if lazy is not None and spec is not None and spec.draft_dtype and \
             resolve_dtype(spec.draft_dtype) != dtype:
         lazy.materialize_module(model)  # the drafter casts (copies) target weights it borrows
@@ -169,7 +99,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     corpus = None if spec is None else suffix_corpus(model, spec)
     target_ctx = DeployContext(
         model, dtype=dtype, quantize=opts.quantize,
-        kv_cache_dtype=prequant_kv_dtype(model) or _kv_dtype(opts, dtype, model),
+        kv_cache_dtype=prequant_kv_dtype(model) or kv_dtype(opts, dtype, model),
         capture_layers=drafter.capture_layers if drafter else (),
         spec_steps=spec.max_draft_tokens + 1 if spec else 0,
         prefix_caching=prefix_caching,
@@ -219,29 +149,6 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     return _with_vision(out, model_path, embed, dtype) if vision else out
 
 
-def _per_rank_loading(opts: BuildOptions, model: nn.Module | None, model_path=None):
-    """A sharded CPU build loads lazily: each rank reads only what it keeps (checkpoint/lazy)."""
-    from specdeploy.checkpoint.lazy import LazyWeights
-
-    d = opts.dist
-    if model is not None or d is None or d.world_size == 1 or opts.device.type != "cpu" or \
-            "shard" in opts.disabled or _prequantized(model_path):
-        return None
-    return LazyWeights()
-
-
-def _prequantized(path) -> bool:
-    """A pre-quantized (FP8 / NVFP4) checkpoint. NOTE: it loads whole on every rank: its
-    quantized tensors are recorded as the loader reads each weight (checkpoint/prequant.py),
-    which lazy loading would defer past `attach`; the shard transform then slices them."""
-    from specdeploy.checkpoint import open_checkpoint
-    from specdeploy.checkpoint.quant_config import detect_quant_config
-    from specdeploy.default_model import default_model_path
-
-    reader = open_checkpoint(default_model_path() if path is None else path)
-    return detect_quant_config(reader.path, reader.config, reader.keys()) is not None
-
-
 def _weight_bytes(model: nn.Module) -> int:
     seen = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
     return sum(t.numel() * t.element_size() for t in seen.values())
@@ -258,61 +165,6 @@ def _return_freed_memory() -> None:
         ctypes.CDLL(name).malloc_trim(0)
     except (OSError, AttributeError, TypeError):
         pass  # not glibc: nothing to do
-
-
-def _kv_dtype(opts: BuildOptions, dtype: torch.dtype, model: nn.Module | None = None
-              ) -> torch.dtype | None:
-    """The target's KV dtype (None: the model dtype); see BuildOptions.kv_cache_dtype. "auto"
-    is bf16 where the fast kernels run a GGUF model's blocks on the CPU (that path is already
-    llama.cpp's model, 8-bit activations; llama.cpp keeps an f16 KV), else the model dtype:
-    `kernels="fast"` is LLM()'s default and leaves every other checkpoint's numerics alone."""
-    if opts.kv_cache_dtype != "auto":
-        return getattr(torch, opts.kv_cache_dtype)
-    fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32
-    has_blocks = bool(getattr(model, "ggml_weights", None)) if model is not None else True
-    return torch.bfloat16 if fast_cpu and has_blocks else None
-
-
-def _draft_quantize(opts: BuildOptions, dtype: torch.dtype, model: nn.Module) -> str | None:
-    """SpecConfig's draft_quantize="auto": "q8_0" where the fast kernels run a GGUF target's
-    blocks on an fp32 CPU deployment (one process, not compiled) with an fp32 drafter (a draft
-    forward there is bound by reading the drafter's weights: Q8_0 blocks read 4x fewer bytes
-    than fp32), else None (the target's precision). Measured on the default model, 2 cores
-    AVX2, EAGLE-3 K=3 fixed: 70 tokens/s with the fp32 drafter, 103 with Q8_0 (plain ~140)."""
-    fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32
-    fp32_drafter = opts.spec.draft_dtype in (None, "float32")
-    has_blocks = bool(getattr(model, "ggml_weights", None))
-    # NOTE: one process, not compiled: the paths the Q8_0 drafter has been tested on
-    alone = (opts.dist is None or opts.dist.world_size == 1) and not opts.compile
-    return "q8_0" if fast_cpu and fp32_drafter and has_blocks and alone and \
-        opts.quantize is None else None
-
-
-def _defer_blocks(opts: BuildOptions) -> bool:
-    """Whether GGUF block-quantized weights may load without their fp32 values: where
-    `ggml_linears` will run and read only the blocks (deploy/deferred.py). Not with a drafter
-    model (it may read the target's embedding or head in its own way), quantize, sharding.
-    The loader checks the last condition, that the block kernel is built here."""
-    return (opts.device.type == "cpu" and not opts.compile and opts.quantize is None
-            and (opts.dist is None or opts.dist.world_size == 1)
-            and "ggml_linears" not in opts.disabled
-            and (opts.spec is None or opts.spec.method in ("ngram", "suffix")))
-
-
-def _device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device: {device!r} is not a device ({e})") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device: {device!r} asked for, but this torch sees no CUDA device")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device: {device!r}, but only {torch.cuda.device_count()} CUDA "
-                             "devices are visible")
-    elif dev.type != "cpu":
-        raise ValueError(f"device: {device!r}; supported: cpu, cuda, cuda:N")
-    return dev
 
 
 def _rank_budget(opts: BuildOptions) -> float | None:

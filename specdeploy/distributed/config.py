@@ -44,3 +44,11 @@ class DistConfig:
 
     def for_rank(self, rank: int) -> DistConfig:
         return DistConfig(self.tp_size, self.ep_size, rank, self.shard_layers)
+
+
+def dist_config(tp: int, ep: int, shard_layers=None) -> DistConfig | None:
+    """The `DistConfig` of `LLM(tensor_parallel_size=tp, expert_parallel_size=ep,
+    shard_layers=...)` and the CLI's flags; None on one process."""
+    if tp == 1 and ep == 1:
+        return None
+    return DistConfig(tp, ep, **({} if shard_layers is None else {"shard_layers": shard_layers}))

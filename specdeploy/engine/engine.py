@@ -27,11 +27,10 @@ from specdeploy.deploy.base import DeployedModel, StepOutput
 from specdeploy.engine import prompt_logprobs
 from specdeploy.engine.decode_burst import burst_len, run_burst
 from specdeploy.engine.detokenizer import IncrementalDetokenizer
-from specdeploy.engine.logits_process import logprob_pack, process, unpack_logprobs
 from specdeploy.engine.metrics import EngineStats
-from specdeploy.engine.params_check import check_for_model
+from specdeploy.engine.params_check import check_request
 from specdeploy.engine.request import RequestOutput, SamplingParams, Sequence
-from specdeploy.engine.sampler import argmax_rows, sample
+from specdeploy.engine.sample_rows import sample_isolated
 from specdeploy.engine.scheduler import BlockManager, ScheduledSeq, Scheduler
 
 log = logging.getLogger("specdeploy.engine")
@@ -78,36 +77,8 @@ class Engine:
         expanded ids. `priority`: lower runs first (the scheduler's policy "priority"; any
         other value than 0 is refused under "fcfs", as vLLM)."""
         params = params or SamplingParams()
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority: must be an integer, got {priority!r}")
-        if priority and self.scheduler.policy != "priority":
-            raise ValueError(f"priority: {priority} needs the \"priority\" scheduling policy "
-                             "(this engine schedules first come, first served)")
-        if mm is not None and list(prompt_ids) != mm.ids:
-            raise ValueError("images: prompt_ids must be the multimodal prompt's expanded ids")
-        if mm is not None and not hasattr(self.deployed, "image_features"):
-            raise ValueError("images: this model has no vision tower")
-        image_id = getattr(self.deployed, "image_token_id", None)
-        if mm is None and image_id is not None and image_id in prompt_ids:
-            raise ValueError(f"prompt: has image placeholder tokens (id {image_id}) but no "
-                             "images were given")
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise ValueError("prompt: empty prompt")
+        prompt_ids = check_request(self, prompt_ids, params, priority, mm)
         n = len(prompt_ids)
-        if n > self.max_seq_len:
-            raise ValueError(f"prompt: {n} tokens is longer than max_seq_len={self.max_seq_len}")
-        if n + params.max_tokens > self.max_seq_len:
-            raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_seq_len={self.max_seq_len}")
-        cap = self.blocks.num_pages * self.blocks.page_size - self.scheduler.lookahead
-        if n + params.max_tokens > cap:
-            raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds "
-                             f"the whole KV cache ({cap} tokens); raise max_cache_gib")
-        vocab = self.deployed.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        check_for_model(params, vocab)
         matcher = None
         if params.structured:
             matcher = self.grammar_compiler().compile_key(params.grammar_key).matcher()
@@ -318,7 +289,7 @@ class Engine:
         # `_segments`, only exists when nothing samples).
         logits = out.logits[: len(rows)]
         seqs = [batch[i].seq for i in rows]
-        ids = self._sample_isolated(logits.float(), seqs)
+        ids = sample_isolated(logits.float(), seqs, self.eos_token_ids, self.generator)
         result: list[list[int]] = [[] for _ in batch]
         for i, t in zip(rows, ids):
             if isinstance(t, Exception):
@@ -326,45 +297,6 @@ class Engine:
             else:
                 result[i] = [t]
         return result
-
-    def _sample_isolated(self, logits: torch.Tensor, seqs: list[Sequence]
-                         ) -> list[int | Exception]:
-        """Sample all rows at once; if that fails, row by row, so a failure is one sequence's
-        (the exception in its place) and the others keep their tokens. Seeded rows draw the
-        same either way (one generator per row)."""
-        try:
-            return self._sample_rows(logits, seqs)
-        except Exception:
-            out: list[int | Exception] = []
-            for i, s in enumerate(seqs):
-                try:
-                    out.append(self._sample_rows(logits[i:i + 1], [s])[0])
-                except Exception as e:
-                    out.append(e)
-            return out
-
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Process (engine/logits_process.py), sample, and the logprobs of the rows that ask
-        (`seq.new_logprobs`); ids and logprobs reach the host in one copy."""
-        if all(s.params.greedy and not s.params.penalized and s.matcher is None
-               and s.params.logprobs is None for s in seqs):
-            return argmax_rows(logits).tolist()  # nothing to process: the argmax is the draw
-        proc = process(logits[:, None], seqs, [[]] * len(seqs), self.eos_token_ids)
-        ids = sample(proc.logits[:, 0], [s.params for s in seqs], [s.generator for s in seqs],
-                     self.generator)
-        asks = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if not asks:
-            return ids.tolist()
-        n = max(seqs[i].params.logprobs for i in asks)
-        idx = torch.tensor(asks, device=ids.device)
-        pack = logprob_pack(proc.raw[idx], ids[idx][:, None], n)
-        host = torch.cat((ids.double(), pack.flatten())).tolist()
-        out = [int(t) for t in host[:len(seqs)]]
-        w = 1 + 2 * n if n else 1
-        for r, i in enumerate(asks):
-            row = host[len(seqs) + r * w:len(seqs) + (r + 1) * w]
-            seqs[i].new_logprobs = [unpack_logprobs(row, n, seqs[i].params.logprobs, out[i])]
-        return out
 
     def _commit(self, batch: list[ScheduledSeq], segs: list[Segment],
                 tokens: list[list[int]]) -> list[int]:

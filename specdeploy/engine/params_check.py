@@ -240,3 +240,41 @@ def check_for_model(p, vocab_size: int) -> None:
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[0]}")
+
+
+def check_request(engine, prompt_ids, params, priority: int, mm) -> list[int]:
+    """A request's prompt (as ints) if `engine` (engine/engine.py) can ever run it, else
+    ValueError naming the parameter: the priority and its policy, images against the prompt and
+    the model, the prompt's length against max_seq_len and with max_tokens against the whole KV
+    cache, token ids within the vocabulary, and the sampling parameters the model allows."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority: must be an integer, got {priority!r}")
+    if priority and engine.scheduler.policy != "priority":
+        raise ValueError(f"priority: {priority} needs the \"priority\" scheduling policy "
+                         "(this engine schedules first come, first served)")
+    if mm is not None and list(prompt_ids) != mm.ids:
+        raise ValueError("images: prompt_ids must be the multimodal prompt's expanded ids")
+    if mm is not None and not hasattr(engine.deployed, "image_features"):
+        raise ValueError("images: this model has no vision tower")
+    image_id = getattr(engine.deployed, "image_token_id", None)
+    if mm is None and image_id is not None and image_id in prompt_ids:
+        raise ValueError(f"prompt: has image placeholder tokens (id {image_id}) but no "
+                         "images were given")
+    prompt_ids = [int(t) for t in prompt_ids]
+    if not prompt_ids:
+        raise ValueError("prompt: empty prompt")
+    n = len(prompt_ids)
+    if n > engine.max_seq_len:
+        raise ValueError(f"prompt: {n} tokens is longer than max_seq_len={engine.max_seq_len}")
+    if n + params.max_tokens > engine.max_seq_len:
+        raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds "
+                         f"max_seq_len={engine.max_seq_len}")
+    cap = engine.blocks.num_pages * engine.blocks.page_size - engine.scheduler.lookahead
+    if n + params.max_tokens > cap:
+        raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds "
+                         f"the whole KV cache ({cap} tokens); raise max_cache_gib")
+    vocab = engine.deployed.vocab_size
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+    check_for_model(params, vocab)
+    return prompt_ids

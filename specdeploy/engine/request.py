@@ -16,7 +16,7 @@ from specdeploy.engine.params_check import check_sampling
 
 if TYPE_CHECKING:
     from specdeploy.engine.lookup import NgramIndex
-    from specdeploy.engine.spec_control import SeqControl
+    from specdeploy.engine.spec_accept import SeqControl
 
 
 @dataclass(frozen=True)

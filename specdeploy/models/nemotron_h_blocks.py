@@ -23,7 +23,7 @@ from specdeploy.ops.shard import (
 )
 
 if TYPE_CHECKING:
-    from specdeploy.models.nemotron_h import Config
+    from specdeploy.models.nemotron_h_config import Config
 
 _ops = torch.ops.specdeploy
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdeploy import LLM, SamplingParams
-from specdeploy.deploy.passes.shard import slice_quantized
+from specdeploy.deploy.shard_slice import slice_quantized
 from specdeploy.quantize_cli import make_tiny_quantized
 
 LIMITS = dict(max_batch_size=4, max_seq_len=96, max_cache_gib=0.02, page_size=8)

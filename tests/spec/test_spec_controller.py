@@ -12,17 +12,16 @@ import pytest
 
 from specdeploy import SamplingParams
 from specdeploy.engine import verify_rows
-from specdeploy.engine.spec_control import (
+from specdeploy.engine.spec_accept import (
     COPY_BUCKETS,
     LOOKUP_HOLD_PRIOR,
-    MAX_PROBE_GAP,
-    CostController,
-    MeasuredCost,
-    calibrate,
     copy_bucket,
     expected_tokens,
     store_bucket,
 )
+from specdeploy.engine.spec_calibrate import calibrate
+from specdeploy.engine.spec_control import MAX_PROBE_GAP, CostController
+from specdeploy.engine.spec_cost import MeasuredCost
 from tests.spec.host_syncs import count_host_syncs
 
 MAX_TOKENS = 16

@@ -1,4 +1,4 @@
-"""The cost model prices a step at its context (engine/spec_control.py `MeasuredCost`): a step's
+"""The cost model prices a step at its context (engine/spec_cost.py `MeasuredCost`): a step's
 attention reads every cached key of its sequences, so steps observed at different contexts
 must not teach their row counts that context's cost. Also the drafter's cost table (non-
 decreasing) and the probe gap near break-even. Oracles: exact arithmetic on synthetic costs
@@ -7,13 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdeploy.engine.spec_control import (
-    MAX_PROBE_GAP,
-    NEAR_EVEN,
-    REG_MIN,
-    CostController,
-    MeasuredCost,
-)
+from specdeploy.engine.spec_control import MAX_PROBE_GAP, NEAR_EVEN, CostController
+from specdeploy.engine.spec_cost import REG_MIN, MeasuredCost
 from tests.spec.test_spec_controller import Linear, _Seq
 
 NET = {1: 3e-3, 2: 3.3e-3, 3: 3.7e-3, 4: 4.0e-3}  # a step's cost at no context, by rows

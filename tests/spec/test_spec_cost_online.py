@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from specdeploy import SamplingParams
-from specdeploy.engine.spec_control import CostController, MeasuredCost
+from specdeploy.engine.spec_control import CostController
+from specdeploy.engine.spec_cost import MeasuredCost
 
 
 def test_observe_is_an_ema_and_the_model_goes_through_it():

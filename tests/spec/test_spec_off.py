@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from specdeploy import SamplingParams, SpecConfig
-from specdeploy.engine.spec_control import OFF_BREAK_EVEN, OFF_MIN_BATCH, off_batches
+from specdeploy.engine.spec_calibrate import OFF_BREAK_EVEN, OFF_MIN_BATCH, off_batches
 
 MAX_TOKENS = 16
 

@@ -8,7 +8,9 @@ import json
 import pytest
 
 from specdeploy import LLM, SamplingParams, SpecConfig
-from specdeploy.engine.spec_control import CostController, MeasuredCost, cut_drafts, store_bucket
+from specdeploy.engine.spec_accept import store_bucket
+from specdeploy.engine.spec_control import CostController, cut_drafts
+from specdeploy.engine.spec_cost import MeasuredCost
 from specdeploy.engine.suffix_store import SuffixStore
 from tests.spec.test_spec_controller import Linear
 from tests.spec.tiny_targets import LIMITS

@@ -29,7 +29,7 @@ from specdeploy.models.layers import RMSNorm
 from specdeploy.models.nemotron_h_blocks import Block
 
 if TYPE_CHECKING:
-    from specdeploy.models.nemotron_h import Config
+    from specdeploy.models.nemotron_h_config import Config
 
 
 class MTPLayer(Block):

@@ -1,0 +1,71 @@
+"""What `build` decides from its options and the checkpoint where the user left it to it (deploy/
+build.py): lazy per-rank loading, the KV dtype and the drafter's quantization under "auto", and
+whether GGUF blocks may load without their fp32 values."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdeploy.deploy.options import BuildOptions
+
+
+def per_rank_loading(opts: BuildOptions, model: nn.Module | None, model_path=None):
+    """A sharded CPU build loads lazily: each rank reads only what it keeps (checkpoint/lazy)."""
+    from specdeploy.checkpoint.lazy import LazyWeights
+
+    d = opts.dist
+    if model is not None or d is None or d.world_size == 1 or opts.device.type != "cpu" or \
+            "shard" in opts.disabled or prequantized(model_path):
+        return None
+    return LazyWeights()
+
+
+def prequantized(path) -> bool:
+    """A pre-quantized (FP8 / NVFP4) checkpoint. NOTE: it loads whole on every rank: its
+    quantized tensors are recorded as the loader reads each weight (checkpoint/prequant.py),
+    which lazy loading would defer past `attach`; the shard transform then slices them."""
+    from specdeploy.checkpoint import open_checkpoint
+    from specdeploy.checkpoint.quant_config import detect_quant_config
+    from specdeploy.default_model import default_model_path
+
+    reader = open_checkpoint(default_model_path() if path is None else path)
+    return detect_quant_config(reader.path, reader.config, reader.keys()) is not None
+
+
+def kv_dtype(opts: BuildOptions, dtype: torch.dtype, model: nn.Module | None = None
+              ) -> torch.dtype | None:
+    """The target's KV dtype (None: the model dtype); see BuildOptions.kv_cache_dtype. "auto"
+    is bf16 where the fast kernels run a GGUF model's blocks on the CPU (that path is already
+    llama.cpp's model, 8-bit activations; llama.cpp keeps an f16 KV), else the model dtype:
+    `kernels="fast"` is LLM()'s default and leaves every other checkpoint's numerics alone."""
+    if opts.kv_cache_dtype != "auto":
+        return getattr(torch, opts.kv_cache_dtype)
+    fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32
+    has_blocks = bool(getattr(model, "ggml_weights", None)) if model is not None else True
+    return torch.bfloat16 if fast_cpu and has_blocks else None
+
+
+def draft_quantize_auto(opts: BuildOptions, dtype: torch.dtype, model: nn.Module) -> str | None:
+    """SpecConfig's draft_quantize="auto": "q8_0" where the fast kernels run a GGUF target's
+    blocks on an fp32 CPU deployment (one process, not compiled) with an fp32 drafter (a draft
+    forward there is bound by reading the drafter's weights: Q8_0 blocks read 4x fewer bytes
+    than fp32), else None (the target's precision). Measured on the default model, 2 cores
+    AVX2, EAGLE-3 K=3 fixed: 70 tokens/s with the fp32 drafter, 103 with Q8_0 (plain ~140)."""
+    fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32
+    fp32_drafter = opts.spec.draft_dtype in (None, "float32")
+    has_blocks = bool(getattr(model, "ggml_weights", None))
+    # NOTE: one process, not compiled: the paths the Q8_0 drafter has been tested on
+    alone = (opts.dist is None or opts.dist.world_size == 1) and not opts.compile
+    return "q8_0" if fast_cpu and fp32_drafter and has_blocks and alone and \
+        opts.quantize is None else None
+
+
+def defer_blocks(opts: BuildOptions) -> bool:
+    """Whether GGUF block-quantized weights may load without their fp32 values: where
+    `ggml_linears` will run and read only the blocks (deploy/deferred.py). Not with a drafter
+    model (it may read the target's embedding or head in its own way), quantize, sharding.
+    The loader checks the last condition, that the block kernel is built here."""
+    return (opts.device.type == "cpu" and not opts.compile and opts.quantize is None
+            and (opts.dist is None or opts.dist.world_size == 1)
+            and "ggml_linears" not in opts.disabled
+            and (opts.spec is None or opts.spec.method in ("ngram", "suffix")))
