@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 import struct
 from collections.abc import Iterable
 from math import prod
@@ -18,7 +17,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from specdeploy.checkpoint import gguf_llama, gguf_nemotron_h
 from specdeploy.checkpoint.errors import CheckpointError
+from specdeploy.checkpoint.gguf_llama import hf_name
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
@@ -26,19 +27,10 @@ _NP_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32,
                6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
-
-# llama.cpp tensor names → HF names (per block `blk.N.` → `model.layers.N.`)
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                 "output": "lm_head"}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-SUPPORTED_ARCHITECTURES = ("llama",)
-
+# general.architecture -> the module that maps it (config, names, values)
+_ARCHS = {"llama": gguf_llama, **{a: gguf_nemotron_h for a in gguf_nemotron_h.ARCHS}}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
+__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFReader", "hf_name", "read_header"]
 
 class TensorInfo(NamedTuple):
     name: str  # GGUF name
@@ -51,17 +43,6 @@ class TensorInfo(NamedTuple):
 class GGUFHeader(NamedTuple):
     metadata: dict
     tensors: dict[str, TensorInfo]
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """HF tensor name of a llama.cpp one, or None when it has no HF counterpart."""
-    stem, _, kind = gguf_name.rpartition(".")
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{kind}"
-    m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
 
 
 def read_header(path: str | os.PathLike) -> GGUFHeader:
@@ -161,71 +142,26 @@ class GGUFReader:
     """Same interface as `CheckpointReader` (`path`, `config`, `keys`, `get`, `in`, `missing`).
 
     `config` is an HF-style config.json dict; `keys()` are HF tensor names; `get` dequantizes one
-    tensor to fp32 (and undoes llama.cpp's rotary row permutation of q/k projections).
+    tensor to fp32 in the HF layout (undoing what llama.cpp's converter changed: the rotary row
+    permutation of q/k projections, and each architecture's own, `_ARCHS`).
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         header = read_header(self.path)
         self.metadata = header.metadata
-        self._tensors = header.tensors
+        self.tensor_infos = header.tensors
         arch = self.metadata.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in _ARCHS:
             raise CheckpointError(f"{self.path}: unsupported GGUF architecture {arch!r}; "
-                                  f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        self._where = {}
-        for name in self._tensors:
-            hf = hf_name(name)
-            self._where[hf or name] = name
+                                  f"supported: {', '.join(_ARCHS)}")
+        self._arch = _ARCHS[arch]
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self.config = self._hf_config(arch)
-
-    def _hf_config(self, arch: str) -> dict:
-        md = self.metadata
-
-        def get(key, default=None):
-            return md.get(f"{arch}.{key}", default)
-
-        def need(key):
-            if f"{arch}.{key}" not in md:
-                raise CheckpointError(f"{self.path}: GGUF metadata lacks {arch}.{key}")
-            return md[f"{arch}.{key}"]
-
-        heads = int(need("attention.head_count"))
-        kv_heads = get("attention.head_count_kv", heads)
-        if isinstance(kv_heads, list):  # per-layer arrays: llama has one value throughout
-            kv_heads = kv_heads[0]
-        hidden = int(need("embedding_length"))
-        embd = self._tensors.get("token_embd.weight")
-        vocab = embd.shape[0] if embd else get("vocab_size") or len(
-            md.get("tokenizer.ggml.tokens", ()))
-        cfg = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-            "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
-            "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
-            "num_key_value_heads": int(kv_heads),
-            "head_dim": int(get("attention.key_length", hidden // heads)),
-            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(get("rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(get("context_length", 4096)),
-            "tie_word_embeddings": "output.weight" not in self._tensors,
-            "attention_bias": "blk.0.attn_q.bias" in self._tensors,
-            "mlp_bias": "blk.0.ffn_up.bias" in self._tensors,
-            "hidden_act": "silu",
-            "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
-        }
-        if get("rope.scaling.type") == "linear":
-            cfg["rope_scaling"] = {"rope_type": "linear",
-                                   "factor": float(get("rope.scaling.factor", 1.0))}
-        elif get("rope.scaling.type") not in (None, "none"):
-            raise CheckpointError(f"{self.path}: unsupported rope scaling "
-                                  f"{get('rope.scaling.type')!r}")
-        if "rope_freqs.weight" in self._tensors:  # llama3-style scaling, as per-frequency divisors
-            factors = self._dequantize(self._tensors["rope_freqs.weight"]).tolist()
-            cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg["rope_theta"],
-                                      "freq_factors": factors}
-        return cfg
+        self.config = self._arch.hf_config(self)
+        self._where = {}
+        for name in self.tensor_infos:
+            hf = self._arch.hf_name(name, self.config)
+            self._where[hf or name] = name
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -242,29 +178,35 @@ class GGUFReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")
-        info = self._tensors[self._where[name]]
-        a = self._dequantize(info)
-        if info.name.endswith(("attn_q.weight", "attn_q.bias")):
-            a = _unpermute_rotary(a, self.config["num_attention_heads"])
-        elif info.name.endswith(("attn_k.weight", "attn_k.bias")):
-            a = _unpermute_rotary(a, self.config["num_key_value_heads"])
-        return torch.from_numpy(a)
+        info = self.tensor_infos[self._where[name]]
+        a = self._unpermute(info.name, self._dequantize(info))
+        return torch.from_numpy(np.ascontiguousarray(self._arch.to_hf(info.name, a, self.config)))
+
+    def dequantize(self, gguf_name: str) -> np.ndarray:
+        """A tensor by its GGUF name, fp32, as stored."""
+        return self._dequantize(self.tensor_infos[gguf_name])
+
+    def _unpermute(self, gguf_name: str, a: np.ndarray) -> np.ndarray:
+        if not self._arch.ROTARY_PERMUTED:
+            return a
+        if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+            return _unpermute_rotary(a, self.config["num_attention_heads"])
+        if gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+            return _unpermute_rotary(a, self.config["num_key_value_heads"])
+        return a
 
     def get_blocks(self, name: str):
         """`GGMLWeight` (its raw Q4_0 / Q4_1 / Q8_0 blocks, rows in HF order) of a 2-D tensor
         stored in one of those types, else None: what `ops/ggml_linear.py` computes with."""
         from specdeploy.ops.ggml_linear import make_weight
 
-        info = self._tensors.get(self._where.get(name, ""))
+        info = self.tensor_infos.get(self._where.get(name, ""))
         kind = _BLOCK_KINDS.get(info.ggml_type) if info else None
         if kind is None or len(info.shape) != 2:
             return None
         rows = info.shape[0]
         raw = np.asarray(self._data[info.offset:info.offset + info.nbytes]).reshape(rows, -1)
-        if info.name.endswith("attn_q.weight"):
-            raw = _unpermute_rotary(raw, self.config["num_attention_heads"])
-        elif info.name.endswith("attn_k.weight"):
-            raw = _unpermute_rotary(raw, self.config["num_key_value_heads"])
+        raw = self._unpermute(info.name, raw)
         return make_weight(kind, torch.from_numpy(np.array(raw)), info.shape)
 
     def _dequantize(self, info: TensorInfo) -> np.ndarray:

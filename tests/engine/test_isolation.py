@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import specdeploy.engine.engine as engine_mod
+import specdeploy.engine.sample_rows as sample_mod
 from specdeploy import LLM, SamplingParams
 
 PROMPTS = ["The quick brown fox", "Hello there", "abc abc abc", "Once upon a time"]
@@ -31,7 +31,7 @@ def _solo(llm):
 
 def test_sampling_failure_fails_one_sequence_only(llm, monkeypatch):
     solo = _solo(llm)
-    real = engine_mod.sample
+    real = sample_mod.sample
     calls = {"n": 0}
 
     def flaky(logits, params, gens, default=None):
@@ -41,7 +41,7 @@ def test_sampling_failure_fails_one_sequence_only(llm, monkeypatch):
                 raise ValueError("injected sampling failure")
         return real(logits, params, gens, default)
 
-    monkeypatch.setattr(engine_mod, "sample", flaky)
+    monkeypatch.setattr(sample_mod, "sample", flaky)
     poison = SamplingParams(max_tokens=12, temperature=0.5, seed=POISON_SEED, ignore_eos=True)
     outs = llm.generate(PROMPTS + ["poisoned prompt"], _params() + [poison])
     for out, ref in zip(outs[:4], solo):
@@ -53,7 +53,7 @@ def test_sampling_failure_fails_one_sequence_only(llm, monkeypatch):
     eng = llm.engine
     assert not eng.has_unfinished() and eng.blocks.num_free == eng.blocks.num_pages
     assert eng.stats.num_errors >= 1
-    monkeypatch.setattr(engine_mod, "sample", real)
+    monkeypatch.setattr(sample_mod, "sample", real)
     assert [o.token_ids for o in _solo(llm)] == [r.token_ids for r in solo]  # still usable
 
 

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-import specdeploy.engine.engine as engine_mod
+import specdeploy.engine.sample_rows as sample_mod
 from specdeploy import LLM, SamplingParams
 from tests.serving.hostile_cases import AUTH, BODY_LIMIT, COMP, JSON, KEY, MODEL, all_cases
 
@@ -87,14 +87,14 @@ def test_enough_cases():
 
 
 def test_hostile_round(srv, solo, llm, monkeypatch):
-    real = engine_mod.sample
+    real = sample_mod.sample
 
     def poisoned(logits, params, gens, default=None):
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("injected sampling failure")
         return real(logits, params, gens, default)
 
-    monkeypatch.setattr(engine_mod, "sample", poisoned)
+    monkeypatch.setattr(sample_mod, "sample", poisoned)
     for _ in range(2):  # warm up the allocator before the RSS baseline
         httpx.post(srv.url + "/v1/completions", json=COMP, headers=AUTH, timeout=30)
     rss0 = _rss_mib()

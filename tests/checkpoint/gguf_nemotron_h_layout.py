@@ -1,0 +1,163 @@
+"""A tiny NemotronH safetensors checkpoint written as llama.cpp's converter writes its GGUF
+(convert_hf_to_gguf.py, NemotronHModel / GraniteHybridModel / Mamba2Model), for the tests.
+
+Tensor names come from gguf-py's own map (`gguf.get_tensor_name_map`, not the reader's); the
+MTP block's names, which gguf-py 0.19 does not map yet, and the value changes follow the
+converter: A_log -> -exp(A_log) as [heads, 1], D as [heads, 1], conv1d without its middle axis,
+the grouped norm as [groups, d_inner / groups], q/k rows permuted as for llama's RoPE, routed
+experts stacked, the MTP head folded into one trailing block.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf.constants import MODEL_ARCH
+
+from specdeploy.checkpoint import open_checkpoint
+
+Q = gguf.GGMLQuantizationType
+MTP_NAMES = {"mtp.layers.0.enorm.weight": "nextn.enorm.weight",
+             "mtp.layers.0.hnorm.weight": "nextn.hnorm.weight",
+             "mtp.layers.0.eh_proj.weight": "nextn.eh_proj.weight",
+             "mtp.layers.1.norm.weight": "post_attention_norm.weight",
+             "mtp.layers.1.final_layernorm.weight": "nextn.shared_head_norm.weight"}
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's q/k row permutation (LlamaModel.permute)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def _kinds(cfg: dict) -> str:
+    return cfg["hybrid_override_pattern"]
+
+
+def _converted(src: Path) -> tuple[dict[str, np.ndarray], dict, MODEL_ARCH]:
+    """{GGUF name: fp32 array (torch order)}, the HF config, the GGUF architecture."""
+    reader = open_checkpoint(src)
+    cfg = reader.config
+    kinds = _kinds(cfg)
+    n, nextn = len(kinds), cfg.get("num_nextn_predict_layers", 0)
+    arch = MODEL_ARCH.NEMOTRON_H_MOE if "E" in kinds else MODEL_ARCH.NEMOTRON_H
+    names = gguf.get_tensor_name_map(arch, n + nextn)
+    out, experts = {}, defaultdict(dict)
+    for key in reader.keys():
+        w = reader.get(key).numpy().astype(np.float32)
+        hf = key
+        if key.startswith("mtp.layers."):  # folded into block n
+            if key in MTP_NAMES:
+                out[f"blk.{n}.{MTP_NAMES[key]}"] = w
+                continue
+            hf = f"backbone.layers.{n}." + key.split(".", 3)[3]
+        bid = int(hf.split(".")[2]) if hf.startswith("backbone.layers.") else None
+        if ".mixer.experts." in hf:
+            experts[(bid, hf.rsplit(".", 2)[1])][int(hf.split(".")[5])] = w
+            continue
+        if hf.endswith(".dt_bias"):
+            hf = hf[: -len(".dt_bias")] + ".dt.bias"
+        elif hf.endswith("e_score_correction_bias"):
+            hf = hf[: -len("_bias")] + ".bias"
+        if hf.endswith(".A_log"):
+            w = -np.exp(w).reshape(-1, 1)
+        elif hf.endswith(".D"):
+            w = w.reshape(-1, 1)
+        elif hf.endswith("mixer.conv1d.weight"):
+            w = w.squeeze()
+        elif hf.endswith("mixer.norm.weight"):
+            w = w.reshape(cfg["n_groups"], -1)
+        elif hf.endswith("q_proj.weight"):
+            w = permute(w, cfg["num_attention_heads"])
+        elif hf.endswith("k_proj.weight"):
+            w = permute(w, cfg["num_key_value_heads"])
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf
+        out[name] = w
+    for (bid, proj), by_e in experts.items():
+        stacked = np.stack([by_e[e] for e in range(len(by_e))])
+        out[names.get_name(f"model.layers.{bid}.mlp.experts.{proj}.weight",
+                           try_suffixes=(".weight",))] = stacked
+    return out, cfg, arch
+
+
+def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32,
+               tokenizer: bool = True) -> Path:
+    """`src` (nemotron_h.make_tiny) as a GGUF; 2-D weights in `qtype`, stacked experts in
+    `expert_qtype` where their rows divide into blocks (else F32, as llama.cpp falls back)."""
+    tensors, cfg, arch = _converted(src)
+    kinds = _kinds(cfg)
+    n, nextn = len(kinds), cfg.get("num_nextn_predict_layers", 0)
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    attn = [k == "*" for k in kinds] + [True] * nextn
+    ffn_kind = "E" if arch == MODEL_ARCH.NEMOTRON_H_MOE else "-"
+    ffn = [k == ffn_kind for k in kinds] + [True] * nextn
+    ff = cfg["moe_intermediate_size"] if ffn_kind == "E" else cfg["intermediate_size"]
+    w.add_block_count(n + nextn)
+    w.add_context_length(2**20)
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv([cfg["num_key_value_heads"] if a else 0 for a in attn])
+    w.add_feed_forward_length([ff if f else 0 for f in ffn])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["layer_norm_epsilon"])
+    w.add_ssm_conv_kernel(cfg["conv_kernel"])
+    w.add_ssm_inner_size(cfg["mamba_num_heads"] * cfg["mamba_head_dim"])
+    w.add_ssm_state_size(cfg["ssm_state_size"])
+    w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+    w.add_ssm_group_count(cfg["n_groups"])
+    if ffn_kind == "E":
+        w.add_expert_count(cfg["n_routed_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["moe_shared_expert_intermediate_size"])
+        w.add_expert_shared_count(1)
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        if cfg.get("moe_latent_size"):
+            w.add_moe_latent_size(cfg["moe_latent_size"])
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
+    if tokenizer:
+        _add_tokenizer(w, src, cfg["vocab_size"])
+    for name, a in sorted(tensors.items()):
+        # as llama-quantize: matrices, not norms (the grouped SSM norm is stored 2-D)
+        q = (expert_qtype if name.endswith("_exps.weight") else
+             qtype if a.ndim == 2 and "norm" not in name else Q.F32)
+        block = gguf.GGML_QUANT_SIZES[q][0]
+        if q in (Q.F32, Q.F16) or a.shape[-1] % block:
+            w.add_tensor(name, a)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_tokenizer(w, src: Path, vocab_size: int) -> None:
+    """The tiny character tokenizer (checkpoint/tiny.py) as a gpt2 one with no merges: its
+    single characters are byte-level tokens already."""
+    import json
+
+    vocab = json.loads((src / "tokenizer.json").read_text())["model"]["vocab"]
+    tokens = [""] * vocab_size
+    for t, i in vocab.items():
+        tokens[i] = t
+    special = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in special or t.startswith("<|filler")
+                       else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([])
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    tc = json.loads((src / "tokenizer_config.json").read_text())
+    w.add_chat_template(tc["chat_template"])
