@@ -1,15 +1,22 @@
-"""llama.cpp's own converter and runtime against specdeploy's GGUF reader, on tiny NemotronH.
+"""llama.cpp's own converter and runtime against specdeploy's GGUF reader, on tiny NemotronH
+and Qwen3.5-MoE.
 
 The unit tests (tests/checkpoint/test_gguf_nemotron_h.py) write their GGUFs with a test-side
 converter that follows llama.cpp's; this checks that assumption against the real thing, once
 per llama.cpp version:
-1. tiny NemotronH checkpoints (dense; MoE with a latent projection and an MTP head) are converted
-   by llama.cpp's convert_hf_to_gguf.py (from the llama-cpp-python sdist, `--llamacpp-src`);
+1. tiny NemotronH checkpoints (dense; MoE with a latent projection and an MTP head) and a tiny
+   Qwen3.5-MoE (fewer key than value heads, an MTP head) are converted by llama.cpp's
+   convert_hf_to_gguf.py (from the llama-cpp-python sdist, `--llamacpp-src`);
 2. specdeploy loads each GGUF; its logits are compared with transformers' on the safetensors
-   checkpoint, and its tensors with the checkpoint's;
+   checkpoint, and its parameters (MTP head included) with those loaded from the checkpoint;
 3. llama.cpp itself (llama-cpp-python, built by bench/setup_llamacpp.sh) runs the same GGUF, and
    its last-position logits are compared with transformers'.
 It prints one JSON object (the machine, the command, the max |difference| per check).
+
+NOTE (llama-cpp-python 0.3.36): the converter takes any NemotronH config as "nemotron_h_moe"
+once transformers (which fills in MoE defaults) is installed, and writes a dense model's MLP
+layers with a feed-forward length of 0; llama.cpp then reads them as Mamba2 and refuses the
+file ("llamacpp_error"). specdeploy reads layer kinds from the tensors and loads it.
 
 The converter refuses a tokenizer whose pre-tokenizer hash it does not know (the tiny
 character tokenizer's), so it runs with `get_vocab_base_pre` returning "default"; llama.cpp
@@ -34,7 +41,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specdeploy.checkpoint import open_checkpoint  # noqa: E402
 from specdeploy.checkpoint.gguf import GGUFReader  # noqa: E402
 from specdeploy.loading import load_model  # noqa: E402
 from specdeploy.models import nemotron_h as nh  # noqa: E402
@@ -55,10 +61,19 @@ runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
-def configs() -> dict[str, tuple[dict, int]]:
+def models(tmp: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (tiny checkpoint, transformers class of its oracle)."""
+    from specdeploy.models import qwen3_5_moe as q35
     from tests.checkpoint.test_gguf_nemotron_h import DENSE, MOE
 
-    return {"dense": (DENSE, 0), "moe_mtp": (MOE, 1)}
+    return {
+        "nemotron_h_dense": (nh.make_tiny(tmp / "nh_dense", seed=5, hf_config=DENSE),
+                             "NemotronHForCausalLM"),
+        "nemotron_h_moe_mtp": (nh.make_tiny(tmp / "nh_moe", seed=5, mtp_layers=1, hf_config=MOE),
+                               "NemotronHForCausalLM"),
+        "qwen3_5_moe_mtp": (q35.make_tiny(tmp / "q35", seed=5, mtp_layers=1),
+                            "Qwen3_5MoeForConditionalGeneration"),
+    }
 
 
 def convert(src_dir: Path, ckpt: Path, out: Path) -> None:
@@ -70,17 +85,13 @@ def convert(src_dir: Path, ckpt: Path, out: Path) -> None:
         raise RuntimeError(f"convert_hf_to_gguf failed:\n{r.stderr[-3000:]}")
 
 
-def tensor_diff(ckpt: Path, gguf_path: Path) -> float:
-    st, gg = open_checkpoint(ckpt), GGUFReader(gguf_path)
-    worst = 0.0
-    for key in st.keys():
-        if ".mixer.experts." in key:
-            head, e, proj = key.rsplit(".", 3)[0], int(key.split(".")[5]), key.rsplit(".", 2)[1]
-            got = gg.get(f"{head}.{proj}")[e]
-        else:
-            got = gg.get(key)
-        worst = max(worst, (got - st.get(key)).abs().max().item())
-    return worst
+def param_diff(ckpt: Path, gguf_path: Path) -> float:
+    """Max |difference| of the parameters loaded from the GGUF and from the checkpoint."""
+    a = load_model(gguf_path, dtype="float32", with_mtp=None).state_dict()
+    b = load_model(ckpt, dtype="float32", with_mtp=None).state_dict()
+    if a.keys() != b.keys():
+        raise RuntimeError(f"parameters differ: {sorted(set(a) ^ set(b))[:8]}")
+    return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
 @torch.no_grad()
@@ -111,17 +122,16 @@ def main() -> None:
               "command": " ".join(sys.argv), "checks": {}}
     ids = [5, 17, 40, 41, 42, 3, 99, 64, 12, 77, 31, 8, 90, 23, 55, 61]
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (hf, mtp) in configs().items():
-            ckpt = nh.make_tiny(Path(tmp) / name, seed=5, mtp_layers=mtp, hf_config=hf)
+        for name, (ckpt, oracle_cls) in models(Path(tmp)).items():
             out = Path(tmp) / f"{name}.gguf"
             convert(args.llamacpp_src, ckpt, out)
-            oracle = transformers.NemotronHForCausalLM.from_pretrained(
+            oracle = getattr(transformers, oracle_cls).from_pretrained(
                 ckpt, dtype=torch.float32, attn_implementation="eager").eval()
             x = torch.tensor([ids])
-            want = oracle(x, use_cache=False).logits[0]
+            want = oracle(input_ids=x, use_cache=False).logits[0]
             ours = load_model(out, dtype="float32")(x)[0]
             check = {"ours_vs_transformers_max_abs": (ours - want).abs().max().item(),
-                     "tensors_vs_checkpoint_max_abs": tensor_diff(ckpt, out),
+                     "params_vs_checkpoint_max_abs": param_diff(ckpt, out),
                      "gguf_arch": GGUFReader(out).metadata["general.architecture"],
                      "mtp_tensors": sum(k.startswith("mtp.") for k in GGUFReader(out).keys())}
             theirs = llamacpp_logits(out, ids)

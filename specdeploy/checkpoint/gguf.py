@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from specdeploy.checkpoint import gguf_llama, gguf_nemotron_h
+from specdeploy.checkpoint import gguf_llama, gguf_nemotron_h, gguf_qwen3_5
 from specdeploy.checkpoint.errors import CheckpointError
 from specdeploy.checkpoint.gguf_llama import hf_name
 
@@ -28,7 +28,7 @@ _NP_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32,
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 # general.architecture -> the module that maps it (config, names, values)
-_ARCHS = {"llama": gguf_llama, **{a: gguf_nemotron_h for a in gguf_nemotron_h.ARCHS}}
+_ARCHS = {"llama": gguf_llama, **{a: m for m in (gguf_nemotron_h, gguf_qwen3_5) for a in m.ARCHS}}
 SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFReader", "hf_name", "read_header"]
 
@@ -162,25 +162,33 @@ class GGUFReader:
         for name in self.tensor_infos:
             hf = self._arch.hf_name(name, self.config)
             self._where[hf or name] = name
+        # HF tensors the file splits (name -> its GGUF parts, the dim they join on)
+        self._joined = getattr(self._arch, "joined", lambda reader: {})(self)
 
     def keys(self) -> list[str]:
-        return list(self._where)
+        return [*self._where, *self._joined]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or name in self._joined
 
     def has_prefix(self, prefix: str) -> bool:
-        return any(k.startswith(prefix) for k in self._where)
+        return any(k.startswith(prefix) for k in self.keys())
 
     def missing(self, names: Iterable[str]) -> list[str]:
-        return [n for n in names if n not in self._where]
+        return [n for n in names if n not in self]
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self._joined:
+            parts, dim = self._joined[name]
+            return torch.from_numpy(np.concatenate([self._hf_array(p) for p in parts], dim))
         if name not in self._where:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")
-        info = self.tensor_infos[self._where[name]]
+        return torch.from_numpy(self._hf_array(self._where[name]))
+
+    def _hf_array(self, gguf_name: str) -> np.ndarray:
+        info = self.tensor_infos[gguf_name]
         a = self._unpermute(info.name, self._dequantize(info))
-        return torch.from_numpy(np.ascontiguousarray(self._arch.to_hf(info.name, a, self.config)))
+        return np.ascontiguousarray(self._arch.to_hf(info.name, a, self.config))
 
     def dequantize(self, gguf_name: str) -> np.ndarray:
         """A tensor by its GGUF name, fp32, as stored."""

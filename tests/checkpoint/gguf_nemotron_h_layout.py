@@ -124,16 +124,9 @@ def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32,
     if nextn:
         w.add_nextn_predict_layers(nextn)
     if tokenizer:
-        _add_tokenizer(w, src, cfg["vocab_size"])
+        add_tokenizer(w, src, cfg["vocab_size"])
     for name, a in sorted(tensors.items()):
-        # as llama-quantize: matrices, not norms (the grouped SSM norm is stored 2-D)
-        q = (expert_qtype if name.endswith("_exps.weight") else
-             qtype if a.ndim == 2 and "norm" not in name else Q.F32)
-        block = gguf.GGML_QUANT_SIZES[q][0]
-        if q in (Q.F32, Q.F16) or a.shape[-1] % block:
-            w.add_tensor(name, a)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+        quantized_or_f32(w, name, a, qtype, expert_qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -141,16 +134,28 @@ def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32,
     return out
 
 
-def _add_tokenizer(w, src: Path, vocab_size: int) -> None:
+def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
+    """Adds tensor `name`: stacked experts in `expert_qtype`, other matrices in `qtype` (as
+    llama-quantize: not norms; the grouped SSM norm is stored 2-D), where their rows divide
+    into blocks; else F32."""
+    q = (expert_qtype if name.endswith("_exps.weight") else
+         qtype if a.ndim == 2 and "norm" not in name else Q.F32)
+    if q in (Q.F32, Q.F16) or a.shape[-1] % gguf.GGML_QUANT_SIZES[q][0]:
+        w.add_tensor(name, a)
+    else:
+        w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+
+
+def add_tokenizer(w, src: Path, vocab_size: int) -> None:
     """The tiny character tokenizer (checkpoint/tiny.py) as a gpt2 one with no merges: its
     single characters are byte-level tokens already."""
     import json
 
-    vocab = json.loads((src / "tokenizer.json").read_text())["model"]["vocab"]
+    spec = json.loads((src / "tokenizer.json").read_text())
     tokens = [""] * vocab_size
-    for t, i in vocab.items():
+    for t, i in spec["model"]["vocab"].items():
         tokens[i] = t
-    special = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
+    special = {a["content"] for a in spec.get("added_tokens", ()) if a.get("special")}
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
