@@ -210,8 +210,8 @@ def _ggml_weights(model: nn.Module, reader) -> dict:
     if get_blocks is None:
         return {}
     out = {}
-    for name, p in model.named_parameters():
-        w = get_blocks(name) if p.dim() == 2 else None
+    for name, p in model.named_parameters():  # (stacked experts: [E, N, K])
+        w = get_blocks(name) if p.dim() in (2, 3) else None
         if w is not None and w.shape == tuple(p.shape):
             out[name] = w
     return out

@@ -204,17 +204,38 @@ class GGUFReader:
         return a
 
     def get_blocks(self, name: str):
-        """`GGMLWeight` (its raw Q4_0 / Q4_1 / Q8_0 blocks, rows in HF order) of a 2-D tensor
-        stored in one of those types, else None: what `ops/ggml_linear.py` computes with."""
+        """`GGMLWeight` (its raw Q4_0 / Q4_1 / Q8_0 blocks, rows in HF order) of a 2-D tensor,
+        or of stacked experts [E, N, K], stored in one of those types, else None: what
+        `ops/ggml_linear.py` computes with. None too where the converter moved the tensor's
+        values in a way whole block rows cannot undo (`blocks_hf`)."""
         from specdeploy.ops.ggml_linear import make_weight
 
-        info = self.tensor_infos.get(self._where.get(name, ""))
+        if name in self._joined:
+            parts, dim = self._joined[name]
+            ws = [self._blocks(p) for p in parts]
+            if any(w is None for w in ws) or len({w.kind for w in ws}) != 1 or dim == len(
+                    ws[0].shape) - 1:
+                return None
+            shape = list(ws[0].shape)
+            shape[dim] = sum(w.shape[dim] for w in ws)
+            return make_weight(ws[0].kind, torch.cat([w.blocks for w in ws], dim), tuple(shape))
+        return self._blocks(self._where[name]) if name in self._where else None
+
+    def _blocks(self, gguf_name: str):
+        from specdeploy.ops.ggml_linear import make_weight
+
+        info = self.tensor_infos.get(gguf_name)
         kind = _BLOCK_KINDS.get(info.ggml_type) if info else None
-        if kind is None or len(info.shape) != 2:
+        if kind is None or len(info.shape) not in (2, 3):
             return None
-        rows = info.shape[0]
-        raw = np.asarray(self._data[info.offset:info.offset + info.nbytes]).reshape(rows, -1)
+        raw = np.asarray(self._data[info.offset:info.offset + info.nbytes]).reshape(
+            *info.shape[:-1], -1)
         raw = self._unpermute(info.name, raw)
+        blocks_hf = getattr(self._arch, "blocks_hf", None)
+        if blocks_hf is not None:
+            raw = blocks_hf(info.name, raw, self.config)
+            if raw is None:
+                return None
         return make_weight(kind, torch.from_numpy(np.array(raw)), info.shape)
 
     def _dequantize(self, info: TensorInfo) -> np.ndarray:

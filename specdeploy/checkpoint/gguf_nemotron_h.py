@@ -1,7 +1,7 @@
 """GGUF architectures "nemotron_h" and "nemotron_h_moe" (llama.cpp: Nemotron-H, Nano v2,
 Nemotron 3 Nano / Super): their metadata as a Hugging Face NemotronH config, their tensor names
-as the released checkpoints' (`backbone.layers.N.mixer.*`, `mtp.layers.{0,1}.*`), their values
-in the HF layout.
+as transformers' (`model.layers.N.mixer.*`, the model's own parameter names, so the loader finds
+each parameter's blocks by its name; `mtp.layers.{0,1}.*`), their values in the HF layout.
 
 What llama.cpp's converter changes, undone here:
 - layer kinds are not stored as a pattern (read here from the tensors each block holds); an
@@ -29,8 +29,8 @@ from specdeploy.checkpoint.errors import CheckpointError
 
 ARCHS = ("nemotron_h", "nemotron_h_moe")
 ROTARY_PERMUTED = True
-_GLOBAL = {"token_embd.weight": "backbone.embeddings.weight",
-           "output_norm.weight": "backbone.norm_f.weight", "output.weight": "lm_head.weight"}
+_GLOBAL = {"token_embd.weight": "model.embeddings.weight",
+           "output_norm.weight": "model.norm_f.weight", "output.weight": "lm_head.weight"}
 # blk.N.<stem> -> the layer's HF suffix; `.weight` / `.bias` follow the stem unless noted
 _MIXER = {
     "ssm_in": "in_proj", "ssm_conv1d": "conv1d", "ssm_out": "out_proj", "ssm_norm": "norm",
@@ -163,7 +163,7 @@ def hf_name(gguf_name: str, cfg: dict) -> str | None:
         group = 0 if tail.startswith("attn_") else 1
         return f"mtp.layers.{group}.{hf}"
     hf = _layer_suffix(tail)
-    return None if hf is None else f"backbone.layers.{i}.{hf}"
+    return None if hf is None else f"model.layers.{i}.{hf}"
 
 
 def _layer_suffix(tail: str) -> str | None:

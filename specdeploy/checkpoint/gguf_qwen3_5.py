@@ -185,6 +185,19 @@ def to_hf(gguf_name: str, a: np.ndarray, cfg: dict) -> np.ndarray:
     return a
 
 
+def blocks_hf(gguf_name: str, raw: np.ndarray, cfg: dict) -> np.ndarray | None:
+    """A quantized matrix's block rows in the HF order, or None where whole rows cannot give
+    it: value changes (norms, A), and the columns `ssm_out`'s value heads reorder (those load
+    dequantized). Row reorders are `to_hf`'s, on rows of blocks."""
+    tail = gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") else gguf_name
+    t = cfg["text_config"]
+    if tail in _PLUS_ONE or tail == "ssm_a":
+        return None
+    if tail == "ssm_out.weight" and t["linear_num_key_heads"] != t["linear_num_value_heads"]:
+        return None
+    return to_hf(gguf_name, raw, cfg)
+
+
 def _grouped(a: np.ndarray, dim: int, nk: int, per_k: int, d: int) -> np.ndarray:
     """Value heads on `dim` from the converter's tiled order [per_k, nk, d] back to grouped by
     key head [nk, per_k, d]."""

@@ -44,6 +44,7 @@ PIPELINE = (
     ("insert_cache", "insert_cached_ssm"),
     ("insert_cache", "insert_cached_conv"),
     ("insert_cache", "insert_cached_gdn"),
+    ("ggml_experts", "ggml_moe_experts"),  # before ggml_linears, which fills deferred weights
     ("ggml_linears", "ggml_linears"),  # before fusion: it fuses its own groups
     ("fuse_linears", "fuse_parallel_linears"),
     ("pack_linears", "pack_linear_weights"),

@@ -35,23 +35,38 @@ _CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
 class GGMLWeight(NamedTuple):
-    """A [N, K] linear weight as N rows of GGUF blocks (`blocks`: uint8 [N, K / 32 * size])."""
+    """A [N, K] linear weight as N rows of GGUF blocks (`blocks`: uint8 [N, K / 32 * size]);
+    stacked routed experts [E, N, K] as [E, N, K / 32 * size] (`expert` gives one's [N, K])."""
 
     kind: str  # "q4_1" | "q8_0" | "q4_0"
     blocks: torch.Tensor
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
 
 
-def make_weight(kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> GGMLWeight:
-    """Checked constructor: the block bytes must be exactly what `shape` needs."""
+def make_weight(kind: str, blocks: torch.Tensor, shape: tuple[int, ...]) -> GGMLWeight:
+    """Checked constructor: the block bytes must be exactly what `shape` ([N, K], or [E, N, K]
+    for stacked experts) needs."""
     if kind not in KINDS:
         raise ValueError(f"ggml weight: unsupported kind {kind!r}; supported: {', '.join(KINDS)}")
-    n, k = shape
-    want = (n, k // 32 * KINDS[kind][1])
-    if k % 32 or blocks.dtype != torch.uint8 or tuple(blocks.shape) != want:
+    *lead, n, k = shape
+    want = (*lead, n, k // 32 * KINDS[kind][1])
+    if len(lead) > 1 or k % 32 or blocks.dtype != torch.uint8 or tuple(blocks.shape) != want:
         raise ValueError(f"ggml weight: {kind} blocks for shape {tuple(shape)} must be uint8 "
                          f"{want}, got {blocks.dtype} {tuple(blocks.shape)}")
-    return GGMLWeight(kind, blocks.contiguous(), (n, k))
+    return GGMLWeight(kind, blocks.contiguous(), tuple(shape))
+
+
+def expert(weight: GGMLWeight, e: int) -> GGMLWeight:
+    """Expert `e`'s [N, K] weight of stacked experts [E, N, K] (a view of its blocks)."""
+    return GGMLWeight(weight.kind, weight.blocks[e], weight.shape[1:])
+
+
+def _rows_of(weight: GGMLWeight) -> GGMLWeight:
+    """A stacked [E, N, K] weight as one [E * N, K] (its blocks are contiguous)."""
+    if len(weight.shape) == 2:
+        return weight
+    e, n, k = weight.shape
+    return GGMLWeight(weight.kind, weight.blocks.view(e * n, -1), (e * n, k))
 
 
 def concat_rows(weights: list[GGMLWeight]) -> GGMLWeight:
@@ -204,7 +219,11 @@ def dequantize(weight: GGMLWeight, rows: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 values of `weight` ([N, K]; with `rows` int64 [R] those rows, [R, K]), bit for
     bit what gguf's dequantization gives, written into `out` when given (a reused buffer of at
-    least that many elements; the result is a view of it)."""
+    least that many elements; the result is a view of it). Stacked experts [E, N, K]: all of
+    them, [E, N, K] (`rows` then index the E * N rows)."""
+    if len(weight.shape) == 3 and rows is None:
+        return dequantize(_rows_of(weight), None, out).view(weight.shape)
+    weight = _rows_of(weight)
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"ggml kernels unavailable: {why}")

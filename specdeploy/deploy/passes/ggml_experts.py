@@ -1,0 +1,93 @@
+"""Routed experts whose stacked weights came from GGUF Q4_0 / Q4_1 / Q8_0 blocks compute with
+those blocks on the CPU (ops/ggml_experts.py).
+
+The loader keeps the blocks of stacked experts [E, N, K] as it does a linear's
+(`model.ggml_weights`; a Qwen3.5 GGUF's gate and up experts joined into gate_up_proj) and,
+where this runs, never writes their fp32 values (`model.ggml_deferred`). Each `moe_experts`
+whose two expert weights have blocks becomes a call that runs each chosen expert's matrices
+on its blocks: with `ctx.kernels="exact"` the fp32 kernel up to MAX_ROWS rows an expert and
+above that the expert's matrix dequantized into the reused buffer (as `ggml_linears`), with
+"fast" the integer-dot kernel (8-bit activations, as llama.cpp) at every row count. Either way
+each token's rows are computed alone, so greedy speculative = greedy plain. A weight matches by
+identity with the loaded parameter; one a transform replaced keeps its path.
+
+Runs before `ggml_linears`, which fills any deferred weight the graph still reads (so an
+expert left on the fp32 path computes with its values, never with a placeholder). Skipped where
+`ggml_linears` is: compiling, off the CPU, no kernel.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.graph import attr_tensor, drop_unread_params
+from specdeploy.deploy.passes.ggml_calls import MAX_ROWS, dequant_linear
+from specdeploy.deploy.passes.ggml_linears import _fast_isa, _not_here, _weight_map
+from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
+from specdeploy.ops import ggml_int
+from specdeploy.ops.ggml_experts import ggml_moe_experts
+from specdeploy.ops.ggml_linear import GGMLWeight, expert, ggml_linear, kernel_unavailable
+
+_MOE = torch.ops.specdeploy.moe_experts.default
+
+
+def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | None):
+    """(x, topk_ids, topk_weights) -> the routed experts' sum, on `up` / `down`'s blocks."""
+    mats = {"up": [expert(up, e) for e in range(up.shape[0])],
+            "down": [expert(down, e) for e in range(down.shape[0])]}
+    bound: dict[tuple[int, str], object] = {}
+
+    def linear(e: int, which: str, x: torch.Tensor) -> torch.Tensor:
+        w = mats[which][e]
+        if isa is not None:
+            fn = bound.get((e, which))
+            if fn is None:  # NOTE: bound once per expert matrix, on first use
+                fn = bound[(e, which)] = ggml_int.bound_linear(w, None, isa)
+            return fn(x.contiguous())
+        if x.shape[0] <= MAX_ROWS:
+            return ggml_linear(x.contiguous(), w)
+        return dequant_linear(x, w, None)
+
+    def experts_on_blocks(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                          ) -> torch.Tensor:
+        return ggml_moe_experts(x, topk_ids, topk_weights, up.shape[0], linear, activation)
+
+    return experts_on_blocks
+
+
+@register("ggml_moe_experts", Stage.OPTIMIZE, skip_if=_not_here)
+def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
+    weights = _weight_map(ctx) if ctx.model is not None else {}
+    stacked = {k: w for k, w in weights.items() if len(w.shape) == 3}
+    if not stacked:
+        return Skipped("no routed experts in GGUF Q4_0 / Q4_1 / Q8_0 blocks")
+    why = kernel_unavailable()
+    if why:
+        return Skipped(f"kernel unavailable: {why}")
+    isa, note = _fast_isa(ctx.kernels)
+    n, stored, attrs = 0, 0, set()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _MOE:
+            continue
+        x, ids, wts, w_up, w_down, activation = node.args
+        blocks = []
+        for arg in (w_up, w_down):
+            w = attr_tensor(gm, arg)
+            key = None if w is None else (w.data_ptr(), tuple(w.shape), w.stride())
+            blocks.append(stacked.get(key) if w is not None and w.dtype == torch.float32
+                          else None)
+        if None in blocks:
+            continue
+        with gm.graph.inserting_before(node):
+            out = gm.graph.call_function(experts_fn(*blocks, activation, isa), (x, ids, wts))
+        out.meta = dict(node.meta)
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        attrs |= {w_up.target, w_down.target}
+        n, stored = n + 1, stored + sum(b.blocks.nbytes for b in blocks)
+    if not n:
+        return Skipped("no moe_experts reads weights with blocks")
+    freed = drop_unread_params(gm, attrs)
+    return Done(n, f"{n} expert groups on {stored / 2**20:.1f} MiB of blocks ({note}); fp32 "
+                f"parameters out of the graph: {freed / 2**20:.1f} MiB")
