@@ -15,13 +15,30 @@ from specdeploy.checkpoint import CheckpointError
 
 __all__ = ["Tokenizer", "load_tokenizer"]
 
-# llama.cpp `tokenizer.ggml.pre` names whose merges were learned on the Llama-3 split; every other
-# gpt2-style vocabulary (smollm, gpt2, default, ...) uses ByteLevel's built-in GPT-2 split.
+# The split before BPE by llama.cpp's `tokenizer.ggml.pre` name (the regex of the model's own
+# tokenizer.json, as llama.cpp's llama-vocab.cpp groups the names); any other gpt2-style
+# vocabulary (gpt-2, smollm, default, ...) uses ByteLevel's built-in GPT-2 split.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"}
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # one digit a piece
+_QWEN35_SPLIT = (  # Qwen3.5: combining marks stay with their letters
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (  # Mistral's tekken (Nemo): words split at case changes, one digit a piece
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx",
+                     "pixtral", "falcon-h1", "lfm2", "midm-2.0"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "hunyuan"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+}
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
@@ -165,9 +182,10 @@ def _from_gguf(path: Path) -> Tokenizer:
                                  continuing_subword_prefix="", end_of_word_suffix="",
                                  fuse_unk=False))
     prefix_space = bool(md.get("tokenizer.ggml.add_space_prefix", False))
-    if md.get("tokenizer.ggml.pre") in _LLAMA3_PRE:
+    split = _SPLITS.get(md.get("tokenizer.ggml.pre"))
+    if split is not None:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=prefix_space, use_regex=False)])
     else:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)

@@ -96,3 +96,34 @@ def test_gguf_without_vocabulary_is_rejected(tmp_path):
         cut.write_bytes(f.read(2000))
     with pytest.raises(CheckpointError, match="truncated"):
         load_tokenizer(cut)
+
+
+# Where a GGUF vocabulary's pre-tokenizer name changes the split before BPE (llama.cpp's
+# llama-vocab.cpp groups; bench/gguf_tokenizer_check.py compares whole encodings with
+# llama.cpp's tokenizer): the pieces of one text under each name, written out by hand.
+SPLIT_TEXT = "HelloWorld 12345 cafe\u0301"
+SPLIT_PIECES = {
+    "gpt-2": ["HelloWorld", " 12345", " cafe", "\u0301"],
+    "llama3": ["HelloWorld", " ", "123", "45", " cafe", "\u0301"],
+    "pixtral": ["HelloWorld", " ", "123", "45", " cafe", "\u0301"],
+    "qwen2": ["HelloWorld", " ", "1", "2", "3", "4", "5", " cafe", "\u0301"],
+    "qwen35": ["HelloWorld", " ", "1", "2", "3", "4", "5", " cafe\u0301"],
+    "tekken": ["Hello", "World", " ", "1", "2", "3", "4", "5", " cafe\u0301"],
+}
+
+
+@pytest.mark.parametrize("pre", sorted(SPLIT_PIECES))
+def test_gguf_pre_tokenizer_split_by_name(tmp_path, pre):
+    gguf = pytest.importorskip("gguf")
+    from tests.checkpoint.gguf_nemotron_h_layout import add_tokenizer
+
+    write_tiny_tokenizer(tmp_path, 128)
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    add_tokenizer(w, tmp_path, 128, pre=pre)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = load_tokenizer(tmp_path / "v.gguf")
+    pieces = tok.backend.pre_tokenizer.pre_tokenize_str(SPLIT_TEXT)
+    assert [SPLIT_TEXT[a:b] for _, (a, b) in pieces] == SPLIT_PIECES[pre]

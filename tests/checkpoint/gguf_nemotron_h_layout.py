@@ -146,7 +146,7 @@ def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
         w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
 
 
-def add_tokenizer(w, src: Path, vocab_size: int) -> None:
+def add_tokenizer(w, src: Path, vocab_size: int, pre: str = "default") -> None:
     """The tiny character tokenizer (checkpoint/tiny.py) as a gpt2 one with no merges: its
     single characters are byte-level tokens already."""
     import json
@@ -157,7 +157,7 @@ def add_tokenizer(w, src: Path, vocab_size: int) -> None:
         tokens[i] = t
     special = {a["content"] for a in spec.get("added_tokens", ()) if a.get("special")}
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.CONTROL if t in special or t.startswith("<|filler")
                        else gguf.TokenType.NORMAL for t in tokens])
