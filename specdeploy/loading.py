@@ -154,8 +154,8 @@ def load_model_from_reader(
     # compute with them (deploy/passes/ggml_linears.py); only for fp32 loads, whose values they
     # match exactly. NOTE: not for per-rank loading: the kernels find blocks by the loaded
     # tensor, and a rank's slices are new tensors (their linears run the fp32 path)
-    blocks = _ggml_weights(model, reader) if torch_dtype == torch.float32 and lazy is None \
-        else {}
+    blocks = (_ggml_weights(model, reader, params)
+              if torch_dtype == torch.float32 and lazy is None else {})
     deferred = {}
     # NOTE: the kernel is asked for only when there are blocks (no warning for other formats)
     if defer_blocks and prequant is None and blocks and kernel_unavailable() is None:
@@ -205,16 +205,42 @@ def _num_layers(hf: dict) -> int:
     return int(hf.get("text_config", hf).get("num_hidden_layers") or 0)
 
 
-def _ggml_weights(model: nn.Module, reader) -> dict:
+def _ggml_weights(model: nn.Module, reader, params: dict) -> dict:
+    """param name -> GGMLWeight for the parameters whose checkpoint tensors have GGUF blocks:
+    looked up by the key its loader reads (`from_keys`; else the parameter's own name), stacked
+    experts from one tensor or from one per expert (rows joined: gate then up)."""
     get_blocks = getattr(reader, "get_blocks", None)
     if get_blocks is None:
         return {}
     out = {}
-    for name, p in model.named_parameters():  # (stacked experts: [E, N, K])
-        w = get_blocks(name) if p.dim() in (2, 3) else None
+    for name, p in model.named_parameters():
+        if p.dim() not in (2, 3):
+            continue
+        src = getattr(params.get(name), "source", name)
+        w = get_blocks(src) if isinstance(src, str) else _expert_blocks(get_blocks, src)
         if w is not None and w.shape == tuple(p.shape):
             out[name] = w
     return out
+
+
+def _expert_blocks(get_blocks, rows: list[list[str]]):
+    """Stacked [E, N, K] blocks from per-expert tensors (each expert's keys' rows joined), or
+    None unless every one has blocks of one kind and shape."""
+    from specdeploy.ops.ggml_linear import concat_rows, make_weight
+
+    per = []
+    for keys in rows:
+        ws = [get_blocks(k) for k in keys]
+        if any(w is None for w in ws):
+            return None
+        try:
+            per.append(ws[0] if len(ws) == 1 else concat_rows(ws))
+        except ValueError:  # mixed kinds / widths: no one block layout
+            return None
+    if len({(w.kind, w.shape) for w in per}) != 1:
+        return None
+    return make_weight(per[0].kind, torch.stack([w.blocks for w in per]),
+                       (len(per), *per[0].shape))
 
 
 def _init_nonpersistent(model: nn.Module) -> None:

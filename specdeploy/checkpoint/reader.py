@@ -86,3 +86,12 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
     if p.is_dir():
         return CheckpointReader(p)
     raise CheckpointError(f"{p}: expected a checkpoint directory or a .gguf file")
+
+
+def from_keys(thunk, source):
+    """Marks a parameter's loader (`checkpoint_to_params`' thunk) as reading checkpoint tensors
+    unchanged: `source` is a key, or for stacked experts one list of keys per expert whose rows
+    it joins ([[gate, up], ...] or [[down], ...]). The loader then asks the reader for their
+    GGUF blocks (`get_blocks`, loading.py), whatever the parameter is named."""
+    thunk.source = source
+    return thunk

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdeploy.checkpoint import CheckpointError
+from specdeploy.checkpoint import CheckpointError, from_keys
 from specdeploy.models.layers import RMSNorm
 from specdeploy.models.nemotron_h_blocks import Block
 from specdeploy.models.nemotron_h_config import Config
@@ -70,11 +70,12 @@ def checkpoint_to_params(reader, cfg: Config, with_mtp: bool = False
             head, _, proj = key.rpartition(".")
             keys = [f"{head}.{e}.{proj}.weight" for e in range(cfg.n_routed_experts)]
             if all(k in reader for k in keys):
-                out[name] = lambda keys=keys: torch.stack([reader.get(k) for k in keys])
+                out[name] = from_keys(lambda keys=keys: torch.stack([reader.get(k) for k in keys]),
+                                      [[k] for k in keys])
                 continue
             key = keys[0]
         if key in reader:
-            out[name] = lambda key=key: reader.get(key)
+            out[name] = from_keys(lambda key=key: reader.get(key), key)
         elif name.startswith("mtp."):
             missing.append(key)
     if missing:

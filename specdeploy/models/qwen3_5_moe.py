@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdeploy.checkpoint import CheckpointError, CheckpointReader
+from specdeploy.checkpoint import CheckpointError, CheckpointReader, from_keys
 from specdeploy.checkpoint.tiny import write_checkpoint
 from specdeploy.models.drafters.qwen3_5_mtp import MTP
 from specdeploy.models.layers import RMSNorm
@@ -116,7 +116,7 @@ def checkpoint_to_params(
         elif _zero_centred(name):
             params[name] = lambda s=src: reader.get(s).float() + 1.0
         else:
-            params[name] = lambda s=src: reader.get(s)
+            params[name] = from_keys(lambda s=src: reader.get(s), src)
     if missing:
         only_mtp = all(m.startswith("mtp.") for m in missing)
         what = (f"MTP weights are missing (config mtp_num_hidden_layers="
@@ -141,7 +141,7 @@ def _per_expert(
     def thunk() -> torch.Tensor:
         return torch.stack([torch.cat([reader.get(k) for k in row], dim=0) for row in keys])
 
-    return thunk, lacking
+    return from_keys(thunk, keys), lacking
 
 
 def params_to_checkpoint(
@@ -235,9 +235,11 @@ def _random_init(model: nn.Module, gen: torch.Generator) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
 
 
-def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0) -> Path:
-    """Write a tiny random checkpoint in the released VLM layout (+ `mtp.*` when asked)."""
-    hf = tiny_hf_config(mtp_layers)
+def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, hf_config: dict | None = None
+              ) -> Path:
+    """Write a tiny random checkpoint in the released VLM layout (+ `mtp.*` when asked);
+    `hf_config` replaces `tiny_hf_config(mtp_layers)`."""
+    hf = hf_config or tiny_hf_config(mtp_layers)
     cfg = Config.from_hf(hf)
     gen = torch.Generator().manual_seed(seed)
     model = Model(cfg, with_mtp=mtp_layers > 0)

@@ -232,3 +232,47 @@ def test_int_config_and_refusals(tmp_path):
                        "actorder 'group'")):
         with pytest.raises(UnsupportedQuantization, match=match):
             detect_quant_config(tmp_path, qc, KEYS)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5_moe"])
+def test_int_experts_deploy_on_gguf_blocks(tmp_path, family):
+    """W4A16 MoE checkpoints in their released layouts (`backbone.*` / `model.language_model.*`,
+    one tensor per expert): each stacked expert parameter gets the experts' Q4_0 blocks (gate
+    and up rows joined for Qwen3.5), the linears theirs; deployed, the experts run on them
+    (`ggml_moe_experts`) and the logits equal the library-decompressed model's (fp32, other
+    summation order: 1e-5)."""
+    from specdeploy.cache.metadata import SEG_NORMAL, Segment, build_metadata
+    from specdeploy.deploy.build import build
+    from specdeploy.models.registry import family_module
+    from specdeploy.ops.ggml_linear import kernel_unavailable
+
+    fam = family_module(family)
+    hf = fam.tiny_hf_config()
+    # every quantized matrix's input width a multiple of the group (32): the shared expert's
+    (hf.get("text_config") or hf)["shared_expert_intermediate_size" if family == "qwen3_5_moe"
+                                  else "moe_shared_expert_intermediate_size"] = 64
+    plain = fam.make_tiny(tmp_path / "plain", seed=2, hf_config=hf)
+    path = ct_layout.write_ct(plain, tmp_path / "ct", "w4a16")
+    ct_layout.dequantize_ct_dir(path, tmp_path / "oracle")
+    oracle, model = load_model(tmp_path / "oracle"), load_model(path)
+    stacked = {n: w for n, w in model.ggml_weights.items() if len(w.shape) == 3}
+    moe = sum(t == "moe" for t in getattr(model.cfg, "block_types", ())) or \
+        model.cfg.num_hidden_layers
+    assert len(stacked) == 2 * moe and {w.kind for w in stacked.values()} == {"q4_0"}
+    assert len(model.ggml_weights) > len(stacked)  # the 2-D linears too, by their keys
+    ids = torch.randint(3, 120, (1, 26), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = oracle(ids)[0]
+        assert torch.equal(model(ids)[0], want)
+    if kernel_unavailable() is not None:
+        pytest.skip(f"ggml kernel unavailable: {kernel_unavailable()}")
+    # (the text model: the writer here quantized the vision tower's proj too, which a released
+    # W4A16 VLM leaves alone)
+    dep = build(str(path), kernels="exact", vision=False, **LIMITS)
+    info = {i.name: i for i in dep.infos}["ggml_moe_experts"]
+    assert info.num_matches == moe, info
+    pos, pages = 0, list(range(16))
+    for n in (21, 1, 4):
+        seg = Segment(ids[0, pos:pos + n].tolist(), pos, pages, 0, n, SEG_NORMAL)
+        assert_close(dep.forward(build_metadata([seg])).logits, want[pos:pos + n], rtol=1e-5)
+        pos += n
