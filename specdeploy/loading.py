@@ -12,7 +12,7 @@ from specdeploy.checkpoint.lazy import LazyWeights
 from specdeploy.checkpoint.prequant import attach as attach_prequant
 from specdeploy.checkpoint.prequant import open_prequantized
 from specdeploy.models.registry import module_for_config
-from specdeploy.ops.ggml_linear import KINDS, kernel_unavailable
+from specdeploy.ops.ggml_linear import KINDS, kernel_unavailable, scale_bytes
 
 SKIP_FINITE_ENV = "SPECDEPLOY_SKIP_FINITE_CHECK"  # =1: skip the NaN/inf scan (huge checkpoints)
 # vLLM's spellings too: half = float16, float = float32
@@ -181,8 +181,7 @@ def _defer_blocks(model: nn.Module, blocks: dict, params: dict, source
     for name, w in blocks.items():
         if name not in params:
             continue
-        scales = w.blocks.view(w.shape[0], -1, KINDS[w.kind][1])[..., :2 if w.kind != "q4_1"
-                                                                  else 4]
+        scales = w.blocks.view(w.shape[0], -1, KINDS[w.kind][1])[..., scale_bytes(w.kind)]
         if not bool(torch.isfinite(scales.contiguous().view(torch.float16)).all()):
             raise CheckpointError(f"{source}: tensor {name!r} has non-finite block scales")
         out[name] = placeholder(w.shape)

@@ -261,7 +261,7 @@ class GGUFReader:
 
 _MERGED_ROW = 131072
 # ggml types the kernels in ops/ggml_kernels.c read
-_BLOCK_KINDS = {2: "q4_0", 3: "q4_1", 8: "q8_0"}
+_BLOCK_KINDS = {2: "q4_0", 3: "q4_1", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
 
 
 def _unpermute_rotary(a: np.ndarray, n_head: int) -> np.ndarray:

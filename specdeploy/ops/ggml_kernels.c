@@ -1,4 +1,5 @@
-/* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0 and Q4_0.
+/* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0 and Q4_0, and the
+ * K-quants Q4_K, Q5_K and Q6_K (256-value super-blocks; see kquant_values).
  *
  * Weights stay in their 4.5 / 8.5 bits per value and are expanded in registers; x and y are
  * fp32 and every weight is exactly the fp32 value gguf's dequantization gives (d * q + m), so
@@ -116,11 +117,85 @@ BLOCK_TILE(q4_1_tile, Q4_1)
 BLOCK_TILE(q8_0_tile, Q8_0)
 BLOCK_TILE(q4_0_tile, Q4_0)
 
+/* K-quants: 256-value super-blocks (llama.cpp's QK_K), as gguf-py lays them out:
+ *   Q4_K (144 bytes): d, dmin (f16), 12 bytes of 6-bit scales / mins for 8 sub-blocks of 32,
+ *                     qs[128]: sub-block j = nibble (j & 1) of qs[32 * (j >> 1) + i];
+ *                     w = (d * sc_j) * q - dmin * m_j
+ *   Q5_K (176 bytes): as Q4_K with qh[32] after the scales: bit j of qh[i] is bit 4 of q
+ *   Q6_K (210 bytes): ql[128], qh[64], int8 scales[16] (one per 16 values), d (f16) last;
+ *                     group g of 32: low 4 bits = nibble ((g >> 1) & 1) of ql[64 * (g >> 2) +
+ *                     32 * (g & 1) + i], high 2 = bits 2 * (g & 3) of qh[32 * (g >> 2) + i];
+ *                     w = (d * sc_(v / 16)) * (q - 32)
+ * Each value is rounded as gguf-py's numpy dequantization rounds it (products, then the
+ * difference: -ffp-contract=off). The kernel expands a super-block into 256 fp32 values once
+ * per output row and group of input rows, then accumulates 8-wide: slower than the 32-value
+ * kinds' in-register expansion, but the weights stay at their 4.5-6.6 bits. */
+enum { Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+
+static inline int kquant_bytes(int kind) { return kind == Q4_K ? 144 : kind == Q5_K ? 176 : 210; }
+
+static void kquant_values(int kind, const uint8_t *b, float *w) {
+    if (kind == Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        for (int g = 0; g < 8; g++) {
+            const uint8_t *l = ql + 64 * (g >> 2) + 32 * (g & 1), *h = qh + 32 * (g >> 2);
+            const int ls = 4 * ((g >> 1) & 1), hs = 2 * (g & 3);
+            for (int i = 0; i < 32; i++) {
+                const int v = 32 * g + i, q = ((l[i] >> ls) & 0xF) | (((h[i] >> hs) & 3) << 4);
+                const float ds = d * (float)sc[v >> 4];
+                w[v] = ds * (float)(q - 32);
+            }
+        }
+        return;
+    }
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t *s = b + 4, *qh = b + 16, *qs = b + (kind == Q5_K ? 48 : 16);
+    for (int j = 0; j < 8; j++) {
+        const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 2) & 0x30);
+        const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+        const float d1 = d * (float)sc, m1 = dmin * (float)m;
+        const uint8_t *q = qs + 32 * (j >> 1);
+        const int shift = 4 * (j & 1);
+        for (int i = 0; i < 32; i++) {
+            int v = (q[i] >> shift) & 0xF;
+            if (kind == Q5_K) v |= ((qh[i] >> j) & 1) << 4;
+            const float dq = d1 * (float)v;
+            w[32 * j + i] = dq - m1;
+        }
+    }
+}
+
+static void kquant_tile(int kind, const float *x, int R, int K, const uint8_t *w, int n0, int n1,
+                        int N, float *y) {
+    const int nb = K / 256, bytes = kquant_bytes(kind);
+    float wv[256] __attribute__((aligned(32)));
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * nb * bytes;
+        for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {
+            const int rg = R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP;
+            __m256 acc[ROW_GROUP];
+            for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                kquant_values(kind, row + (size_t)b * bytes, wv);
+                for (int r = 0; r < rg; r++) {  /* the same FMA sequence for every rg */
+                    const float *xb = x + (size_t)(r0 + r) * K + b * 256;
+                    for (int i = 0; i < 256; i += 8)
+                        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i), _mm256_load_ps(wv + i),
+                                                 acc[r]);
+                }
+            }
+            for (int r = 0; r < rg; r++) y[(size_t)(r0 + r) * N + n] = hsum8(acc[r]);
+        }
+    }
+}
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-/* kind: Q4_1, Q8_0 or Q4_0 (above). x [R, K] and y [R, N] row-major fp32; w: N rows of K / 32
+/* kind: Q4_1, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K (above). x [R, K] and y [R, N] row-major fp32; w: N rows of K / 32
  * blocks. Returns 0, or -1 when scratch memory could not be had (y untouched). */
 int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N, float *y,
                 int nthreads) {
@@ -148,7 +223,8 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
         const int per = ((N + nt - 1) / nt + 7) / 8 * 8;
         const int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
         if (n0 < n1) {
-            if (kind == Q4_1) q4_1_tile(x, xsum, R, K, w, n0, n1, N, y);
+            if (kind >= Q4_K) kquant_tile(kind, x, R, K, w, n0, n1, N, y);
+            else if (kind == Q4_1) q4_1_tile(x, xsum, R, K, w, n0, n1, N, y);
             else if (kind == Q8_0) q8_0_tile(x, xsum, R, K, w, n0, n1, N, y);
             else q4_0_tile(x, xsum, R, K, w, n0, n1, N, y);
         }
@@ -163,6 +239,16 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
  * into a reused buffer with this, and embeddings gather their rows from the blocks. */
 void ggml_dequant(int kind, const uint8_t *w, const int64_t *rows, int R, int K, float *out,
                   int nthreads) {
+    if (kind >= Q4_K) {
+        const int nk = K / 256, kb = kquant_bytes(kind);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int i = 0; i < R; i++) {
+            const uint8_t *row = w + (size_t)(rows ? rows[i] : i) * nk * kb;
+            for (int b = 0; b < nk; b++)
+                kquant_values(kind, row + (size_t)b * kb, out + (size_t)i * K + b * 256);
+        }
+        return;
+    }
     const int nb = K / 32, bytes = kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : 18;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int i = 0; i < R; i++) {

@@ -28,15 +28,29 @@ from typing import NamedTuple
 import torch
 
 SOURCE = Path(__file__).with_name("ggml_kernels.c")
-# name -> (kernel kind, bytes per 32-value block)
-KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18)}
+# name -> (kernel kind, bytes per block): 32-value blocks, and the K-quants' 256-value ones
+KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18), "q4_k": (3, 144), "q5_k": (4, 176),
+         "q6_k": (5, 210)}
+K_QUANTS = ("q4_k", "q5_k", "q6_k")  # the exact kernel only (not ggml_int / ggml_tiled)
+
+
+def block_values(kind: str) -> int:
+    """Values per block of `kind`: 256 for the K-quants, else 32."""
+    return 256 if kind in K_QUANTS else 32
+
+
+def scale_bytes(kind: str) -> slice:
+    """Where a block of `kind` keeps its fp16 scale(s) (d, and the offset m / dmin)."""
+    return slice(208, 210) if kind == "q6_k" else slice(0, 4 if kind in ("q4_1", "q4_k",
+                                                                          "q5_k") else 2)
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]
 _CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
 class GGMLWeight(NamedTuple):
-    """A [N, K] linear weight as N rows of GGUF blocks (`blocks`: uint8 [N, K / 32 * size]);
-    stacked routed experts [E, N, K] as [E, N, K / 32 * size] (`expert` gives one's [N, K])."""
+    """A [N, K] linear weight as N rows of GGUF blocks (`blocks`: uint8 [N, K / QK * size], QK
+    `block_values(kind)`); stacked routed experts [E, N, K] as [E, N, K / QK * size] (`expert`
+    gives one's [N, K])."""
 
     kind: str  # "q4_1" | "q8_0" | "q4_0"
     blocks: torch.Tensor
@@ -49,8 +63,9 @@ def make_weight(kind: str, blocks: torch.Tensor, shape: tuple[int, ...]) -> GGML
     if kind not in KINDS:
         raise ValueError(f"ggml weight: unsupported kind {kind!r}; supported: {', '.join(KINDS)}")
     *lead, n, k = shape
-    want = (*lead, n, k // 32 * KINDS[kind][1])
-    if len(lead) > 1 or k % 32 or blocks.dtype != torch.uint8 or tuple(blocks.shape) != want:
+    qk = block_values(kind)
+    want = (*lead, n, k // qk * KINDS[kind][1])
+    if len(lead) > 1 or k % qk or blocks.dtype != torch.uint8 or tuple(blocks.shape) != want:
         raise ValueError(f"ggml weight: {kind} blocks for shape {tuple(shape)} must be uint8 "
                          f"{want}, got {blocks.dtype} {tuple(blocks.shape)}")
     return GGMLWeight(kind, blocks.contiguous(), tuple(shape))

@@ -134,16 +134,38 @@ def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32,
     return out
 
 
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
 def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
     """Adds tensor `name`: stacked experts in `expert_qtype`, other matrices in `qtype` (as
-    llama-quantize: not norms; the grouped SSM norm is stored 2-D), where their rows divide
-    into blocks; else F32."""
+    llama-quantize: not norms, the grouped SSM norm stored 2-D, nor the routers), where their
+    rows divide into blocks; else F32. gguf-py cannot quantize to K-quants: those tensors get
+    random valid blocks of small values instead (`random_kquant`), not `a`'s."""
     q = (expert_qtype if name.endswith("_exps.weight") else
-         qtype if a.ndim == 2 and "norm" not in name else Q.F32)
+         qtype if a.ndim == 2 and "norm" not in name and "ffn_gate_inp" not in name else Q.F32)
     if q in (Q.F32, Q.F16) or a.shape[-1] % gguf.GGML_QUANT_SIZES[q][0]:
         w.add_tensor(name, a)
+    elif q in K_QUANTS:
+        rng = np.random.default_rng(sum(map(ord, name)))
+        w.add_tensor(name, random_kquant(q, a.shape, rng), raw_dtype=q)
     else:
         w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+
+
+def random_kquant(qtype, shape: tuple, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks for a tensor of `shape` whose values stay below ~0.5 (fp16 d /
+    dmin of 1e-4..3e-4; Q6_K's int8 sub-block scales in [-8, 8])."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    lead, n = shape[:-1], shape[-1] // block
+    raw = rng.integers(0, 256, (*lead, n, size), dtype=np.uint8)
+    small = rng.uniform(1e-4, 3e-4, (*lead, n, 2)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:
+        raw[..., 192:208] = rng.integers(-8, 9, (*lead, n, 16)).astype(np.int8).view(np.uint8)
+        raw[..., 208:210] = small[..., :2]
+    else:  # d, dmin first
+        raw[..., 0:4] = np.concatenate([small[..., :2], small[..., :2]], -1)
+    return raw.reshape(*lead, n * size)
 
 
 def add_tokenizer(w, src: Path, vocab_size: int, pre: str = "default") -> None:

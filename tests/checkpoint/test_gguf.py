@@ -39,7 +39,7 @@ def _quant_bytes(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.nd
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     scales = rng.uniform(0.01, 0.1, (rows, cols // block, 2)).astype(np.float16).view(np.uint8)
-    if qtype == Q.Q4_K:  # d, dmin first
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin first
         raw[..., 0:4] = scales.reshape(rows, cols // block, 4)
     elif qtype == Q.Q6_K:  # d last
         raw[..., 208:210] = scales[..., :2]
@@ -65,7 +65,8 @@ def _write(path: Path, tensors: dict[str, tuple[np.ndarray, int]],
     return path
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K,
+                                   Q.Q6_K])
 def test_dequantize_matches_transformers(tmp_path, qtype):
     from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
 

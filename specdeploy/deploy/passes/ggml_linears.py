@@ -1,5 +1,5 @@
-"""Linears whose weights came from GGUF Q4_0 / Q4_1 / Q8_0 blocks compute with those blocks on
-the CPU.
+"""Linears whose weights came from GGUF Q4_0 / Q4_1 / Q8_0 blocks (and the K-quants Q4_K / Q5_K /
+Q6_K) compute with those blocks on the CPU.
 
 A decode step streams every weight once; the default model's are 540 MB as fp32 and 96 MB as
 blocks. `ops/ggml_linear.py` expands each block in registers to the exact fp32 weight values,
@@ -49,6 +49,7 @@ from specdeploy.deploy.passes.ggml_calls import (  # noqa: F401 (MAX_ROWS, dequa
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import ggml_int, ggml_tiled
 from specdeploy.ops.ggml_linear import (
+    K_QUANTS,
     GGMLWeight,
     concat_rows,
     ggml_linear,
@@ -105,7 +106,7 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     weights = _weight_map(ctx) if ctx.model is not None else {}
     deferred = deferred_ptrs(ctx.model)
     if not weights:
-        return Skipped("no GGUF Q4_0 / Q4_1 / Q8_0 weights")
+        return Skipped("no GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights")
     why = kernel_unavailable()
     if why:
         return Skipped(f"kernel unavailable: {why}")
@@ -189,6 +190,8 @@ def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], isa:
     id(member's blocks) -> what holds its values now: its rows of the tiled copy (`tile` and a
     multiple of 16 outputs), else its row view of the stacked copy (fused members only)."""
     nodes, weights = [n for n, _ in members], [g for _, g in members]
+    if weights[0].kind in K_QUANTS:  # the exact kernel only (no integer-dot / tiled K-quants)
+        isa, tile = None, False
     bias = attr_tensor(gm, _bias(nodes[0])) if len(nodes) == 1 else None
     views, start = [], 0
     if tile and sum(g.shape[0] for g in weights) % TILE == 0:

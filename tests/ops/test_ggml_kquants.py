@@ -1,0 +1,109 @@
+"""GGUF K-quants (Q4_K / Q5_K / Q6_K) on the exact block kernel (ops/ggml_kernels.c), and a
+K-quant GGUF deployed with its linears and experts on their blocks.
+
+Oracles: transformers' GGUF dequantizer (`transformers.integrations.gguf.dequant`, its own
+implementation of the layouts) for the values, F.linear over them for the products, the plain
+model loaded from the same file for the deployment, and the non-speculative path for greedy
+speculative decoding.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdeploy.ops.ggml_linear import dequantize, ggml_linear, kernel_unavailable, make_weight
+from tests.checkpoint.test_gguf import Q, _quant_bytes
+from tests.deploy.conftest import assert_close
+
+pytestmark = pytest.mark.skipif(kernel_unavailable() is not None,
+                                reason=f"ggml kernel unavailable: {kernel_unavailable()}")
+transformers = pytest.importorskip("transformers")
+KQ = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
+
+
+def _weight(kind: str, rows: int, cols: int, seed: int):
+    data = _quant_bytes(KQ[kind], rows, cols, np.random.default_rng(seed))
+    raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1).copy())
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+
+    values = hf_dequantize(raw.reshape(-1), int(KQ[kind])).reshape(rows, cols)
+    return make_weight(kind, raw, (rows, cols)), values
+
+
+@pytest.mark.parametrize("kind", sorted(KQ))
+def test_values_and_products(kind):
+    w, values = _weight(kind, 37, 512, seed=len(kind))
+    assert torch.equal(dequantize(w), values)  # bit for bit
+    rows = torch.tensor([5, 0, 36])
+    assert torch.equal(dequantize(w, rows), values[rows])
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(1))
+    y = ggml_linear(x, w)
+    assert_close(y, x @ values.t(), rtol=1e-6)  # fp32, other summation order
+    for r in range(9):  # batch invariance: a row alone gives the same bits
+        assert torch.equal(ggml_linear(x[r:r + 1], w)[0], y[r])
+
+
+def test_bad_width_is_refused():
+    with pytest.raises(ValueError, match="q4_k blocks"):
+        make_weight("q4_k", torch.zeros(4, 144, dtype=torch.uint8), (4, 255))
+
+
+@pytest.fixture(scope="module")
+def kq_gguf(tmp_path_factory):
+    """A tiny NemotronH MoE with every matrix's width a multiple of 256, as a GGUF with Q4_K
+    matrices and Q6_K experts (tests/checkpoint/gguf_nemotron_h_layout.py: random valid
+    blocks, as gguf-py cannot quantize to K-quants; the oracle reads the same file)."""
+    from specdeploy.models import nemotron_h as nh
+    from tests.checkpoint.gguf_nemotron_h_layout import write_gguf
+    from tests.checkpoint.test_gguf_nemotron_h import MOE
+
+    d = tmp_path_factory.mktemp("kq")
+    hf = dict(MOE, hidden_size=256, mamba_num_heads=8, mamba_head_dim=32, head_dim=64,
+              moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
+              moe_latent_size=256)
+    src = nh.make_tiny(d / "st", seed=3, mtp_layers=1, hf_config=hf)
+    return write_gguf(src, d / "kq.gguf", qtype=Q.Q4_K, expert_qtype=Q.Q6_K)
+
+
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_kquant_gguf_deploys_on_blocks(kq_gguf, kernels):
+    """Every K-quant matrix and expert group runs on its blocks ("fast" keeps the exact kernel
+    for them); prefill, a 4-row chunk and decode steps' logits equal the plain model's."""
+    from specdeploy.cache.metadata import SEG_NORMAL, Segment, build_metadata
+    from specdeploy.deploy.build import build
+    from specdeploy.loading import load_model
+
+    model = load_model(kq_gguf)
+    kinds = {w.kind for w in model.ggml_weights.values()}
+    assert kinds == {"q4_k", "q6_k"}, kinds
+    # (an fp32 KV cache: "fast" would keep it in bf16 for a GGUF model on the CPU)
+    dep = build(str(kq_gguf), kernels=kernels, kv_cache_dtype="float32", max_batch_size=2,
+                max_seq_len=64, page_size=4, max_cache_gib=0.02)
+    infos = {i.name: i for i in dep.infos}
+    assert infos["ggml_moe_experts"].num_matches == 2, infos["ggml_moe_experts"]
+    assert infos["ggml_linears"].num_matches >= 10, infos["ggml_linears"]
+    fp32 = [n.args[1].target for n in dep.gm.graph.nodes
+            if n.target is torch.ops.aten.linear.default]
+    assert all("mixer_gate" in t for t in fp32), fp32  # only the routers (F32 in the file)
+    ids = torch.randint(3, 120, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(ids)[0]
+    assert want.std() > 1e-3 and torch.isfinite(want).all()
+    pos, pages = 0, list(range(16))
+    for n in (21, 4, 1):
+        seg = Segment(ids[0, pos:pos + n].tolist(), pos, pages, 0, n, SEG_NORMAL)
+        assert_close(dep.forward(build_metadata([seg])).logits, want[pos:pos + n], rtol=1e-5)
+        pos += n
+
+
+def test_greedy_speculation_equals_plain_on_kquants(kq_gguf):
+    from specdeploy import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = ["hello there", "abc abc abc"]
+    plain = LLM(str(kq_gguf), max_seq_len=96, spec=None)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    spec = LLM(str(kq_gguf), max_seq_len=96, spec={"method": "mtp", "num_speculative_tokens": 2,
+                                                   "controller": "off"})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)] == want
