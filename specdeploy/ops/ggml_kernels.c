@@ -127,76 +127,122 @@ BLOCK_TILE(q4_0_tile, Q4_0)
  *                     32 * (g & 1) + i], high 2 = bits 2 * (g & 3) of qh[32 * (g >> 2) + i];
  *                     w = (d * sc_(v / 16)) * (q - 32)
  * Each value is rounded as gguf-py's numpy dequantization rounds it (products, then the
- * difference: -ffp-contract=off). The kernel expands a super-block into 256 fp32 values once
- * per output row and group of input rows, then accumulates 8-wide: slower than the 32-value
- * kinds' in-register expansion, but the weights stay at their 4.5-6.6 bits. */
+ * difference: -ffp-contract=off). The kernel expands each 8 values in registers and multiplies
+ * them into up to ROW_GROUP input rows' accumulators. */
 enum { Q4_K = 3, Q5_K = 4, Q6_K = 5 };
 
 static inline int kquant_bytes(int kind) { return kind == Q4_K ? 144 : kind == Q5_K ? 176 : 210; }
 
-static void kquant_values(int kind, const uint8_t *b, float *w) {
+/* The 32 values of one sub-block group as fp32 (scale * q, minus `off` where `with_off`: a
+ * product, then a difference, as numpy rounds), 8 at a time: into `w` (`w` non-NULL), else
+ * multiplied into the accumulators of the `rg` rows at x[r] (the same FMA order for every rg). */
+static inline __attribute__((always_inline)) void use32(
+    __m256i q, __m256 s_lo, __m256 s_hi, __m256 off, const int with_off, float *w,
+    const float *const *x, __m256 *acc, const int rg) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int k = 0; k < 4; k++) {
+        __m256 v = _mm256_mul_ps(k < 2 ? s_lo : s_hi,
+                                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[k])));
+        if (with_off) v = _mm256_sub_ps(v, off);
+        if (w) _mm256_storeu_ps(w + 8 * k, v);
+        for (int r = 0; r < rg; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + 8 * k), v, acc[r]);
+    }
+}
+
+/* One super-block: its values into `w`, or (w NULL) its dot with the rg rows x[r] (each x[r]
+ * at the super-block's first value) added to acc[r]. */
+static inline __attribute__((always_inline)) void kquant_block(
+    const int kind, const uint8_t *b, float *w, const float *const *x, __m256 *acc,
+    const int rg) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const float *xs[ROW_GROUP];
     if (kind == Q6_K) {
-        const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
         const float d = half_at(b + 208);
+        const __m256i three = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
         for (int g = 0; g < 8; g++) {
-            const uint8_t *l = ql + 64 * (g >> 2) + 32 * (g & 1), *h = qh + 32 * (g >> 2);
-            const int ls = 4 * ((g >> 1) & 1), hs = 2 * (g & 3);
-            for (int i = 0; i < 32; i++) {
-                const int v = 32 * g + i, q = ((l[i] >> ls) & 0xF) | (((h[i] >> hs) & 3) << 4);
-                const float ds = d * (float)sc[v >> 4];
-                w[v] = ds * (float)(q - 32);
-            }
+            const __m256i l = _mm256_loadu_si256(
+                (const __m256i *)(b + 64 * (g >> 2) + 32 * (g & 1)));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (g >> 2)));
+            const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(l, 4 * ((g >> 1) & 1)), low4);
+            const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * (g & 3)), three);
+            const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)), k32);
+            const float s0 = d * (float)sc[2 * g], s1 = d * (float)sc[2 * g + 1];
+            for (int r = 0; r < rg; r++) xs[r] = x[r] + 32 * g;
+            use32(q, _mm256_set1_ps(s0), _mm256_set1_ps(s1), _mm256_setzero_ps(), 0,
+                  w ? w + 32 * g : NULL, xs, acc, rg);
         }
         return;
     }
     const float d = half_at(b), dmin = half_at(b + 2);
-    const uint8_t *s = b + 4, *qh = b + 16, *qs = b + (kind == Q5_K ? 48 : 16);
+    const uint8_t *s = b + 4, *qs = b + (kind == Q5_K ? 48 : 16);
+    const __m256i qh = kind == Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16))
+                                    : _mm256_setzero_si256();
     for (int j = 0; j < 8; j++) {
         const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 2) & 0x30);
         const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
         const float d1 = d * (float)sc, m1 = dmin * (float)m;
-        const uint8_t *q = qs + 32 * (j >> 1);
-        const int shift = 4 * (j & 1);
-        for (int i = 0; i < 32; i++) {
-            int v = (q[i] >> shift) & 0xF;
-            if (kind == Q5_K) v |= ((qh[i] >> j) & 1) << 4;
-            const float dq = d1 * (float)v;
-            w[32 * j + i] = dq - m1;
-        }
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j >> 1)));
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(raw, 4 * (j & 1)), low4);
+        if (kind == Q5_K)
+            q = _mm256_or_si256(q, _mm256_slli_epi16(
+                                       _mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
+        const __m256 dv = _mm256_set1_ps(d1);
+        for (int r = 0; r < rg; r++) xs[r] = x[r] + 32 * j;
+        use32(q, dv, dv, _mm256_set1_ps(m1), 1, w ? w + 32 * j : NULL, xs, acc, rg);
     }
 }
 
-static void kquant_tile(int kind, const float *x, int R, int K, const uint8_t *w, int n0, int n1,
-                        int N, float *y) {
+static void kquant_values(int kind, const uint8_t *b, float *w) {
+    if (kind == Q4_K) kquant_block(Q4_K, b, w, NULL, NULL, 0);
+    else if (kind == Q5_K) kquant_block(Q5_K, b, w, NULL, NULL, 0);
+    else kquant_block(Q6_K, b, w, NULL, NULL, 0);
+}
+
+static inline __attribute__((always_inline)) void kquant_group(
+    const int kind, const float *x, int K, const uint8_t *w, int n0, int n1, int N, float *y,
+    int r0, const int rg) {
     const int nb = K / 256, bytes = kquant_bytes(kind);
-    float wv[256] __attribute__((aligned(32)));
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (size_t)n * nb * bytes;
-        for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {
-            const int rg = R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP;
-            __m256 acc[ROW_GROUP];
-            for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
-            for (int b = 0; b < nb; b++) {
-                kquant_values(kind, row + (size_t)b * bytes, wv);
-                for (int r = 0; r < rg; r++) {  /* the same FMA sequence for every rg */
-                    const float *xb = x + (size_t)(r0 + r) * K + b * 256;
-                    for (int i = 0; i < 256; i += 8)
-                        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i), _mm256_load_ps(wv + i),
-                                                 acc[r]);
-                }
-            }
-            for (int r = 0; r < rg; r++) y[(size_t)(r0 + r) * N + n] = hsum8(acc[r]);
+        __m256 acc[ROW_GROUP];
+        const float *xr[ROW_GROUP];
+        for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            for (int r = 0; r < rg; r++) xr[r] = x + (size_t)(r0 + r) * K + b * 256;
+            kquant_block(kind, row + (size_t)b * bytes, NULL, xr, acc, rg);
         }
+        for (int r = 0; r < rg; r++) y[(size_t)(r0 + r) * N + n] = hsum8(acc[r]);
     }
 }
+
+#define KQUANT_TILE(NAME, KIND)                                                                \
+    static void NAME(const float *x, int R, int K, const uint8_t *w, int n0, int n1, int N,    \
+                     float *y) {                                                               \
+        for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {                                           \
+            const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;                            \
+            for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {                                        \
+                switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {                             \
+                case 1: kquant_group(KIND, x, K, w, t0, t1, N, y, r0, 1); break;               \
+                case 2: kquant_group(KIND, x, K, w, t0, t1, N, y, r0, 2); break;               \
+                case 3: kquant_group(KIND, x, K, w, t0, t1, N, y, r0, 3); break;               \
+                default: kquant_group(KIND, x, K, w, t0, t1, N, y, r0, 4); break;              \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+KQUANT_TILE(q4_k_tile, Q4_K)
+KQUANT_TILE(q5_k_tile, Q5_K)
+KQUANT_TILE(q6_k_tile, Q6_K)
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-/* kind: Q4_1, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K (above). x [R, K] and y [R, N] row-major fp32; w: N rows of K / 32
- * blocks. Returns 0, or -1 when scratch memory could not be had (y untouched). */
+/* kind: Q4_1, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K (above). x [R, K] and y [R, N] row-major fp32;
+ * w: N rows of blocks. Returns 0, or -1 when scratch memory could not be had (y untouched). */
 int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N, float *y,
                 int nthreads) {
     const int nb = K / 32;
@@ -223,7 +269,9 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
         const int per = ((N + nt - 1) / nt + 7) / 8 * 8;
         const int n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
         if (n0 < n1) {
-            if (kind >= Q4_K) kquant_tile(kind, x, R, K, w, n0, n1, N, y);
+            if (kind == Q4_K) q4_k_tile(x, R, K, w, n0, n1, N, y);
+            else if (kind == Q5_K) q5_k_tile(x, R, K, w, n0, n1, N, y);
+            else if (kind == Q6_K) q6_k_tile(x, R, K, w, n0, n1, N, y);
             else if (kind == Q4_1) q4_1_tile(x, xsum, R, K, w, n0, n1, N, y);
             else if (kind == Q8_0) q8_0_tile(x, xsum, R, K, w, n0, n1, N, y);
             else q4_0_tile(x, xsum, R, K, w, n0, n1, N, y);
