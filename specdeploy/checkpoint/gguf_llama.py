@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from specdeploy.checkpoint.errors import CheckpointError
+from specdeploy.checkpoint.gguf_meta import ArchMeta
 
 ROTARY_PERMUTED = True
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
@@ -32,15 +33,9 @@ def hf_name(gguf_name: str, cfg: dict | None = None) -> str | None:
 
 def hf_config(reader) -> dict:
     """`reader`: a `GGUFReader` (its `metadata`, tensor table and `path`)."""
-    md, tensors, arch = reader.metadata, reader.tensor_infos, "llama"
-
-    def get(key, default=None):
-        return md.get(f"{arch}.{key}", default)
-
-    def need(key):
-        if f"{arch}.{key}" not in md:
-            raise CheckpointError(f"{reader.path}: GGUF metadata lacks {arch}.{key}")
-        return md[f"{arch}.{key}"]
+    md, tensors = reader.metadata, reader.tensor_infos
+    meta = ArchMeta(reader, "llama")
+    get, need = meta.get, meta.need
 
     heads = int(need("attention.head_count"))
     kv_heads = get("attention.head_count_kv", heads)

@@ -26,6 +26,7 @@ import re
 import numpy as np
 
 from specdeploy.checkpoint.errors import CheckpointError
+from specdeploy.checkpoint.gguf_meta import ArchMeta
 
 ARCHS = ("nemotron_h", "nemotron_h_moe")
 ROTARY_PERMUTED = True
@@ -76,18 +77,9 @@ def _kind(tensors: dict, i: int, path) -> str:
 
 def hf_config(reader) -> dict:
     md, tensors, path = reader.metadata, reader.tensor_infos, reader.path
-    arch = md["general.architecture"]
-
-    def get(key, default=None):
-        return md.get(f"{arch}.{key}", default)
-
-    def need(key):
-        if f"{arch}.{key}" not in md:
-            raise CheckpointError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return md[f"{arch}.{key}"]
-
-    n_all = int(need("block_count"))
-    nextn = int(get("nextn_predict_layers", 0) or 0)
+    meta = ArchMeta(reader)
+    arch, get, need = meta.arch, meta.get, meta.need
+    n_all, nextn = meta.blocks()
     n = n_all - nextn
     kv = _arr(md, f"{arch}.attention.head_count_kv", n_all)
     kinds = [_kind(tensors, i, path) for i in range(n)]

@@ -26,6 +26,7 @@ import re
 import numpy as np
 
 from specdeploy.checkpoint.errors import CheckpointError
+from specdeploy.checkpoint.gguf_meta import ArchMeta
 
 ARCHS = ("qwen35moe",)
 ROTARY_PERMUTED = False
@@ -65,18 +66,9 @@ _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 def hf_config(reader) -> dict:
     md, tensors, path = reader.metadata, reader.tensor_infos, reader.path
-    arch = md["general.architecture"]
-
-    def get(key, default=None):
-        return md.get(f"{arch}.{key}", default)
-
-    def need(key):
-        if f"{arch}.{key}" not in md:
-            raise CheckpointError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return md[f"{arch}.{key}"]
-
-    n_all = int(need("block_count"))
-    nextn = int(get("nextn_predict_layers", 0) or 0)
+    meta = ArchMeta(reader)
+    get, need = meta.get, meta.need
+    n_all, nextn = meta.blocks()
     n = n_all - nextn
     types = []
     for i in range(n):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -9,7 +10,8 @@ import torch
 from specdeploy.ops.autograd import register_recompute_autograd
 from specdeploy.ops.moe_grouped import expert_activation, moe_experts_grouped
 
-__all__ = ["Routing", "route_softmax_topk", "route_sigmoid", "moe_experts_ref", "moe_experts_fast"]
+__all__ = ["Routing", "route_softmax_topk", "route_sigmoid", "moe_experts_ref", "moe_experts_fast",
+           "moe_experts_loop"]
 
 
 class Routing(NamedTuple):
@@ -100,11 +102,25 @@ def moe_experts_fast(
     activation: str,
 ) -> torch.Tensor:
     """Tokens grouped per expert: one GEMM pair per expert that received tokens."""
+    mats = {"up": w_up, "down": w_down}
+    return moe_experts_loop(x, topk_ids, topk_weights, w_up.shape[0],
+                            lambda e, which, h: h @ mats[which][e].float().t(), activation)
+
+
+# linear(expert, "up" | "down", x [n, K]) -> [n, N]
+ExpertLinear = Callable[[int, str, torch.Tensor], torch.Tensor]
+
+
+def moe_experts_loop(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     num_experts: int, linear: ExpertLinear, activation: str) -> torch.Tensor:
+    """x [T, H], topk_ids / topk_weights [T, k] -> [T, H] (x's dtype): the tokens grouped per
+    expert, and each expert that received some runs its up and down matrices through
+    `linear(e, which, rows)` (fp32 GEMMs here; GGUF blocks in deploy/passes/ggml_experts.py).
+    NOTE: one host sync for the per-expert counts; a CUDA grouped-GEMM kernel would avoid it."""
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)
-    # NOTE: one host sync for the per-expert counts; a CUDA grouped-GEMM kernel would avoid it.
-    counts = torch.bincount(flat_ids, minlength=w_up.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     token_of = order // k
     weight_of = topk_weights.reshape(-1)[order].float()
     xs = x.float()[token_of]
@@ -114,8 +130,8 @@ def moe_experts_fast(
         if n == 0:
             continue
         rows = slice(start, start + n)
-        y = _expert_mlp(xs[rows], w_up[e].float(), w_down[e].float(), activation)
-        out.index_add_(0, token_of[rows], y * weight_of[rows, None])
+        h = expert_activation(linear(e, "up", xs[rows]), activation)
+        out.index_add_(0, token_of[rows], linear(e, "down", h) * weight_of[rows, None])
         start += n
     return out.to(x.dtype)
 

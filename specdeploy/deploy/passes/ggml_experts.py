@@ -1,5 +1,7 @@
-"""Routed experts whose stacked weights came from GGUF Q4_0 / Q4_1 / Q8_0 blocks compute with
-those blocks on the CPU (ops/ggml_experts.py).
+"""Routed experts whose stacked weights came from GGUF blocks compute with those blocks on the
+CPU: `moe_experts`' per-expert loop (ops/moe.py `moe_experts_loop`) with each chosen expert's
+two matrices read from its blocks ([E, N, K / QK * size], ops/ggml_linear.py) instead of fp32
+copies. A MoE checkpoint is mostly its experts: as fp32 they are ~7x their Q4_0 / Q4_K bytes.
 
 The loader keeps the blocks of stacked experts [E, N, K] as it does a linear's
 (`model.ggml_weights`; a Qwen3.5 GGUF's gate and up experts joined into gate_up_proj) and,
@@ -26,7 +28,6 @@ from specdeploy.deploy.passes.ggml_calls import MAX_ROWS, dequant_linear
 from specdeploy.deploy.passes.ggml_linears import _fast_isa, _not_here, _weight_map
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import ggml_int
-from specdeploy.ops.ggml_experts import ggml_moe_experts
 from specdeploy.ops.ggml_linear import (
     K_QUANTS,
     GGMLWeight,
@@ -34,6 +35,7 @@ from specdeploy.ops.ggml_linear import (
     ggml_linear,
     kernel_unavailable,
 )
+from specdeploy.ops.moe import moe_experts_loop
 
 _MOE = torch.ops.specdeploy.moe_experts.default
 
@@ -59,7 +61,7 @@ def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | Non
 
     def experts_on_blocks(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                           ) -> torch.Tensor:
-        return ggml_moe_experts(x, topk_ids, topk_weights, up.shape[0], linear, activation)
+        return moe_experts_loop(x, topk_ids, topk_weights, up.shape[0], linear, activation)
 
     return experts_on_blocks
 
