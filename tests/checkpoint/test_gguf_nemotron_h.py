@@ -138,18 +138,9 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def test_llm_serves_gguf_with_its_mtp_head(tmp_path):
     """LLM on the GGUF: its tokenizer from the metadata, and the MTP head of the GGUF's last
     block drafting; greedy speculative output equals greedy plain output."""
-    from specdeploy import LLM, SamplingParams
+    from tests.checkpoint.gguf_llm import assert_mtp_equals_plain
 
     src = nh.make_tiny(tmp_path / "st", seed=7, mtp_layers=1, hf_config=MOE)
-    path = write_gguf(src, tmp_path / "m.gguf")
-    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    prompts = ["hello there, tiny model", "abc abc abc abc"]
-    plain = LLM(str(path), max_seq_len=128, spec=None)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    plain, _ = assert_mtp_equals_plain(write_gguf(src, tmp_path / "m.gguf"))
     tok = plain.tokenizer
     assert tok.decode(tok.encode("abc d", add_special_tokens=False)) == "abc d"
-    spec = LLM(str(path), max_seq_len=128, spec={"method": "mtp", "num_speculative_tokens": 2,
-                                                 "controller": "off"})
-    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
-    assert got == want
-    assert spec.stats()["draft_tokens"] > 0  # the head drafted

@@ -111,16 +111,7 @@ def test_quantized_tensors_equal_independent_dequantizer(tmp_path):
 
 
 def test_llm_serves_gguf_with_its_mtp_head(tmp_path):
-    from specdeploy import LLM, SamplingParams
+    from tests.checkpoint.gguf_llm import assert_mtp_equals_plain
 
     src = q35.make_tiny(tmp_path / "st", seed=9, mtp_layers=1)
-    path = write_gguf(src, tmp_path / "m.gguf")
-    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    prompts = ["hello there, tiny model", "abc abc abc abc"]
-    plain = LLM(str(path), max_seq_len=128, spec=None)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
-    spec = LLM(str(path), max_seq_len=128, spec={"method": "mtp", "num_speculative_tokens": 2,
-                                                 "controller": "off"})
-    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
-    assert got == want
-    assert spec.stats()["draft_tokens"] > 0  # the head drafted
+    assert_mtp_equals_plain(write_gguf(src, tmp_path / "m.gguf"))

@@ -122,13 +122,6 @@ def test_experts_load_deferred(q8_gguf):
 
 
 def test_greedy_speculation_equals_plain_on_quantized_experts(q8_gguf):
-    from specdeploy import LLM, SamplingParams
+    from tests.checkpoint.gguf_llm import assert_mtp_equals_plain
 
-    path, _ = q8_gguf
-    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    prompts = ["hello there, tiny model", "abc abc abc abc"]
-    plain = LLM(str(path), max_seq_len=128, spec=None)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
-    spec = LLM(str(path), max_seq_len=128, spec={"method": "mtp", "num_speculative_tokens": 2,
-                                                 "controller": "off"})
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)] == want
+    assert_mtp_equals_plain(q8_gguf[0], max_tokens=20)

@@ -98,12 +98,6 @@ def test_kquant_gguf_deploys_on_blocks(kq_gguf, kernels):
 
 
 def test_greedy_speculation_equals_plain_on_kquants(kq_gguf):
-    from specdeploy import LLM, SamplingParams
+    from tests.checkpoint.gguf_llm import assert_mtp_equals_plain
 
-    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    prompts = ["hello there", "abc abc abc"]
-    plain = LLM(str(kq_gguf), max_seq_len=96, spec=None)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
-    spec = LLM(str(kq_gguf), max_seq_len=96, spec={"method": "mtp", "num_speculative_tokens": 2,
-                                                   "controller": "off"})
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)] == want
+    assert_mtp_equals_plain(kq_gguf, max_tokens=16)
