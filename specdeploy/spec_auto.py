@@ -56,7 +56,8 @@ LOOKUP_ONLY = dict(method="ngram", num_draft_tokens=3, controller="cost", **_LOO
 HYBRID_DEMO = dict(method="suffix", num_draft_tokens=3, controller="cost")
 
 
-def _declares_mtp(config: dict) -> bool:
+def declares_mtp(config: dict) -> bool:
+    """Whether a checkpoint's config (or its text_config) declares MTP layers."""
     cfg = config.get("text_config", config)
     return any(int(cfg.get(k) or 0) > 0
                for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers"))
@@ -93,7 +94,7 @@ def choice_for(model_path, device: str = "cpu") -> dict:
     config = open_checkpoint(default_model_path() if model_path is None else model_path).config
     if _is_shipped(model_path, "hybrid-demo"):
         return dict(HYBRID_DEMO)
-    if _declares_mtp(config):
+    if declares_mtp(config):
         return dict(OWN_MTP)
     if _is_default_model(model_path):
         return dict(DEFAULT_MODEL) if device == "cpu" else {

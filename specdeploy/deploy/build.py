@@ -230,11 +230,9 @@ def _declares_mtp(path) -> bool:
     error naming them); otherwise a head shipped for the target may serve (drafters_registry)."""
     from specdeploy.checkpoint import open_checkpoint
     from specdeploy.default_model import default_model_path
+    from specdeploy.spec_auto import declares_mtp
 
-    cfg = open_checkpoint(default_model_path() if path is None else path).config
-    cfg = cfg.get("text_config", cfg)
-    return any(int(cfg.get(k) or 0) > 0
-               for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers"))
+    return declares_mtp(open_checkpoint(default_model_path() if path is None else path).config)
 
 
 def _eager(model_path, opts: BuildOptions) -> EagerDeployed:
