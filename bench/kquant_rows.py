@@ -1,6 +1,7 @@
-"""GGUF K-quant matrices (Q4_K / Q5_K / Q6_K) on the exact block kernel against fp32 and Q4_0,
-by input rows, one run: milliseconds per call (median of --reps, caches cold: --layers
-distinct weights cycled) and bytes per weight.
+"""GGUF K-quant matrices (Q4_K / Q5_K / Q6_K) on the exact block kernel and on the integer-dot
+one (`<kind>_int_<isa>`, kernels="fast") against fp32 and Q4_0, by input rows, one run:
+milliseconds for all the calls (median of --reps, caches cold: --layers distinct weights
+cycled) and bytes per weight.
 
 The shapes are a Qwen3.5-MoE-like layer's (hidden 2048; an expert's gate+up [1024, 2048] and
 down [2048, 512]) plus a square 2048 projection. K-quant blocks are random valid ones (gguf-py
@@ -30,6 +31,7 @@ SHAPES = [(2048, 2048), (1024, 2048), (2048, 512)]
 def main() -> None:
     import gguf
 
+    from specdeploy.ops import ggml_int
     from specdeploy.ops.ggml_linear import ggml_linear, make_weight
     from tests.checkpoint.gguf_nemotron_h_layout import Q, random_kquant
 
@@ -59,8 +61,14 @@ def main() -> None:
                v[0].shape[0] * v[0].shape[1]), 4) for k, v in kinds.items() if k != "fp32"}}}
     for rows in args.rows:
         xs = {k: torch.randn(rows, k) for _, k in SHAPES}
-        for name, ws in kinds.items():
-            fn = torch.nn.functional.linear if name == "fp32" else ggml_linear
+        isa = ggml_int.default_isa() if ggml_int.kernel_unavailable() is None else None
+        runs = [(name, ws, torch.nn.functional.linear if name == "fp32" else ggml_linear)
+                for name, ws in kinds.items()]
+        if isa is not None:  # the integer-dot kernels (kernels="fast"), 8-bit activations
+            runs += [(f"{name}_int_{isa}", ws,
+                      lambda x, w, isa=isa: ggml_int.ggml_linear_int(x, w, isa=isa))
+                     for name, ws in kinds.items() if name != "fp32"]
+        for name, ws, fn in runs:
             for w in ws:  # warm-up
                 fn(xs[w.shape[1]], w)
             times = []

@@ -26,7 +26,7 @@
 #include <omp.h>
 #endif
 
-enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2 };             /* ggml_linear.py's KINDS */
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 }; /* ggml_linear.py's KINDS */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_linear.py's ISAS */
 #define ROW_GROUP 4 /* input rows sharing one expansion of a weight block */
 #define OUT_TILE 32 /* output rows per tile: their weights stay in cache across row groups */
@@ -37,9 +37,14 @@ typedef struct {
     const float *s;  /* [R, nb] exact block sums of x (Q4_1) */
 } act_t;
 
-static int block_bytes(int kind) { return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : 18; }
+static int block_bytes(int kind) {
+    return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == Q4_0 ? 18 : kind == Q4_K ? 144
+           : kind == Q5_K ? 176 : 210;
+}
 
-static float half_to_float(uint16_t h) { /* exact; portable (no F16C) */
+/* always inlined: a call from the AVX2 code into SSE-encoded code would pay the AVX-SSE
+ * transition (measured: Q4_K's AVX2 path 10x slower than its scalar one) */
+static inline __attribute__((always_inline)) float half_to_float(uint16_t h) { /* exact */
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
     uint32_t bits;
     if (e == 0x1F) bits = sign | 0x7F800000u | (m << 13);
@@ -56,10 +61,47 @@ static float half_to_float(uint16_t h) { /* exact; portable (no F16C) */
     return f;
 }
 
-static float half_at(const uint8_t *p) {
+static inline __attribute__((always_inline)) float half_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return half_to_float(h);
+}
+
+/* K-quants (256-value super-blocks; layouts in ggml_kernels.c): each 32-value group g of a
+ * super-block is one activation block. Its weights as integers: Q4_K / Q5_K q in 0..31 with
+ * w = d1 * q - m1 (d1 = d * sc_g, m1 = dmin * m_g, both exact in fp32), Q6_K q - 32 in -32..31
+ * with w = (d * sc) * (q - 32), one scale per 16 values (lanes 0-3 of the 8 partial sums, then
+ * 4-7). So per group: y += (scale_lane * d_x) * p_lane, and for Q4_K / Q5_K - m1 * sum(x), as
+ * Q4_1's offset. */
+static inline __attribute__((always_inline)) void kq_scales(int kind, const uint8_t *b, int g,
+                                                           float *s_lo, float *s_hi, float *m) {
+    if (kind == Q6_K) {
+        const float d = half_at(b + 208);
+        *s_lo = d * (float)(int8_t)b[192 + 2 * g];
+        *s_hi = d * (float)(int8_t)b[193 + 2 * g];
+        *m = 0.f;
+        return;
+    }
+    const uint8_t *s = b + 4;
+    const int sc = g < 4 ? s[g] & 63 : (s[g + 4] & 0xF) | ((s[g - 4] >> 2) & 0x30);
+    const int mm = g < 4 ? s[g + 4] & 63 : (s[g + 4] >> 4) | ((s[g] >> 2) & 0x30);
+    *s_lo = *s_hi = half_at(b) * (float)sc;
+    *m = -(half_at(b + 2) * (float)mm);
+}
+
+static void kq_ints(int kind, const uint8_t *b, int g, int *wv) {
+    if (kind == Q6_K) {
+        const uint8_t *l = b + 64 * (g >> 2) + 32 * (g & 1), *h = b + 128 + 32 * (g >> 2);
+        for (int i = 0; i < 32; i++)
+            wv[i] = (((l[i] >> (4 * ((g >> 1) & 1))) & 0xF) | (((h[i] >> (2 * (g & 3))) & 3) << 4))
+                    - 32;
+        return;
+    }
+    const uint8_t *q = b + (kind == Q5_K ? 48 : 16) + 32 * (g >> 1);
+    for (int i = 0; i < 32; i++) {
+        wv[i] = (q[i] >> (4 * (g & 1))) & 0xF;
+        if (kind == Q5_K) wv[i] |= ((b[16 + i] >> g) & 1) << 4;
+    }
 }
 
 /* x [R, K] -> act (portable C; R * K work, small beside the R * K * N of the dot products) */
@@ -90,6 +132,35 @@ static float sum8(const float *a) {
 }
 
 /* ---- portable scalar path ---- */
+static void tile_scalar_k(int kind, const act_t *a, int R, int K, const uint8_t *w, int n0,
+                          int n1, int N, float *y) {
+    const int nk = K / 256, nb = K / 32, bytes = block_bytes(kind);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * nk * bytes;
+        for (int r = 0; r < R; r++) {
+            float acc[8] = {0}, macc = 0.f;
+            for (int k = 0; k < nk; k++) {
+                const uint8_t *b = row + (size_t)k * bytes;
+                for (int g = 0; g < 8; g++) {
+                    const size_t rb = (size_t)r * nb + 8 * k + g;
+                    const int8_t *qx = a->q + rb * 32;
+                    int wv[32];
+                    float s_lo, s_hi, m;
+                    kq_ints(kind, b, g, wv);
+                    kq_scales(kind, b, g, &s_lo, &s_hi, &m);
+                    for (int j = 0; j < 8; j++) {
+                        int p = 0;
+                        for (int i = 4 * j; i < 4 * j + 4; i++) p += wv[i] * qx[i];
+                        acc[j] = fmaf((j < 4 ? s_lo : s_hi) * a->d[rb], (float)p, acc[j]);
+                    }
+                    if (kind != Q6_K) macc = fmaf(m, a->s[rb], macc);
+                }
+            }
+            y[(size_t)r * N + n] = kind != Q6_K ? sum8(acc) + macc : sum8(acc);
+        }
+    }
+}
+
 static void tile_scalar(int kind, const act_t *a, int R, int K, const uint8_t *w, int n0, int n1,
                         int N, float *y) {
     const int nb = K / 32, bytes = block_bytes(kind);
@@ -236,6 +307,70 @@ TILE_FN(q4_1_avx2, group_avx2, Q4_1, AVX2_ATTR)
 TILE_FN(q8_0_avx2, group_avx2, Q8_0, AVX2_ATTR)
 TILE_FN(q4_0_avx2, group_avx2, Q4_0, AVX2_ATTR)
 
+/* K-quants, AVX2 (the AVX-512 path runs these too: the same bits) */
+AVX2_FN __m256i kq_bytes(const uint8_t *b, int g, const int kind) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (kind == Q6_K) {
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * (g >> 2) + 32 * (g & 1)));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (g >> 2)));
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(l, 4 * ((g >> 1) & 1)), low4);
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * (g & 3)),
+                                            _mm256_set1_epi8(3));
+        return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)),
+                               _mm256_set1_epi8(32));
+    }
+    const __m256i raw = _mm256_loadu_si256(
+        (const __m256i *)(b + (kind == Q5_K ? 48 : 16) + 32 * (g >> 1)));
+    __m256i q = _mm256_and_si256(_mm256_srli_epi16(raw, 4 * (g & 1)), low4);
+    if (kind == Q5_K) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(
+                                   _mm256_and_si256(_mm256_srli_epi16(qh, g), _mm256_set1_epi8(1)),
+                                   4));
+    }
+    return q;
+}
+
+AVX2_FN __attribute__((always_inline)) void group_k_avx2(const act_t *a, int K, const uint8_t *w,
+                                                        int t0, int t1, int N, float *y, int r0,
+                                                        const int rg, const int kind) {
+    const int nk = K / 256, nb = K / 32, bytes = block_bytes(kind);
+    for (int n = t0; n < t1; n++) {
+        const uint8_t *row = w + (size_t)n * nk * bytes;
+        __m256 acc[ROW_GROUP];
+        float macc[ROW_GROUP];
+        for (int r = 0; r < rg; r++) {
+            acc[r] = _mm256_setzero_ps();
+            macc[r] = 0.f;
+        }
+        for (int k = 0; k < nk; k++) {
+            const uint8_t *b = row + (size_t)k * bytes;
+            for (int g = 0; g < 8; g++) {
+                const __m256i wv = kq_bytes(b, g, kind);
+                const __m256i wabs = kind == Q6_K ? _mm256_abs_epi8(wv) : wv;
+                float s_lo, s_hi, m;
+                kq_scales(kind, b, g, &s_lo, &s_hi, &m);
+                const __m256 sv = _mm256_setr_ps(s_lo, s_lo, s_lo, s_lo, s_hi, s_hi, s_hi, s_hi);
+                for (int r = 0; r < rg; r++) {
+                    const size_t rb = (size_t)(r0 + r) * nb + 8 * k + g;
+                    const __m256i qx = _mm256_loadu_si256((const __m256i *)(a->q + rb * 32));
+                    const __m256 p = _mm256_cvtepi32_ps(
+                        block_products(wv, wabs, qx, kind == Q6_K ? Q8_0 : Q4_1));
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sv, _mm256_set1_ps(a->d[rb])), p,
+                                             acc[r]);
+                    if (kind != Q6_K) macc[r] = fmaf(m, a->s[rb], macc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < rg; r++)
+            y[(size_t)(r0 + r) * N + n] = kind != Q6_K ? hsum8(acc[r]) + macc[r] : hsum8(acc[r]);
+    }
+}
+
+TILE_FN(q4_k_avx2, group_k_avx2, Q4_K, AVX2_ATTR)
+TILE_FN(q5_k_avx2, group_k_avx2, Q5_K, AVX2_ATTR)
+TILE_FN(q6_k_avx2, group_k_avx2, Q6_K, AVX2_ATTR)
+
 /* AVX-512 VNNI: two blocks per dpbusd (u8 x s8, 4 products per int32 lane: the same p_j as
  * above). Signed weights go in shifted to unsigned (Q4_0: q as stored, w + 8; Q8_0: w + 128 by
  * flipping the sign bit) and the shift times the 4-value sums of q comes off again, exactly in
@@ -336,6 +471,12 @@ int ggml_int_isa_supported(int isa) {
 static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint8_t *w, int n0,
                      int n1, int N, float *y) {
 #ifdef SD_X86
+    if (kind >= Q4_K && isa != ISA_SCALAR) {
+        if (kind == Q4_K) q4_k_avx2(a, R, K, w, n0, n1, N, y);
+        else if (kind == Q5_K) q5_k_avx2(a, R, K, w, n0, n1, N, y);
+        else q6_k_avx2(a, R, K, w, n0, n1, N, y);
+        return;
+    }
     if (isa == ISA_AVX512) {
         if (kind == Q4_1) q4_1_avx512(a, R, K, w, n0, n1, N, y);
         else if (kind == Q8_0) q8_0_avx512(a, R, K, w, n0, n1, N, y);
@@ -350,12 +491,13 @@ static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint
     }
 #endif
     (void)isa;
-    tile_scalar(kind, a, R, K, w, n0, n1, N, y);
+    if (kind >= Q4_K) tile_scalar_k(kind, a, R, K, w, n0, n1, N, y);
+    else tile_scalar(kind, a, R, K, w, n0, n1, N, y);
 }
 
-/* kind: Q4_1, Q8_0 or Q4_0; isa: one ggml_int_isa_supported() accepts (the caller checks).
- * x [R, K] and y [R, N] row-major fp32; w: N rows of K / 32 blocks. Returns 0, -1 when scratch
- * memory could not be had, -2 for an ISA this build / CPU cannot run (y untouched then). */
+/* kind: Q4_1, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K; isa: one ggml_int_isa_supported() accepts (the
+ * caller checks). x [R, K] and y [R, N] row-major fp32; w: N rows of blocks. Returns 0, -1 when
+ * scratch memory could not be had, -2 for an ISA this build / CPU cannot run (y untouched). */
 int ggml_linear_int(int kind, int isa, const float *x, int R, int K, const uint8_t *w, int N,
                     float *y, int nthreads) {
     if (!ggml_int_isa_supported(isa)) return -2;

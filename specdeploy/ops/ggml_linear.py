@@ -31,7 +31,7 @@ SOURCE = Path(__file__).with_name("ggml_kernels.c")
 # name -> (kernel kind, bytes per block): 32-value blocks, and the K-quants' 256-value ones
 KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18), "q4_k": (3, 144), "q5_k": (4, 176),
          "q6_k": (5, 210)}
-K_QUANTS = ("q4_k", "q5_k", "q6_k")  # the exact kernel only (not ggml_int / ggml_tiled)
+K_QUANTS = ("q4_k", "q5_k", "q6_k")  # exact and integer-dot kernels (not ggml_tiled)
 
 
 def block_values(kind: str) -> int:

@@ -2,18 +2,32 @@
 from __future__ import annotations
 
 PROMPTS = ["hello there, tiny model", "abc abc abc abc"]
+# NOTE: on a hybrid (NemotronH) a verify step's logits match a decode step's within fp32
+# rounding, not bit for bit (measured <= 1.5e-6 in logprob on these tiny GGUFs with the exact
+# kernels; the fp32 router linears' and attention's sums depend on the row count), so a
+# divergence is allowed only where the plain run's top two were that close: a near-tie.
+NEAR_TIE = 1e-4
 
 
-def assert_mtp_equals_plain(path, max_tokens: int = 24):
+def assert_mtp_equals_plain(path, max_tokens: int = 24, kernels: str = "exact"):
     """Greedy output with the GGUF's MTP head drafting (K = 2, fixed) equals greedy output
-    without speculation, token for token; returns (the plain LLM, the speculative one)."""
+    without speculation, token for token, but for a proven near-tie (NEAR_TIE); returns (the
+    plain LLM, the speculative one)."""
     from specdeploy import LLM, SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    plain = LLM(str(path), max_seq_len=128, spec=None)
-    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp, use_tqdm=False)]
-    spec = LLM(str(path), max_seq_len=128, spec={"method": "mtp", "num_speculative_tokens": 2,
-                                                 "controller": "off"})
-    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, sp, use_tqdm=False)] == want
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = LLM(str(path), max_seq_len=128, spec=None, kernels=kernels)
+    want = plain.generate(PROMPTS, sp, use_tqdm=False)
+    spec = LLM(str(path), max_seq_len=128, kernels=kernels,
+               spec={"method": "mtp", "num_speculative_tokens": 2, "controller": "off"})
+    got = spec.generate(PROMPTS, sp, use_tqdm=False)
+    for w, g in zip(want, got):
+        a, b = w.outputs[0].token_ids, g.outputs[0].token_ids
+        if a == b:
+            continue
+        i = next(i for i, (u, v) in enumerate(zip(a, b)) if u != v)
+        top = sorted((getattr(v, "logprob", v) for v in w.outputs[0].logprobs[i].values()),
+                     reverse=True)
+        assert top[0] - top[1] <= NEAR_TIE, (i, a, b, top)  # not a near-tie: a real mismatch
     assert spec.stats()["draft_tokens"] > 0  # the head drafted
     return plain, spec

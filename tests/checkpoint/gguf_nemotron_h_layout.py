@@ -154,17 +154,21 @@ def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
 
 
 def random_kquant(qtype, shape: tuple, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks for a tensor of `shape` whose values stay below ~0.5 (fp16 d /
-    dmin of 1e-4..3e-4; Q6_K's int8 sub-block scales in [-8, 8])."""
+    """Random K-quant blocks for a tensor of `shape`, centred as a quantizer's would be, values
+    below ~0.02 (fp16 d = dmin of 1e-4..3e-4). Q4_K / Q5_K: every sub-block's scale sc and min
+    m with m ~ sc * (levels - 1) / 2 (sub-blocks 0-3: sc 8 / m 60 for Q4_K, 4 / 62 for Q5_K;
+    4-7: 2 / 15 and 1 / 15); Q6_K: int8 sub-block scales in [-8, 8]."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     lead, n = shape[:-1], shape[-1] // block
     raw = rng.integers(0, 256, (*lead, n, size), dtype=np.uint8)
-    small = rng.uniform(1e-4, 3e-4, (*lead, n, 2)).astype(np.float16).view(np.uint8)
+    small = rng.uniform(1e-4, 3e-4, (*lead, n, 1)).astype(np.float16).view(np.uint8)
     if qtype == Q.Q6_K:
         raw[..., 192:208] = rng.integers(-8, 9, (*lead, n, 16)).astype(np.int8).view(np.uint8)
-        raw[..., 208:210] = small[..., :2]
-    else:  # d, dmin first
-        raw[..., 0:4] = np.concatenate([small[..., :2], small[..., :2]], -1)
+        raw[..., 208:210] = small
+    else:  # d = dmin, then the packed 6-bit scales / mins
+        raw[..., 0:2] = raw[..., 2:4] = small
+        lo_sc, lo_m, hi_sc, hi_m = (8, 60, 2, 15) if qtype == Q.Q4_K else (4, 62, 1, 15)
+        raw[..., 4:8], raw[..., 8:12], raw[..., 12:16] = lo_sc, lo_m, (hi_m << 4) | hi_sc
     return raw.reshape(*lead, n * size)
 
 

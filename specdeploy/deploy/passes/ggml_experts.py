@@ -28,13 +28,7 @@ from specdeploy.deploy.passes.ggml_calls import MAX_ROWS, dequant_linear
 from specdeploy.deploy.passes.ggml_linears import _fast_isa, _not_here, _weight_map
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import ggml_int
-from specdeploy.ops.ggml_linear import (
-    K_QUANTS,
-    GGMLWeight,
-    expert,
-    ggml_linear,
-    kernel_unavailable,
-)
+from specdeploy.ops.ggml_linear import GGMLWeight, expert, ggml_linear, kernel_unavailable
 from specdeploy.ops.moe import moe_experts_loop
 
 _MOE = torch.ops.specdeploy.moe_experts.default
@@ -42,8 +36,6 @@ _MOE = torch.ops.specdeploy.moe_experts.default
 
 def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | None):
     """(x, topk_ids, topk_weights) -> the routed experts' sum, on `up` / `down`'s blocks."""
-    if up.kind in K_QUANTS or down.kind in K_QUANTS:
-        isa = None  # the exact kernel only (no integer-dot K-quants)
     mats = {"up": [expert(up, e) for e in range(up.shape[0])],
             "down": [expert(down, e) for e in range(down.shape[0])]}
     bound: dict[tuple[int, str], object] = {}

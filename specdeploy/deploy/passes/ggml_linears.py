@@ -190,8 +190,8 @@ def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], isa:
     id(member's blocks) -> what holds its values now: its rows of the tiled copy (`tile` and a
     multiple of 16 outputs), else its row view of the stacked copy (fused members only)."""
     nodes, weights = [n for n, _ in members], [g for _, g in members]
-    if weights[0].kind in K_QUANTS:  # the exact kernel only (no integer-dot / tiled K-quants)
-        isa, tile = None, False
+    if weights[0].kind in K_QUANTS:  # no tiled K-quant kernel (the integer-dot one on blocks)
+        tile = False
     bias = attr_tensor(gm, _bias(nodes[0])) if len(nodes) == 1 else None
     views, start = [], 0
     if tile and sum(g.shape[0] for g in weights) % TILE == 0:
