@@ -28,7 +28,13 @@ from specdeploy.deploy.passes.ggml_calls import MAX_ROWS, dequant_linear
 from specdeploy.deploy.passes.ggml_linears import _fast_isa, _not_here, _weight_map
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import ggml_int
-from specdeploy.ops.ggml_linear import GGMLWeight, expert, ggml_linear, kernel_unavailable
+from specdeploy.ops.ggml_linear import (
+    K_QUANTS,
+    GGMLWeight,
+    expert,
+    ggml_linear,
+    kernel_unavailable,
+)
 from specdeploy.ops.moe import moe_experts_loop
 
 _MOE = torch.ops.specdeploy.moe_experts.default
@@ -42,7 +48,7 @@ def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | Non
 
     def linear(e: int, which: str, x: torch.Tensor) -> torch.Tensor:
         w = mats[which][e]
-        if isa is not None:
+        if isa is not None and (x.shape[0] <= MAX_ROWS or w.kind not in K_QUANTS):
             fn = bound.get((e, which))
             if fn is None:  # NOTE: bound once per expert matrix, on first use
                 fn = bound[(e, which)] = ggml_int.bound_linear(w, None, isa)
