@@ -92,7 +92,9 @@ class GraphDeployed:
             "slot_idx": meta.slot_idx, "ckpt_slots": meta.ckpt_slots,
         }
         if "slot_mapping" in self._input_names:
-            dev_inputs["slot_mapping"] = kv_slot_mapping(meta, self.layout.page_size)
+            dev_inputs["slot_mapping"] = (
+                kv_slot_mapping(meta, self.layout.page_size) if self.layout.num_pages
+                else torch.full((meta.num_tokens,), -1, dtype=torch.long))  # (no KV: no slots)
         return dev_inputs
 
     def _feed(self, meta: BatchMetadata, hidden: torch.Tensor | None = None,
@@ -117,7 +119,9 @@ class GraphDeployed:
                  "cache_lens": (h.cache_lens, None), "page_table": (h.table, (s, h.max_pages)),
                  "slot_idx": (h.slots, None), "ckpt_slots": (h.ckpt_slots, None)}
         if "slot_mapping" in self._input_names:
-            parts["slot_mapping"] = (slot_mapping_list(h, self.layout.page_size), None)
+            # NOTE: a model without attention has no KV pages (its table is padding): no slots
+            parts["slot_mapping"] = (slot_mapping_list(h, self.layout.page_size)
+                                     if self.layout.num_pages else [-1] * t, None)
         return lists_to_device(parts, self.device)
 
     def _positions(self, meta: BatchMetadata) -> torch.Tensor:

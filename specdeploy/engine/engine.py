@@ -45,7 +45,8 @@ class Engine:
         self.tokenizer = tokenizer
         layout = deployed.layout
         self.prefix = None
-        if getattr(layout, "prefix_caching", False):
+        # (prefix caching is by KV page: a model without attention has none to key it on)
+        if getattr(layout, "prefix_caching", False) and layout.num_pages:
             self.prefix = PrefixCache(layout.num_pages, layout.page_size,
                                       recurrent=layout.recurrent,
                                       num_checkpoints=layout.num_checkpoints,

@@ -270,7 +270,8 @@ def check_request(engine, prompt_ids, params, priority: int, mm) -> list[int]:
         raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds "
                          f"max_seq_len={engine.max_seq_len}")
     cap = engine.blocks.num_pages * engine.blocks.page_size - engine.scheduler.lookahead
-    if n + params.max_tokens > cap:
+    # (a model without attention, Mamba2 / MLP only, has no KV pages: nothing to cap)
+    if engine.blocks.num_pages and n + params.max_tokens > cap:
         raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds "
                          f"the whole KV cache ({cap} tokens); raise max_cache_gib")
     vocab = engine.deployed.vocab_size

@@ -60,7 +60,9 @@ class BlockManager:
             self.restores.append((seq.slot, hit.checkpoint))
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        # NOTE: a model without attention (Mamba2 / MLP only) has no KV pages: it needs none
+        # (it waited for them for ever before)
+        return -(-num_tokens // self.page_size) if self.num_pages else 0
 
     def extra_pages(self, seq: Sequence, total_tokens: int) -> int:
         return max(0, self.pages_for(total_tokens) - len(seq.pages))

@@ -2,10 +2,12 @@
 
 Each sequence owns a state slot. A NORMAL segment starts from its slot's state (zeros when the
 sequence has nothing cached yet) and writes the final state back. An EXTEND segment (speculative
-verification) starts from the slot too but writes the state after *every* token into the spec-state
-resource `spec_state[slot, i]` and leaves the main slot untouched; the engine later promotes entry
-(accepted - 1). Segments of one length and kind are run as one batch (the decodes of a step,
-uniform extends), wherever they sit in the flattened batch; other segments run one by one.
+verification) starts from the slot too, runs token by token as decode steps do
+(`_token_by_token`: its rows are bit for bit the decode rows), and writes the state after *every*
+token into the spec-state resource `spec_state[slot, i]`, leaving the main slot untouched; the
+engine later promotes entry (accepted - 1). Segments of one length and kind are run as one batch
+(the decodes of a step, uniform extends), wherever they sit in the flattened batch; other
+segments run one by one.
 
 Prefix caching adds a checkpoint pool `ckpt[num_checkpoints, ...]`: for each fed token listed in
 `ckpt_tokens_host` (a NORMAL segment crossing a cached page boundary) the state after it goes to
@@ -54,6 +56,22 @@ def _checkpoint_rows(cu: list[int], idx: list[int], tokens: list[int]
     return which, at
 
 
+def _token_by_token(core: Core, xs: Sequence[torch.Tensor], init: torch.Tensor | None,
+                    dtype: torch.dtype) -> tuple:
+    """An EXTEND segment (a verify step's 1 + K tokens) run as that many decode steps: each
+    token through the one-token form of `core`, from the state the previous one left, rounded
+    to the slot's dtype as a decode step stores it. So a verified row is bit for bit the row a
+    decode step computes (the chunked form sums in another order: ~5e-7 apart, which the fast
+    kernels' 8-bit activation rounding amplified to ~3e-2 in logprob on hybrid GGUFs)."""
+    ys, states, st = [], [], init
+    for i in range(xs[0].shape[1]):
+        y, st, _, _ = core([x[:, i:i + 1] for x in xs], st, False, None)
+        st = st.to(dtype).float()
+        ys.append(y)
+        states.append(st)
+    return torch.cat(ys, 1), st, torch.stack(states, 1), None
+
+
 def run_cached(
     inputs: Sequence[torch.Tensor], state: torch.Tensor, spec_state: torch.Tensor | None,
     cu_seqlens_host: torch.Tensor, cache_lens_host: torch.Tensor, slot_idx: torch.Tensor,
@@ -94,7 +112,10 @@ def run_cached(
             raise RuntimeError("EXTEND segment but no spec-state resource was allocated")
         which, at = _checkpoint_rows(cu, idx, ckpt_tokens) if ckpt_tokens else ([], [])
         state_at = torch.tensor(at, dtype=torch.long) if which else None  # host metadata
-        y, final, states, at_states = core(xs, init, extend, state_at)
+        if extend:
+            y, final, states, at_states = _token_by_token(core, xs, init, state.dtype)
+        else:
+            y, final, states, at_states = core(xs, init, extend, state_at)
         if which:
             ckpt[ckpt_slots[torch.tensor(which, device=dev)]] = at_states.to(ckpt.dtype)
         if extend and states.shape[1] > spec_state.shape[1]:

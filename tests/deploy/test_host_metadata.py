@@ -91,7 +91,7 @@ def test_device_feed_from_lists_equals_to_device(batch):
     segs = [_segment(rng, k, 16) for k in BATCHES[batch]]
     meta = build_metadata(segs)
     fake = type("G", (), {"_input_names": ["slot_mapping"], "device": torch.device("cpu"),
-                          "layout": type("L", (), {"page_size": 16})()})()
+                          "layout": type("L", (), {"page_size": 16, "num_pages": 8})()})()
     got = runner_mod.GraphDeployed._device_from_lists(fake, meta, meta.lists)
     old = _old_build(segs)
     want = runner_mod.to_device({
