@@ -46,6 +46,7 @@ PIPELINE = (
     ("insert_cache", "insert_cached_gdn"),
     ("ggml_experts", "ggml_moe_experts"),  # before ggml_linears, which fills deferred weights
     ("ggml_linears", "ggml_linears"),  # before fusion: it fuses its own groups
+    ("row_linears", "row_invariant_linears"),  # the fp32 ones beside the fast kernels
     ("fuse_linears", "fuse_parallel_linears"),
     ("pack_linears", "pack_linear_weights"),
     ("fuse_rows", "fuse_row_ops"),

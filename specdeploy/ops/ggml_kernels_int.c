@@ -307,7 +307,7 @@ TILE_FN(q4_1_avx2, group_avx2, Q4_1, AVX2_ATTR)
 TILE_FN(q8_0_avx2, group_avx2, Q8_0, AVX2_ATTR)
 TILE_FN(q4_0_avx2, group_avx2, Q4_0, AVX2_ATTR)
 
-/* K-quants, AVX2 (the AVX-512 path runs these too: the same bits) */
+/* K-quants, AVX2 (the AVX-512 path below repeats its operations: the same bits) */
 AVX2_FN __m256i kq_bytes(const uint8_t *b, int g, const int kind) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     if (kind == Q6_K) {
@@ -370,6 +370,178 @@ AVX2_FN __attribute__((always_inline)) void group_k_avx2(const act_t *a, int K, 
 TILE_FN(q4_k_avx2, group_k_avx2, Q4_K, AVX2_ATTR)
 TILE_FN(q5_k_avx2, group_k_avx2, Q5_K, AVX2_ATTR)
 TILE_FN(q6_k_avx2, group_k_avx2, Q6_K, AVX2_ATTR)
+
+/* K-quants, AVX-512 VNNI: the AVX2 path's operations on each accumulator (so its bits), with
+ * each 32-value product by one 256-bit dpbusd (u8 weights x s8 activations, the same int32
+ * lane sums as maddubs + madd; Q6_K's signed values go in shifted by 32, 32 times the 4-value
+ * activation sums come off again, exactly) and 8 rows sharing one expansion of a weight group
+ * instead of 4: prefill-sized calls, which stay on this kernel (ggml_calls.py), ~1.3x. */
+#define ROW_GROUP_K512 8
+AVX512_FN static inline __attribute__((always_inline)) void group_k_avx512(const act_t *a, int K,
+                                                            const uint8_t *w, int t0, int t1,
+                                                            int N, float *y, int r0,
+                                                            const int rg, const int kind) {
+    const int nk = K / 256, nb = K / 32, bytes = block_bytes(kind);
+    const __m256i off = _mm256_set1_epi8(32);
+    for (int n = t0; n < t1; n++) {
+        const uint8_t *row = w + (size_t)n * nk * bytes;
+        __m256 acc[ROW_GROUP_K512];
+        float macc[ROW_GROUP_K512];
+        for (int r = 0; r < rg; r++) {
+            acc[r] = _mm256_setzero_ps();
+            macc[r] = 0.f;
+        }
+        for (int k = 0; k < nk; k++) {
+            const uint8_t *b = row + (size_t)k * bytes;
+            for (int g = 0; g < 8; g++) {
+                const __m256i wv = kq_bytes(b, g, kind);
+                const __m256i wu = kind == Q6_K ? _mm256_add_epi8(wv, off) : wv;
+                float s_lo, s_hi, m;
+                kq_scales(kind, b, g, &s_lo, &s_hi, &m);
+                const __m256 sv = _mm256_setr_ps(s_lo, s_lo, s_lo, s_lo, s_hi, s_hi, s_hi, s_hi);
+                for (int r = 0; r < rg; r++) {
+                    const size_t rb = (size_t)(r0 + r) * nb + 8 * k + g;
+                    const __m256i qx = _mm256_loadu_si256((const __m256i *)(a->q + rb * 32));
+                    __m256i pi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, qx);
+                    if (kind == Q6_K)
+                        pi = _mm256_sub_epi32(pi, _mm256_dpbusd_epi32(_mm256_setzero_si256(), off, qx));
+                    const __m256 p = _mm256_cvtepi32_ps(pi);
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sv, _mm256_set1_ps(a->d[rb])), p,
+                                             acc[r]);
+                    if (kind != Q6_K) macc[r] = fmaf(m, a->s[rb], macc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < rg; r++)
+            y[(size_t)(r0 + r) * N + n] = kind != Q6_K ? hsum8(acc[r]) + macc[r] : hsum8(acc[r]);
+    }
+}
+
+#define TILE_FN_K512(NAME, KIND)                                                               \
+    AVX512_FN static void NAME(const act_t *a, int R, int K, const uint8_t *w, int n0, int n1,  \
+                               int N, float *y) {                                              \
+        for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {                                           \
+            const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;                            \
+            for (int r0 = 0; r0 < R; r0 += ROW_GROUP_K512) {                                   \
+                switch (R - r0 < ROW_GROUP_K512 ? R - r0 : ROW_GROUP_K512) {                   \
+                case 1: group_k_avx512(a, K, w, t0, t1, N, y, r0, 1, KIND); break;             \
+                case 2: group_k_avx512(a, K, w, t0, t1, N, y, r0, 2, KIND); break;             \
+                case 3: group_k_avx512(a, K, w, t0, t1, N, y, r0, 3, KIND); break;             \
+                case 4: group_k_avx512(a, K, w, t0, t1, N, y, r0, 4, KIND); break;             \
+                case 5: group_k_avx512(a, K, w, t0, t1, N, y, r0, 5, KIND); break;             \
+                case 6: group_k_avx512(a, K, w, t0, t1, N, y, r0, 6, KIND); break;             \
+                case 7: group_k_avx512(a, K, w, t0, t1, N, y, r0, 7, KIND); break;             \
+                default: group_k_avx512(a, K, w, t0, t1, N, y, r0, 8, KIND); break;            \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+TILE_FN_K512(q4_k_avx512, Q4_K)
+TILE_FN_K512(q5_k_avx512, Q5_K)
+TILE_FN_K512(q6_k_avx512, Q6_K)
+
+/* K-quants for calls of many rows (AVX-512 VNNI): 16 outputs per vector, with the same fp32
+ * operations on each output as the paths above, so the same bits. Above, one output's 8-lane
+ * accumulator takes lane j's partial sum p_j of each group (values 4j .. 4j + 3); here lane j
+ * of the 16 outputs lives in acc[j], one vector (lane o = output o), and every operation runs
+ * on the 16 at once: acc[j] = fma(s_j * d_x, p_j, acc[j]), m * s_x into macc, then
+ * ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) + macc as hsum8 adds. A tile of 16 outputs
+ * is expanded once per call into bytes laid out for dpbusd (16 outputs x 4 values a vector,
+ * Q6_K shifted by 32 to unsigned, its 32 * sum(x) taken off again exactly) and fp32 scales;
+ * every row then runs over it, so a row costs ~1/3 of the per-output path. */
+#define KQ_WIDE_MIN_ROWS 9 /* up to 8 rows: one group of the per-output path, as fast */
+AVX512_FN static void kq_wide_expand(int kind, const uint8_t *w, int n0, int no, int K,
+                                     uint8_t *wb, float *sc) {
+    const int nk = K / 256, nb = K / 32, bytes = block_bytes(kind);
+    memset(wb, 0, (size_t)nb * 512);
+    memset(sc, 0, (size_t)nb * 48 * sizeof(float));
+    const __m256i off = _mm256_set1_epi8(32);
+    for (int o = 0; o < no; o++) {
+        const uint8_t *row = w + (size_t)(n0 + o) * nk * bytes;
+        for (int k = 0; k < nk; k++) {
+            const uint8_t *b = row + (size_t)k * bytes;
+            for (int g = 0; g < 8; g++) {
+                const int gb = 8 * k + g;
+                __m256i v = kq_bytes(b, g, kind);
+                if (kind == Q6_K) v = _mm256_add_epi8(v, off);
+                uint32_t quads[8];
+                _mm256_storeu_si256((__m256i *)quads, v);
+                for (int j = 0; j < 8; j++)
+                    memcpy(wb + (((size_t)gb * 8 + j) * 16 + o) * 4, &quads[j], 4);
+                float s_lo, s_hi, m;
+                kq_scales(kind, b, g, &s_lo, &s_hi, &m);
+                sc[(size_t)gb * 48 + o] = s_lo;
+                sc[(size_t)gb * 48 + 16 + o] = s_hi;
+                sc[(size_t)gb * 48 + 32 + o] = m;
+            }
+        }
+    }
+}
+
+AVX512_FN static void kq_wide_rows(const act_t *a, int R, int K, const uint8_t *wb,
+                                   const float *sc, int n0, int no, int N, float *y,
+                                   const int kind) {
+    const int nb = K / 32;
+    const __mmask16 keep = (__mmask16)((1u << no) - 1);
+    for (int r = 0; r < R; r++) {
+        __m512 acc[8], macc = _mm512_setzero_ps();
+        for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
+        for (int gb = 0; gb < nb; gb++) {
+            const size_t rb = (size_t)r * nb + gb;
+            const int8_t *xq = a->q + rb * 32;
+            const __m512 dx = _mm512_set1_ps(a->d[rb]);
+            const __m512 slo = _mm512_mul_ps(_mm512_loadu_ps(sc + (size_t)gb * 48), dx);
+            const __m512 shi = _mm512_mul_ps(_mm512_loadu_ps(sc + (size_t)gb * 48 + 16), dx);
+            const uint8_t *wg = wb + (size_t)gb * 512;
+            for (int j = 0; j < 8; j++) {
+                int32_t quad;
+                memcpy(&quad, xq + 4 * j, 4);
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                _mm512_loadu_si512((const void *)(wg + 64 * j)),
+                                                _mm512_set1_epi32(quad));
+                if (kind == Q6_K)
+                    p = _mm512_sub_epi32(p, _mm512_set1_epi32(
+                                                32 * (xq[4 * j] + xq[4 * j + 1] + xq[4 * j + 2] +
+                                                      xq[4 * j + 3])));
+                acc[j] = _mm512_fmadd_ps(j < 4 ? slo : shi, _mm512_cvtepi32_ps(p), acc[j]);
+            }
+            if (kind != Q6_K)
+                macc = _mm512_fmadd_ps(_mm512_loadu_ps(sc + (size_t)gb * 48 + 32),
+                                       _mm512_set1_ps(a->s[rb]), macc);
+        }
+        __m512 t = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[4]),
+                                               _mm512_add_ps(acc[2], acc[6])),
+                                 _mm512_add_ps(_mm512_add_ps(acc[1], acc[5]),
+                                               _mm512_add_ps(acc[3], acc[7])));
+        if (kind != Q6_K) t = _mm512_add_ps(t, macc);
+        _mm512_mask_storeu_ps(y + (size_t)r * N + n0, keep, t);
+    }
+}
+
+/* outputs n0 .. n1 in tiles of 16; 0, or -1 when the tile buffers could not be had */
+AVX512_FN static int kq_wide(int kind, const act_t *a, int R, int K, const uint8_t *w, int n0,
+                             int n1, int N, float *y) {
+    const int nb = K / 32;
+    uint8_t *wb = (uint8_t *)aligned_alloc(64, (size_t)nb * 512);
+    float *sc = (float *)aligned_alloc(64, (size_t)nb * 48 * sizeof(float));
+    if (!wb || !sc) {
+        free(wb);
+        free(sc);
+        return -1;
+    }
+    for (int t0 = n0; t0 < n1; t0 += 16) {
+        const int no = n1 - t0 < 16 ? n1 - t0 : 16;
+        kq_wide_expand(kind, w, t0, no, K, wb, sc);
+        switch (kind) { /* the kind as a constant in each copy */
+        case Q4_K: kq_wide_rows(a, R, K, wb, sc, t0, no, N, y, Q4_K); break;
+        case Q5_K: kq_wide_rows(a, R, K, wb, sc, t0, no, N, y, Q5_K); break;
+        default: kq_wide_rows(a, R, K, wb, sc, t0, no, N, y, Q6_K); break;
+        }
+    }
+    free(wb);
+    free(sc);
+    return 0;
+}
 
 /* AVX-512 VNNI: two blocks per dpbusd (u8 x s8, 4 products per int32 lane: the same p_j as
  * above). Signed weights go in shifted to unsigned (Q4_0: q as stored, w + 8; Q8_0: w + 128 by
@@ -471,6 +643,14 @@ int ggml_int_isa_supported(int isa) {
 static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint8_t *w, int n0,
                      int n1, int N, float *y) {
 #ifdef SD_X86
+    if (kind >= Q4_K && isa == ISA_AVX512) {
+        /* NOTE: the same bits either way (kq_wide's header); on failure the per-output path */
+        if (R >= KQ_WIDE_MIN_ROWS && kq_wide(kind, a, R, K, w, n0, n1, N, y) == 0) return;
+        if (kind == Q4_K) q4_k_avx512(a, R, K, w, n0, n1, N, y);
+        else if (kind == Q5_K) q5_k_avx512(a, R, K, w, n0, n1, N, y);
+        else q6_k_avx512(a, R, K, w, n0, n1, N, y);
+        return;
+    }
     if (kind >= Q4_K && isa != ISA_SCALAR) {
         if (kind == Q4_K) q4_k_avx2(a, R, K, w, n0, n1, N, y);
         else if (kind == Q5_K) q5_k_avx2(a, R, K, w, n0, n1, N, y);

@@ -219,3 +219,76 @@ void silu_mul_rows(const float *x, int64_t rows, int64_t n, int64_t x_stride, fl
     (void)avx2;
     (void)avx512;
 }
+
+/* 1 / (1 + e^-x) with e^-|x| only: for x < 0, e^x / (1 + e^x). Each element by the same plain
+ * operations (generic and AVX2 clones alike), so an element's bits do not depend on where it
+ * sits in the tensor: torch's vectorized sigmoid runs a tensor's last few elements through its
+ * scalar path, whose exp rounds otherwise, so a router row's scores changed with the row count
+ * (deploy/passes/row_linears.py). */
+#define SIGMOID_BODY                                                                           \
+    for (int64_t i = 0; i < n; i++) {                                                          \
+        const float t = exp_le0(-fabsf(x[i]));                                                 \
+        out[i] = (x[i] >= 0.f ? 1.f : t) / (1.f + t);                                          \
+    }
+
+static void sigmoid_generic(const float *x, int64_t n, float *out) { SIGMOID_BODY }
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static void sigmoid_avx2(const float *x, int64_t n, float *out) {
+    SIGMOID_BODY
+}
+#endif
+
+void sigmoid_elems(const float *x, int64_t n, float *out) {
+#if defined(__x86_64__)
+    if (have_avx2()) {
+        sigmoid_avx2(x, n, out);
+        return;
+    }
+#endif
+    sigmoid_generic(x, n, out);
+}
+
+/* log(1 + t) for 0 <= t <= 1 as 2 atanh(s), s = t / (2 + t) <= 1/3: 2 (s + s^3/3 + ... +
+ * s^19/19), the next term below 2e-10 of the sum, accurate for tiny t too (plain operations) */
+static inline float log1p_01(float t) {
+    const float s = t / (2.f + t), s2 = s * s;
+    float p = 1.f / 19;
+    p = p * s2 + 1.f / 17;
+    p = p * s2 + 1.f / 15;
+    p = p * s2 + 1.f / 13;
+    p = p * s2 + 1.f / 11;
+    p = p * s2 + 1.f / 9;
+    p = p * s2 + 1.f / 7;
+    p = p * s2 + 1.f / 5;
+    p = p * s2 + 1.f / 3;
+    p = p * s2 + 1.f;
+    return 2.f * s * p;
+}
+
+/* torch's softplus (beta 1, threshold 20): x above 20, else log(1 + e^x) computed as
+ * max(x, 0) + log(1 + e^-|x|); each element by the same operations, as sigmoid_elems */
+#define SOFTPLUS_BODY                                                                          \
+    for (int64_t i = 0; i < n; i++) {                                                          \
+        const float v = x[i], l = log1p_01(exp_le0(-fabsf(v)));                                 \
+        out[i] = v > 20.f ? v : (v > 0.f ? v : 0.f) + l;                                       \
+    }
+
+static void softplus_generic(const float *x, int64_t n, float *out) { SOFTPLUS_BODY }
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static void softplus_avx2(const float *x, int64_t n,
+                                                          float *out) {
+    SOFTPLUS_BODY
+}
+#endif
+
+void softplus_elems(const float *x, int64_t n, float *out) {
+#if defined(__x86_64__)
+    if (have_avx2()) {
+        softplus_avx2(x, n, out);
+        return;
+    }
+#endif
+    softplus_generic(x, n, out);
+}

@@ -8,7 +8,6 @@ import torch
 from specdeploy.deploy.passes.pack_linears import packable
 from specdeploy.ops import ggml_int
 from specdeploy.ops.ggml_linear import (
-    K_QUANTS,
     GGMLWeight,
     dequantize,
     ggml_embedding,
@@ -19,9 +18,10 @@ from specdeploy.ops.ggml_tiled import TiledMember, TiledWeight, member_rows, til
 
 # Above this many rows the fp32 GEMM wins for the exact kernel (bench/results/
 # linear_rows_q4_1.json: about even at 16 rows, fp32 ahead at 32). The integer-dot kernels
-# ("fast") take every row count: bench/linear_rows.py --threads 1 --clock cpu, ms of CPU for 30
-# layers, int-dot avx2 / dequantize + GEMM: 64 rows 337 / 696, 256 rows 1277 / 1328
-# (bench/results/linear_rows_one_copy.json; a shared 2-core machine)
+# ("fast") take every row count (their model is not the fp32 one): bench/linear_rows.py
+# --threads 1 --clock cpu, ms of CPU for 30 layers, int-dot avx2 / dequantize + GEMM: 64 rows
+# 337 / 696, 256 rows 1277 / 1328 (bench/results/linear_rows_one_copy.json; a shared 2-core
+# machine)
 MAX_ROWS = 16
 
 
@@ -29,21 +29,21 @@ MAX_ROWS = 16
 def ggml_linear_fn(weight: GGMLWeight, members: list[GGMLWeight], bias: torch.Tensor | None,
                    isa: str | None = None):
     """x -> x @ W^T (+ bias): with `isa`, the integer-dot kernel on that ISA path at every row
-    count (K-quants: up to MAX_ROWS rows); else the exact kernel up to MAX_ROWS rows; above
-    that `dequant_linear` per fused member (views of `weight`'s rows), concatenated along the
-    output."""
+    count; else the exact kernel up to MAX_ROWS rows, above that `dequant_linear` per fused
+    member (views of `weight`'s rows), concatenated along the output."""
     bias = None if bias is None else bias.detach()
-    if isa is not None and weight.kind not in K_QUANTS:  # every row count (see MAX_ROWS)
+    if isa is not None:
+        # NOTE: every row count, K-quants too (slower than the fp32 GEMM above ~16 rows:
+        # bench/results/kquant_rows_amx_1205.json): "fast" is another model than the fp32 one,
+        # and a row must get the same function whatever the rows beside it, or a decode row
+        # inside a prefill chunk or a verify step of > 16 rows differs from itself alone
         fast = ggml_int.bound_linear(weight, bias, isa)
         fast.__name__ = fast.__qualname__ = "linear_on_blocks"  # the graph's node names
         return fast
-    # NOTE: K-quants on the integer-dot kernel up to MAX_ROWS rows only: at 16 rows it is
-    # already ~1.4x the fp32 GEMM's time (bench/results/kquant_rows_amx_1205.json)
-    small = ggml_int.bound_linear(weight, bias, isa) if isa is not None else None
 
     def linear_on_blocks(x: torch.Tensor) -> torch.Tensor:
         if x.numel() // x.shape[-1] <= MAX_ROWS:
-            return small(x) if small is not None else ggml_linear(x, weight, bias)
+            return ggml_linear(x, weight, bias)
         if len(members) == 1:
             return dequant_linear(x, members[0], bias)
         return torch.cat([dequant_linear(x, m, None) for m in members], -1)

@@ -29,7 +29,6 @@ from specdeploy.deploy.passes.ggml_linears import _fast_isa, _not_here, _weight_
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import ggml_int
 from specdeploy.ops.ggml_linear import (
-    K_QUANTS,
     GGMLWeight,
     expert,
     ggml_linear,
@@ -48,7 +47,7 @@ def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | Non
 
     def linear(e: int, which: str, x: torch.Tensor) -> torch.Tensor:
         w = mats[which][e]
-        if isa is not None and (x.shape[0] <= MAX_ROWS or w.kind not in K_QUANTS):
+        if isa is not None:  # every row count (see ggml_calls.ggml_linear_fn)
             fn = bound.get((e, which))
             if fn is None:  # NOTE: bound once per expert matrix, on first use
                 fn = bound[(e, which)] = ggml_int.bound_linear(w, None, isa)

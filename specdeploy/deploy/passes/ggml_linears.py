@@ -162,7 +162,7 @@ def _kernel_calls(gm: fx.GraphModule, weights: dict, deferred: dict) -> tuple[li
     return todo, stale
 
 
-def _fast_isa(kernels: str) -> tuple[str | None, str]:
+def _fast_isa(kernels: str, warn: bool = True) -> tuple[str | None, str]:
     """(ISA path of the integer-dot kernels or None for the exact one, what the report says).
     "fast" falls back to the exact kernel, with one warning, where no SIMD integer path runs
     (the portable scalar one is slower than fp32 there) unless SPECDEPLOY_GGML_ISA forces it."""
@@ -176,7 +176,8 @@ def _fast_isa(kernels: str) -> tuple[str | None, str]:
         if isa != "scalar" or os.environ.get("SPECDEPLOY_GGML_ISA") == "scalar":
             return isa, f"integer-dot kernel, {isa}"
         why = "no SIMD integer path on this CPU"
-        warn_unbuilt("the fast integer-dot path", why)
+        if warn:  # (once: the passes after this one ask again quietly)
+            warn_unbuilt("the fast integer-dot path", why)
     return None, f"exact fp32 kernel; fast unavailable: {why}"
 
 

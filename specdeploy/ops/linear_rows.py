@@ -1,0 +1,99 @@
+"""Batch-invariant fp32 linears (`linear_rows.c`): each output row is the same bits whatever the
+other rows of the call and the thread count.
+
+Where the fast GGUF kernels run (`kernels="fast"`: each linear's input rows rounded to 8-bit
+blocks), a last-bit difference upstream can move a rounding step and so change an activation
+by ~1/127 of its block's scale: a verify row then differs from the decode row it replays by
+~1e-3 in logprob, and greedy speculation is not lossless at near-ties of that size. The fp32
+linears of such a graph (a GGUF's F32 routers, tensors of types without a block kernel) must
+then not depend on the row count, which a BLAS does not promise (GEMV for one row, GEMM or a
+K-split for more). This kernel is that: slower than the BLAS at prefill sizes, as fast at
+decode ones (it streams the weight once per 64 rows). Compiled on first use next to the other
+kernels; None from `library()` when it cannot be (one warning; callers keep aten.linear).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from specdeploy.ops import ggml_linear as _gl
+
+SOURCE = Path(__file__).with_name("linear_rows.c")
+# NOTE: no -m flags (the AVX2 path carries its target); -ffp-contract=off keeps the generic
+# path's operations the ones written (fmaf where the AVX2 path fuses)
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+_I64, _P, _I = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    if os.environ.get("SPECDEPLOY_ROW_KERNELS", "1") == "0":
+        return None
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    errors, cache = [], _gl._cache_dir()
+    for openmp in (True, False):
+        path = cache / f"linear_rows-{digest}{'-omp' if openmp else ''}.so"
+        if not path.exists():
+            err = _gl._compile(path, openmp, source=SOURCE, flags=_FLAGS, libs=("-lm",))
+            if err:
+                errors.append(err)
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        lib.linear_rows.argtypes = [_P, _I64, _I64, _P, _I64, _P, _P, _I]
+        lib.linear_rows.restype = None
+        lib.linear_rows_max_isa.argtypes = [_I]
+        lib.linear_rows_max_isa.restype = _I
+        return lib
+    _gl.warn_unbuilt("the batch-invariant fp32 linear", "; ".join(errors))
+    return None
+
+
+@contextmanager
+def max_isa(level: int):
+    """Within: no path wider than `level` (0 generic C, 1 AVX2). For tests: the same bits."""
+    lib = library()
+    before = lib.linear_rows_max_isa(level)
+    try:
+        yield
+    finally:
+        lib.linear_rows_max_isa(before)
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """`x[..., K] @ weight[N, K]^T (+ bias)`, fp32 on the CPU, batch-invariant (see above)."""
+    n, k = weight.shape
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or x.shape[-1] != k):
+        raise ValueError(f"linear_rows: fp32 CPU tensors with x[..., {k}], got x {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}, weight {weight.dtype}")
+    x2 = x.reshape(-1, k).contiguous()
+    w = weight.contiguous()
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if x2.shape[0]:
+        library().linear_rows(x2.data_ptr(), x2.shape[0], k, w.data_ptr(), n,
+                              None if b is None else b.data_ptr(), y.data_ptr(),
+                              torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)
+
+
+def bound(weight: torch.Tensor, bias: torch.Tensor | None):
+    """x -> linear_rows(x, weight, bias) with the weight made contiguous once."""
+    w = weight.detach().contiguous()
+    b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+
+    def linear_fp32_rows(x: torch.Tensor) -> torch.Tensor:
+        return linear_rows(x, w, b)
+
+    return linear_fp32_rows

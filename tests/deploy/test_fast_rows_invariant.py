@@ -1,0 +1,105 @@
+"""On the fast GGUF kernels, a row of a step is the same bits whatever rows are beside it: five
+sequences' decode rows one step at a time equal the same tokens as one verify step of 5 x 4 or
+5 x 5 rows. The oracle is the decode path itself (the non-speculative step).
+
+What broke this before (deploy/passes/row_linears.py): above 16 rows the K-quant linears
+left the integer-dot kernel for an fp32 GEMM (another model: 1e-2 apart in the logits); a
+GGUF's F32 router ran on the BLAS, whose row bits depend on the call's row count; torch's
+sigmoid and softplus round a tensor's tail elements otherwise than its body. Each moved the
+8-bit activation rounding of the layers after it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, Segment, build_metadata
+from specdeploy.deploy.build import build
+from specdeploy.ops import ggml_int
+from specdeploy.ops.ggml_linear import kernel_unavailable
+
+pytestmark = pytest.mark.skipif(
+    kernel_unavailable() is not None or ggml_int.kernel_unavailable() is not None,
+    reason=f"ggml kernels unavailable: {kernel_unavailable() or ggml_int.kernel_unavailable()}")
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+S, PROMPT = 5, 21  # sequences, prompt tokens each
+
+
+def _nemotron(tmp, qtype, expert_qtype):
+    from specdeploy.models import nemotron_h as nh
+    from tests.checkpoint.gguf_nemotron_h_layout import write_gguf
+    from tests.checkpoint.test_gguf_nemotron_h import MOE
+
+    # widths of 256 (K-quant blocks); 8 experts: a router row of 8 scores, so 5 rows of them
+    # end mid-vector where torch's sigmoid takes its scalar tail
+    hf = dict(MOE, hidden_size=256, mamba_num_heads=8, mamba_head_dim=32, head_dim=64,
+              moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
+              moe_latent_size=256)
+    src = nh.make_tiny(tmp / "st", seed=3, mtp_layers=1, hf_config=hf)
+    return write_gguf(src, tmp / "m.gguf", qtype=qtype, expert_qtype=expert_qtype)
+
+
+def _qwen(tmp, qtype, expert_qtype):
+    from specdeploy.models import qwen3_5_moe as q35
+    from tests.checkpoint.gguf_qwen3_5_layout import write_gguf
+
+    src = q35.make_tiny(tmp / "st", seed=4, mtp_layers=1)
+    return write_gguf(src, tmp / "m.gguf", qtype=qtype, expert_qtype=expert_qtype)
+
+
+CASES = {  # name: (writer, matrices, experts)
+    "nemotron_q8_0": (_nemotron, "Q8_0", "Q8_0"),  # F32 router + sigmoid
+    "nemotron_kquants": (_nemotron, "Q4_K", "Q6_K"),  # K-quants at 20 / 25 rows
+    "qwen3_5_q8_0": (_qwen, "Q8_0", "Q8_0"),  # F32 matrices, softplus / sigmoid gates
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    from tests.checkpoint.test_gguf import Q
+
+    writer, q, e = CASES[request.param]
+    return request.param, writer(tmp_path_factory.mktemp(request.param), getattr(Q, q),
+                                 getattr(Q, e))
+
+
+def _logits(path, rows: int, verify: bool) -> torch.Tensor:
+    """[S, rows, vocab]: each sequence's last `rows` tokens decoded one step at a time (all S
+    sequences a step) or verified in one step of S x rows."""
+    dep = build(str(path), kernels="fast", max_batch_size=S, max_seq_len=64, page_size=4,
+                max_cache_gib=0.05, spec={"method": "ngram", "num_speculative_tokens": rows - 1})
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, 120, (PROMPT + rows,), generator=g).tolist() for _ in range(S)]
+    pages = [list(range(16 * s, 16 * s + 16)) for s in range(S)]
+    for s in range(S):
+        dep.forward(build_metadata([Segment(ids[s][:PROMPT], 0, pages[s], s, 1, SEG_NORMAL)]))
+    if verify:
+        segs = [Segment(ids[s][PROMPT:], PROMPT, pages[s], s, rows, SEG_EXTEND) for s in range(S)]
+        return dep.forward(build_metadata(segs)).logits.view(S, rows, -1), dep
+    steps = []
+    for t in range(rows):
+        segs = [Segment(ids[s][PROMPT + t:PROMPT + t + 1], PROMPT + t, pages[s], s, 1,
+                        SEG_NORMAL) for s in range(S)]
+        steps.append(dep.forward(build_metadata(segs)).logits)
+    return torch.stack(steps, 1), dep
+
+
+@pytest.mark.parametrize("rows", [4, 5])
+def test_verify_rows_equal_decode_rows_on_fast_kernels(case, rows):
+    _, path = case
+    decoded, dep = _logits(path, rows, verify=False)
+    verified, _ = _logits(path, rows, verify=True)
+    assert decoded.std() > 1e-3 and torch.isfinite(decoded).all()
+    assert torch.equal(decoded, verified), (decoded - verified).abs().max().item()
+    info = {i.name: i for i in dep.target.infos}["row_invariant_linears"]
+    assert info.num_matches > 0, info.detail  # routers / gates moved to the kernels
+
+
+def test_exact_kernels_keep_the_blas(case):
+    _, path = case
+    dep = build(str(path), kernels="exact", max_batch_size=2, max_seq_len=64, page_size=4,
+                max_cache_gib=0.02)
+    info = {i.name: i for i in dep.infos}["row_invariant_linears"]
+    assert info.num_matches == 0 and "the fp32 model keeps the BLAS" in info.detail
