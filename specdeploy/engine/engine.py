@@ -55,7 +55,8 @@ class Engine:
         self._cache_on_finish = True
         self.blocks = BlockManager(layout.num_pages, layout.page_size, layout.num_slots,
                                    self.prefix)
-        self.scheduler = Scheduler(self.blocks, max_batch_size, max_num_tokens)
+        self.scheduler = Scheduler(self.blocks, max_batch_size, max_num_tokens,
+                                   recurrent=layout.recurrent)
         self.max_seq_len = deployed.max_seq_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.device = getattr(deployed, "device", torch.device("cpu"))

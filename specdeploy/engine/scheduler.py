@@ -126,7 +126,7 @@ class Scheduler:
     """
 
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int,
-                 lookahead: int = 0):
+                 lookahead: int = 0, recurrent: bool = False):
         self.blocks = blocks
         self.max_batch_size = min(max_batch_size, blocks.num_slots)
         self.max_num_tokens = max_num_tokens
@@ -137,6 +137,11 @@ class Scheduler:
         p = blocks.prefix
         self.align = (blocks.page_size * p.checkpoint_every
                       if p is not None and p.recurrent and p.num_checkpoints else 1)
+        # and failing that on a page boundary, prefix caching or not: a cut inside a scan chunk
+        # changes the scan's sums (fp32 rounding, ~5e-6 in the logits; the fast kernels' 8-bit
+        # activations make that ~5e-2), so a prompt cut where a busier step left room would
+        # not give the bits it gives cut elsewhere; on chunk boundaries every cut gives the same
+        self.chunk_align = blocks.page_size if recurrent else 1
         self._held: set[int] = set()  # ids of prefills held back this step (at most one step)
         self._held_last: set[int] = set()
         self.waiting: deque[Sequence] = deque()
@@ -174,11 +179,13 @@ class Scheduler:
         (a chunk starting off the boundaries would put every later one inside a scan chunk);
         never two steps running, so a prefill next to busy decodes is not starved."""
         n = min(seq.num_pending, budget)
-        if n < seq.num_pending and self.align > 1:
-            end = (seq.num_cached + n) // self.align * self.align
-            if end > seq.num_cached:
-                n = end - seq.num_cached
-            elif self.max_num_tokens >= self.align and id(seq) not in self._held_last:
+        if n < seq.num_pending and max(self.align, self.chunk_align) > 1:
+            for unit in (self.align, self.chunk_align):
+                end = (seq.num_cached + n) // unit * unit
+                if unit > 1 and end > seq.num_cached:
+                    return end - seq.num_cached
+            unit = min(u for u in (self.align, self.chunk_align) if u > 1)
+            if self.max_num_tokens >= unit and id(seq) not in self._held_last:
                 self._held.add(id(seq))
                 n = 0
         return n

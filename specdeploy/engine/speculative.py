@@ -65,7 +65,8 @@ class SpecEngine(Engine):
         # controller's `off_batches`)
         self.disable_by_batch_size: int | None = spec.disable_by_batch_size
         self.scheduler = SpecScheduler(self.blocks, self.scheduler.max_batch_size,
-                                       self.scheduler.max_num_tokens)
+                                       self.scheduler.max_num_tokens,
+                                       recurrent=self.scheduler.chunk_align > 1)
         self.spec_stats = SpecStats(self.k)  # reset in place: the draft sources hold it
         # NOTE: the drafter's KV lives in the target's pages, so a prefix hit serves it too (no
         # recompute: that would need the target's hidden states of the whole hit span). Its row

@@ -169,6 +169,23 @@ def test_cut_prefill_chunks_end_on_checkpointed_boundaries(recurrent, every, bud
     assert fed == want
 
 
+@pytest.mark.parametrize("recurrent,want", [(True, [12, 12, 6]), (False, [13, 13, 4])])
+def test_recurrent_prefill_chunks_end_on_pages_without_checkpoints(recurrent, want):
+    """A recurrent target without prefix checkpoints still cuts prefills on page (= scan
+    chunk) boundaries: a cut inside a scan chunk changes its sums, so the same prompt cut by
+    another budget would not give the same bits (tests/deploy/test_fast_rows_invariant.py)."""
+    blocks, _ = _blocks(num_pages=16, recurrent=True, num_checkpoints=0, every=1)
+    sched = Scheduler(blocks, max_batch_size=2, max_num_tokens=13, recurrent=recurrent)
+    seq = _seq(range(10, 40))  # 30 tokens, pages of 4
+    sched.add(seq)
+    fed = []
+    while seq.num_pending:
+        (s,) = sched.schedule()
+        s.seq.num_cached += s.num_tokens
+        fed.append(s.num_tokens)
+    assert fed == want
+
+
 def test_a_prefill_that_cannot_reach_a_boundary_waits_a_step():
     """Budget 13, pages of 4 with a checkpoint every 2 (8 tokens): after a 12-token prefill
     uses the step, the next prompt is not started on the 1 token left (its chunks would all
