@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from specdeploy.ops import elementwise as ew
 from specdeploy.ops.autograd import register_recompute_autograd
 
 __all__ = ["ConvOutput", "causal_conv1d_ref", "causal_conv1d_core"]
@@ -21,7 +22,7 @@ class ConvOutput(NamedTuple):
 
 def _activate(y: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "silu":
-        return F.silu(y)
+        return ew.silu(y)
     if activation == "none":
         return y
     raise ValueError(f"unknown conv activation {activation!r}")

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from specdeploy.ops import elementwise as ew
 from specdeploy.ops.autograd import register_recompute_autograd
 from specdeploy.ops.scan_states import states_at
 
@@ -113,7 +114,7 @@ def gated_delta_rule_core(
     dv = vf.shape[-1]
     if t == 1:  # decode: the recurrence itself, no chunk solve
         state = vf.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
-        state = state * gf[:, :, 0, None, None].exp()
+        state = state * ew.exp(gf[:, :, 0, None, None])
         k0 = kf[:, :, 0]
         delta = (vf[:, :, 0] - (k0[:, :, None, :] @ state)[:, :, 0]) * bf[:, :, 0, None]
         state = state + k0[..., None] * delta[..., None, :]
@@ -126,7 +127,7 @@ def gated_delta_rule_core(
     cum = _chunk(gf, size).cumsum(-1)  # [B, H, c, l]
     diff = cum[..., :, None] - cum[..., None, :]
     lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-    decay = diff.masked_fill(~lower, float("-inf")).exp()  # [B, H, c, i, j], j <= i
+    decay = ew.exp(diff.masked_fill(~lower, float("-inf")))  # [B, H, c, i, j], j <= i
     eye = torch.eye(size, device=q.device)
     system = (bc * (kc @ kc.transpose(-1, -2)) * decay).tril(-1) + eye
     # NOTE: inverting once and multiplying is several times faster on CPU than solving for the
@@ -134,11 +135,11 @@ def gated_delta_rule_core(
     eye = eye.expand_as(system)
     inv = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
     u0 = inv @ (bc * vc)  # U = u0 - w @ S0
-    w = inv @ (bc * cum.exp()[..., None] * kc)
+    w = inv @ (bc * ew.exp(cum)[..., None] * kc)
     qk = (qc @ kc.transpose(-1, -2)) * decay  # intra-chunk attention incl. the diagonal
-    q_in = qc * cum.exp()[..., None]  # queries reading the decayed start state
-    k_out = kc * (cum[..., -1:] - cum).exp()[..., None]  # keys decayed to the chunk's end
-    end_decay = cum[..., -1].exp()[..., None, None]  # [B, H, c, 1, 1]
+    q_in = qc * ew.exp(cum)[..., None]  # queries reading the decayed start state
+    k_out = kc * ew.exp(cum[..., -1:] - cum)[..., None]  # keys decayed to the chunk's end
+    end_decay = ew.exp(cum[..., -1])[..., None, None]  # [B, H, c, 1, 1]
     if initial_state is None:
         state = vf.new_zeros(b, h, dk, dv)
     else:
@@ -157,7 +158,7 @@ def gated_delta_rule_core(
     if return_states:
         us = torch.stack(updates, dim=2)  # [B, H, c, l, V]
         within = torch.einsum("bhcij,bhcjk,bhcjv->bhcikv", decay, kc, us)
-        states = within + cum.exp()[..., None, None] * start[:, :, :, None]
+        states = within + ew.exp(cum)[..., None, None] * start[:, :, :, None]
         states = states.flatten(2, 3)[:, :, :t].transpose(1, 2)
     if state_at is not None:  # the rows of `states` above, for the asked tokens only
         at = states_at(state_at, size, t, start, state, cum, kc, torch.stack(updates, dim=2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdeploy.ops import elementwise as ew
 from specdeploy.ops import gpu_kernels, row_kernels
 from specdeploy.ops.autograd import register_recompute_autograd
 
@@ -31,8 +32,12 @@ def gated_rms_norm_ref(
     norm_before_gate=False (Mamba2 / NemotronH): ``rmsnorm_per_group(x * silu(gate)) * weight``.
     norm_before_gate=True (Qwen3.5 GDN): ``rmsnorm_per_group(x) * weight * silu(gate)``.
     """
+    return _gated(x, gate, weight, eps, group_size, norm_before_gate, F.silu)
+
+
+def _gated(x, gate, weight, eps, group_size, norm_before_gate, silu):
     xf = x.float()
-    gf = F.silu(gate.float())
+    gf = silu(gate.float())
     if not norm_before_gate:
         xf = xf * gf
     grouped = xf.unflatten(-1, (-1, group_size))
@@ -74,7 +79,8 @@ def _gated_rms_norm_kernel(
     group_size: int,
     norm_before_gate: bool,
 ) -> torch.Tensor:
-    return gated_rms_norm_ref(x, gate, weight, eps, group_size, norm_before_gate)
+    # NOTE: the gate's SiLU by ops/elementwise.py (the same bits wherever a row sits)
+    return _gated(x, gate, weight, eps, group_size, norm_before_gate, ew.silu)
 
 
 gated_rms_norm = torch.library.custom_op(

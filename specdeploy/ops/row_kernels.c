@@ -220,33 +220,28 @@ void silu_mul_rows(const float *x, int64_t rows, int64_t n, int64_t x_stride, fl
     (void)avx512;
 }
 
-/* 1 / (1 + e^-x) with e^-|x| only: for x < 0, e^x / (1 + e^x). Each element by the same plain
- * operations (generic and AVX2 clones alike), so an element's bits do not depend on where it
- * sits in the tensor: torch's vectorized sigmoid runs a tensor's last few elements through its
- * scalar path, whose exp rounds otherwise, so a router row's scores changed with the row count
- * (deploy/passes/row_linears.py). */
-#define SIGMOID_BODY                                                                           \
-    for (int64_t i = 0; i < n; i++) {                                                          \
-        const float t = exp_le0(-fabsf(x[i]));                                                 \
-        out[i] = (x[i] >= 0.f ? 1.f : t) / (1.f + t);                                          \
-    }
-
-static void sigmoid_generic(const float *x, int64_t n, float *out) { SIGMOID_BODY }
-
-#if defined(__x86_64__)
-__attribute__((target("avx2"))) static void sigmoid_avx2(const float *x, int64_t n, float *out) {
-    SIGMOID_BODY
-}
-#endif
-
-void sigmoid_elems(const float *x, int64_t n, float *out) {
-#if defined(__x86_64__)
-    if (have_avx2()) {
-        sigmoid_avx2(x, n, out);
-        return;
-    }
-#endif
-    sigmoid_generic(x, n, out);
+/* e^x over the whole float range by the operations of exp_le0 (the range reduction, the same
+ * polynomial), 2^k applied as two factors so that results down to the subnormals come out;
+ * e^x rounds to 0 below about -103.9 (so e^-inf = 0), to inf above 88.72; NaN stays NaN */
+static inline float exp_any(float x) {
+    const float xc = x < -104.f ? -104.f : (x > 88.75f ? 88.75f : x);
+    const float k = (xc * 1.44269504f + 12582912.f) - 12582912.f;
+    float r = xc - k * 0.693145752f;
+    r = r - k * 1.42860677e-6f;
+    float p = 1.f / 720;
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t k1 = (int32_t)k / 2, k2 = (int32_t)k - k1; /* each within [-75, 64] */
+    const int32_t b1 = (k1 + 127) << 23, b2 = (k2 + 127) << 23;
+    float f1, f2;
+    memcpy(&f1, &b1, 4);
+    memcpy(&f2, &b2, 4);
+    const float e = (p * f1) * f2;
+    return x != x ? x : (x > 88.7228f ? INFINITY : e);
 }
 
 /* log(1 + t) for 0 <= t <= 1 as 2 atanh(s), s = t / (2 + t) <= 1/3: 2 (s + s^3/3 + ... +
@@ -266,29 +261,62 @@ static inline float log1p_01(float t) {
     return 2.f * s * p;
 }
 
-/* torch's softplus (beta 1, threshold 20): x above 20, else log(1 + e^x) computed as
- * max(x, 0) + log(1 + e^-|x|); each element by the same operations, as sigmoid_elems */
-#define SOFTPLUS_BODY                                                                          \
-    for (int64_t i = 0; i < n; i++) {                                                          \
-        const float v = x[i], l = log1p_01(exp_le0(-fabsf(v)));                                 \
-        out[i] = v > 20.f ? v : (v > 0.f ? v : 0.f) + l;                                       \
+/* Elementwise functions whose every element is computed by the same plain operations wherever
+ * it sits in the tensor (generic and AVX2 clones alike): torch's vectorized kernels run a
+ * tensor's tail through their scalar path, whose exp / log round otherwise, so an element's
+ * bits depended on the tensor's size and its place in it (a decode row's gate or decay on
+ * whether it was the last of a batch; deploy/passes/row_linears.py, ops/elementwise.py).
+ * op 0: sigmoid 1 / (1 + e^-x) with e^-|x| only; 1: softplus as torch's (beta 1, threshold
+ * 20), max(x, 0) + log(1 + e^-|x|); 2: e^x; 3: silu x * sigmoid(x), as silu_mul_rows. */
+#define ELEMENTWISE_BODY                                                                       \
+    switch (op) {                                                                              \
+    case 0:                                                                                    \
+        for (int64_t i = 0; i < n; i++) {                                                      \
+            const float t = exp_le0(-fabsf(x[i]));                                             \
+            out[i] = (x[i] >= 0.f ? 1.f : t) / (1.f + t);                                      \
+        }                                                                                      \
+        break;                                                                                 \
+    case 1:                                                                                    \
+        for (int64_t i = 0; i < n; i++) {                                                      \
+            const float v = x[i], l = log1p_01(exp_le0(-fabsf(v)));                             \
+            out[i] = v > 20.f ? v : (v > 0.f ? v : 0.f) + l;                                  \
+        }                                                                                      \
+        break;                                                                                 \
+    case 2:                                                                                    \
+        for (int64_t i = 0; i < n; i++) out[i] = exp_any(x[i]);                                \
+        break;                                                                                 \
+    default:                                                                                   \
+        for (int64_t i = 0; i < n; i++) {                                                      \
+            const float t = exp_le0(-fabsf(x[i]));                                             \
+            out[i] = (x[i] * (x[i] >= 0.f ? 1.f : t)) / (1.f + t);                             \
+        }                                                                                      \
     }
 
-static void softplus_generic(const float *x, int64_t n, float *out) { SOFTPLUS_BODY }
+static void elementwise_generic(int op, const float *x, int64_t n, float *out) {
+    ELEMENTWISE_BODY
+}
 
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) static void softplus_avx2(const float *x, int64_t n,
-                                                          float *out) {
-    SOFTPLUS_BODY
+__attribute__((target("avx2"))) static void elementwise_avx2(int op, const float *x, int64_t n,
+                                                             float *out) {
+    ELEMENTWISE_BODY
 }
 #endif
 
-void softplus_elems(const float *x, int64_t n, float *out) {
+/* out[i] = f_op(x[i]); blocks of 16384 elements split across threads for big tensors */
+void elementwise(int op, const float *x, int64_t n, float *out, int threads) {
+    const int avx2 = have_avx2();
+    const int64_t block = 16384, nblocks = (n + block - 1) / block;
+#pragma omp parallel for num_threads(threads) if (nblocks > 1 && threads > 1)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t lo = b * block, m = n - lo < block ? n - lo : block;
 #if defined(__x86_64__)
-    if (have_avx2()) {
-        softplus_avx2(x, n, out);
-        return;
-    }
+        if (avx2) {
+            elementwise_avx2(op, x + lo, m, out + lo);
+            continue;
+        }
 #endif
-    softplus_generic(x, n, out);
+        elementwise_generic(op, x + lo, m, out + lo);
+    }
+    (void)avx2;
 }

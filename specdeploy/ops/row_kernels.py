@@ -53,9 +53,8 @@ def _library() -> ctypes.CDLL | None:
         lib.add_rms_norm_rows.restype = None
         lib.silu_mul_rows.argtypes = [_P, _I64, _I64, _I64, _P, _I]
         lib.silu_mul_rows.restype = None
-        for name in ("sigmoid_elems", "softplus_elems"):
-            getattr(lib, name).argtypes = [_P, _I64, _P]
-            getattr(lib, name).restype = None
+        lib.elementwise.argtypes = [_I, _P, _I64, _P, _I]
+        lib.elementwise.restype = None
         lib.row_kernels_max_isa.argtypes = [_I]
         lib.row_kernels_max_isa.restype = _I
         return lib
@@ -158,22 +157,26 @@ def silu_mul(x: torch.Tensor, n: int) -> torch.Tensor | None:
 
 
 
-def _elementwise(name: str, x: torch.Tensor) -> torch.Tensor | None:
+
+ELEMENTWISE_OPS = {"sigmoid": 0, "softplus": 1, "exp": 2, "silu": 3}
+
+
+def elementwise(name: str, x: torch.Tensor) -> torch.Tensor | None:
+    """sigmoid / softplus (torch's beta 1, threshold 20) / exp / silu of every element, each
+    by the same operations wherever it sits (row_kernels.c `elementwise`: torch's vectorized
+    kernels round a tensor's tail otherwise); None when the kernel does not take `x`."""
     if not _usable(x):
         return None
     x2 = x.contiguous()
     out = torch.empty(x.shape, dtype=_F32)
-    getattr(_library(), name)(x2.data_ptr(), x2.numel(), out.data_ptr())
+    _library().elementwise(ELEMENTWISE_OPS[name], x2.data_ptr(), x2.numel(), out.data_ptr(),
+                           torch.get_num_threads())
     return out
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor | None:
-    """Elementwise sigmoid, each element by the same operations wherever it sits (torch's
-    vectorized kernel runs a tensor's tail through its scalar exp, which rounds otherwise);
-    None when the kernel does not take this tensor."""
-    return _elementwise("sigmoid_elems", x)
+    return elementwise("sigmoid", x)
 
 
 def softplus(x: torch.Tensor) -> torch.Tensor | None:
-    """torch's softplus (beta 1, threshold 20) as `sigmoid` above."""
-    return _elementwise("softplus_elems", x)
+    return elementwise("softplus", x)

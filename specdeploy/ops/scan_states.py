@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from specdeploy.ops import elementwise as ew
+
 
 def states_at(state_at: torch.Tensor, size: int, t: int, start: torch.Tensor,
               final: torch.Tensor, cum: torch.Tensor, left: torch.Tensor, right: torch.Tensor
@@ -56,13 +58,14 @@ def states_at(state_at: torch.Tensor, size: int, t: int, start: torch.Tensor,
     inside = j >= _t(lo, dev)[:, None]
     j = j.clamp(min=0)
     cum_i = cum[r, :, c, i]  # [W', H]
-    weight = torch.where(inside[..., None], (cum_i[:, None] - cum[r[:, None], :, c[:, None], j])
-                         .exp(), 0.0)  # [W', span, H]
+    weight = torch.where(inside[..., None], ew.exp(cum_i[:, None] - cum[r[:, None], :,
+                                                                      c[:, None], j]),
+                         0.0)  # [W', span, H]
     a = left[r[:, None], :, c[:, None], j] * weight[..., None]  # [W', span, H, X]
     delta = a.permute(0, 2, 3, 1) @ right[r[:, None], :, c[:, None], j].transpose(1, 2)
-    base_decay = torch.where(
+    base_decay = ew.exp(torch.where(
         _t([p is None for p in prev], dev)[:, None], cum_i,
-        cum_i - cum[r, :, c, _t([lo_ - 1 if lo_ else 0 for lo_ in lo], dev)]).exp()
+        cum_i - cum[r, :, c, _t([lo_ - 1 if lo_ else 0 for lo_ in lo], dev)]))
     states = start[r, :, c]  # rank 0 chains from the chunk start; later ranks from prev
     for m in range(max(rank) + 1):
         idx = [k for k, rk in enumerate(rank) if rk == m]

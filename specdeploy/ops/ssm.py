@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
+from specdeploy.ops import elementwise as ew
 from specdeploy.ops.autograd import register_recompute_autograd
 from specdeploy.ops.scan_states import states_at
 
@@ -22,7 +22,7 @@ class ScanOutput(NamedTuple):
 
 def ssm_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
     """Discretization step: ``clamp(softplus(dt + dt_bias), dt_min, dt_max)`` in fp32."""
-    return F.softplus(dt.float() + dt_bias.float()).clamp(dt_min, dt_max)
+    return ew.softplus(dt.float() + dt_bias.float()).clamp(dt_min, dt_max)
 
 
 def ssm_scan_ref(
@@ -79,7 +79,7 @@ def _ssm_step(x, delta, A, B, C, D, initial_state, rep, return_states) -> ScanOu
     xf, dt = x[:, 0].float(), delta[:, 0].float()  # [B, H, P], [B, H]
     Bh = B[:, 0].float().repeat_interleave(rep, dim=1)  # [B, H, N]
     Ch = C[:, 0].float().repeat_interleave(rep, dim=1)
-    decay = (dt * A.float()).exp()[..., None, None]
+    decay = ew.exp(dt * A.float())[..., None, None]
     update = (dt[..., None] * xf)[..., None] * Bh[:, :, None, :]  # [B, H, P, N]
     state = update if initial_state is None else decay * initial_state.float() + update
     y = (state @ Ch[..., None])[..., 0] + D.float()[:, None] * xf
@@ -125,11 +125,11 @@ def ssm_scan_core(
     cum = _chunk(delta * A.float(), size).cumsum(-1)  # [B, H, c, l] cumulative log decay (<= 0)
     # decay[i, j] = exp(cum_i - cum_j) for j <= i; masking before exp keeps it finite
     lower = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    decay = ew.exp((cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")))
     y = ((Cc @ Bc.transpose(-1, -2)) * decay) @ xs  # [B, H, c, l, P] intra-chunk part
     # contribution of each chunk's own inputs to the state at its end: [B, H, c, P, N]
-    chunk_states = xs.transpose(-1, -2) @ (Bc * (cum[..., -1:] - cum).exp()[..., None])
-    chunk_decay = cum[..., -1].exp()  # [B, H, c]
+    chunk_states = xs.transpose(-1, -2) @ (Bc * ew.exp(cum[..., -1:] - cum)[..., None])
+    chunk_decay = ew.exp(cum[..., -1])  # [B, H, c]
     if initial_state is None:
         state = xf.new_zeros(b, h, p, n)
     else:
@@ -139,12 +139,12 @@ def ssm_scan_core(
         starts.append(state)
         state = chunk_decay[:, :, c, None, None] * state + chunk_states[:, :, c]
     start = torch.stack(starts, dim=2)  # [B, H, c, P, N]: state entering each chunk
-    y = y + (Cc @ start.transpose(-1, -2)) * cum.exp()[..., None]
+    y = y + (Cc @ start.transpose(-1, -2)) * ew.exp(cum)[..., None]
     y = y.flatten(2, 3)[:, :, :t].transpose(1, 2) + D.float()[:, None] * xf
     states = at = None
     if return_states:
         within = torch.einsum("bhcij,bhcjp,bhcjn->bhcipn", decay, xs, Bc)
-        states = within + cum.exp()[..., None, None] * start[:, :, :, None]
+        states = within + ew.exp(cum)[..., None, None] * start[:, :, :, None]
         states = states.flatten(2, 3)[:, :, :t].transpose(1, 2)
     if state_at is not None:  # the rows of `states` above, for the asked tokens only
         at = states_at(state_at, size, t, start, state, cum, xs, Bc)

@@ -127,3 +127,56 @@ def test_prefill_cut_by_any_budget_gives_the_same_bits(case, prefix_caching):
         got[budget] = (out.token_ids, [{t: getattr(v, "logprob", v) for t, v in lp.items()}
                                        for lp in out.logprobs])
     assert got[300] == got[512] and got[150] == got[512]
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_speculation_on_fast_kernels_is_plain_bit_for_bit(case, method):
+    """Greedy MTP / n-gram speculation on a hybrid GGUF with the fast kernels: the same tokens
+    and the same logprobs, bit for bit, as plain decoding, with more prompts than batch slots
+    (admissions at other steps) and a budget that cuts prompts (prefill chunks beside other
+    verify steps). Before, a decode row's decay / gate exps (torch's vectorized tails), the
+    router's BLAS rows and K-quant GEMMs above 16 rows each moved some logprobs by 1e-7..1e-2."""
+    from specdeploy import LLM, SamplingParams
+
+    _, path = case
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 120, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 200, (12,), generator=g)]
+    prompts += [[5, 6, 7, 8] * 10, [9, 10, 11] * 20]  # n-gram lookups hit here
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for spec in (None, {"method": method, "num_speculative_tokens": 3, "controller": "off",
+                        "prompt_lookup_min": 1} if method == "ngram" else
+                 {"method": method, "num_speculative_tokens": 3, "controller": "off"}):
+        llm = LLM(str(path), max_seq_len=512, spec=spec, kernels="fast", max_batch_size=5,
+                  max_num_tokens=256)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        runs[spec is None] = [(o.outputs[0].token_ids, [
+            {t: getattr(v, "logprob", v) for t, v in lp.items()} for lp in o.outputs[0].logprobs])
+            for o in outs]
+    assert llm.stats()["draft_tokens"] > 0  # verify steps ran
+    assert runs[False] == runs[True]
+
+
+def test_a_decode_row_is_the_same_bits_last_of_nine_or_alone(case):
+    """Nine sequences decoded together for five steps, against the ninth decoded alone: its
+    logits the same bits (its rows are the last of the recurrent ops' batched decode math,
+    where torch's vectorized kernels put their scalar tails)."""
+    _, path = case
+    steps = 5
+    got = []
+    for rows in (range(9), [8]):
+        dep = build(str(path), kernels="fast", max_batch_size=9, max_seq_len=64, page_size=4,
+                    max_cache_gib=0.1)
+        g = torch.Generator().manual_seed(0)
+        ids = [torch.randint(3, 120, (PROMPT + steps,), generator=g).tolist() for _ in range(9)]
+        pages = [list(range(16 * s, 16 * s + 16)) for s in range(9)]
+        for s in range(9):
+            dep.forward(build_metadata([Segment(ids[s][:PROMPT], 0, pages[s], s, 1,
+                                                SEG_NORMAL)]))
+        out = []
+        for t in range(PROMPT, PROMPT + steps):
+            segs = [Segment(ids[s][t:t + 1], t, pages[s], s, 1, SEG_NORMAL) for s in rows]
+            out.append(dep.forward(build_metadata(segs)).logits[-1])
+        got.append(torch.stack(out))
+    assert torch.equal(got[0], got[1]), (got[0] - got[1]).abs().max().item()

@@ -57,17 +57,30 @@ def _elems():
     return x
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "softplus"])
+REFS = {"sigmoid": torch.sigmoid, "softplus": torch.nn.functional.softplus, "exp": torch.exp,
+        "silu": torch.nn.functional.silu}
+
+
+@pytest.mark.parametrize("name", sorted(REFS))
 def test_elementwise_values_and_position_invariance(name):
     x = _elems()
-    fn = getattr(rk, name)
-    y = fn(x)
-    ref = torch.sigmoid(x.double()) if name == "sigmoid" else torch.nn.functional.softplus(
-        x.double())
-    # exp_le0's relative error < 2e-7 (row_kernels.c) plus a few roundings
-    torch.testing.assert_close(y.double(), ref, rtol=5e-7, atol=1e-37)
+    if name == "exp":  # the whole range: subnormal results, overflow, -inf (masked decays)
+        x = torch.cat([x, torch.tensor([-103.0, -104.5, -1e4, 88.5, 88.8, 1e4, float("-inf"),
+                                        float("inf")])])
+    y = rk.elementwise(name, x)
+    ref = REFS[name](x.double())
+    # the exp polynomial's relative error < 2e-7 (row_kernels.c) plus a few roundings; exp's
+    # subnormal results within a few of their steps (1.4e-45); the others take e^-|x| floored
+    # at e^-87 (1.6e-38; silu: x times that, |x| <= 100 here)
+    atol = {"exp": 1e-44, "silu": 2e-36}.get(name, 2e-38)
+    torch.testing.assert_close(y.double(), ref.to(torch.float32).double(), rtol=5e-7,
+                               atol=atol, equal_nan=True)
+    if name == "exp":
+        assert y[-2] == 0 and y[-1] == float("inf") and torch.isnan(rk.elementwise(
+            "exp", torch.tensor([float("nan")])))[0]
     for lo, hi in ((0, 1), (5, 12), (13, 1009), (500, 503)):  # any slice: the same bits
-        assert torch.equal(fn(x[lo:hi]), y[lo:hi])
+        assert torch.equal(rk.elementwise(name, x[lo:hi]), y[lo:hi])
+    big = x.repeat(40)  # > one 16384-element block: split across threads
+    assert torch.equal(rk.elementwise(name, big), y.repeat(40))
     with rk.max_isa(0):
-        assert torch.equal(fn(x), y)
-    assert torch.equal(fn(x.view(-1, 1)), y.view(-1, 1))
+        assert torch.equal(rk.elementwise(name, x), y)
