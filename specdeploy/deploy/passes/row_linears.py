@@ -15,8 +15,8 @@ batch-invariant kernel.
 Only where the fast kernels run (`ctx.kernels="fast"` with an integer path and GGUF blocks in
 the model): the fp32 model ("exact", safetensors checkpoints) differs between row counts in
 the last bits only, which nothing downstream amplifies (greedy outputs there are checked as
-near-ties), and keeps the BLAS (3x faster at prefill sizes). Runs right after `ggml_linears`,
-before the fusions (which leave these calls alone).
+near-ties), and keeps the BLAS (up to 1.6x faster at prefill sizes: bench/fp32_rows.py).
+Runs right after `ggml_linears`, before the fusions (which leave these calls alone).
 """
 from __future__ import annotations
 
