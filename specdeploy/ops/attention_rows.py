@@ -16,7 +16,6 @@ output; still batch and thread invariant.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 from contextlib import contextmanager
 from functools import lru_cache
@@ -40,28 +39,12 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         why = f"this CPU lacks {', '.join(missing)}"
         _gl.warn_unbuilt("the batch-invariant attention kernel", why)
         return None, why
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    errors, cache = [], _gl._cache_dir()
-    for openmp in (True, False):
-        path = cache / f"attention_rows-{digest}{'-omp' if openmp else ''}.so"
-        if not path.exists():
-            err = _gl._compile(path, openmp, source=SOURCE, flags=_FLAGS, libs=("-lm",))
-            if err:
-                errors.append(err)
-                continue
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            errors.append(f"{path}: {e}")
-            continue
-        fn = lib.attention_rows
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
-                       ctypes.c_int, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        lib.attention_rows_bf16_dots.argtypes = [ctypes.c_int]
-        lib.attention_rows_bf16_dots.restype = ctypes.c_int
+    ptr, int_ = ctypes.c_void_p, ctypes.c_int
+    lib, errors = _gl.load_compiled("attention_rows", SOURCE, _FLAGS, {
+        "attention_rows": ([ptr, int_, int_, int_, int_, ptr, ptr, int_, int_, ptr, int_,
+                            ctypes.c_float, ptr, int_, int_], int_),
+        "attention_rows_bf16_dots": ([int_], int_)})
+    if lib is not None:
         return lib, None
     why = "; ".join(errors)
     _gl.warn_unbuilt("the batch-invariant attention kernel", why)

@@ -22,7 +22,6 @@ call has N % 16 == 0 outputs and keeps this kernel for the others.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -48,26 +47,12 @@ UNVERIFIED: tuple[str, ...] = ()
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("SPECDEPLOY_GGML_KERNELS", "1") == "0":
         return None, "SPECDEPLOY_GGML_KERNELS=0"
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    errors, cache = [], _gl._cache_dir()
-    for openmp in (True, False):  # NOTE: a compiler without OpenMP still gets a 1-thread kernel
-        path = cache / f"ggml_kernels_int-{digest}{'-omp' if openmp else ''}.so"
-        if not path.exists():
-            err = _gl._compile(path, openmp, source=SOURCE, flags=_FLAGS, libs=("-lm",))
-            if err:
-                errors.append(err)
-                continue
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            errors.append(f"{path}: {e}")
-            continue
-        fn = lib.ggml_linear_int
-        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        lib.ggml_int_isa_supported.argtypes = [ctypes.c_int]
-        lib.ggml_int_isa_supported.restype = ctypes.c_int
+    # NOTE: a compiler without OpenMP still gets a 1-thread kernel (load_compiled's 2nd try)
+    ptr, int_ = ctypes.c_void_p, ctypes.c_int
+    lib, errors = _gl.load_compiled("ggml_kernels_int", SOURCE, _FLAGS, {
+        "ggml_linear_int": ([int_, int_, ptr, int_, int_, ptr, int_, ptr, int_], int_),
+        "ggml_int_isa_supported": ([int_], int_)})
+    if lib is not None:
         return lib, None
     why = "; ".join(errors)
     _gl.warn_unbuilt("the integer-dot GGUF kernels", why)

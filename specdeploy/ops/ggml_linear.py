@@ -154,6 +154,33 @@ def _compile(out: Path, openmp: bool, source: Path = SOURCE, flags: list[str] = 
             os.unlink(tmp)
 
 
+def load_compiled(stem: str, source: Path, flags: list[str],
+                  signatures: dict[str, tuple[list, object]], libs: tuple[str, ...] = ("-lm",)
+                  ) -> tuple[ctypes.CDLL | None, list[str]]:
+    """`source` compiled into the cache (`stem-<digest>[-omp].so`: with OpenMP first, then
+    without) and loaded, each function in `signatures` given its (argtypes, restype); or None
+    and why each try failed."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    errors, cache = [], _cache_dir()
+    for openmp in (True, False):
+        path = cache / f"{stem}-{digest}{'-omp' if openmp else ''}.so"
+        if not path.exists():
+            err = _compile(path, openmp, source=source, flags=flags, libs=libs)
+            if err:
+                errors.append(err)
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        for name, (argtypes, restype) in signatures.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = restype
+        return lib, errors
+    return None, errors
+
+
 @lru_cache(maxsize=1)
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("SPECDEPLOY_GGML_KERNELS", "1") == "0":
@@ -167,27 +194,12 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         why = f"this CPU lacks {', '.join(missing)}"
         warn_unbuilt("the exact GGUF block kernel", why)
         return None, why
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    errors, cache = [], _cache_dir()
-    for openmp in (True, False):  # NOTE: a compiler without OpenMP still gets a 1-thread kernel
-        path = cache / f"ggml_kernels-{digest}{'-omp' if openmp else ''}.so"
-        if not path.exists():
-            err = _compile(path, openmp)
-            if err:
-                errors.append(err)
-                continue
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            errors.append(f"{path}: {e}")
-            continue
-        fn = lib.ggml_linear
-        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        lib.ggml_dequant.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-        lib.ggml_dequant.restype = None
+    # NOTE: a compiler without OpenMP still gets a 1-thread kernel (load_compiled's 2nd try)
+    ptr, int_ = ctypes.c_void_p, ctypes.c_int
+    lib, errors = load_compiled("ggml_kernels", SOURCE, _FLAGS, {
+        "ggml_linear": ([int_, ptr, int_, int_, ptr, int_, ptr, int_], int_),
+        "ggml_dequant": ([int_, ptr, ptr, int_, int_, ptr, int_], None)}, libs=())
+    if lib is not None:
         return lib, None
     why = "; ".join(errors)
     warn_unbuilt("the exact GGUF block kernel", why)

@@ -20,7 +20,6 @@ and callers keep `ggml_int`.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 from contextlib import contextmanager
 from functools import lru_cache
@@ -58,27 +57,14 @@ class TiledWeight(NamedTuple):
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("SPECDEPLOY_GGML_KERNELS", "1") == "0":
         return None, "SPECDEPLOY_GGML_KERNELS=0"
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    errors, cache = [], _gl._cache_dir()
-    for openmp in (True, False):  # NOTE: a compiler without OpenMP still gets a 1-thread kernel
-        path = cache / f"ggml_tiled-{digest}{'-omp' if openmp else ''}.so"
-        if not path.exists():
-            err = _gl._compile(path, openmp, source=SOURCE, flags=_FLAGS, libs=("-lm",))
-            if err:
-                errors.append(err)
-                continue
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            errors.append(f"{path}: {e}")
-            continue
-        for name, args in (("ggml_tiled_linear", [_I, _I, _P, _I, _I, _P, _I, _P, _I]),
-                           ("ggml_tiled_isa_supported", [_I]), ("ggml_tiled_amx_usable", []),
-                           ("ggml_tiled_amx_min_rows", [_I, _I])):
-            getattr(lib, name).argtypes, getattr(lib, name).restype = args, _I
-        for name, args in (("ggml_tiled_repack", [_I, _P, _I, _I, _P, _I, _I]),
-                           ("ggml_tiled_rows", [_I, _P, _I, _P, _I, _P, _I])):
-            getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
+    # NOTE: a compiler without OpenMP still gets a 1-thread kernel (load_compiled's 2nd try)
+    lib, errors = _gl.load_compiled("ggml_tiled", SOURCE, _FLAGS, {
+        "ggml_tiled_linear": ([_I, _I, _P, _I, _I, _P, _I, _P, _I], _I),
+        "ggml_tiled_isa_supported": ([_I], _I), "ggml_tiled_amx_usable": ([], _I),
+        "ggml_tiled_amx_min_rows": ([_I, _I], _I),
+        "ggml_tiled_repack": ([_I, _P, _I, _I, _P, _I, _I], None),
+        "ggml_tiled_rows": ([_I, _P, _I, _P, _I, _P, _I], None)})
+    if lib is not None:
         if os.environ.get("SPECDEPLOY_GGML_AMX", "1") != "0":
             for kind, rows in AMX_MIN_ROWS.items():  # a no-op where AMX is unusable
                 lib.ggml_tiled_amx_min_rows(KINDS[kind][0], rows)

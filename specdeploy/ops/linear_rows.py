@@ -16,7 +16,6 @@ aten.linear).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 from contextlib import contextmanager
 from functools import lru_cache
@@ -37,24 +36,10 @@ _I64, _P, _I = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 def library() -> ctypes.CDLL | None:
     if os.environ.get("SPECDEPLOY_ROW_KERNELS", "1") == "0":
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    errors, cache = [], _gl._cache_dir()
-    for openmp in (True, False):
-        path = cache / f"linear_rows-{digest}{'-omp' if openmp else ''}.so"
-        if not path.exists():
-            err = _gl._compile(path, openmp, source=SOURCE, flags=_FLAGS, libs=("-lm",))
-            if err:
-                errors.append(err)
-                continue
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            errors.append(f"{path}: {e}")
-            continue
-        lib.linear_rows.argtypes = [_P, _I64, _I64, _P, _I64, _P, _P, _I]
-        lib.linear_rows.restype = None
-        lib.linear_rows_max_isa.argtypes = [_I]
-        lib.linear_rows_max_isa.restype = _I
+    lib, errors = _gl.load_compiled("linear_rows", SOURCE, _FLAGS, {
+        "linear_rows": ([_P, _I64, _I64, _P, _I64, _P, _P, _I], None),
+        "linear_rows_max_isa": ([_I], _I)})
+    if lib is not None:
         return lib
     _gl.warn_unbuilt("the batch-invariant fp32 linear", "; ".join(errors))
     return None

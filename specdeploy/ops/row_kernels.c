@@ -144,9 +144,9 @@ void add_rms_norm_rows(const float *a, const float *b, int64_t rows, int64_t n, 
 /* e^x for x <= 0: x = k ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
  * (relative error < 2e-7), times 2^k through the exponent bits; below -87 about 1e-38. Plain
  * mul / add (-ffp-contract=off), so the generic and the AVX2 clone below give the same bits. */
-static inline float exp_le0(float x) {
-    x = x > -87.f ? x : -87.f;
-    /* round to nearest even by the 1.5 * 2^23 trick (exact for |v| < 2^22): no libm call */
+/* x = k ln2 + r: k (rounded to nearest even by the 1.5 * 2^23 trick, exact for |v| < 2^22: no
+ * libm call) and e^r */
+static inline float exp_reduced(float x, float *k_out) {
     const float k = (x * 1.44269504f + 12582912.f) - 12582912.f;
     float r = x - k * 0.693145752f;
     r = r - k * 1.42860677e-6f;
@@ -156,7 +156,14 @@ static inline float exp_le0(float x) {
     p = p * r + 1.f / 6;
     p = p * r + 0.5f;
     p = p * r + 1.f;
-    p = p * r + 1.f;
+    *k_out = k;
+    return p * r + 1.f;
+}
+
+static inline float exp_le0(float x) {
+    x = x > -87.f ? x : -87.f;
+    float k;
+    const float p = exp_reduced(x, &k);
     const int32_t bits = ((int32_t)k + 127) << 23;
     float two_k;
     memcpy(&two_k, &bits, 4);
@@ -225,16 +232,8 @@ void silu_mul_rows(const float *x, int64_t rows, int64_t n, int64_t x_stride, fl
  * e^x rounds to 0 below about -103.9 (so e^-inf = 0), to inf above 88.72; NaN stays NaN */
 static inline float exp_any(float x) {
     const float xc = x < -104.f ? -104.f : (x > 88.75f ? 88.75f : x);
-    const float k = (xc * 1.44269504f + 12582912.f) - 12582912.f;
-    float r = xc - k * 0.693145752f;
-    r = r - k * 1.42860677e-6f;
-    float p = 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+    float k;
+    const float p = exp_reduced(xc, &k);
     const int32_t k1 = (int32_t)k / 2, k2 = (int32_t)k - k1; /* each within [-75, 64] */
     const int32_t b1 = (k1 + 127) << 23, b2 = (k2 + 127) << 23;
     float f1, f2;

@@ -10,7 +10,6 @@ feature is required. SPECDEPLOY_ROW_KERNELS=0 turns them off.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 from contextlib import contextmanager
 from functools import lru_cache
@@ -31,32 +30,14 @@ _I64, _P, _F, _I = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("SPECDEPLOY_ROW_KERNELS", "1") == "0":
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    errors, cache = [], _gl._cache_dir()
-    for openmp in (True, False):
-        path = cache / f"row_kernels-{digest}{'-omp' if openmp else ''}.so"
-        if not path.exists():
-            err = _gl._compile(path, openmp, source=SOURCE, flags=_FLAGS, libs=("-lm",))
-            if err:
-                errors.append(err)
-                continue
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            errors.append(f"{path}: {e}")
-            continue
-        lib.rms_norm_rows.argtypes = [_P, _I64, _I64, _I64, _P, _F, _P, _I]
-        lib.rms_norm_rows.restype = None
-        lib.rope_rows.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _I]
-        lib.rope_rows.restype = None
-        lib.add_rms_norm_rows.argtypes = [_P, _P, _I64, _I64, _P, _F, _P, _P, _I]
-        lib.add_rms_norm_rows.restype = None
-        lib.silu_mul_rows.argtypes = [_P, _I64, _I64, _I64, _P, _I]
-        lib.silu_mul_rows.restype = None
-        lib.elementwise.argtypes = [_I, _P, _I64, _P, _I]
-        lib.elementwise.restype = None
-        lib.row_kernels_max_isa.argtypes = [_I]
-        lib.row_kernels_max_isa.restype = _I
+    lib, errors = _gl.load_compiled("row_kernels", SOURCE, _FLAGS, {
+        "rms_norm_rows": ([_P, _I64, _I64, _I64, _P, _F, _P, _I], None),
+        "rope_rows": ([_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _I], None),
+        "add_rms_norm_rows": ([_P, _P, _I64, _I64, _P, _F, _P, _P, _I], None),
+        "silu_mul_rows": ([_P, _I64, _I64, _I64, _P, _I], None),
+        "elementwise": ([_I, _P, _I64, _P, _I], None),
+        "row_kernels_max_isa": ([_I], _I)})
+    if lib is not None:
         return lib
     _gl.warn_unbuilt("the row kernels (RMSNorm, RoPE)", "; ".join(errors))
     return None
