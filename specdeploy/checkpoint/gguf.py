@@ -232,11 +232,15 @@ class GGUFReader:
             *info.shape[:-1], -1)
         raw = self._unpermute(info.name, raw)
         blocks_hf = getattr(self._arch, "blocks_hf", None)
+        cols = None
         if blocks_hf is not None:
             raw = blocks_hf(info.name, raw, self.config)
             if raw is None:
                 return None
-        return make_weight(kind, torch.from_numpy(np.array(raw)), info.shape)
+            if isinstance(raw, tuple):  # (blocks, the HF columns' places among the stored)
+                raw, cols = raw
+        return make_weight(kind, torch.from_numpy(np.array(raw)), info.shape,
+                           None if cols is None else torch.from_numpy(cols))
 
     def _dequantize(self, info: TensorInfo) -> np.ndarray:
         """fp32 numpy array of `info.shape` (numpy, single-threaded: torch's small strided copies

@@ -177,16 +177,22 @@ def to_hf(gguf_name: str, a: np.ndarray, cfg: dict) -> np.ndarray:
     return a
 
 
-def blocks_hf(gguf_name: str, raw: np.ndarray, cfg: dict) -> np.ndarray | None:
+def blocks_hf(gguf_name: str, raw: np.ndarray, cfg: dict):
     """A quantized matrix's block rows in the HF order, or None where whole rows cannot give
-    it: value changes (norms, A), and the columns `ssm_out`'s value heads reorder (those load
-    dequantized). Row reorders are `to_hf`'s, on rows of blocks."""
+    it (value changes: norms, A). Row reorders are `to_hf`'s, on rows of blocks. `ssm_out`'s
+    value-head column reorder would split blocks (a K-quant block spans two 128-wide heads):
+    its blocks stay as stored, returned as (blocks, cols) with HF column j = stored column
+    cols[j], and the kernels read x's columns in the stored order (ops/ggml_linear.py
+    `GGMLWeight.gather`)."""
     tail = gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") else gguf_name
     t = cfg["text_config"]
     if tail in _PLUS_ONE or tail == "ssm_a":
         return None
     if tail == "ssm_out.weight" and t["linear_num_key_heads"] != t["linear_num_value_heads"]:
-        return None
+        nk, nv, dv = (t["linear_num_key_heads"], t["linear_num_value_heads"],
+                      t["linear_value_head_dim"])
+        cols = _grouped(np.arange(nv * dv)[None], 1, nk, nv // nk, dv)[0]
+        return raw, np.ascontiguousarray(cols, dtype=np.int64)
     return to_hf(gguf_name, raw, cfg)
 
 

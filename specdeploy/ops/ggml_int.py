@@ -101,7 +101,8 @@ def ggml_linear_int(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | No
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
         raise ValueError(f"ggml_linear_int: x must be fp32 on the CPU with last dim {k}, got "
                          f"{x.dtype} {tuple(x.shape)} on {x.device}")
-    x2 = x.reshape(-1, k).contiguous()
+    x2 = x.reshape(-1, k)
+    x2 = (x2 if weight.gather is None else x2.index_select(1, weight.gather)).contiguous()
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     if x2.shape[0]:
         rc = lib.ggml_linear_int(KINDS[weight.kind][0], ISAS.index(isa), x2.data_ptr(),
@@ -134,9 +135,13 @@ def bound_linear(weight: GGMLWeight, bias: torch.Tensor | None, isa: str):
     w_ptr, f32 = blocks.data_ptr(), torch.float32
     empty, threads = torch.empty, torch.get_num_threads
 
+    gather = weight.gather
+
     def linear(x: torch.Tensor) -> torch.Tensor:
         if x.dtype is not f32 or x.shape[-1] != k or x.device.type != "cpu":
             return ggml_linear_int(x, weight, bias, isa)
+        if gather is not None:
+            x = x.index_select(-1, gather)
         if not x.is_contiguous():
             x = x.contiguous()
         rows = x.numel() // k

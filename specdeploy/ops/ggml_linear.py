@@ -50,14 +50,19 @@ _CPU_FLAGS = ("avx2", "fma", "f16c")
 class GGMLWeight(NamedTuple):
     """A [N, K] linear weight as N rows of GGUF blocks (`blocks`: uint8 [N, K / QK * size], QK
     `block_values(kind)`); stacked routed experts [E, N, K] as [E, N, K / QK * size] (`expert`
-    gives one's [N, K])."""
+    gives one's [N, K]). `gather` (int64 [K] or None): the blocks hold the columns in another
+    order, W[:, j] = stored[:, cols[j]] with gather = argsort(cols), so x @ W^T is computed as
+    x[..., gather] @ stored^T (a Qwen3.5 GGUF's `ssm_out`, whose value-head column reorder
+    would split K-quant blocks)."""
 
-    kind: str  # "q4_1" | "q8_0" | "q4_0"
+    kind: str  # "q4_1" | "q8_0" | "q4_0" | the K-quants
     blocks: torch.Tensor
     shape: tuple[int, ...]
+    gather: torch.Tensor | None = None
 
 
-def make_weight(kind: str, blocks: torch.Tensor, shape: tuple[int, ...]) -> GGMLWeight:
+def make_weight(kind: str, blocks: torch.Tensor, shape: tuple[int, ...],
+                cols: torch.Tensor | None = None) -> GGMLWeight:
     """Checked constructor: the block bytes must be exactly what `shape` ([N, K], or [E, N, K]
     for stacked experts) needs."""
     if kind not in KINDS:
@@ -68,7 +73,14 @@ def make_weight(kind: str, blocks: torch.Tensor, shape: tuple[int, ...]) -> GGML
     if len(lead) > 1 or k % qk or blocks.dtype != torch.uint8 or tuple(blocks.shape) != want:
         raise ValueError(f"ggml weight: {kind} blocks for shape {tuple(shape)} must be uint8 "
                          f"{want}, got {blocks.dtype} {tuple(blocks.shape)}")
-    return GGMLWeight(kind, blocks.contiguous(), tuple(shape))
+    gather = None
+    if cols is not None:
+        cols = torch.as_tensor(cols, dtype=torch.int64)
+        if len(lead) or tuple(cols.shape) != (k,) or not torch.equal(cols.sort().values,
+                                                                     torch.arange(k)):
+            raise ValueError(f"ggml weight: cols must be a permutation of {k} columns")
+        gather = cols.argsort()
+    return GGMLWeight(kind, blocks.contiguous(), tuple(shape), gather)
 
 
 def expert(weight: GGMLWeight, e: int) -> GGMLWeight:
@@ -87,6 +99,8 @@ def _rows_of(weight: GGMLWeight) -> GGMLWeight:
 def concat_rows(weights: list[GGMLWeight]) -> GGMLWeight:
     """Weights of one kind and input size stacked along the output rows (fused q/k/v, gate/up)."""
     kinds = {(w.kind, w.shape[1]) for w in weights}
+    if any(w.gather is not None for w in weights):
+        raise ValueError("ggml weights: cannot stack weights with reordered columns")
     if len(kinds) != 1:
         raise ValueError(f"ggml weights: cannot stack mixed kinds / input sizes {sorted(kinds)}")
     kind, k = kinds.pop()
@@ -230,7 +244,8 @@ def ggml_linear(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | None =
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
         raise ValueError(f"ggml_linear: x must be fp32 on the CPU with last dim {k}, got "
                          f"{x.dtype} {tuple(x.shape)} on {x.device}")
-    x2 = x.reshape(-1, k).contiguous()
+    x2 = x.reshape(-1, k)
+    x2 = (x2 if weight.gather is None else x2.index_select(1, weight.gather)).contiguous()
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     if x2.shape[0]:
         rc = lib.ggml_linear(KINDS[weight.kind][0], x2.data_ptr(), x2.shape[0], k,
@@ -269,6 +284,8 @@ def dequantize(weight: GGMLWeight, rows: torch.Tensor | None = None,
         lib.ggml_dequant(KINDS[weight.kind][0], weight.blocks.data_ptr(),
                          None if rows is None else rows.data_ptr(), r, k, out.data_ptr(),
                          torch.get_num_threads())
+    if weight.gather is not None:  # stored column i is W's column gather[i]
+        out[:, weight.gather] = out.clone()
     return out
 
 

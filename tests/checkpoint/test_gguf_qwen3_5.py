@@ -115,3 +115,47 @@ def test_llm_serves_gguf_with_its_mtp_head(tmp_path):
 
     src = q35.make_tiny(tmp_path / "st", seed=9, mtp_layers=1)
     assert_mtp_equals_plain(write_gguf(src, tmp_path / "m.gguf"))
+
+
+def test_kquant_ssm_out_keeps_its_blocks_with_reordered_columns(tmp_path):
+    """`ssm_out`'s value-head columns are stored reordered (tiled, when key heads < value heads)
+    and a K-quant block spans two heads, so the blocks stay as stored and the kernels read x's
+    columns in that order: the blocks' values (gather applied) equal the fp32 tensor the
+    reader dequantizes and reorders with numpy, and the deployed model on them gives the plain
+    model's logits (exact kernel: fp32 order only; fast: the 8-bit activation model)."""
+    from specdeploy.cache.metadata import SEG_NORMAL, Segment, build_metadata
+    from specdeploy.deploy.build import build
+    from specdeploy.ops.ggml_linear import dequantize, ggml_linear
+
+    hf = q35.tiny_hf_config(1)
+    hf["text_config"]["linear_value_head_dim"] = 64  # 4 heads x 64: one Q4_K block per row
+    src = q35.make_tiny(tmp_path / "st", seed=4, mtp_layers=1, hf_config=hf)
+    path = write_gguf(src, tmp_path / "k.gguf", qtype=Q.Q4_K, expert_qtype=Q.Q4_K)
+    model = load_model(path)
+    params = dict(model.named_parameters())
+    outs = [n for n in model.ggml_weights if n.endswith("linear_attn.out_proj.weight")]
+    assert len(outs) == 3
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    for name in outs:
+        gw = model.ggml_weights[name]
+        assert gw.kind == "q4_k" and gw.gather is not None
+        assert not torch.equal(gw.gather, torch.arange(256))  # a real reorder
+        assert torch.equal(dequantize(gw), params[name].detach())
+        torch.testing.assert_close(ggml_linear(x, gw), x @ params[name].detach().t(),
+                                   rtol=1e-5, atol=1e-5)
+    ids = torch.randint(3, 120, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(ids)[0]
+    for kernels, tol in (("exact", 1e-5), ("fast", 5e-2)):
+        dep = build(str(path), kernels=kernels, kv_cache_dtype="float32", max_batch_size=2,
+                    max_seq_len=64, page_size=4, max_cache_gib=0.02)
+        left = [n.args[1].target for n in dep.gm.graph.nodes
+                if n.target is torch.ops.aten.linear.default]
+        assert not [t for t in left if "out_proj" in t], left
+        pos = 0
+        for n in (21, 4, 1):  # a prefill above 16 rows (dequantized on "exact"), then decodes
+            seg = Segment(ids[0, pos:pos + n].tolist(), pos, list(range(16)), 0, n, SEG_NORMAL)
+            got = dep.forward(build_metadata([seg])).logits
+            err = (got - want[pos:pos + n]).abs().max() / want.abs().max()
+            assert err < tol, (kernels, n, err.item())
+            pos += n

@@ -25,6 +25,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 S, PROMPT = 5, 21  # sequences, prompt tokens each
+Q = pytest.importorskip("tests.checkpoint.test_gguf").Q
 
 
 def _nemotron(tmp, qtype, expert_qtype):
@@ -45,7 +46,10 @@ def _qwen(tmp, qtype, expert_qtype):
     from specdeploy.models import qwen3_5_moe as q35
     from tests.checkpoint.gguf_qwen3_5_layout import write_gguf
 
-    src = q35.make_tiny(tmp / "st", seed=4, mtp_layers=1)
+    hf = q35.tiny_hf_config(1)
+    if qtype == Q.Q4_K:  # value heads of 64: `ssm_out` on K-quant blocks, columns reordered
+        hf["text_config"]["linear_value_head_dim"] = 64
+    src = q35.make_tiny(tmp / "st", seed=4, mtp_layers=1, hf_config=hf)
     return write_gguf(src, tmp / "m.gguf", qtype=qtype, expert_qtype=expert_qtype)
 
 
@@ -53,13 +57,12 @@ CASES = {  # name: (writer, matrices, experts)
     "nemotron_q8_0": (_nemotron, "Q8_0", "Q8_0"),  # F32 router + sigmoid
     "nemotron_kquants": (_nemotron, "Q4_K", "Q6_K"),  # K-quants at 20 / 25 rows
     "qwen3_5_q8_0": (_qwen, "Q8_0", "Q8_0"),  # F32 matrices, softplus / sigmoid gates
+    "qwen3_5_kquants": (_qwen, "Q4_K", "Q4_K"),  # + `ssm_out` blocks read in stored order
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
-    from tests.checkpoint.test_gguf import Q
-
     writer, q, e = CASES[request.param]
     return request.param, writer(tmp_path_factory.mktemp(request.param), getattr(Q, q),
                                  getattr(Q, e))

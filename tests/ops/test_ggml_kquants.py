@@ -49,6 +49,19 @@ def test_bad_width_is_refused():
         make_weight("q4_k", torch.zeros(4, 144, dtype=torch.uint8), (4, 255))
 
 
+def test_reordered_columns():
+    """Blocks holding the columns in another order (`cols`: W[:, j] = stored[:, cols[j]]): the
+    values and the products are those of the reordered matrix; a non-permutation is refused."""
+    w, values = _weight("q4_k", 7, 512, seed=3)
+    cols = torch.randperm(512, generator=torch.Generator().manual_seed(0))
+    gw = make_weight("q4_k", w.blocks, (7, 512), cols)
+    assert torch.equal(dequantize(gw), values[:, cols])
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    assert_close(ggml_linear(x, gw), x @ values[:, cols].t(), rtol=1e-6)
+    with pytest.raises(ValueError, match="permutation of 512 columns"):
+        make_weight("q4_k", w.blocks, (7, 512), torch.zeros(512, dtype=torch.long))
+
+
 @pytest.fixture(scope="module")
 def kq_gguf(tmp_path_factory):
     """A tiny NemotronH MoE with every matrix's width a multiple of 256, as a GGUF with Q4_K

@@ -1,6 +1,6 @@
-"""Batch-invariant fp32 kernels (ops/linear_rows.py; sigmoid / softplus in ops/row_kernels.c):
-each output's bits independent of the other rows, the row count, the thread count and the ISA
-path, and within fp32 rounding of float64 references (exact math)."""
+"""Batch-invariant fp32 kernels (ops/linear_rows.py; sigmoid / softplus / exp / silu in
+ops/row_kernels.c): each output's bits independent of the other rows, the row count, the thread
+count and the ISA path, and within fp32 rounding of float64 references (exact math)."""
 from __future__ import annotations
 
 import pytest

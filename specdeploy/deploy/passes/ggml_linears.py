@@ -154,7 +154,7 @@ def _kernel_calls(gm: fx.GraphModule, weights: dict, deferred: dict) -> tuple[li
     for members in groups.values():
         fusable: dict[tuple, list] = {}
         for node, gw in members:
-            if _bias(node) is None:
+            if _bias(node) is None and gw.gather is None:
                 fusable.setdefault((gw.kind, gw.shape[1]), []).append((node, gw))
             else:
                 todo.append([(node, gw)])
@@ -191,8 +191,8 @@ def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], isa:
     id(member's blocks) -> what holds its values now: its rows of the tiled copy (`tile` and a
     multiple of 16 outputs), else its row view of the stacked copy (fused members only)."""
     nodes, weights = [n for n, _ in members], [g for _, g in members]
-    if weights[0].kind in K_QUANTS:  # no tiled K-quant kernel (the integer-dot one on blocks)
-        tile = False
+    if weights[0].kind in K_QUANTS or weights[0].gather is not None:
+        tile = False  # (no tiled K-quant kernel, nor one that reorders x's columns)
     bias = attr_tensor(gm, _bias(nodes[0])) if len(nodes) == 1 else None
     views, start = [], 0
     if tile and sum(g.shape[0] for g in weights) % TILE == 0:
@@ -204,7 +204,8 @@ def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], isa:
     else:
         gw = weights[0] if len(weights) == 1 else concat_rows(weights)
         for g in weights:  # NOTE: the members as row views of the one stacked copy
-            views.append(GGMLWeight(g.kind, gw.blocks[start:start + g.shape[0]], g.shape))
+            views.append(GGMLWeight(g.kind, gw.blocks[start:start + g.shape[0]], g.shape,
+                                    g.gather))
             start += g.shape[0]
         fn = ggml_linear_fn(gw, views, bias, isa)
     with gm.graph.inserting_before(nodes[0]):

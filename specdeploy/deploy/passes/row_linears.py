@@ -48,9 +48,15 @@ def softplus_rows(x: torch.Tensor, beta=1, threshold=20) -> torch.Tensor:
     return torch.nn.functional.softplus(x) if out is None else out
 
 
+def silu_rows(x: torch.Tensor) -> torch.Tensor:
+    out = row_kernels.elementwise("silu", x)
+    return torch.nn.functional.silu(x) if out is None else out
+
+
 # elementwise ops whose torch kernels run a tensor's tail through a scalar path that rounds
 # otherwise (their transcendental functions)
-ELEMENTWISE = {torch.ops.aten.sigmoid.default: sigmoid_rows, _SOFTPLUS: softplus_rows}
+ELEMENTWISE = {torch.ops.aten.sigmoid.default: sigmoid_rows, _SOFTPLUS: softplus_rows,
+               torch.ops.aten.silu.default: silu_rows}
 
 
 def _skip(ctx: DeployContext) -> str | None:
@@ -125,6 +131,6 @@ def row_invariant_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
         n_lin, n_moe = n_lin + (node.target is _LINEAR), n_moe + (node.target is _MOE)
         n_sig += node.target in ELEMENTWISE
     if not n_lin + n_moe + n_sig:
-        return Skipped("no fp32 linear, sigmoid or softplus beside the block kernels")
+        return Skipped("no fp32 linear, sigmoid, softplus or silu beside the block kernels")
     return Done(n_lin + n_moe + n_sig, f"{n_lin} fp32 linears, {n_moe} fp32 expert groups, "
-                f"{n_sig} sigmoid / softplus ops on batch-invariant kernels")
+                f"{n_sig} sigmoid / softplus / silu ops on batch-invariant kernels")
