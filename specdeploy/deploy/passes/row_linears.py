@@ -10,13 +10,15 @@ row count (GEMV at one row, packed GEMM at several). A verify step's rows then d
 the decode rows they replay (7e-7 in the router logits of a Q8_0 NemotronH MoE, ~1e-3 after
 the next layer's rounding), and greedy speculation could pick another token at such a
 near-tie. Here those linears, and `moe_experts` still on fp32 weights, move to the
-batch-invariant kernel.
+batch-invariant kernel; and (`row_invariant_elementwise`, after the row fusions) the graph's
+sigmoid / softplus / silu, whose torch kernels round a tensor's last elements otherwise, move
+to row_kernels.c's.
 
 Only where the fast kernels run (`ctx.kernels="fast"` with an integer path and GGUF blocks in
 the model): the fp32 model ("exact", safetensors checkpoints) differs between row counts in
 the last bits only, which nothing downstream amplifies (greedy outputs there are checked as
 near-ties), and keeps the BLAS (up to 1.6x faster at prefill sizes: bench/fp32_rows.py).
-Runs right after `ggml_linears`, before the fusions (which leave these calls alone).
+The linears right after `ggml_linears`, before the fusions (which leave these calls alone).
 """
 from __future__ import annotations
 
@@ -59,15 +61,15 @@ ELEMENTWISE = {torch.ops.aten.sigmoid.default: sigmoid_rows, _SOFTPLUS: softplus
                torch.ops.aten.silu.default: silu_rows}
 
 
-def _skip(ctx: DeployContext) -> str | None:
+def _skip(ctx: DeployContext, what: str = "fp32 linears") -> str | None:
     why = _not_here(ctx)
     if why:
         return why
     if ctx.model is None or not (getattr(ctx.model, "ggml_weights", None)
                                  or getattr(ctx.model, "ggml_tensors", None)):
-        return "no GGUF blocks: no fast kernels to feed"
+        return f"no GGUF blocks: the {what} feed no fast kernel"
     if ctx.kernels != "fast":
-        return f"kernels={ctx.kernels!r}: the fp32 model keeps the BLAS"
+        return f"kernels={ctx.kernels!r}: the fp32 model keeps torch's {what}"
     return None
 
 
@@ -91,46 +93,74 @@ def _fp32(gm: fx.GraphModule, arg, dims: int) -> torch.Tensor | None:
     return w if ok and w.device.type == "cpu" else None
 
 
+def _replace(gm: fx.GraphModule, node: fx.Node, fn, args) -> None:
+    with gm.graph.inserting_before(node):
+        out = gm.graph.call_function(fn, args)
+    out.meta = dict(node.meta)
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
+
+
+def _ready() -> str | None:
+    if lr.library() is None:
+        return "the batch-invariant fp32 kernel could not be built"
+    return None
+
+
 @register("row_invariant_linears", Stage.OPTIMIZE, skip_if=_skip)
 def row_invariant_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     isa, _ = _fast_isa(ctx.kernels, warn=False)
     if isa is None:
         return Skipped("the fast integer path is unavailable here (exact kernel)")
-    if lr.library() is None:
-        return Skipped("the batch-invariant fp32 kernel could not be built")
-    n_lin = n_moe = n_sig = 0
+    if _ready():
+        return Skipped(_ready())
+    n_lin = n_moe = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
-        val = node.meta.get("val")
-        if node.target in ELEMENTWISE and getattr(val, "dtype", None) == torch.float32:
-            given = {**dict(zip(("beta", "threshold"), node.args[1:])), **node.kwargs}
-            if node.target is _SOFTPLUS and {**_SOFTPLUS_DEFAULTS, **given} != _SOFTPLUS_DEFAULTS:
-                continue  # another beta / threshold than the kernel's
-            fn, args = ELEMENTWISE[node.target], node.args[:1]
-        elif node.target is _LINEAR:
+        if node.target is _LINEAR:
             w = _fp32(gm, node.args[1], 2)
             b_arg = node.args[2] if len(node.args) > 2 else None
             b = None if b_arg is None else _fp32(gm, b_arg, 1)
             if w is None or (b_arg is not None and b is None):
                 continue
-            fn, args = lr.bound(w, b), (node.args[0],)
+            _replace(gm, node, lr.bound(w, b), (node.args[0],))
+            n_lin += 1
         elif node.target is _MOE:
             x, ids, wts, w_up, w_down, activation = node.args
             up, down = _fp32(gm, w_up, 3), _fp32(gm, w_down, 3)
             if up is None or down is None:
                 continue
-            fn, args = experts_fn(up, down, activation), (x, ids, wts)
-        else:
+            _replace(gm, node, experts_fn(up, down, activation), (x, ids, wts))
+            n_moe += 1
+    if not n_lin + n_moe:
+        return Skipped("no fp32 linear beside the block kernels")
+    return Done(n_lin + n_moe, f"{n_lin} fp32 linears, {n_moe} fp32 expert groups on the "
+                "batch-invariant kernel")
+
+
+def _skip_elementwise(ctx: DeployContext) -> str | None:
+    return _skip(ctx, "sigmoid / softplus / silu")
+
+
+@register("row_invariant_elementwise", Stage.OPTIMIZE, skip_if=_skip_elementwise)
+def row_invariant_elementwise(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
+    """The graph's sigmoid / softplus / silu that the fusions before it left (a silu * up of
+    one fused projection is `fuse_row_ops`' silu_mul kernel already, itself batch-invariant)."""
+    isa, _ = _fast_isa(ctx.kernels, warn=False)
+    if isa is None:
+        return Skipped("the fast integer path is unavailable here (exact kernel)")
+    n = 0
+    for node in list(gm.graph.nodes):
+        val = node.meta.get("val")
+        if (node.op != "call_function" or node.target not in ELEMENTWISE
+                or getattr(val, "dtype", None) != torch.float32):
             continue
-        with gm.graph.inserting_before(node):
-            out = gm.graph.call_function(fn, args)
-        out.meta = dict(node.meta)
-        node.replace_all_uses_with(out)
-        gm.graph.erase_node(node)
-        n_lin, n_moe = n_lin + (node.target is _LINEAR), n_moe + (node.target is _MOE)
-        n_sig += node.target in ELEMENTWISE
-    if not n_lin + n_moe + n_sig:
-        return Skipped("no fp32 linear, sigmoid, softplus or silu beside the block kernels")
-    return Done(n_lin + n_moe + n_sig, f"{n_lin} fp32 linears, {n_moe} fp32 expert groups, "
-                f"{n_sig} sigmoid / softplus / silu ops on batch-invariant kernels")
+        given = {**dict(zip(("beta", "threshold"), node.args[1:])), **node.kwargs}
+        if node.target is _SOFTPLUS and {**_SOFTPLUS_DEFAULTS, **given} != _SOFTPLUS_DEFAULTS:
+            continue  # another beta / threshold than the kernel's
+        _replace(gm, node, ELEMENTWISE[node.target], node.args[:1])
+        n += 1
+    if not n:
+        return Skipped("no sigmoid, softplus or silu left beside the block kernels")
+    return Done(n, f"{n} sigmoid / softplus / silu ops on batch-invariant kernels")
