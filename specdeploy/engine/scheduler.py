@@ -190,6 +190,19 @@ class Scheduler:
                 n = 0
         return n
 
+    def _reserved(self) -> int:
+        """Budget kept this step for the prefills held back last step: enough to reach their
+        next page boundary, so the step after a hold cuts on one too (the sequences before
+        them in the step, decodes included, wait a step if the rest cannot hold them)."""
+        unit = min((u for u in (self.align, self.chunk_align) if u > 1), default=1)
+        if unit == 1 or not self._held_last:
+            return 0
+        total = 0
+        for seq in (*self.running, *self.waiting):
+            if id(seq) in self._held_last and seq.num_pending:
+                total += min(seq.num_pending, unit - seq.num_cached % unit)
+        return total if total <= self.max_num_tokens else 0
+
     def _reserve(self, seq: Sequence, n: int) -> int:
         """Cache positions a step feeding `n` tokens needs (drafts reserve `lookahead` more)."""
         total = seq.num_cached + n
@@ -198,15 +211,22 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_tokens
         self._held_last, self._held = self._held, set()
+        reserved = self._reserved()
         out: list[ScheduledSeq] = []
         preempted_before = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._want(seq, budget)
+            held = id(seq) in self._held_last
+            room = budget if held else budget - reserved
+            n = self._want(seq, room) if room > 0 else 0
+            if n > room and reserved and not held:  # a verify segment is fed whole: it
+                n = 0                                 # waits rather than eat the reservation
             if n == 0:
                 i += 1
                 continue
+            if held:
+                reserved -= min(reserved, n)
             need = self._reserve(seq, n)
             while not self.blocks.can_grow(seq, need) and self.running[-1] is not seq:
                 self.preempt(self.running[-1])

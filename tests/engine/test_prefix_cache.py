@@ -202,3 +202,33 @@ def test_a_prefill_that_cannot_reach_a_boundary_waits_a_step():
             s.seq.num_cached += s.num_tokens
         steps.append([(s.seq is a, s.num_tokens) for s in batch])
     assert steps == [[(True, 12)], [(False, 8)], [(False, 12)]]
+
+
+def test_a_held_prefill_gets_a_page_next_step_while_decodes_fill_the_budget():
+    """Three decodes leave 3 of a 6-token budget, pages of 4: the prefill beside them is held
+    a step and then fed a whole page from budget kept for it (a decode waits a step), so every
+    chunk starts and ends on a page boundary; nothing starves."""
+    blocks = BlockManager(64, PS, 8, PrefixCache(64, PS, recurrent=True))
+    sched = Scheduler(blocks, max_batch_size=8, max_num_tokens=6, recurrent=True)
+    decodes = [Sequence([1, 2, 3, 4], SamplingParams(max_tokens=50), None) for _ in range(3)]
+    b = _seq(range(50, 70))  # 20 tokens
+    for s in (*decodes, b):
+        sched.add(s)
+    chunks, waits, last_fed = [], 0, {id(d): 0 for d in decodes}
+    for step in range(40):
+        batch = sched.schedule()
+        assert sum(s.num_tokens for s in batch) <= 6
+        for s in batch:
+            if s.seq is b:
+                chunks.append((b.num_cached, b.num_cached + s.num_tokens))
+            else:
+                waits = max(waits, step - last_fed[id(s.seq)])
+                last_fed[id(s.seq)] = step
+            s.seq.num_cached += s.num_tokens
+            if s.seq.num_cached == len(s.seq):
+                s.seq.output_ids.append(1)
+        if not b.num_pending - 1 and len(b.output_ids):
+            break
+    assert chunks[-1][1] == 20, chunks
+    assert all(start % PS == 0 and end % PS == 0 for start, end in chunks), chunks
+    assert waits <= 2  # a decode waits one step at most

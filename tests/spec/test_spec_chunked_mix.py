@@ -55,8 +55,11 @@ def test_spec_with_chunked_prefill_of_another_request(target):
     want = [o.token_ids for o in plain.generate([early, late], GREEDY)]
     llm = target.llm(K)
     llm.reset_prefix_cache()
-    got_a, got_b, mixed = _run(llm, early, late, budget=K + 1 + 12)
+    # room for a verify segment and a page of the prompt: a recurrent target's prompt chunks
+    # end on page boundaries (engine/scheduler.py)
+    page = llm.engine.blocks.page_size
+    got_a, got_b, mixed = _run(llm, early, late, budget=K + 1 + page)
     llm.reset_prefix_cache()
     assert [got_a, got_b] == want
     # the 100-token prompt took several chunks while the other request verified drafts
-    assert mixed >= 3, mixed
+    assert mixed >= min(3, -(-len(late) // page)), mixed  # (2 pages of 64 on Qwen3.5)
