@@ -371,6 +371,121 @@ TILE_FN(q4_k_avx2, group_k_avx2, Q4_K, AVX2_ATTR)
 TILE_FN(q5_k_avx2, group_k_avx2, Q5_K, AVX2_ATTR)
 TILE_FN(q6_k_avx2, group_k_avx2, Q6_K, AVX2_ATTR)
 
+/* K-quants for calls of many rows on AVX2: kq_wide's scheme (below) on 8 outputs a vector.
+ * Lane o of acc[j] is output o's lane j of the per-output path above; the 4-value products come
+ * from maddubs (u8 weights x s8 activations, pairs summed to int16: at most 2 * 63 * 127, no
+ * saturation) and madd by ones, the same int32 sums; the fp32 operations are the per-output
+ * path's on each lane, so the same bits. What it saves: each group's weight bytes and scales
+ * are expanded once per call (not once per 4 rows) and the scalar scale unpacking with them. */
+/* Q6_K's wide paths take its values shifted by 32 (unsigned, as the u8 x s8 products need) and
+ * 32 times each 4-value sum of the row's activations off again, exactly: those sums, per call
+ * (malloc'd; NULL without memory) */
+static int32_t *q6_corrections(const act_t *a, int R, int nb) {
+    int32_t *corr = (int32_t *)malloc(((size_t)R * nb * 8 + 1) * sizeof(int32_t));
+    if (corr)
+        for (size_t i = 0; i < (size_t)R * nb * 8; i++)
+            corr[i] = 32 * (a->q[4 * i] + a->q[4 * i + 1] + a->q[4 * i + 2] + a->q[4 * i + 3]);
+    return corr;
+}
+
+#define KQ_WIDE8_MIN_ROWS 9 /* at 8 rows either path (bench/kquant_rows.py --isa avx2) */
+AVX2_ATTR static void kq_wide8_expand(int kind, const uint8_t *w, int n0, int no, int K,
+                                      uint8_t *wb, float *sc) {
+    const int nk = K / 256, nb = K / 32, bytes = block_bytes(kind);
+    memset(wb, 0, (size_t)nb * 256);
+    memset(sc, 0, (size_t)nb * 24 * sizeof(float));
+    const __m256i off = _mm256_set1_epi8(32);
+    for (int o = 0; o < no; o++) {
+        const uint8_t *row = w + (size_t)(n0 + o) * nk * bytes;
+        for (int k = 0; k < nk; k++) {
+            const uint8_t *b = row + (size_t)k * bytes;
+            for (int g = 0; g < 8; g++) {
+                const int gb = 8 * k + g;
+                __m256i v = kq_bytes(b, g, kind);
+                if (kind == Q6_K) v = _mm256_add_epi8(v, off); /* 0 .. 63: unsigned for maddubs */
+                uint32_t quads[8];
+                _mm256_storeu_si256((__m256i *)quads, v);
+                for (int j = 0; j < 8; j++)
+                    memcpy(wb + (((size_t)gb * 8 + j) * 8 + o) * 4, &quads[j], 4);
+                float s_lo, s_hi, m;
+                kq_scales(kind, b, g, &s_lo, &s_hi, &m);
+                sc[(size_t)gb * 24 + o] = s_lo;
+                sc[(size_t)gb * 24 + 8 + o] = s_hi;
+                sc[(size_t)gb * 24 + 16 + o] = m;
+            }
+        }
+    }
+}
+
+AVX2_ATTR static inline __attribute__((always_inline)) void kq_wide8_rows(
+    const act_t *a, int R, int K, const uint8_t *wb, const float *sc, const int32_t *corr,
+    int n0, int no, int N, float *y, const int kind) {
+    const int nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++) {
+        __m256 acc[8], macc = _mm256_setzero_ps();
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int gb = 0; gb < nb; gb++) {
+            const size_t rb = (size_t)r * nb + gb;
+            const int8_t *xq = a->q + rb * 32;
+            const __m256 dx = _mm256_set1_ps(a->d[rb]);
+            const __m256 slo = _mm256_mul_ps(_mm256_loadu_ps(sc + (size_t)gb * 24), dx);
+            const __m256 shi = _mm256_mul_ps(_mm256_loadu_ps(sc + (size_t)gb * 24 + 8), dx);
+            const uint8_t *wg = wb + (size_t)gb * 256;
+            for (int j = 0; j < 8; j++) {
+                int32_t quad;
+                memcpy(&quad, xq + 4 * j, 4);
+                __m256i p = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * j)),
+                                         _mm256_set1_epi32(quad)),
+                    ones);
+                if (kind == Q6_K) p = _mm256_sub_epi32(p, _mm256_set1_epi32(corr[rb * 8 + j]));
+                acc[j] = _mm256_fmadd_ps(j < 4 ? slo : shi, _mm256_cvtepi32_ps(p), acc[j]);
+            }
+            if (kind != Q6_K)
+                macc = _mm256_fmadd_ps(_mm256_loadu_ps(sc + (size_t)gb * 24 + 16),
+                                       _mm256_set1_ps(a->s[rb]), macc);
+        }
+        __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[4]),
+                                               _mm256_add_ps(acc[2], acc[6])),
+                                 _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]),
+                                               _mm256_add_ps(acc[3], acc[7])));
+        if (kind != Q6_K) t = _mm256_add_ps(t, macc);
+        float out[8];
+        _mm256_storeu_ps(out, t);
+        memcpy(y + (size_t)r * N + n0, out, (size_t)no * sizeof(float));
+    }
+}
+
+/* outputs n0 .. n1 in tiles of 8; 0, or -1 when the tile buffers could not be had */
+AVX2_ATTR static int kq_wide8(int kind, const act_t *a, int R, int K, const uint8_t *w, int n0,
+                              int n1, int N, float *y) {
+    const int nb = K / 32;
+    uint8_t *wb = (uint8_t *)aligned_alloc(64, (size_t)nb * 256);
+    float *sc = (float *)aligned_alloc(64, ((size_t)nb * 24 * sizeof(float) + 63) / 64 * 64);
+    /* Q6_K: the values go in shifted by 32; 32 times each row's 4-value sums, taken once */
+    int32_t *corr = kind == Q6_K ? q6_corrections(a, R, nb) : 0;
+    if (!wb || !sc || (kind == Q6_K && !corr)) {
+        free(wb);
+        free(sc);
+        free(corr);
+        return -1;
+    }
+    for (int t0 = n0; t0 < n1; t0 += 8) {
+        const int no = n1 - t0 < 8 ? n1 - t0 : 8;
+        kq_wide8_expand(kind, w, t0, no, K, wb, sc);
+        switch (kind) { /* the kind as a constant in each copy */
+        case Q4_K: kq_wide8_rows(a, R, K, wb, sc, corr, t0, no, N, y, Q4_K); break;
+        case Q5_K: kq_wide8_rows(a, R, K, wb, sc, corr, t0, no, N, y, Q5_K); break;
+        default: kq_wide8_rows(a, R, K, wb, sc, corr, t0, no, N, y, Q6_K); break;
+        }
+    }
+    free(wb);
+    free(sc);
+    free(corr);
+    return 0;
+}
+
 /* K-quants, AVX-512 VNNI: the AVX2 path's operations on each accumulator (so its bits), with
  * each 32-value product by one 256-bit dpbusd (u8 weights x s8 activations, the same int32
  * lane sums as maddubs + madd; Q6_K's signed values go in shifted by 32, 32 times the 4-value
@@ -479,8 +594,8 @@ AVX512_FN static void kq_wide_expand(int kind, const uint8_t *w, int n0, int no,
 }
 
 AVX512_FN static void kq_wide_rows(const act_t *a, int R, int K, const uint8_t *wb,
-                                   const float *sc, int n0, int no, int N, float *y,
-                                   const int kind) {
+                                   const float *sc, const int32_t *corr, int n0, int no, int N,
+                                   float *y, const int kind) {
     const int nb = K / 32;
     const __mmask16 keep = (__mmask16)((1u << no) - 1);
     for (int r = 0; r < R; r++) {
@@ -499,10 +614,7 @@ AVX512_FN static void kq_wide_rows(const act_t *a, int R, int K, const uint8_t *
                 __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
                                                 _mm512_loadu_si512((const void *)(wg + 64 * j)),
                                                 _mm512_set1_epi32(quad));
-                if (kind == Q6_K)
-                    p = _mm512_sub_epi32(p, _mm512_set1_epi32(
-                                                32 * (xq[4 * j] + xq[4 * j + 1] + xq[4 * j + 2] +
-                                                      xq[4 * j + 3])));
+                if (kind == Q6_K) p = _mm512_sub_epi32(p, _mm512_set1_epi32(corr[rb * 8 + j]));
                 acc[j] = _mm512_fmadd_ps(j < 4 ? slo : shi, _mm512_cvtepi32_ps(p), acc[j]);
             }
             if (kind != Q6_K)
@@ -524,22 +636,25 @@ AVX512_FN static int kq_wide(int kind, const act_t *a, int R, int K, const uint8
     const int nb = K / 32;
     uint8_t *wb = (uint8_t *)aligned_alloc(64, (size_t)nb * 512);
     float *sc = (float *)aligned_alloc(64, (size_t)nb * 48 * sizeof(float));
-    if (!wb || !sc) {
+    int32_t *corr = kind == Q6_K ? q6_corrections(a, R, nb) : 0;
+    if (!wb || !sc || (kind == Q6_K && !corr)) {
         free(wb);
         free(sc);
+        free(corr);
         return -1;
     }
     for (int t0 = n0; t0 < n1; t0 += 16) {
         const int no = n1 - t0 < 16 ? n1 - t0 : 16;
         kq_wide_expand(kind, w, t0, no, K, wb, sc);
         switch (kind) { /* the kind as a constant in each copy */
-        case Q4_K: kq_wide_rows(a, R, K, wb, sc, t0, no, N, y, Q4_K); break;
-        case Q5_K: kq_wide_rows(a, R, K, wb, sc, t0, no, N, y, Q5_K); break;
-        default: kq_wide_rows(a, R, K, wb, sc, t0, no, N, y, Q6_K); break;
+        case Q4_K: kq_wide_rows(a, R, K, wb, sc, corr, t0, no, N, y, Q4_K); break;
+        case Q5_K: kq_wide_rows(a, R, K, wb, sc, corr, t0, no, N, y, Q5_K); break;
+        default: kq_wide_rows(a, R, K, wb, sc, corr, t0, no, N, y, Q6_K); break;
         }
     }
     free(wb);
     free(sc);
+    free(corr);
     return 0;
 }
 
@@ -652,6 +767,7 @@ static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint
         return;
     }
     if (kind >= Q4_K && isa != ISA_SCALAR) {
+        if (R >= KQ_WIDE8_MIN_ROWS && kq_wide8(kind, a, R, K, w, n0, n1, N, y) == 0) return;
         if (kind == Q4_K) q4_k_avx2(a, R, K, w, n0, n1, N, y);
         else if (kind == Q5_K) q5_k_avx2(a, R, K, w, n0, n1, N, y);
         else q6_k_avx2(a, R, K, w, n0, n1, N, y);

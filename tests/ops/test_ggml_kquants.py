@@ -162,7 +162,8 @@ def test_int_kernel_isa_and_batch_invariant(kind):
 
     w, _ = _weight(kind, 33, 512, seed=7)
     # AVX-512: 8 rows in one group, more (>= KQ_WIDE_MIN_ROWS) on the 16-output
-    # tiles (33 outputs: tiles of 16 and partial ones on each thread); AVX2: groups of 4
+    # tiles (33 outputs: tiles of 16 and partial ones on each thread); AVX2: groups of 4, more
+    # (>= KQ_WIDE8_MIN_ROWS) on 8-output tiles
     x = _x(40, 512, seed=8)
     ys = {isa: gi.ggml_linear_int(x, w, isa=isa) for isa in gi.supported_isas()}
     first = next(iter(ys.values()))
