@@ -1,7 +1,8 @@
 """Routed experts of a GGUF MoE on their blocks (`ggml_moe_experts`) vs as fp32, one run.
 
     PYTHONPATH=. .venv/bin/python bench/gguf_moe_blocks.py [--qtype q4_0] [--tokens 48]
-        [--rounds 3] [--kernels fast|exact] [--json-out FILE]
+        [--rounds 3] [--kernels fast|exact] [--configs blocks blocks_loop fp32]
+        [--json-out FILE]
 
 A random NemotronH MoE of mid size (hidden 512, 32 experts of width 512, top 4, three MoE
 layers among Mamba2 and attention ones; ~60M expert weights) is written as a GGUF the way
@@ -34,6 +35,11 @@ CONFIG = dict(hidden_size=512, hybrid_override_pattern="M*EME*E", num_hidden_lay
               n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
               moe_shared_expert_intermediate_size=512, n_group=1, topk_group=1,
               chunk_size=64)
+
+
+# name -> (label, experts on blocks, environment)
+CONFIGS = {"blocks": ("blocks", "1", {}), "fp32": ("fp32", "0", {}),
+           "blocks_loop": ("blocks_loop", "1", {"SPECDEPLOY_GGML_MOE": "0"})}
 
 
 def write(out: Path, qtype: str) -> Path:
@@ -99,6 +105,9 @@ def main() -> None:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--kernels", default="fast", choices=["fast", "exact"],
                     help="the block kernels (LLM's default: fast)")
+    ap.add_argument("--configs", nargs="+", default=["blocks", "fp32"], choices=list(CONFIGS),
+                    help="what to measure, the first against each other (blocks_loop: the "
+                    "experts on blocks one kernel call per expert matrix, not one per layer)")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -112,23 +121,24 @@ def main() -> None:
         path = write(Path(tmp), args.qtype)
         result["gguf_mib"] = round(path.stat().st_size / 2**20, 1)
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        configs = [CONFIGS[c] for c in args.configs]
         for r in range(args.rounds):
             row = {}
-            for name, on in (("blocks", "1"), ("fp32", "0")) if r % 2 == 0 else (
-                    ("fp32", "0"), ("blocks", "1")):
+            for name, on, extra in configs[r % len(configs):] + configs[:r % len(configs)]:
                 p = subprocess.run([sys.executable, __file__, "--child", str(path), on,
                                     str(args.tokens), args.kernels], capture_output=True,
-                                   text=True, env=env, timeout=1800)
+                                   text=True, env={**env, **extra}, timeout=1800)
                 if p.returncode:
                     raise RuntimeError(p.stderr[-3000:])
                 row[name] = json.loads(p.stdout.strip().splitlines()[-1])
             result["rounds"].append(row)
+    names = [CONFIGS[c][0] for c in args.configs]
     for bs in (1, 8):
         key = f"decode_tok_s_bs{bs}"
-        ratios = sorted(r["blocks"][key] / r["fp32"][key] for r in result["rounds"])
-        result[f"blocks_vs_fp32_{key}_median"] = round(ratios[len(ratios) // 2], 3)
-    result["rss_mib_blocks_vs_fp32"] = [(r["blocks"]["rss_mib"], r["fp32"]["rss_mib"])
-                                        for r in result["rounds"]]
+        for other in names[1:]:
+            ratios = sorted(r[names[0]][key] / r[other][key] for r in result["rounds"])
+            result[f"{names[0]}_vs_{other}_{key}_median"] = round(ratios[len(ratios) // 2], 3)
+    result["rss_mib"] = [{n: r[n]["rss_mib"] for n in names} for r in result["rounds"]]
     text = json.dumps(result, indent=2)
     print(text)
     if args.json_out:

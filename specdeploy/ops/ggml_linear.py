@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -168,13 +169,22 @@ def _compile(out: Path, openmp: bool, source: Path = SOURCE, flags: list[str] = 
             os.unlink(tmp)
 
 
+def _with_includes(source: Path) -> bytes:
+    """`source`'s bytes and those of the files it #includes "beside it" (a change to one
+    rebuilds the library)."""
+    text = source.read_bytes()
+    extra = b"".join(_with_includes(source.with_name(m.decode()))
+                     for m in re.findall(rb'^#include "([^"]+)"', text, flags=re.M))
+    return text + extra
+
+
 def load_compiled(stem: str, source: Path, flags: list[str],
                   signatures: dict[str, tuple[list, object]], libs: tuple[str, ...] = ("-lm",)
                   ) -> tuple[ctypes.CDLL | None, list[str]]:
     """`source` compiled into the cache (`stem-<digest>[-omp].so`: with OpenMP first, then
     without) and loaded, each function in `signatures` given its (argtypes, restype); or None
     and why each try failed."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_with_includes(source) + " ".join(flags).encode()).hexdigest()[:16]
     errors, cache = [], _cache_dir()
     for openmp in (True, False):
         path = cache / f"{stem}-{digest}{'-omp' if openmp else ''}.so"

@@ -9,8 +9,9 @@ where this runs, never writes their fp32 values (`model.ggml_deferred`). Each `m
 whose two expert weights have blocks becomes a call that runs each chosen expert's matrices
 on its blocks: with `ctx.kernels="exact"` the fp32 kernel up to MAX_ROWS rows an expert and
 above that the expert's matrix dequantized into the reused buffer (as `ggml_linears`), with
-"fast" the integer-dot kernel (8-bit activations, as llama.cpp) at every row count. Either way
-each token's rows are computed alone, so greedy speculative = greedy plain. A weight matches by
+"fast" the integer-dot kernel (8-bit activations, as llama.cpp) at every row count, the whole
+layer in one C call (ops/ggml_moe_int.py) where that is built. Either way each token's rows are
+computed alone, so greedy speculative = greedy plain. A weight matches by
 identity with the loaded parameter; one a transform replaced keeps its path.
 
 Runs before `ggml_linears`, which fills any deferred weight the graph still reads (so an
@@ -27,7 +28,7 @@ from specdeploy.deploy.graph import attr_tensor, drop_unread_params
 from specdeploy.deploy.passes.ggml_calls import MAX_ROWS, dequant_linear
 from specdeploy.deploy.passes.ggml_linears import _fast_isa, _not_here, _weight_map
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
-from specdeploy.ops import ggml_int
+from specdeploy.ops import ggml_int, ggml_moe_int
 from specdeploy.ops.ggml_linear import (
     GGMLWeight,
     expert,
@@ -41,6 +42,11 @@ _MOE = torch.ops.specdeploy.moe_experts.default
 
 def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | None):
     """(x, topk_ids, topk_weights) -> the routed experts' sum, on `up` / `down`'s blocks."""
+    if isa is not None and ggml_moe_int.unavailable() is None:
+        try:  # the whole layer in one C call (ops/ggml_moe_int.py)
+            return ggml_moe_int.bound_experts(up, down, activation, isa)
+        except ValueError:
+            pass  # shapes or an activation it does not take: the per-expert calls below
     mats = {"up": [expert(up, e) for e in range(up.shape[0])],
             "down": [expert(down, e) for e in range(down.shape[0])]}
     bound: dict[tuple[int, str], object] = {}
@@ -73,7 +79,7 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
     if why:
         return Skipped(f"kernel unavailable: {why}")
     isa, note = _fast_isa(ctx.kernels)
-    n, stored, attrs = 0, 0, set()
+    n, stored, attrs, one_call = 0, 0, set(), 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _MOE:
             continue
@@ -86,8 +92,10 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
                           else None)
         if None in blocks:
             continue
+        fn = experts_fn(*blocks, activation, isa)
+        one_call += fn.__name__ == "experts_one_call"
         with gm.graph.inserting_before(node):
-            out = gm.graph.call_function(experts_fn(*blocks, activation, isa), (x, ids, wts))
+            out = gm.graph.call_function(fn, (x, ids, wts))
         out.meta = dict(node.meta)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
@@ -96,5 +104,6 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
     if not n:
         return Skipped("no moe_experts reads weights with blocks")
     freed = drop_unread_params(gm, attrs)
-    return Done(n, f"{n} expert groups on {stored / 2**20:.1f} MiB of blocks ({note}); fp32 "
-                f"parameters out of the graph: {freed / 2**20:.1f} MiB")
+    calls = f", {one_call} of them one C call each" if one_call else ""
+    return Done(n, f"{n} expert groups on {stored / 2**20:.1f} MiB of blocks ({note}{calls}); "
+                f"fp32 parameters out of the graph: {freed / 2**20:.1f} MiB")

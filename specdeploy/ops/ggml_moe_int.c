@@ -1,0 +1,151 @@
+/* A MoE layer's routed experts on GGUF blocks in one call, with the integer-dot kernels of
+ * ggml_kernels_int.c (kernels="fast"): per layer one C call and one OpenMP region instead of
+ * two ctypes calls (and their Python: gathers, activation, scatter-add) per chosen expert,
+ * most of a decode step's MoE time at batch 8 where each expert gets ~1 row.
+ *
+ * What each output is (the same as ops/moe.py `moe_experts_loop` over ggml_linear_int calls,
+ * the activation aside): the (token, slot) pairs sorted by expert, stably (token order within
+ * an expert); each expert's rows through its up matrix, the activation (swiglu: silu(gate) * up
+ * by row_kernels.c's silu_mul_rows, passed in as a pointer; relu2: max(h, 0)^2), its down
+ * matrix; then out[t] = 0 + y_1 * w_1 + y_2 * w_2 + ... over t's pairs in that expert order.
+ * Every row goes through the kernels alone (an output never depends on R or the threads), and
+ * the sum per token takes a fixed order, so a token's output is the same bits whatever tokens
+ * share the call: a verify step's rows equal the decode rows they replay.
+ * Compiled by ops/ggml_moe_int.py, with the flags of ggml_kernels_int.c (-ffp-contract=off).
+ */
+#include "ggml_kernels_int.c"
+
+typedef void (*silu_mul_fn)(const float *x, int64_t rows, int64_t n, int64_t x_stride,
+                            float *out, int threads);
+
+enum { ACT_SWIGLU = 0, ACT_RELU2 = 1 };
+
+/* this thread's contiguous slice of n outputs (multiples of 8, as ggml_linear_int) */
+static void out_slice(int n, int t, int nt, int *n0, int *n1) {
+    const int per = ((n + nt - 1) / nt + 7) / 8 * 8;
+    *n0 = t * per < n ? t * per : n;
+    *n1 = *n0 + per < n ? *n0 + per : n;
+}
+
+/* x [T, H] fp32; ids [T, k] int64 in [0, E); wts [T, k] fp32; w_up: E experts of N_up rows of
+ * `kind_up` blocks over H, `up_stride` bytes apart (swiglu: N_up = 2 I, gate rows first; relu2:
+ * N_up = I); w_down: E experts of H rows over I. out [T, H]. Returns 0; -1 without scratch
+ * memory; -2 for an ISA this build / CPU cannot run; -3 for an expert id out of range or k
+ * outside 1 .. 64 (out untouched in those cases). */
+int ggml_moe_int(int kind_up, int kind_down, int isa, const float *x, int T, int H,
+                 const int64_t *ids, const float *wts, int k, int E, const uint8_t *w_up,
+                 int64_t up_stride, int N_up, const uint8_t *w_down, int64_t down_stride, int I,
+                 int act, silu_mul_fn silu_mul, float *out, int nthreads) {
+    if (!ggml_int_isa_supported(isa)) return -2;
+    if (k < 1 || k > 64) return -3;
+    const size_t P = (size_t)T * k;
+    for (size_t p = 0; p < P; p++)
+        if (ids[p] < 0 || ids[p] >= E) return -3;
+    const int nbh = H / 32, nbi = I / 32;
+    /* pairs by expert, stably: start[e] .. start[e + 1]; pos[p] = flat pair index p's place */
+    size_t *start = (size_t *)calloc((size_t)E + 1, sizeof(size_t));
+    size_t *order = (size_t *)malloc((P ? P : 1) * sizeof(size_t));
+    size_t *pos = (size_t *)malloc((P ? P : 1) * sizeof(size_t));
+    int8_t *qx = (int8_t *)malloc((size_t)T * H + 1);
+    int8_t *qa = (int8_t *)malloc(P * H + P * I + 1), *qh = qa + P * H;
+    float *fs = (float *)malloc((2 * (size_t)T * nbh + 2 * P * nbh + 2 * P * nbi +
+                                 P * N_up + P * I + P * H + 1) * sizeof(float));
+    if (!start || !order || !pos || !qx || !qa || !fs) {
+        free(start), free(order), free(pos), free(qx), free(qa), free(fs);
+        return -1;
+    }
+    float *dx = fs, *sx = dx + (size_t)T * nbh;       /* x's rows quantized once */
+    float *da = sx + (size_t)T * nbh, *sa = da + P * nbh; /* ... gathered per pair */
+    float *dh = sa + P * nbh, *sh = dh + P * nbi;     /* the activations quantized */
+    float *hup = sh + P * nbi, *hact = hup + P * N_up, *ydown = hact + P * I;
+    for (size_t p = 0; p < P; p++) start[ids[p] + 1]++;
+    for (int e = 0; e < E; e++) start[e + 1] += start[e];
+    {
+        size_t *fill = (size_t *)malloc(((size_t)E + 1) * sizeof(size_t));
+        if (!fill) {
+            free(start), free(order), free(pos), free(qx), free(qa), free(fs);
+            return -1;
+        }
+        memcpy(fill, start, ((size_t)E + 1) * sizeof(size_t));
+        for (size_t p = 0; p < P; p++) {
+            pos[p] = fill[ids[p]]++;
+            order[pos[p]] = p;
+        }
+        free(fill);
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int n0, n1;
+#pragma omp for schedule(static)
+        for (int r = 0; r < T; r++)
+            quantize_rows(x + (size_t)r * H, 1, H, qx + (size_t)r * H, dx + (size_t)r * nbh,
+                          sx + (size_t)r * nbh);
+#pragma omp for schedule(static)
+        for (long long i = 0; i < (long long)P; i++) {
+            const size_t r = order[i] / k;
+            memcpy(qa + (size_t)i * H, qx + r * H, (size_t)H);
+            memcpy(da + (size_t)i * nbh, dx + r * nbh, (size_t)nbh * sizeof(float));
+            memcpy(sa + (size_t)i * nbh, sx + r * nbh, (size_t)nbh * sizeof(float));
+        }
+        out_slice(N_up, t, nt, &n0, &n1);
+        for (int e = 0; e < E && n0 < n1; e++) {
+            const size_t s0 = start[e], n = start[e + 1] - s0;
+            if (!n) continue;
+            const act_t a = {qa + s0 * H, da + s0 * nbh, sa + s0 * nbh};
+            run_tile(kind_up, isa, &a, (int)n, H, w_up + (size_t)e * up_stride, n0, n1, N_up,
+                     hup + s0 * N_up);
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (long long i = 0; i < (long long)P; i++) {
+            const float *h = hup + (size_t)i * N_up;
+            float *o = hact + (size_t)i * I;
+            if (act == ACT_SWIGLU) {
+                silu_mul(h, 1, I, N_up, o, 1);
+            } else {
+                for (int j = 0; j < I; j++) {
+                    const float v = h[j] > 0.f ? h[j] : 0.f;
+                    o[j] = v * v;
+                }
+            }
+            quantize_rows(o, 1, I, qh + (size_t)i * I, dh + (size_t)i * nbi,
+                          sh + (size_t)i * nbi);
+        }
+        out_slice(H, t, nt, &n0, &n1);
+        for (int e = 0; e < E && n0 < n1; e++) {
+            const size_t s0 = start[e], n = start[e + 1] - s0;
+            if (!n) continue;
+            const act_t a = {qh + s0 * I, dh + s0 * nbi, sh + s0 * nbi};
+            run_tile(kind_down, isa, &a, (int)n, I, w_down + (size_t)e * down_stride, n0, n1,
+                     H, ydown + s0 * H);
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int r = 0; r < T; r++) {
+            float *o = out + (size_t)r * H;
+            size_t ps[64];
+            for (int j = 0; j < H; j++) o[j] = 0.f;
+            /* this token's pairs in expert order: their places in `order`, ascending */
+            for (int j = 0; j < k; j++) {
+                const size_t pj = pos[(size_t)r * k + j];
+                int at = j;
+                while (at > 0 && ps[at - 1] > pj) {
+                    ps[at] = ps[at - 1];
+                    at--;
+                }
+                ps[at] = pj;
+            }
+            for (int j = 0; j < k; j++) {
+                const float *y = ydown + ps[j] * H, w = wts[order[ps[j]]];
+                for (int i = 0; i < H; i++) o[i] = o[i] + y[i] * w;
+            }
+        }
+    }
+    free(start), free(order), free(pos), free(qx), free(qa), free(fs);
+    return 0;
+}

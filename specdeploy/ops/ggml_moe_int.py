@@ -1,0 +1,94 @@
+"""A MoE layer's routed experts on GGUF blocks in one C call (`ggml_moe_int.c`): the integer-dot
+kernels ("fast") over every chosen expert, the activation and the weighted sum per token, in
+one OpenMP region. `deploy/passes/ggml_experts.py` uses it with `kernels="fast"`; where it
+cannot be built (or the row kernels' SiLU is missing) the per-expert loop of ggml_linear_int
+calls stays. SPECDEPLOY_GGML_MOE=0 turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from specdeploy.ops import ggml_int, row_kernels
+from specdeploy.ops import ggml_linear as _gl
+from specdeploy.ops.ggml_linear import KINDS, GGMLWeight
+
+SOURCE = Path(__file__).with_name("ggml_moe_int.c")
+ACTIVATIONS = ("swiglu", "relu2")  # the C file's ACT_* values, in order
+_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+@lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("SPECDEPLOY_GGML_MOE", "1") == "0":
+        return None, "SPECDEPLOY_GGML_MOE=0"
+    if ggml_int.kernel_unavailable():
+        return None, ggml_int.kernel_unavailable()
+    rows = row_kernels._library()
+    if rows is None:
+        return None, "the row kernels (its SiLU) could not be built"
+    lib, errors = _gl.load_compiled("ggml_moe_int", SOURCE, ggml_int._FLAGS, {
+        "ggml_moe_int": ([_I, _I, _I, _P, _I, _I, _P, _P, _I, _I, _P, _I64, _I, _P, _I64, _I,
+                          _I, _P, _P, _I], _I)})
+    if lib is None:
+        why = "; ".join(errors)
+        _gl.warn_unbuilt("the one-call GGUF MoE kernel", why)
+        return None, why
+    lib.silu_mul = ctypes.cast(rows.silu_mul_rows, _P).value
+    return lib, None
+
+
+def unavailable() -> str | None:
+    """None when the one-call kernel is built and loaded here, else why not."""
+    return _library()[1]
+
+
+def bound_experts(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str):
+    """(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H] in x's dtype: the routed
+    experts' weighted sum on `up` [E, N_up, H] / `down` [E, H, I]'s blocks, one C call."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"one-call GGUF MoE kernel unavailable: {why}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    e, n_up, h = up.shape
+    e_down, h_down, i = down.shape
+    if (e_down, h_down) != (e, h) or n_up != (2 * i if activation == "swiglu" else i):
+        raise ValueError(f"expert weights do not fit together: up {tuple(up.shape)}, down "
+                         f"{tuple(down.shape)}, {activation}")
+    if up.gather is not None or down.gather is not None:
+        raise ValueError("expert weights with reordered columns are not supported here")
+    ub, db = up.blocks, down.blocks  # NOTE: the closure keeps the blocks alive for their pointer
+    if not (ub.is_contiguous() and db.is_contiguous()):
+        raise ValueError("expert blocks must be contiguous")
+    fn, silu = lib.ggml_moe_int, lib.silu_mul
+    args = (KINDS[up.kind][0], KINDS[down.kind][0], ggml_int.ISAS.index(isa))
+    tail = (e, ub.data_ptr(), ub.stride(0), n_up, db.data_ptr(), db.stride(0), i,
+            ACTIVATIONS.index(activation), silu)
+    f32, i64 = torch.float32, torch.int64
+
+    def experts_one_call(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                         ) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != h:
+            raise ValueError(f"ggml_moe_int: x must be [T, {h}] on the CPU, got "
+                             f"{tuple(x.shape)} on {x.device}")
+        xf = x.to(f32).contiguous()
+        ids = topk_ids.to(i64).contiguous()
+        wts = topk_weights.to(f32).contiguous()
+        out = torch.empty(xf.shape, dtype=f32)
+        rc = fn(*args, xf.data_ptr(), xf.shape[0], h, ids.data_ptr(), wts.data_ptr(),
+                ids.shape[1], *tail, out.data_ptr(), torch.get_num_threads())
+        if rc == -3:
+            raise ValueError(f"ggml_moe_int: expert ids must lie in [0, {e}) with 1..64 per "
+                             f"token, got ids of shape {tuple(ids.shape)}")
+        if rc:
+            raise MemoryError("ggml_moe_int: no scratch memory") if rc == -1 else ValueError(
+                f"isa {isa!r}: this CPU / build runs {', '.join(ggml_int.supported_isas())}")
+        return out if x.dtype is f32 else out.to(x.dtype)
+
+    experts_one_call.blocks = (ub, db)
+    return experts_one_call
