@@ -17,10 +17,13 @@ def hint_name(node: fx.Node) -> str:
 
 
 def slice_param(w: torch.Tensor, node: fx.Node, d: DistConfig, lazy: LazyWeights | None,
-                 prequant: dict | None = None, slices: dict | None = None) -> torch.Tensor:
+                 prequant: dict | None = None, slices: dict | None = None,
+                 ggml: dict | None = None, ggml_slices: list | None = None) -> torch.Tensor:
     """The rank's slice of `w` for one `tp_param` hint (of a lazy `w`: read just for this).
     `prequant` (tensor identity -> (quantized weight, input scale)): a pre-quantized `w`'s
-    quantized tensors are cut alike, recorded in `slices` under the slice's identity."""
+    quantized tensors are cut alike, recorded in `slices` under the slice's identity. `ggml`
+    (tensor identity -> GGMLWeight): a GGUF weight's blocks are cut alike where the cut keeps
+    whole blocks, appended to `ggml_slices` as (slice, blocks)."""
     _, layer_type, mode, dim, sizes, units, leads = node.args
     if not w.is_floating_point():  # a pre-quantized weight would need its scales sliced too
         raise ValueError(f"shard: {hint_name(node)} is {w.dtype}; only floating-point weights "
@@ -45,6 +48,12 @@ def slice_param(w: torch.Tensor, node: fx.Node, d: DistConfig, lazy: LazyWeights
     idx = torch.tensor([i for part in seg_index(segs_of(sizes, units, leads), tp, rank,
                                                  hint_name(node)) for i in part], device=w.device)
     out = read_slice(w, lambda full: full.detach()[lo:hi].index_select(dim, idx).contiguous(), lazy)
+    blocks = None if ggml is None else ggml.get(prequant_key(w))
+    if blocks is not None:
+        cut = slice_blocks(blocks, w.dim(), (lo, hi) if mode.startswith("expert_") else None,
+                           dim, idx)
+        if cut is not None:
+            ggml_slices.append((out, cut))
     hit = None if prequant is None else prequant.get(prequant_key(w))
     if hit is not None:
         qw = slice_quantized(hit[0], w.dim(), (lo, hi) if mode.startswith("expert_") else None,
@@ -110,6 +119,39 @@ def slice_quantized(qw, w_dims: int, experts: tuple[int, int] | None, dim: int,
         groups = _groups(idx, GROUP, what, "NVFP4 scale groups")
         return Nvfp4Weight(_index(weight, dim, pairs), _index(scale, dim, groups), s2)
     raise ValueError(f"shard: {what}: unknown pre-quantized weight {type(qw).__name__}")
+
+
+def slice_blocks(gw, w_dims: int, experts: tuple[int, int] | None, dim: int,
+                 idx: torch.Tensor):
+    """The rank's cut of a GGUF weight's blocks (ops/ggml_linear.GGMLWeight [.., N, K] as
+    [.., N, K / QK * size] bytes) for the fp weight's cut: `experts` (lo, hi) on dim 0, then
+    `idx` on `dim` (N: block rows; K: whole blocks, in the stored column order). None where the
+    cut splits a block (that weight keeps its fp32 slice)."""
+    from specdeploy.ops.ggml_linear import KINDS, GGMLWeight, block_values
+
+    blocks, shape, gather = gw.blocks, list(gw.shape), gw.gather
+    if experts is not None and blocks.dim() == w_dims:
+        blocks = blocks[experts[0]:experts[1]]
+        shape[0] = experts[1] - experts[0]
+    if dim == w_dims - 2:  # output rows
+        shape[dim] = idx.numel()
+        return GGMLWeight(gw.kind, blocks.index_select(dim, idx).contiguous(), tuple(shape),
+                          gather)
+    qk, size = block_values(gw.kind), KINDS[gw.kind][1]
+    # the stored columns of the rank's input columns (W[:, j] = stored[:, cols[j]])
+    cols = idx if gather is None else torch.argsort(gather)[idx]
+    stored, order = cols.sort()
+    n = stored.numel()
+    runs = stored.reshape(-1, qk) if n % qk == 0 else None
+    if runs is None or bool((runs[:, 0] % qk).any()) or not torch.equal(
+            runs, runs[:, :1] + torch.arange(qk)):
+        return None
+    byte_idx = ((runs[:, :1] // qk) * size + torch.arange(size)).reshape(-1)
+    shape[dim] = n
+    # the rank's columns in the stored order: x_local[..., order] (GGMLWeight.gather)
+    local = None if torch.equal(order, torch.arange(n)) else order
+    return GGMLWeight(gw.kind, blocks.index_select(dim, byte_idx).contiguous(), tuple(shape),
+                      local)
 
 
 def read_slice(w: torch.Tensor, fn, lazy: LazyWeights | None) -> torch.Tensor:

@@ -20,7 +20,13 @@ from specdeploy.checkpoint.lazy import LazyWeights, check_loaded
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.graph import drop_unused_attrs, find_head, is_op, param_bytes, repropagate
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
-from specdeploy.deploy.shard_slice import hint_name, read_slice, slice_param
+from specdeploy.deploy.shard_slice import (
+    hint_name,
+    prequant_key,
+    read_slice,
+    slice_blocks,
+    slice_param,
+)
 from specdeploy.distributed.config import DistConfig
 from specdeploy.ops.shard import piece_sizes, seg_index, segs_of
 
@@ -34,15 +40,21 @@ def _get_attr(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
     return operator.attrgetter(node.target)(gm)
 
 
-def _materialize(gm: fx.GraphModule, lazy: LazyWeights | None) -> None:
+def _materialize(gm: fx.GraphModule, lazy: LazyWeights | None, ggml: dict | None = None,
+                 cut: list | None = None) -> None:
     """Per-rank loading: what the rank keeps whole (replicated) is read now, after the slices
-    (so a rank never holds more than its share and one whole tensor)."""
+    (so a rank never holds more than its share and one whole tensor); a GGUF weight's blocks
+    follow it to the loaded tensor."""
     if lazy is None:
         return
     named = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]
     for name, t in named:
         if lazy.is_lazy(t):
-            _set_attr(gm, name, lazy.materialize(t))
+            value = lazy.materialize(t)
+            blocks = None if ggml is None else ggml.get(prequant_key(t))
+            if blocks is not None:
+                cut.append((value, blocks))
+            _set_attr(gm, name, value)
     check_loaded([*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()], lazy)
 
 
@@ -115,7 +127,17 @@ def _expert_remap(gm: fx.GraphModule, moe: fx.Node, e_local: int, d: DistConfig)
     moe.update_arg(2, kept)
 
 
-def _lm_head(gm: fx.GraphModule, d: DistConfig, lazy: LazyWeights | None) -> str:
+def _ggml_map(ctx: DeployContext) -> dict | None:
+    """A GGUF model's weights with blocks, by tensor identity (their cuts keep blocks)."""
+    if ctx.model is None or not getattr(ctx.model, "ggml_weights", None):
+        return None
+    from specdeploy.deploy.passes.ggml_linears import _weight_map
+
+    return _weight_map(ctx) or None
+
+
+def _lm_head(gm: fx.GraphModule, d: DistConfig, lazy: LazyWeights | None,
+             ggml: dict | None = None, cut: list | None = None) -> str:
     head = find_head(gm)
     w = _get_attr(gm, head.args[1])
     if len(head.args) > 2 and head.args[2] is not None:
@@ -125,6 +147,10 @@ def _lm_head(gm: fx.GraphModule, d: DistConfig, lazy: LazyWeights | None) -> str
     k = w.shape[0] // d.tp_size
     value = read_slice(w, lambda full: full.detach()[d.rank * k:(d.rank + 1) * k].contiguous(),
                        lazy)
+    blocks = None if ggml is None else ggml.get(prequant_key(w))
+    if blocks is not None:  # the head's rows of blocks
+        cut.append((value, slice_blocks(blocks, 2, None, 0,
+                                        torch.arange(d.rank * k, (d.rank + 1) * k))))
     src = head.args[1]
     target = src.target if len(src.users) == 1 and sum(
         1 for g in gm.graph.nodes if g.op == "get_attr" and g.target == src.target) == 1 \
@@ -177,6 +203,8 @@ def shard(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     before = param_bytes(gm)
     on = set(d.shard_layers)
     prequant = _prequant_map(ctx)
+    ggml = _ggml_map(ctx)
+    cut: list = []  # (a GGUF weight's slice, its blocks' cut)
     for moe in [n for n in gm.graph.nodes if is_op(n, _ops.moe_experts)]:  # EP: before hints go
         up = moe.args[3]
         if d.ep_size > 1 and is_op(up, _ops.tp_param) and up.args[1] in on and \
@@ -190,7 +218,7 @@ def shard(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
         counts[n.args[1]] = counts.get(n.args[1], 0) + 1
         if is_op(n, _ops.tp_param):
             _replace_param(gm, n, slice_param(_get_attr(gm, n.args[0]), n, d, ctx.lazy,
-                                              prequant, ctx.prequant_slices), i)
+                                              prequant, ctx.prequant_slices, ggml, cut), i)
         elif is_op(n, _ops.tp_split):
             _, lt, dim, pcounts, sizes, units, leads = n.args
             if lt == "moe":
@@ -202,9 +230,11 @@ def shard(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
                 red = _like(gm.graph.call_function(_ops.all_reduce.default, (n.args[0],)), n)
             n.replace_all_uses_with(red)
             gm.graph.erase_node(n)
-    head = _lm_head(gm, d, ctx.lazy) if "lm_head" in on else "lm_head replicated"
+    head = _lm_head(gm, d, ctx.lazy, ggml, cut) if "lm_head" in on else "lm_head replicated"
     drop_unused_attrs(gm)
-    _materialize(gm, ctx.lazy)
+    _materialize(gm, ctx.lazy, ggml, cut)
+    if cut:  # ggml_linears / ggml_moe_experts find the slices' blocks by their identity
+        ctx.model.ggml_tensors = [*getattr(ctx.model, "ggml_tensors", ()), *cut]
     repropagate(gm)
     after = param_bytes(gm)
     per_type = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
