@@ -3,16 +3,17 @@ loading; RSS peak and steady), decode tokens/s at batch 1 and 16, and time per s
 collectives (rank 0's all-reduce / all-gather inside the graph) and in rank 0's per-step messages
 to the workers.
 
-    .venv/bin/python bench/tp_scaling.py [--models default,hybrid] [--tokens 32]
+    .venv/bin/python bench/tp_scaling.py [--models default,hybrid] [--tokens 32] [--blocks]
         [--json-out bench/results/tp_scaling.json]
 
-Two ranks on two cores are not faster: this measures the overhead a multi-device run pays.
-Every rank runs 1 torch thread (TP=1: one core, TP=2: two): with other processes on the two
-cores, 2 OpenMP threads in one process collapse into spin-waits (tests/conftest.py), which
-would make TP=1 look 20x slower than it is. RSS is read after `malloc_trim`. Both build with the
-`ggml_linears` transform disabled (fp32 linears everywhere: GGUF blocks are not sliced per rank),
-so the comparison is like with like. The default model (SmolLM2: 9 query heads) cannot split its
-heads over 2 ranks; it shards `mlp` and `lm_head` and replicates attention (`shard_layers`).
+Two ranks on two cores are not faster: this measures the overhead a multi-device run pays. Every
+rank runs 1 torch thread (TP=1: one core, TP=2: two): with other processes on the two cores, 2
+OpenMP threads in one process collapse into spin-waits (tests/conftest.py), which would make TP=1
+look 20x slower than it is. RSS is read after `malloc_trim`. Both build with the `ggml_linears`
+transform disabled (fp32 linears everywhere) unless `--blocks`: then the GGUF's linears run on its
+blocks, each rank on its cut of them (deploy/shard_slice.py `slice_blocks`). The default model
+(SmolLM2: 9 query heads) cannot split its heads over 2 ranks; it shards `mlp` and `lm_head` and
+replicates attention (`shard_layers`).
 """
 from __future__ import annotations
 
@@ -102,9 +103,10 @@ def _mib(m: dict) -> dict:
     return {"rank": m["rank"], **f}
 
 
-def run(path: str, tp: int, shard_layers, tokens: int) -> dict:
+def run(path: str, tp: int, shard_layers, tokens: int, blocks: bool = False) -> dict:
     opts = BuildOptions(dtype="float32", max_batch_size=16, max_seq_len=256, page_size=16,
-                        max_cache_gib=0.25, disabled=frozenset({"ggml_linears"}))
+                        max_cache_gib=0.25, kernels="fast" if blocks else "exact",
+                        disabled=frozenset() if blocks else frozenset({"ggml_linears"}))
     torch.set_num_threads(1)
     if tp == 1:
         from specdeploy.distributed.runtime import _rss
@@ -146,11 +148,14 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="default,hybrid")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--tp", type=int, default=None, help="run one TP size (internal)")
+    p.add_argument("--blocks", action="store_true",
+                   help="GGUF linears on their blocks (fast kernels), cut per rank")
     p.add_argument("--json-out", default=None)
     p.add_argument("--note", default="", help="recorded with the result (e.g. a shared machine)")
     args = p.parse_args(argv)
     result = {"machine": machine(), "load_avg_at_start": os.getloadavg(), "note": args.note,
-              "tokens": args.tokens, "runs": []}
+              "tokens": args.tokens, "blocks": args.blocks, "command": " ".join(sys.argv),
+              "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             from specdeploy.default_model import default_model_path
@@ -164,7 +169,7 @@ def main(argv=None) -> int:
 
                 cmd = [sys.executable, "-c", "import json,sys; from bench.tp_scaling import run;"
                        f"print('RESULT', json.dumps(run({path!r}, {tp}, {tuple(layers)!r}, "
-                       f"{args.tokens})))"]
+                       f"{args.tokens}, {args.blocks})))"]
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                                       cwd=os.path.dirname(os.path.dirname(__file__)))
                 line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
