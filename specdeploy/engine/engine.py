@@ -57,6 +57,12 @@ class Engine:
                                    self.prefix)
         self.scheduler = Scheduler(self.blocks, max_batch_size, max_num_tokens,
                                    recurrent=layout.recurrent)
+        if layout.recurrent and max_num_tokens < layout.page_size:
+            log.warning(
+                "max_num_tokens=%d is under a page (%d tokens): prompts longer than it are cut "
+                "inside scan chunks, whose sums then depend on where the cuts fall (greedy "
+                "speculative output may then differ from plain at near-ties)", max_num_tokens,
+                layout.page_size)
         self.max_seq_len = deployed.max_seq_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.device = getattr(deployed, "device", torch.device("cpu"))

@@ -4,6 +4,8 @@ small token budget, in the same forwards. Greedy output must equal the non-specu
 token for token, on every architecture (oracle: the same deployment without a drafter)."""
 from __future__ import annotations
 
+import pytest
+
 from specdeploy import SamplingParams
 from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL
 
@@ -63,3 +65,19 @@ def test_spec_with_chunked_prefill_of_another_request(target):
     assert [got_a, got_b] == want
     # the 100-token prompt took several chunks while the other request verified drafts
     assert mixed >= min(3, -(-len(late) // page)), mixed  # (2 pages of 64 on Qwen3.5)
+
+
+def test_a_budget_under_a_page_is_warned(target, caplog):
+    """A recurrent target's prompt chunks end on page boundaries only if the budget holds a
+    page: under one, the engine says what that costs."""
+    import logging
+
+    from specdeploy import LLM
+    from tests.spec.tiny_targets import LIMITS, PAGE_SIZE
+
+    if target.arch != "nemotron_h":
+        pytest.skip("one hybrid and the attention-only target are enough")
+    with caplog.at_level(logging.WARNING, logger="specdeploy.engine"):
+        llm = LLM(str(target.path), max_num_tokens=PAGE_SIZE["nemotron_h"] - 1, **LIMITS)
+    assert "under a page" in caplog.text
+    llm.shutdown()

@@ -1,0 +1,157 @@
+"""specdeploy vs llama.cpp on hybrid MoE GGUFs (NemotronH MoE, Qwen3.5-MoE), batch 1: prefill
+time and decode tokens/s on the same file, side by side in one run.
+
+No real hybrid weights are available offline, so random mid-size checkpoints (~60-90M
+parameters: hidden 512, 32 routed experts of width 512, top 4, Mamba2 / gated-delta, attention
+and MoE layers) are converted by llama.cpp's own convert_hf_to_gguf.py (`--outtype q8_0`, from
+the llama-cpp-python sdist: `--llamacpp-src`, as bench/gguf_convert_check.py) and both tools
+run that file: llama-cpp-python (built by bench/setup_llamacpp.sh) and `LLM(path)` with its
+defaults (the fast kernels). Rounds alternate which tool goes first; each round feeds both the
+same random prompt. Greedy tokens are compared too (random weights give flat logits: the two
+models' 8-bit rounding differs, so the tokens part at near-ties; reported, not asserted).
+
+    PYTHONPATH=.:/work/llamacpp .venv/bin/python bench/vs_llamacpp_moe.py \\
+        --llamacpp-src .../llama_cpp_python-0.3.36/vendor/llama.cpp [--rounds 3] \\
+        [--tokens 48] [--prompt-len 128] [--json-out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.gguf_convert_check import CONVERT  # noqa: E402
+from bench.vs_llamacpp import LlamaCpp, cpu_info  # noqa: E402
+
+NEMOTRON = dict(hidden_size=512, hybrid_override_pattern="M*EME*E", num_hidden_layers=7,
+                mamba_num_heads=16, mamba_head_dim=64, ssm_state_size=64, n_groups=2,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
+                moe_shared_expert_intermediate_size=512, n_group=1, topk_group=1,
+                chunk_size=64, vocab_size=4096)
+QWEN = dict(hidden_size=512, num_hidden_layers=8, layer_types=["linear_attention"] * 3 + [
+    "full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+    linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+    num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, vocab_size=4096)
+
+
+def checkpoint(arch: str, out: Path) -> Path:
+    if arch == "nemotron_h_moe":
+        from specdeploy.models import nemotron_h as nh
+
+        hf = nh.tiny_hf_config()
+        hf.update(NEMOTRON)
+        del hf["moe_latent_size"]
+        return nh.make_tiny(out, seed=0, hf_config=hf)
+    from specdeploy.models import qwen3_5_moe as q35
+
+    hf = q35.tiny_hf_config()
+    hf["text_config"] = dict(hf["text_config"], **QWEN)
+    return q35.make_tiny(out, seed=0, hf_config=hf)
+
+
+def convert(src_dir: Path, ckpt: Path, out: Path, outtype: str) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{src_dir}:{src_dir / 'gguf-py'}"}
+    r = subprocess.run([sys.executable, "-c", CONVERT, str(ckpt), "--outfile", str(out),
+                        "--outtype", outtype], cwd=src_dir, env=env, capture_output=True,
+                       text=True, timeout=900)
+    if r.returncode:
+        raise RuntimeError(f"convert_hf_to_gguf failed:\n{r.stderr[-3000:]}")
+
+
+def ours_run(llm, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+    """(tokens, seconds to the first token, seconds after it)."""
+    from specdeploy import SamplingParams
+
+    t0 = time.perf_counter()
+    (o,) = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    decode = (len(o.token_ids) - 1) / o.metrics.decode_tokens_per_s
+    return o.token_ids, wall - decode, decode
+
+
+def llamacpp_run(lc: LlamaCpp, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+    toks, wall, after_first = lc.run(prompt, n)
+    return toks, wall - after_first, after_first
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--llamacpp-src", type=Path, required=True)
+    ap.add_argument("--archs", nargs="+", default=["nemotron_h_moe", "qwen3_5_moe"])
+    ap.add_argument("--outtype", default="q8_0", help="convert_hf_to_gguf's --outtype")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args()
+    from specdeploy import LLM
+
+    torch.set_num_threads(args.threads)
+    cpu = cpu_info()
+    result = {"machine": cpu["model"], "simd": cpu["simd_flags"], "threads": args.threads,
+              "command": " ".join(sys.argv), "outtype": args.outtype, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in args.archs:
+            src = checkpoint(arch, Path(tmp) / arch)
+            path = Path(tmp) / f"{arch}.gguf"
+            convert(args.llamacpp_src, src, path, args.outtype)
+            n_ctx = args.prompt_len + args.tokens + 8
+            lc = LlamaCpp(str(path), args.threads, n_ctx)
+            ours = LLM(str(path), max_batch_size=1, max_seq_len=n_ctx)
+            tools = [("specdeploy", partial(ours_run, ours)),
+                     ("llama.cpp", partial(llamacpp_run, lc))]
+            for _name, fn in tools:  # warm-up
+                fn(list(range(3, 20)), 4)
+            rounds = []
+            for r in range(args.rounds):
+                g = torch.Generator().manual_seed(r)
+                prompt = torch.randint(3, 4000, (args.prompt_len,), generator=g).tolist()
+                row = {}
+                for name, fn in tools if r % 2 == 0 else tools[::-1]:
+                    toks, first_s, decode_s = fn(prompt, args.tokens)
+                    row[name] = {"tokens": toks, "prefill_s": round(first_s, 4),
+                                 "decode_tok_s": round((len(toks) - 1) / decode_s, 1)}
+                a, b = row["specdeploy"]["tokens"], row["llama.cpp"]["tokens"]
+                row["same_tokens_prefix"] = next(
+                    (i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                for v in row.values():
+                    if isinstance(v, dict):
+                        del v["tokens"]
+                rounds.append(row)
+                print(arch, row, file=sys.stderr, flush=True)
+            result["models"][arch] = {
+                "gguf_mib": round(path.stat().st_size / 2**20, 1),
+                "llamacpp_version": lc.version, "rounds": rounds,
+                "decode_ratio_median": round(_median([
+                    r["specdeploy"]["decode_tok_s"] / r["llama.cpp"]["decode_tok_s"]
+                    for r in rounds]), 3),
+                "prefill_speedup_median": round(_median([
+                    r["llama.cpp"]["prefill_s"] / r["specdeploy"]["prefill_s"]
+                    for r in rounds]), 3)}
+            ours.shutdown()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
