@@ -72,7 +72,7 @@ def capture_feeds(llm: LLM, k: int) -> tuple[dict[str, list], object]:
         return f
 
     target._feed = feed
-    prompt = list(range(1000, 1040))
+    prompt = [3 + i % min(1000, llm.engine.deployed.vocab_size - 3) for i in range(1000, 1040)]
     llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))  # no match: decodes
     llm.engine.fix_drafts(lambda seq, n: [7] * n)
     llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -130,7 +130,9 @@ def outside_graph(llm: LLM, target, tokens: int = 48) -> dict:
 
     target._fn, llm.engine.step = timed_fn, timed_step
     try:
-        llm.generate([list(range(2000, 2040))], SamplingParams(max_tokens=tokens, ignore_eos=True))
+        vocab = llm.engine.deployed.vocab_size
+        llm.generate([[3 + i % (vocab - 3) for i in range(2000, 2040)]],
+                     SamplingParams(max_tokens=tokens, ignore_eos=True))
     finally:
         target._fn, llm.engine.step = fn, step
     plain = [(s, c[0]) for s, c in rows[1:] if len(c) == 1]  # step 0: the prefill

@@ -46,7 +46,24 @@ QWEN = dict(hidden_size=512, num_hidden_layers=8, layer_types=["linear_attention
     shared_expert_intermediate_size=512, vocab_size=4096)
 
 
+def _with_a_merge_token(ckpt: Path) -> Path:
+    """The converter run (bench/gguf_convert_check.py's CONVERT) gives the merge-less tiny
+    tokenizer one merge, "a b", for llama.cpp; specdeploy's loader then wants "ab" in the
+    vocabulary: one filler token becomes it."""
+    spec = json.loads((ckpt / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    filler = max((t for t in vocab if t.startswith("<|filler")), key=vocab.get)
+    vocab["ab"] = vocab.pop(filler)
+    spec["added_tokens"] = [a for a in spec.get("added_tokens", ()) if a["content"] != filler]
+    (ckpt / "tokenizer.json").write_text(json.dumps(spec))
+    return ckpt
+
+
 def checkpoint(arch: str, out: Path) -> Path:
+    return _with_a_merge_token(_checkpoint(arch, out))
+
+
+def _checkpoint(arch: str, out: Path) -> Path:
     if arch == "nemotron_h_moe":
         from specdeploy.models import nemotron_h as nh
 
@@ -56,9 +73,11 @@ def checkpoint(arch: str, out: Path) -> Path:
         return nh.make_tiny(out, seed=0, hf_config=hf)
     from specdeploy.models import qwen3_5_moe as q35
 
-    hf = q35.tiny_hf_config()
+    # (with its MTP layer: llama.cpp 0.3.36's converter wants one for Qwen3.5; neither tool
+    # runs it here)
+    hf = q35.tiny_hf_config(mtp_layers=1)
     hf["text_config"] = dict(hf["text_config"], **QWEN)
-    return q35.make_tiny(out, seed=0, hf_config=hf)
+    return q35.make_tiny(out, seed=0, mtp_layers=1, hf_config=hf)
 
 
 def convert(src_dir: Path, ckpt: Path, out: Path, outtype: str) -> None:
