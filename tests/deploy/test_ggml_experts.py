@@ -73,7 +73,9 @@ def test_op_matches_the_reference_on_dequantized_weights(kind, activation, token
                 hid = expert_activation(hid, activation)
                 y = ggml_int.ggml_linear_int(hid, expert(down, ex), None, isa)
                 want_fast[t_] += wts[t_, j] * y[0]
-        assert_close(fast, want_fast, rtol=1e-6)
+        # (Q4_0 / Q4_1 / Q8_0 experts run on tiled copies: another fp32 summation of the same
+        # integer products, bits checked against a tiled composition in tests/ops)
+        assert_close(fast, want_fast, rtol=1e-5)
 
 
 @pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5_moe"])

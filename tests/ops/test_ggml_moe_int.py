@@ -75,7 +75,7 @@ def test_one_call_equals_the_composed_layer_bit_for_bit(kinds, activation):
     # AVX-512 alike)
     x, ids, wts = _inputs(24, 256, seed=len(kinds[0]))
     isa = ggml_int.default_isa()
-    got = gm.bound_experts(up, down, activation, isa)(x, ids, wts)
+    got = gm.bound_experts(up, down, activation, isa, tiled=False)(x, ids, wts)
     assert torch.equal(got, _composed(x, ids, wts, up, down, activation, isa))
 
 
@@ -87,7 +87,7 @@ def test_isa_thread_and_batch_invariant(kinds):
     ys = {}
     try:
         for isa in ggml_int.supported_isas():
-            fn = gm.bound_experts(up, down, "swiglu", isa)
+            fn = gm.bound_experts(up, down, "swiglu", isa, tiled=False)
             for n in (1, 2):
                 torch.set_num_threads(n)
                 ys[(isa, n)] = fn(x, ids, wts)
@@ -96,7 +96,7 @@ def test_isa_thread_and_batch_invariant(kinds):
     first = next(iter(ys.values()))
     for key, y in ys.items():
         assert torch.equal(y, first), key
-    fn = gm.bound_experts(up, down, "swiglu", ggml_int.default_isa())
+    fn = gm.bound_experts(up, down, "swiglu", ggml_int.default_isa(), tiled=False)
     for t in range(x.shape[0]):  # each token alone: its row of the batch
         assert torch.equal(fn(x[t:t + 1], ids[t:t + 1], wts[t:t + 1])[0], first[t]), t
     # and in another order with other tokens beside it
@@ -135,3 +135,44 @@ def test_a_change_to_an_included_file_rebuilds(tmp_path, monkeypatch):
     assert lib.twice() == 14
     (tmp_path / "inner.c").write_text("int seven(void) { return 8; }\n")
     assert gl.load_compiled("outer", outer, flags, sig, libs=())[0].twice() == 16
+
+
+def _composed_tiled(x, ids, wts, up, down, activation):
+    """The layer from ggml_tiled calls over each expert's tiled copy, a pair at a time."""
+    from specdeploy.ops import ggml_tiled
+
+    out = torch.zeros_like(x)
+    inter, isa = down.shape[2], ggml_int.default_isa()
+    for t in range(x.shape[0]):
+        for j in sorted(range(ids.shape[1]), key=lambda j: int(ids[t, j])):
+            e = int(ids[t, j])
+            hu = ggml_tiled.tiled_linear(x[t:t + 1], ggml_tiled.repack(expert(up, e)), None, isa)
+            a = row_kernels.silu_mul(hu, inter) if activation == "swiglu" else \
+                torch.relu(hu).square()
+            y = ggml_tiled.tiled_linear(a, ggml_tiled.repack(expert(down, e)), None, isa)
+            out[t] = out[t] + y[0] * wts[t, j]
+    return out
+
+
+@pytest.mark.parametrize("kinds", [("q4_0", "q4_0"), ("q8_0", "q4_1")])
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_tiled_experts_equal_the_composed_tiled_layer(kinds, activation):
+    """Q4_0 / Q4_1 / Q8_0 experts run on tiled copies by default: the same bits as the layer
+    composed from tiled_linear calls, a token alone or in any batch, any thread count."""
+    up, down = _layer(kinds, activation)
+    assert gm.tiles(up, down)
+    x, ids, wts = _inputs(24, 256, seed=2)
+    fn = gm.bound_experts(up, down, activation, ggml_int.default_isa())
+    got = fn(x, ids, wts)
+    assert torch.equal(got, _composed_tiled(x, ids, wts, up, down, activation))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(fn(x, ids, wts), got)
+    finally:
+        torch.set_num_threads(threads)
+    for t in (0, 7, 23):
+        assert torch.equal(fn(x[t:t + 1], ids[t:t + 1], wts[t:t + 1])[0], got[t])
+    # and close to the per-output kernel's layer (another fp32 summation, same 8-bit model)
+    other = gm.bound_experts(up, down, activation, ggml_int.default_isa(), tiled=False)
+    torch.testing.assert_close(got, other(x, ids, wts), rtol=1e-3, atol=1e-4)
