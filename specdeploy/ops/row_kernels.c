@@ -319,3 +319,32 @@ void elementwise(int op, const float *x, int64_t n, float *out, int threads) {
     }
     (void)avx2;
 }
+
+/* A depthwise causal conv1d's decode step (ops/conv.py, one token a row): per row r and
+ * channel c, the window (state[r, c, 0 .. W-2], x[r, c]) dotted with weight[c] in that order
+ * from 0, plus bias[c], then silu as `elementwise` op 3 (act 1) or nothing (act 0); the state
+ * moves on by one. Each (row, channel) by the same plain operations: batch-invariant, so a
+ * verify step's token-by-token conv rows equal decode rows. state NULL: zeros. x [R, C],
+ * state and new_state [R, C, W - 1], weight [C, W], y [R, C]. */
+void conv_step_rows(const float *x, const float *state, const float *weight, const float *bias,
+                    int64_t rows, int64_t c, int64_t width, int act, float *y,
+                    float *new_state) {
+    const int64_t s = width - 1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t ch = 0; ch < c; ch++) {
+            const float *st = state ? state + (r * c + ch) * s : 0, *w = weight + ch * width;
+            const float xv = x[r * c + ch];
+            float acc = 0.f;
+            for (int64_t i = 0; i < s; i++) acc = acc + (st ? st[i] : 0.f) * w[i];
+            acc = acc + xv * w[s];
+            if (bias) acc = acc + bias[ch];
+            if (act) {
+                const float t = exp_le0(-fabsf(acc));
+                acc = (acc * (acc >= 0.f ? 1.f : t)) / (1.f + t);
+            }
+            y[r * c + ch] = acc;
+            float *ns = new_state + (r * c + ch) * s;
+            for (int64_t i = 0; i + 1 < s; i++) ns[i] = st ? st[i + 1] : 0.f;
+            if (s) ns[s - 1] = xv;
+        }
+}

@@ -36,6 +36,7 @@ def _library() -> ctypes.CDLL | None:
         "add_rms_norm_rows": ([_P, _P, _I64, _I64, _P, _F, _P, _P, _I], None),
         "silu_mul_rows": ([_P, _I64, _I64, _I64, _P, _I], None),
         "elementwise": ([_I, _P, _I64, _P, _I], None),
+        "conv_step_rows": ([_P, _P, _P, _P, _I64, _I64, _I64, _I, _P, _P], None),
         "row_kernels_max_isa": ([_I], _I)})
     if lib is not None:
         return lib
@@ -161,3 +162,27 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor | None:
 
 def softplus(x: torch.Tensor) -> torch.Tensor | None:
     return elementwise("softplus", x)
+
+
+def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              state: torch.Tensor | None, activation: str
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A depthwise causal conv1d's decode step (row_kernels.c `conv_step_rows`): x [B, 1, C],
+    weight [C, W], state [B, C, W - 1] or None (zeros) -> (y [B, 1, C], the next state); None
+    when the kernel does not take these tensors."""
+    ts = (x, weight) + tuple(t for t in (bias, state) if t is not None)
+    if activation not in ("silu", "none") or not _usable(*ts) or x.dim() != 3 or x.shape[1] != 1:
+        return None
+    b, _, c = x.shape
+    w = weight.shape[1]
+    if weight.shape[0] != c or (state is not None and tuple(state.shape) != (b, c, w - 1)):
+        return None
+    x2, w2 = x.contiguous(), weight.contiguous()
+    b2 = None if bias is None else bias.contiguous()
+    s2 = None if state is None else state.contiguous()
+    y = torch.empty(b, 1, c, dtype=_F32)
+    new = torch.empty(b, c, w - 1, dtype=_F32)
+    _library().conv_step_rows(x2.data_ptr(), None if s2 is None else s2.data_ptr(),
+                              w2.data_ptr(), None if b2 is None else b2.data_ptr(), b, c, w,
+                              int(activation == "silu"), y.data_ptr(), new.data_ptr())
+    return y, new

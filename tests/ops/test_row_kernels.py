@@ -84,3 +84,26 @@ def test_every_simd_clone_gives_the_generic_bits(rows):
             assert torch.equal(a, e), level
     torch.testing.assert_close(want[3], torch.nn.functional.silu(gu[:, :771]) * gu[:, 771:],
                                rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("activation", ["silu", "none"])
+@pytest.mark.parametrize("with_state", [True, False])
+def test_conv_step_matches_the_reference_and_is_batch_invariant(activation, with_state):
+    """A conv1d decode step (conv_step_rows) against causal_conv1d_ref (fp32 sums of 4 terms in
+    another order: 1e-6), and each row alone the same bits as in the batch."""
+    from specdeploy.ops.conv import causal_conv1d_ref
+
+    g = torch.Generator().manual_seed(3)
+    b, c, w = 5, 72, 4
+    x, weight, bias = (torch.randn(b, 1, c, generator=g), torch.randn(c, w, generator=g),
+                       torch.randn(c, generator=g))
+    state = torch.randn(b, c, w - 1, generator=g) if with_state else None
+    y, new = rk.conv_step(x, weight, bias, state, activation)
+    want_y, want_state = causal_conv1d_ref(x, weight, bias, state, activation)
+    torch.testing.assert_close(y, want_y, rtol=1e-6, atol=1e-6)
+    assert torch.equal(new, want_state)  # a shift: exact
+    for r in range(b):
+        y1, _ = rk.conv_step(x[r:r + 1], weight, bias, None if state is None else state[r:r + 1],
+                             activation)
+        assert torch.equal(y1[0], y[r])
+    assert rk.conv_step(x, weight, bias, state, "gelu") is None  # not taken: torch runs it
