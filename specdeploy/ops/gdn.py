@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from specdeploy.ops import elementwise as ew
+from specdeploy.ops import row_kernels
 from specdeploy.ops.autograd import register_recompute_autograd
 from specdeploy.ops.scan_states import states_at
 
@@ -113,6 +114,12 @@ def gated_delta_rule_core(
     b, h, t, dk = kf.shape
     dv = vf.shape[-1]
     if t == 1:  # decode: the recurrence itself, no chunk solve
+        step = row_kernels.gdn_step(qf[:, :, 0], kf[:, :, 0], vf[:, :, 0], gf[:, :, 0],
+                                    bf[:, :, 0], initial_state)
+        if step is not None:  # one C call (row_kernels.c gdn_step_rows), decode and verify
+            o, state = step
+            at = None if state_at is None else state[state_at[:, 0].to(q.device)]
+            return DeltaOutput(o[:, None], state, state[:, None] if return_states else None, at)
         state = vf.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
         state = state * ew.exp(gf[:, :, 0, None, None])
         k0 = kf[:, :, 0]

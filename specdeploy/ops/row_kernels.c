@@ -348,3 +348,64 @@ void conv_step_rows(const float *x, const float *state, const float *weight, con
             if (s) ns[s - 1] = xv;
         }
 }
+
+/* Mamba2's SSM decode step (ops/ssm.py `_ssm_step`), per row b and head h (group h / rep):
+ * decay = e^(dt A_h) (exp_any), state[p, n] = decay * state[p, n] + (dt x[p]) * B[n],
+ * y[p] = sum_n state[p, n] C[n] (n in order) + D_h x[p]. x [R, H, P], dt [R, H] (already
+ * discretized), B / C [R, G, N], state / new_state [R, H, P, N] (state NULL: zeros). Plain
+ * operations in a fixed order per (row, head): batch-invariant (decode rows = verify rows). */
+void ssm_step_rows(const float *x, const float *dt, const float *A, const float *Bm,
+                   const float *Cm, const float *D, const float *state, int64_t rows, int64_t h,
+                   int64_t p, int64_t n, int64_t g, float *y, float *new_state, int threads) {
+    const int64_t rep = h / g;
+#pragma omp parallel for collapse(2) num_threads(threads) if (rows * h >= 64 && threads > 1)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t hh = 0; hh < h; hh++) {
+            const float d = dt[r * h + hh], decay = exp_any(d * A[hh]);
+            const float *b = Bm + (r * g + hh / rep) * n, *c = Cm + (r * g + hh / rep) * n;
+            const float *xs = x + (r * h + hh) * p;
+            for (int64_t i = 0; i < p; i++) {
+                const float *st = state ? state + ((r * h + hh) * p + i) * n : 0;
+                float *ns = new_state + ((r * h + hh) * p + i) * n;
+                const float xd = d * xs[i];
+                float acc = 0.f;
+                for (int64_t j = 0; j < n; j++) {
+                    const float s = st ? decay * st[j] + xd * b[j] : xd * b[j];
+                    ns[j] = s;
+                    acc = acc + s * c[j];
+                }
+                y[(r * h + hh) * p + i] = acc + D[hh] * xs[i];
+            }
+        }
+}
+
+/* The gated delta rule's decode step (ops/gdn.py), per row b and head h: S = e^g S (exp_any),
+ * u = (v - k^T S) beta, S += k u^T, o = q^T S; sums over the key dimension in order. q / k
+ * [R, H, K], v [R, H, V], g / beta [R, H], state / new_state [R, H, K, V] (NULL: zeros),
+ * o [R, H, V]. Batch-invariant as ssm_step_rows. */
+void gdn_step_rows(const float *q, const float *k, const float *v, const float *gate,
+                   const float *beta, const float *state, int64_t rows, int64_t h, int64_t dk,
+                   int64_t dv, float *o, float *new_state, int threads) {
+#pragma omp parallel for collapse(2) num_threads(threads) if (rows * h >= 64 && threads > 1)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t hh = 0; hh < h; hh++) {
+            const int64_t rh = r * h + hh;
+            const float e = exp_any(gate[rh]), bt = beta[rh];
+            const float *kk = k + rh * dk, *qq = q + rh * dk, *vv = v + rh * dv;
+            const float *st = state ? state + rh * dk * dv : 0;
+            float *S = new_state + rh * dk * dv, *oo = o + rh * dv;
+            for (int64_t j = 0; j < dv; j++) oo[j] = 0.f; /* k^T S first, into o */
+            for (int64_t i = 0; i < dk; i++)
+                for (int64_t j = 0; j < dv; j++) {
+                    const float s = st ? st[i * dv + j] * e : 0.f;
+                    S[i * dv + j] = s;
+                    oo[j] = oo[j] + kk[i] * s;
+                }
+            for (int64_t j = 0; j < dv; j++) oo[j] = (vv[j] - oo[j]) * bt; /* u */
+            for (int64_t i = 0; i < dk; i++)
+                for (int64_t j = 0; j < dv; j++) S[i * dv + j] = S[i * dv + j] + kk[i] * oo[j];
+            for (int64_t j = 0; j < dv; j++) oo[j] = 0.f;
+            for (int64_t i = 0; i < dk; i++)
+                for (int64_t j = 0; j < dv; j++) oo[j] = oo[j] + qq[i] * S[i * dv + j];
+        }
+}

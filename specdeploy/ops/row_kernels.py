@@ -37,6 +37,9 @@ def _library() -> ctypes.CDLL | None:
         "silu_mul_rows": ([_P, _I64, _I64, _I64, _P, _I], None),
         "elementwise": ([_I, _P, _I64, _P, _I], None),
         "conv_step_rows": ([_P, _P, _P, _P, _I64, _I64, _I64, _I, _P, _P], None),
+        "ssm_step_rows": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P,
+                           _I], None),
+        "gdn_step_rows": ([_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I], None),
         "row_kernels_max_isa": ([_I], _I)})
     if lib is not None:
         return lib
@@ -182,7 +185,56 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     s2 = None if state is None else state.contiguous()
     y = torch.empty(b, 1, c, dtype=_F32)
     new = torch.empty(b, c, w - 1, dtype=_F32)
-    _library().conv_step_rows(x2.data_ptr(), None if s2 is None else s2.data_ptr(),
-                              w2.data_ptr(), None if b2 is None else b2.data_ptr(), b, c, w,
+    _library().conv_step_rows(x2.data_ptr(), _ptr(s2), w2.data_ptr(), _ptr(b2), b, c, w,
                               int(activation == "silu"), y.data_ptr(), new.data_ptr())
     return y, new
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def ssm_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, D: torch.Tensor, state: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Mamba2's decode step (row_kernels.c `ssm_step_rows`): x [R, H, P], dt [R, H] (already
+    discretized), B / C [R, G, N], A / D [H], state [R, H, P, N] or None (zeros) -> (y [R, H, P],
+    the next state); None when the kernel does not take these tensors."""
+    ts = (x, dt, A, B, C, D) + (() if state is None else (state,))
+    if not _usable(*ts):
+        return None
+    r, h, p = x.shape
+    g, n = B.shape[1], B.shape[2]
+    if h % g or (state is not None and tuple(state.shape) != (r, h, p, n)):
+        return None
+    x, dt, A, B, C, D = (t.contiguous() for t in (x, dt, A, B, C, D))
+    state = None if state is None else state.contiguous()
+    y = torch.empty(r, h, p, dtype=_F32)
+    new = torch.empty(r, h, p, n, dtype=_F32)
+    _library().ssm_step_rows(x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(),
+                             C.data_ptr(), D.data_ptr(), _ptr(state), r, h, p, n, g,
+                             y.data_ptr(), new.data_ptr(), torch.get_num_threads())
+    return y, new
+
+
+def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, state: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The gated delta rule's decode step (row_kernels.c `gdn_step_rows`): q / k [R, H, K],
+    v [R, H, V], g / beta [R, H], state [R, H, K, V] or None -> (o [R, H, V], the next state);
+    None when the kernel does not take these tensors."""
+    ts = (q, k, v, g, beta) + (() if state is None else (state,))
+    if not _usable(*ts):
+        return None
+    r, h, dk = k.shape
+    dv = v.shape[-1]
+    if state is not None and tuple(state.shape) != (r, h, dk, dv):
+        return None
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    state = None if state is None else state.contiguous()
+    o = torch.empty(r, h, dv, dtype=_F32)
+    new = torch.empty(r, h, dk, dv, dtype=_F32)
+    _library().gdn_step_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(),
+                             beta.data_ptr(), _ptr(state), r, h, dk, dv, o.data_ptr(),
+                             new.data_ptr(), torch.get_num_threads())
+    return o, new

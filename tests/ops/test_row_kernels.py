@@ -107,3 +107,53 @@ def test_conv_step_matches_the_reference_and_is_batch_invariant(activation, with
                              activation)
         assert torch.equal(y1[0], y[r])
     assert rk.conv_step(x, weight, bias, state, "gelu") is None  # not taken: torch runs it
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_ssm_step_matches_the_torch_step_and_is_batch_invariant(with_state):
+    """Mamba2's decode step in C (ssm_step_rows) against ssm_scan_ref over one token (fp32 sums
+    of N products in another order: 1e-5), each row alone the same bits as in the batch."""
+    from specdeploy.ops.ssm import ssm_scan_ref
+
+    g = torch.Generator().manual_seed(4)
+    r, h, p, n, grp = 3, 4, 8, 16, 2
+    x, dt = torch.randn(r, 1, h, p, generator=g), torch.randn(r, 1, h, generator=g)
+    A, D = -torch.rand(h, generator=g) * 4 - 1, torch.randn(h, generator=g)
+    B, C = torch.randn(r, 1, grp, n, generator=g), torch.randn(r, 1, grp, n, generator=g)
+    dt_bias = torch.randn(h, generator=g)
+    state = torch.randn(r, h, p, n, generator=g) if with_state else None
+    from specdeploy.ops.ssm import ssm_dt
+    delta = ssm_dt(dt, dt_bias, 0.0, float("inf"))
+    y, new = rk.ssm_step(x[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], D, state)
+    want_y, want_state = ssm_scan_ref(x, dt, A, B, C, D, dt_bias, 0.0, float("inf"),
+                                      initial_state=state)
+    torch.testing.assert_close(y, want_y[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new, want_state, rtol=1e-5, atol=1e-5)
+    for i in range(r):
+        y1, s1 = rk.ssm_step(x[i:i + 1, 0], delta[i:i + 1, 0], A, B[i:i + 1, 0], C[i:i + 1, 0],
+                             D, None if state is None else state[i:i + 1])
+        assert torch.equal(y1[0], y[i]) and torch.equal(s1[0], new[i])
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_gdn_step_matches_the_reference_and_is_batch_invariant(with_state):
+    """The gated delta rule's decode step in C (gdn_step_rows) against gated_delta_rule_ref
+    over one token (1e-5), each row alone the same bits as in the batch."""
+    from specdeploy.ops.gdn import _prepare, gated_delta_rule_ref
+
+    g = torch.Generator().manual_seed(5)
+    r, h, dk, dv = 3, 4, 16, 8
+    q, k = torch.randn(r, 1, h, dk, generator=g), torch.randn(r, 1, h, dk, generator=g)
+    v = torch.randn(r, 1, h, dv, generator=g)
+    gate, beta = -torch.rand(r, 1, h, generator=g), torch.rand(r, 1, h, generator=g)
+    state = torch.randn(r, h, dk, dv, generator=g) if with_state else None
+    qf, kf, vf, gf, bf = _prepare(q, k, v, gate, beta, True, dk ** -0.5)
+    o, new = rk.gdn_step(qf[:, :, 0], kf[:, :, 0], vf[:, :, 0], gf[:, :, 0], bf[:, :, 0], state)
+    want_o, want_state = gated_delta_rule_ref(q, k, v, gate, beta, state, True, dk ** -0.5)
+    torch.testing.assert_close(o, want_o[:, 0].float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new, want_state.float(), rtol=1e-5, atol=1e-5)
+    for i in range(r):
+        o1, s1 = rk.gdn_step(qf[i:i + 1, :, 0], kf[i:i + 1, :, 0], vf[i:i + 1, :, 0],
+                             gf[i:i + 1, :, 0], bf[i:i + 1, :, 0],
+                             None if state is None else state[i:i + 1])
+        assert torch.equal(o1[0], o[i]) and torch.equal(s1[0], new[i])
