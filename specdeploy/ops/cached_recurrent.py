@@ -102,7 +102,8 @@ def run_cached(
         has_prefix = [lens[i] > 0 for i in idx]
         init = None
         if any(has_prefix):
-            init = state[slots].float()
+            # NOTE: index_select / index_copy_, not advanced indexing: ~10x less overhead a call
+            init = state.index_select(0, slots).float()
             if not all(has_prefix):
                 # NOTE: select, not multiply: a slot's previous occupant may have left inf/NaN
                 keep = torch.tensor(has_prefix, device=init.device)
@@ -124,7 +125,7 @@ def run_cached(
         if extend:
             spec_state[slots, : states.shape[1]] = states.to(spec_state.dtype)
         else:
-            state[slots] = final.to(state.dtype)
+            state.index_copy_(0, slots, final.to(state.dtype))
         if len(groups) == 1:
             return y.flatten(0, 1)[None]
         if out is None:
