@@ -30,14 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gguf_convert_check import CONVERT  # noqa: E402
+from bench.gguf_moe_blocks import CONFIG  # noqa: E402
 from bench.vs_llamacpp import LlamaCpp, cpu_info  # noqa: E402
 
-NEMOTRON = dict(hidden_size=512, hybrid_override_pattern="M*EME*E", num_hidden_layers=7,
-                mamba_num_heads=16, mamba_head_dim=64, ssm_state_size=64, n_groups=2,
-                num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
-                moe_shared_expert_intermediate_size=512, n_group=1, topk_group=1,
-                chunk_size=64, vocab_size=4096)
+NEMOTRON = dict(CONFIG, vocab_size=4096)  # bench/gguf_moe_blocks.py's mid-size NemotronH MoE
 QWEN = dict(hidden_size=512, num_hidden_layers=8, layer_types=["linear_attention"] * 3 + [
     "full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
     num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,

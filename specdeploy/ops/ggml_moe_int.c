@@ -20,6 +20,23 @@ typedef void (*silu_mul_fn)(const float *x, int64_t rows, int64_t n, int64_t x_s
 
 enum { ACT_SWIGLU = 0, ACT_RELU2 = 1 };
 
+/* The P (token, slot) pairs sorted by expert, stably: expert e's are order[start[e] ..
+ * start[e + 1]) (start: E + 1 zeros in), pos[p] = pair p's place; -1 without memory. */
+static int sort_pairs(const int64_t *ids, size_t P, int E, size_t *start, size_t *order,
+                      size_t *pos) {
+    size_t *fill = (size_t *)malloc(((size_t)E + 1) * sizeof(size_t));
+    if (!fill) return -1;
+    for (size_t p = 0; p < P; p++) start[ids[p] + 1]++;
+    for (int e = 0; e < E; e++) start[e + 1] += start[e];
+    memcpy(fill, start, ((size_t)E + 1) * sizeof(size_t));
+    for (size_t p = 0; p < P; p++) {
+        pos[p] = fill[ids[p]]++;
+        order[pos[p]] = p;
+    }
+    free(fill);
+    return 0;
+}
+
 /* ggml_tiled.c's ggml_tiled_linear: y[R, N] = x[R, K] @ W^T over a tiled copy of the blocks */
 typedef int (*tiled_fn)(int kind, int isa, const float *x, int R, int K, const uint8_t *w, int N,
                         float *y, int nthreads);
@@ -77,20 +94,9 @@ int ggml_moe_tiled(int kind_up, int kind_down, int isa, const float *x, int T, i
         return -1;
     }
     float *xg = fs, *hup = xg + P * H, *hact = hup + P * N_up, *ydown = hact + P * I;
-    for (size_t p = 0; p < P; p++) start[ids[p] + 1]++;
-    for (int e = 0; e < E; e++) start[e + 1] += start[e];
-    {
-        size_t *fill = (size_t *)malloc(((size_t)E + 1) * sizeof(size_t));
-        if (!fill) {
-            free(start), free(order), free(pos), free(fs);
-            return -1;
-        }
-        memcpy(fill, start, ((size_t)E + 1) * sizeof(size_t));
-        for (size_t p = 0; p < P; p++) {
-            pos[p] = fill[ids[p]]++;
-            order[pos[p]] = p;
-        }
-        free(fill);
+    if (sort_pairs(ids, P, E, start, order, pos)) {
+        free(start), free(order), free(pos), free(fs);
+        return -1;
     }
     for (size_t i = 0; i < P; i++)
         memcpy(xg + i * H, x + (order[i] / k) * H, (size_t)H * sizeof(float));
@@ -150,20 +156,9 @@ int ggml_moe_int(int kind_up, int kind_down, int isa, const float *x, int T, int
     float *da = sx + (size_t)T * nbh, *sa = da + P * nbh; /* ... gathered per pair */
     float *dh = sa + P * nbh, *sh = dh + P * nbi;     /* the activations quantized */
     float *hup = sh + P * nbi, *hact = hup + P * N_up, *ydown = hact + P * I;
-    for (size_t p = 0; p < P; p++) start[ids[p] + 1]++;
-    for (int e = 0; e < E; e++) start[e + 1] += start[e];
-    {
-        size_t *fill = (size_t *)malloc(((size_t)E + 1) * sizeof(size_t));
-        if (!fill) {
-            free(start), free(order), free(pos), free(qx), free(qa), free(fs);
-            return -1;
-        }
-        memcpy(fill, start, ((size_t)E + 1) * sizeof(size_t));
-        for (size_t p = 0; p < P; p++) {
-            pos[p] = fill[ids[p]]++;
-            order[pos[p]] = p;
-        }
-        free(fill);
+    if (sort_pairs(ids, P, E, start, order, pos)) {
+        free(start), free(order), free(pos), free(qx), free(qa), free(fs);
+        return -1;
     }
 #pragma omp parallel num_threads(nthreads)
     {
