@@ -1,9 +1,9 @@
 """A MoE layer's routed experts on GGUF blocks in one C call (`ggml_moe_int.c`): the integer-dot
 kernels ("fast") over every chosen expert, the activation and the weighted sum per token, in
-one OpenMP region; Q4_0 / Q4_1 / Q8_0 experts on tiled copies (ggml_tiled.c, per expert its own
-region). `deploy/passes/ggml_experts.py` uses it with `kernels="fast"`; where it
-cannot be built (or the row kernels' SiLU is missing) the per-expert loop of ggml_linear_int
-calls stays. SPECDEPLOY_GGML_MOE=0 turns it off.
+one OpenMP region; Q4_0 / Q4_1 / Q8_0 experts on tiled copies (ggml_tiled.c's grouped call: an
+OpenMP region for all the up matrices, one for the down ones). `deploy/passes/ggml_experts.py`
+uses it with `kernels="fast"`; where it cannot be built (or the row kernels' SiLU is missing)
+the per-expert loop of ggml_linear_int calls stays. SPECDEPLOY_GGML_MOE=0 turns it off.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.silu_mul = ctypes.cast(rows.silu_mul_rows, _P).value
     lib.tiled = None
     if ggml_tiled.kernel_unavailable() is None:
-        lib.tiled = ctypes.cast(ggml_tiled._lib().ggml_tiled_linear, _P).value
+        lib.tiled = ctypes.cast(ggml_tiled._lib().ggml_tiled_grouped, _P).value
     return lib, None
 
 

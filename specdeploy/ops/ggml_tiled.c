@@ -658,3 +658,56 @@ int ggml_tiled_linear(int kind, int isa, const float *x, int R, int K, const uin
     free(scratch);
     return 0;
 }
+
+/* ggml_tiled_linear over E weights at once (a MoE layer's experts, ops/ggml_moe_int.c): x's
+ * rows grouped by weight, rows start[e] .. start[e + 1] through weight e (at w + e * stride),
+ * y [R, N]; the rows quantized once and every weight's tiles in one OpenMP region. Each row's
+ * outputs are those of ggml_tiled_linear on that weight (the same operations per lane, AMX
+ * where a weight's rows reach its threshold). Returns as ggml_tiled_linear. */
+int ggml_tiled_grouped(int kind, int isa, const float *x, int R, int K, const int64_t *start,
+                       int E, const uint8_t *w, int64_t stride, int N, float *y, int nthreads) {
+    if (!ggml_tiled_isa_supported(isa)) return -2;
+    if (N % TILE) return -3;
+    const int nb = K / 32, tiles = N / TILE;
+    int amx_any = 0;
+    for (int e = 0; e < E; e++) {
+        const int64_t n = start[e + 1] - start[e];
+        amx_any |= isa == ISA_AVX512 && amx_min_rows[kind] && n >= amx_min_rows[kind];
+    }
+    const size_t qbytes = ((size_t)R * K + 63) / 64 * 64;
+    const size_t fbytes = (12 * (size_t)R * nb + 63) / 64 * 64;
+    const size_t wbytes = amx_any && kind != Q8_0 ? (size_t)nb * 512 : 0;
+    const int nt_max = nthreads > 0 ? nthreads : 1;
+    uint8_t *scratch = (uint8_t *)aligned_alloc(64, qbytes + fbytes + wbytes * nt_max + 64);
+    if (!scratch) return -1;
+    float *d = (float *)(scratch + qbytes), *s = d + (size_t)R * nb;
+    int32_t *S = (int32_t *)(s + (size_t)R * nb);
+#ifdef SD_X86
+    if (isa == ISA_AVX2 || isa == ISA_AVX512)
+        quantize_rows_avx2(x, R, K, (int8_t *)scratch, d, s, S);
+    else
+#endif
+        quantize_rows(x, R, K, (int8_t *)scratch, d, s, S);
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const int per = (tiles + nt - 1) / nt;
+        const int t0 = t * per, t1 = t0 + per < tiles ? t0 + per : tiles;
+        uint8_t *wb = scratch + qbytes + fbytes + wbytes * (size_t)(t < nt_max ? t : 0);
+        for (int e = 0; e < E && t0 < t1; e++) {
+            const int64_t s0 = start[e], n = start[e + 1] - s0;
+            if (!n) continue;
+            const int amx = isa == ISA_AVX512 && amx_min_rows[kind] && n >= amx_min_rows[kind];
+            const act_t a = {(const int8_t *)scratch + s0 * K, d + s0 * nb, s + s0 * nb,
+                             S + s0 * nb};
+            run_tiles(kind, isa, amx, wb, &a, (int)n, K, w + (size_t)e * stride, t0, t1, N,
+                      y + (size_t)s0 * N);
+        }
+    }
+    free(scratch);
+    return 0;
+}

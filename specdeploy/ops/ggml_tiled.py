@@ -60,6 +60,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     # NOTE: a compiler without OpenMP still gets a 1-thread kernel (load_compiled's 2nd try)
     lib, errors = _gl.load_compiled("ggml_tiled", SOURCE, _FLAGS, {
         "ggml_tiled_linear": ([_I, _I, _P, _I, _I, _P, _I, _P, _I], _I),
+        "ggml_tiled_grouped": ([_I, _I, _P, _I, _I, _P, _I, _P, ctypes.c_int64, _I, _P, _I],
+                               _I),
         "ggml_tiled_isa_supported": ([_I], _I), "ggml_tiled_amx_usable": ([], _I),
         "ggml_tiled_amx_min_rows": ([_I, _I], _I),
         "ggml_tiled_repack": ([_I, _P, _I, _I, _P, _I, _I], None),
