@@ -25,8 +25,14 @@ import torch
 
 from specdeploy.cache.metadata import SEG_EXTEND
 from specdeploy.ops.conv import causal_conv1d_core
-from specdeploy.ops.gdn import gated_delta_rule_core
+from specdeploy.ops.gdn import _prepare, gated_delta_rule_core
+from specdeploy.ops.row_kernels import conv_step, gdn_step, ssm_step
 from specdeploy.ops.ssm import ssm_dt, ssm_scan_core
+
+# step(inputs [S, 1, ...] each, state [slots, ...], slot_idx [S]) -> y [S, 1, ...] or None: a
+#   decode step that reads and writes the rows `slot_idx` of the cache's state in place (the
+#   bits of `core`'s one-token form, which verify steps run); None when it cannot run
+Step = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 # core(inputs [S', n, ...] each, initial_state [S', ...] or None, return_states, state_at
 #   [W, 2] (row, token) or None) ->
@@ -77,12 +83,20 @@ def run_cached(
     cu_seqlens_host: torch.Tensor, cache_lens_host: torch.Tensor, slot_idx: torch.Tensor,
     seg_kind_host: torch.Tensor, core: Core, ckpt: torch.Tensor | None = None,
     ckpt_tokens_host: torch.Tensor | None = None, ckpt_slots: torch.Tensor | None = None,
+    step: Step | None = None,
 ) -> torch.Tensor:
-    """Drive `core` over the segments of a flattened batch; inputs are [1, T, ...]."""
+    """Drive `core` over the segments of a flattened batch; inputs are [1, T, ...]. A step of
+    decodes only (one token each, every one with a cached state, no checkpoint) goes to `step`
+    where it can run: no gather, copy and scatter of the states."""
     cu = cu_seqlens_host.tolist()
     lens = cache_lens_host.tolist()
     kinds = seg_kind_host.tolist()
     ckpt_tokens = [] if ckpt is None or ckpt_tokens_host is None else ckpt_tokens_host.tolist()
+    if (step is not None and cu[-1] == len(kinds) and not ckpt_tokens and SEG_EXTEND not in kinds
+            and 0 not in lens):
+        y = step([x[0, :, None] for x in inputs], state, slot_idx)
+        if y is not None:
+            return y[None, :, 0]
     groups = _groups(cu, kinds)
     dev = slot_idx.device
     out = None
@@ -154,8 +168,13 @@ def cached_causal_conv1d(
         out = causal_conv1d_core(xs[0], weight, bias, init, activation, return_states, state_at)
         return out.y, out.final_state, out.states, out.at
 
+    def step(xs, state, slots):  # the one-token form of `core`, in place (conv_step_rows)
+        out = conv_step(xs[0], weight, bias, state, activation, slots)
+        return None if out is None else out[0]
+
     return run_cached([x], conv_state, spec_state, cu_seqlens_host, cache_lens_host, slot_idx,
-                      seg_kind_host, core, ckpt, ckpt_tokens_host, ckpt_slots)
+                      seg_kind_host, core, ckpt, ckpt_tokens_host, ckpt_slots,
+                      step=step)
 
 
 @cached_causal_conv1d.register_fake
@@ -182,8 +201,15 @@ def cached_ssm_scan(
                             init, return_states, state_at)
         return out.y.to(x.dtype), out.final_state, out.states, out.at
 
+    def step(xs, state, slots):  # `core` at one token (ssm.py _ssm_step), in place
+        xx, dd, bb, cc = xs
+        delta = ssm_dt(dd, dt_bias, dt_min, dt_max)
+        out = ssm_step(xx[:, 0], delta[:, 0], A, bb[:, 0], cc[:, 0], D, state, slots)
+        return None if out is None else out[0][:, None].to(x.dtype)
+
     return run_cached([x, dt, B, C], ssm_state, spec_state, cu_seqlens_host, cache_lens_host,
-                      slot_idx, seg_kind_host, core, ckpt, ckpt_tokens_host, ckpt_slots)
+                      slot_idx, seg_kind_host, core, ckpt, ckpt_tokens_host, ckpt_slots,
+                      step=step)
 
 
 @cached_ssm_scan.register_fake
@@ -209,9 +235,15 @@ def cached_gated_delta_rule(
                                     state_at)
         return out.o.to(q.dtype), out.final_state, out.states, out.at
 
+    def step(xs, state, slots):  # `core` at one token (gdn.py), in place
+        qf, kf, vf, gf, bf = _prepare(*xs, use_qk_l2norm, scale)
+        out = gdn_step(qf[:, :, 0], kf[:, :, 0], vf[:, :, 0], gf[:, :, 0], bf[:, :, 0], state,
+                       slots)
+        return None if out is None else out[0][:, None].to(q.dtype)
+
     return run_cached([q, k, v, g, beta], gdn_state, spec_state, cu_seqlens_host,
                       cache_lens_host, slot_idx, seg_kind_host, core, ckpt, ckpt_tokens_host,
-                      ckpt_slots)
+                      ckpt_slots, step=step)
 
 
 @cached_gated_delta_rule.register_fake

@@ -79,6 +79,9 @@ def _gated_rms_norm_kernel(
     group_size: int,
     norm_before_gate: bool,
 ) -> torch.Tensor:
+    out = row_kernels.gated_rms_norm(x, gate, weight, eps, group_size, norm_before_gate)
+    if out is not None:  # CPU fp32: one C call (row_kernels.c), each row on its own
+        return out
     # NOTE: the gate's SiLU by ops/elementwise.py (the same bits wherever a row sits)
     return _gated(x, gate, weight, eps, group_size, norm_before_gate, ew.silu)
 

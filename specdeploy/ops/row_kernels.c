@@ -12,6 +12,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* one row's RMSNorm: eight partial sums of squares (lane j: elements j, j + 8, ...), a fixed
  * tree over them, then x * inv * w. Plain mul / add (-ffp-contract=off), so the generic and the
@@ -320,19 +323,33 @@ void elementwise(int op, const float *x, int64_t n, float *out, int threads) {
     (void)avx2;
 }
 
+/* The recurrent layers' decode steps. Each row's state is read at row `slots[r]` of `state`
+ * and written at row `slots[r]` of `new_state` (slots NULL: row r of each). With slots and
+ * new_state == state the step updates the cache's slots in place: every state element is read
+ * before its own write, and no other element reads it, so the bits are those of the copy form
+ * (run_cached's decode steps skip a gather, a copy and a scatter of each state). state NULL:
+ * zeros. Every (row, channel / head) by the same plain operations in a fixed order whatever
+ * the rows beside it and the thread count: batch-invariant, so a verify step's token-by-token
+ * rows equal decode rows; the generic, AVX2 and AVX-512 clones give the same bits
+ * (-ffp-contract=off, no reassociation). */
+
+static inline int64_t slot_row(const int64_t *slots, int64_t r) { return slots ? slots[r] : r; }
+
+/* parallel over rows x heads when a step's state is big enough to pay for the threads */
+#define STEP_THREADS(work) ((work) >= (int64_t)1 << 16 && threads > 1)
+
 /* A depthwise causal conv1d's decode step (ops/conv.py, one token a row): per row r and
  * channel c, the window (state[r, c, 0 .. W-2], x[r, c]) dotted with weight[c] in that order
  * from 0, plus bias[c], then silu as `elementwise` op 3 (act 1) or nothing (act 0); the state
- * moves on by one. Each (row, channel) by the same plain operations: batch-invariant, so a
- * verify step's token-by-token conv rows equal decode rows. state NULL: zeros. x [R, C],
- * state and new_state [R, C, W - 1], weight [C, W], y [R, C]. */
-void conv_step_rows(const float *x, const float *state, const float *weight, const float *bias,
-                    int64_t rows, int64_t c, int64_t width, int act, float *y,
-                    float *new_state) {
+ * moves on by one. x [R, C], state and new_state [*, C, W - 1], weight [C, W], y [R, C]. */
+void conv_step_rows(const float *x, const float *state, const int64_t *slots,
+                    const float *weight, const float *bias, int64_t rows, int64_t c,
+                    int64_t width, int act, float *y, float *new_state) {
     const int64_t s = width - 1;
-    for (int64_t r = 0; r < rows; r++)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t sr = slot_row(slots, r);
         for (int64_t ch = 0; ch < c; ch++) {
-            const float *st = state ? state + (r * c + ch) * s : 0, *w = weight + ch * width;
+            const float *st = state ? state + (sr * c + ch) * s : 0, *w = weight + ch * width;
             const float xv = x[r * c + ch];
             float acc = 0.f;
             for (int64_t i = 0; i < s; i++) acc = acc + (st ? st[i] : 0.f) * w[i];
@@ -343,69 +360,234 @@ void conv_step_rows(const float *x, const float *state, const float *weight, con
                 acc = (acc * (acc >= 0.f ? 1.f : t)) / (1.f + t);
             }
             y[r * c + ch] = acc;
-            float *ns = new_state + (r * c + ch) * s;
+            float *ns = new_state + (sr * c + ch) * s;
             for (int64_t i = 0; i + 1 < s; i++) ns[i] = st ? st[i + 1] : 0.f;
             if (s) ns[s - 1] = xv;
         }
+    }
 }
 
-/* Mamba2's SSM decode step (ops/ssm.py `_ssm_step`), per row b and head h (group h / rep):
- * decay = e^(dt A_h) (exp_any), state[p, n] = decay * state[p, n] + (dt x[p]) * B[n],
- * y[p] = sum_n state[p, n] C[n] (n in order) + D_h x[p]. x [R, H, P], dt [R, H] (already
- * discretized), B / C [R, G, N], state / new_state [R, H, P, N] (state NULL: zeros). Plain
- * operations in a fixed order per (row, head): batch-invariant (decode rows = verify rows). */
+/* Mamba2's SSM decode step for one (row, head): state[p, n] = decay * state[p, n] + (dt x[p])
+ * B[n], y[p] = sum_n state[p, n] C[n] + D x[p]; the sum in eight lanes (lane l: n = l, l + 8,
+ * ...) then a fixed tree, so it vectorizes (a serial sum of 128 terms was ~0.15 ms a step
+ * here, 2026-12-06). */
+#define SSM_HEAD_BODY                                                                          \
+    for (int64_t i = 0; i < p; i++) {                                                          \
+        const float *st = state ? state + i * n : 0;                                           \
+        float *ns = new_state + i * n;                                                         \
+        const float xd = d * xs[i];                                                            \
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                               \
+        int64_t j = 0;                                                                         \
+        if (st) {                                                                              \
+            for (; j + 8 <= n; j += 8)                                                         \
+                for (int l = 0; l < 8; l++) {                                                  \
+                    const float v = decay * st[j + l] + xd * b[j + l];                         \
+                    ns[j + l] = v;                                                             \
+                    acc[l] = acc[l] + v * c[j + l];                                            \
+                }                                                                              \
+            for (int l = 0; j < n; j++, l++) {                                                 \
+                const float v = decay * st[j] + xd * b[j];                                     \
+                ns[j] = v;                                                                     \
+                acc[l] = acc[l] + v * c[j];                                                    \
+            }                                                                                  \
+        } else {                                                                               \
+            for (; j + 8 <= n; j += 8)                                                         \
+                for (int l = 0; l < 8; l++) {                                                  \
+                    const float v = xd * b[j + l];                                             \
+                    ns[j + l] = v;                                                             \
+                    acc[l] = acc[l] + v * c[j + l];                                            \
+                }                                                                              \
+            for (int l = 0; j < n; j++, l++) {                                                 \
+                const float v = xd * b[j];                                                     \
+                ns[j] = v;                                                                     \
+                acc[l] = acc[l] + v * c[j];                                                    \
+            }                                                                                  \
+        }                                                                                      \
+        const float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) +                            \
+                          ((acc[2] + acc[6]) + (acc[3] + acc[7]));                             \
+        y[i] = sum + dd * xs[i];                                                               \
+    }
+
+#define SSM_HEAD_ARGS                                                                          \
+    const float *xs, float d, float decay, float dd, const float *b, const float *c,          \
+        const float *state, int64_t p, int64_t n, float *y, float *new_state
+
+static void ssm_head_generic(SSM_HEAD_ARGS) { SSM_HEAD_BODY }
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static void ssm_head_avx2(SSM_HEAD_ARGS) { SSM_HEAD_BODY }
+
+__attribute__((target("avx2,avx512f,avx512vl"))) static void ssm_head_avx512(SSM_HEAD_ARGS) {
+    SSM_HEAD_BODY
+}
+#endif
+
+/* per row r and head h (group h / rep): decay = e^(dt A_h) (exp_any). x [R, H, P], dt [R, H]
+ * (already discretized), B / C [R, G, N], state / new_state [*, H, P, N], y [R, H, P]. */
 void ssm_step_rows(const float *x, const float *dt, const float *A, const float *Bm,
-                   const float *Cm, const float *D, const float *state, int64_t rows, int64_t h,
-                   int64_t p, int64_t n, int64_t g, float *y, float *new_state, int threads) {
-    const int64_t rep = h / g;
-#pragma omp parallel for collapse(2) num_threads(threads) if (rows * h >= 64 && threads > 1)
+                   const float *Cm, const float *D, const float *state, const int64_t *slots,
+                   int64_t rows, int64_t h, int64_t p, int64_t n, int64_t g, float *y,
+                   float *new_state, int threads) {
+    const int64_t rep = h / g, hs = p * n;
+    const int avx2 = have_avx2(), avx512 = have_avx512();
+#pragma omp parallel for collapse(2) num_threads(threads) if (STEP_THREADS(rows * h * hs))
     for (int64_t r = 0; r < rows; r++)
         for (int64_t hh = 0; hh < h; hh++) {
             const float d = dt[r * h + hh], decay = exp_any(d * A[hh]);
             const float *b = Bm + (r * g + hh / rep) * n, *c = Cm + (r * g + hh / rep) * n;
+            const int64_t sh = slot_row(slots, r) * h + hh;
+            const float *st = state ? state + sh * hs : 0;
+            float *ns = new_state + sh * hs, *yy = y + (r * h + hh) * p;
             const float *xs = x + (r * h + hh) * p;
-            for (int64_t i = 0; i < p; i++) {
-                const float *st = state ? state + ((r * h + hh) * p + i) * n : 0;
-                float *ns = new_state + ((r * h + hh) * p + i) * n;
-                const float xd = d * xs[i];
-                float acc = 0.f;
-                for (int64_t j = 0; j < n; j++) {
-                    const float s = st ? decay * st[j] + xd * b[j] : xd * b[j];
-                    ns[j] = s;
-                    acc = acc + s * c[j];
-                }
-                y[(r * h + hh) * p + i] = acc + D[hh] * xs[i];
+#if defined(__x86_64__)
+            if (avx512) {
+                ssm_head_avx512(xs, d, decay, D[hh], b, c, st, p, n, yy, ns);
+                continue;
             }
+            if (avx2) {
+                ssm_head_avx2(xs, d, decay, D[hh], b, c, st, p, n, yy, ns);
+                continue;
+            }
+#endif
+            ssm_head_generic(xs, d, decay, D[hh], b, c, st, p, n, yy, ns);
         }
+    (void)avx2;
+    (void)avx512;
 }
 
-/* The gated delta rule's decode step (ops/gdn.py), per row b and head h: S = e^g S (exp_any),
- * u = (v - k^T S) beta, S += k u^T, o = q^T S; sums over the key dimension in order. q / k
- * [R, H, K], v [R, H, V], g / beta [R, H], state / new_state [R, H, K, V] (NULL: zeros),
- * o [R, H, V]. Batch-invariant as ssm_step_rows. */
+/* The gated delta rule's decode step for one (row, head) (ops/gdn.py): S = e^g S (exp_any),
+ * u = (v - k^T S) beta, S += k u^T, o = q^T S; sums over the key dimension in order (each
+ * output column on its own: the loops over the value dimension vectorize). */
+#define GDN_HEAD_BODY                                                                          \
+    for (int64_t j = 0; j < dv; j++) oo[j] = 0.f; /* k^T S first, into o */                   \
+    for (int64_t i = 0; i < dk; i++)                                                           \
+        for (int64_t j = 0; j < dv; j++) {                                                     \
+            const float s = st ? st[i * dv + j] * e : 0.f;                                     \
+            S[i * dv + j] = s;                                                                 \
+            oo[j] = oo[j] + kk[i] * s;                                                         \
+        }                                                                                      \
+    for (int64_t j = 0; j < dv; j++) oo[j] = (vv[j] - oo[j]) * bt; /* u */                    \
+    for (int64_t i = 0; i < dk; i++)                                                           \
+        for (int64_t j = 0; j < dv; j++) S[i * dv + j] = S[i * dv + j] + kk[i] * oo[j];        \
+    for (int64_t j = 0; j < dv; j++) oo[j] = 0.f;                                              \
+    for (int64_t i = 0; i < dk; i++)                                                           \
+        for (int64_t j = 0; j < dv; j++) oo[j] = oo[j] + qq[i] * S[i * dv + j];
+
+#define GDN_HEAD_ARGS                                                                          \
+    const float *qq, const float *kk, const float *vv, float e, float bt, const float *st,    \
+        int64_t dk, int64_t dv, float *oo, float *S
+
+static void gdn_head_generic(GDN_HEAD_ARGS) { GDN_HEAD_BODY }
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static void gdn_head_avx2(GDN_HEAD_ARGS) { GDN_HEAD_BODY }
+
+__attribute__((target("avx2,avx512f,avx512vl"))) static void gdn_head_avx512(GDN_HEAD_ARGS) {
+    GDN_HEAD_BODY
+}
+#endif
+
+/* per row r and head h: q / k [R, H, K], v [R, H, V], g / beta [R, H], state / new_state
+ * [*, H, K, V], o [R, H, V]. */
 void gdn_step_rows(const float *q, const float *k, const float *v, const float *gate,
-                   const float *beta, const float *state, int64_t rows, int64_t h, int64_t dk,
-                   int64_t dv, float *o, float *new_state, int threads) {
-#pragma omp parallel for collapse(2) num_threads(threads) if (rows * h >= 64 && threads > 1)
+                   const float *beta, const float *state, const int64_t *slots, int64_t rows,
+                   int64_t h, int64_t dk, int64_t dv, float *o, float *new_state, int threads) {
+    const int avx2 = have_avx2(), avx512 = have_avx512();
+#pragma omp parallel for collapse(2) num_threads(threads) if (STEP_THREADS(rows * h * dk * dv))
     for (int64_t r = 0; r < rows; r++)
         for (int64_t hh = 0; hh < h; hh++) {
-            const int64_t rh = r * h + hh;
+            const int64_t rh = r * h + hh, sh = slot_row(slots, r) * h + hh;
             const float e = exp_any(gate[rh]), bt = beta[rh];
             const float *kk = k + rh * dk, *qq = q + rh * dk, *vv = v + rh * dv;
-            const float *st = state ? state + rh * dk * dv : 0;
-            float *S = new_state + rh * dk * dv, *oo = o + rh * dv;
-            for (int64_t j = 0; j < dv; j++) oo[j] = 0.f; /* k^T S first, into o */
-            for (int64_t i = 0; i < dk; i++)
-                for (int64_t j = 0; j < dv; j++) {
-                    const float s = st ? st[i * dv + j] * e : 0.f;
-                    S[i * dv + j] = s;
-                    oo[j] = oo[j] + kk[i] * s;
-                }
-            for (int64_t j = 0; j < dv; j++) oo[j] = (vv[j] - oo[j]) * bt; /* u */
-            for (int64_t i = 0; i < dk; i++)
-                for (int64_t j = 0; j < dv; j++) S[i * dv + j] = S[i * dv + j] + kk[i] * oo[j];
-            for (int64_t j = 0; j < dv; j++) oo[j] = 0.f;
-            for (int64_t i = 0; i < dk; i++)
-                for (int64_t j = 0; j < dv; j++) oo[j] = oo[j] + qq[i] * S[i * dv + j];
+            const float *st = state ? state + sh * dk * dv : 0;
+            float *S = new_state + sh * dk * dv, *oo = o + rh * dv;
+#if defined(__x86_64__)
+            if (avx512) {
+                gdn_head_avx512(qq, kk, vv, e, bt, st, dk, dv, oo, S);
+                continue;
+            }
+            if (avx2) {
+                gdn_head_avx2(qq, kk, vv, e, bt, st, dk, dv, oo, S);
+                continue;
+            }
+#endif
+            gdn_head_generic(qq, kk, vv, e, bt, st, dk, dv, oo, S);
         }
+    (void)avx2;
+    (void)avx512;
+}
+
+/* Gated RMSNorm over groups of `group` columns (ops/norm.py): sg = silu(gate) as
+ * `elementwise` op 3; norm_before_gate 0 (Mamba2): v = x sg, out = (v inv) w; 1 (GDN):
+ * out = ((x inv) w) sg; inv = 1 / sqrt(sum(v^2) / group + eps) with the sum as RMSNorm's
+ * (eight lanes, a fixed tree). x / gate rows `x_stride` / `g_stride` apart, out [R, N]. */
+#define GATED_ROW_BODY                                                                         \
+    for (int64_t i = 0; i < n; i++) {                                                          \
+        const float t = exp_le0(-fabsf(gt[i]));                                                \
+        sg[i] = (gt[i] * (gt[i] >= 0.f ? 1.f : t)) / (1.f + t);                                \
+        v[i] = nbg ? xr[i] : xr[i] * sg[i];                                                    \
+    }                                                                                          \
+    for (int64_t g0 = 0; g0 < n; g0 += group) {                                                \
+        const float *vg = v + g0;                                                              \
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                               \
+        int64_t i = 0;                                                                         \
+        for (; i + 8 <= group; i += 8)                                                         \
+            for (int j = 0; j < 8; j++) acc[j] += vg[i + j] * vg[i + j];                       \
+        for (int j = 0; i < group; i++, j++) acc[j] += vg[i] * vg[i];                          \
+        const float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) +                              \
+                        ((acc[2] + acc[6]) + (acc[3] + acc[7]));                               \
+        const float inv = 1.0f / sqrtf(s / (float)group + eps);                                \
+        for (i = 0; i < group; i++) {                                                          \
+            const float on = (vg[i] * inv) * w[g0 + i];                                        \
+            o[g0 + i] = nbg ? on * sg[g0 + i] : on;                                            \
+        }                                                                                      \
+    }
+
+#define GATED_ROW_ARGS                                                                         \
+    const float *xr, const float *gt, int64_t n, int64_t group, const float *w, float eps,    \
+        int nbg, float *sg, float *v, float *o
+
+static void gated_row_generic(GATED_ROW_ARGS) { GATED_ROW_BODY }
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static void gated_row_avx2(GATED_ROW_ARGS) { GATED_ROW_BODY }
+
+__attribute__((target("avx2,avx512f,avx512vl"))) static void gated_row_avx512(GATED_ROW_ARGS) {
+    GATED_ROW_BODY
+}
+#endif
+
+/* scratch: 2 n floats per thread (the gate's silu and the gated values) */
+void gated_rms_norm_rows(const float *x, int64_t x_stride, const float *gate, int64_t g_stride,
+                         int64_t rows, int64_t n, int64_t group, const float *w, float eps,
+                         int nbg, float *out, float *scratch, int threads) {
+    const int avx2 = have_avx2(), avx512 = have_avx512();
+    const int nt = rows >= 64 && threads > 1 ? threads : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#ifdef _OPENMP
+        float *sg = scratch + 2 * n * (int64_t)omp_get_thread_num();
+#else
+        float *sg = scratch;
+#endif
+        float *v = sg + n;
+#pragma omp for
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xr = x + r * x_stride, *gt = gate + r * g_stride;
+            float *o = out + r * n;
+#if defined(__x86_64__)
+            if (avx512) {
+                gated_row_avx512(xr, gt, n, group, w, eps, nbg, sg, v, o);
+                continue;
+            }
+            if (avx2) {
+                gated_row_avx2(xr, gt, n, group, w, eps, nbg, sg, v, o);
+                continue;
+            }
+#endif
+            gated_row_generic(xr, gt, n, group, w, eps, nbg, sg, v, o);
+        }
+    }
+    (void)avx2;
+    (void)avx512;
 }

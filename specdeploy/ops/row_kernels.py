@@ -36,10 +36,13 @@ def _library() -> ctypes.CDLL | None:
         "add_rms_norm_rows": ([_P, _P, _I64, _I64, _P, _F, _P, _P, _I], None),
         "silu_mul_rows": ([_P, _I64, _I64, _I64, _P, _I], None),
         "elementwise": ([_I, _P, _I64, _P, _I], None),
-        "conv_step_rows": ([_P, _P, _P, _P, _I64, _I64, _I64, _I, _P, _P], None),
-        "ssm_step_rows": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P,
-                           _I], None),
-        "gdn_step_rows": ([_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I], None),
+        "conv_step_rows": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I, _P, _P], None),
+        "ssm_step_rows": ([_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P,
+                           _P, _I], None),
+        "gdn_step_rows": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I],
+                          None),
+        "gated_rms_norm_rows": ([_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _F, _I, _P, _P, _I],
+                                None),
         "row_kernels_max_isa": ([_I], _I)})
     if lib is not None:
         return lib
@@ -167,26 +170,44 @@ def softplus(x: torch.Tensor) -> torch.Tensor | None:
     return elementwise("softplus", x)
 
 
+def _slot_state(state: torch.Tensor | None, slots: torch.Tensor | None, rows: int,
+                shape: tuple[int, ...]) -> tuple[torch.Tensor | None, int | None] | None:
+    """(the state to read, the slot indices' pointer) for a step: with `slots`, `state` is the
+    cache's whole slot tensor [S, *shape], updated in place at those rows; else a [rows, *shape]
+    tensor or None (zeros). None when the step cannot take them."""
+    if slots is None:
+        if state is not None and tuple(state.shape) != (rows, *shape):
+            return None
+        return (None if state is None else state.contiguous()), None
+    if (state is None or tuple(state.shape[1:]) != shape or not state.is_contiguous()
+            or slots.dtype is not torch.int64 or slots.device.type != "cpu"
+            or tuple(slots.shape) != (rows,) or not slots.is_contiguous()):
+        return None
+    return state, slots.data_ptr()
+
+
 def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              state: torch.Tensor | None, activation: str
+              state: torch.Tensor | None, activation: str, slots: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A depthwise causal conv1d's decode step (row_kernels.c `conv_step_rows`): x [B, 1, C],
-    weight [C, W], state [B, C, W - 1] or None (zeros) -> (y [B, 1, C], the next state); None
-    when the kernel does not take these tensors."""
+    weight [C, W], state [B, C, W - 1] or None (zeros) -> (y [B, 1, C], the next state). With
+    `slots` [B] (int64), `state` is the cache's [S, C, W - 1], moved on in place at those rows
+    and returned as the next state. None when the kernel does not take these tensors."""
     ts = (x, weight) + tuple(t for t in (bias, state) if t is not None)
     if activation not in ("silu", "none") or not _usable(*ts) or x.dim() != 3 or x.shape[1] != 1:
         return None
     b, _, c = x.shape
     w = weight.shape[1]
-    if weight.shape[0] != c or (state is not None and tuple(state.shape) != (b, c, w - 1)):
+    st = _slot_state(state, slots, b, (c, w - 1)) if weight.shape[0] == c else None
+    if st is None:
         return None
+    s2, slot_ptr = st
     x2, w2 = x.contiguous(), weight.contiguous()
     b2 = None if bias is None else bias.contiguous()
-    s2 = None if state is None else state.contiguous()
     y = torch.empty(b, 1, c, dtype=_F32)
-    new = torch.empty(b, c, w - 1, dtype=_F32)
-    _library().conv_step_rows(x2.data_ptr(), _ptr(s2), w2.data_ptr(), _ptr(b2), b, c, w,
-                              int(activation == "silu"), y.data_ptr(), new.data_ptr())
+    new = state if slots is not None else torch.empty(b, c, w - 1, dtype=_F32)
+    _library().conv_step_rows(x2.data_ptr(), _ptr(s2), slot_ptr, w2.data_ptr(), _ptr(b2), b, c,
+                              w, int(activation == "silu"), y.data_ptr(), new.data_ptr())
     return y, new
 
 
@@ -195,46 +216,73 @@ def _ptr(t: torch.Tensor | None):
 
 
 def ssm_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-             C: torch.Tensor, D: torch.Tensor, state: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+             C: torch.Tensor, D: torch.Tensor, state: torch.Tensor | None,
+             slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Mamba2's decode step (row_kernels.c `ssm_step_rows`): x [R, H, P], dt [R, H] (already
     discretized), B / C [R, G, N], A / D [H], state [R, H, P, N] or None (zeros) -> (y [R, H, P],
-    the next state); None when the kernel does not take these tensors."""
+    the next state); with `slots`, the cache's [S, H, P, N] updated in place at those rows (as
+    conv_step). None when the kernel does not take these tensors."""
     ts = (x, dt, A, B, C, D) + (() if state is None else (state,))
     if not _usable(*ts):
         return None
     r, h, p = x.shape
     g, n = B.shape[1], B.shape[2]
-    if h % g or (state is not None and tuple(state.shape) != (r, h, p, n)):
+    st = None if h % g else _slot_state(state, slots, r, (h, p, n))
+    if st is None:
         return None
+    s2, slot_ptr = st
     x, dt, A, B, C, D = (t.contiguous() for t in (x, dt, A, B, C, D))
-    state = None if state is None else state.contiguous()
     y = torch.empty(r, h, p, dtype=_F32)
-    new = torch.empty(r, h, p, n, dtype=_F32)
+    new = state if slots is not None else torch.empty(r, h, p, n, dtype=_F32)
     _library().ssm_step_rows(x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(),
-                             C.data_ptr(), D.data_ptr(), _ptr(state), r, h, p, n, g,
+                             C.data_ptr(), D.data_ptr(), _ptr(s2), slot_ptr, r, h, p, n, g,
                              y.data_ptr(), new.data_ptr(), torch.get_num_threads())
     return y, new
 
 
 def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor, state: torch.Tensor | None
+             beta: torch.Tensor, state: torch.Tensor | None, slots: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The gated delta rule's decode step (row_kernels.c `gdn_step_rows`): q / k [R, H, K],
     v [R, H, V], g / beta [R, H], state [R, H, K, V] or None -> (o [R, H, V], the next state);
-    None when the kernel does not take these tensors."""
+    with `slots`, the cache's [S, H, K, V] updated in place at those rows (as conv_step). None
+    when the kernel does not take these tensors."""
     ts = (q, k, v, g, beta) + (() if state is None else (state,))
     if not _usable(*ts):
         return None
     r, h, dk = k.shape
     dv = v.shape[-1]
-    if state is not None and tuple(state.shape) != (r, h, dk, dv):
+    st = _slot_state(state, slots, r, (h, dk, dv))
+    if st is None:
         return None
+    s2, slot_ptr = st
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    state = None if state is None else state.contiguous()
     o = torch.empty(r, h, dv, dtype=_F32)
-    new = torch.empty(r, h, dk, dv, dtype=_F32)
+    new = state if slots is not None else torch.empty(r, h, dk, dv, dtype=_F32)
     _library().gdn_step_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(),
-                             beta.data_ptr(), _ptr(state), r, h, dk, dv, o.data_ptr(),
+                             beta.data_ptr(), _ptr(s2), slot_ptr, r, h, dk, dv, o.data_ptr(),
                              new.data_ptr(), torch.get_num_threads())
     return o, new
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   group_size: int, norm_before_gate: bool) -> torch.Tensor | None:
+    """Gated RMSNorm per group of `group_size` columns (row_kernels.c `gated_rms_norm_rows`;
+    ops/norm.py has the two forms), or None when the kernel does not take these tensors."""
+    n = x.shape[-1]
+    if (not _usable(x, gate, weight) or gate.shape != x.shape or weight.numel() != n
+            or x.numel() == 0 or group_size <= 0 or n % group_size):
+        return None
+    x2, g2 = x.reshape(-1, n), gate.reshape(-1, n)  # views for rows with a stride
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    threads = torch.get_num_threads()
+    out = torch.empty(x.shape, dtype=_F32)
+    scratch = torch.empty(2 * n * threads, dtype=_F32)
+    _library().gated_rms_norm_rows(x2.data_ptr(), x2.stride(0), g2.data_ptr(), g2.stride(0),
+                                   x2.shape[0], n, group_size, weight.contiguous().data_ptr(),
+                                   float(eps), int(norm_before_gate), out.data_ptr(),
+                                   scratch.data_ptr(), threads)
+    return out

@@ -314,3 +314,39 @@ def test_state_slot_holds_final_state(close):
         _schedule_chunks(d, 0, (10, 13))
         _, s_ref = op.ref(d.inputs[0])
         close(d.caches["state"][d.slots[0]], s_ref[0])
+
+
+@pytest.mark.parametrize("case", RECURRENT)
+def test_in_place_decode_step_is_the_general_path(case, monkeypatch):
+    """A step of decodes only updates the state slots in place (`run_cached`'s `step`): outputs
+    and states bit for bit those of the general path (gather the slots, the core's one-token
+    form, scatter), slots outside the batch untouched (their NaN stays), and the in-place step
+    is what ran at every decode step (counted), not the general path."""
+    import specdeploy.ops.cached_recurrent as cr
+
+    original, taken = cr.run_cached, []
+
+    def counting(*args, step=None):
+        def counted(xs, state, slots):
+            y = step(xs, state, slots)
+            taken.append(y is not None)
+            return y
+        return original(*args, step=None if step is None else counted)
+
+    def general(*args, step=None):
+        return original(*args, step=None)
+
+    runs = {}
+    for name, fn in (("in_place", counting), ("general", general)):
+        monkeypatch.setattr(cr, "run_cached", fn)
+        torch.manual_seed(7)  # the case's weights
+        d = Driver(CASES[case](), [15, 13, 16], page_size=5, slots=(4, 0, 2), seed=7)
+        d.step([(0, 6), (1, 4), (2, 7)])
+        outs = [d.step([(2, 1), (0, 1), (1, 1)]) for _ in range(6)]
+        runs[name] = (outs, d.caches["state"].clone())
+    assert taken == [True] * 6
+    (outs_a, state_a), (outs_b, state_b) = runs["in_place"], runs["general"]
+    for a, b in zip(outs_a, outs_b):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(state_a[[4, 0, 2]], state_b[[4, 0, 2]])
+    assert torch.isnan(state_a[[1, 3, 5]]).all()

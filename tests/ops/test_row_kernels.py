@@ -157,3 +157,88 @@ def test_gdn_step_matches_the_reference_and_is_batch_invariant(with_state):
                              gf[i:i + 1, :, 0], bf[i:i + 1, :, 0],
                              None if state is None else state[i:i + 1])
         assert torch.equal(o1[0], o[i]) and torch.equal(s1[0], new[i])
+
+
+def _step_cases(g):
+    """(name, call(state, slots) -> (y, next state), state [R, ...]) for the three steps."""
+    from specdeploy.ops.gdn import _prepare
+    from specdeploy.ops.ssm import ssm_dt
+
+    r = 3
+    x, weight, bias = (torch.randn(r, 1, 40, generator=g), torch.randn(40, 4, generator=g),
+                       torch.randn(40, generator=g))
+    h, p, n, grp = 4, 8, 21, 2  # n not a multiple of 8: the sum's lane tail
+    xs, dt = torch.randn(r, h, p, generator=g), torch.randn(r, h, generator=g)
+    A, D = -torch.rand(h, generator=g) * 4 - 1, torch.randn(h, generator=g)
+    B, C = torch.randn(r, grp, n, generator=g), torch.randn(r, grp, n, generator=g)
+    delta = ssm_dt(dt, torch.randn(h, generator=g), 0.0, float("inf"))
+    q, k = torch.randn(r, 1, h, 16, generator=g), torch.randn(r, 1, h, 16, generator=g)
+    v = torch.randn(r, 1, h, 13, generator=g)
+    gate, beta = -torch.rand(r, 1, h, generator=g), torch.rand(r, 1, h, generator=g)
+    qf, kf, vf, gf, bf = (t[:, :, 0] for t in _prepare(q, k, v, gate, beta, True, 0.25))
+    return [
+        ("conv", lambda s, sl: rk.conv_step(x, weight, bias, s, "silu", sl),
+         torch.randn(r, 40, 3, generator=g)),
+        ("ssm", lambda s, sl: rk.ssm_step(xs, delta, A, B, C, D, s, sl),
+         torch.randn(r, h, p, n, generator=g)),
+        ("gdn", lambda s, sl: rk.gdn_step(qf, kf, vf, gf, bf, s, sl),
+         torch.randn(r, h, 16, 13, generator=g)),
+    ]
+
+
+def test_steps_in_place_on_slots_give_the_copy_forms_bits():
+    """With `slots`, a step reads and writes the cache's rows in place: the same y and next
+    state bits as the copy form on the gathered rows; rows outside `slots` untouched."""
+    g = torch.Generator().manual_seed(6)
+    for name, call, state in _step_cases(g):
+        y, new = call(state, None)
+        cache = torch.full((7, *state.shape[1:]), float("nan"))
+        slots = torch.tensor([5, 1, 3])
+        cache[slots] = state
+        y2, new2 = call(cache, slots)
+        assert new2 is cache, name
+        assert torch.equal(y2, y) and torch.equal(cache[slots], new), name
+        assert torch.isnan(cache[[0, 2, 4, 6]]).all(), name
+        assert call(cache, slots.int()) is None, name  # int32 slots: not taken
+        assert call(cache[:, None], slots) is None, name  # wrong state shape
+
+
+def test_step_and_gated_norm_clones_give_the_generic_bits():
+    """The SSM / gated-delta steps and the gated RMSNorm run AVX2 / AVX-512 clones of their C
+    where the CPU has them: the generic C's bits (a fused multiply-add or a reordered sum would
+    show here)."""
+    g = torch.Generator().manual_seed(8)
+    cases = _step_cases(g)
+    x, gate = torch.randn(5, 2 * 77, generator=g) * 3, torch.randn(5, 2 * 77, generator=g) * 4
+    w = torch.randn(2 * 77, generator=g)
+
+    def run():
+        out = [t for _, call, state in cases for t in call(state, None)]
+        return out + [rk.gated_rms_norm(x, gate, w, 1e-6, 77, nbg) for nbg in (False, True)]
+
+    with rk.max_isa(0):
+        want = run()
+    for level in (1, 2):
+        with rk.max_isa(level):
+            got = run()
+        for a, e in zip(got, want):
+            assert torch.equal(a, e), level
+
+
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_gated_rms_norm_matches_the_reference_and_is_batch_invariant(norm_before_gate):
+    """The gated RMSNorm in C against gated_rms_norm_ref (fp32 sums of 64 squares in another
+    order: 1e-5), strided rows (a split's view) read in place, each row alone the same bits."""
+    from specdeploy.ops.norm import gated_rms_norm_ref
+
+    g = torch.Generator().manual_seed(9)
+    both = torch.randn(1, 6, 3 * 128, generator=g) * 2
+    x, gate = both[..., :256], both[..., 256:].repeat(1, 1, 2) * 3
+    w = torch.randn(256, generator=g)
+    out = rk.gated_rms_norm(x, gate, w, 1e-5, 64, norm_before_gate)
+    want = gated_rms_norm_ref(x, gate, w, 1e-5, 64, norm_before_gate)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for i in range(6):
+        one = rk.gated_rms_norm(x[:, i:i + 1], gate[:, i:i + 1], w, 1e-5, 64, norm_before_gate)
+        assert torch.equal(one[0, 0], out[0, i])
+    assert rk.gated_rms_norm(x, gate, w, 1e-5, 60, norm_before_gate) is None  # 256 % 60
