@@ -53,6 +53,7 @@ PIPELINE = (
     ("fuse_attention", "fuse_rope_attention"),
     ("fuse_norm_linear", "fuse_norm_linears"),  # after fuse_row_ops' add + norm, silu_mul
     ("row_linears", "row_invariant_elementwise"),  # what the fusions left of sigmoid / silu
+    ("fold_constants", "fold_constants"),  # before the direct calls: it reads op schemas
     ("compile", "call_kernels_directly"),
     ("compile", "flatten_attrs"),
     ("fuse_layers", "fuse_decoder_layers"),  # after both: it matches direct kernel calls

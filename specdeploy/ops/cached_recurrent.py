@@ -25,8 +25,9 @@ import torch
 
 from specdeploy.cache.metadata import SEG_EXTEND
 from specdeploy.ops.conv import causal_conv1d_core
-from specdeploy.ops.gdn import _prepare, gated_delta_rule_core
-from specdeploy.ops.row_kernels import conv_step, gdn_step, ssm_step
+from specdeploy.ops.gdn import decode_step as gdn_decode_step
+from specdeploy.ops.gdn import gated_delta_rule_core
+from specdeploy.ops.row_kernels import conv_step, ssm_step
 from specdeploy.ops.ssm import ssm_dt, ssm_scan_core
 
 # step(inputs [S, 1, ...] each, state [slots, ...], slot_idx [S]) -> y [S, 1, ...] or None: a
@@ -235,10 +236,8 @@ def cached_gated_delta_rule(
                                     state_at)
         return out.o.to(q.dtype), out.final_state, out.states, out.at
 
-    def step(xs, state, slots):  # `core` at one token (gdn.py), in place
-        qf, kf, vf, gf, bf = _prepare(*xs, use_qk_l2norm, scale)
-        out = gdn_step(qf[:, :, 0], kf[:, :, 0], vf[:, :, 0], gf[:, :, 0], bf[:, :, 0], state,
-                       slots)
+    def step(xs, state, slots):  # `core` at one token (gdn.py decode_step), in place
+        out = gdn_decode_step(*xs, state, slots, use_qk_l2norm, scale)
         return None if out is None else out[0][:, None].to(q.dtype)
 
     return run_cached([q, k, v, g, beta], gdn_state, spec_state, cu_seqlens_host,

@@ -38,6 +38,16 @@ def _prepare(q, k, v, g, beta, use_qk_l2norm, scale):
     return q * (scale if scale > 0 else q.shape[-1] ** -0.5), k, v, g, beta
 
 
+def decode_step(q, k, v, g, beta, state, slots, use_qk_l2norm: bool, scale: float):
+    """One token [B, 1, ...] of each sequence in one C call (row_kernels.c gdn_step_rows: the
+    l2norm, the scale and the q / k heads' sharing in the step), or None where the kernel does
+    not take the tensors. The cached op's in-place decode steps (`slots`) and the core's
+    one-token form (verify steps' rows) both come here: the same bits."""
+    return row_kernels.gdn_step(q[:, 0].float(), k[:, 0].float(), v[:, 0].float(),
+                                g[:, 0].float(), beta[:, 0].float(), state, slots,
+                                use_qk_l2norm, scale if scale > 0 else q.shape[-1] ** -0.5)
+
+
 def gated_delta_rule_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -110,16 +120,16 @@ def gated_delta_rule_core(
     int64 (batch row, token) asks for S_i after a few tokens only (prefix-cache checkpoints;
     ops/scan_states.py). All outputs fp32.
     """
-    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, use_qk_l2norm, scale)
-    b, h, t, dk = kf.shape
-    dv = vf.shape[-1]
-    if t == 1:  # decode: the recurrence itself, no chunk solve
-        step = row_kernels.gdn_step(qf[:, :, 0], kf[:, :, 0], vf[:, :, 0], gf[:, :, 0],
-                                    bf[:, :, 0], initial_state)
-        if step is not None:  # one C call (row_kernels.c gdn_step_rows), decode and verify
+    if q.shape[1] == 1:  # decode: one C call (row_kernels.c gdn_step_rows), decode and verify
+        step = decode_step(q, k, v, g, beta, initial_state, None, use_qk_l2norm, scale)
+        if step is not None:
             o, state = step
             at = None if state_at is None else state[state_at[:, 0].to(q.device)]
             return DeltaOutput(o[:, None], state, state[:, None] if return_states else None, at)
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, use_qk_l2norm, scale)
+    b, h, t, dk = kf.shape
+    dv = vf.shape[-1]
+    if t == 1:  # decode in torch: the recurrence itself, no chunk solve
         state = vf.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
         state = state * ew.exp(gf[:, :, 0, None, None])
         k0 = kf[:, :, 0]

@@ -54,7 +54,8 @@ class GGMLWeight(NamedTuple):
     gives one's [N, K]). `gather` (int64 [K] or None): the blocks hold the columns in another
     order, W[:, j] = stored[:, cols[j]] with gather = argsort(cols), so x @ W^T is computed as
     x[..., gather] @ stored^T (a Qwen3.5 GGUF's `ssm_out`, whose value-head column reorder
-    would split K-quant blocks)."""
+    would split K-quant blocks; where it moves whole blocks `make_weight` reorders the blocks
+    instead and there is no gather)."""
 
     kind: str  # "q4_1" | "q8_0" | "q4_0" | the K-quants
     blocks: torch.Tensor
@@ -80,8 +81,24 @@ def make_weight(kind: str, blocks: torch.Tensor, shape: tuple[int, ...],
         if len(lead) or tuple(cols.shape) != (k,) or not torch.equal(cols.sort().values,
                                                                      torch.arange(k)):
             raise ValueError(f"ggml weight: cols must be a permutation of {k} columns")
-        gather = cols.argsort()
+        moved = _whole_blocks(cols, qk)
+        if moved is not None:  # the blocks themselves reordered: a plain weight (tiled too)
+            size = KINDS[kind][1]
+            blocks = blocks.view(n, k // qk, size)[:, moved].reshape(n, -1)
+        else:
+            gather = cols.argsort()
     return GGMLWeight(kind, blocks.contiguous(), tuple(shape), gather)
+
+
+def _whole_blocks(cols: torch.Tensor, qk: int) -> torch.Tensor | None:
+    """For W[:, j] = stored[:, cols[j]]: the stored block each of W's blocks is, when `cols`
+    moves whole blocks of `qk` columns in order (a Q8_0 / Q4_0 `ssm_out` whose value heads are
+    multiples of 32), else None."""
+    runs = cols.view(-1, qk)
+    first = runs[:, :1]
+    if (first % qk).any() or not torch.equal(runs, first + torch.arange(qk)):
+        return None
+    return first[:, 0] // qk
 
 
 def expert(weight: GGMLWeight, e: int) -> GGMLWeight:

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from specdeploy.ops import row_kernels
 from specdeploy.ops.autograd import register_recompute_autograd
 from specdeploy.ops.moe_grouped import expert_activation, moe_experts_grouped
 
@@ -19,32 +20,48 @@ class Routing(NamedTuple):
     weights: torch.Tensor  # [T, k] combine weights
 
 
-def route_softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
-    """Qwen-style: softmax over all experts (fp32), top-k, optionally renormalize the k weights.
-
-    logits: [T, E]. Weights come back in the logits' dtype (as transformers does).
-    """
+def _softmax_topk_torch(logits: torch.Tensor, k: int, renormalize: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     probs = logits.float().softmax(-1)
     weights, ids = probs.topk(k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
-    return Routing(ids, weights.to(logits.dtype))
+    return ids, weights.to(logits.dtype)
 
 
-def route_sigmoid(
-    logits: torch.Tensor,
-    correction_bias: torch.Tensor | None,
-    k: int,
-    n_group: int = 1,
-    topk_group: int = 1,
-    renormalize: bool = True,
-    scaling_factor: float = 1.0,
-) -> Routing:
-    """DeepSeek-V3 / NemotronH-style sigmoid routing; logits: [T, E] -> fp32 weights.
+def _softmax_topk_kernel(logits: torch.Tensor, k: int, renormalize: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    if not torch.is_grad_enabled():  # CPU fp32: one C call a step (row_kernels.c)
+        out = row_kernels.moe_route(logits, None, k, False, renormalize=renormalize)
+        if out is not None:
+            return out
+    return _softmax_topk_torch(logits, k, renormalize)
 
-    The correction bias only steers *selection* (groups ranked by the sum of their top-2 biased
-    scores, then top-k among the kept groups); weights are the unbiased sigmoid scores.
+
+_softmax_topk_op = torch.library.custom_op("specdeploy::route_softmax_topk",
+                                           _softmax_topk_kernel, mutates_args=())
+register_recompute_autograd(_softmax_topk_op, _softmax_topk_torch)
+
+
+@_softmax_topk_op.register_fake
+def _softmax_topk_fake(logits, k, renormalize):
+    return (logits.new_empty(logits.shape[0], k, dtype=torch.int64),
+            logits.new_empty(logits.shape[0], k))
+
+
+def route_softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
+    """Qwen-style: softmax over all experts (fp32), top-k, optionally renormalize the k weights.
+
+    logits: [T, E]. Weights come back in the logits' dtype (as transformers does). One op in
+    the graph (`specdeploy::route_softmax_topk`): on the CPU in fp32 one C call instead of ~7
+    torch ops a MoE layer, ids in descending order as torch's topk gives them.
     """
+    return Routing(*_softmax_topk_op(logits, k, renormalize))
+
+
+def _sigmoid_torch(logits: torch.Tensor, correction_bias: torch.Tensor | None, k: int,
+                   n_group: int, topk_group: int, renormalize: bool, scaling_factor: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     scores = logits.float().sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if n_group > 1:
@@ -59,7 +76,50 @@ def route_sigmoid(
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return Routing(ids, weights * scaling_factor)
+    return ids, weights * scaling_factor
+
+
+def _sigmoid_kernel(logits: torch.Tensor, correction_bias: torch.Tensor | None, k: int,
+                    n_group: int, topk_group: int, renormalize: bool, scaling_factor: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    if not torch.is_grad_enabled():  # CPU fp32: one C call a step (row_kernels.c)
+        out = row_kernels.moe_route(logits, correction_bias, k, True, n_group, topk_group,
+                                    renormalize, scaling_factor)
+        if out is not None:
+            return out
+    return _sigmoid_torch(logits, correction_bias, k, n_group, topk_group, renormalize,
+                          scaling_factor)
+
+
+_sigmoid_op = torch.library.custom_op("specdeploy::route_sigmoid", _sigmoid_kernel,
+                                      mutates_args=())
+register_recompute_autograd(_sigmoid_op, _sigmoid_torch)
+
+
+@_sigmoid_op.register_fake
+def _sigmoid_fake(logits, correction_bias, k, n_group, topk_group, renormalize, scaling_factor):
+    return (logits.new_empty(logits.shape[0], k, dtype=torch.int64),
+            logits.new_empty(logits.shape[0], k, dtype=torch.float32))
+
+
+def route_sigmoid(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scaling_factor: float = 1.0,
+) -> Routing:
+    """DeepSeek-V3 / NemotronH-style sigmoid routing; logits: [T, E] -> fp32 weights.
+
+    The correction bias only steers *selection* (groups ranked by the sum of their top-2 biased
+    scores, then top-k among the kept groups); weights are the unbiased sigmoid scores. One op
+    in the graph (`specdeploy::route_sigmoid`; on the CPU in fp32 one C call instead of ~11
+    torch ops a MoE layer, ids in descending order of the biased score).
+    """
+    return Routing(*_sigmoid_op(logits, correction_bias, k, n_group, topk_group, renormalize,
+                                float(scaling_factor)))
 
 
 def _expert_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, activation: str):

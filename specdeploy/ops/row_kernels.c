@@ -487,18 +487,52 @@ __attribute__((target("avx2,avx512f,avx512vl"))) static void gdn_head_avx512(GDN
 }
 #endif
 
-/* per row r and head h: q / k [R, H, K], v [R, H, V], g / beta [R, H], state / new_state
+/* q / k as the step reads them: with l2norm, x / sqrt(sum(x^2) + 1e-6) (fla's l2norm; the sum
+ * in eight lanes, a fixed tree), then q times scale */
+static void gdn_qk(const float *q, const float *k, int64_t dk, int l2norm, float scale,
+                   float *qn, float *kn) {
+    float iq = 1.f, ik = 1.f;
+    if (l2norm) {
+        float aq[8] = {0, 0, 0, 0, 0, 0, 0, 0}, ak[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t i = 0;
+        for (; i + 8 <= dk; i += 8)
+            for (int j = 0; j < 8; j++) {
+                aq[j] = aq[j] + q[i + j] * q[i + j];
+                ak[j] = ak[j] + k[i + j] * k[i + j];
+            }
+        for (int j = 0; i < dk; i++, j++) {
+            aq[j] = aq[j] + q[i] * q[i];
+            ak[j] = ak[j] + k[i] * k[i];
+        }
+        const float sq = ((aq[0] + aq[4]) + (aq[1] + aq[5])) + ((aq[2] + aq[6]) + (aq[3] + aq[7]));
+        const float sk = ((ak[0] + ak[4]) + (ak[1] + ak[5])) + ((ak[2] + ak[6]) + (ak[3] + ak[7]));
+        iq = 1.f / sqrtf(sq + 1e-6f);
+        ik = 1.f / sqrtf(sk + 1e-6f);
+    }
+    for (int64_t i = 0; i < dk; i++) {
+        qn[i] = l2norm ? (q[i] * iq) * scale : q[i] * scale;
+        kn[i] = l2norm ? k[i] * ik : k[i];
+    }
+}
+
+/* per row r and value head h (q / k head h / rep, rep = h / hk): q / k [R, Hk, K] (raw: the
+ * step applies l2norm and scale, gdn_qk), v [R, H, V], g / beta [R, H], state / new_state
  * [*, H, K, V], o [R, H, V]. */
 void gdn_step_rows(const float *q, const float *k, const float *v, const float *gate,
                    const float *beta, const float *state, const int64_t *slots, int64_t rows,
-                   int64_t h, int64_t dk, int64_t dv, float *o, float *new_state, int threads) {
+                   int64_t h, int64_t hk, int64_t dk, int64_t dv, int l2norm, float scale,
+                   float *o, float *new_state, int threads) {
     const int avx2 = have_avx2(), avx512 = have_avx512();
+    const int64_t rep = h / hk;
 #pragma omp parallel for collapse(2) num_threads(threads) if (STEP_THREADS(rows * h * dk * dv))
     for (int64_t r = 0; r < rows; r++)
         for (int64_t hh = 0; hh < h; hh++) {
             const int64_t rh = r * h + hh, sh = slot_row(slots, r) * h + hh;
+            const int64_t rk = r * hk + hh / rep;
             const float e = exp_any(gate[rh]), bt = beta[rh];
-            const float *kk = k + rh * dk, *qq = q + rh * dk, *vv = v + rh * dv;
+            float qq[dk], kk[dk];
+            gdn_qk(q + rk * dk, k + rk * dk, dk, l2norm, scale, qq, kk);
+            const float *vv = v + rh * dv;
             const float *st = state ? state + sh * dk * dv : 0;
             float *S = new_state + sh * dk * dv, *oo = o + rh * dv;
 #if defined(__x86_64__)
@@ -590,4 +624,110 @@ void gated_rms_norm_rows(const float *x, int64_t x_stride, const float *gate, in
     }
     (void)avx2;
     (void)avx512;
+}
+
+/* MoE routing of one row of router logits (ops/moe.py), e experts -> k (ids, weights), ids in
+ * descending order of their selection score (ties: the lower id first).
+ * mode 0 (Qwen): p = softmax(logits) (max subtracted, exp_any, the sum in order), selection and
+ * weights p; renorm: w / sum(w). mode 1 (DeepSeek-V3 / NemotronH): s = sigmoid(logits) as
+ * `elementwise` op 0, selection s + bias (bias NULL: s), with n_group > 1 only among the
+ * topk_group groups whose two best selection scores sum highest; weights s; renorm:
+ * w / (sum(w) + 1e-20); then times scale. scratch: e floats. */
+static void insert_top(float v, int64_t id, float *bv, int64_t *bi, int64_t k) {
+    if (!(v > bv[k - 1])) return; /* not better than the k-th (NaN never is) */
+    int64_t j = k - 1;
+    while (j > 0 && v > bv[j - 1]) {
+        bv[j] = bv[j - 1];
+        bi[j] = bi[j - 1];
+        j--;
+    }
+    bv[j] = v;
+    bi[j] = id;
+}
+
+static void route_row(const float *x, const float *bias, int64_t e, int64_t k, int mode,
+                      int64_t n_group, int64_t topk_group, int renorm, float scale, float *score,
+                      int64_t *ids, float *w) {
+    float bv[k > 0 ? k : 1];
+    if (mode == 0) {
+        float m = x[0];
+        for (int64_t i = 1; i < e; i++) m = x[i] > m ? x[i] : m;
+        float sum = 0.f;
+        for (int64_t i = 0; i < e; i++) {
+            score[i] = exp_any(x[i] - m);
+            sum = sum + score[i];
+        }
+        for (int64_t i = 0; i < e; i++) score[i] = score[i] / sum;
+    } else {
+        for (int64_t i = 0; i < e; i++) {
+            const float t = exp_le0(-fabsf(x[i]));
+            score[i] = (x[i] >= 0.f ? 1.f : t) / (1.f + t);
+        }
+    }
+    for (int64_t j = 0; j < k; j++) {
+        bv[j] = -INFINITY;
+        ids[j] = -1;
+    }
+    const int64_t gsize = n_group > 1 ? e / n_group : e;
+    int64_t keep_n = n_group > 1 ? topk_group : 1;
+    int64_t keep[n_group > 1 ? n_group : 1];
+    if (n_group > 1) { /* groups ranked by the sum of their two best selection scores */
+        float gv[n_group];
+        int64_t gi[n_group];
+        for (int64_t g = 0; g < n_group; g++) gv[g] = -INFINITY, gi[g] = -1;
+        for (int64_t g = 0; g < n_group; g++) {
+            float t2[2] = {-INFINITY, -INFINITY};
+            int64_t i2[2] = {-1, -1};
+            for (int64_t i = g * gsize; i < (g + 1) * gsize; i++)
+                insert_top(score[i] + (bias ? bias[i] : 0.f), i, t2, i2, 2);
+            insert_top(t2[0] + t2[1], g, gv, gi, topk_group);
+        }
+        for (int64_t g = 0; g < topk_group; g++) keep[g] = gi[g];
+    } else {
+        keep[0] = 0;
+    }
+    for (int64_t q = 0; q < keep_n; q++) {
+        const int64_t g = keep[q];
+        if (g < 0) continue;
+        for (int64_t i = g * gsize; i < (g + 1) * gsize; i++)
+            insert_top(mode == 1 && bias ? score[i] + bias[i] : score[i], i, bv, ids, k);
+    }
+    for (int64_t j = 0, next = 0; j < k; j++) { /* fewer than k comparable: the lowest ids */
+        if (ids[j] >= 0) continue;
+        for (;; next++) {
+            int used = 0;
+            for (int64_t t = 0; t < k; t++) used |= ids[t] == next;
+            if (!used) break;
+        }
+        ids[j] = next++;
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; j++) {
+        w[j] = score[ids[j]];
+        sum = sum + w[j];
+    }
+    if (renorm) {
+        const float d = mode == 1 ? sum + 1e-20f : sum;
+        for (int64_t j = 0; j < k; j++) w[j] = w[j] / d;
+    }
+    if (mode == 1)
+        for (int64_t j = 0; j < k; j++) w[j] = w[j] * scale;
+}
+
+void moe_route_rows(const float *logits, int64_t rows, int64_t e, const float *bias, int64_t k,
+                    int mode, int64_t n_group, int64_t topk_group, int renorm, float scale,
+                    int64_t *ids, float *weights, float *scratch, int threads) {
+    const int nt = rows >= 64 && threads > 1 ? threads : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#ifdef _OPENMP
+        float *score = scratch + e * (int64_t)omp_get_thread_num();
+#else
+        float *score = scratch;
+#endif
+#pragma omp for
+        for (int64_t r = 0; r < rows; r++)
+            route_row(logits + r * e, bias, e, k, mode, n_group, topk_group, renorm, scale,
+                      score, ids + r * k, weights + r * k);
+    }
 }

@@ -39,10 +39,12 @@ def _library() -> ctypes.CDLL | None:
         "conv_step_rows": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I, _P, _P], None),
         "ssm_step_rows": ([_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P,
                            _P, _I], None),
-        "gdn_step_rows": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I],
-                          None),
+        "gdn_step_rows": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I, _F,
+                           _P, _P, _I], None),
         "gated_rms_norm_rows": ([_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _F, _I, _P, _P, _I],
                                 None),
+        "moe_route_rows": ([_P, _I64, _I64, _P, _I64, _I, _I64, _I64, _I, _F, _P, _P, _P, _I],
+                           None),
         "row_kernels_max_isa": ([_I], _I)})
     if lib is not None:
         return lib
@@ -241,17 +243,21 @@ def ssm_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
 
 
 def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor, state: torch.Tensor | None, slots: torch.Tensor | None = None
+             beta: torch.Tensor, state: torch.Tensor | None, slots: torch.Tensor | None = None,
+             l2norm: bool = False, scale: float = 1.0
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The gated delta rule's decode step (row_kernels.c `gdn_step_rows`): q / k [R, H, K],
-    v [R, H, V], g / beta [R, H], state [R, H, K, V] or None -> (o [R, H, V], the next state);
-    with `slots`, the cache's [S, H, K, V] updated in place at those rows (as conv_step). None
-    when the kernel does not take these tensors."""
+    """The gated delta rule's decode step (row_kernels.c `gdn_step_rows`): q / k [R, Hk, K]
+    (each serving H / Hk consecutive value heads; with `l2norm` normalized in the step, q then
+    times `scale`), v [R, H, V], g / beta [R, H], state [R, H, K, V] or None -> (o [R, H, V],
+    the next state); with `slots`, the cache's [S, H, K, V] updated in place at those rows (as
+    conv_step). None when the kernel does not take these tensors."""
     ts = (q, k, v, g, beta) + (() if state is None else (state,))
-    if not _usable(*ts):
+    if not _usable(*ts) or q.dim() != 3 or q.shape != k.shape or v.dim() != 3:
         return None
-    r, h, dk = k.shape
-    dv = v.shape[-1]
+    r, hk, dk = k.shape
+    h, dv = v.shape[1], v.shape[2]
+    if h % hk or dk > 4096 or tuple(g.shape) != (r, h) or tuple(beta.shape) != (r, h):
+        return None
     st = _slot_state(state, slots, r, (h, dk, dv))
     if st is None:
         return None
@@ -260,8 +266,8 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     o = torch.empty(r, h, dv, dtype=_F32)
     new = state if slots is not None else torch.empty(r, h, dk, dv, dtype=_F32)
     _library().gdn_step_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(),
-                             beta.data_ptr(), _ptr(s2), slot_ptr, r, h, dk, dv, o.data_ptr(),
-                             new.data_ptr(), torch.get_num_threads())
+                             beta.data_ptr(), _ptr(s2), slot_ptr, r, h, hk, dk, dv, int(l2norm),
+                             float(scale), o.data_ptr(), new.data_ptr(), torch.get_num_threads())
     return o, new
 
 
@@ -286,3 +292,29 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
                                    float(eps), int(norm_before_gate), out.data_ptr(),
                                    scratch.data_ptr(), threads)
     return out
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, sigmoid: bool,
+              n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
+              scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """MoE routing of router logits [T, E] (row_kernels.c `moe_route_rows`): softmax top-k
+    (`sigmoid` False) or sigmoid with a selection bias and expert groups -> (ids [T, k] int64 in
+    descending selection order, weights [T, k] fp32); None when the kernel does not take these
+    tensors (ops/moe.py then routes in torch)."""
+    ts = (logits,) if bias is None else (logits, bias)
+    if not _usable(*ts) or logits.dim() != 2:
+        return None
+    t, e = logits.shape
+    if (not 0 < k <= e or (bias is not None and bias.numel() != e)
+            or (n_group > 1 and (e % n_group or e // n_group < 2 or not 0 < topk_group <= n_group
+                                 or k > topk_group * (e // n_group)))):
+        return None
+    x, b = logits.contiguous(), None if bias is None else bias.contiguous()
+    threads = torch.get_num_threads()
+    ids = torch.empty(t, k, dtype=torch.int64)
+    weights = torch.empty(t, k, dtype=_F32)
+    scratch = torch.empty(e * threads, dtype=_F32)
+    _library().moe_route_rows(x.data_ptr(), t, e, _ptr(b), k, int(sigmoid), max(n_group, 1),
+                              topk_group, int(renormalize), float(scaling_factor),
+                              ids.data_ptr(), weights.data_ptr(), scratch.data_ptr(), threads)
+    return ids, weights

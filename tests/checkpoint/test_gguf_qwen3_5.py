@@ -117,6 +117,32 @@ def test_llm_serves_gguf_with_its_mtp_head(tmp_path):
     assert_mtp_equals_plain(write_gguf(src, tmp_path / "m.gguf"))
 
 
+def test_q8_0_ssm_out_reorders_whole_blocks(tmp_path):
+    """With Q8_0 blocks of 32 columns and value heads of 64, `ssm_out`'s column reorder moves
+    whole blocks: the loader reorders the blocks themselves (no gather left, so the tiled
+    kernels take it), and the values are the fp32 tensor the reader dequantizes and reorders
+    with numpy, exactly; the fast deployment runs it on a tiled copy."""
+    from specdeploy.deploy.build import build
+    from specdeploy.ops.ggml_linear import dequantize
+
+    hf = q35.tiny_hf_config(1)
+    hf["text_config"]["linear_value_head_dim"] = 64
+    src = q35.make_tiny(tmp_path / "st", seed=4, mtp_layers=1, hf_config=hf)
+    path = write_gguf(src, tmp_path / "q.gguf", qtype=Q.Q8_0, expert_qtype=Q.Q8_0)
+    model = load_model(path)
+    params = dict(model.named_parameters())
+    outs = [n for n in model.ggml_weights if n.endswith("linear_attn.out_proj.weight")]
+    assert len(outs) == 3
+    for name in outs:
+        gw = model.ggml_weights[name]
+        assert gw.kind == "q8_0" and gw.gather is None
+        assert torch.equal(dequantize(gw), params[name].detach())
+    dep = build(str(path), kernels="fast", max_batch_size=2, max_seq_len=64, page_size=4,
+                max_cache_gib=0.02)
+    tiled = [n for n in dep.gm.graph.nodes if getattr(n.target, "tiled_call", None) is not None]
+    assert len(tiled) >= 3 * 2  # each GDN layer's in_proj and out_proj at least
+
+
 def test_kquant_ssm_out_keeps_its_blocks_with_reordered_columns(tmp_path):
     """`ssm_out`'s value-head columns are stored reordered (tiled, when key heads < value heads)
     and a K-quant block spans two heads, so the blocks stay as stored and the kernels read x's

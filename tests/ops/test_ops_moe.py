@@ -69,3 +69,53 @@ def test_sigmoid_routing_hand_case(close):
     close(r.weights.sort(-1).values, torch.tensor([[0.8 / 1.1, 1.4 / 1.1]]))
     r = route_sigmoid(logits, None, k=3)
     assert sorted(r.ids[0].tolist()) == [0, 4, 5]
+
+
+@pytest.mark.parametrize("case", ["softmax", "softmax_raw", "sigmoid", "sigmoid_groups",
+                                  "sigmoid_no_bias"])
+def test_routing_kernel_matches_torch_routing(case):
+    """The C routing (row_kernels.c moe_route_rows, what the ops run on the CPU in fp32)
+    against the torch routing (ops/moe.py's `_*_torch`, transformers' order of operations):
+    the same experts (softmax: in torch's descending order), weights within 1e-6, each row
+    alone the same bits as in the batch."""
+    from specdeploy.ops import moe, row_kernels
+
+    g = torch.Generator().manual_seed(len(case))
+    t, e, k = 37, 64, 6
+    logits = torch.randn(t, e, generator=g) * 3
+    bias = torch.randn(e, generator=g) * 0.5
+    if case.startswith("softmax"):
+        renorm = case == "softmax"
+        got = row_kernels.moe_route(logits, None, k, False, renormalize=renorm)
+        want = moe._softmax_topk_torch(logits, k, renorm)
+        assert torch.equal(got[0], want[0])
+    else:
+        groups = (8, 3) if case == "sigmoid_groups" else (1, 1)
+        b = None if case == "sigmoid_no_bias" else bias
+        got = row_kernels.moe_route(logits, b, k, True, *groups, True, 2.5)
+        want = moe._sigmoid_torch(logits, b, k, *groups, True, 2.5)
+        order = want[0].argsort(-1)  # torch's sorted=False order: compare as sets
+        want = (want[0].gather(1, order), want[1].gather(1, order))
+        order = got[0].argsort(-1)
+        got = (got[0].gather(1, order), got[1].gather(1, order))
+        assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-7)
+    full = row_kernels.moe_route(logits, None, k, False)
+    for r in (0, 17, 36):
+        one = row_kernels.moe_route(logits[r:r + 1], None, k, False)
+        assert torch.equal(one[0][0], full[0][r]) and torch.equal(one[1][0], full[1][r])
+
+
+def test_routing_kernel_ties_and_refusals():
+    """Ties go to the lower id (torch's topk may pick either: a tie is not a test of it); the
+    op routes in torch where the kernel refuses (a k above the kept groups' experts)."""
+    from specdeploy.ops import row_kernels
+
+    logits = torch.zeros(2, 8)
+    ids, w = row_kernels.moe_route(logits, None, 3, False)
+    assert ids.tolist() == [[0, 1, 2]] * 2
+    torch.testing.assert_close(w, torch.full((2, 3), 1 / 3))
+    assert row_kernels.moe_route(logits, None, 9, False) is None
+    assert row_kernels.moe_route(logits, None, 5, True, 4, 2) is None  # 2 groups of 2 < 5
+    r = route_sigmoid(torch.randn(3, 8), torch.zeros(8), 5, 4, 2)  # still routed, in torch
+    assert r.ids.shape == (3, 5) and len(set(r.ids[0].tolist())) == 5

@@ -242,3 +242,26 @@ def test_gated_rms_norm_matches_the_reference_and_is_batch_invariant(norm_before
         one = rk.gated_rms_norm(x[:, i:i + 1], gate[:, i:i + 1], w, 1e-5, 64, norm_before_gate)
         assert torch.equal(one[0, 0], out[0, i])
     assert rk.gated_rms_norm(x, gate, w, 1e-5, 60, norm_before_gate) is None  # 256 % 60
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_gdn_step_normalizes_and_shares_heads_itself(with_state):
+    """The step on raw q / k (l2norm and scale in the C, each q / k head serving two value
+    heads) against gated_delta_rule_ref over one token (1e-5); the core's one-token form is
+    that call (its bits)."""
+    from specdeploy.ops.gdn import gated_delta_rule_core, gated_delta_rule_ref
+
+    g = torch.Generator().manual_seed(10)
+    r, hk, h, dk, dv = 3, 2, 4, 20, 8
+    q, k = torch.randn(r, 1, hk, dk, generator=g), torch.randn(r, 1, hk, dk, generator=g)
+    v = torch.randn(r, 1, h, dv, generator=g)
+    gate, beta = -torch.rand(r, 1, h, generator=g), torch.rand(r, 1, h, generator=g)
+    state = torch.randn(r, h, dk, dv, generator=g) if with_state else None
+    o, new = rk.gdn_step(q[:, 0], k[:, 0], v[:, 0], gate[:, 0], beta[:, 0], state, None, True,
+                         0.3)
+    want_o, want_state = gated_delta_rule_ref(q, k, v, gate, beta, state, True, 0.3)
+    torch.testing.assert_close(o, want_o[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new, want_state, rtol=1e-5, atol=1e-5)
+    core = gated_delta_rule_core(q, k, v, gate, beta, state, True, 0.3)
+    assert torch.equal(core.o[:, 0], o) and torch.equal(core.final_state, new)
+    assert rk.gdn_step(q[:, 0], k[:, 0, :1], v[:, 0], gate[:, 0], beta[:, 0], state) is None

@@ -1,8 +1,9 @@
 """`drop_identity_ops`: remove graph nodes that provably return their input unchanged.
 
 What export and the earlier passes leave: `aten.alias`, and `to` casts to the dtype, device and
-layout the tensor already has (an EAGLE-3 drafter casts its fp32 embedding and rope frequencies
-to fp32: four of them a draft step), and `view` / `reshape` to the static shape the tensor has.
+layout the tensor already has, whatever its shape, symbolic too (an EAGLE-3 drafter casts its
+fp32 embedding and rope frequencies to fp32: four of them a draft step; a MoE layer's fp32
+routing, three), and `view` / `reshape` to the static shape the tensor has.
 Each costs a dispatch (a few microseconds at batch size 1) and returns `self` or a view of the
 same memory, so its readers may read the input itself. Only static facts decide: the input's
 and the node's recorded `val` (dtype, device, layout, an all-int shape) and the call's own
@@ -44,12 +45,12 @@ def is_identity(node: fx.Node) -> bool:
         return isinstance(src, fx.Node)
     if inp is None or out is None or (t not in _CASTS and t not in _VIEWS):
         return False
-    if (out.dtype != inp.dtype or out.device != inp.device or out.layout != inp.layout
-            or _static(out.shape) is None or _static(out.shape) != _static(inp.shape)):
+    if out.dtype != inp.dtype or out.device != inp.device or out.layout != inp.layout:
         return False
     a = op_args(node)
     if t in _VIEWS:
-        return _static(a["size"] if "size" in a else a["shape"]) == _static(inp.shape)
+        return (_static(out.shape) is not None and _static(out.shape) == _static(inp.shape)
+                and _static(a["size"] if "size" in a else a["shape"]) == _static(inp.shape))
     if t is _aten._to_copy.default:  # always a copy: a later write could tell it apart
         return False
     fmt = a.get("memory_format")
