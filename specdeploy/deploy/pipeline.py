@@ -56,6 +56,7 @@ PIPELINE = (
     ("fold_constants", "fold_constants"),  # before the direct calls: it reads op schemas
     ("compile", "call_kernels_directly"),
     ("compile", "flatten_attrs"),
+    ("fuse_mixers", "fuse_recurrent_mixers"),  # matches direct kernel calls too
     ("fuse_layers", "fuse_decoder_layers"),  # after both: it matches direct kernel calls
     ("identity", "drop_identity_ops"),  # last rewrite: no pattern misses a node it expects
     ("compile", "compile_model"),

@@ -790,3 +790,89 @@ void moe_route_rows(const float *logits, int64_t rows, int64_t e, const float *b
                       score, ids + r * k, weights + r * k);
     }
 }
+
+/* ---- a recurrent mixer's whole decode step in one call (deploy/passes/fuse_mixers.py) ----
+ * Each calls the kernels above in the order the graph's chain calls them, on the same values,
+ * so its bits are the chain's (which a verify step's rows still run). Rows are one token each
+ * of decodes whose states sit at `slots`; the states are updated in place. */
+
+static void gather_rows(const float *src, int64_t stride, int64_t rows, int64_t n, float *dst) {
+    for (int64_t r = 0; r < rows; r++) memcpy(dst + r * n, src + r * stride, n * sizeof(float));
+}
+
+/* softplus(v + bias) per element as `elementwise` op 1 (ops/ssm.py ssm_dt, gdn's decay) */
+static void softplus_bias(const float *v, int64_t stride, const float *bias, int64_t rows,
+                          int64_t h, float *out, int threads) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < h; i++) out[r * h + i] = v[r * stride + i] + bias[i];
+    elementwise(1, out, rows * h, out, threads);
+}
+
+/* Mamba2 (NemotronH): xbc -> conv (silu) -> x / B / C; dt -> clamp(softplus(dt + dt_bias));
+ * the SSM step; gated RMSNorm with z (norm after the gate). x [R, H P], B / C [R, G N].
+ * scratch: rows (3 c + h + h p) + 2 h p threads floats, c = h p + 2 g n. */
+void mamba2_decode_rows(const float *xbc, int64_t xbc_stride, const float *z, int64_t z_stride,
+                        const float *dt, int64_t dt_stride, int64_t rows, const int64_t *slots,
+                        float *conv_state, const float *conv_w, const float *conv_b,
+                        int64_t width, float *ssm_state, const float *A, const float *D,
+                        const float *dt_bias, float dt_min, float dt_max, int64_t h, int64_t p,
+                        int64_t n, int64_t g, const float *norm_w, float eps, int64_t group,
+                        float *out, float *scratch, int threads) {
+    const int64_t dx = h * p, c = dx + 2 * g * n;
+    float *xin = scratch, *y = xin + rows * c, *parts = y + rows * c, *delta = parts + rows * c;
+    float *ys = delta + rows * h, *gscratch = ys + rows * dx;
+    gather_rows(xbc, xbc_stride, rows, c, xin);
+    conv_step_rows(xin, conv_state, slots, conv_w, conv_b, rows, c, width, 1, y, conv_state);
+    float *xs = parts, *bs = xs + rows * dx, *cs = bs + rows * g * n;
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(xs + r * dx, y + r * c, dx * sizeof(float));
+        memcpy(bs + r * g * n, y + r * c + dx, g * n * sizeof(float));
+        memcpy(cs + r * g * n, y + r * c + dx + g * n, g * n * sizeof(float));
+    }
+    softplus_bias(dt, dt_stride, dt_bias, rows, h, delta, threads);
+    for (int64_t i = 0; i < rows * h; i++) { /* torch's clamp(min, max); NaN stays NaN */
+        float v = delta[i];
+        v = v < dt_min ? dt_min : v;
+        delta[i] = v > dt_max ? dt_max : v;
+    }
+    ssm_step_rows(xs, delta, A, bs, cs, D, ssm_state, slots, rows, h, p, n, g, ys, ssm_state,
+                  threads);
+    gated_rms_norm_rows(ys, dx, z, z_stride, rows, dx, group, norm_w, eps, 0, out, gscratch,
+                        threads);
+}
+
+/* The gated delta rule (Qwen3.5): qkv -> conv (silu) -> q / k [Hk K] and v [H V]; beta =
+ * sigmoid(b) (`elementwise` op 0); decay g = A * softplus(a + dt_bias) (A = -exp(A_log));
+ * the step (l2norm, scale, head sharing in it); gated RMSNorm of each head's values with z
+ * (norm before the gate; weight [V]). scratch: rows (2 c + 2 hk dk + 3 h dv + 3 h) + 2 dv
+ * threads floats, c = 2 hk dk + h dv. */
+void gdn_decode_rows(const float *qkv, int64_t qkv_stride, const float *b, int64_t b_stride,
+                     const float *a, int64_t a_stride, const float *z, int64_t z_stride,
+                     int64_t rows, const int64_t *slots, float *conv_state, const float *conv_w,
+                     const float *conv_b, int64_t width, float *gdn_state, const float *A,
+                     const float *dt_bias, int64_t hk, int64_t h, int64_t dk, int64_t dv,
+                     int l2norm, float scale, const float *norm_w, float eps, int64_t group,
+                     float *out, float *scratch, int threads) {
+    const int64_t qk = hk * dk, vd = h * dv, c = 2 * qk + vd;
+    float *xin = scratch, *y = xin + rows * c, *qs = y + rows * c, *ks = qs + rows * qk;
+    float *vs = ks + rows * qk, *beta = vs + rows * vd, *gate = beta + rows * h;
+    float *sp = gate + rows * h, *o = sp + rows * h, *zs = o + rows * vd;
+    float *gscratch = zs + rows * vd;
+    gather_rows(qkv, qkv_stride, rows, c, xin);
+    conv_step_rows(xin, conv_state, slots, conv_w, conv_b, rows, c, width, 1, y, conv_state);
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(qs + r * qk, y + r * c, qk * sizeof(float));
+        memcpy(ks + r * qk, y + r * c + qk, qk * sizeof(float));
+        memcpy(vs + r * vd, y + r * c + 2 * qk, vd * sizeof(float));
+    }
+    gather_rows(b, b_stride, rows, h, beta);
+    elementwise(0, beta, rows * h, beta, threads);
+    softplus_bias(a, a_stride, dt_bias, rows, h, sp, threads);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < h; i++) gate[r * h + i] = A[i] * sp[r * h + i];
+    gdn_step_rows(qs, ks, vs, gate, beta, gdn_state, slots, rows, h, hk, dk, dv, l2norm, scale,
+                  o, gdn_state, threads);
+    gather_rows(z, z_stride, rows, vd, zs); /* the norm's rows are heads: [R H, V] */
+    gated_rms_norm_rows(o, dv, zs, dv, rows * h, dv, group, norm_w, eps, 1, out, gscratch,
+                        threads);
+}

@@ -82,8 +82,8 @@ def test_stages_in_order_and_optimize_apart_from_compile():
                  "fuse_row_ops", "fuse_rope_attention"):
         assert stage[name] == Stage.OPTIMIZE
     assert {n for n, s in stage.items() if s == Stage.COMPILE} == {
-        "fold_constants", "call_kernels_directly", "flatten_attrs", "fuse_decoder_layers",
-        "drop_identity_ops",
+        "fold_constants", "call_kernels_directly", "flatten_attrs", "fuse_recurrent_mixers",
+        "fuse_decoder_layers", "drop_identity_ops",
         "compile_model"}
 
 

@@ -1,0 +1,76 @@
+"""fuse_recurrent_mixers: each Mamba2 / gated-delta mixer's decode step runs as one C call
+(counted: the fused kernel ran, not the fallback) and gives the unfused graph's logits bit for
+bit over prefill, decode and verify steps (the oracle: the same deployment without the pass);
+steps that are not decodes only run the original chain."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, Segment, build_metadata
+from specdeploy.deploy.build import build
+from specdeploy.ops import ggml_int, row_kernels
+from specdeploy.ops.ggml_linear import kernel_unavailable
+
+pytestmark = pytest.mark.skipif(
+    kernel_unavailable() is not None or ggml_int.kernel_unavailable() is not None,
+    reason=f"ggml kernels unavailable: {kernel_unavailable() or ggml_int.kernel_unavailable()}")
+pytest.importorskip("gguf")
+Q = pytest.importorskip("tests.checkpoint.test_gguf").Q
+S = 3
+
+
+@pytest.fixture(scope="module", params=["nemotron", "qwen3_5"])
+def gguf(request, tmp_path_factory):
+    from tests.deploy.test_fast_rows_invariant import _nemotron, _qwen
+
+    writer = {"nemotron": _nemotron, "qwen3_5": _qwen}[request.param]
+    return request.param, writer(tmp_path_factory.mktemp(request.param), Q.Q8_0, Q.Q8_0)
+
+
+def _run(dep) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, 120, (30,), generator=g).tolist() for _ in range(S)]
+    pages = [list(range(16 * s, 16 * s + 16)) for s in range(S)]
+    out = []
+    for s in range(S):  # prefills (the chain)
+        out.append(dep.forward(build_metadata([Segment(ids[s][:20], 0, pages[s], s, 1)])).logits)
+    for t in range(20, 24):  # decodes only (the fused call)
+        segs = [Segment([ids[s][t]], t, pages[s], s, 1, SEG_NORMAL) for s in range(S)]
+        out.append(dep.forward(build_metadata(segs)).logits)
+    segs = [Segment(ids[s][24:27], 24, pages[s], s, 3, SEG_EXTEND) for s in range(S)]
+    out.append(dep.forward(build_metadata(segs)).logits)  # a verify step (the chain)
+    segs = [Segment([ids[0][24]], 24, pages[0], 0, 1, SEG_NORMAL),  # a decode beside a prefill
+            Segment(ids[1][24:29], 24, pages[1], 1, 1, SEG_NORMAL)]
+    out.append(dep.forward(build_metadata(segs)).logits)
+    return out
+
+
+@pytest.mark.parametrize("kernels", ["fast", "exact"])
+def test_fused_mixers_give_the_chains_bits(gguf, kernels, monkeypatch):
+    name, path = gguf
+    kwargs = dict(kernels=kernels, max_batch_size=S, max_seq_len=64, page_size=4,
+                  max_cache_gib=0.05, spec={"method": "ngram", "num_speculative_tokens": 2})
+    off = build(str(path), disabled=frozenset({"fuse_recurrent_mixers"}), **kwargs)
+    on = build(str(path), **kwargs)
+    info = {i.name: i for i in on.target.infos}["fuse_recurrent_mixers"]
+    # the gated-delta chain's sigmoid / softplus are the C kernels on "fast" only: "exact"
+    # keeps torch's, which the fused call does not reproduce, so it must not match there
+    want_match = kernels == "fast" or name == "nemotron"
+    assert (info.num_matches > 0) == want_match, info
+    kernel = "mamba2_decode" if name == "nemotron" else "gdn_decode"
+    calls = []
+    real = getattr(row_kernels, kernel)
+
+    def counted(*a, **k):
+        out = real(*a, **k)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(row_kernels, kernel, counted)
+    want, got = _run(off), _run(on)
+    assert not calls or all(calls)
+    if want_match:  # each fused mixer, each of the 4 decode-only steps, ran the C call
+        assert len(calls) == 4 * info.num_matches
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), (a - b).abs().max().item()
