@@ -75,6 +75,9 @@ def split_fused_output(gm: fx.GraphModule, out: fx.Node, nodes: list[fx.Node],
         with gm.graph.inserting_after(last):
             last = gm.graph.call_function(
                 torch.ops.aten.slice.Tensor, (out, -1, start, start + width))
+        if "val" in node.meta:
+            last.meta["val"] = node.meta["val"]
+        last.meta["slice_in_range"] = True  # within `out`'s last dim by construction
         node.replace_all_uses_with(last)
         gm.graph.erase_node(node)
         start += width

@@ -15,6 +15,11 @@
   after deployment would go unseen, and nothing does that.
 - `fuse_decoder_layers` (fuse_layers.py, between these two and `compile_model`): on the tiled
   GGUF kernels, each Llama-type layer's remaining ~9 direct kernel calls become one C call.
+- `call_aten_directly` (after every pass that matches aten targets): the graph's views, casts
+  and elementwise aten calls with a tensor method / torch function of the same arguments (a
+  static slice: `torch.narrow`) call that instead of the op overload (its Python wrapper and
+  schema binding: `Tensor.view` ~2 us under `aten.view.default` here): the same aten kernels,
+  so the same results; ~100 such calls a hybrid's decode step.
 """
 from __future__ import annotations
 
@@ -74,3 +79,60 @@ def _resolve(gm: fx.GraphModule, target: str):
           skip_if=lambda ctx: None if ctx.compile else "compile=False")
 def compile_model(gm: fx.GraphModule, ctx: DeployContext) -> Done:
     return Done(1, "torch.compile(dynamic=True)", program=torch.compile(gm, dynamic=True))
+
+
+_aten = torch.ops.aten
+# aten overload -> the tensor method / torch function taking the same arguments (the same
+# kernel behind it); views and casts first: most of a decode step's aten calls
+_METHODS = {
+    _aten.view.default: torch.Tensor.view,
+    _aten.reshape.default: torch.Tensor.reshape,
+    _aten.flatten.using_ints: torch.Tensor.flatten,
+    _aten.unsqueeze.default: torch.Tensor.unsqueeze,
+    _aten.squeeze.dim: torch.Tensor.squeeze,
+    _aten.select.int: torch.Tensor.select,
+    _aten.split_with_sizes.default: torch.Tensor.split_with_sizes,
+    _aten.to.dtype: torch.Tensor.to,
+    _aten.mul.Tensor: torch.mul,
+    _aten.add.Tensor: torch.add,
+    _aten.relu.default: torch.relu,
+    _aten.square.default: torch.square,
+}
+
+
+def _narrow_args(node: fx.Node):
+    """aten.slice.Tensor(x, dim, start, end) with step 1 and a static slice inside x's static
+    size on `dim`: (x, dim, start, length) for torch.narrow (the same view), else None."""
+    a = list(node.args) + [None] * (5 - len(node.args))
+    x, dim, start, end, step = a
+    if (node.kwargs or step not in (None, 1) or not isinstance(x, fx.Node)
+            or not all(isinstance(v, int) for v in (dim, start, end)) or not 0 <= start <= end):
+        return None
+    if not node.meta.get("slice_in_range"):  # (a fused linear's split: in range as made)
+        val = x.meta.get("val")
+        size = (val.shape[dim] if isinstance(val, torch.Tensor) and -val.dim() <= dim < val.dim()
+                else None)
+        if not isinstance(size, int) or end > size:
+            return None
+    return (x, dim, start, end - start)
+
+
+@register("call_aten_directly", Stage.COMPILE,
+          skip_if=lambda ctx: "compile=True keeps ops for inductor" if ctx.compile else None)
+def call_aten_directly(gm: fx.GraphModule, ctx: DeployContext) -> Done:
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is _aten.slice.Tensor:
+            args = _narrow_args(node)
+            if args is not None:
+                node.target, node.args = torch.narrow, args
+                n += 1
+            continue
+        method = _METHODS.get(node.target)
+        if method is not None:
+            node.target = method
+            n += 1
+    gm.recompile()
+    return Done(n, f"{n} aten calls through tensor methods (no overload wrapper)")
