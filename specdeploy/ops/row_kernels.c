@@ -11,6 +11,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -401,15 +402,18 @@ __attribute__((target("avx2,avx512f,avx512vl"))) static void conv_row_avx512(CON
 }
 #endif
 
-void conv_step_rows(const float *x, const float *state, const int64_t *slots,
-                    const float *weight, const float *bias, int64_t rows, int64_t c,
-                    int64_t width, int act, float *y, float *new_state) {
+/* rows read their state at row slots[r] of `state` and write it at row wslots[r] of
+ * `new_state` (a verify step's token i: read entry i - 1 of the spec states, write entry i) */
+static void conv_step_rw(const float *x, const float *state, const int64_t *slots,
+                         const int64_t *wslots, const float *weight, const float *bias,
+                         int64_t rows, int64_t c, int64_t width, int act, float *y,
+                         float *new_state) {
     const int64_t s = width - 1;
     const int avx2 = have_avx2(), avx512 = have_avx512();
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t sr = slot_row(slots, r);
+        const int64_t sr = slot_row(slots, r), sw = wslots ? wslots[r] : sr;
         const float *st = state ? state + sr * c * s : 0, *xr = x + r * c;
-        float *yr = y + r * c, *ns = new_state + sr * c * s;
+        float *yr = y + r * c, *ns = new_state + sw * c * s;
 #if defined(__x86_64__)
         if (avx512) {
             conv_row_avx512(xr, st, weight, bias, c, width, s, act, yr, ns);
@@ -424,6 +428,12 @@ void conv_step_rows(const float *x, const float *state, const int64_t *slots,
     }
     (void)avx2;
     (void)avx512;
+}
+
+void conv_step_rows(const float *x, const float *state, const int64_t *slots,
+                    const float *weight, const float *bias, int64_t rows, int64_t c,
+                    int64_t width, int act, float *y, float *new_state) {
+    conv_step_rw(x, state, slots, 0, weight, bias, rows, c, width, act, y, new_state);
 }
 
 /* Mamba2's SSM decode step for one (row, head): state[p, n] = decay * state[p, n] + (dt x[p])
@@ -483,10 +493,11 @@ __attribute__((target("avx2,avx512f,avx512vl"))) static void ssm_head_avx512(SSM
 
 /* per row r and head h (group h / rep): decay = e^(dt A_h) (exp_any). x [R, H, P], dt [R, H]
  * (already discretized), B / C [R, G, N], state / new_state [*, H, P, N], y [R, H, P]. */
-void ssm_step_rows(const float *x, const float *dt, const float *A, const float *Bm,
-                   const float *Cm, const float *D, const float *state, const int64_t *slots,
-                   int64_t rows, int64_t h, int64_t p, int64_t n, int64_t g, float *y,
-                   float *new_state, int threads) {
+static void ssm_step_rw(const float *x, const float *dt, const float *A, const float *Bm,
+                        const float *Cm, const float *D, const float *state,
+                        const int64_t *slots, const int64_t *wslots, int64_t rows, int64_t h,
+                        int64_t p, int64_t n, int64_t g, float *y, float *new_state,
+                        int threads) {
     const int64_t rep = h / g, hs = p * n;
     const int avx2 = have_avx2(), avx512 = have_avx512();
 #pragma omp parallel for collapse(2) num_threads(threads) if (STEP_THREADS(rows * h * hs))
@@ -495,8 +506,9 @@ void ssm_step_rows(const float *x, const float *dt, const float *A, const float 
             const float d = dt[r * h + hh], decay = exp_any(d * A[hh]);
             const float *b = Bm + (r * g + hh / rep) * n, *c = Cm + (r * g + hh / rep) * n;
             const int64_t sh = slot_row(slots, r) * h + hh;
+            const int64_t sw = (wslots ? wslots[r] : slot_row(slots, r)) * h + hh;
             const float *st = state ? state + sh * hs : 0;
-            float *ns = new_state + sh * hs, *yy = y + (r * h + hh) * p;
+            float *ns = new_state + sw * hs, *yy = y + (r * h + hh) * p;
             const float *xs = x + (r * h + hh) * p;
 #if defined(__x86_64__)
             if (avx512) {
@@ -512,6 +524,13 @@ void ssm_step_rows(const float *x, const float *dt, const float *A, const float 
         }
     (void)avx2;
     (void)avx512;
+}
+
+void ssm_step_rows(const float *x, const float *dt, const float *A, const float *Bm,
+                   const float *Cm, const float *D, const float *state, const int64_t *slots,
+                   int64_t rows, int64_t h, int64_t p, int64_t n, int64_t g, float *y,
+                   float *new_state, int threads) {
+    ssm_step_rw(x, dt, A, Bm, Cm, D, state, slots, 0, rows, h, p, n, g, y, new_state, threads);
 }
 
 /* The gated delta rule's decode step for one (row, head) (ops/gdn.py): S = e^g S (exp_any),
@@ -577,23 +596,25 @@ static void gdn_qk(const float *q, const float *k, int64_t dk, int l2norm, float
 /* per row r and value head h (q / k head h / rep, rep = h / hk): q / k [R, Hk, K] (raw: the
  * step applies l2norm and scale, gdn_qk), v [R, H, V], g / beta [R, H], state / new_state
  * [*, H, K, V], o [R, H, V]. */
-void gdn_step_rows(const float *q, const float *k, const float *v, const float *gate,
-                   const float *beta, const float *state, const int64_t *slots, int64_t rows,
-                   int64_t h, int64_t hk, int64_t dk, int64_t dv, int l2norm, float scale,
-                   float *o, float *new_state, int threads) {
+static void gdn_step_rw(const float *q, const float *k, const float *v, const float *gate,
+                        const float *beta, const float *state, const int64_t *slots,
+                        const int64_t *wslots, int64_t rows, int64_t h, int64_t hk, int64_t dk,
+                        int64_t dv, int l2norm, float scale, float *o, float *new_state,
+                        int threads) {
     const int avx2 = have_avx2(), avx512 = have_avx512();
     const int64_t rep = h / hk;
 #pragma omp parallel for collapse(2) num_threads(threads) if (STEP_THREADS(rows * h * dk * dv))
     for (int64_t r = 0; r < rows; r++)
         for (int64_t hh = 0; hh < h; hh++) {
             const int64_t rh = r * h + hh, sh = slot_row(slots, r) * h + hh;
+            const int64_t sw = (wslots ? wslots[r] : slot_row(slots, r)) * h + hh;
             const int64_t rk = r * hk + hh / rep;
             const float e = exp_any(gate[rh]), bt = beta[rh];
             float qq[dk], kk[dk];
             gdn_qk(q + rk * dk, k + rk * dk, dk, l2norm, scale, qq, kk);
             const float *vv = v + rh * dv;
             const float *st = state ? state + sh * dk * dv : 0;
-            float *S = new_state + sh * dk * dv, *oo = o + rh * dv;
+            float *S = new_state + sw * dk * dv, *oo = o + rh * dv;
 #if defined(__x86_64__)
             if (avx512) {
                 gdn_head_avx512(qq, kk, vv, e, bt, st, dk, dv, oo, S);
@@ -608,6 +629,14 @@ void gdn_step_rows(const float *q, const float *k, const float *v, const float *
         }
     (void)avx2;
     (void)avx512;
+}
+
+void gdn_step_rows(const float *q, const float *k, const float *v, const float *gate,
+                   const float *beta, const float *state, const int64_t *slots, int64_t rows,
+                   int64_t h, int64_t hk, int64_t dk, int64_t dv, int l2norm, float scale,
+                   float *o, float *new_state, int threads) {
+    gdn_step_rw(q, k, v, gate, beta, state, slots, 0, rows, h, hk, dk, dv, l2norm, scale, o,
+                new_state, threads);
 }
 
 /* Gated RMSNorm over groups of `group` columns (ops/norm.py): sg = silu(gate) as
@@ -791,10 +820,15 @@ void moe_route_rows(const float *logits, int64_t rows, int64_t e, const float *b
     }
 }
 
-/* ---- a recurrent mixer's whole decode step in one call (deploy/passes/fuse_mixers.py) ----
- * Each calls the kernels above in the order the graph's chain calls them, on the same values,
- * so its bits are the chain's (which a verify step's rows still run). Rows are one token each
- * of decodes whose states sit at `slots`; the states are updated in place. */
+/* ---- a recurrent mixer's whole decode or verify step in one call ---------------------------
+ * (deploy/passes/fuse_mixers.py) Each calls the kernels above in the order the graph's chain
+ * calls them, on the same values, so its bits are the chain's. `rows` sequences of `ntok`
+ * tokens each (input row r * ntok + i is sequence r's token i), states at `slots`:
+ *   spec NULL (decode, ntok 1): each state is updated in place;
+ *   spec set (verify): token i reads sequence r's state after token i - 1 (the main state for
+ *   token 0, else spec entry i - 1) and writes entry i of its spec states (spec rows of k1
+ *   entries a slot), as run_cached's token-by-token EXTEND path does; the main state is not
+ *   touched. */
 
 static void gather_rows(const float *src, int64_t stride, int64_t rows, int64_t n, float *dst) {
     for (int64_t r = 0; r < rows; r++) memcpy(dst + r * n, src + r * stride, n * sizeof(float));
@@ -808,71 +842,137 @@ static void softplus_bias(const float *v, int64_t stride, const float *bias, int
     elementwise(1, out, rows * h, out, threads);
 }
 
+/* token i's read / write state rows (see above); rw: 2 * rows int64 */
+static void token_slots(const int64_t *slots, int64_t rows, int64_t i, int64_t k1,
+                        int64_t *rw) {
+    for (int64_t r = 0; r < rows; r++) {
+        rw[r] = i == 0 ? slots[r] : slots[r] * k1 + i - 1;
+        rw[rows + r] = slots[r] * k1 + i;
+    }
+}
+
 /* Mamba2 (NemotronH): xbc -> conv (silu) -> x / B / C; dt -> clamp(softplus(dt + dt_bias));
  * the SSM step; gated RMSNorm with z (norm after the gate). x [R, H P], B / C [R, G N].
- * scratch: rows (3 c + h + h p) + 2 h p threads floats, c = h p + 2 g n. */
-void mamba2_decode_rows(const float *xbc, int64_t xbc_stride, const float *z, int64_t z_stride,
-                        const float *dt, int64_t dt_stride, int64_t rows, const int64_t *slots,
-                        float *conv_state, const float *conv_w, const float *conv_b,
-                        int64_t width, float *ssm_state, const float *A, const float *D,
-                        const float *dt_bias, float dt_min, float dt_max, int64_t h, int64_t p,
-                        int64_t n, int64_t g, const float *norm_w, float eps, int64_t group,
-                        float *out, float *scratch, int threads) {
+ * Returns -1 without scratch memory. */
+int mamba2_decode_rows(const float *xbc, int64_t xbc_stride, const float *z, int64_t z_stride,
+                       const float *dt, int64_t dt_stride, int64_t rows, int64_t ntok,
+                       const int64_t *slots, float *conv_state, float *conv_spec,
+                       const float *conv_w, const float *conv_b, int64_t width,
+                       float *ssm_state, float *ssm_spec, int64_t k1, const float *A,
+                       const float *D, const float *dt_bias, float dt_min, float dt_max,
+                       int64_t h, int64_t p, int64_t n, int64_t g, const float *norm_w,
+                       float eps, int64_t group, float *out, int threads) {
     const int64_t dx = h * p, c = dx + 2 * g * n;
-    float *xin = scratch, *y = xin + rows * c, *parts = y + rows * c, *delta = parts + rows * c;
-    float *ys = delta + rows * h, *gscratch = ys + rows * dx;
-    gather_rows(xbc, xbc_stride, rows, c, xin);
-    conv_step_rows(xin, conv_state, slots, conv_w, conv_b, rows, c, width, 1, y, conv_state);
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (4 * c + 2 * h + 2 * dx) +
+                                                          2 * dx * threads));
+    int64_t *rw = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * rows));
+    if (!buf || !rw) {
+        free(buf);
+        free(rw);
+        return -1;
+    }
+    float *xin = buf, *y = xin + rows * c, *parts = y + rows * c, *delta = parts + rows * c;
+    float *ys = delta + rows * h, *zs = ys + rows * dx, *ot = zs + rows * dx;
+    float *gscratch = ot + rows * dx;
     float *xs = parts, *bs = xs + rows * dx, *cs = bs + rows * g * n;
-    for (int64_t r = 0; r < rows; r++) {
-        memcpy(xs + r * dx, y + r * c, dx * sizeof(float));
-        memcpy(bs + r * g * n, y + r * c + dx, g * n * sizeof(float));
-        memcpy(cs + r * g * n, y + r * c + dx + g * n, g * n * sizeof(float));
+    for (int64_t i = 0; i < ntok; i++) {
+        const int64_t *rs = slots, *ws = slots;
+        const float *cread = conv_state, *sread = ssm_state;
+        float *cwrite = conv_state, *swrite = ssm_state;
+        if (conv_spec) {
+            token_slots(slots, rows, i, k1, rw);
+            rs = rw;
+            ws = rw + rows;
+            cread = i ? conv_spec : conv_state;
+            sread = i ? ssm_spec : ssm_state;
+            cwrite = conv_spec;
+            swrite = ssm_spec;
+        }
+        gather_rows(xbc + i * xbc_stride, xbc_stride * ntok, rows, c, xin);
+        conv_step_rw(xin, cread, rs, ws, conv_w, conv_b, rows, c, width, 1, y, cwrite);
+        for (int64_t r = 0; r < rows; r++) {
+            memcpy(xs + r * dx, y + r * c, dx * sizeof(float));
+            memcpy(bs + r * g * n, y + r * c + dx, g * n * sizeof(float));
+            memcpy(cs + r * g * n, y + r * c + dx + g * n, g * n * sizeof(float));
+        }
+        softplus_bias(dt + i * dt_stride, dt_stride * ntok, dt_bias, rows, h, delta, threads);
+        for (int64_t j = 0; j < rows * h; j++) { /* torch's clamp(min, max); NaN stays NaN */
+            float v = delta[j];
+            v = v < dt_min ? dt_min : v;
+            delta[j] = v > dt_max ? dt_max : v;
+        }
+        ssm_step_rw(xs, delta, A, bs, cs, D, sread, rs, ws, rows, h, p, n, g, ys, swrite,
+                    threads);
+        gather_rows(z + i * z_stride, z_stride * ntok, rows, dx, zs);
+        gated_rms_norm_rows(ys, dx, zs, dx, rows, dx, group, norm_w, eps, 0, ot, gscratch,
+                            threads);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(out + (r * ntok + i) * dx, ot + r * dx, dx * sizeof(float));
     }
-    softplus_bias(dt, dt_stride, dt_bias, rows, h, delta, threads);
-    for (int64_t i = 0; i < rows * h; i++) { /* torch's clamp(min, max); NaN stays NaN */
-        float v = delta[i];
-        v = v < dt_min ? dt_min : v;
-        delta[i] = v > dt_max ? dt_max : v;
-    }
-    ssm_step_rows(xs, delta, A, bs, cs, D, ssm_state, slots, rows, h, p, n, g, ys, ssm_state,
-                  threads);
-    gated_rms_norm_rows(ys, dx, z, z_stride, rows, dx, group, norm_w, eps, 0, out, gscratch,
-                        threads);
+    free(buf);
+    free(rw);
+    return 0;
 }
 
 /* The gated delta rule (Qwen3.5): qkv -> conv (silu) -> q / k [Hk K] and v [H V]; beta =
  * sigmoid(b) (`elementwise` op 0); decay g = A * softplus(a + dt_bias) (A = -exp(A_log));
  * the step (l2norm, scale, head sharing in it); gated RMSNorm of each head's values with z
- * (norm before the gate; weight [V]). scratch: rows (2 c + 2 hk dk + 3 h dv + 3 h) + 2 dv
- * threads floats, c = 2 hk dk + h dv. */
-void gdn_decode_rows(const float *qkv, int64_t qkv_stride, const float *b, int64_t b_stride,
-                     const float *a, int64_t a_stride, const float *z, int64_t z_stride,
-                     int64_t rows, const int64_t *slots, float *conv_state, const float *conv_w,
-                     const float *conv_b, int64_t width, float *gdn_state, const float *A,
-                     const float *dt_bias, int64_t hk, int64_t h, int64_t dk, int64_t dv,
-                     int l2norm, float scale, const float *norm_w, float eps, int64_t group,
-                     float *out, float *scratch, int threads) {
+ * (norm before the gate; weight [V]). Returns -1 without scratch memory. */
+int gdn_decode_rows(const float *qkv, int64_t qkv_stride, const float *b, int64_t b_stride,
+                    const float *a, int64_t a_stride, const float *z, int64_t z_stride,
+                    int64_t rows, int64_t ntok, const int64_t *slots, float *conv_state,
+                    float *conv_spec, const float *conv_w, const float *conv_b, int64_t width,
+                    float *gdn_state, float *gdn_spec, int64_t k1, const float *A,
+                    const float *dt_bias, int64_t hk, int64_t h, int64_t dk, int64_t dv,
+                    int l2norm, float scale, const float *norm_w, float eps, int64_t group,
+                    float *out, int threads) {
     const int64_t qk = hk * dk, vd = h * dv, c = 2 * qk + vd;
-    float *xin = scratch, *y = xin + rows * c, *qs = y + rows * c, *ks = qs + rows * qk;
-    float *vs = ks + rows * qk, *beta = vs + rows * vd, *gate = beta + rows * h;
-    float *sp = gate + rows * h, *o = sp + rows * h, *zs = o + rows * vd;
-    float *gscratch = zs + rows * vd;
-    gather_rows(qkv, qkv_stride, rows, c, xin);
-    conv_step_rows(xin, conv_state, slots, conv_w, conv_b, rows, c, width, 1, y, conv_state);
-    for (int64_t r = 0; r < rows; r++) {
-        memcpy(qs + r * qk, y + r * c, qk * sizeof(float));
-        memcpy(ks + r * qk, y + r * c + qk, qk * sizeof(float));
-        memcpy(vs + r * vd, y + r * c + 2 * qk, vd * sizeof(float));
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (2 * c + 2 * qk + 4 * vd +
+                                                                  3 * h) + 2 * dv * threads));
+    int64_t *rw = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * rows));
+    if (!buf || !rw) {
+        free(buf);
+        free(rw);
+        return -1;
     }
-    gather_rows(b, b_stride, rows, h, beta);
-    elementwise(0, beta, rows * h, beta, threads);
-    softplus_bias(a, a_stride, dt_bias, rows, h, sp, threads);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < h; i++) gate[r * h + i] = A[i] * sp[r * h + i];
-    gdn_step_rows(qs, ks, vs, gate, beta, gdn_state, slots, rows, h, hk, dk, dv, l2norm, scale,
-                  o, gdn_state, threads);
-    gather_rows(z, z_stride, rows, vd, zs); /* the norm's rows are heads: [R H, V] */
-    gated_rms_norm_rows(o, dv, zs, dv, rows * h, dv, group, norm_w, eps, 1, out, gscratch,
-                        threads);
+    float *xin = buf, *y = xin + rows * c, *qs = y + rows * c, *ks = qs + rows * qk;
+    float *vs = ks + rows * qk, *beta = vs + rows * vd, *gate = beta + rows * h;
+    float *sp = gate + rows * h, *o = sp + rows * h, *zs = o + rows * vd, *ot = zs + rows * vd;
+    float *gscratch = ot + rows * vd;
+    for (int64_t i = 0; i < ntok; i++) {
+        const int64_t *rs = slots, *ws = slots;
+        const float *cread = conv_state, *sread = gdn_state;
+        float *cwrite = conv_state, *swrite = gdn_state;
+        if (conv_spec) {
+            token_slots(slots, rows, i, k1, rw);
+            rs = rw;
+            ws = rw + rows;
+            cread = i ? conv_spec : conv_state;
+            sread = i ? gdn_spec : gdn_state;
+            cwrite = conv_spec;
+            swrite = gdn_spec;
+        }
+        gather_rows(qkv + i * qkv_stride, qkv_stride * ntok, rows, c, xin);
+        conv_step_rw(xin, cread, rs, ws, conv_w, conv_b, rows, c, width, 1, y, cwrite);
+        for (int64_t r = 0; r < rows; r++) {
+            memcpy(qs + r * qk, y + r * c, qk * sizeof(float));
+            memcpy(ks + r * qk, y + r * c + qk, qk * sizeof(float));
+            memcpy(vs + r * vd, y + r * c + 2 * qk, vd * sizeof(float));
+        }
+        gather_rows(b + i * b_stride, b_stride * ntok, rows, h, beta);
+        elementwise(0, beta, rows * h, beta, threads);
+        softplus_bias(a + i * a_stride, a_stride * ntok, dt_bias, rows, h, sp, threads);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < h; j++) gate[r * h + j] = A[j] * sp[r * h + j];
+        gdn_step_rw(qs, ks, vs, gate, beta, sread, rs, ws, rows, h, hk, dk, dv, l2norm, scale,
+                    o, swrite, threads);
+        gather_rows(z + i * z_stride, z_stride * ntok, rows, vd, zs); /* norm rows: heads */
+        gated_rms_norm_rows(o, dv, zs, dv, rows * h, dv, group, norm_w, eps, 1, ot, gscratch,
+                            threads);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(out + (r * ntok + i) * vd, ot + r * vd, vd * sizeof(float));
+    }
+    free(buf);
+    free(rw);
+    return 0;
 }

@@ -43,12 +43,12 @@ def _library() -> ctypes.CDLL | None:
                            _P, _P, _I], None),
         "gated_rms_norm_rows": ([_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _F, _I, _P, _P, _I],
                                 None),
-        "mamba2_decode_rows": ([_P, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _P, _P, _I64, _P,
-                                _P, _P, _P, _F, _F, _I64, _I64, _I64, _I64, _P, _F, _I64, _P,
-                                _P, _I], None),
-        "gdn_decode_rows": ([_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _P, _P,
-                             _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I, _F, _P, _F, _I64,
-                             _P, _P, _I], None),
+        "mamba2_decode_rows": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _P, _P,
+                                _I64, _P, _P, _I64, _P, _P, _P, _F, _F, _I64, _I64, _I64,
+                                _I64, _P, _F, _I64, _P, _I], _I),
+        "gdn_decode_rows": ([_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _P, _P,
+                             _P, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I,
+                             _F, _P, _F, _I64, _P, _I], _I),
         "moe_route_rows": ([_P, _I64, _I64, _P, _I64, _I, _I64, _I64, _I, _F, _P, _P, _P, _I],
                            None),
         "row_kernels_max_isa": ([_I], _I)})
@@ -339,12 +339,22 @@ def _state_ok(state: torch.Tensor, shape: tuple[int, ...]) -> bool:
     return tuple(state.shape[1:]) == shape and state.is_contiguous()
 
 
+def _spec_ok(spec: torch.Tensor | None, shape: tuple[int, ...], ntok: int) -> bool:
+    """A verify step's spec states [slots, K + 1, *shape] with room for `ntok` tokens."""
+    return (spec is not None and spec.dtype is _F32 and spec.device.type == "cpu"
+            and spec.dim() == len(shape) + 2 and tuple(spec.shape[2:]) == shape
+            and spec.shape[1] >= ntok and spec.is_contiguous())
+
+
 def mamba2_decode(xbc, z, dt, conv_w, conv_b, conv_state, slots, A, D, dt_bias, dt_min, dt_max,
-                  ssm_state, norm_w, eps, group, h, p, n, g) -> torch.Tensor | None:
-    """A Mamba2 mixer's decode step from its in_proj columns (xbc [1, T, C], z [1, T, H P],
-    dt [1, T, H]) to its gated norm's output [1, T, H P] in one C call (row_kernels.c
-    `mamba2_decode_rows`: the chain's kernels in its order, states updated in place at
-    `slots`), or None when the kernel does not take these tensors."""
+                  ssm_state, norm_w, eps, group, h, p, n, g, ntok: int = 1, conv_spec=None,
+                  ssm_spec=None) -> torch.Tensor | None:
+    """A Mamba2 mixer's step from its in_proj columns (xbc [1, T, C], z [1, T, H P], dt
+    [1, T, H]) to its gated norm's output [1, T, H P] in one C call (row_kernels.c
+    `mamba2_decode_rows`: the chain's kernels in its order). T = sequences x `ntok`: without
+    spec states one token each, states updated in place at `slots`; with them (a verify step)
+    each sequence's tokens in turn, the states after each into its spec entries. None when the
+    kernel does not take these tensors."""
     ts = [xbc, z, dt, conv_w, conv_state, A, D, dt_bias, ssm_state, norm_w]
     if conv_b is not None:
         ts.append(conv_b)
@@ -353,33 +363,39 @@ def mamba2_decode(xbc, z, dt, conv_w, conv_b, conv_state, slots, A, D, dt_bias, 
     dx, c = h * p, h * p + 2 * g * n
     t, width = xbc.shape[1], conv_w.shape[-1]
     x2, z2, dt2 = _rows2(xbc, c), _rows2(z, dx), _rows2(dt, h)
-    if (x2 is None or z2 is None or dt2 is None or tuple(slots.shape) != (t,) or h % g
-            or not conv_w.is_contiguous() or tuple(conv_w.shape) != (c, width)
+    verify = conv_spec is not None or ssm_spec is not None
+    if (x2 is None or z2 is None or dt2 is None or tuple(slots.shape) != (t // ntok,)
+            or t % ntok or h % g or not conv_w.is_contiguous()
+            or tuple(conv_w.shape) != (c, width)
             or not _state_ok(conv_state, (c, width - 1)) or not _state_ok(ssm_state, (h, p, n))
             or dx % group or norm_w.numel() != dx or A.numel() != h or D.numel() != h
-            or dt_bias.numel() != h):
+            or dt_bias.numel() != h or (not verify and ntok != 1)
+            or (verify and not (_spec_ok(conv_spec, (c, width - 1), ntok)
+                                and _spec_ok(ssm_spec, (h, p, n), ntok)
+                                and conv_spec.shape[1] == ssm_spec.shape[1]))):
         return None
-    threads = torch.get_num_threads()
     out = torch.empty(1, t, dx, dtype=_F32)
-    scratch = torch.empty(t * (3 * c + h + dx) + 2 * dx * threads, dtype=_F32)
     b2 = None if conv_b is None else conv_b.contiguous()
     A, D, dt_bias, norm_w = (v.contiguous() for v in (A, D, dt_bias, norm_w))
-    _library().mamba2_decode_rows(
+    k1 = conv_spec.shape[1] if verify else 1
+    rc = _library().mamba2_decode_rows(
         x2.data_ptr(), x2.stride(0), z2.data_ptr(), z2.stride(0), dt2.data_ptr(), dt2.stride(0),
-        t, slots.data_ptr(), conv_state.data_ptr(), conv_w.data_ptr(), _ptr(b2), width,
-        ssm_state.data_ptr(), A.data_ptr(), D.data_ptr(), dt_bias.data_ptr(), float(dt_min),
-        float(dt_max), h, p, n, g, norm_w.data_ptr(), float(eps), group, out.data_ptr(),
-        scratch.data_ptr(), threads)
+        t // ntok, ntok, slots.data_ptr(), conv_state.data_ptr(), _ptr(conv_spec),
+        conv_w.data_ptr(), _ptr(b2), width, ssm_state.data_ptr(), _ptr(ssm_spec), k1,
+        A.data_ptr(), D.data_ptr(), dt_bias.data_ptr(), float(dt_min), float(dt_max), h, p, n, g,
+        norm_w.data_ptr(), float(eps), group, out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise MemoryError("mamba2_decode_rows: no scratch memory")
     return out
 
 
 def gdn_decode(qkv, b, a, z, conv_w, conv_b, conv_state, slots, A, dt_bias, gdn_state, l2norm,
-               scale, norm_w, eps, group, hk, h, dk, dv) -> torch.Tensor | None:
-    """A gated-delta (Qwen3.5) mixer's decode step from its in_proj columns (qkv [1, T, C], b /
-    a [1, T, H], z [1, T, H, V]; the norm per head: weight [V]) to its gated norm's output
-    [1, T, H, V] in one C call
-    (row_kernels.c `gdn_decode_rows`, as mamba2_decode), or None when the kernel does not take
-    these tensors."""
+               scale, norm_w, eps, group, hk, h, dk, dv, ntok: int = 1, conv_spec=None,
+               gdn_spec=None) -> torch.Tensor | None:
+    """A gated-delta (Qwen3.5) mixer's step from its in_proj columns (qkv [1, T, C], b / a
+    [1, T, H], z [1, T, H, V]; the norm per head: weight [V]) to its gated norm's output
+    [1, T, H, V] in one C call (row_kernels.c `gdn_decode_rows`; decode or verify as
+    mamba2_decode), or None when the kernel does not take these tensors."""
     ts = [qkv, b, a, z, conv_w, conv_state, A, dt_bias, gdn_state, norm_w]
     if conv_b is not None:
         ts.append(conv_b)
@@ -388,22 +404,28 @@ def gdn_decode(qkv, b, a, z, conv_w, conv_b, conv_state, slots, A, dt_bias, gdn_
     vd, c = h * dv, 2 * hk * dk + h * dv
     t, width = qkv.shape[1], conv_w.shape[-1]
     q2, b2, a2, z2 = _rows2(qkv, c), _rows2(b, h), _rows2(a, h), _rows2(z, vd)
-    if (q2 is None or b2 is None or a2 is None or z2 is None or tuple(slots.shape) != (t,)
-            or h % hk or dk > 4096 or not conv_w.is_contiguous()
-            or tuple(conv_w.shape) != (c, width) or not _state_ok(conv_state, (c, width - 1))
+    verify = conv_spec is not None or gdn_spec is not None
+    if (q2 is None or b2 is None or a2 is None or z2 is None
+            or tuple(slots.shape) != (t // ntok,) or t % ntok or h % hk or dk > 4096
+            or not conv_w.is_contiguous() or tuple(conv_w.shape) != (c, width)
+            or not _state_ok(conv_state, (c, width - 1))
             or not _state_ok(gdn_state, (h, dk, dv)) or dv % group or norm_w.numel() != dv
-            or A.numel() != h or dt_bias.numel() != h):
+            or A.numel() != h or dt_bias.numel() != h or (not verify and ntok != 1)
+            or (verify and not (_spec_ok(conv_spec, (c, width - 1), ntok)
+                                and _spec_ok(gdn_spec, (h, dk, dv), ntok)
+                                and conv_spec.shape[1] == gdn_spec.shape[1]))):
         return None
-    threads = torch.get_num_threads()
     out = torch.empty(1, t, h, dv, dtype=_F32)
-    scratch = torch.empty(t * (2 * c + 2 * hk * dk + 3 * vd + 3 * h) + 2 * dv * threads,
-                          dtype=_F32)
     cb = None if conv_b is None else conv_b.contiguous()
     A, dt_bias, norm_w = (v.contiguous() for v in (A, dt_bias, norm_w))
-    _library().gdn_decode_rows(
+    k1 = conv_spec.shape[1] if verify else 1
+    rc = _library().gdn_decode_rows(
         q2.data_ptr(), q2.stride(0), b2.data_ptr(), b2.stride(0), a2.data_ptr(), a2.stride(0),
-        z2.data_ptr(), z2.stride(0), t, slots.data_ptr(), conv_state.data_ptr(),
-        conv_w.data_ptr(), _ptr(cb), width, gdn_state.data_ptr(), A.data_ptr(),
-        dt_bias.data_ptr(), hk, h, dk, dv, int(l2norm), float(scale), norm_w.data_ptr(),
-        float(eps), group, out.data_ptr(), scratch.data_ptr(), threads)
+        z2.data_ptr(), z2.stride(0), t // ntok, ntok, slots.data_ptr(), conv_state.data_ptr(),
+        _ptr(conv_spec), conv_w.data_ptr(), _ptr(cb), width, gdn_state.data_ptr(),
+        _ptr(gdn_spec), k1, A.data_ptr(), dt_bias.data_ptr(), hk, h, dk, dv, int(l2norm),
+        float(scale), norm_w.data_ptr(), float(eps), group, out.data_ptr(),
+        torch.get_num_threads())
+    if rc:
+        raise MemoryError("gdn_decode_rows: no scratch memory")
     return out

@@ -1,7 +1,7 @@
-"""fuse_recurrent_mixers: each Mamba2 / gated-delta mixer's decode step runs as one C call
-(counted: the fused kernel ran, not the fallback) and gives the unfused graph's logits bit for
-bit over prefill, decode and verify steps (the oracle: the same deployment without the pass);
-steps that are not decodes only run the original chain."""
+"""fuse_recurrent_mixers: each Mamba2 / gated-delta mixer's decode and verify steps run as one
+C call (counted: the fused kernel ran, not the fallback) and give the unfused graph's logits
+and states (main slots, spec entries) bit for bit over prefill, decode and verify steps (the
+oracle: the same deployment without the pass); prefill and mixed steps run the chain."""
 from __future__ import annotations
 
 import pytest
@@ -70,7 +70,14 @@ def test_fused_mixers_give_the_chains_bits(gguf, kernels, monkeypatch):
     monkeypatch.setattr(row_kernels, kernel, counted)
     want, got = _run(off), _run(on)
     assert not calls or all(calls)
-    if want_match:  # each fused mixer, each of the 4 decode-only steps, ran the C call
-        assert len(calls) == 4 * info.num_matches
+    if want_match:  # each fused mixer ran the C call at the 4 decode-only steps and the verify
+        assert len(calls) == 5 * info.num_matches
     for a, b in zip(got, want):
         assert torch.equal(a, b), (a - b).abs().max().item()
+    # the states (main slots and the verify step's spec entries) are the chain's, bit for bit
+    bufs = dict(off.target.gm.named_buffers())
+    states = {n: b for n, b in on.target.gm.named_buffers()
+              if n.startswith(("conv_", "ssm_", "gdn_")) and b.numel()}
+    assert any("spec" in n for n in states), sorted(states)
+    for n, b in states.items():
+        assert torch.equal(torch.nan_to_num(b), torch.nan_to_num(bufs[n])), n

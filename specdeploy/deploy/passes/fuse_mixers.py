@@ -4,12 +4,15 @@ Between its in_proj and out_proj a recurrent mixer runs ~11 (Mamba2) to ~20 (gat
 graph nodes on the CPU: the cached conv1d, a split into heads (getitems, reshapes, the q / k
 heads' repeat), the step's inputs (softplus, sigmoid, the decay product), the cached scan and
 the gated RMSNorm. At batch 1 their dispatch and the two state gathers cost more than the
-math. Matched from the gated norm back to the cached conv (every inner node read only inside
-the chain), the chain becomes one call that, for a step of decodes only (one token each, a
-cached state each, no prefix-cache checkpoint: what `run_cached` takes its in-place path
-for), runs row_kernels.c `mamba2_decode_rows` / `gdn_decode_rows`: the chain's own kernels in
-its order on the same values, so the same bits, with the states updated in place. Any other
-step (prefill, verify, mixed) runs the original nodes, unchanged.
+math, and a verify step ran them token by token in Python (a 4-token verify of a Qwen3.5
+GGUF cost ~3.6 decode steps). Matched from the gated norm back to the cached conv (every inner
+node read only inside the chain), the chain becomes one call that runs row_kernels.c
+`mamba2_decode_rows` / `gdn_decode_rows` for a step of decodes only (one token each, the states
+updated in place: what `run_cached` takes its in-place path for) or of verify segments only
+(all of one length: each sequence's tokens in turn, the state after each into its spec-state
+entries, as run_cached's EXTEND path), every sequence with a cached state and no prefix-cache
+checkpoint: the chain's own kernels in its order on the same values, so the same bits. Any
+other step (prefill, mixed) runs the original nodes, unchanged.
 
 Matched shapes (what the models' code exports):
   Mamba2 (NemotronH): conv(xbc) -> split(x, B, C) -> reshape x3 -> ssm_scan(x, dt, A, B, C, ..)
@@ -118,12 +121,22 @@ class _Sub:
         return vals[-1]
 
 
-def _decodes_only(cu_h, lens_h, kind_h, ckpt, ckpt_tok) -> bool:
-    """run_cached's condition for its in-place decode path."""
-    kinds = kind_h.tolist()
-    return (cu_h.tolist()[-1] == len(kinds) and SEG_EXTEND not in kinds
-            and 0 not in lens_h.tolist()
-            and (ckpt is None or ckpt_tok is None or ckpt_tok.numel() == 0))
+def _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok) -> tuple[int, bool] | None:
+    """(tokens a sequence, verify) for a step the fused call takes: decodes only (run_cached's
+    in-place path) or verify segments only, all of one length; every sequence with a cached
+    state, no prefix-cache checkpoint. None for any other step (the chain runs it)."""
+    if ckpt is not None and ckpt_tok is not None and ckpt_tok.numel():
+        return None
+    kinds, cu = kind_h.tolist(), cu_h.tolist()
+    if 0 in lens_h.tolist() or not kinds:
+        return None
+    if SEG_EXTEND not in kinds:
+        return (1, False) if cu[-1] == len(kinds) else None
+    n = cu[1] - cu[0]
+    if any(k != SEG_EXTEND for k in kinds) or cu[-1] != n * len(kinds) or any(
+            cu[i + 1] - cu[i] != n for i in range(len(kinds))):
+        return None
+    return n, True
 
 
 def _external(chain: list[fx.Node], known: list) -> list:
@@ -170,7 +183,7 @@ def _match_mamba2(gn: fx.Node, conv_fn, ssm_fn):
     chain.sort(key=order.__getitem__)
     # known arguments, by position (fuse below reads them there)
     known = [ca[0], gn.args[1], sa[1], ca[1], ca[2], ca[3], ca[7], ca[5], ca[6], ca[8], ca[10],
-             ca[11], sa[2], sa[5], sa[6], sa[7], gn.args[2]]
+             ca[11], sa[2], sa[5], sa[6], sa[7], gn.args[2], ca[4], sa[8]]
     consts = dict(dt_min=sa[13], dt_max=sa[14], eps=gn.args[3], group=gn.args[4], h=xs[2],
                   p=xs[3], g=bs[2], n=bs[3])
     return chain, known, consts
@@ -179,12 +192,15 @@ def _match_mamba2(gn: fx.Node, conv_fn, ssm_fn):
 def _mamba2_fn(sub: _Sub, c: dict):
     def mamba2_mixer(*ext):
         (xbc, z, dt, conv_w, conv_b, conv_state, slots, cu_h, lens_h, kind_h, ckpt, ckpt_tok,
-         A, D, dt_bias, ssm_state, norm_w) = ext[:17]
-        if _decodes_only(cu_h, lens_h, kind_h, ckpt, ckpt_tok):
+         A, D, dt_bias, ssm_state, norm_w, conv_spec, ssm_spec) = ext[:19]
+        kind = _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok)
+        if kind is not None and (not kind[1] or (conv_spec is not None
+                                                 and ssm_spec is not None)):
+            ntok, verify = kind
             out = row_kernels.mamba2_decode(
                 xbc, z, dt, conv_w, conv_b, conv_state, slots, A, D, dt_bias, c["dt_min"],
                 c["dt_max"], ssm_state, norm_w, c["eps"], c["group"], c["h"], c["p"], c["n"],
-                c["g"])
+                c["g"], ntok, conv_spec if verify else None, ssm_spec if verify else None)
             if out is not None:
                 return out
         return sub(ext)
@@ -256,7 +272,7 @@ def _match_gdn(gn: fx.Node, conv_fn, gdn_fn):
     order = {n: i for i, n in enumerate(conv.graph.nodes)}
     chain = sorted(set(chain), key=order.__getitem__)
     known = [ca[0], beta.args[0], a, gn.args[1], ca[1], ca[2], ca[3], ca[7], ca[5], ca[6], ca[8],
-             ca[10], ca[11], A, dt_bias, ga[5], gn.args[2]]
+             ca[10], ca[11], A, dt_bias, ga[5], gn.args[2], ca[4], ga[6]]
     consts = dict(l2norm=ga[11], scale=ga[12] if ga[12] > 0 else ks[3] ** -0.5, eps=gn.args[3],
                   group=gn.args[4], hk=ks[2], h=vs[2], dk=ks[3], dv=vs[3])
     return chain, known, consts
@@ -265,12 +281,16 @@ def _match_gdn(gn: fx.Node, conv_fn, gdn_fn):
 def _gdn_fn(sub: _Sub, c: dict):
     def gdn_mixer(*ext):
         (qkv, b, a, z, conv_w, conv_b, conv_state, slots, cu_h, lens_h, kind_h, ckpt, ckpt_tok,
-         A, dt_bias, gdn_state, norm_w) = ext[:17]
-        if _decodes_only(cu_h, lens_h, kind_h, ckpt, ckpt_tok):
+         A, dt_bias, gdn_state, norm_w, conv_spec, gdn_spec) = ext[:19]
+        kind = _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok)
+        if kind is not None and (not kind[1] or (conv_spec is not None
+                                                 and gdn_spec is not None)):
+            ntok, verify = kind
             out = row_kernels.gdn_decode(
                 qkv, b, a, z, conv_w, conv_b, conv_state, slots, A, dt_bias, gdn_state,
                 c["l2norm"], c["scale"], norm_w, c["eps"], c["group"], c["hk"], c["h"],
-                c["dk"], c["dv"])
+                c["dk"], c["dv"], ntok, conv_spec if verify else None,
+                gdn_spec if verify else None)
             if out is not None:
                 return out
         return sub(ext)
