@@ -35,7 +35,9 @@ def _steps(dep, batch: int, k: int):
     g = torch.Generator().manual_seed(0)
     prompt = 40
     ids = [torch.randint(3, 200, (prompt + k + 1,), generator=g).tolist() for _ in range(batch)]
-    pages = [list(range(4 * s, 4 * s + 4)) for s in range(batch)]
+    page = dep.target.layout.page_size
+    need = -(-(prompt + k + 2) // page)
+    pages = [list(range(need * s, need * s + need)) for s in range(batch)]
     for s in range(batch):
         dep.forward(build_metadata([Segment(ids[s][:prompt], 0, pages[s], s, 1)]))
     decode = build_metadata([Segment([ids[s][prompt]], prompt, pages[s], s, 1, SEG_NORMAL)
