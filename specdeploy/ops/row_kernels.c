@@ -842,13 +842,24 @@ static void softplus_bias(const float *v, int64_t stride, const float *bias, int
     elementwise(1, out, rows * h, out, threads);
 }
 
-/* token i's read / write state rows (see above); rw: 2 * rows int64 */
-static void token_slots(const int64_t *slots, int64_t rows, int64_t i, int64_t k1,
-                        int64_t *rw) {
+/* Where token i of a step reads and writes the conv state and the other (SSM / gated-delta)
+ * state (see above); rw: 2 * rows int64 of scratch. */
+typedef struct {
+    const int64_t *rs, *ws;
+    const float *conv_read, *state_read;
+    float *conv_write, *state_write;
+} token_io_t;
+
+static token_io_t token_io(const int64_t *slots, int64_t rows, int64_t i, int64_t k1,
+                           int64_t *rw, float *conv_state, float *conv_spec, float *state,
+                           float *spec) {
+    if (!conv_spec) return (token_io_t){slots, slots, conv_state, state, conv_state, state};
     for (int64_t r = 0; r < rows; r++) {
         rw[r] = i == 0 ? slots[r] : slots[r] * k1 + i - 1;
         rw[rows + r] = slots[r] * k1 + i;
     }
+    return (token_io_t){rw, rw + rows, i ? conv_spec : conv_state, i ? spec : state, conv_spec,
+                        spec};
 }
 
 /* Mamba2 (NemotronH): xbc -> conv (silu) -> x / B / C; dt -> clamp(softplus(dt + dt_bias));
@@ -876,20 +887,11 @@ int mamba2_decode_rows(const float *xbc, int64_t xbc_stride, const float *z, int
     float *gscratch = ot + rows * dx;
     float *xs = parts, *bs = xs + rows * dx, *cs = bs + rows * g * n;
     for (int64_t i = 0; i < ntok; i++) {
-        const int64_t *rs = slots, *ws = slots;
-        const float *cread = conv_state, *sread = ssm_state;
-        float *cwrite = conv_state, *swrite = ssm_state;
-        if (conv_spec) {
-            token_slots(slots, rows, i, k1, rw);
-            rs = rw;
-            ws = rw + rows;
-            cread = i ? conv_spec : conv_state;
-            sread = i ? ssm_spec : ssm_state;
-            cwrite = conv_spec;
-            swrite = ssm_spec;
-        }
+        const token_io_t io = token_io(slots, rows, i, k1, rw, conv_state, conv_spec,
+                                       ssm_state, ssm_spec);
         gather_rows(xbc + i * xbc_stride, xbc_stride * ntok, rows, c, xin);
-        conv_step_rw(xin, cread, rs, ws, conv_w, conv_b, rows, c, width, 1, y, cwrite);
+        conv_step_rw(xin, io.conv_read, io.rs, io.ws, conv_w, conv_b, rows, c, width, 1, y,
+                     io.conv_write);
         for (int64_t r = 0; r < rows; r++) {
             memcpy(xs + r * dx, y + r * c, dx * sizeof(float));
             memcpy(bs + r * g * n, y + r * c + dx, g * n * sizeof(float));
@@ -901,8 +903,8 @@ int mamba2_decode_rows(const float *xbc, int64_t xbc_stride, const float *z, int
             v = v < dt_min ? dt_min : v;
             delta[j] = v > dt_max ? dt_max : v;
         }
-        ssm_step_rw(xs, delta, A, bs, cs, D, sread, rs, ws, rows, h, p, n, g, ys, swrite,
-                    threads);
+        ssm_step_rw(xs, delta, A, bs, cs, D, io.state_read, io.rs, io.ws, rows, h, p, n, g, ys,
+                    io.state_write, threads);
         gather_rows(z + i * z_stride, z_stride * ntok, rows, dx, zs);
         gated_rms_norm_rows(ys, dx, zs, dx, rows, dx, group, norm_w, eps, 0, ot, gscratch,
                             threads);
@@ -940,20 +942,11 @@ int gdn_decode_rows(const float *qkv, int64_t qkv_stride, const float *b, int64_
     float *sp = gate + rows * h, *o = sp + rows * h, *zs = o + rows * vd, *ot = zs + rows * vd;
     float *gscratch = ot + rows * vd;
     for (int64_t i = 0; i < ntok; i++) {
-        const int64_t *rs = slots, *ws = slots;
-        const float *cread = conv_state, *sread = gdn_state;
-        float *cwrite = conv_state, *swrite = gdn_state;
-        if (conv_spec) {
-            token_slots(slots, rows, i, k1, rw);
-            rs = rw;
-            ws = rw + rows;
-            cread = i ? conv_spec : conv_state;
-            sread = i ? gdn_spec : gdn_state;
-            cwrite = conv_spec;
-            swrite = gdn_spec;
-        }
+        const token_io_t io = token_io(slots, rows, i, k1, rw, conv_state, conv_spec,
+                                       gdn_state, gdn_spec);
         gather_rows(qkv + i * qkv_stride, qkv_stride * ntok, rows, c, xin);
-        conv_step_rw(xin, cread, rs, ws, conv_w, conv_b, rows, c, width, 1, y, cwrite);
+        conv_step_rw(xin, io.conv_read, io.rs, io.ws, conv_w, conv_b, rows, c, width, 1, y,
+                     io.conv_write);
         for (int64_t r = 0; r < rows; r++) {
             memcpy(qs + r * qk, y + r * c, qk * sizeof(float));
             memcpy(ks + r * qk, y + r * c + qk, qk * sizeof(float));
@@ -964,8 +957,8 @@ int gdn_decode_rows(const float *qkv, int64_t qkv_stride, const float *b, int64_
         softplus_bias(a + i * a_stride, a_stride * ntok, dt_bias, rows, h, sp, threads);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t j = 0; j < h; j++) gate[r * h + j] = A[j] * sp[r * h + j];
-        gdn_step_rw(qs, ks, vs, gate, beta, sread, rs, ws, rows, h, hk, dk, dv, l2norm, scale,
-                    o, swrite, threads);
+        gdn_step_rw(qs, ks, vs, gate, beta, io.state_read, io.rs, io.ws, rows, h, hk, dk, dv,
+                    l2norm, scale, o, io.state_write, threads);
         gather_rows(z + i * z_stride, z_stride * ntok, rows, vd, zs); /* norm rows: heads */
         gated_rms_norm_rows(o, dv, zs, dv, rows * h, dv, group, norm_w, eps, 1, ot, gscratch,
                             threads);

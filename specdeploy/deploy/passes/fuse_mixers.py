@@ -121,10 +121,11 @@ class _Sub:
         return vals[-1]
 
 
-def _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok) -> tuple[int, bool] | None:
+def _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok, conv_spec, spec) -> tuple[int, bool] | None:
     """(tokens a sequence, verify) for a step the fused call takes: decodes only (run_cached's
-    in-place path) or verify segments only, all of one length; every sequence with a cached
-    state, no prefix-cache checkpoint. None for any other step (the chain runs it)."""
+    in-place path) or verify segments only (with spec states), all of one length; every
+    sequence with a cached state, no prefix-cache checkpoint. None for any other step (the
+    chain runs it)."""
     if ckpt is not None and ckpt_tok is not None and ckpt_tok.numel():
         return None
     kinds, cu = kind_h.tolist(), cu_h.tolist()
@@ -133,6 +134,8 @@ def _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok) -> tuple[int, bool] | None:
     if SEG_EXTEND not in kinds:
         return (1, False) if cu[-1] == len(kinds) else None
     n = cu[1] - cu[0]
+    if conv_spec is None or spec is None:
+        return None
     if any(k != SEG_EXTEND for k in kinds) or cu[-1] != n * len(kinds) or any(
             cu[i + 1] - cu[i] != n for i in range(len(kinds))):
         return None
@@ -193,9 +196,8 @@ def _mamba2_fn(sub: _Sub, c: dict):
     def mamba2_mixer(*ext):
         (xbc, z, dt, conv_w, conv_b, conv_state, slots, cu_h, lens_h, kind_h, ckpt, ckpt_tok,
          A, D, dt_bias, ssm_state, norm_w, conv_spec, ssm_spec) = ext[:19]
-        kind = _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok)
-        if kind is not None and (not kind[1] or (conv_spec is not None
-                                                 and ssm_spec is not None)):
+        kind = _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok, conv_spec, ssm_spec)
+        if kind is not None:
             ntok, verify = kind
             out = row_kernels.mamba2_decode(
                 xbc, z, dt, conv_w, conv_b, conv_state, slots, A, D, dt_bias, c["dt_min"],
@@ -282,9 +284,8 @@ def _gdn_fn(sub: _Sub, c: dict):
     def gdn_mixer(*ext):
         (qkv, b, a, z, conv_w, conv_b, conv_state, slots, cu_h, lens_h, kind_h, ckpt, ckpt_tok,
          A, dt_bias, gdn_state, norm_w, conv_spec, gdn_spec) = ext[:19]
-        kind = _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok)
-        if kind is not None and (not kind[1] or (conv_spec is not None
-                                                 and gdn_spec is not None)):
+        kind = _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok, conv_spec, gdn_spec)
+        if kind is not None:
             ntok, verify = kind
             out = row_kernels.gdn_decode(
                 qkv, b, a, z, conv_w, conv_b, conv_state, slots, A, dt_bias, gdn_state,
