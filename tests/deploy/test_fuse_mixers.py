@@ -81,3 +81,13 @@ def test_fused_mixers_give_the_chains_bits(gguf, kernels, monkeypatch):
     assert any("spec" in n for n in states), sorted(states)
     for n, b in states.items():
         assert torch.equal(torch.nan_to_num(b), torch.nan_to_num(bufs[n])), n
+
+
+def test_skipped_off_the_cpu_and_under_compile():
+    from types import SimpleNamespace
+
+    from specdeploy.deploy.passes.fuse_mixers import _skip
+
+    assert _skip(SimpleNamespace(compile=False, device=torch.device("cpu"))) is None
+    assert "cuda" in _skip(SimpleNamespace(compile=False, device=torch.device("cuda", 0)))
+    assert "compile" in _skip(SimpleNamespace(compile=True, device=torch.device("cpu")))

@@ -313,8 +313,15 @@ def _fuse(gm: fx.GraphModule, chain: list[fx.Node], known: list, fn_of, consts: 
         gm.graph.erase_node(node)
 
 
-@register("fuse_recurrent_mixers", Stage.COMPILE,
-          skip_if=lambda ctx: "compile=True keeps ops for inductor" if ctx.compile else None)
+def _skip(ctx: DeployContext) -> str | None:
+    if ctx.compile:
+        return "compile=True keeps ops for inductor"
+    if torch.device(ctx.device).type != "cpu":
+        return f"CPU kernels; the graph runs on {ctx.device}"
+    return None
+
+
+@register("fuse_recurrent_mixers", Stage.COMPILE, skip_if=_skip)
 def fuse_recurrent_mixers(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     conv_fn = _kernel(_ops.cached_causal_conv1d.default)
     ssm_fn = _kernel(_ops.cached_ssm_scan.default)
