@@ -47,7 +47,7 @@ class FixedK(CostController):
     def observe_draft(self, seqs: list, seconds: float) -> bool:  # no cost model to teach
         return False
 
-    def observe_step(self, rows: int, seconds: float) -> None:
+    def observe_step(self, rows: int, seconds: float, keys: float = 0.0) -> None:
         pass
 
     def observe_overhead(self, seconds: float) -> None:
