@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/spec_controller.py [--model NAME] [--methods eagle3,mtp,ngram]
         [--k 3] [--num-prompts 3] [--max-tokens 96] [--threads 2] [--rounds 1]
-        [--margins 0,0.05] [--draft-quantize int8|q8_0] [--ignore-eos] [--json-out FILE]
+        [--margins 0,0.05] [--draft-quantize int8|q8_0|auto] [--ignore-eos] [--json-out FILE]
 
 Greedy decoding of the first held-out ShareGPT prompts. One deployment per method at K; fixed
 K' < K runs on it with a controller that always asks K' drafts (the same work a K' deployment
@@ -12,8 +12,10 @@ the settings' order rotating by one each prompt (none always follows the same on
 `--margins` adds, per method, a controller at each of those margins (`CostController.margin`:
 the share by which a step with drafter drafts must beat plain in the cost model; the engine's
 own controller, `{method}_cost`, uses spec_control.DRAFTER_MARGIN), over the same calibration.
-`--draft-quantize q8_0` runs the drafter as `SpecConfig`'s default does on this path (fp32,
-Q8_0 weights on the integer-dot kernels); the default here, int8, is bf16 with int8 weights.
+`--draft-quantize q8_0` runs the drafter as `SpecConfig`'s default does on a GGUF target (fp32,
+Q8_0 weights on the integer-dot kernels); `auto` is that default whatever the target (hybrid-demo,
+fp32 safetensors: the drafter in fp32 as the target); the default here, int8, is bf16 with int8
+weights.
 Prints tokens/s per setting, its ratio to plain (tokens over time, all rounds), the per-round
 ratios, the controller's calibration time and its steps by number of drafts.
 """
@@ -75,7 +77,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--margins", default=None, help="e.g. 0,0.05: a controller at each")
-    ap.add_argument("--draft-quantize", default="int8", choices=("int8", "q8_0"))
+    ap.add_argument("--draft-quantize", default="int8", choices=("int8", "q8_0", "auto"))
     ap.add_argument("--ignore-eos", action="store_true", help="every reply max-tokens long")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()

@@ -6,10 +6,17 @@
  * same row in a verify step then differ in the last bits, which the fast kernels' 8-bit
  * activation rounding downstream can turn into a different token). The AVX-512 path (one
  * register per accumulator), the AVX2 path (two: lanes 0-7 and 8-15) and the generic C (fmaf
- * per lane: the same roundings) give the same bits. Built by linear_rows.py.
+ * per lane: the same roundings) give the same bits. Weights are fp32 or bf16 (`wt` 1: each
+ * bf16 weight widened to the fp32 it is, exactly, as it is loaded). `moe_rows` runs a MoE
+ * layer's routed experts on these tiles in one call. Built by linear_rows.py.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -22,19 +29,40 @@ static float finish(const float *a) { /* lanes j + 8 onto j, then the eight in a
     return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
 }
 
+static inline float bf16_f32(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* weight element i of an fp32 (wt 0) or bf16 (wt 1) matrix */
+static inline float wval(const void *w, int64_t i, int wt) {
+    return wt ? bf16_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+/* the 16 (fewer at a tail: zeros after) bf16 weights from w[i] widened to fp32, for the tails
+ * of the SIMD paths (a full load past the row's end could leave the allocation) */
+static inline void bf16_tail(const void *w, int64_t i, int64_t left, float *buf) {
+    for (int j = 0; j < LANES; j++) buf[j] = j < left ? bf16_f32(((const uint16_t *)w)[i + j]) : 0.f;
+}
+
 /* rows r0 .. r0 + rg, outputs n0 .. n0 + og */
-static void tile_generic(const float *x, int64_t K, const float *w, const float *b, float *y,
-                         int64_t N, int64_t r0, int rg, int64_t n0, int og) {
+static void tile_generic(const float *x, int64_t K, const void *w, int wt, const float *b,
+                         float *y, int64_t N, int64_t r0, int rg, int64_t n0, int og) {
     for (int r = 0; r < rg; r++)
         for (int o = 0; o < og; o++) {
-            const float *xr = x + (r0 + r) * K, *wr = w + (n0 + o) * K;
+            const float *xr = x + (r0 + r) * K;
+            const int64_t wr = (n0 + o) * K;
             float acc[LANES] = {0};
             int64_t k = 0;
             for (; k + LANES <= K; k += LANES)
-                for (int j = 0; j < LANES; j++) acc[j] = fmaf(xr[k + j], wr[k + j], acc[j]);
+                for (int j = 0; j < LANES; j++)
+                    acc[j] = fmaf(xr[k + j], wval(w, wr + k + j, wt), acc[j]);
             if (k < K) /* the masked tail: lanes past K add 0 * 0, as the SIMD paths do */
                 for (int j = 0; j < LANES; j++)
-                    acc[j] = k + j < K ? fmaf(xr[k + j], wr[k + j], acc[j]) : fmaf(0.f, 0.f, acc[j]);
+                    acc[j] = k + j < K ? fmaf(xr[k + j], wval(w, wr + k + j, wt), acc[j])
+                                       : fmaf(0.f, 0.f, acc[j]);
             const float s = finish(acc);
             y[(r0 + r) * N + n0 + o] = b ? s + b[n0 + o] : s;
         }
@@ -54,22 +82,29 @@ AVX2_FN __m256i tail_mask(int64_t left) { /* lanes < left */
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+AVX2_FN __m256 ldw8(const void *w, int64_t i, const int wt) {
+    if (!wt) return _mm256_loadu_ps((const float *)w + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 #define RG2 2
 #define OG2 2
-AVX2_FN __attribute__((always_inline)) void tile_avx2(const float *x, int64_t K, const float *w,
-                                                       const float *b, float *y, int64_t N,
-                                                       int64_t r0, const int rg, int64_t n0,
-                                                       const int og) {
+AVX2_FN __attribute__((always_inline)) void tile_avx2(const float *x, int64_t K, const void *w,
+                                                       const int wt, const float *b, float *y,
+                                                       int64_t N, int64_t r0, const int rg,
+                                                       int64_t n0, const int og) {
     __m256 lo[RG2][OG2], hi[RG2][OG2];
     for (int r = 0; r < rg; r++)
         for (int o = 0; o < og; o++) lo[r][o] = hi[r][o] = _mm256_setzero_ps();
-    const float *xr = x + r0 * K, *wr = w + n0 * K;
+    const float *xr = x + r0 * K;
+    const int64_t wr = n0 * K;
     int64_t k = 0;
     for (; k + LANES <= K; k += LANES) {
         __m256 wl[OG2], wh[OG2];
         for (int o = 0; o < og; o++) {
-            wl[o] = _mm256_loadu_ps(wr + o * K + k);
-            wh[o] = _mm256_loadu_ps(wr + o * K + k + 8);
+            wl[o] = ldw8(w, wr + o * K + k, wt);
+            wh[o] = ldw8(w, wr + o * K + k + 8, wt);
         }
         for (int r = 0; r < rg; r++) {
             const __m256 xl = _mm256_loadu_ps(xr + r * K + k), xh = _mm256_loadu_ps(xr + r * K + k + 8);
@@ -85,9 +120,17 @@ AVX2_FN __attribute__((always_inline)) void tile_avx2(const float *x, int64_t K,
             const __m256 xl = _mm256_maskload_ps(xr + r * K + k, ml);
             const __m256 xh = _mm256_maskload_ps(xr + r * K + k + 8, mh);
             for (int o = 0; o < og; o++) {
-                lo[r][o] = _mm256_fmadd_ps(xl, _mm256_maskload_ps(wr + o * K + k, ml), lo[r][o]);
-                hi[r][o] = _mm256_fmadd_ps(xh, _mm256_maskload_ps(wr + o * K + k + 8, mh),
-                                           hi[r][o]);
+                __m256 wlo, whi;
+                if (wt) {
+                    float buf[LANES];
+                    bf16_tail(w, wr + o * K + k, K - k, buf);
+                    wlo = _mm256_loadu_ps(buf), whi = _mm256_loadu_ps(buf + 8);
+                } else {
+                    wlo = _mm256_maskload_ps((const float *)w + wr + o * K + k, ml);
+                    whi = _mm256_maskload_ps((const float *)w + wr + o * K + k + 8, mh);
+                }
+                lo[r][o] = _mm256_fmadd_ps(xl, wlo, lo[r][o]);
+                hi[r][o] = _mm256_fmadd_ps(xh, whi, hi[r][o]);
             }
         }
     }
@@ -98,21 +141,28 @@ AVX2_FN __attribute__((always_inline)) void tile_avx2(const float *x, int64_t K,
         }
 }
 
+AVX512_FN __m512 ldw16(const void *w, int64_t i, const int wt) {
+    if (!wt) return _mm512_loadu_ps((const float *)w + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 #define RG5 4
 #define OG5 4
 AVX512_FN __attribute__((always_inline)) void tile_avx512(const float *x, int64_t K,
-                                                           const float *w, const float *b,
-                                                           float *y, int64_t N, int64_t r0,
-                                                           const int rg, int64_t n0,
+                                                           const void *w, const int wt,
+                                                           const float *b, float *y, int64_t N,
+                                                           int64_t r0, const int rg, int64_t n0,
                                                            const int og) {
     __m512 acc[RG5][OG5];
     for (int r = 0; r < rg; r++)
         for (int o = 0; o < og; o++) acc[r][o] = _mm512_setzero_ps();
-    const float *xr = x + r0 * K, *wr = w + n0 * K;
+    const float *xr = x + r0 * K;
+    const int64_t wr = n0 * K;
     int64_t k = 0;
     for (; k + LANES <= K; k += LANES) {
         __m512 wv[OG5];
-        for (int o = 0; o < og; o++) wv[o] = _mm512_loadu_ps(wr + o * K + k);
+        for (int o = 0; o < og; o++) wv[o] = ldw16(w, wr + o * K + k, wt);
         for (int r = 0; r < rg; r++) {
             const __m512 xv = _mm512_loadu_ps(xr + r * K + k);
             for (int o = 0; o < og; o++) acc[r][o] = _mm512_fmadd_ps(xv, wv[o], acc[r][o]);
@@ -122,9 +172,17 @@ AVX512_FN __attribute__((always_inline)) void tile_avx512(const float *x, int64_
         const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
         for (int r = 0; r < rg; r++) {
             const __m512 xv = _mm512_maskz_loadu_ps(m, xr + r * K + k);
-            for (int o = 0; o < og; o++)
-                acc[r][o] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(m, wr + o * K + k),
-                                            acc[r][o]);
+            for (int o = 0; o < og; o++) {
+                __m512 wv;
+                if (wt) {
+                    float buf[LANES];
+                    bf16_tail(w, wr + o * K + k, K - k, buf);
+                    wv = _mm512_loadu_ps(buf);
+                } else {
+                    wv = _mm512_maskz_loadu_ps(m, (const float *)w + wr + o * K + k);
+                }
+                acc[r][o] = _mm512_fmadd_ps(xv, wv, acc[r][o]);
+            }
         }
     }
     for (int r = 0; r < rg; r++)
@@ -137,39 +195,49 @@ AVX512_FN __attribute__((always_inline)) void tile_avx512(const float *x, int64_
 }
 
 /* the tile shapes as constants, so the accumulators stay in registers */
-#define TILE_CASES(FN, R, O)                                                                   \
+#define TILE_CASES(FN, R, O, WT)                                                                   \
     switch (rg * 8 + og) {                                                                     \
-    case 1 * 8 + 1: FN(x, K, w, b, y, N, r0, 1, n0, 1); break;                                 \
-    case 1 * 8 + 2: FN(x, K, w, b, y, N, r0, 1, n0, 2); break;                                 \
-    case 2 * 8 + 1: FN(x, K, w, b, y, N, r0, 2, n0, 1); break;                                 \
-    case 2 * 8 + 2: FN(x, K, w, b, y, N, r0, 2, n0, 2); break;                                 \
+    case 1 * 8 + 1: FN(x, K, w, WT, b, y, N, r0, 1, n0, 1); break;                                 \
+    case 1 * 8 + 2: FN(x, K, w, WT, b, y, N, r0, 1, n0, 2); break;                                 \
+    case 2 * 8 + 1: FN(x, K, w, WT, b, y, N, r0, 2, n0, 1); break;                                 \
+    case 2 * 8 + 2: FN(x, K, w, WT, b, y, N, r0, 2, n0, 2); break;                                 \
     default: if (R > 2) switch (rg * 8 + og) {                                                 \
-        case 1 * 8 + 3: FN(x, K, w, b, y, N, r0, 1, n0, 3 < O ? 3 : O); break;                \
-        case 1 * 8 + 4: FN(x, K, w, b, y, N, r0, 1, n0, 4 < O ? 4 : O); break;                \
-        case 2 * 8 + 3: FN(x, K, w, b, y, N, r0, 2, n0, 3 < O ? 3 : O); break;                \
-        case 2 * 8 + 4: FN(x, K, w, b, y, N, r0, 2, n0, 4 < O ? 4 : O); break;                \
-        case 3 * 8 + 1: FN(x, K, w, b, y, N, r0, 3 < R ? 3 : R, n0, 1); break;                \
-        case 3 * 8 + 2: FN(x, K, w, b, y, N, r0, 3 < R ? 3 : R, n0, 2); break;                \
-        case 3 * 8 + 3: FN(x, K, w, b, y, N, r0, 3 < R ? 3 : R, n0, 3 < O ? 3 : O); break;    \
-        case 3 * 8 + 4: FN(x, K, w, b, y, N, r0, 3 < R ? 3 : R, n0, 4 < O ? 4 : O); break;    \
-        case 4 * 8 + 1: FN(x, K, w, b, y, N, r0, 4 < R ? 4 : R, n0, 1); break;                \
-        case 4 * 8 + 2: FN(x, K, w, b, y, N, r0, 4 < R ? 4 : R, n0, 2); break;                \
-        case 4 * 8 + 3: FN(x, K, w, b, y, N, r0, 4 < R ? 4 : R, n0, 3 < O ? 3 : O); break;    \
-        default: FN(x, K, w, b, y, N, r0, 4 < R ? 4 : R, n0, 4 < O ? 4 : O); break;          \
+        case 1 * 8 + 3: FN(x, K, w, WT, b, y, N, r0, 1, n0, 3 < O ? 3 : O); break;                \
+        case 1 * 8 + 4: FN(x, K, w, WT, b, y, N, r0, 1, n0, 4 < O ? 4 : O); break;                \
+        case 2 * 8 + 3: FN(x, K, w, WT, b, y, N, r0, 2, n0, 3 < O ? 3 : O); break;                \
+        case 2 * 8 + 4: FN(x, K, w, WT, b, y, N, r0, 2, n0, 4 < O ? 4 : O); break;                \
+        case 3 * 8 + 1: FN(x, K, w, WT, b, y, N, r0, 3 < R ? 3 : R, n0, 1); break;                \
+        case 3 * 8 + 2: FN(x, K, w, WT, b, y, N, r0, 3 < R ? 3 : R, n0, 2); break;                \
+        case 3 * 8 + 3: FN(x, K, w, WT, b, y, N, r0, 3 < R ? 3 : R, n0, 3 < O ? 3 : O); break;    \
+        case 3 * 8 + 4: FN(x, K, w, WT, b, y, N, r0, 3 < R ? 3 : R, n0, 4 < O ? 4 : O); break;    \
+        case 4 * 8 + 1: FN(x, K, w, WT, b, y, N, r0, 4 < R ? 4 : R, n0, 1); break;                \
+        case 4 * 8 + 2: FN(x, K, w, WT, b, y, N, r0, 4 < R ? 4 : R, n0, 2); break;                \
+        case 4 * 8 + 3: FN(x, K, w, WT, b, y, N, r0, 4 < R ? 4 : R, n0, 3 < O ? 3 : O); break;    \
+        default: FN(x, K, w, WT, b, y, N, r0, 4 < R ? 4 : R, n0, 4 < O ? 4 : O); break;          \
         }                                                                                      \
     }
 
+/* the weight type as a constant too: each tile shape is compiled once per type */
 __attribute__((target("avx2,fma"))) static void tile_avx2_any(const float *x, int64_t K,
-                                                              const float *w, const float *b,
-                                                              float *y, int64_t N, int64_t r0,
-                                                              int rg, int64_t n0, int og) {
-    TILE_CASES(tile_avx2, RG2, OG2)
+                                                              const void *w, int wt,
+                                                              const float *b, float *y,
+                                                              int64_t N, int64_t r0, int rg,
+                                                              int64_t n0, int og) {
+    if (wt) {
+        TILE_CASES(tile_avx2, RG2, OG2, 1)
+    } else {
+        TILE_CASES(tile_avx2, RG2, OG2, 0)
+    }
 }
 
 __attribute__((target("avx2,fma,avx512f"))) static void tile_avx512_any(
-    const float *x, int64_t K, const float *w, const float *b, float *y, int64_t N, int64_t r0,
-    int rg, int64_t n0, int og) {
-    TILE_CASES(tile_avx512, RG5, OG5)
+    const float *x, int64_t K, const void *w, int wt, const float *b, float *y, int64_t N,
+    int64_t r0, int rg, int64_t n0, int og) {
+    if (wt) {
+        TILE_CASES(tile_avx512, RG5, OG5, 1)
+    } else {
+        TILE_CASES(tile_avx512, RG5, OG5, 0)
+    }
 }
 #endif
 
@@ -183,15 +251,36 @@ int linear_rows_max_isa(int level) {
     return before;
 }
 
-/* x [R, K], w [N, K], b [N] or NULL, y [R, N]; rows in blocks of 64 so that a block's inputs
- * stay in cache while the weights stream once per block; outputs split across threads. */
-void linear_rows(const float *x, int64_t R, int64_t K, const float *w, int64_t N,
-                 const float *b, float *y, int threads) {
+static int pick_isa(void) {
     int isa = 0;
 #if defined(__x86_64__)
     if (max_isa >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
         isa = max_isa >= 2 && __builtin_cpu_supports("avx512f") ? 2 : 1;
 #endif
+    return isa;
+}
+
+static void tile(int isa, const float *x, int64_t K, const void *w, int wt, const float *b,
+                 float *y, int64_t N, int64_t r0, int rg, int64_t n0, int og) {
+#if defined(__x86_64__)
+    if (isa == 2) {
+        tile_avx512_any(x, K, w, wt, b, y, N, r0, rg, n0, og);
+        return;
+    }
+    if (isa == 1) {
+        tile_avx2_any(x, K, w, wt, b, y, N, r0, rg, n0, og);
+        return;
+    }
+#endif
+    (void)isa;
+    tile_generic(x, K, w, wt, b, y, N, r0, rg, n0, og);
+}
+
+/* x [R, K], w [N, K], b [N] or NULL, y [R, N]; rows in blocks of 64 so that a block's inputs
+ * stay in cache while the weights stream once per block; outputs split across threads. */
+void linear_rows(const float *x, int64_t R, int64_t K, const float *w, int64_t N,
+                 const float *b, float *y, int threads) {
+    const int isa = pick_isa();
     const int rgm = isa == 2 ? 4 : 2, ogm = isa == 2 ? 4 : 2;
     const int64_t tiles = (N + ogm - 1) / ogm;
     for (int64_t rb = 0; rb < R; rb += 64) {
@@ -202,18 +291,127 @@ void linear_rows(const float *x, int64_t R, int64_t K, const float *w, int64_t N
             const int og = N - n0 < ogm ? (int)(N - n0) : ogm;
             for (int64_t r0 = rb; r0 < re; r0 += rgm) {
                 const int rg = re - r0 < rgm ? (int)(re - r0) : rgm;
-#if defined(__x86_64__)
-                if (isa == 2) {
-                    tile_avx512_any(x, K, w, b, y, N, r0, rg, n0, og);
-                    continue;
-                }
-                if (isa == 1) {
-                    tile_avx2_any(x, K, w, b, y, N, r0, rg, n0, og);
-                    continue;
-                }
-#endif
-                tile_generic(x, K, w, b, y, N, r0, rg, n0, og);
+                tile(isa, x, K, w, 0, b, y, N, r0, rg, n0, og);
             }
         }
     }
+}
+
+/* ---- a MoE layer's routed experts in one call ---- */
+
+typedef void (*silu_mul_fn)(const float *x, int64_t rows, int64_t n, int64_t x_stride,
+                            float *out, int threads);
+
+enum { ACT_SWIGLU = 0, ACT_RELU2 = 1 };
+
+/* outputs n0 .. n1 of rows 0 .. R of x [R, K] through w [N, K] into y [R, N]: linear_rows'
+ * tiles (rows in blocks of 64) for one thread's slice */
+static void slice_rows(int isa, const float *x, int64_t R, int64_t K, const void *w, int wt,
+                       int64_t N, float *y, int64_t n0, int64_t n1) {
+    const int rgm = isa == 2 ? 4 : 2, ogm = isa == 2 ? 4 : 2;
+    for (int64_t rb = 0; rb < R; rb += 64) {
+        const int64_t re = rb + 64 < R ? rb + 64 : R;
+        for (int64_t o = n0; o < n1; o += ogm) {
+            const int og = n1 - o < ogm ? (int)(n1 - o) : ogm;
+            for (int64_t r0 = rb; r0 < re; r0 += rgm)
+                tile(isa, x, K, w, wt, NULL, y, N, r0, re - r0 < rgm ? (int)(re - r0) : rgm, o, og);
+        }
+    }
+}
+
+/* this thread's contiguous slice of n outputs, in multiples of 4 */
+static void out_slice(int64_t n, int t, int nt, int64_t *n0, int64_t *n1) {
+    const int64_t per = ((n + nt - 1) / nt + 3) / 4 * 4;
+    *n0 = t * per < n ? t * per : n;
+    *n1 = *n0 + per < n ? *n0 + per : n;
+}
+
+/* x [T, H] fp32; ids [T, k] int64 in [0, E); wts [T, k] fp32; w_up [E, N_up, H] (swiglu: N_up
+ * = 2 I, gate rows first; relu2: N_up = I) and w_down [E, H, I], fp32 (wt 0) or bf16 (wt 1),
+ * contiguous; out [T, H]. The (token, slot) pairs sorted by expert, stably; each expert's rows
+ * through its up matrix (each thread a slice of every chosen expert's outputs), the activation
+ * (swiglu: `silu_mul`, row_kernels.c's; relu2: max(h, 0)^2), the down matrix; then out[t] =
+ * 0 + y_1 * w_1 + ... + y_k * w_k over t's slots in order. Every output is a tile's fixed
+ * sequence of operations and each token's sum a fixed order, so a token's output does not
+ * depend on the other tokens of the call or the threads. Returns 0; -1 without scratch memory;
+ * -3 for an id outside [0, E) or k outside 1 .. 64 (out untouched then). */
+int moe_rows(const float *x, int64_t T, int64_t H, const int64_t *ids, const float *wts,
+             int64_t k, int64_t E, const void *w_up, int64_t N_up, const void *w_down, int64_t I,
+             int wt, int act, silu_mul_fn silu_mul, float *out, int threads) {
+    if (k < 1 || k > 64) return -3;
+    const int64_t P = T * k;
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] < 0 || ids[p] >= E) return -3;
+    int64_t *start = (int64_t *)calloc((size_t)E + 2, sizeof(int64_t));
+    int64_t *order = (int64_t *)malloc((size_t)(P ? P : 1) * 2 * sizeof(int64_t));
+    float *fs = (float *)malloc((size_t)(P * H + P * N_up + P * I + P * H + 1) * sizeof(float));
+    if (!start || !order || !fs) {
+        free(start), free(order), free(fs);
+        return -1;
+    }
+    int64_t *pos = order + P, *fill = start + 1; /* fill: E + 1 counters, shifted by one */
+    float *xg = fs, *hup = xg + P * H, *hact = hup + P * N_up, *ydown = hact + P * I;
+    /* a counting sort: fill[e] = start[e + 1] counts to where expert e's pairs begin, then
+     * (placing them) runs to where they end, which is where expert e + 1's begin */
+    for (int64_t p = 0; p < P; p++) fill[ids[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) fill[e + 1] += fill[e];
+    for (int64_t p = 0; p < P; p++) {
+        pos[p] = fill[ids[p]]++;
+        order[pos[p]] = p;
+    }
+    const int isa = pick_isa();
+    const size_t wsize = wt ? 2 : 4;
+    const char *wu = (const char *)w_up, *wd = (const char *)w_down;
+#pragma omp parallel num_threads(threads) if (threads > 1 && P * (N_up + I) * H >= (1 << 16))
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int64_t n0, n1;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < P; i++)
+            memcpy(xg + i * H, x + (order[i] / k) * H, (size_t)H * sizeof(float));
+        out_slice(N_up, t, nt, &n0, &n1);
+        for (int64_t e = 0; e < E && n0 < n1; e++) {
+            const int64_t s0 = start[e], n = start[e + 1] - s0;
+            if (n)
+                slice_rows(isa, xg + s0 * H, n, H, wu + (size_t)(e * N_up * H) * wsize, wt, N_up,
+                           hup + s0 * N_up, n0, n1);
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < P; i++) {
+            const float *h = hup + i * N_up;
+            float *o = hact + i * I;
+            if (act == ACT_SWIGLU) {
+                silu_mul(h, 1, I, N_up, o, 1);
+            } else {
+                for (int64_t j = 0; j < I; j++) {
+                    const float v = h[j] > 0.f ? h[j] : 0.f;
+                    o[j] = v * v;
+                }
+            }
+        }
+        out_slice(H, t, nt, &n0, &n1);
+        for (int64_t e = 0; e < E && n0 < n1; e++) {
+            const int64_t s0 = start[e], n = start[e + 1] - s0;
+            if (n)
+                slice_rows(isa, hact + s0 * I, n, I, wd + (size_t)(e * H * I) * wsize, wt, H,
+                           ydown + s0 * H, n0, n1);
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < T; r++) {
+            float *o = out + r * H;
+            for (int64_t j = 0; j < H; j++) o[j] = 0.f;
+            for (int64_t j = 0; j < k; j++) {
+                const float *y = ydown + pos[r * k + j] * H, w = wts[r * k + j];
+                for (int64_t i = 0; i < H; i++) o[i] = o[i] + y[i] * w;
+            }
+        }
+    }
+    free(start), free(order), free(fs);
+    return 0;
 }

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specdeploy.ops import ggml_linear as _gl
+from specdeploy.ops import row_kernels
 
 SOURCE = Path(__file__).with_name("linear_rows.c")
 # NOTE: no -m flags (the AVX2 path carries its target); -ffp-contract=off keeps the generic
@@ -38,7 +39,9 @@ def library() -> ctypes.CDLL | None:
         return None
     lib, errors = _gl.load_compiled("linear_rows", SOURCE, _FLAGS, {
         "linear_rows": ([_P, _I64, _I64, _P, _I64, _P, _P, _I], None),
-        "linear_rows_max_isa": ([_I], _I)})
+        "linear_rows_max_isa": ([_I], _I),
+        "moe_rows": ([_P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _P, _I64, _I, _I, _P, _P,
+                      _I], _I)})
     if lib is not None:
         return lib
     _gl.warn_unbuilt("the batch-invariant fp32 linear", "; ".join(errors))
@@ -85,3 +88,64 @@ def bound(weight: torch.Tensor, bias: torch.Tensor | None):
         return linear_rows(x, w, b)
 
     return linear_fp32_rows
+
+
+ACTIVATIONS = ("swiglu", "relu2")  # linear_rows.c's ACT_* values, in order
+WEIGHT_TYPES = (torch.float32, torch.bfloat16)  # its `wt` values, in order
+
+
+def moe_unavailable() -> str | None:
+    """None where `moe_rows` runs here, else why not (it needs the row kernels' SiLU)."""
+    if library() is None:
+        return "the batch-invariant fp32 kernel could not be built"
+    if row_kernels._library() is None:
+        return "the row kernels (their SiLU) could not be built"
+    return None
+
+
+def moe_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             w_up: torch.Tensor, w_down: torch.Tensor, activation: str) -> torch.Tensor:
+    """A MoE layer's routed experts in one C call (`moe_rows` in linear_rows.c): x [T, H],
+    topk_ids / topk_weights [T, k], w_up [E, I or 2I (swiglu, gate rows first), H] and w_down
+    [E, H, I], fp32 or bf16 on the CPU -> [T, H] in x's dtype. Computes in fp32 (x rounded to
+    fp32, bf16 weights widened exactly); each token's output is the same bits whatever tokens
+    share the call and whatever the thread count."""
+    why = moe_unavailable()
+    if why:
+        raise RuntimeError(f"moe_rows: {why}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    e, n_up, h = w_up.shape
+    i = w_down.shape[2]
+    if (w_up.dtype not in WEIGHT_TYPES or w_down.dtype != w_up.dtype
+            or tuple(w_down.shape[:2]) != (e, h)
+            or n_up != (2 * i if activation == "swiglu" else i)):
+        raise ValueError(f"moe_rows: fp32 or bf16 expert weights that fit together, got up "
+                         f"{w_up.dtype} {tuple(w_up.shape)}, down {w_down.dtype} "
+                         f"{tuple(w_down.shape)}, {activation}")
+    if (x.device.type != "cpu" or w_up.device.type != "cpu" or x.dim() != 2
+            or x.shape[1] != h or topk_ids.shape != topk_weights.shape
+            or topk_ids.shape[0] != x.shape[0]):
+        raise ValueError(f"moe_rows: x [T, {h}] and ids / weights [T, k] on the CPU, got x "
+                         f"{tuple(x.shape)} on {x.device}, ids {tuple(topk_ids.shape)}, "
+                         f"weights {tuple(topk_weights.shape)}")
+    up, down = w_up.contiguous(), w_down.contiguous()
+    xf = x.to(torch.float32).contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    wts = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty(xf.shape, dtype=torch.float32)
+    rc = library().moe_rows(xf.data_ptr(), xf.shape[0], h, ids.data_ptr(), wts.data_ptr(),
+                            ids.shape[1], e, up.data_ptr(), n_up, down.data_ptr(), i,
+                            WEIGHT_TYPES.index(up.dtype), ACTIVATIONS.index(activation),
+                            _silu_mul(), out.data_ptr(), torch.get_num_threads())
+    if rc == -3:
+        raise ValueError(f"moe_rows: expert ids must lie in [0, {e}) with 1..64 per token, got "
+                         f"ids of shape {tuple(ids.shape)}")
+    if rc:
+        raise MemoryError("moe_rows: no scratch memory")
+    return out if x.dtype is torch.float32 else out.to(x.dtype)
+
+
+@lru_cache(maxsize=1)
+def _silu_mul() -> int:
+    return ctypes.cast(row_kernels._library().silu_mul_rows, _P).value

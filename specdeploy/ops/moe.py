@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from specdeploy.ops import row_kernels
+from specdeploy.ops import linear_rows, row_kernels
 from specdeploy.ops.autograd import register_recompute_autograd
 from specdeploy.ops.moe_grouped import expert_activation, moe_experts_grouped
 
@@ -196,6 +196,14 @@ def moe_experts_loop(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     return out.to(x.dtype)
 
 
+# Up to this many tokens the CPU's fp32 / bf16 experts run in one C call (linear_rows.c
+# `moe_rows`: batch-invariant, no Python per expert); above, the per-expert loop of BLAS GEMMs.
+# bench/moe_rows.py (bench/results/moe_rows_amx_1206.json; 2 threads, AVX-512): the call is
+# 1.6-6x faster at 1-4 tokens, 1.2-2.1x at 64-128, 0.9-1.6x at 256, 0.6-0.7x the loop's speed
+# at 1,024 (the BLAS's GEMMs win once each expert gets many rows).
+ONE_CALL_MAX_TOKENS = 128
+
+
 def _moe_experts_kernel(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -204,17 +212,25 @@ def _moe_experts_kernel(
     w_down: torch.Tensor,
     activation: str,
 ) -> torch.Tensor:
+    if (x.device.type == "cpu" and x.shape[0] <= ONE_CALL_MAX_TOKENS
+            and w_up.dtype in linear_rows.WEIGHT_TYPES and linear_rows.moe_unavailable() is None):
+        return linear_rows.moe_rows(x, topk_ids, topk_weights, w_up, w_down, activation)
+    return _moe_experts_torch(x, topk_ids, topk_weights, w_up, w_down, activation)
+
+
+def _moe_experts_torch(x, topk_ids, topk_weights, w_up, w_down, activation) -> torch.Tensor:
+    """The torch form (what the backward differentiates): the CPU's per-expert loop (its one
+    host sync costs nothing there); on a GPU the grouped path, a fixed set of kernels that
+    never syncs (invariant 8)."""
     if x.device.type == "cpu":
         return moe_experts_fast(x, topk_ids, topk_weights, w_up, w_down, activation)
-    # NOTE: the CPU keeps its per-expert loop (its one host sync costs nothing there); on a
-    # GPU the grouped path launches a fixed set of kernels and never syncs (invariant 8)
     return moe_experts_grouped(x, topk_ids, topk_weights, w_up, w_down, activation)
 
 
 moe_experts = torch.library.custom_op(
     "specdeploy::moe_experts", _moe_experts_kernel, mutates_args=()
 )
-register_recompute_autograd(moe_experts, _moe_experts_kernel)
+register_recompute_autograd(moe_experts, _moe_experts_torch)
 
 
 @moe_experts.register_fake

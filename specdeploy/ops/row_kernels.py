@@ -51,6 +51,7 @@ def _library() -> ctypes.CDLL | None:
                              _F, _P, _F, _I64, _P, _I], _I),
         "moe_route_rows": ([_P, _I64, _I64, _P, _I64, _I, _I64, _I64, _I, _F, _P, _P, _P, _I],
                            None),
+        "promote_states": ([_I64, _P, _P, _P, _I64, _P, _P, _I64], None),
         "row_kernels_max_isa": ([_I], _I)})
     if lib is not None:
         return lib
@@ -429,3 +430,36 @@ def gdn_decode(qkv, b, a, z, conv_w, conv_b, conv_state, slots, A, dt_bias, gdn_
     if rc:
         raise MemoryError("gdn_decode_rows: no scratch memory")
     return out
+
+
+def promote_states(pairs: list[tuple[torch.Tensor, torch.Tensor]], slots: list[int],
+                   idx: list[int]) -> bool:
+    """`main[slots[r]] = spec[slots[r], idx[r]]` for every (main [S, ...], spec [S, K1, ...])
+    pair, in one C call (row_kernels.c `promote_states`). False (nothing done) where the call
+    cannot take them: no library, a tensor off the CPU or not contiguous, a spec that is not
+    [S, K1, *main's entry] of main's dtype; IndexError for a slot or index out of range."""
+    lib = _library()
+    if lib is None or not pairs:
+        return False
+    k1 = pairs[0][1].shape[1]
+    n_slots = pairs[0][0].shape[0]
+    for main, spec in pairs:
+        if (main.device.type != "cpu" or spec.device.type != "cpu" or main.dtype != spec.dtype
+                or not main.is_contiguous() or not spec.is_contiguous()
+                or spec.shape != (main.shape[0], k1, *main.shape[1:])
+                or main.shape[0] != n_slots):
+            return False
+    if len(slots) != len(idx):
+        raise ValueError(f"promote_states: {len(slots)} slots, {len(idx)} indices")
+    if any(not 0 <= s < n_slots for s in slots) or any(not 0 <= i < k1 for i in idx):
+        raise IndexError(f"promote_states: slots {slots} must lie in [0, {n_slots}) and "
+                         f"indices {idx} in [0, {k1})")
+    if not slots:
+        return True
+    lists = torch.tensor([[m.data_ptr() for m, _ in pairs], [sp.data_ptr() for _, sp in pairs],
+                          [m[0].nbytes for m, _ in pairs]], dtype=torch.int64)
+    rows = torch.tensor([slots, idx], dtype=torch.int64)
+    lib.promote_states(len(pairs), lists[0].data_ptr(), lists[1].data_ptr(),
+                       lists[2].data_ptr(), k1, rows[0].data_ptr(), rows[1].data_ptr(),
+                       len(slots))
+    return True

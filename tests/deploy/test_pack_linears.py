@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
-    """One row runs as a GEMV on one thread and as a 2-column W @ x^T on more."""
+    """One row runs as a GEMV on one thread and on the packed weight on more."""
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param

@@ -265,3 +265,27 @@ def test_gdn_step_normalizes_and_shares_heads_itself(with_state):
     core = gated_delta_rule_core(q, k, v, gate, beta, state, True, 0.3)
     assert torch.equal(core.o[:, 0], o) and torch.equal(core.final_state, new)
     assert rk.gdn_step(q[:, 0], k[:, 0, :1], v[:, 0], gate[:, 0], beta[:, 0], state) is None
+
+
+def test_promote_states_equals_advanced_indexing():
+    """A speculative commit's one C call: main[slot] <- spec[slot, idx] for every state pair,
+    as the indexing it replaces (fp32 and bf16 states, several slots, any order)."""
+    g = torch.Generator().manual_seed(5)
+    pairs = [(torch.randn(5, 8, 6, generator=g), torch.randn(5, 4, 8, 6, generator=g)),
+             (torch.randn(5, 7, generator=g).to(torch.bfloat16),
+              torch.randn(5, 4, 7, generator=g).to(torch.bfloat16))]
+    slots, idx = [3, 0, 4], [2, 0, 3]
+    want = [m.clone() for m, _ in pairs]
+    for w, (_, sp) in zip(want, pairs):
+        w[torch.tensor(slots)] = sp[torch.tensor(slots), torch.tensor(idx)]
+    assert rk.promote_states(pairs, slots, idx)
+    for w, (m, _) in zip(want, pairs):
+        assert torch.equal(m, w)
+    with pytest.raises(IndexError, match="slots"):
+        rk.promote_states(pairs, [5], [0])
+    with pytest.raises(IndexError, match="indices"):
+        rk.promote_states(pairs, [0], [4])
+    # what the call cannot take is left to the caller (False, nothing written)
+    odd = [(torch.zeros(5, 6, 8).transpose(1, 2), torch.ones(5, 4, 8, 6))]
+    assert not rk.promote_states(odd, [0], [0]) and not odd[0][0].any()
+    assert not rk.promote_states([(torch.zeros(5, 3), torch.ones(5, 4, 2))], [0], [0])

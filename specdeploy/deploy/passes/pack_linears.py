@@ -1,19 +1,21 @@
-"""Pre-pack fp32 linear weights for oneDNN on the CPU, and route skinny inputs to W @ x^T.
+"""Pre-pack fp32 linear weights for oneDNN on the CPU.
 
 `aten.linear` hands a row-major weight to the BLAS, which re-packs it on every call once the
 input has more than one row: a 4-token verify step then cost ~2x a 1-token decode step although
-both stream the same weights. `python bench/linear_rows.py --reps 5` (bench/results/
-linear_rows.json; one thread, 30 layers of SmolLM2-sized weights so caches are cold), ms per
-step of linears, plain / W @ x^T / packed: 1 row 55 / 56 / 58; 2 rows 93 / 71 / 67; 4 rows
-99 / 61 / 78; 6 rows 117 / 124 / 91; 64 rows 312 / 310 / 261; 256 rows 921 / 1222 / 845. So:
-1 row keeps the plain GEMV on one thread; with more threads the BLAS still runs a GEMV on one,
-so it goes to the packed weight instead, or (not packed) a 2-column W @ x^T: on two cores
-(`bench/linear_rows.py --threads 2`, bench/results/linear_rows_2threads.json) 1 row plain /
-2-column / packed 54 / 43 / 41 ms.
-2..SKINNY_ROWS rows (a K=3 verify at batch 1 is 4) use W @ x^T,
-which reads the weight once with the input as the small operand, and more rows use the oneDNN
-blocked layout made once here. bench/spec_step.py --default-model measures the end-to-end
-verify step with and without this pass.
+both stream the same weights. Here each large fp32 weight gets a oneDNN blocked copy made once,
+which every call of 2+ rows multiplies. One row keeps the plain GEMV on one thread; with more
+threads it takes the packed weight too (the BLAS's GEMV ran on one thread in earlier torch
+builds; 2.13's threads it, and the two are even there).
+
+`python bench/linear_rows.py --threads 2 --reps 3 --rows 1 2 4 6 --only plain w_xt packed`
+(2-core AVX-512 Xeon, torch 2.13, 2026-12-06; ms for 30 layers of SmolLM2-sized weights, cold
+caches), plain / W @ x^T / packed: 1 row 21.0 / 22.0 / 22.4; 2 rows 22.9 / 45.7 / 27.8; 4 rows
+35.8 / 47.6 / 29.6; 6 rows 39.4 / 48.4 / 33.5. On hybrid-demo's tied 49,152 x 256 LM head W @ x^T
+took 4.4 ms at 2-4 rows against 1.4 ms packed: a verify step paid 3x its decode step's head.
+An earlier build of this pass sent 2-4 rows to W @ x^T (faster on the machine and torch of its
+measurement: bench/results/linear_rows.json); it stays only where nothing was packed (the
+weights' copies would not fit), as there it still reads the weight once. bench/spec_step.py
+--default-model measures the end-to-end verify step with and without this pass.
 
 The packed weight lives in a closure, not a buffer: it is an opaque oneDNN tensor (no slicing,
 no state_dict), and the graph's buffers stay what the cache code and tests expect. Skipped
@@ -33,15 +35,16 @@ from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import gpu_kernels
 
 _LINEAR = torch.ops.aten.linear.default
-SKINNY_ROWS = 4  # up to here W @ x^T; above, the oneDNN-packed weight
+SKINNY_ROWS = 4  # without a packed copy, up to here W @ x^T; above, the plain linear
 # Smaller weights stay cache-resident, where the extra call and copy cost more than they save
 # (tiny test models measured slower with them).
 MIN_ELEMENTS = 1 << 18
 
 
 def packed_linear_fn(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True):
-    """A function x -> linear(x, weight, bias): plain GEMV at 1 row, W @ x^T up to SKINNY_ROWS,
-    above that a oneDNN-packed copy of `weight` (`pack=False`: the plain linear there)."""
+    """A function x -> linear(x, weight, bias): a oneDNN-packed copy of `weight` at every row
+    count (one row on one thread: the plain GEMV). `pack=False`: the plain GEMV at one row,
+    W @ x^T up to SKINNY_ROWS, the plain linear above."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if pack else None
     bias = None if bias is None else bias.detach()
     out_features = weight.shape[0]
@@ -53,27 +56,17 @@ def packed_linear_fn(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool
     def packed_linear(x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         m = x2.shape[0]
-        if m == 1:
-            if torch.get_num_threads() == 1:  # a GEMV: on one thread the plain one is fastest
-                return linear(x, w, bias)
-            # NOTE: the BLAS runs a GEMV on one thread; oneDNN's packed weight, or else a
-            # 2-column W @ x^T (the second column a throwaway copy), uses them all
-            if packed is not None:
-                y = pointwise(x2, packed, bias, "none", [], "")
-            else:
-                y = torch.mm(w, torch.cat([x2, x2]).t())[:, 0]
-                if bias is not None:
-                    y = y + bias
-            return y.view(*x.shape[:-1], out_features)
-        if m <= SKINNY_ROWS:
+        if m == 1 and (packed is None or torch.get_num_threads() == 1):
+            return linear(x, w, bias)  # a GEMV: on one thread the plain one is fastest
+        if packed is not None:
+            y = pointwise(x2, packed, bias, "none", [], "")
+        elif m <= SKINNY_ROWS:
             # W @ x^T streams the weight once like a GEMV does (see the module note)
             y = torch.mm(w, x2.t()).t().contiguous()
             if bias is not None:
                 y = y + bias
-        elif packed is None:
-            return linear(x, w, bias)
         else:
-            y = pointwise(x2, packed, bias, "none", [], "")
+            return linear(x, w, bias)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
     return packed_linear

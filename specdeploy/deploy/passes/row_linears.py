@@ -74,8 +74,15 @@ def _skip(ctx: DeployContext, what: str = "fp32 linears") -> str | None:
 
 
 def experts_fn(w_up: torch.Tensor, w_down: torch.Tensor, activation: str):
-    """(x, topk_ids, topk_weights) -> the routed experts' sum, each matrix batch-invariant."""
+    """(x, topk_ids, topk_weights) -> the routed experts' sum in one batch-invariant C call
+    (linear_rows.c `moe_rows`: each token's output the same bits whatever tokens share it);
+    where that call cannot run, each expert's matrices on the batch-invariant linear."""
     mats = {"up": w_up.detach().contiguous(), "down": w_down.detach().contiguous()}
+    if lr.moe_unavailable() is None:
+        def experts_fp32_one_call(x, topk_ids, topk_weights):
+            return lr.moe_rows(x, topk_ids, topk_weights, mats["up"], mats["down"], activation)
+
+        return experts_fp32_one_call
 
     def experts_fp32_rows(x, topk_ids, topk_weights):
         return moe_experts_loop(x, topk_ids, topk_weights, mats["up"].shape[0],
