@@ -68,8 +68,8 @@ class SpecConfig:
     after a rejection. A verify step then carries up to max(K, it) drafts.
     `draft_dtype` / `draft_quantize` run the drafter at another precision than the target (None:
     the target's), e.g. "bfloat16" + "int8" on a CPU, where a draft step is bound by reading the
-    drafter's weights. `draft_quantize="auto"` (the default) is "q8_0" where the fast kernels
-    run a GGUF target's blocks on an fp32 CPU deployment (the drafter's linears on the same
+    drafter's weights. `draft_quantize="auto"` (the default) is "q8_0" on an fp32 CPU
+    deployment with the fast kernels, a GGUF target or not (the drafter's linears on the
     integer-dot kernels: an EAGLE-3 draft forward of the default model reads 4x fewer bytes),
     else None. Lossless whatever they are: drafts are verified by the target in its own
     precision, so only how many are accepted can change.

@@ -69,7 +69,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
             _own_mtp_draft_vocab(model, model_path, lazy)
     dtype = resolve_dtype(opts.dtype, device=opts.device)
     if spec is not None and spec.draft_quantize == "auto":
-        spec = dataclasses.replace(spec, draft_quantize=draft_quantize_auto(opts, dtype, model))
+        spec = dataclasses.replace(spec, draft_quantize=draft_quantize_auto(opts, dtype,
+                                                                       model_path))
     if lazy is not None and spec is not None and spec.draft_dtype and \
             resolve_dtype(spec.draft_dtype) != dtype:
         lazy.materialize_module(model)  # the drafter casts (copies) target weights it borrows

@@ -45,19 +45,24 @@ def kv_dtype(opts: BuildOptions, dtype: torch.dtype, model: nn.Module | None = N
     return torch.bfloat16 if fast_cpu and has_blocks else None
 
 
-def draft_quantize_auto(opts: BuildOptions, dtype: torch.dtype, model: nn.Module) -> str | None:
-    """SpecConfig's draft_quantize="auto": "q8_0" where the fast kernels run a GGUF target's
-    blocks on an fp32 CPU deployment (one process, not compiled) with an fp32 drafter (a draft
-    forward there is bound by reading the drafter's weights: Q8_0 blocks read 4x fewer bytes
-    than fp32), else None (the target's precision). Measured on the default model, 2 cores
-    AVX2, EAGLE-3 K=3 fixed: 70 tokens/s with the fp32 drafter, 103 with Q8_0 (plain ~140)."""
+def draft_quantize_auto(opts: BuildOptions, dtype: torch.dtype, model_path=None) -> str | None:
+    """SpecConfig's draft_quantize="auto": "q8_0" where the fast kernels run on an fp32 CPU
+    deployment (one process, not compiled) with an fp32 drafter, whatever the target's format
+    (a draft forward there is bound by reading the drafter's weights and its Python: Q8_0
+    blocks on the integer-dot kernels read 4x fewer bytes than fp32), else None (the target's
+    precision). Measured on the default model (GGUF), 2 cores AVX2, EAGLE-3 K=3 fixed: 70
+    tokens/s with the fp32 drafter, 103 with Q8_0 (plain ~140); on hybrid-demo (fp32
+    safetensors; bench/spec_controller.py --model hybrid-demo --methods mtp --k 3 --fixed 1
+    --rounds 2, 2 cores AVX-512, 2026-12-06) MTP K=1 / K=3 / controller 1.10 / 1.08 / 1.05x
+    plain with the fp32 drafter, 1.15 / 1.18 / 1.13x with Q8_0. Lossless either way: the
+    target verifies every draft in its own precision. Not for a pre-quantized checkpoint
+    (ModelOpt / FP8): it ships its drafter unquantized on purpose (its exclusions), as is."""
     fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32
     fp32_drafter = opts.spec.draft_dtype in (None, "float32")
-    has_blocks = bool(getattr(model, "ggml_weights", None))
     # NOTE: one process, not compiled: the paths the Q8_0 drafter has been tested on
     alone = (opts.dist is None or opts.dist.world_size == 1) and not opts.compile
-    return "q8_0" if fast_cpu and fp32_drafter and has_blocks and alone and \
-        opts.quantize is None else None
+    return "q8_0" if fast_cpu and fp32_drafter and alone and opts.quantize is None and \
+        not prequantized(model_path) else None
 
 
 def defer_blocks(opts: BuildOptions) -> bool:

@@ -33,8 +33,10 @@ class Case:
         self.arch, self.groups = arch, groups
         self.path = family_module(arch).make_tiny(root / f"{arch}_{groups}", seed=3,
                                                   mtp_layers=groups)
-        # fixed K: every step runs the K draft steps whose groups are checked
-        self.llm = LLM(str(self.path), spec=SpecConfig("mtp", K, controller="off"), **LIMITS)
+        # fixed K: every step runs the K draft steps whose groups are checked; the drafter in
+        # the target's precision (its drafts are compared with the module's)
+        self.llm = LLM(str(self.path), spec=SpecConfig("mtp", K, controller="off",
+                                                       draft_quantize=None), **LIMITS)
         self.model = specdeploy.load_model(str(self.path), dtype="float32", with_mtp=True)
 
 

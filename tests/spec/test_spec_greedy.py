@@ -196,6 +196,20 @@ def test_q8_0_drafter_stays_lossless(target, baseline):
             assert (err <= bound * 1.001 + 1e-5).all(), (err - bound).max()
 
 
+def test_draft_quantize_auto_is_q8_0_on_a_safetensors_fp32_cpu_target(tmp_path):
+    """SpecConfig's default draft_quantize="auto" on an fp32 safetensors target: Q8_0 drafter
+    linears with the fast kernels (what makes hybrid-demo's MTP head pay; its lossless run is
+    test_q8_0_drafter_stays_lossless), the target's precision with kernels="exact"."""
+    from specdeploy import LLM, SpecConfig
+    from specdeploy.models.registry import family_module
+    from tests.spec.tiny_targets import LIMITS
+
+    path = family_module("nemotron_h").make_tiny(tmp_path / "nh", seed=1, mtp_layers=1)
+    for kernels, want in (("fast", "q8_0"), ("exact", None)):
+        llm = LLM(str(path), kernels=kernels, spec=SpecConfig("mtp", 2), **LIMITS)
+        assert llm.deployed.spec.draft_quantize == want, kernels
+
+
 def test_draft_precision_is_validated():
     from specdeploy import SpecConfig
 

@@ -49,8 +49,12 @@ class Target:
 
     def spec(self, k: int, controller: str = "off"):
         """Fixed K by default (not SpecConfig's "cost"): the tests sharing these LLMs count K
-        drafts per step, fix the drafts, or set their own controller (test_spec_controller.py)."""
+        drafts per step, fix the drafts, or set their own controller (test_spec_controller.py).
+        The drafter in the target's precision (not the default "auto", Q8_0 on this fp32 CPU
+        path): tests here compare draft logits with the drafter module's; the Q8_0 drafter
+        has its own (test_spec_greedy.py)."""
         from specdeploy import SpecConfig
 
         return SpecConfig(self.method, k, draft_model=None if self.draft_model is None
-                          else str(self.draft_model), controller=controller)
+                          else str(self.draft_model), controller=controller,
+                          draft_quantize=None)
