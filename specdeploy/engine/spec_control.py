@@ -85,6 +85,7 @@ class CostController(DraftAllocator):
         self.probe_every, self.alpha, self.alpha_lookup = probe_every, alpha, alpha_lookup
         # global EMAs (slower), a new sequence's starting point
         self.glob = {"model": [prior] * max_k}
+        self._glob_seen = [0] * max_k  # verifies that reached each drafter position
         if len(hold) != len(COPY_BUCKETS) + 1:
             raise ValueError(f"hold: needs {len(COPY_BUCKETS) + 1} values, got {len(hold)}")
         self.hold = list(hold)  # lookup: P(a copy holds one more token) by copy_bucket
@@ -105,6 +106,7 @@ class CostController(DraftAllocator):
         if max_k != self.max_k:
             self.max_k = max_k
             self.glob = {n: (g + g[-1:] * max_k)[:max_k] for n, g in self.glob.items()}
+            self._glob_seen = (self._glob_seen + [0] * max_k)[:max_k]
         return self
 
     def state(self, seq) -> SeqControl:
@@ -200,6 +202,17 @@ class CostController(DraftAllocator):
             hit = float(j < accepted)
             own[j] += a * (hit - own[j])
             glob[j] += ag * (hit - glob[j])
+            self._glob_seen[j] += 1
+        # NOTE: a position no verify has reached yet follows the one before it, not the prior:
+        # drafts past the first are planned only where their modelled acceptance pays, so a
+        # prior below that was never tested. hybrid-demo's MTP head (first-draft acceptance
+        # ~0.7-0.9, the next ones ~0.7) sat at one draft with the next positions at the prior
+        # 0.6: its controller ran 1.12x plain where a fixed K=3 ran 1.22x (2026-12-06,
+        # bench/spec_isolated.py).
+        for j in range(max(seen, 1), len(own)):
+            if j >= len(self._glob_seen) or self._glob_seen[j]:
+                break
+            own[j], glob[j] = own[j - 1], glob[j - 1]
         near = not accepted and self._near_even(own)
         c.gap = self._last_gap = self.probe_every if near else self._gap(c.gap, accepted)
 

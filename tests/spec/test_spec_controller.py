@@ -105,8 +105,29 @@ def test_acceptance_estimates_follow_the_verifies():
     s = Seq()
     hold = list(c.hold)
     c.observe(s, 1, 3, False)  # position 1 accepted, position 2 rejected, 3 not seen
-    assert s.spec.control.model == [0.75, 0.25, 0.5]
+    # position 3, which no verify has reached, follows position 2 (not the prior)
+    assert s.spec.control.model == [0.75, 0.25, 0.25]
     assert c.hold == hold  # drafter verifies leave the lookup table alone
+
+
+def test_unreached_positions_follow_the_last_reached_one():
+    """Drafts past the first are planned only where their estimate pays: positions no verify
+    has reached take the estimate before them (globally and per sequence), so a first-draft
+    acceptance above the prior opens the next positions to a test; once reached, each learns
+    on its own."""
+    c = CostController(FREE, 3, 3, alpha=0.5, prior=0.5)
+    s = _Seq()
+    c.observe(s, 1, 1, False)  # one draft, accepted: position 1 only
+    assert s.spec.control.model == [0.75, 0.75, 0.75]
+    assert c.glob["model"][1:] == [c.glob["model"][0]] * 2
+    first = _Seq()  # a new sequence starts from the global estimates
+    assert c.state(first).model == c.glob["model"]
+    c.observe(s, 0, 2, False)  # two drafts, the first rejected: position 2 still unreached
+    assert s.spec.control.model == [0.375, 0.375, 0.375]
+    c.observe(s, 2, 2, False)  # both accepted: position 2 reached; 3 follows it
+    assert s.spec.control.model == [0.6875, 0.6875, 0.6875]
+    c.observe(s, 0, 1, False)  # position 2 learns only from verifies that reach it
+    assert s.spec.control.model == [0.34375, 0.6875, 0.6875]
 
 
 class _Spec:
