@@ -4,7 +4,7 @@ sequence's controller state (conditional acceptance of its drafter drafts per po
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Copy lengths m (tokens a lookup match has copied) in buckets [.., 2), [2, 3), ..., [64, ..).
 COPY_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -52,6 +52,7 @@ class SeqControl:
     gap: int = 0  # steps at 0 drafter drafts before a probe (0: not yet set)
     gap_lookup: int = 0
     settled: bool = False  # planned 0 drafter drafts, and no drafter verify since
+    seen: list[int] = field(default_factory=list)  # verifies that reached each position
 
 
 def expected_tokens(acc: list[float], k: int) -> float:

@@ -11,7 +11,7 @@ import torch
 
 from specdeploy.cache.metadata import Segment, build_metadata
 from specdeploy.engine.request import SamplingParams
-from specdeploy.engine.spec_cost import MeasuredCost
+from specdeploy.engine.spec_cost import TRUST_AFTER, MeasuredCost
 
 # `off_batches`: speculation is off from a batch size where one draft for every sequence pays
 # only at this acceptance or more (a compute-bound step). NOTE: on the default model at 16
@@ -146,7 +146,7 @@ def calibrate(engine, batches: tuple[int, ...] = (1, 3), reps: int = 3,
                          f"(max_seq_len={engine.max_seq_len}, {engine.blocks.num_pages} pages "
                          f"of {engine.blocks.page_size}, up to {kmax} drafts); give "
                          f"controller='off' (fixed K) or a longer max_seq_len")
-    return MeasuredCost(med["target"], med["draft"], refresh_every=8)
+    return MeasuredCost(med["target"], med["draft"], refresh_every=8, trust_after=TRUST_AFTER)
 
 
 # Rows a sequence's drafter catch-up feeds in calibration (`_time_catch_ups`), beside the 1..K+1

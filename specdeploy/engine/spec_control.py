@@ -50,6 +50,7 @@ __all__ = ["CONTROLLERS", "DRAFTER_MARGIN", "CostController", "CostModel", "Meas
            "calibrate", "off_batches"]
 
 MAX_PROBE_GAP = 32
+START_WEIGHT = 2  # a sequence's starting acceptance weighs as this many verifies (`observe`)
 # `wants_store`: the store is asked every step where a draft accepted with this probability
 # pays a verify row (`break_even`), else only at probes after a cut to none
 STORE_FREE_BELOW = 0.5
@@ -116,7 +117,18 @@ class CostController(DraftAllocator):
             # and the probe gap the last drafter verify left (from probe_every again, each
             # 128-token request of the default model's EAGLE-3 head, accepted ~0.3, probed ~8
             # times at ~0.8 ms lost apiece)
-            c = seq.spec.control = SeqControl(list(self.glob["model"]), gap=self._last_gap)
+            # ... unless one draft at the global estimate is modelled near even with plain
+            # decoding: then the first probe comes soon (hybrid-demo after a looping reply: the
+            # next request probed after 32 steps of its 88, accepting ~0.95, 2026-12-06)
+            glob = list(self.glob["model"])
+            gap = self._last_gap
+            if gap > self.probe_every and self.drafter and self._near_even(glob):
+                gap = self.probe_every
+            # and its first plan at 0 drafts probes (`idle` one short of the gap): acceptance
+            # differs more between requests than within one (hybrid-demo: ~0.4 on a looping
+            # reply, ~0.95 on the next), and one probe a request is cheap evidence
+            c = seq.spec.control = SeqControl(glob, gap=gap,
+                                              idle=max((gap or self.probe_every) - 1, 0))
         return c
 
     def lookup_acc(self, copied: int, n: int) -> list[float]:
@@ -197,9 +209,18 @@ class CostController(DraftAllocator):
             return
         own, glob = c.model, self.glob["model"]
         c.settled = False
-        a, ag = self.alpha, self.alpha / 3
+        ag = self.alpha / 3
+        if len(c.seen) < len(own):
+            c.seen += [0] * (len(own) - len(c.seen))
         for j in range(seen):
             hit = float(j < accepted)
+            # NOTE: a sequence's first verifies weigh as evidence beside its starting estimate
+            # (worth START_WEIGHT of them), then the EMA's alpha: a new sequence starts from
+            # the global estimate, which the requests before it set. hybrid-demo after a
+            # prompt whose replies looped (acceptance ~0.4): the next one, accepting ~0.95,
+            # took ~50 of its 88 steps to climb past break-even at alpha 0.1 (2026-12-06).
+            c.seen[j] += 1
+            a = max(self.alpha, 1.0 / (START_WEIGHT + c.seen[j]))
             own[j] += a * (hit - own[j])
             glob[j] += ag * (hit - glob[j])
             self._glob_seen[j] += 1

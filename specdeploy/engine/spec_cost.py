@@ -10,6 +10,10 @@ from typing import Protocol
 # MeasuredCost's context regression: the EMA weight of a 1-row step, the steps before its slope
 # is used, and the spread of keys (standard deviation) they must span
 REG_ALPHA, REG_MIN, REG_SPREAD = 0.01, 32, 24.0
+# The engine's MeasuredCost (`trust_after`): the steps a row count must have been seen at (after
+# its warm-up) before its own EMA prices it; until then the table's value there, scaled by the
+# measured level
+TRUST_AFTER = 4
 
 
 class CostModel(Protocol):
@@ -79,6 +83,8 @@ class MeasuredCost:
     ctx_coef: float = 0.0  # seconds per cached key of a step (learnt: `_regress`)
     context: float = 0.0  # cached keys of the step being planned
     _reg: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)  # n, x, y, xx, xy
+    _count: dict[int, int] = field(default_factory=dict, repr=False)  # row count -> steps seen
+    trust_after: int = 1  # steps seen before a row count's EMA prices it (the engine's: 4)
 
     def target_s(self, rows: int) -> float:
         return self._target_s(rows) + self.ctx_coef * self.context
@@ -105,12 +111,18 @@ class MeasuredCost:
         return _interp(self._mono, rows)
 
     def _merge(self) -> dict[int, float]:
-        xs = sorted(self.seen)
+        # NOTE: a row count seen fewer than `trust_after` times takes the table's shape at the
+        # measured level instead of its own few steps: hybrid-demo's MTP controller priced a
+        # 3-row verify 1.4 ms above a 2-row one (the table: ~0.2) from one slow step, and then
+        # never verified 2 drafts again to learn better (2026-12-06)
+        seen = {x: v for x, v in self.seen.items() if self._count.get(x, 0) >= self.trust_after}
+        seen = seen or self.seen
+        xs = sorted(seen)
         if self._target_xs is None:
             self._target_xs = sorted(self.target)
-        ratio = {x: self.seen[x] / t if (t := _interp(self.target, x, self._target_xs)) > 0
+        ratio = {x: seen[x] / t if (t := _interp(self.target, x, self._target_xs)) > 0
                  else 1.0 for x in xs}
-        pts = dict(self.seen)
+        pts = dict(seen)
         for r, v in self.target.items():
             if r not in pts:
                 near = min(xs, key=lambda x: (abs(x - r), -x))
@@ -156,11 +168,12 @@ class MeasuredCost:
         if old is not None:
             seconds = min(max(seconds, 0.5 * old), 2.0 * old)
         self.seen[rows] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._count[rows] = n = self._count.get(rows, 0) + 1
         # NOTE: a row count seen for the first time counts at once; EMA moves of known ones
         # every `refresh_every` steps (a step's refresh, the merge and the memo's ~20 costs
         # asked again, was ~20 us of a ~4 ms decode step; the EMAs move a few % a step)
         self._stale += 1
-        if old is None or self._stale >= self.refresh_every:
+        if old is None or n == self.trust_after or self._stale >= self.refresh_every:
             self._stale = 0
             self._merged = None
             self._memo.clear()

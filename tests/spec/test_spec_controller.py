@@ -621,3 +621,42 @@ def test_lookup_probes_are_batch_times_rarer():
 
     assert probes(1) == [16]  # every 4th step
     assert probes(4) == [4] * 4  # every 16th: the batch as a whole still probes every 4th
+
+
+def test_a_sequences_first_verifies_weigh_more():
+    """A new sequence starts from the global estimate, which earlier requests set; its own
+    first verifies count as evidence beside it (weights 1/3, 1/4, ... of START_WEIGHT + n),
+    down to the EMA's alpha: three accepted drafts move 0.4 to 0.76, not 0.56."""
+    from specdeploy.engine.spec_control import START_WEIGHT
+
+    assert START_WEIGHT == 2
+    c = CostController(FREE, 3, 3, alpha=0.1, prior=0.4)
+    s = _Seq()
+    want = 0.4
+    for n in range(1, 12):
+        c.observe(s, 1, 1, False)
+        want += max(0.1, 1 / (START_WEIGHT + n)) * (1 - want)
+        assert s.spec.control.model[0] == pytest.approx(want, rel=1e-12)
+        if n == 3:
+            assert want == pytest.approx(0.76)
+    assert c.glob["model"][0] < 0.75  # the global estimate keeps its slow EMA
+
+
+def test_a_new_sequences_first_plan_probes():
+    """Where drafts never pay, a new sequence still verifies one draft at its first plan (one
+    probe a request: acceptance differs between requests), then waits out its gap; one
+    starting where a draft is modelled near even probes every probe_every steps, whatever gap
+    the last request left."""
+    c = CostController(NEVER, 3, 3, probe_every=4)
+    s = _Seq()
+    limits = []
+    for _ in range(6):
+        c.plan([s])
+        limits.append(s.spec.limit)
+    assert limits == [1, 0, 0, 0, 1, 0]
+    c._last_gap = MAX_PROBE_GAP
+    assert c.state(_Seq()).gap == MAX_PROBE_GAP  # far from even: the last request's gap
+    near = CostController(MIXED, 3, 3, probe_every=4, prior=0.5)
+    assert near._near_even(near.glob["model"])
+    near._last_gap = MAX_PROBE_GAP
+    assert near.state(_Seq()).gap == 4

@@ -118,3 +118,26 @@ def test_engine_reports_decode_and_verify_steps_only(target):
     finally:
         d.forward = fwd
         eng.set_controller(None)
+
+
+def test_a_row_count_seen_few_times_keeps_the_tables_shape():
+    """`trust_after` n (the engine's: TRUST_AFTER): a row count seen fewer than n times is
+    priced by the table scaled to the measured level, not by its own few (maybe one slow)
+    steps; from the n-th on, by its EMA."""
+    from specdeploy.engine.spec_cost import TRUST_AFTER
+
+    assert TRUST_AFTER == 4
+    m = MeasuredCost({1: 1.0, 2: 1.1, 3: 1.2}, {}, alpha=0.5, trust_after=3)
+    for _ in range(4):  # warm-up + 3: row 1 trusted at 2.0 (the table's level x2)
+        m.observe(1, 2.0)
+    m.observe(3, 9.0)  # warm-up
+    m.observe(3, 4.8)  # one slow step at 3 rows: not trusted yet
+    assert m.target_s(3) == pytest.approx(2.4) and m.target_s(2) == pytest.approx(2.2)
+    m.observe(3, 4.8)
+    assert m.target_s(3) == pytest.approx(2.4)
+    m.observe(3, 4.8)  # the third: its EMA prices it now
+    assert m.target_s(3) == pytest.approx(4.8)
+    lone = MeasuredCost({1: 1.0, 2: 1.1}, {}, trust_after=3)
+    lone.observe(2, 1.0)
+    lone.observe(2, 3.3)  # nothing trusted yet: what was seen, as with trust_after 1
+    assert lone.target_s(2) == pytest.approx(3.3) and lone.target_s(1) == pytest.approx(3.0)
