@@ -14,12 +14,14 @@ held-out ShareGPT prompts one after another (greedy, batch 1), timed in the proc
 take the settings in a rotated order; ratios to plain are per round (the round's plain run),
 then their median, so a machine whose speed drifts between rounds moves both sides alike.
 A setting is `plain` or `METHOD:K` (K fixed drafts every step) or `METHOD:cost` (the engine's
-cost controller, SpecConfig's default) with the deployment's chain length --k.
+cost controller, SpecConfig's default) with the deployment's chain length --k; `alt:` before it
+runs the code of the checkout --alt-root (e.g. a `git worktree` of an earlier commit) instead.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,8 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def child(args) -> None:
     import torch
 
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "bench"))
+    root = Path.cwd()  # this checkout, or --alt-root's for `alt:` settings
+    sys.path.insert(0, str(root))
+    sys.path.insert(0, str(root / "bench"))
     from spec_controller import FixedK
 
     from specdeploy import LLM, SamplingParams, SpecConfig
@@ -42,7 +45,7 @@ def child(args) -> None:
     torch.set_num_threads(args.threads)
     spec, fixed = None, None
     if args.child != "plain":
-        method, k = args.child.split(":")
+        method, k = args.child.split(":")[-2:]
         quant = None if args.draft_quantize == "none" else args.draft_quantize
         drafter = method not in ("ngram", "suffix")
         spec = SpecConfig(method, args.k, controller="cost",
@@ -50,7 +53,8 @@ def child(args) -> None:
                           draft_quantize=quant if drafter else None,
                           suffix_decoding_max_cached_requests=0)
         fixed = None if k == "cost" else int(k)
-    llm = LLM(args.model, dtype="float32", max_batch_size=1, max_seq_len=1024, spec=spec)
+    model = None if args.model == "default" else args.model
+    llm = LLM(model, dtype="float32", max_batch_size=1, max_seq_len=1024, spec=spec)
     if fixed is not None:
         llm.engine.set_controller(FixedK(fixed))
     _, held = data.split(data.load_conversations("sharegpt"))
@@ -68,7 +72,7 @@ def child(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="hybrid-demo")
+    ap.add_argument("--model", default="hybrid-demo", help="'default': the default model")
     ap.add_argument("--settings", default="plain,mtp:1,mtp:3,mtp:cost,suffix:cost")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=4)
@@ -77,6 +81,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft-quantize", default="auto", choices=("auto", "none", "q8_0", "int8"))
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--alt-root", default=None,
+                    help="another checkout: settings 'alt:METHOD:K' run its code (A/B)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -86,12 +92,17 @@ def main() -> None:
         names.insert(0, "plain")
     runs: dict[str, list[dict]] = {n: [] for n in names}
     passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                   if k not in ("json_out", "child", "settings", "rounds")]
+                   if k not in ("json_out", "child", "settings", "rounds", "alt_root")]
     for r in range(args.rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
+            alt = name.startswith("alt:")
+            if alt and not args.alt_root:
+                raise SystemExit(f"{name}: needs --alt-root")
+            root = Path(args.alt_root).resolve() if alt else ROOT
             out = subprocess.run([sys.executable, __file__, *passthrough, "--child", name],
-                                 capture_output=True, text=True, timeout=900, cwd=ROOT)
+                                 capture_output=True, text=True, timeout=900, cwd=root,
+                                 env={**os.environ, "PYTHONPATH": str(root)})
             if out.returncode:
                 raise SystemExit(f"{name}: exit {out.returncode}\n{out.stderr[-3000:]}")
             row = json.loads(out.stdout.strip().splitlines()[-1])
