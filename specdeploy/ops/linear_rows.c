@@ -326,6 +326,21 @@ static void out_slice(int64_t n, int t, int nt, int64_t *n0, int64_t *n1) {
     *n1 = *n0 + per < n ? *n0 + per : n;
 }
 
+/* thread t of nt: its slice of the N outputs of every expert's rows start[e] .. start[e + 1] of
+ * x [R, K] through that expert's matrix (w: E matrices [N, K], fp32 or bf16) into y [R, N] */
+static void experts_slice(int isa, const float *x, int64_t K, const int64_t *start, int64_t E,
+                          const void *w, int wt, int64_t N, float *y, int t, int nt) {
+    int64_t n0, n1;
+    out_slice(N, t, nt, &n0, &n1);
+    const size_t bytes = (size_t)(N * K) * (wt ? 2 : 4);
+    for (int64_t e = 0; e < E && n0 < n1; e++) {
+        const int64_t s0 = start[e], n = start[e + 1] - s0;
+        if (n)
+            slice_rows(isa, x + s0 * K, n, K, (const char *)w + (size_t)e * bytes, wt, N,
+                       y + s0 * N, n0, n1);
+    }
+}
+
 /* x [T, H] fp32; ids [T, k] int64 in [0, E); wts [T, k] fp32; w_up [E, N_up, H] (swiglu: N_up
  * = 2 I, gate rows first; relu2: N_up = I) and w_down [E, H, I], fp32 (wt 0) or bf16 (wt 1),
  * contiguous; out [T, H]. The (token, slot) pairs sorted by expert, stably; each expert's rows
@@ -360,8 +375,6 @@ int moe_rows(const float *x, int64_t T, int64_t H, const int64_t *ids, const flo
         order[pos[p]] = p;
     }
     const int isa = pick_isa();
-    const size_t wsize = wt ? 2 : 4;
-    const char *wu = (const char *)w_up, *wd = (const char *)w_down;
 #pragma omp parallel num_threads(threads) if (threads > 1 && P * (N_up + I) * H >= (1 << 16))
     {
         int t = 0, nt = 1;
@@ -369,17 +382,10 @@ int moe_rows(const float *x, int64_t T, int64_t H, const int64_t *ids, const flo
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
-        int64_t n0, n1;
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < P; i++)
             memcpy(xg + i * H, x + (order[i] / k) * H, (size_t)H * sizeof(float));
-        out_slice(N_up, t, nt, &n0, &n1);
-        for (int64_t e = 0; e < E && n0 < n1; e++) {
-            const int64_t s0 = start[e], n = start[e + 1] - s0;
-            if (n)
-                slice_rows(isa, xg + s0 * H, n, H, wu + (size_t)(e * N_up * H) * wsize, wt, N_up,
-                           hup + s0 * N_up, n0, n1);
-        }
+        experts_slice(isa, xg, H, start, E, w_up, wt, N_up, hup, t, nt);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < P; i++) {
@@ -394,13 +400,7 @@ int moe_rows(const float *x, int64_t T, int64_t H, const int64_t *ids, const flo
                 }
             }
         }
-        out_slice(H, t, nt, &n0, &n1);
-        for (int64_t e = 0; e < E && n0 < n1; e++) {
-            const int64_t s0 = start[e], n = start[e + 1] - s0;
-            if (n)
-                slice_rows(isa, hact + s0 * I, n, I, wd + (size_t)(e * H * I) * wsize, wt, H,
-                           ydown + s0 * H, n0, n1);
-        }
+        experts_slice(isa, hact, I, start, E, w_down, wt, H, ydown, t, nt);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < T; r++) {
