@@ -8,8 +8,8 @@ from specdeploy.engine.spec_accept import expected_tokens
 class DraftAllocator:
     """The step-cost model and allocation of `CostController`, which sets the state read here:
     `cost` (a `CostModel`), `drafter` (draft forwards cost), `overhead` (seconds of a step
-    outside the modelled parts), `draft_scale` (measured / modelled drafting time) and `margin`
-    (the share by which drafter drafts must beat plain decoding)."""
+    outside the modelled parts), `draft_scales` (measured / modelled drafting time by the step's
+    longest chain) and `margin` (the share by which drafter drafts must beat plain decoding)."""
 
     def _cost(self, rows: int, chain: list[int], draft: bool, behind: int = 0) -> float:
         """A step of `rows` verified rows where `chain[s]` sequences draft more than s drafts:
@@ -19,7 +19,11 @@ class DraftAllocator:
         for k drafts: the catch-up drafts the first)."""
         t = self.cost.target_s(rows) + self.overhead
         if draft and self.drafter and chain[0]:
-            t += self.draft_scale * self._draft_s(chain, behind)
+            scales = self.draft_scales
+            n = 1
+            while n < len(chain) and chain[n]:  # the longest chain: chain[s] > 0 for s < n
+                n += 1
+            t += scales[min(n, len(scales) - 1)] * self._draft_s(chain, behind)
         return t
 
     def _draft_s(self, chain: list[int], behind: int = 0) -> float:

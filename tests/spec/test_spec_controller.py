@@ -660,3 +660,25 @@ def test_a_new_sequences_first_plan_probes():
     assert near._near_even(near.glob["model"])
     near._last_gap = MAX_PROBE_GAP
     assert near.state(_Seq()).gap == 4
+
+
+def test_drafting_scale_is_learnt_per_chain_length():
+    """Phases of one draft measured at 2x their model and of three at 1.2x: each chain length
+    keeps its own scale (the per-phase Python weighs less per forward in longer chains), a
+    step is priced by its longest chain's, and an untaught length stays at 1.0."""
+    cost = Linear(1.0, 0.1, 0.2)
+    c = CostController(cost, 3, 3, alpha=0.5)
+    s = _Seq()
+    for limit, factor in ((1, 2.0), (3, 1.2)):
+        s.spec.limit = limit
+        modelled = c._draft_s([1] * limit)
+        for _ in range(40):
+            c.observe_draft([s], factor * modelled)
+    assert c.draft_scales == pytest.approx([1.0, 2.0, 1.0, 1.2], rel=1e-6)
+    assert c.draft_scale == pytest.approx(1.2, rel=1e-6)  # K's
+    for k, scale in ((1, 2.0), (2, 1.0), (3, 1.2)):
+        assert c.step_cost([k]) == pytest.approx(
+            cost.target_s(1 + k) + scale * c._draft_s([1] * k), rel=1e-9)
+    # at a batch, the longest chain's scale prices the whole drafting phase
+    assert c.step_cost([1, 3]) == pytest.approx(
+        cost.target_s(6) + 1.2 * c._draft_s([2, 1, 1]), rel=1e-9)
