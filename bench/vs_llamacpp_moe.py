@@ -12,7 +12,7 @@ models' 8-bit rounding differs, so the tokens part at near-ties; reported, not a
 
     PYTHONPATH=.:/work/llamacpp .venv/bin/python bench/vs_llamacpp_moe.py \\
         --llamacpp-src .../llama_cpp_python-0.3.36/vendor/llama.cpp [--rounds 3] \\
-        [--tokens 48] [--prompt-len 128] [--json-out FILE]
+        [--tokens 48] [--prompt-len 128] [--json-out FILE] [--gguf-dir DIR]
 """
 from __future__ import annotations
 
@@ -116,6 +116,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--gguf-dir", type=Path,
+                    help="keep the converted GGUFs here (reused when present) for profiling")
     args = ap.parse_args()
     from specdeploy import LLM
 
@@ -125,9 +127,12 @@ def main() -> None:
               "command": " ".join(sys.argv), "outtype": args.outtype, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs:
-            src = checkpoint(arch, Path(tmp) / arch)
-            path = Path(tmp) / f"{arch}.gguf"
-            convert(args.llamacpp_src, src, path, args.outtype)
+            keep = args.gguf_dir / f"{arch}_{args.outtype}.gguf" if args.gguf_dir else None
+            path = keep or Path(tmp) / f"{arch}.gguf"
+            if keep is None or not keep.exists():
+                src = checkpoint(arch, Path(tmp) / arch)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                convert(args.llamacpp_src, src, path, args.outtype)
             n_ctx = args.prompt_len + args.tokens + 8
             lc = LlamaCpp(str(path), args.threads, n_ctx)
             ours = LLM(str(path), max_batch_size=1, max_seq_len=n_ctx)

@@ -57,6 +57,7 @@ PIPELINE = (
     ("compile", "call_kernels_directly"),
     ("compile", "flatten_attrs"),
     ("fuse_mixers", "fuse_recurrent_mixers"),  # matches direct kernel calls too
+    ("fuse_moe_blocks", "fuse_moe_blocks"),  # matches direct kernel calls
     ("fuse_layers", "fuse_decoder_layers"),  # after both: it matches direct kernel calls
     ("identity", "drop_identity_ops"),  # last rewrite: no pattern misses a node it expects
     ("compile", "call_aten_directly"),  # after it: every pass above matches aten targets

@@ -154,4 +154,8 @@ def bound_linear(weight: GGMLWeight, bias: torch.Tensor | None, isa: str):
         return y
 
     linear.blocks = blocks
+    if gather is None:  # what a fused MoE block (ops/moe_block.py) needs to make this call
+        from specdeploy.ops.ggml_tiled import TiledCall
+
+        linear.int_call = TiledCall(kind, isa_i, w_ptr, n, k, bias)
     return linear

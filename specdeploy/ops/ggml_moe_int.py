@@ -11,6 +11,7 @@ import ctypes
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -122,4 +123,26 @@ def bound_experts(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str,
         return out if x.dtype is f32 else out.to(x.dtype)
 
     experts_one_call.blocks = (ub, db)
+    experts_one_call.moe_call = MoeCall(bool(tiled), *args, e, ub.data_ptr(), ub.stride(0), n_up,
+                                        db.data_ptr(), db.stride(0), i,
+                                        ACTIVATIONS.index(activation), h)
     return experts_one_call
+
+
+class MoeCall(NamedTuple):
+    """A `bound_experts` closure's fixed arguments of ggml_moe_tiled / ggml_moe_int (what a
+    fused MoE block, ops/moe_block.py, needs to make the same call); `h`: x's width."""
+
+    tiled: bool
+    kind_up: int
+    kind_down: int
+    isa: int
+    e: int
+    w_up: int
+    up_stride: int
+    n_up: int
+    w_down: int
+    down_stride: int
+    i: int
+    act: int
+    h: int

@@ -87,6 +87,7 @@ def bound(weight: torch.Tensor, bias: torch.Tensor | None):
     def linear_fp32_rows(x: torch.Tensor) -> torch.Tensor:
         return linear_rows(x, w, b)
 
+    linear_fp32_rows.rows_call = (w, b)  # what a fused MoE block (ops/moe_block.py) calls
     return linear_fp32_rows
 
 

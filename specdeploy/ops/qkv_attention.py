@@ -10,6 +10,8 @@ every token at once (row_kernels.c, the same function `rope` runs), then the cac
 attention (attention_rows.c's `write_attend_rows`, the same per-(row, head) code as `_rows`).
 So it gives the unfused chain's bits exactly; anything else (sliding windows, other dtypes or
 devices) runs that chain itself (`qkv_attention_ref`).
+Without RoPE (cos and sin None: NemotronH's attention layers) the q and k heads go to the
+cache writes and attention as they are (a copy where a verify step's rows lie apart).
 """
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ def qkv_attention_ref(qkv, cos, sin, k_cache, v_cache, cu_seqlens, cu_seqlens_ho
     q = qkv[..., :hq * d].view(1, t, hq, d)
     k = qkv[..., hq * d:kv0].view(1, t, hkv, d)
     v = qkv[..., kv0:kv0 + hkv * dv].view(1, t, hkv, dv)
-    return cached_attention_impl(_rope_kernel(q, cos, sin), _rope_kernel(k, cos, sin), v,
+    if cos is not None:
+        q, k = _rope_kernel(q, cos, sin), _rope_kernel(k, cos, sin)
+    return cached_attention_impl(q, k, v,
                                  k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens,
                                  cache_lens_host, page_table, scale, sliding_window,
                                  slot_mapping)
@@ -41,13 +45,19 @@ def qkv_attention_ref(qkv, cos, sin, k_cache, v_cache, cu_seqlens, cu_seqlens_ho
 def _fast(qkv, cos, sin, k_cache, v_cache, cu_host, lens_host, page_table, slot_mapping,
           sliding_window, hq, hkv, d) -> bool:
     if (sliding_window or slot_mapping is None or qkv.dtype is not _F32 or qkv.dim() != 3
-            or qkv.shape[0] != 1 or qkv.stride(-1) != 1 or qkv.device.type != "cpu"
-            or cos.dtype is not _F32 or sin.dtype is not _F32 or cos.dim() != 3
-            or cos.shape[-1] % 2 or cos.shape[-1] > d or tuple(cos.shape[:2]) != (1, qkv.shape[1])
-            or sin.shape != cos.shape or k_cache.shape[2] != hkv or k_cache.shape[-1] != d
-            or qkv.shape[-1] < (hq + hkv) * d + hkv * v_cache.shape[-1]):
+            or qkv.shape[0] != 1 or qkv.stride(-1) != 1 or qkv.device.type != "cpu"):
         return False
-    if torch.is_grad_enabled() and (qkv.requires_grad or cos.requires_grad):
+    if cos is None:
+        if sin is not None:
+            return False
+    elif (cos.dtype is not _F32 or sin.dtype is not _F32 or cos.dim() != 3
+            or cos.shape[-1] % 2 or cos.shape[-1] > d or tuple(cos.shape[:2]) != (1, qkv.shape[1])
+            or sin.shape != cos.shape):
+        return False
+    if k_cache.shape[2] != hkv or k_cache.shape[-1] != d or qkv.shape[-1] < (
+            (hq + hkv) * d + hkv * v_cache.shape[-1]):
+        return False
+    if torch.is_grad_enabled() and (qkv.requires_grad or (cos is not None and cos.requires_grad)):
         return False
     return _step_fits(cu_host, lens_host, page_table, slot_mapping, k_cache, v_cache, hq, d)
 
@@ -71,13 +81,15 @@ def _step_fits(cu_host, lens_host, page_table, slot_mapping, k_cache, v_cache, h
     return ok
 
 
-def _qkv_attention_kernel(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def _qkv_attention_kernel(qkv: torch.Tensor, cos: torch.Tensor | None,
+                          sin: torch.Tensor | None,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens: torch.Tensor,
                           cu_seqlens_host: torch.Tensor, cache_lens: torch.Tensor,
                           cache_lens_host: torch.Tensor, page_table: torch.Tensor, scale: float,
                           sliding_window: int, slot_mapping: torch.Tensor | None, hq: int,
                           hkv: int, d: int) -> torch.Tensor:
-    if gpu_kernels.candidate(qkv):  # a uniform step (decode, verify): Triton (gpu_kernels)
+    # a uniform step (decode, verify) with RoPE: Triton (gpu_kernels)
+    if cos is not None and gpu_kernels.candidate(qkv):
         out = gpu_kernels.qkv_attention(qkv, cos, sin, k_cache, v_cache, cu_seqlens_host,
                                         cache_lens_host, page_table, cache_lens, scale,
                                         sliding_window, slot_mapping, hq, hkv, d)
@@ -89,11 +101,14 @@ def _qkv_attention_kernel(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                                  cache_lens, cache_lens_host, page_table, scale, sliding_window,
                                  slot_mapping, hq, hkv, d)
     t = qkv.shape[1]
-    c, s = cos.contiguous(), sin.contiguous()
-    qk = torch.empty(t, hq + hkv, d, dtype=_F32)
-    row_kernels._library().rope_rows(qkv.data_ptr(), t, hq + hkv, d, qkv.stride(1),
-                                     c.data_ptr(), s.data_ptr(), c.shape[-1], qk.data_ptr(),
-                                     torch.get_num_threads())
+    if cos is None:  # the q and k heads as they are: [T, Hq + Hkv, D] rows
+        qk = qkv[0, :, :(hq + hkv) * d].contiguous().view(t, hq + hkv, d)
+    else:
+        c, s = cos.contiguous(), sin.contiguous()
+        qk = torch.empty(t, hq + hkv, d, dtype=_F32)
+        row_kernels._library().rope_rows(qkv.data_ptr(), t, hq + hkv, d, qkv.stride(1),
+                                         c.data_ptr(), s.data_ptr(), c.shape[-1], qk.data_ptr(),
+                                         torch.get_num_threads())
     out = attention_rows.write_attend_rows(qk, qkv, (hq + hkv) * d, k_cache, v_cache,
                                            slot_mapping, cu_seqlens_host, cache_lens_host,
                                            page_table, scale)

@@ -62,13 +62,15 @@ def _caches(dtype, g, pages=24, ps=4, hkv=2, d=16):
     return k, torch.randn(pages, ps, hkv, d, generator=g).to(dtype)
 
 
+@pytest.mark.parametrize("rope", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lens_rows", [((5,), (1,)), ((3, 9, 0), (1, 1, 1)),
                                        ((6, 2, 10), (4, 1, 3)), ((7,), (20,)),
                                        ((6, 30, 40), (4, 70, 3))])
-def test_op_equals_the_chain(dtype, lens_rows, monkeypatch):
+def test_op_equals_the_chain(dtype, lens_rows, rope, monkeypatch):
     """The C path (decode, verify and a 20-row prefill chunk alike): outputs and both caches
-    bit-equal to the chain; partial rotary (12 of 16 dims); GQA 4 q heads on 2. The last case
+    bit-equal to the chain; partial rotary (12 of 16 dims) or none (cos, sin None: the q and k
+    heads as projected, NemotronH); GQA 4 q heads on 2. The last case
     has a 70-row segment between a verify and a decode: the kernel's passes of 64 rows cut it
     (and the step) where the chain attends it whole, and keys span several chunks of 32."""
     g = torch.Generator().manual_seed(sum(lens_rows[0]) + len(lens_rows[1]))
@@ -77,8 +79,8 @@ def test_op_equals_the_chain(dtype, lens_rows, monkeypatch):
     t = sum(rows)
     qkv = torch.randn(1, t, (hq + 2 * hkv) * d, generator=g)
     pos = [n + i for n, r in zip(lens, rows) for i in range(r)]
-    cos = torch.randn(1, t, 12, generator=g)
-    sin = torch.randn(1, t, 12, generator=g)
+    cos = torch.randn(1, t, 12, generator=g) if rope else None
+    sin = torch.randn(1, t, 12, generator=g) if rope else None
     # each sequence its own 8 pages, not in order (page_table.flip: the paged reads are tested)
     npp = max(8, -(-max(n + r for n, r in zip(lens, rows)) // ps))  # pages per sequence
     page_table = torch.arange(npp * len(lens)).view(len(lens), npp).flip(1).contiguous()
@@ -99,6 +101,24 @@ def test_op_equals_the_chain(dtype, lens_rows, monkeypatch):
     want = qkv_attention_ref(qkv, cos, sin, k2, v2, *args)
     assert torch.equal(got, want)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_attention_without_rope_fuses_and_gives_the_unfused_bits(tmp_path, kv_dtype):
+    """NemotronH's attention layers (no RoPE) become qkv_attention ops without cos / sin."""
+    family_module("nemotron_h").make_tiny(tmp_path, seed=0)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}  # the verify step's spec states
+    fused = build(str(tmp_path), kv_cache_dtype=kv_dtype, spec=spec, **LIMITS)
+    n = {i.name: i for i in fused.target.infos}["fuse_rope_attention"].num_matches
+    base = build(model=load_model(str(tmp_path)), kv_cache_dtype=kv_dtype, spec=spec,
+                 disabled=frozenset({"fuse_rope_attention"}), **LIMITS)
+    fused, base = fused.target, base.target
+    assert n >= 1 and _count(base.gm, "cached_attention") == n
+    assert _count(fused.gm, "qkv_attention") == n and _count(fused.gm, "cached_attention") == 0
+    for segs in _steps():
+        meta = build_metadata(segs)
+        got, want = fused.forward(meta).logits, base.forward(meta).logits
+        assert torch.equal(got, want), (segs, (got - want).abs().max())
 
 
 def test_flatten_attrs_reads_the_same_tensors(tmp_path):

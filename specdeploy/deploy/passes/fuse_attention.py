@@ -1,8 +1,9 @@
 """Fuse a Llama-type layer's attention glue into one `qkv_attention` op (ops/qkv_attention.py).
 
 Matches `cached_attention(rope(view(X[..., 0:a])), rope(view(X[..., a:b])), view(X[..., b:c]))`
-with one cos/sin pair, where X is a fused q/k/v projection (`ggml_linears` or
-`fuse_parallel_linears` wrote the slices) and every intermediate node has no other reader:
+with one cos/sin pair (or without the two ropes: NemotronH's attention; cos and sin None),
+where X is a fused q/k/v projection (`ggml_linears` or `fuse_parallel_linears` wrote the
+slices) and every intermediate node has no other reader:
 nine nodes a layer become one. The fused op gives the chain's bits exactly (its CPU decode /
 verify path runs the same C code; anything else runs the chain), so greedy speculation stays
 lossless and nothing else in the graph changes. Layers with q/k norms, gates or partial
@@ -66,7 +67,12 @@ def _match(attn: fx.Node):
         return None
     q, k, v = attn.args[:3]
     rq, rk = _roped(q), _roped(k)
-    if rq is None or rk is None or rq[1:] != rk[1:]:
+    if rq is None and rk is None:  # no RoPE
+        hq_, hk_ = _sliced_heads(q), _sliced_heads(k)
+        if hq_ is None or hk_ is None:
+            return None
+        rq, rk = (hq_, None, None), (hk_, None, None)
+    elif rq is None or rk is None or rq[1:] != rk[1:]:
         return None
     (x, q0, q1, d), (xk, k0, k1, dk) = rq[0], rk[0]
     vh = _sliced_heads(v, x)
@@ -97,9 +103,11 @@ def fuse_rope_attention(gm: fx.GraphModule, ctx: DeployContext) -> Done:
             fused.meta["val"] = attn.meta["val"]
         attn.replace_all_uses_with(fused)
         gm.graph.erase_node(attn)
-        for rope in (q, k):  # rope -> view -> slice, each read by the next only
-            view = rope.args[0]
-            gm.graph.erase_node(rope)
+        for rope in (q, k):  # [rope ->] view -> slice, each read by the next only
+            view = rope
+            if is_op(rope, _ROPE):
+                view = rope.args[0]
+                gm.graph.erase_node(rope)
             sl = view.args[0]
             gm.graph.erase_node(view)
             gm.graph.erase_node(sl)
@@ -109,4 +117,5 @@ def fuse_rope_attention(gm: fx.GraphModule, ctx: DeployContext) -> Done:
         n += 1
     gm.graph.lint()
     gm.recompile()
-    return Done(n, f"{n} attention layers: q/k/v slices, RoPE and cached attention in one op")
+    return Done(n, f"{n} attention layers: q/k/v slices, RoPE (if any) and cached attention in "
+                   "one op")

@@ -59,7 +59,7 @@ def _halves(norm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 def _match(attn: fx.Node):
     """The chain around one `qkv_attention` call, or None."""
-    if not _call(attn, _qkv_attention_kernel, 16):
+    if not _call(attn, _qkv_attention_kernel, 16) or attn.args[1] is None:  # None: no RoPE
         return None
     qkv, rest = attn.args[0], attn.args[1:]
     hq, hkv, d, scale = rest[-3], rest[-2], rest[-1], rest[9]
