@@ -9,7 +9,7 @@ the CPU flags it builds with):
 Run:
 
     .venv/bin/python bench/vs_llamacpp.py [--model GGUF] [--prompts 6] [--max-tokens 128]
-        [--rounds 3] [--threads N] [--configs plain,lookup,mtp+lookup,eagle3]
+        [--rounds 3] [--threads N] [--configs plain,eager,lookup,mtp+lookup,eagle3]
         [--kernels exact,fast] [--spec-kernels fast] [--our-isa native|avx2] [--note TEXT]
         [--json-out FILE]
 
@@ -175,6 +175,12 @@ def build(args) -> dict:
     for name in args.configs:
         if name == "plain":
             continue
+        if name == "eager":  # plain without CPU graphs (engine/cpu_graphs.py): each step's Python
+            for kernels in args.kernels:
+                configs[f"specdeploy eager ({kernels})"] = LLM(
+                    args.model, max_batch_size=1, max_seq_len=args.n_ctx, kernels=kernels,
+                    cpu_graphs=False)
+            continue
         for kernels in args.spec_kernels:
             configs[f"specdeploy {name} ({kernels})"] = LLM(
                 args.model, max_batch_size=1, max_seq_len=args.n_ctx, kernels=kernels,
@@ -209,9 +215,9 @@ def main() -> None:
     args.configs = [c for c in args.configs.split(",") if c]
     args.kernels = [k for k in args.kernels.split(",") if k]
     args.spec_kernels = [k for k in args.spec_kernels.split(",") if k]
-    bad = [c for c in args.configs if c != "plain" and c not in SPECS]
+    bad = [c for c in args.configs if c not in ("plain", "eager") and c not in SPECS]
     if bad:
-        raise SystemExit(f"--configs: unknown {bad}; known: plain, {', '.join(SPECS)}")
+        raise SystemExit(f"--configs: unknown {bad}; known: plain, eager, {', '.join(SPECS)}")
     if "suffix-b+ctl" in args.configs and not os.environ.get("SUFFIX_STORE_B"):
         raise SystemExit("--configs suffix-b+ctl: set SUFFIX_STORE_B to a suffix store directory")
     if args.model is None:

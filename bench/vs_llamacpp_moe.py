@@ -6,8 +6,8 @@ parameters: hidden 512, 32 routed experts of width 512, top 4, Mamba2 / gated-de
 and MoE layers) are converted by llama.cpp's own convert_hf_to_gguf.py (`--outtype q8_0`, from
 the llama-cpp-python sdist: `--llamacpp-src`, as bench/gguf_convert_check.py) and both tools
 run that file: llama-cpp-python (built by bench/setup_llamacpp.sh) and `LLM(path)` with its
-defaults (the fast kernels). Rounds alternate which tool goes first; each round feeds both the
-same random prompt. Greedy tokens are compared too (random weights give flat logits: the two
+defaults (the fast kernels, CPU graphs); `--eager` adds ours without CPU graphs. Rounds rotate
+which tool goes first; each round feeds every tool the same random prompt. Greedy tokens are compared too (random weights give flat logits: the two
 models' 8-bit rounding differs, so the tokens part at near-ties; reported, not asserted).
 
     PYTHONPATH=.:/work/llamacpp .venv/bin/python bench/vs_llamacpp_moe.py \\
@@ -116,6 +116,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--eager", action="store_true",
+                    help="also ours without CPU graphs (engine/cpu_graphs.py), in the same rounds")
     ap.add_argument("--gguf-dir", type=Path,
                     help="keep the converted GGUFs here (reused when present) for profiling")
     args = ap.parse_args()
@@ -138,6 +140,9 @@ def main() -> None:
             ours = LLM(str(path), max_batch_size=1, max_seq_len=n_ctx)
             tools = [("specdeploy", partial(ours_run, ours)),
                      ("llama.cpp", partial(llamacpp_run, lc))]
+            if args.eager:
+                eager = LLM(str(path), max_batch_size=1, max_seq_len=n_ctx, cpu_graphs=False)
+                tools.append(("specdeploy eager", partial(ours_run, eager)))
             for _name, fn in tools:  # warm-up
                 fn(list(range(3, 20)), 4)
             rounds = []
@@ -145,7 +150,7 @@ def main() -> None:
                 g = torch.Generator().manual_seed(r)
                 prompt = torch.randint(3, 4000, (args.prompt_len,), generator=g).tolist()
                 row = {}
-                for name, fn in tools if r % 2 == 0 else tools[::-1]:
+                for name, fn in tools[r % len(tools):] + tools[:r % len(tools)]:
                     toks, first_s, decode_s = fn(prompt, args.tokens)
                     row[name] = {"tokens": toks, "prefill_s": round(first_s, 4),
                                  "decode_tok_s": round((len(toks) - 1) / decode_s, 1)}
@@ -166,6 +171,14 @@ def main() -> None:
                 "prefill_speedup_median": round(_median([
                     r["llama.cpp"]["prefill_s"] / r["specdeploy"]["prefill_s"]
                     for r in rounds]), 3)}
+            if args.eager:
+                result["models"][arch]["eager_decode_ratio_median"] = round(_median([
+                    r["specdeploy eager"]["decode_tok_s"] / r["llama.cpp"]["decode_tok_s"]
+                    for r in rounds]), 3)
+                result["models"][arch]["graphs_over_eager_median"] = round(_median([
+                    r["specdeploy"]["decode_tok_s"] / r["specdeploy eager"]["decode_tok_s"]
+                    for r in rounds]), 3)
+                eager.shutdown()
             ours.shutdown()
     text = json.dumps(result, indent=2)
     print(text)

@@ -64,6 +64,12 @@ class LLM:
             (engine/cuda_graphs.py). None (default): on for a CUDA device wherever the runner
             can serve (not with tensor parallelism or a vision-language target: eager there);
             True: required (refused where it cannot serve); False: eager (vLLM's enforce_eager).
+        cpu_graphs: on the CPU, replay decode and verify steps as recorded kernel calls, one
+            recording per batch-size bucket (engine/cpu_graphs.py: the graph's Python runs
+            once per bucket, not every step). None (default): on for a CPU device wherever the
+            runner can serve and steps are not eager (cuda_graphs=False), not with
+            threads="auto" (its trial steps), not with SPECDEPLOY_CPU_GRAPHS=0; True: required;
+            False: off. A step a recording refuses runs eagerly.
         num_scheduler_steps: decode steps run as bursts of up to this many CUDA-graph
             replays with one host sync each (vLLM's multi-step scheduling;
             engine/decode_burst.py): tokens stream in groups, the host's work overlaps the
@@ -107,7 +113,7 @@ class LLM:
                  max_num_seqs: int | None = None, kv_cache_dtype: str = "auto",
                  gpu_memory_utilization: float | None = None, cuda_graphs: bool | None = None,
                  threads: int | str | None = None, num_scheduler_steps: int = 1,
-                 scheduling_policy: str = "fcfs"):
+                 scheduling_policy: str = "fcfs", cpu_graphs: bool | None = None):
         _check_threads(threads, kernels, device)
         from specdeploy.engine.scheduler import POLICIES
 
@@ -120,6 +126,8 @@ class LLM:
             torch.set_num_threads(threads)
         if cuda_graphs and not str(device).startswith("cuda"):
             raise ValueError(f"cuda_graphs: needs a CUDA device, got device={device!r}")
+        if cpu_graphs and str(device) != "cpu":
+            raise ValueError(f"cpu_graphs: needs device='cpu', got device={device!r}")
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
         from specdeploy.checkpoint import open_checkpoint
@@ -187,6 +195,17 @@ class LLM:
                 if cuda_graphs:
                     raise
                 log(f"CUDA graphs off ({e})")
+        if cpu_graphs or (cpu_graphs is None and str(device) == "cpu" and cuda_graphs is not False
+                          and threads != "auto" and not compile
+                          and os.environ.get("SPECDEPLOY_CPU_GRAPHS", "1") != "0"):
+            from specdeploy.engine.cuda_graphs import install
+
+            try:
+                install(self.deployed, max_batch_size, capture=True)
+            except ValueError as e:
+                if cpu_graphs:
+                    raise
+                log(f"CPU graphs off ({e})")
         engine_cls = Engine
         if spec is not None:
             from specdeploy.engine.speculative import SpecEngine as engine_cls

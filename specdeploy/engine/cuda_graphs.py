@@ -17,9 +17,11 @@ context, where these cost at most twice the step's own (a few more captures, log
 
 On by default on a CUDA device (`LLM(cuda_graphs=None)`); tests/cuda/test_cuda_graphs.py (greedy
 output with graphs equals eager, speculative equals plain, no host sync in a replay) passed on an
-H200 (bench/gpu_check.sh). On the CPU the runner's padded, static-shaped steps run eagerly
-(`capture=False`), and tests/engine/test_cuda_graphs.py checks that they leave greedy output
-unchanged.
+H200 (bench/gpu_check.sh). On the CPU, `capture=True` records CPU graphs instead
+(engine/cpu_graphs.py: the kernel calls and torch ops of the step, replayed without the graph's
+Python; on by default there, `LLM(cpu_graphs=None)`); a bucket whose capture refuses runs
+eagerly (`refused` says why). With `capture=False` the padded, static-shaped steps run eagerly,
+and tests/engine/test_cuda_graphs.py checks that they leave greedy output unchanged.
 """
 from __future__ import annotations
 
@@ -58,6 +60,9 @@ class CudaGraphRunner:
         top = min(max_batch_size, plan.num_slots)
         self.buckets = buckets_for(top) if buckets is None else tuple(sorted(buckets))
         self.capture = target.device.type == "cuda" if capture is None else capture
+        # on the CPU, capture means CPU graphs (engine/cpu_graphs.py): recorded kernel calls
+        self.cpu = self.capture and target.device.type == "cpu"
+        self.refused: dict[tuple, str] = {}  # CPU graphs a capture refused: key -> why
         # (bucket, tokens, kind, page width)
         self._graphs: dict[tuple[int, int, int, int], _Captured] = {}
         self._pool = None
@@ -65,6 +70,7 @@ class CudaGraphRunner:
         self.replays_by_tokens: Counter[int] = Counter()  # by tokens per sequence
         # a drafter program takes the target's hidden rows as its third input
         self.takes_hidden = "hidden" in target._input_names
+        self.vocab = target.vocab_size
 
     def bucket(self, meta: BatchMetadata) -> int | None:
         """The bucket a step replays in, or None when it runs eagerly (see the module doc)."""
@@ -117,14 +123,19 @@ class CudaGraphRunner:
             else:
                 static = self._static(meta, bucket)
                 width = static.page_table.shape[1]
-            key = (bucket, n, int(meta.seg_kind[0]), width)
+            kind = meta.lists.kinds[0] if meta.lists is not None else int(meta.seg_kind[0])
+            key = (bucket, n, kind, width)
+            if self.cpu and (key in self.refused or not self._ids_fit(meta, ids)):
+                return None
             cap = self._graphs.get(key) or self._capture(*key, hidden=hidden)
+            if cap is None:  # a CPU capture refused: eager
+                return None
             if hidden is not None:  # device to device, in stream order
                 cap.hidden[:hidden.shape[0]].copy_(hidden)
             if flat is None:
                 flat = torch.cat([t.reshape(-1)
                                   for t in self.target.device_inputs(static).values()])
-            cap.flat.copy_(flat.pin_memory(), non_blocking=True)
+            cap.flat.copy_(flat if self.cpu else flat.pin_memory(), non_blocking=not self.cpu)
             if ids is not None:  # input_ids lead the buffer (graph_feed.flat_feed's order)
                 cap.flat[:ids.numel()].copy_(ids)
             cap.graph.replay()
@@ -135,10 +146,14 @@ class CudaGraphRunner:
 
     def feed(self, meta: BatchMetadata, bucket: int, width: int) -> list[int]:
         """The graph's flat input buffer of a step with host lists (graph_feed.flat_feed)."""
-        return flat_feed(meta.lists, bucket, width, page_size=self.page_size,
-                         scratch_page=self.scratch_page, scratch_slot=self.scratch_slot,
-                         mrope=self.target.mrope,
-                         slot_mapping="slot_mapping" in self.target._input_names)
+        slots = "slot_mapping" in self.target._input_names
+        pages = self.target.layout.num_pages > 0  # none: no KV, its slots all -1 (as eager)
+        out = flat_feed(meta.lists, bucket, width, page_size=self.page_size,
+                        scratch_page=self.scratch_page, scratch_slot=self.scratch_slot,
+                        mrope=self.target.mrope, slot_mapping=slots and pages)
+        if slots and not pages:
+            out += [-1] * (bucket * (meta.num_tokens // meta.num_seqs))
+        return out
 
     def _static(self, meta: BatchMetadata, bucket: int) -> BatchMetadata:
         """Padded to the bucket, the page table widened to its page-width bucket (dummy rows:
@@ -152,8 +167,17 @@ class CudaGraphRunner:
         table[is_dummy] = self.scratch_page
         return replace(meta, page_table=table, lists=None)
 
+    def _ids_fit(self, meta: BatchMetadata, ids: torch.Tensor | None) -> bool:
+        """Whether the step's token ids lie in the vocabulary (a CPU graph reads them by pointer,
+        unchecked; the eager step names a bad one)."""
+        vals = ids if ids is not None else (
+            meta.lists.ids if meta.lists is not None else meta.input_ids)
+        if isinstance(vals, torch.Tensor):
+            return not vals.numel() or (0 <= int(vals.min()) and int(vals.max()) < self.vocab)
+        return not vals or (0 <= min(vals) and max(vals) < self.vocab)
+
     def _capture(self, bucket: int, n: int, kind: int, width: int,
-                 hidden: torch.Tensor | None = None) -> _Captured:
+                 hidden: torch.Tensor | None = None) -> _Captured | None:
         """Capture with every row a dummy (only the scratch is written while warming up and
         capturing), after two warm-up runs on a side stream (lazy initialisation, workspace).
         A drafter's graph reads its hidden rows from a static buffer shaped like `hidden`'s."""
@@ -170,6 +194,8 @@ class CudaGraphRunner:
         buf = None
         if hidden is not None:
             buf = torch.zeros(bucket * n, hidden.shape[1], dtype=hidden.dtype, device=dev)
+        if self.cpu:
+            return self._capture_cpu((bucket, n, kind, width), meta, flat, views, buf)
         inputs = self.target._feed(meta, buf, dev=views)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -183,6 +209,37 @@ class CudaGraphRunner:
         self._pool = graph.pool()
         cap = _Captured(graph, flat, out if isinstance(out, (tuple, list)) else (out,), buf)
         self._graphs[(bucket, n, kind, width)] = cap
+        return cap
+
+
+    def _capture_cpu(self, key: tuple, meta: BatchMetadata, flat: torch.Tensor, views: dict,
+                     buf: torch.Tensor | None) -> _Captured | None:
+        """A CPU graph of the step (engine/cpu_graphs.py) after two eager warm-up runs (lazy
+        set-up in the kernels' callables); None, and the key remembered, where it refuses."""
+        from specdeploy.engine.cpu_graphs import CaptureRefused, CpuGraph
+
+        # the host inputs read the same buffer (on the CPU the device is the host): the cached
+        # ops' host reads of a replayed step see its values
+        feed = {**views, "cu_seqlens_host": views["cu_seqlens"],
+                "cache_lens_host": views["cache_lens"], "seg_kind_host": meta.seg_kind,
+                "ckpt_tokens_host": meta.ckpt_tokens, "hidden": buf}
+        inputs = [feed[name] for name in self.target._input_names]
+        static = [views["cu_seqlens"], views["logits_idx"], meta.seg_kind, meta.ckpt_tokens]
+        graph = CpuGraph()
+        try:
+            for _ in range(2):
+                self.target._fn(*inputs)
+            gm = self.target.gm
+            roots = [gm, *(n.target for n in gm.graph.nodes if n.op == "call_function")]
+            out = graph.capture(self.target._fn, inputs, static, roots)
+        except CaptureRefused as e:
+            self.refused[key] = str(e)
+            return None
+        except Exception as e:  # noqa: BLE001 (a kernel's complaint about the dummy step)
+            self.refused[key] = f"{type(e).__name__}: {e}"
+            return None
+        cap = _Captured(graph, flat, out if isinstance(out, (tuple, list)) else (out,), buf)
+        self._graphs[key] = cap
         return cap
 
 
@@ -216,7 +273,7 @@ def install(deployed, max_batch_size: int, capture: bool | None = None,
     target = getattr(deployed, "target", deployed)
     if not hasattr(target, "graph_runner"):
         raise ValueError("cuda_graphs: needs the graph backend")
-    if capture is not False and target.device.type != "cuda":
+    if capture is None and target.device.type != "cuda":
         raise ValueError(f"cuda_graphs: needs a CUDA device, the deployment is on {target.device}")
     target.graph_runner = CudaGraphRunner(target, max_batch_size, capture=capture)
     for draft in getattr(deployed, "drafts", ()) if drafts else ():

@@ -181,10 +181,37 @@ def _extend_one(q, k_cache, v_cache, pages, total, mask, scale):
     return out[0].transpose(0, 1).to(q.dtype)
 
 
+def _one_call(q, k, v, k_cache, v_cache, cu_host, lens_host, page_table, slot_mapping) -> bool:
+    """Whether the step's cache writes and attention can be one C call (`write_attend_rows`:
+    the cache writes `_write_kv` makes and the rows `_rows` computes, the same bits)."""
+    if (slot_mapping is None or q.device.type != "cpu" or q.dim() != 4 or q.shape[0] != 1
+            or any(x.dtype is not torch.float32 for x in (q, k, v))
+            or k.shape[2] != k_cache.shape[2] or k.shape[-1] != q.shape[-1]
+            or k_cache.shape[-1] != q.shape[-1] or v.shape[-1] != v_cache.shape[-1]
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                             or v.requires_grad))):
+        return False
+    return (all(x.dtype is torch.int64 and x.is_contiguous() and x.device.type == "cpu"
+                for x in (cu_host, lens_host, page_table, slot_mapping))
+            and attention_rows.fits(q[0], k_cache, v_cache))
+
+
 def cached_attention_impl(
     q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens, cache_lens_host,
     page_table, scale, sliding_window, slot_mapping=None,
 ):
+    if sliding_window == 0 and _one_call(q, k, v, k_cache, v_cache, cu_seqlens_host,
+                                         cache_lens_host, page_table, slot_mapping):
+        # NOTE: the lengths by pointer, no host loop over sequences: ~1 C call instead of
+        # ~10 torch calls and a Python loop, and a CPU graph (engine/cpu_graphs.py) replays it
+        t = q.shape[1]
+        qk = torch.cat((q[0], k[0]), 1)
+        vv = v.reshape(1, t, -1)
+        if vv.stride(-1) != 1:
+            vv = vv.contiguous()
+        return attention_rows.write_attend_rows(qk, vv, 0, k_cache, v_cache, slot_mapping,
+                                                cu_seqlens_host, cache_lens_host, page_table,
+                                                scale)[None]
     _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table, slot_mapping)
     t = q.shape[1]
     num_seqs = cache_lens.shape[0]

@@ -25,6 +25,7 @@ import ctypes
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -155,7 +156,16 @@ def bound_linear(weight: GGMLWeight, bias: torch.Tensor | None, isa: str):
 
     linear.blocks = blocks
     if gather is None:  # what a fused MoE block (ops/moe_block.py) needs to make this call
-        from specdeploy.ops.ggml_tiled import TiledCall
-
-        linear.int_call = TiledCall(kind, isa_i, w_ptr, n, k, bias)
+        linear.int_call = IntCall(kind, isa_i, w_ptr, n, k, bias)
     return linear
+
+
+class IntCall(NamedTuple):
+    """A `bound_linear` closure's fixed arguments of `ggml_linear_int` (and its bias)."""
+
+    kind: int
+    isa: int
+    w_ptr: int
+    n: int
+    k: int
+    bias: torch.Tensor | None

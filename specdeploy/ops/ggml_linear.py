@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from specdeploy.ops.replay_state import capturing
+
 SOURCE = Path(__file__).with_name("ggml_kernels.c")
 # name -> (kernel kind, bytes per block): 32-value blocks, and the K-quants' 256-value ones
 KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18), "q4_k": (3, 144), "q5_k": (4, 176),
@@ -344,6 +346,13 @@ def ggml_embedding(ids: torch.Tensor, weight: GGMLWeight) -> torch.Tensor:
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"ggml kernels unavailable: {why}")
+    if capturing() and ids.dtype is torch.int64 and ids.is_contiguous():
+        # a CPU-graph capture (engine/cpu_graphs.py): the ids by pointer, read at each replay
+        # (the runner checks them against the vocabulary before it replays)
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
+        lib.ggml_dequant(KINDS[weight.kind][0], weight.blocks.data_ptr(), ids.data_ptr(),
+                         ids.numel(), k, out.data_ptr(), 1)
+        return out.view(*ids.shape, k)
     flat = ids.reshape(-1).tolist()
     if any(not 0 <= i < n for i in flat):
         raise IndexError(f"ggml dequantize: rows outside [0, {n})")

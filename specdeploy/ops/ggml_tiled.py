@@ -31,6 +31,7 @@ import torch
 from specdeploy.ops import ggml_linear as _gl
 from specdeploy.ops.ggml_int import ISAS
 from specdeploy.ops.ggml_linear import KINDS, GGMLWeight
+from specdeploy.ops.replay_state import capturing
 
 SOURCE = Path(__file__).with_name("ggml_tiled.c")
 # NOTE: no -m flags (the SIMD functions carry their targets); -ffp-contract=off keeps the
@@ -257,6 +258,13 @@ def member_rows(m: TiledMember, ids: torch.Tensor | None = None,
     """The member's rows `ids` (all when None) dequantized: `tiled_rows` of the whole weight."""
     if (ids is not None and out is None and ids.numel() <= SMALL_IDS
             and ids.device.type == "cpu"):
+        if capturing() and ids.dtype is torch.int64 and ids.is_contiguous() and not m.start:
+            # a CPU-graph capture (engine/cpu_graphs.py): the ids by pointer, read at each
+            # replay (the runner checks them against the vocabulary before it replays)
+            out = torch.empty(ids.numel(), m.shape[1], dtype=torch.float32)
+            _lib().ggml_tiled_rows(KINDS[m.tiled.kind][0], m.tiled.packed.data_ptr(),
+                                   m.shape[1], ids.data_ptr(), ids.numel(), out.data_ptr(), 1)
+            return out
         return _few_rows(m, ids.reshape(-1).tolist())
     ids = torch.arange(m.shape[0]) if ids is None else ids.reshape(-1).to(torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= m.shape[0]):

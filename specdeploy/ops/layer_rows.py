@@ -31,6 +31,7 @@ import torch
 from specdeploy.ops import attention_rows, ggml_tiled, row_kernels
 from specdeploy.ops import ggml_linear as _gl
 from specdeploy.ops.ggml_tiled import TiledCall
+from specdeploy.ops.replay_state import register_struct
 
 SOURCE = Path(__file__).with_name("layer_rows.c")
 _FLAGS = ["-O2", "-shared", "-fPIC"]  # no arithmetic here: no ISA or FP flags to keep
@@ -207,6 +208,8 @@ def decoder_layer_fn(chain: LayerChain, calls: tuple[TiledCall, ...], shared: Sh
     h, h_in = o.n, qkv.k  # h_in > h: the EAGLE-3 layer's q/k/v read cat(embeds, hidden)
     layer = _Layer(*fns, _linear(qkv), _linear(o), _linear(gu), _linear(dn), hq, hkv, d, 0,
                    n_ff, 0, 0, None, None, None, None, scale, eps_post, eps_next)
+    register_struct(layer)
+    register_struct(shared.step)
     addr, run, outputs = ctypes.addressof(layer), lib.decoder_layer_rows, shared.outputs
     seen: list = [None, None, None, None, 0]  # k_cache, v_cache, w_post, w_next, floats/row
 

@@ -22,6 +22,7 @@ import torch
 
 from specdeploy.ops import ggml_int, ggml_moe_int, ggml_tiled, linear_rows, row_kernels
 from specdeploy.ops import ggml_linear as _gl
+from specdeploy.ops.replay_state import register_struct
 
 SOURCE = Path(__file__).with_name("moe_block.c")
 _FLAGS = ["-O2", "-ffp-contract=off", "-shared", "-fPIC"]  # one rounding an operation
@@ -182,6 +183,7 @@ def moe_block_fn(parts: Parts, chain, x_pos: int, corr_pos: int | None, out_rows
                    _addr(rows_lib.elementwise), parts.k, int(parts.sigmoid),
                    max(parts.n_group, 1), parts.topk_group, int(parts.renorm), parts.sh_act,
                    parts.sh_ff, row_kernels.ELEMENTWISE_OPS["sigmoid"], parts.scale, None)
+    register_struct(block)
     addr, run, work_floats = ctypes.addressof(block), lib.moe_block_rows, lib.moe_block_work_floats
     h = parts.sh_down.n
     held: dict = {"corr": None, "work": None, "floats": 0, "threads": 0}

@@ -98,7 +98,9 @@ def test_op_equals_the_chain(dtype, lens_rows, rope, monkeypatch):
                         lambda *a: calls.append(1) or real(*a))
     got = torch.ops.specdeploy.qkv_attention(qkv, cos, sin, k1, v1, *args)
     assert len(calls) == 1  # the C path for every segment length (prefill chunks too)
-    want = qkv_attention_ref(qkv, cos, sin, k2, v2, *args)
+    # the chain as it ran before its one-call path: slots from the lengths (slot_mapping None),
+    # the cache writes in torch, each sequence's rows by `_rows`
+    want = qkv_attention_ref(qkv, cos, sin, k2, v2, *args[:7], None, *args[8:])
     assert torch.equal(got, want)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
 

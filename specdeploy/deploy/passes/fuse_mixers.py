@@ -37,6 +37,7 @@ from specdeploy.deploy.passes.row_linears import sigmoid_rows, softplus_rows
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import row_kernels
 from specdeploy.ops.norm import _gated_rms_norm_kernel
+from specdeploy.ops.replay_state import reads_allowed
 
 _ops = torch.ops.specdeploy
 _aten = torch.ops.aten
@@ -129,7 +130,9 @@ def _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok, conv_spec, spec) -> tuple[i
     if ckpt is not None and ckpt_tok is not None and ckpt_tok.numel():
         return None
     kinds, cu = kind_h.tolist(), cu_h.tolist()
-    if 0 in lens_h.tolist() or not kinds:
+    with reads_allowed():  # a replayed step (engine/cpu_graphs.py) has every state cached
+        fresh = 0 in lens_h.tolist()
+    if fresh or not kinds:
         return None
     if SEG_EXTEND not in kinds:
         return (1, False) if cu[-1] == len(kinds) else None

@@ -1,0 +1,166 @@
+"""CPU graphs (engine/cpu_graphs.py): decode and verify steps recorded once per bucket and replayed
+give the eager steps' tokens (the oracle: the same model with `cpu_graphs=False`) on the hybrid
+MoE GGUFs and a Llama GGUF, plain and speculative, batches shrinking through the buckets; and
+a capture refuses what a replay could not reproduce."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from specdeploy import LLM, SamplingParams, SpecConfig
+from specdeploy.engine.cpu_graphs import CaptureRefused, CpuGraph
+from specdeploy.ops import ggml_int, row_kernels
+from specdeploy.ops.ggml_linear import kernel_unavailable
+from specdeploy.ops.replay_state import reads_allowed
+
+Q = pytest.importorskip("tests.checkpoint.test_gguf").Q
+pytest.importorskip("gguf")
+needs_kernels = pytest.mark.skipif(
+    kernel_unavailable() is not None or ggml_int.kernel_unavailable() is not None,
+    reason=f"ggml kernels unavailable: {kernel_unavailable() or ggml_int.kernel_unavailable()}")
+LIMITS = dict(max_batch_size=3, max_seq_len=96, max_cache_gib=0.05)
+
+
+@pytest.fixture(scope="module", params=["nemotron", "qwen3_5", "llama"])
+def gguf(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama":
+        from specdeploy.models import llama
+        from tests.deploy.test_fuse_layer import _tiny_llama_gguf
+
+        src = llama.make_tiny(d / "st", seed=11, config_overrides={"num_hidden_layers": 2})
+        return src, _tiny_llama_gguf(src, d / "tiny.gguf", Q.Q8_0)
+    from tests.deploy.test_fast_rows_invariant import _nemotron, _qwen
+
+    writer = {"nemotron": _nemotron, "qwen3_5": _qwen}[request.param]
+    return None, writer(d, Q.Q8_0, Q.Q8_0)
+
+
+def _llm(gguf, monkeypatch, **kw):
+    src, path = gguf
+    if src is not None:  # the tiny Llama GGUF has no vocabulary: its source's tokenizer
+        from specdeploy import tokenizer as tok_mod
+
+        real = tok_mod.load_tokenizer
+        monkeypatch.setattr(tok_mod, "load_tokenizer", lambda p: real(src))
+    return LLM(str(path), **LIMITS, **kw)
+
+
+def _runner(llm):
+    return getattr(llm.deployed, "target", llm.deployed).graph_runner
+
+
+PROMPTS = [[5, 6, 7, 8] * 5, [9, 4] * 3 + [9], list(range(10, 40))]
+# different lengths: the batch shrinks from 3 (bucket 4) through 2 to 1 sequence
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (14, 24, 30)]
+
+
+@needs_kernels
+def test_replayed_steps_give_the_eager_tokens(gguf, monkeypatch):
+    eager = _llm(gguf, monkeypatch, cpu_graphs=False)
+    assert _runner(eager) is None
+    want = [o.token_ids for o in eager.generate(PROMPTS, PARAMS)]
+    graphs = _llm(gguf, monkeypatch, cpu_graphs=True)
+    runner = _runner(graphs)
+    got = [o.token_ids for o in graphs.generate(PROMPTS, PARAMS)]
+    assert got == want
+    assert runner.refused == {}, runner.refused
+    assert runner.replays >= 25 and len(runner._graphs) >= 3  # buckets 4, 2 and 1 at least
+    # a second run on the same recordings (the caches' pages now elsewhere)
+    assert [o.token_ids for o in graphs.generate(PROMPTS[::-1], PARAMS[::-1])] == [
+        o.token_ids for o in eager.generate(PROMPTS[::-1], PARAMS[::-1])]
+
+
+@needs_kernels
+def test_speculative_steps_with_graphs_give_the_plain_tokens(gguf, monkeypatch):
+    plain = _llm(gguf, monkeypatch, cpu_graphs=False)
+    want = [o.token_ids for o in plain.generate(PROMPTS, PARAMS)]
+    spec = SpecConfig("ngram", 3, prompt_lookup_num_tokens=4, controller="off")
+    fast = _llm(gguf, monkeypatch, spec=spec, cpu_graphs=True)
+    assert [o.token_ids for o in fast.generate(PROMPTS, PARAMS)] == want
+    # drafts every step (mostly rejected): uniform verify steps
+    fast.engine.fix_drafts(lambda seq, n: [7] * n)
+    assert [o.token_ids for o in fast.generate(PROMPTS, PARAMS)] == want
+    runner = _runner(fast)
+    assert runner.refused == {}, runner.refused
+    verify = sum(v for k, v in runner.replays_by_tokens.items() if k > 1)
+    assert verify > 10, runner.replays_by_tokens  # verify steps replayed
+
+
+@needs_kernels
+def test_default_on_the_cpu_and_off_when_eager(gguf, monkeypatch):
+    assert _runner(_llm(gguf, monkeypatch)) is not None
+    assert _runner(_llm(gguf, monkeypatch, cuda_graphs=False)) is None  # --enforce-eager
+    monkeypatch.setenv("SPECDEPLOY_CPU_GRAPHS", "0")
+    assert _runner(_llm(gguf, monkeypatch)) is None
+
+
+def test_required_off_the_cpu_is_refused():
+    with pytest.raises(ValueError, match="cpu_graphs"):
+        LLM(None, cpu_graphs=True, device="cuda")
+
+
+# ---- CpuGraph itself ------------------------------------------------------------------------
+def test_replay_recomputes_torch_ops_on_new_inputs():
+    x, w = torch.zeros(4), torch.arange(4.0)
+    g = CpuGraph()
+    out = g.capture(lambda a: torch.add(a, w).mul(2.0), [x], [], [])
+    x.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    g.replay()
+    assert torch.equal(out, (x + w) * 2)
+
+
+def test_replay_remakes_kernel_calls():
+    if row_kernels._library() is None:
+        pytest.skip("row kernels unavailable")
+    x, w = torch.randn(2, 8), torch.rand(8) + 0.5
+
+    def norm(a):
+        return row_kernels.rms_norm(a, w, 1e-6)
+
+    g = CpuGraph()
+    out = g.capture(norm, [x], [], [w])
+    x.copy_(torch.randn(2, 8))
+    g.replay()
+    assert torch.equal(out, row_kernels.rms_norm(x, w, 1e-6))
+
+
+def test_a_host_read_of_anything_but_a_static_input_refuses():
+    x, s = torch.zeros(3, dtype=torch.long), torch.arange(4)
+    with pytest.raises(CaptureRefused, match="tolist"):
+        CpuGraph().capture(lambda a, b: torch.tensor(a.tolist()) + 1, [x, s], [s], [])
+    with pytest.raises(CaptureRefused):  # a value read through a derived tensor
+        CpuGraph().capture(lambda a, b: int((a + 1).sum()), [x, s], [s], [])
+    if row_kernels._library() is not None:  # ... or through a kernel's output
+        w = torch.ones(3)
+
+        def via_kernel(a, b):
+            return row_kernels.rms_norm(a.float()[None], w, 1e-6).tolist()
+
+        with pytest.raises(CaptureRefused):
+            CpuGraph().capture(via_kernel, [x, s], [s], [w])
+    # a static input may be read (a view of one too); a read the caller vouches for is allowed
+    CpuGraph().capture(lambda a, b: b[1:].tolist(), [x, s], [s], [])
+
+    def vouched(a, b):
+        with reads_allowed():
+            return 0 in a.tolist()
+
+    CpuGraph().capture(vouched, [x, s], [s], [])
+
+
+def test_a_pointer_outside_what_a_replay_keeps_refuses():
+    if row_kernels._library() is None:
+        pytest.skip("row kernels unavailable")
+    lib = row_kernels._library()
+    x, w = torch.randn(1, 8), torch.ones(8)
+
+    def temp_out(a):
+        out = (ctypes.c_float * 8)()  # a host array nobody keeps
+        lib.rms_norm_rows(a.data_ptr(), 1, 8, 8, w.data_ptr(), 1e-6, ctypes.addressof(out), 1)
+        return a
+
+    with pytest.raises(CaptureRefused, match="rms_norm_rows: argument 6"):
+        CpuGraph().capture(temp_out, [x], [], [w])
