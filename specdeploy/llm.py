@@ -200,8 +200,9 @@ class LLM:
                           and os.environ.get("SPECDEPLOY_CPU_GRAPHS", "1") != "0"):
             from specdeploy.engine.cuda_graphs import install
 
-            try:
-                install(self.deployed, max_batch_size, capture=True)
+            try:  # the drafter's chain steps too (SPECDEPLOY_DRAFT_GRAPHS=0: not them)
+                install(self.deployed, max_batch_size, capture=True,
+                        drafts=os.environ.get("SPECDEPLOY_DRAFT_GRAPHS", "1") != "0")
             except ValueError as e:
                 if cpu_graphs:
                     raise

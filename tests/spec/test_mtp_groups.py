@@ -90,8 +90,8 @@ def test_deployed_drafts_equal_module_drafts(case, monkeypatch):
     calls = []
     draft_forward = d.draft_forward
 
-    def recording(meta, hidden, group=0):
-        out = draft_forward(meta, hidden, group=group)
+    def recording(meta, hidden, group=0, **kw):  # kw: a replayed chain's on-device ids
+        out = draft_forward(meta, hidden, group=group, **kw)
         calls.append((group, out.logits.clone()))
         return out
 
