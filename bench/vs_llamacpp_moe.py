@@ -7,8 +7,9 @@ and MoE layers) are converted by llama.cpp's own convert_hf_to_gguf.py (`--outty
 the llama-cpp-python sdist: `--llamacpp-src`, as bench/gguf_convert_check.py) and both tools
 run that file: llama-cpp-python (built by bench/setup_llamacpp.sh) and `LLM(path)` with its
 defaults (the fast kernels, CPU graphs); `--eager` adds ours without CPU graphs. Rounds rotate
-which tool goes first; each round feeds every tool the same random prompt. Greedy tokens are compared too (random weights give flat logits: the two
-models' 8-bit rounding differs, so the tokens part at near-ties; reported, not asserted).
+which tool goes first; each round feeds every tool the same random prompt. Greedy tokens are
+compared too (random weights give flat logits: the two models' 8-bit rounding differs, so the
+tokens part at near-ties; reported, not asserted).
 
     PYTHONPATH=.:/work/llamacpp .venv/bin/python bench/vs_llamacpp_moe.py \\
         --llamacpp-src .../llama_cpp_python-0.3.36/vendor/llama.cpp [--rounds 3] \\
