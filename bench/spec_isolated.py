@@ -44,8 +44,9 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     spec, fixed = None, None
-    if args.child != "plain":
-        method, k = args.child.split(":")[-2:]
+    setting = args.child.removeprefix("alt:")  # (alt: already chose the checkout)
+    if setting != "plain":
+        method, k = setting.split(":")
         quant = None if args.draft_quantize == "none" else args.draft_quantize
         drafter = method not in ("ngram", "suffix")
         spec = SpecConfig(method, args.k, controller="cost",

@@ -4,7 +4,7 @@ Set-up: llama-cpp-python built by bench/setup_llamacpp.sh (see bench/vs_llamacpp
 
     PYTHONPATH=<llama-cpp-python dir> .venv/bin/python bench/vs_llamacpp_concurrent.py
         [--model GGUF] [--concurrency 16] [--max-tokens 64] [--rounds 2] [--threads N]
-        [--configs plain,plain-exact,lookup,auto] [--spec-kernels fast] [--note TEXT]
+        [--configs plain,plain-eager,plain-exact,lookup,auto] [--spec-kernels fast] [--note TEXT]
         [--json-out FILE]
 
 Both systems get the same N distinct prompts (token ids: held-out ShareGPT first turns with the
@@ -57,7 +57,7 @@ from specdeploy.bench import machine, peak_rss_mib, print_json  # noqa: E402
 # configuration: kernels (no speculation). "plain-b": a second deployment of plain, a control:
 # two identical deployments in one process differed by ~1-2% per round here (2026-12-05), the
 # floor under which a speculative row's ratio to plain says nothing
-PLAIN = {"plain": "fast", "plain-exact": "exact", "plain-b": "fast"}
+PLAIN = {"plain": "fast", "plain-exact": "exact", "plain-b": "fast", "plain-eager": "fast"}
 
 
 def import_llama_cpp():
@@ -150,8 +150,10 @@ def ours_run(llm: LLM, prompts: list[list[int]], n: int):
 def build(args, kw: dict) -> dict:
     configs = {}
     for name in args.configs:
-        if name in PLAIN:
-            configs[f"specdeploy {name}"] = LLM(args.model, kernels=PLAIN[name], **kw)
+        if name in PLAIN:  # plain-eager: without CPU graphs (engine/cpu_graphs.py)
+            configs[f"specdeploy {name}"] = LLM(args.model, kernels=PLAIN[name], **kw,
+                                                **({"cpu_graphs": False}
+                                                   if name == "plain-eager" else {}))
         else:
             configs[f"specdeploy {name} ({args.spec_kernels})"] = LLM(
                 args.model, kernels=args.spec_kernels, spec=SPECS[name](), **kw)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -83,7 +84,8 @@ def _guarded(name):
 
     def read(self, *a, **k):
         static = _STATE["static"]
-        if static is not None and not _STATE["allow"] and static.refuses(self):
+        if (static is not None and not _STATE["allow"] and threading.get_ident() == _STATE["tid"]
+                and static.refuses(self)):
             raise CaptureRefused(f"a host read ({name}) of a value that changes between steps")
         return base(self, *a, **k)
 
@@ -118,7 +120,8 @@ class _Recorder(TorchDispatchMode):
             bases = {t.untyped_storage().data_ptr() for t in ins if _plain(t)}
             if all(t.untyped_storage().data_ptr() in bases for t in outs):
                 return out  # views and aliases: they follow their bases
-        self.events.append((1, func, args, kwargs, outs))
+        # (a tensor result as itself: its replay is one copy, no tree walk)
+        self.events.append((1, func, args, kwargs, out if isinstance(out, torch.Tensor) else outs))
         return out
 
 
@@ -201,7 +204,11 @@ class CpuGraph:
         addrs = {ctypes.cast(f, ctypes.c_void_p).value for f in funcs}
         events, seen, fixed = [], {}, _Static(static)
 
+        tid = threading.get_ident()
+
         def hook(result, func, args):
+            if threading.get_ident() != tid:  # another thread's call: not this step's
+                return result
             events.append((2, func, args, result, [(a, bytes(ctypes.string_at(a, ctypes.sizeof(
                 _STRUCTS[a])))) for a in args if isinstance(a, int) and a in _STRUCTS]))
             return result
@@ -212,7 +219,7 @@ class CpuGraph:
             f.errcheck = hook
         for n, (_, read) in guards.items():
             setattr(torch.Tensor, n, read)
-        _STATE["static"] = fixed
+        _STATE["static"], _STATE["tid"] = fixed, tid
         try:
             with _Recorder(events, seen, fixed):
                 out = fn(*inputs)
@@ -232,7 +239,7 @@ class CpuGraph:
         for r in roots:
             _tensors_of(r, held)
         self._check(events, held, addrs)
-        self.events = events
+        self.events = _program(events)
         return out
 
     def _check(self, events, held: dict, addrs: set) -> None:
@@ -283,18 +290,46 @@ class CpuGraph:
         self.keep = list(keep.values())
 
     def replay(self) -> None:
-        for ev in self.events:
-            kind = ev[0]
-            if kind == 2:
-                _, func, args, result, structs = ev
-                for addr, raw in structs:
+        # NOTE: the step's whole Python now: one tuple a recorded effect, the common kinds first
+        for kind, f, a, b, c in self.events:
+            if kind == _CALL:
+                if f(*a) != b:
+                    _failed(f)
+            elif kind == _OP1:
+                c.copy_(f(*a, **b))
+            elif kind == _STRUCT_CALL:
+                for addr, raw in c:
                     ctypes.memmove(addr, raw, len(raw))
-                if func(*args) != result:
-                    raise RuntimeError(f"cpu graph replay: {func.__name__} returned another "
-                                       "code than at capture")
-            elif kind == 0:
-                ev[1](*ev[2], **ev[3])
+                if f(*a) != b:
+                    _failed(f)
+            elif kind == _INPLACE:
+                f(*a, **b)
             else:
-                res = ev[1](*ev[2], **ev[3])
-                for o, r in zip(ev[4], tree_leaves(res)):
+                for o, r in zip(c, tree_leaves(f(*a, **b))):
                     o.copy_(r)
+
+
+_CALL, _OP1, _STRUCT_CALL, _INPLACE, _OPN = range(5)
+
+
+def _program(events: list) -> list[tuple]:
+    """The recorded events as (kind, callable, args, kwargs or result, outputs or structs)."""
+    prog = []
+    for ev in events:
+        if ev[0] == 2:
+            _, func, args, result, structs = ev
+            prog.append((_STRUCT_CALL, func, args, result, tuple(structs)) if structs
+                        else (_CALL, func, args, result, None))
+            continue
+        op = getattr(ev[1], "_op", ev[1])  # (the C++ op behind the OpOverload: one frame less)
+        if ev[0] == 0:
+            prog.append((_INPLACE, op, ev[2], ev[3], None))
+        elif isinstance(ev[4], torch.Tensor):
+            prog.append((_OP1, op, ev[2], ev[3], ev[4]))
+        else:
+            prog.append((_OPN, op, ev[2], ev[3], ev[4]))
+    return prog
+
+
+def _failed(func) -> None:
+    raise RuntimeError(f"cpu graph replay: {func.__name__} returned another code than at capture")

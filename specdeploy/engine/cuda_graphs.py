@@ -56,12 +56,16 @@ class CudaGraphRunner:
         self.scratch_page, self.scratch_slot = plan.scratch_page, plan.scratch_slot
         self.page_size = plan.page_size
         self.max_pages = -(-target.max_seq_len // plan.page_size)
-        self.widths = page_widths(self.max_pages)
+        # NOTE: on the CPU one width, the widest: the C attention's work follows the lengths,
+        # not the table's width, and one recording a bucket holds less memory than nine
+        cpu = (target.device.type == "cuda" if capture is None else capture) and (
+            target.device.type == "cpu")
+        self.widths = (self.max_pages,) if cpu else page_widths(self.max_pages)
         top = min(max_batch_size, plan.num_slots)
         self.buckets = buckets_for(top) if buckets is None else tuple(sorted(buckets))
         self.capture = target.device.type == "cuda" if capture is None else capture
         # on the CPU, capture means CPU graphs (engine/cpu_graphs.py): recorded kernel calls
-        self.cpu = self.capture and target.device.type == "cpu"
+        self.cpu = cpu
         self.refused: dict[tuple, str] = {}  # CPU graphs a capture refused: key -> why
         # (bucket, tokens, kind, page width)
         self._graphs: dict[tuple[int, int, int, int], _Captured] = {}

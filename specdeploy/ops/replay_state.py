@@ -7,7 +7,7 @@ import ctypes
 from contextlib import contextmanager
 
 STRUCTS: dict[int, ctypes.Structure] = {}  # address -> a registered struct (kept alive)
-STATE: dict = {"allow": 0, "static": None}
+STATE: dict = {"allow": 0, "static": None, "tid": None}
 
 
 def register_struct(s: ctypes.Structure) -> None:
