@@ -100,6 +100,12 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        # NOTE: a view op's result follows its base (most ops of a step), unless it copied
+        # (`contiguous` counts as a view op and copies a strided tensor): then it is recorded
+        if (getattr(func, "is_view", False) and isinstance(out, torch.Tensor) and args
+                and isinstance(args[0], torch.Tensor) and _plain(out) and _plain(args[0])
+                and out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()):
+            return out
         name = func.overloadpacket.__name__
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         leaves = tree_leaves(out)
@@ -160,8 +166,9 @@ def _tensors_of(obj, out: dict, depth: int = 0, seen: set | None = None) -> None
         if _plain(obj):
             out[id(obj)] = obj
         return
-    if isinstance(obj, (str, bytes, int, float, bool, type(None), ctypes._CFuncPtr)):
-        return
+    if isinstance(obj, (str, bytes, int, float, bool, type(None), ctypes._CFuncPtr,
+                        torch.nn.Module, torch.fx.Node, torch.fx.Graph, type)):
+        return  # (a module's tensors come as roots; fx objects hold metadata, not buffers)
     if isinstance(obj, dict):
         items = list(obj.values())
     elif isinstance(obj, (list, tuple, set)):

@@ -36,6 +36,8 @@ from specdeploy.deploy.base import StepOutput
 from specdeploy.engine.graph_feed import flat_feed, static_width, uniform_shape
 from specdeploy.ops.cached_attention import UNIFORM_MAX
 
+CPU_MAX_BATCH = 4  # CPU graphs replay steps of up to this many sequences
+
 
 @dataclass
 class _Captured:
@@ -63,6 +65,12 @@ class CudaGraphRunner:
         self.widths = (self.max_pages,) if cpu else page_widths(self.max_pages)
         top = min(max_batch_size, plan.num_slots)
         self.buckets = buckets_for(top) if buckets is None else tuple(sorted(buckets))
+        if cpu and buckets is None:
+            # NOTE: on the CPU every batch size its own recording, up to CPU_MAX_BATCH: a
+            # padded row costs a real row's arithmetic there, and above a few sequences the
+            # step's Python is shared by as many tokens (16 requests at once ran 0.86x eager
+            # with power-of-two buckets: bench/results/vs_llamacpp_concurrent_cpugraphs_*)
+            self.buckets = tuple(range(1, min(top, CPU_MAX_BATCH) + 1))
         self.capture = target.device.type == "cuda" if capture is None else capture
         # on the CPU, capture means CPU graphs (engine/cpu_graphs.py): recorded kernel calls
         self.cpu = cpu
@@ -235,7 +243,8 @@ class CudaGraphRunner:
             for _ in range(2):
                 self.target._fn(*inputs)
             gm = self.target.gm
-            roots = [gm, *(n.target for n in gm.graph.nodes if n.op == "call_function")]
+            roots = [list(gm.parameters()), list(gm.buffers()),
+                     *(n.target for n in gm.graph.nodes if n.op == "call_function")]
             out = graph.capture(self.target._fn, inputs, static, roots)
         except CaptureRefused as e:
             self.refused[key] = str(e)
