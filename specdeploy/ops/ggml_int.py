@@ -25,12 +25,11 @@ import ctypes
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from specdeploy.ops import ggml_linear as _gl
-from specdeploy.ops.ggml_linear import KINDS, GGMLWeight
+from specdeploy.ops.ggml_linear import KINDS, BlockCall, GGMLWeight
 
 SOURCE = Path(__file__).with_name("ggml_kernels_int.c")
 # NOTE: no -m flags: the SIMD functions carry their own targets; -ffp-contract=off keeps the
@@ -156,16 +155,5 @@ def bound_linear(weight: GGMLWeight, bias: torch.Tensor | None, isa: str):
 
     linear.blocks = blocks
     if gather is None:  # what a fused MoE block (ops/moe_block.py) needs to make this call
-        linear.int_call = IntCall(kind, isa_i, w_ptr, n, k, bias)
+        linear.int_call = BlockCall(kind, isa_i, w_ptr, n, k, bias)
     return linear
-
-
-class IntCall(NamedTuple):
-    """A `bound_linear` closure's fixed arguments of `ggml_linear_int` (and its bias)."""
-
-    kind: int
-    isa: int
-    w_ptr: int
-    n: int
-    k: int
-    bias: torch.Tensor | None

@@ -263,6 +263,19 @@ def kernel_unavailable() -> str | None:
     return _library()[1]
 
 
+class BlockCall(NamedTuple):
+    """A block-kernel linear closure's fixed arguments (ggml_tiled.c's `ggml_tiled_linear`,
+    ggml_kernels_int.c's `ggml_linear_int`: the same signature) and its bias: what a fused
+    caller (ops/layer_rows.py, ops/moe_block.py) needs to make the same call itself."""
+
+    kind: int
+    isa: int
+    w_ptr: int
+    n: int
+    k: int
+    bias: torch.Tensor | None
+
+
 def ggml_linear(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | None = None
                 ) -> torch.Tensor:
     """`x[..., K] @ W^T (+ bias)` with W in GGUF blocks; x fp32 on the CPU."""

@@ -30,7 +30,7 @@ import torch
 
 from specdeploy.ops import ggml_linear as _gl
 from specdeploy.ops.ggml_int import ISAS
-from specdeploy.ops.ggml_linear import KINDS, GGMLWeight
+from specdeploy.ops.ggml_linear import KINDS, BlockCall, GGMLWeight
 from specdeploy.ops.replay_state import capturing
 
 SOURCE = Path(__file__).with_name("ggml_tiled.c")
@@ -230,15 +230,7 @@ def tiled_linear_fn(tw: TiledWeight, bias: torch.Tensor | None, isa: str):
     return linear
 
 
-class TiledCall(NamedTuple):
-    """A `tiled_linear_fn` closure's fixed arguments of `ggml_tiled_linear` (and its bias)."""
-
-    kind: int
-    isa: int
-    w_ptr: int
-    n: int
-    k: int
-    bias: torch.Tensor | None
+TiledCall = BlockCall  # a `tiled_linear_fn` closure's fixed arguments of ggml_tiled_linear
 
 
 class TiledMember(NamedTuple):
