@@ -73,7 +73,8 @@ class LLM:
         num_scheduler_steps: decode steps run as bursts of up to this many CUDA-graph
             replays with one host sync each (vLLM's multi-step scheduling;
             engine/decode_burst.py): tokens stream in groups, the host's work overlaps the
-            GPU's. 1 (default): every step alone. Needs CUDA graphs to take effect.
+            GPU's. 1 (default): every step alone. Needs CUDA graphs (or, on the CPU, CPU graphs:
+            the burst's steps replay there) to take effect.
         scheduling_policy: "fcfs" (default: arrival order) or "priority" (vLLM's: requests
             ordered by their `priority`, lower first, then arrival; a full cache preempts the
             least urgent; engine/scheduler.py).

@@ -78,8 +78,10 @@ def run_burst(engine, batch: list[ScheduledSeq], n: int) -> list[list[int]] | No
         meta = first if j == 0 else build_metadata(
             [Segment([0], seq.num_cached + j, seq.pages, seq.slot) for seq in seqs])
         out = runner.run(meta, ids=ids)  # step j's input tokens: step j - 1's sample
-        if out is None:  # NOTE: the same shape as step 0, so only a runner bug gets here
-            break
+        if out is None:  # a CPU graph's capture refused this shape (engine/cpu_graphs.py):
+            if not steps:  # nothing ran, the engine takes a normal step
+                return None
+            break  # (the same shape as step 0: only a runner bug gets here)
         # the engine's sampler, draws in the same order as step by step
         ids = sample(out.logits, params, gens, engine.generator, rows)
         steps.append(ids)

@@ -18,12 +18,13 @@ def target(request, tmp_path_factory) -> Target:
     return Target(request.param, tmp_path_factory.mktemp("burst"))
 
 
-def _engine(target, burst: int, device: str = "cpu", **opts):
+def _engine(target, burst: int, device: str = "cpu", cpu_graphs: bool = False, **opts):
     from specdeploy.deploy.build import build
     from specdeploy.engine import Engine
 
     dep = build(str(target.path), vision=False, device=device, **LIMITS, **opts)
-    install(dep, LIMITS["max_batch_size"], capture=None if device.startswith("cuda") else False)
+    install(dep, LIMITS["max_batch_size"],
+            capture=None if device.startswith("cuda") else cpu_graphs)
     engine = Engine(dep, max_batch_size=LIMITS["max_batch_size"])
     engine.num_scheduler_steps = burst
     return engine
@@ -52,6 +53,23 @@ def test_bursts_give_the_step_by_step_tokens(target):
     got, calls = run(target, 4, params)
     assert got == want
     assert calls < steps - 6  # the decodes ran in bursts: fewer step() calls
+
+
+def test_bursts_of_cpu_graph_replays_give_the_step_by_step_tokens(target):
+    """The same with CPU graphs (engine/cpu_graphs.py): each burst step a replay, or, where
+    the capture refuses (the tiny fp32 Qwen3.5's torch paths read values on the host), normal
+    steps."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (16, 7, 13)]
+    want, steps = run(target, 1, params)
+    engine = _engine(target, 4, cpu_graphs=True)
+    got, calls = _run(engine, target.prompts[:3], params)
+    assert got == want
+    runner = engine.deployed.graph_runner
+    if target.arch == "qwen3_5_moe":  # every burst refused at its first step: normal steps
+        assert runner.replays == 0 and runner.refused and calls == steps
+    else:
+        assert runner.replays > 10 and not runner.refused, (runner.replays, runner.refused)
+        assert calls < steps - 6
 
 
 def test_a_stop_inside_a_burst_drops_the_rest(target):
