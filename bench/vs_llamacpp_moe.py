@@ -13,7 +13,8 @@ tokens part at near-ties; reported, not asserted).
 
     PYTHONPATH=.:/work/llamacpp .venv/bin/python bench/vs_llamacpp_moe.py \\
         --llamacpp-src .../llama_cpp_python-0.3.36/vendor/llama.cpp [--rounds 3] \\
-        [--tokens 48] [--prompt-len 128] [--json-out FILE] [--gguf-dir DIR]
+        [--tokens 48] [--prompt-len 128] [--json-out FILE] [--gguf-dir DIR] [--eager]
+        [--burst N]
 """
 from __future__ import annotations
 
@@ -119,6 +120,8 @@ def main() -> None:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--eager", action="store_true",
                     help="also ours without CPU graphs (engine/cpu_graphs.py), in the same rounds")
+    ap.add_argument("--burst", type=int, default=0,
+                    help="also ours with num_scheduler_steps=N (decode bursts), same rounds")
     ap.add_argument("--gguf-dir", type=Path,
                     help="keep the converted GGUFs here (reused when present) for profiling")
     args = ap.parse_args()
@@ -144,6 +147,10 @@ def main() -> None:
             if args.eager:
                 eager = LLM(str(path), max_batch_size=1, max_seq_len=n_ctx, cpu_graphs=False)
                 tools.append(("specdeploy eager", partial(ours_run, eager)))
+            if args.burst > 1:
+                burst = LLM(str(path), max_batch_size=1, max_seq_len=n_ctx,
+                            num_scheduler_steps=args.burst)
+                tools.append((f"specdeploy burst{args.burst}", partial(ours_run, burst)))
             for _name, fn in tools:  # warm-up
                 fn(list(range(3, 20)), 4)
             rounds = []
@@ -180,6 +187,13 @@ def main() -> None:
                     r["specdeploy"]["decode_tok_s"] / r["specdeploy eager"]["decode_tok_s"]
                     for r in rounds]), 3)
                 eager.shutdown()
+            if args.burst > 1:
+                b = f"specdeploy burst{args.burst}"
+                result["models"][arch]["burst_decode_ratio_median"] = round(_median([
+                    r[b]["decode_tok_s"] / r["llama.cpp"]["decode_tok_s"] for r in rounds]), 3)
+                result["models"][arch]["burst_over_steps_median"] = round(_median([
+                    r[b]["decode_tok_s"] / r["specdeploy"]["decode_tok_s"] for r in rounds]), 3)
+                burst.shutdown()
             ours.shutdown()
     text = json.dumps(result, indent=2)
     print(text)
