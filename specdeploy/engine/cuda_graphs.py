@@ -4,16 +4,19 @@ smallest bucket >= B with dummy rows that write only the cache plan's scratch pa
 (cache/padding.py), its metadata copied into the graph's static input buffer, and the graph
 captured for that shape replayed.
 
-Which steps replay: uniform steps of text targets with no prefix-cache checkpoint to save, every
-sequence continuing its cache: decode steps (one token each, NORMAL) and verify steps (1 + K
-tokens each, EXTEND; off the CPU their attention is `extend_uniform`, whose shapes do not depend
-on host-side lengths). Every other step (prefill chunks, mixed steps, verify steps whose
-sequences verify different numbers of drafts, vision-language targets, more sequences than the
-largest bucket) runs eagerly as before. The page table is widened to a page-width bucket (the
-smallest power of two >= the step's widest row, capped at max_seq_len's pages; `widths`), a
-graph captured per (batch bucket, tokens, kind, width): attention's work off the CPU follows the
-table's width, so a graph of max_seq_len's pages would make every short step pay for the longest
-context, where these cost at most twice the step's own (a few more captures, log2 of the pages).
+Which steps replay: uniform steps with no prefix-cache checkpoint to save, every sequence
+continuing its cache: decode steps (one token each, NORMAL) and verify steps (1 + K tokens each,
+EXTEND; off the CPU their attention is `extend_uniform`, whose shapes do not depend on host-side
+lengths). A vision-language target's graph takes input embeddings and multimodal positions: its
+runner copies the step's embedding rows into a static buffer (as a drafter's hidden rows) and
+feeds the positions of its image requests; a step that merges image features (a prefill) does
+not replay. Every other step (prefill chunks, mixed steps, verify steps whose sequences verify
+different numbers of drafts, more sequences than the largest bucket) runs eagerly as before.
+The page table is widened to a page-width bucket (the smallest power of two >= the step's
+widest row, capped at max_seq_len's pages; `widths`), a graph captured per (batch bucket,
+tokens, kind, width): attention's work off the CPU follows the table's width, so a graph of
+max_seq_len's pages would make every short step pay for the longest context, where these cost
+at most twice the step's own (a few more captures, log2 of the pages).
 
 On by default on a CUDA device (`LLM(cuda_graphs=None)`); tests/cuda/test_cuda_graphs.py (greedy
 output with graphs equals eager, speculative equals plain, no host sync in a replay) passed on an
@@ -80,13 +83,14 @@ class CudaGraphRunner:
         self._pool = None
         self.replays = 0  # steps this runner took (stats and tests)
         self.replays_by_tokens: Counter[int] = Counter()  # by tokens per sequence
-        # a drafter program takes the target's hidden rows as its third input
+        # a drafter program takes the target's hidden rows as its third input, a
+        # vision-language target its input embeddings
         self.takes_hidden = "hidden" in target._input_names
         self.vocab = target.vocab_size
 
     def bucket(self, meta: BatchMetadata) -> int | None:
         """The bucket a step replays in, or None when it runs eagerly (see the module doc)."""
-        if meta.mm_rows or meta.mrope_positions is not None:
+        if meta.mm_rows:  # rows whose image features the wrapper merges: a prefill's
             return None
         h = meta.lists  # the host lists when there are (engine/graph_feed.py), else tensors
         if h is not None:
@@ -160,9 +164,12 @@ class CudaGraphRunner:
         """The graph's flat input buffer of a step with host lists (graph_feed.flat_feed)."""
         slots = "slot_mapping" in self.target._input_names
         pages = self.target.layout.num_pages > 0  # none: no KV, its slots all -1 (as eager)
+        mrope = self.target.mrope
+        axes = meta.mrope_positions.tolist() if mrope and meta.mrope_positions is not None \
+            else None  # (a host tensor: the multimodal positions of an image request)
         out = flat_feed(meta.lists, bucket, width, page_size=self.page_size,
                         scratch_page=self.scratch_page, scratch_slot=self.scratch_slot,
-                        mrope=self.target.mrope, slot_mapping=slots and pages)
+                        mrope=mrope, slot_mapping=slots and pages, mrope_pos=axes)
         if slots and not pages:
             out += [-1] * (bucket * (meta.num_tokens // meta.num_seqs))
         return out
@@ -282,8 +289,6 @@ def install(deployed, max_batch_size: int, capture: bool | None = None,
         getattr(getattr(deployed, "target", None), "ctx", None), "dist", None)
     if dist is not None and dist.world_size > 1:
         raise ValueError("cuda_graphs: not with tensor parallelism yet")
-    if hasattr(deployed, "image_features"):  # its steps feed embeddings: none would replay
-        raise ValueError("cuda_graphs: not for vision-language targets yet")
     target = getattr(deployed, "target", deployed)
     if not hasattr(target, "graph_runner"):
         raise ValueError("cuda_graphs: needs the graph backend")

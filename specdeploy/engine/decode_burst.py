@@ -38,8 +38,10 @@ def burst_len(engine, batch: list[ScheduledSeq]) -> int:
     n = engine.num_scheduler_steps
     runner = getattr(engine.deployed, "graph_runner", None)
     prefix = engine.prefix
-    if (n < 2 or runner is None or engine.threads is not None or engine.scheduler.waiting
-            or engine.blocks.restores):
+    # NOTE: not where the graph reads embeddings (a vision-language target): a burst feeds
+    # each step's tokens by id on the device
+    if (n < 2 or runner is None or runner.takes_hidden or engine.threads is not None
+            or engine.scheduler.waiting or engine.blocks.restores):
         return 0
     for s in batch:
         seq, p = s.seq, s.seq.params

@@ -180,7 +180,8 @@ class ModelDrafter:
         """The chain with no host sync between its steps: each step's draft (the argmax, in
         the target's ids) is fed to the next step's graph on the device (the runner's `ids`),
         and the drafts come back in one copy at the end. Taken where that is all the chain
-        does: greedy requests, no `min_prob` stop, no lookup, one drafter group whose graphs
+        does: greedy requests without images (their chain steps' multimodal positions come
+        with their segments), no `min_prob` stop, no lookup, one drafter group whose graphs
         replay the chain steps (engine/cuda_graphs.install(drafts=True)). Each sequence keeps
         the drafts up to its controller limit, as the step-by-step chain would draft them.
         False: not taken (nothing has run)."""
@@ -188,7 +189,7 @@ class ModelDrafter:
         progs = getattr(d, "drafts", ())
         if (not self.on_device or self.min_prob or self.lookup is not None or len(progs) != 1
                 or getattr(progs[0], "graph_runner", None) is None or not drafting
-                or not all(seq.params.greedy for seq, _ in drafting)):
+                or not all(seq.params.greedy and seq.mm is None for seq, _ in drafting)):
             return False
         want = [self.k if seq.spec.limit is None else min(self.k, seq.spec.limit)
                 for seq, _ in drafting]

@@ -38,10 +38,13 @@ def static_width(h: HostLists, n: int, bucket: int, page_size: int,
 
 
 def flat_feed(h: HostLists, bucket: int, width: int, *, page_size: int, scratch_page: int,
-              scratch_slot: int, mrope: bool, slot_mapping: bool) -> list[int]:
-    """input_ids, position_ids (x3 for an mRoPE target), logits_idx, cu_seqlens, cache_lens,
-    page_table [bucket, width], slot_idx, ckpt_slots, slot_mapping (when the graph reads it):
-    `GraphDeployed.device_inputs` of the padded, widened step, flattened and concatenated."""
+              scratch_slot: int, mrope: bool, slot_mapping: bool,
+              mrope_pos: list[list[int]] | None = None) -> list[int]:
+    """input_ids, position_ids (x3 for an mRoPE target: `mrope_pos`, the step's [3][T]
+    multimodal positions, or the text positions on every axis), logits_idx, cu_seqlens,
+    cache_lens, page_table [bucket, width], slot_idx, ckpt_slots, slot_mapping (when the graph
+    reads it): `GraphDeployed.device_inputs` of the padded, widened step, flattened and
+    concatenated."""
     s, t = len(h.cu) - 1, h.cu[-1]
     n, m, d = t // s, len(h.logits_idx) // s, bucket - s
     dummy_pos = [DUMMY_LEN + i for i in range(n)]
@@ -54,7 +57,11 @@ def flat_feed(h: HostLists, bucket: int, width: int, *, page_size: int, scratch_
         table += [0] * (width - p)
     table += [scratch_page] * (width * d)
     out = h.ids + [0] * (d * n)
-    out += pos * 3 if mrope else pos
+    if mrope:
+        for axis in mrope_pos if mrope_pos is not None else (h.pos,) * 3:
+            out += axis + dummy_pos * d
+    else:
+        out += pos
     out += h.logits_idx + [e - j for e in ends for j in range(m, 0, -1)]
     out += h.cu + ends
     out += h.cache_lens + [DUMMY_LEN] * d

@@ -27,6 +27,7 @@ from specdeploy.cache.metadata import SEG_EXTEND
 from specdeploy.ops.conv import causal_conv1d_core
 from specdeploy.ops.gdn import decode_step as gdn_decode_step
 from specdeploy.ops.gdn import gated_delta_rule_core
+from specdeploy.ops.replay_state import reads_allowed
 from specdeploy.ops.row_kernels import conv_step, ssm_step
 from specdeploy.ops.ssm import ssm_dt, ssm_scan_core
 
@@ -90,11 +91,14 @@ def run_cached(
     decodes only (one token each, every one with a cached state, no checkpoint) goes to `step`
     where it can run: no gather, copy and scatter of the states."""
     cu = cu_seqlens_host.tolist()
-    lens = cache_lens_host.tolist()
+    # NOTE: only whether each sequence continues a cached state is read: the same for every
+    # step a CPU graph replays (engine/cpu_graphs.py; its runner replays only steps where all do)
+    with reads_allowed():
+        cached = [n > 0 for n in cache_lens_host.tolist()]
     kinds = seg_kind_host.tolist()
     ckpt_tokens = [] if ckpt is None or ckpt_tokens_host is None else ckpt_tokens_host.tolist()
     if (step is not None and cu[-1] == len(kinds) and not ckpt_tokens and SEG_EXTEND not in kinds
-            and 0 not in lens):
+            and all(cached)):
         y = step([x[0, :, None] for x in inputs], state, slot_idx)
         if y is not None:
             return y[None, :, 0]
@@ -114,7 +118,7 @@ def run_cached(
             tokens = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in idx]).to(dev)
             xs = [x[0, tokens].unflatten(0, (len(idx), -1)) for x in inputs]
             slots = slot_idx[torch.tensor(idx, device=dev)]
-        has_prefix = [lens[i] > 0 for i in idx]
+        has_prefix = [cached[i] for i in idx]
         init = None
         if any(has_prefix):
             # NOTE: index_select / index_copy_, not advanced indexing: ~10x less overhead a call

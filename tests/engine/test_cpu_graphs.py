@@ -1,7 +1,8 @@
 """CPU graphs (engine/cpu_graphs.py): decode and verify steps recorded once per bucket and replayed
 give the eager steps' tokens (the oracle: the same model with `cpu_graphs=False`) on the hybrid
-MoE GGUFs and a Llama GGUF, plain and speculative, batches shrinking through the buckets; and
-a capture refuses what a replay could not reproduce."""
+MoE GGUFs and a Llama GGUF, plain and speculative, batches shrinking through the buckets, and on
+the tiny fp32 checkpoints with their drafters; and a capture refuses what a replay could not
+reproduce."""
 from __future__ import annotations
 
 import ctypes
@@ -95,6 +96,36 @@ def test_default_on_the_cpu_and_off_when_eager(gguf, monkeypatch):
     assert _runner(_llm(gguf, monkeypatch, cuda_graphs=False)) is None  # --enforce-eager
     monkeypatch.setenv("SPECDEPLOY_CPU_GRAPHS", "0")
     assert _runner(_llm(gguf, monkeypatch)) is None
+
+
+@pytest.fixture(scope="module", params=["llama", "nemotron_h", "qwen3_5_moe"])
+def fp32_target(request, tmp_path_factory):
+    from tests.spec.tiny_targets import Target
+
+    return Target(request.param, tmp_path_factory.mktemp("fp32"))
+
+
+def test_fp32_safetensors_targets_replay_plain_and_with_their_drafters(fp32_target):
+    """The tiny fp32 checkpoints (torch recurrent paths, whose ops read on the host only
+    whether each sequence continues a cached state; their EAGLE-3 / MTP drafters): decode,
+    verify and drafter steps replay, and greedy tokens are the eager deployment's."""
+    from tests.spec.tiny_targets import LIMITS as TINY
+
+    t = fp32_target
+    prompts, params = t.prompts[:3], [SamplingParams(max_tokens=n, ignore_eos=True)
+                                      for n in (12, 20, 16)]
+    eager = LLM(str(t.path), cpu_graphs=False, **TINY)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    plain = LLM(str(t.path), **TINY)
+    assert [o.token_ids for o in plain.generate(prompts, params)] == want
+    runner = _runner(plain)
+    assert runner.refused == {} and runner.replays >= 15, (runner.replays, runner.refused)
+    spec = LLM(str(t.path), spec=t.spec(2), **TINY)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    runner = _runner(spec)
+    assert runner.refused == {} and runner.replays_by_tokens[3] > 0, runner.replays_by_tokens
+    drafts = [d.graph_runner for d in spec.deployed.drafts]
+    assert sum(r.replays for r in drafts) > 0 and not any(r.refused for r in drafts)
 
 
 def test_required_off_the_cpu_is_refused():
