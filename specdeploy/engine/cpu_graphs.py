@@ -41,9 +41,10 @@ from torch.utils._pytree import tree_leaves
 
 from specdeploy.ops.replay_state import STATE as _STATE
 from specdeploy.ops.replay_state import STRUCTS as _STRUCTS
-from specdeploy.ops.replay_state import capturing, reads_allowed, register_struct
+from specdeploy.ops.replay_state import allowed, capturing, reads_allowed, register_struct
 
 __all__ = ["CaptureRefused", "CpuGraph", "capturing", "reads_allowed", "register_struct"]
+_CAPTURE_LOCK = threading.Lock()
 _FREE_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 _SHAPE_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride",
               "dim", "numel", "is_contiguous"}
@@ -84,7 +85,7 @@ def _guarded(name):
 
     def read(self, *a, **k):
         static = _STATE["static"]
-        if (static is not None and not _STATE["allow"] and threading.get_ident() == _STATE["tid"]
+        if (static is not None and threading.get_ident() == _STATE["tid"] and not allowed()
                 and static.refuses(self)):
             raise CaptureRefused(f"a host read ({name}) of a value that changes between steps")
         return base(self, *a, **k)
@@ -111,7 +112,7 @@ class _Recorder(TorchDispatchMode):
         leaves = tree_leaves(out)
         outs = [t for t in leaves if isinstance(t, torch.Tensor)]
         if len(outs) != len(leaves) and name not in _SHAPE_OPS:
-            if any(self.static.refuses(t) for t in ins) and not _STATE["allow"]:
+            if any(self.static.refuses(t) for t in ins) and not allowed():
                 raise CaptureRefused(f"{func} reads a value that changes between steps")
         for t in ins + outs:
             if _plain(t) and t.numel():
@@ -220,25 +221,28 @@ class CpuGraph:
                 _STRUCTS[a])))) for a in args if isinstance(a, int) and a in _STRUCTS]))
             return result
 
-        guards = {n: _guarded(n) for n in ("tolist", "item", "__bool__", "__int__",
-                                           "__index__", "__float__", "numpy")}
-        for f in funcs:
-            f.errcheck = hook
-        for n, (_, read) in guards.items():
-            setattr(torch.Tensor, n, read)
-        _STATE["static"], _STATE["tid"] = fixed, tid
-        try:
-            with _Recorder(events, seen, fixed):
-                out = fn(*inputs)
-        finally:
-            _STATE["static"] = None
-            for n, (real, _) in guards.items():
-                if real is None:
-                    delattr(torch.Tensor, n)
-                else:
-                    setattr(torch.Tensor, n, real)
+        # NOTE: the hooks and guards are process-wide: one capture at a time (another thread's
+        # capture waits; its deployment's first steps of a bucket are a capture's)
+        with _CAPTURE_LOCK:
+            guards = {n: _guarded(n) for n in ("tolist", "item", "__bool__", "__int__",
+                                               "__index__", "__float__", "numpy")}
             for f in funcs:
-                del f.errcheck
+                f.errcheck = hook
+            for n, (_, read) in guards.items():
+                setattr(torch.Tensor, n, read)
+            _STATE["static"], _STATE["tid"] = fixed, tid
+            try:
+                with _Recorder(events, seen, fixed):
+                    out = fn(*inputs)
+            finally:
+                _STATE["static"], _STATE["tid"] = None, None
+                for n, (real, _) in guards.items():
+                    if real is None:
+                        delattr(torch.Tensor, n)
+                    else:
+                        setattr(torch.Tensor, n, real)
+                for f in funcs:
+                    del f.errcheck
         held: dict = dict(seen)
         for t in inputs:
             if isinstance(t, torch.Tensor):

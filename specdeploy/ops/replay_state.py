@@ -4,10 +4,14 @@ of step values a caller vouches for, and whether a capture is running."""
 from __future__ import annotations
 
 import ctypes
+import threading
 from contextlib import contextmanager
 
 STRUCTS: dict[int, ctypes.Structure] = {}  # address -> a registered struct (kept alive)
-STATE: dict = {"allow": 0, "static": None, "tid": None}
+# the running capture: its static inputs and its thread (one capture at a time: a lock in
+# engine/cpu_graphs.py); reads vouched for are counted per thread
+STATE: dict = {"static": None, "tid": None}
+_LOCAL = threading.local()
 
 
 def register_struct(s: ctypes.Structure) -> None:
@@ -20,12 +24,19 @@ def register_struct(s: ctypes.Structure) -> None:
 def reads_allowed():
     """Host reads of step values inside are the caller's promise: the same for every step a
     runner replays (engine/cpu_graphs.py)."""
-    STATE["allow"] += 1
+    _LOCAL.allow = getattr(_LOCAL, "allow", 0) + 1
     try:
         yield
     finally:
-        STATE["allow"] -= 1
+        _LOCAL.allow -= 1
+
+
+def allowed() -> bool:
+    """Whether this thread is inside `reads_allowed`."""
+    return getattr(_LOCAL, "allow", 0) > 0
 
 
 def capturing() -> bool:
-    return STATE["static"] is not None
+    """Whether this thread is running a capture (another thread's capture is not this one's:
+    its kernels' Python takes the eager path)."""
+    return STATE["static"] is not None and STATE["tid"] == threading.get_ident()

@@ -6,6 +6,8 @@ reproduce."""
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from specdeploy import LLM, SamplingParams, SpecConfig
 from specdeploy.engine.cpu_graphs import CaptureRefused, CpuGraph
 from specdeploy.ops import ggml_int, row_kernels
 from specdeploy.ops.ggml_linear import kernel_unavailable
-from specdeploy.ops.replay_state import reads_allowed
+from specdeploy.ops.replay_state import capturing, reads_allowed
 
 Q = pytest.importorskip("tests.checkpoint.test_gguf").Q
 pytest.importorskip("gguf")
@@ -156,6 +158,59 @@ def test_replay_remakes_kernel_calls():
     x.copy_(torch.randn(2, 8))
     g.replay()
     assert torch.equal(out, row_kernels.rms_norm(x, w, 1e-6))
+
+
+def test_captures_in_two_threads_each_record_their_own_calls():
+    """The capture's hooks are process-wide: a second thread's capture waits for the first (one
+    that ended while another ran removed the hooks under it: its later calls went unrecorded),
+    and a thread that is not capturing is neither recorded nor told it is capturing."""
+    if row_kernels._library() is None:
+        pytest.skip("row kernels unavailable")
+    w = torch.rand(8) + 0.5
+    xa, xb, xc = torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 8)
+    inside, b_started, c_done = threading.Event(), threading.Event(), threading.Event()
+    order, outs = [], {}
+
+    def norm2(a):
+        return row_kernels.rms_norm(row_kernels.rms_norm(a, w, 1e-6), w, 1e-6)
+
+    def fa(a):
+        y = row_kernels.rms_norm(a, w, 1e-6)
+        inside.set()
+        c_done.wait(10)  # B's capture and this thread's eager call happen meanwhile
+        order.append("a")
+        return row_kernels.rms_norm(y, w, 1e-6)
+
+    def fb(b):
+        order.append("b")
+        return norm2(b)
+
+    def run_b():
+        b_started.set()
+        outs["b"] = gb.capture(fb, [xb], [], [w])
+
+    ga, gb = CpuGraph(), CpuGraph()
+    ta = threading.Thread(target=lambda: outs.__setitem__("a", ga.capture(fa, [xa], [], [w])))
+    ta.start()
+    assert inside.wait(10)
+    tb = threading.Thread(target=run_b)
+    tb.start()
+    assert b_started.wait(10)
+    time.sleep(0.05)  # (B is waiting for A's capture to end)
+    assert not capturing()
+    want_c = norm2(xc)  # eager calls in a thread that is not capturing
+    c_done.set()
+    ta.join(10)
+    tb.join(10)
+    assert order == ["a", "b"]
+    calls = [sum(kind == 0 for kind, *_ in g.events) for g in (ga, gb)]
+    assert calls == [2, 2]
+    assert torch.equal(want_c, norm2(xc))
+    xa.copy_(torch.randn(2, 8))
+    xb.copy_(torch.randn(2, 8))
+    ga.replay()
+    gb.replay()
+    assert torch.equal(outs["a"], norm2(xa)) and torch.equal(outs["b"], norm2(xb))
 
 
 def test_a_host_read_of_anything_but_a_static_input_refuses():
