@@ -1,6 +1,7 @@
 """Vision tower vs language-model prefill, and decode speed with and without MTP after an image.
 
-    .venv/bin/python bench/vision_prefill.py [--model DIR] [--reps 3] [--json-out FILE]
+    .venv/bin/python bench/vision_prefill.py [--model DIR | --mid] [--reps 3] [--threads 1]
+        [--json-out FILE]
 
 On the tiny VLM (`make-tiny --arch qwen3_5_moe --mtp-layers 1` when --model is not given), fp32,
 one sequence: for 1, 2 and 4 random 448x448 images in one chat prompt, the image
@@ -9,7 +10,11 @@ preprocessing (PIL resize + patchify, timed apart), the tower's time (the deploy
 model's prefill over the whole prompt in one chunk, plus engine overhead), medians over
 --reps. Then 64 greedy tokens after a one-image prompt: decode tokens/s plain and with the
 checkpoint's MTP head at K = 1 and 3 (the tiny head is random, so acceptance is near zero: this
-measures the overhead of speculation around a VLM target, not its gain). Prints JSON.
+measures the overhead of speculation around a VLM target, not its gain), and plain decoding with
+the replayed steps (CPU graphs, the default) against eager steps (`cpu_graphs=False`), the two
+deployments alternating over --reps rounds (medians, and the median of per-round ratios).
+`--mid`: the random mid-size Qwen3.5-MoE of bench/vs_llamacpp_moe.py (8 layers, hidden 512,
+32 experts top 4; its tiny tower) in place of the tiny one. Prints JSON.
 """
 from __future__ import annotations
 
@@ -75,28 +80,60 @@ def decode(llm, tokens: int) -> dict:
     return rec
 
 
+def graphs_vs_eager(model: str, kw: dict, tokens: int, reps: int) -> dict:
+    """Plain decode after a one-image prompt, replayed steps vs eager ones, alternating."""
+    from specdeploy import LLM
+
+    llms = {"graphs": LLM(model, **kw), "eager": LLM(model, cpu_graphs=False, **kw)}
+    rates: dict[str, list[float]] = {n: [] for n in llms}
+    for r in range(reps):
+        for name in (("graphs", "eager") if r % 2 == 0 else ("eager", "graphs")):
+            rates[name].append(decode(llms[name], tokens)["decode_tokens_per_s"])
+    runner = llms["graphs"].deployed.target.graph_runner
+    return {"graphs_tokens_per_s": statistics.median(rates["graphs"]),
+            "eager_tokens_per_s": statistics.median(rates["eager"]),
+            "graphs_over_eager": statistics.median(g / e for g, e in zip(rates["graphs"],
+                                                                        rates["eager"])),
+            "rounds": rates, "replays": runner.replays, "refused": dict(runner.refused)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--mid", action="store_true",
+                    help="the mid-size random Qwen3.5-MoE of bench/vs_llamacpp_moe.py")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     from specdeploy import LLM
-    from specdeploy.bench import print_json
+    from specdeploy.bench import machine, print_json
 
-    torch.set_num_threads(1)
-    model = args.model
-    if model is None:
+    torch.set_num_threads(args.threads)
+    model, name = args.model, args.model
+    if model is None and args.mid:
+        from pathlib import Path
+
+        from vs_llamacpp_moe import _checkpoint
+
+        model = str(_checkpoint("qwen3_5_moe", Path(tempfile.mkdtemp(prefix="mid_vlm_"))))
+        name = "mid-size random qwen3_5_moe VLM (bench/vs_llamacpp_moe.py's)"
+    elif model is None:
         from specdeploy.models.qwen3_5_moe import make_tiny
 
         model = str(make_tiny(tempfile.mkdtemp(prefix="tiny_vlm_"), seed=0, mtp_layers=1))
+        name = "tiny qwen3_5_moe VLM"
     kw = dict(max_batch_size=1, max_seq_len=4096, max_num_tokens=4096)
     llm = LLM(model, **kw)
-    result = {"model": "tiny qwen3_5_moe VLM" if args.model is None else model,
-              "dtype": "float32", "threads": 1, "image_size": [448, 448],
+    result = {"machine": machine(), "command": "bench/vision_prefill.py " + " ".join(
+              sys.argv[1:] if argv is None else argv), "model": name,
+              "dtype": "float32", "threads": args.threads, "image_size": [448, 448],
               "prefill": [prefill_split(llm, n, args.reps) for n in (1, 2, 4)],
               "decode": {"plain": decode(llm, args.decode_tokens)}}
+    del llm
+    result["decode"]["replayed_vs_eager"] = graphs_vs_eager(model, kw, args.decode_tokens,
+                                                            max(args.reps, 2))
     for k in (1, 3):
         spec = LLM(model, spec={"method": "mtp", "num_draft_tokens": k}, **kw)
         result["decode"][f"mtp_k{k}"] = decode(spec, args.decode_tokens)

@@ -40,7 +40,8 @@ def burst_len(engine, batch: list[ScheduledSeq]) -> int:
     prefix = engine.prefix
     # NOTE: not where the graph reads embeddings (a vision-language target): a burst feeds
     # each step's tokens by id on the device
-    if (n < 2 or runner is None or runner.takes_hidden or engine.threads is not None
+    if (n < 2 or runner is None or getattr(runner, "takes_hidden", False)
+            or engine.threads is not None
             or engine.scheduler.waiting or engine.blocks.restores):
         return 0
     for s in batch:
