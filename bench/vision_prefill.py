@@ -113,12 +113,16 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model, name = args.model, args.model
     if model is None and args.mid:
-        from pathlib import Path
+        from vs_llamacpp_moe import QWEN
 
-        from vs_llamacpp_moe import _checkpoint
+        from specdeploy.models import qwen3_5_moe as q35
 
-        model = str(_checkpoint("qwen3_5_moe", Path(tempfile.mkdtemp(prefix="mid_vlm_"))))
-        name = "mid-size random qwen3_5_moe VLM (bench/vs_llamacpp_moe.py's)"
+        hf = q35.tiny_hf_config(mtp_layers=1)
+        hf["text_config"] = dict(hf["text_config"], **QWEN)
+        hf["vision_config"] = dict(hf["vision_config"], out_hidden_size=QWEN["hidden_size"])
+        model = str(q35.make_tiny(tempfile.mkdtemp(prefix="mid_vlm_"), seed=0, mtp_layers=1,
+                                  hf_config=hf))
+        name = "mid-size random qwen3_5_moe VLM (bench/vs_llamacpp_moe.py's text model)"
     elif model is None:
         from specdeploy.models.qwen3_5_moe import make_tiny
 
