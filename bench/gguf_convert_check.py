@@ -10,7 +10,11 @@ per llama.cpp version:
 2. specdeploy loads each GGUF; its logits are compared with transformers' on the safetensors
    checkpoint, and its parameters (MTP head included) with those loaded from the checkpoint;
 3. llama.cpp itself (llama-cpp-python, built by bench/setup_llamacpp.sh) runs the same GGUF, and
-   its last-position logits are compared with transformers'.
+   its last-position logits are compared with transformers';
+4. the tiny Qwen3.5-MoE's vision tower is converted with `--mmproj` (llama.cpp's mmproj GGUF):
+   specdeploy's reader (checkpoint/gguf_mmproj.py) against the checkpoint's `model.visual.*`
+   tensors and vision config, and a text GGUF + mmproj deployment's greedy tokens with an
+   image against the safetensors checkpoint's.
 It prints one JSON object (the machine, the command, the max |difference| per check).
 
 NOTE (llama-cpp-python 0.3.36): the converter takes any NemotronH config as "nemotron_h_moe"
@@ -76,11 +80,11 @@ def models(tmp: Path) -> dict[str, tuple[Path, str]]:
     }
 
 
-def convert(src_dir: Path, ckpt: Path, out: Path) -> None:
+def convert(src_dir: Path, ckpt: Path, out: Path, *extra: str) -> None:
     env = {**os.environ, "PYTHONPATH": f"{src_dir}:{src_dir / 'gguf-py'}"}
     r = subprocess.run([sys.executable, "-c", CONVERT, str(ckpt), "--outfile", str(out),
-                        "--outtype", "f32"], cwd=src_dir, env=env, capture_output=True,
-                       text=True, timeout=600)
+                        "--outtype", "f32", *extra], cwd=src_dir, env=env,
+                       capture_output=True, text=True, timeout=600)
     if r.returncode:
         raise RuntimeError(f"convert_hf_to_gguf failed:\n{r.stderr[-3000:]}")
 
@@ -107,6 +111,42 @@ def llamacpp_logits(gguf_path: Path, ids: list[int]) -> torch.Tensor | str | Non
         return str(e)
     llm.eval(ids)
     return torch.tensor(llm.scores[:len(ids)], dtype=torch.float32)
+
+
+def mmproj_check(src_dir: Path, ckpt: Path, tmp: Path) -> dict:
+    """The converter's mmproj of `ckpt` (a Qwen3.5 VLM) read back and deployed beside the text
+    GGUF the tests write (the converter's text file carries a merge the tiny vocabulary lacks:
+    see the module doc)."""
+    from PIL import Image
+
+    from specdeploy import LLM, SamplingParams
+    from specdeploy.checkpoint import open_checkpoint
+    from tests.checkpoint.gguf_qwen3_5_layout import write_gguf
+
+    text_gguf = write_gguf(ckpt, tmp / "text_for_mmproj.gguf")
+
+    out = tmp / "mmproj.gguf"
+    convert(src_dir, ckpt, out, "--mmproj")
+    mm, st = open_checkpoint(out), open_checkpoint(ckpt)
+    names = sorted(k for k in st.keys() if k.startswith("model.visual."))
+    ours = sorted(k for k in mm.keys() if k.startswith("model.visual."))
+    if ours != names:
+        raise RuntimeError(f"mmproj tensors differ: {sorted(set(ours) ^ set(names))[:8]}")
+    vision = mm.config["vision_config"]
+    same = {k: vision[k] == st.config["vision_config"].get(k) for k in vision}
+    img = Image.new("RGB", (56, 40), (200, 30, 90))
+    prompt = "look <|vision_start|><|image_pad|><|vision_end|> now"
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    opts = dict(max_batch_size=1, max_seq_len=512)
+    want = LLM(str(ckpt), **opts).generate(prompt, sp, images=[img])[0].token_ids
+    pre = json.loads((ckpt / "preprocessor_config.json").read_text())["size"]
+    got = LLM(str(text_gguf), mmproj=str(out), mm_processor_kwargs={
+        "min_pixels": pre["shortest_edge"], "max_pixels": pre["longest_edge"]}, **opts
+    ).generate(prompt, sp, images=[img])[0].token_ids
+    return {"tower_vs_checkpoint_max_abs": max(
+                (mm.get(k) - st.get(k).float()).abs().max().item() for k in names),
+            "vision_config_fields_equal": same, "projector": mm.metadata["clip.projector_type"],
+            "greedy_with_an_image_equal": got == want}
 
 
 @torch.no_grad()
@@ -143,6 +183,9 @@ def main() -> None:
                     theirs - want[:, :v]).abs().max().item()
                 check["llamacpp_vs_ours_max_abs"] = (theirs - ours[:, :v]).abs().max().item()
             result["checks"][name] = check
+            if name.startswith("qwen3_5"):
+                result["checks"][f"{name}_mmproj"] = mmproj_check(args.llamacpp_src, ckpt,
+                                                                  Path(tmp))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -14,6 +14,7 @@ from specdeploy.cli_args import (
     llm_from_args,
     parallel_kwargs,
     sampling_from_args,
+    vision_kwargs,
 )
 from specdeploy.spec_args import spec_from_args
 
@@ -122,7 +123,8 @@ def cmd_deploy(args) -> int:
                    max_seq_len=max_len, max_cache_gib=args.max_cache_gib,
                    gpu_memory_utilization=args.gpu_memory_utilization,
                    spec=spec_from_args(args), kernels=args.kernels, dist=dist,
-                   enable_prefix_caching=args.enable_prefix_caching))
+                   enable_prefix_caching=args.enable_prefix_caching,
+                   **vision_kwargs(args)))
     return 0
 
 

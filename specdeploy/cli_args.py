@@ -38,6 +38,34 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "activations, as llama.cpp) or the exact fp32 model")
     add_parallel_args(p)
     add_prefix_caching_arg(p)
+    add_vision_args(p)
+
+
+def add_vision_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mmproj", default=None, metavar="FILE.gguf",
+                   help="the vision tower of a text GGUF: llama.cpp's mmproj GGUF (a Qwen3.5 "
+                        "tower beside a Qwen3.5-MoE text GGUF)")
+    p.add_argument("--mm-processor-kwargs", type=json_dict, default=None, metavar="JSON",
+                   help='the image resize\'s pixel limits, e.g. \'{"max_pixels": 1003520}\' '
+                        "(vLLM's; keys min_pixels, max_pixels)")
+
+
+def vision_kwargs(args) -> dict:
+    """LLM keyword arguments from `add_vision_args`."""
+    return dict(mmproj=getattr(args, "mmproj", None),
+                mm_processor_kwargs=getattr(args, "mm_processor_kwargs", None))
+
+
+def json_dict(text: str) -> dict:
+    import json
+
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return v
 
 
 def add_budget_args(p: argparse.ArgumentParser) -> None:
@@ -136,7 +164,7 @@ def llm_from_args(args, max_batch_size: int):
                enable_prefix_caching=args.enable_prefix_caching,
                generation_config=args.generation_config,
                quantize=None if args.quantize == "none" else args.quantize,
-               threads=args.threads, **parallel_kwargs(args))
+               threads=args.threads, **parallel_kwargs(args), **vision_kwargs(args))
 
 
 def sampling_from_args(args, **extra):

@@ -62,7 +62,7 @@ class LLM:
             one of the two; neither: half the memory free after loading.
         cuda_graphs: replay decode and verify steps as CUDA graphs, one per batch-size bucket
             (engine/cuda_graphs.py). None (default): on for a CUDA device wherever the runner
-            can serve (not with tensor parallelism or a vision-language target: eager there);
+            can serve (not with tensor parallelism: eager there);
             True: required (refused where it cannot serve); False: eager (vLLM's enforce_eager).
         cpu_graphs: on the CPU, replay decode and verify steps as recorded kernel calls, one
             recording per batch-size bucket (engine/cpu_graphs.py: the graph's Python runs
@@ -92,6 +92,11 @@ class LLM:
         checkpoint_every: pages between recurrent-state checkpoints (hybrid models): a hit
             ends on a checkpointed boundary. None: every page when memory allows (the cache
             plan in `deploy --list-transforms` says when it spaced them out).
+        mmproj: a text GGUF's vision tower, llama.cpp's mmproj GGUF (its `--mmproj`; a
+            Qwen3.5-MoE text GGUF with its Qwen3.5 tower): the deployment takes images as the
+            released checkpoint does. mm_processor_kwargs (vLLM's): the image resize's
+            `min_pixels` / `max_pixels` (an mmproj says neither: the released Qwen3.5
+            preprocessor's by default).
         threads: CPU threads: None (torch's setting), a count, or "auto": that many (torch's
             setting) or 1, whichever the engine measures faster now (engine/threads.py: on a
             machine shared with other work, N threads can collapse at their barriers). "auto"
@@ -114,7 +119,9 @@ class LLM:
                  max_num_seqs: int | None = None, kv_cache_dtype: str = "auto",
                  gpu_memory_utilization: float | None = None, cuda_graphs: bool | None = None,
                  threads: int | str | None = None, num_scheduler_steps: int = 1,
-                 scheduling_policy: str = "fcfs", cpu_graphs: bool | None = None):
+                 scheduling_policy: str = "fcfs", cpu_graphs: bool | None = None,
+                 mmproj: str | os.PathLike | None = None,
+                 mm_processor_kwargs: dict | None = None):
         _check_threads(threads, kernels, device)
         from specdeploy.engine.scheduler import POLICIES
 
@@ -149,7 +156,11 @@ class LLM:
 
             model = default_model_path()
         model = resolve_model_path(model)  # a shipped name, a Hub id
-        max_seq_len = resolve_max_len(open_checkpoint(model).config, max_model_len, max_seq_len)
+        reader = open_checkpoint(model)
+        from specdeploy.loading import refuse_mmproj
+
+        refuse_mmproj(reader)
+        max_seq_len = resolve_max_len(reader.config, max_model_len, max_seq_len)
         from specdeploy.spec_auto import resolve_auto
 
         spec = resolve_auto(spec, model, str(device).split(":")[0])
@@ -163,7 +174,9 @@ class LLM:
                                dist=dist_config(tensor_parallel_size, expert_parallel_size,
                                                  shard_layers),
                                enable_prefix_caching=enable_prefix_caching,
-                               checkpoint_every=checkpoint_every, progress=progress)
+                               checkpoint_every=checkpoint_every, progress=progress,
+                               mmproj=None if mmproj is None else str(mmproj),
+                               mm_processor_kwargs=mm_processor_kwargs)
         self.spec = spec = options.spec
         log = stderr_log if progress else (lambda msg: None)
         self.model_path = Path(model)

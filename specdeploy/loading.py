@@ -129,6 +129,13 @@ def load_model(
                                   lazy=lazy, defer_blocks=defer_blocks)
 
 
+def refuse_mmproj(reader) -> None:
+    """An mmproj GGUF given as the model: it is the text GGUF's vision tower."""
+    if getattr(reader, "is_mmproj", False):
+        raise CheckpointError(f"{reader.path}: an mmproj file (a vision tower) is not a model: "
+                              f"deploy the text GGUF with mmproj={str(reader.path)!r}")
+
+
 def load_model_from_reader(
     reader: CheckpointReader, dtype: str | torch.dtype = "auto", with_mtp: bool = False,
     progress: bool = False, lazy: LazyWeights | None = None, defer_blocks: bool = False,
@@ -138,6 +145,7 @@ def load_model_from_reader(
     left as zero placeholders that take no memory, listed in `model.ggml_deferred`; whatever
     still reads one after the pipeline gets it filled from the blocks (deploy/deferred.py). The
     eager model itself is then not usable as it is."""
+    refuse_mmproj(reader)
     fam = module_for_config(reader.config)
     cfg = fam.Config.from_hf(reader.config)
     torch_dtype = resolve_dtype(dtype, reader.config)

@@ -79,6 +79,10 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     from specdeploy.deploy.vlm import has_vision
 
     hf_config = getattr(model, "hf_config", None) or {}
+    if opts.mmproj is not None:  # a text GGUF + llama.cpp's mmproj: the VLM's config
+        from specdeploy.deploy.vlm import gguf_vlm_config
+
+        hf_config = model.hf_config = gguf_vlm_config(hf_config, model_path, opts.mmproj)
     sharded = opts.dist is not None and opts.dist.world_size > 1
     if opts.vision and sharded:
         # NOTE: the ranks receive ids, not rank 0's merged image embeddings (distributed/)
@@ -147,7 +151,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     # what this process held in weights while loading (per rank under TP: distributed/)
     out.load_stats = lazy.stats() if lazy is not None else {
         "load_peak_bytes": loaded, "load_resident_bytes": loaded, "load_read_bytes": loaded}
-    return _with_vision(out, model_path, embed, dtype) if vision else out
+    return _with_vision(out, model_path, embed, dtype, hf_config, opts) if vision else out
 
 
 def _weight_bytes(model: nn.Module) -> int:
@@ -210,18 +214,22 @@ def _transform(module: nn.Module, ctx: DeployContext, hidden_size: int | None,
     return gm, run_pipeline(gm, ctx)
 
 
-def _with_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype):
-    """The eager vision tower around the deployed language model (deploy/vlm.py)."""
+def _with_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype, hf_config: dict,
+                 opts: BuildOptions):
+    """The eager vision tower around the deployed language model (deploy/vlm.py): from the
+    checkpoint directory, or from `opts.mmproj` (a GGUF target's)."""
     from specdeploy.checkpoint import open_checkpoint
     from specdeploy.deploy.vlm import VisionLanguageDeployed, load_vision
     from specdeploy.vision.image import ImageProcessor
 
     if model_path is None:
         raise ValueError("vision: a vision-language deployment needs its checkpoint directory")
-    reader = open_checkpoint(model_path)
+    reader = open_checkpoint(opts.mmproj if opts.mmproj is not None else model_path)
     visual = load_vision(reader, dtype).to(inner.device)
-    processor = ImageProcessor.from_dir(model_path)
-    out = VisionLanguageDeployed(inner, visual, embed, reader.config, processor.max_pixels)
+    processor = (ImageProcessor.from_config(reader.config["preprocessor"])
+                 if opts.mmproj is not None else ImageProcessor.from_dir(model_path))
+    processor = processor.with_kwargs(opts.mm_processor_kwargs)
+    out = VisionLanguageDeployed(inner, visual, embed, hf_config, processor.max_pixels)
     out.processor = processor
     return out
 

@@ -27,7 +27,9 @@ class BuildOptions:
     Mamba2 / gated delta) for targets with recurrent layers (`cache.plan.default_page_size`).
     `enable_prefix_caching` (vLLM's name): cached KV pages are shared by prompts that start
     alike, and recurrent layers get a checkpoint pool with a checkpoint every
-    `checkpoint_every` pages (None: every page when memory allows; cache/plan.py)."""
+    `checkpoint_every` pages (None: every page when memory allows; cache/plan.py). `mmproj`: the
+    vision tower of a text GGUF, llama.cpp's mmproj GGUF (checkpoint/gguf_mmproj.py);
+    `mm_processor_kwargs` (vLLM's): the image processor's `min_pixels` / `max_pixels`."""
 
     dtype: str | torch.dtype = "auto"
     max_batch_size: int = 16
@@ -53,6 +55,8 @@ class BuildOptions:
     enable_prefix_caching: bool = True
     checkpoint_every: int | None = None  # None: every page when memory allows (cache/plan.py)
     progress: bool = False  # a tqdm bar while the checkpoint's tensors load
+    mmproj: str | None = None
+    mm_processor_kwargs: dict | None = None
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "page_size", "checkpoint_every"):
@@ -72,6 +76,12 @@ class BuildOptions:
                              f"{self.kv_cache_dtype!r}")
         if self.quantize not in QUANTIZE_METHODS:
             raise ValueError(f"quantize: must be None or 'int8', got {self.quantize!r}")
+        if self.mm_processor_kwargs is not None:
+            from specdeploy.vision.image import check_processor_kwargs
+
+            check_processor_kwargs(self.mm_processor_kwargs)
+        if self.mmproj is not None and self.vision is False:
+            raise ValueError("mmproj: given with vision=False")
         if isinstance(self.spec, dict):
             object.__setattr__(self, "spec", SpecConfig.from_dict(self.spec))
         if self.backend != "graph" and (self.quantize or self.compile or self.spec or (

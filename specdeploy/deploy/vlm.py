@@ -38,6 +38,46 @@ def has_vision(hf_config: dict) -> bool:
             and "vision_config" in hf_config)
 
 
+VISION_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                 "vision_start_token_id": "<|vision_start|>",
+                 "vision_end_token_id": "<|vision_end|>"}
+
+
+def gguf_vlm_config(cfg: dict, model_path, mmproj) -> dict:
+    """The VLM config of a text GGUF and its mmproj (checkpoint/gguf_mmproj.py), laid out as the
+    released checkpoint's config.json: the text config nested, the tower's from the mmproj's
+    metadata, the vision token ids from the GGUF's vocabulary. Refuses a pair that does not
+    fit, naming the file."""
+    from pathlib import Path
+
+    from specdeploy.checkpoint import CheckpointError, open_checkpoint
+    from specdeploy.checkpoint.gguf import read_header
+
+    path = Path(model_path) if model_path is not None else None
+    if path is None or path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(f"mmproj: goes with a text GGUF file (llama.cpp's --mmproj); the model "
+                         f"is {str(model_path)!r}")
+    if cfg.get("model_type") != "qwen3_5_moe":
+        raise ValueError(f"mmproj: a Qwen3.5 vision tower goes with a Qwen3.5-MoE text GGUF; "
+                         f"{path} is {', '.join(cfg.get('architectures') or ['?'])}")
+    text = cfg.get("text_config", cfg)
+    mm = open_checkpoint(mmproj)
+    if not getattr(mm, "is_mmproj", False):
+        raise CheckpointError(f"{mmproj}: not an mmproj GGUF (llama.cpp's vision tower file)")
+    vision = mm.config["vision_config"]
+    if vision["out_hidden_size"] != text["hidden_size"]:
+        raise CheckpointError(f"{mmproj}: its projection width {vision['out_hidden_size']} is "
+                              f"not {path.name}'s hidden size {text['hidden_size']}: another "
+                              "model's tower")
+    tokens = read_header(path).metadata.get("tokenizer.ggml.tokens") or []
+    where = {t: i for i, t in enumerate(tokens) if t in VISION_TOKENS.values()}
+    if VISION_TOKENS["image_token_id"] not in where:
+        raise CheckpointError(f"{path}: its vocabulary has no {VISION_TOKENS['image_token_id']} "
+                              "token: not a vision-language model's text GGUF")
+    ids = {k: where[t] for k, t in VISION_TOKENS.items() if t in where}
+    return {**cfg, "architectures": list(VISION_ARCHITECTURES), "vision_config": vision, **ids}
+
+
 def load_vision(reader, dtype: torch.dtype) -> VisionModel:
     """The tower from `model.visual.*`; raises naming the missing tensors."""
     from specdeploy.checkpoint import CheckpointError

@@ -17,8 +17,10 @@ from specdeploy.cli_args import (
     add_cuda_graphs_arg,
     add_parallel_args,
     add_prefix_caching_arg,
+    add_vision_args,
     parallel_kwargs,
     threads_arg,
+    vision_kwargs,
 )
 from specdeploy.spec_args import add_spec_args, spec_from_args
 
@@ -81,6 +83,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="logprobs name tokens \"token_id:<id>\" unless a request says "
                    "otherwise (vLLM's flag)")
     add_parallel_args(p)
+    add_vision_args(p)
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -109,7 +112,7 @@ def cmd_serve(args) -> int:
               generation_config=args.generation_config,
               enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
               scheduling_policy=args.scheduling_policy,
-              **parallel_kwargs(args))
+              **parallel_kwargs(args), **vision_kwargs(args))
     if template is not None:
         llm.tokenizer.chat_template = template
     if hasattr(llm.deployed, "on_failure"):  # a dead or hung rank: fail requests, then exit

@@ -15,7 +15,7 @@ import io
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +116,27 @@ class ImageProcessor:
     max_input_pixels: int = MAX_INPUT_PIXELS
 
     @classmethod
+    def from_config(cls, c: dict) -> ImageProcessor:
+        """From a GGUF mmproj's preprocessing fields (checkpoint/gguf_mmproj.py)."""
+        keys = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels")
+        kw = {k: int(c[k]) for k in keys if k in c}
+        for k in ("image_mean", "image_std"):
+            if k in c:
+                kw[k] = tuple(float(x) for x in c[k])
+        return cls(**kw)
+
+    def with_kwargs(self, kwargs: dict | None) -> ImageProcessor:
+        """`mm_processor_kwargs` (vLLM's) applied: the resize's pixel limits."""
+        if not kwargs:
+            return self
+        check_processor_kwargs(kwargs)
+        out = replace(self, **{k: int(v) for k, v in kwargs.items()})
+        if out.min_pixels > out.max_pixels:
+            raise ValueError(f"mm_processor_kwargs: min_pixels {out.min_pixels} is above "
+                             f"max_pixels {out.max_pixels}")
+        return out
+
+    @classmethod
     def from_dir(cls, path: str | os.PathLike) -> ImageProcessor:
         f = Path(path) / "preprocessor_config.json"
         if not f.is_file():
@@ -162,6 +183,21 @@ class ImageProcessor:
             patches.append(t.reshape(gh * gw, -1))
             grids.append((1, gh, gw))
         return ProcessedImages(torch.cat(patches), grids)
+
+
+PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
+
+
+def check_processor_kwargs(kwargs) -> None:
+    """`mm_processor_kwargs`: a dict of the resize's pixel limits (positive integers)."""
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"mm_processor_kwargs: must be a dict, got {type(kwargs).__name__}")
+    for k, v in kwargs.items():
+        if k not in PROCESSOR_KWARGS:
+            raise ValueError(f"mm_processor_kwargs: {k!r} is not supported; supported: "
+                             f"{', '.join(PROCESSOR_KWARGS)}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"mm_processor_kwargs: {k} must be a positive integer, got {v!r}")
 
 
 def _to_rgb(img):

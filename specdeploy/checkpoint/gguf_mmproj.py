@@ -1,0 +1,99 @@
+"""GGUF architecture "clip" with projector "qwen3vl_merger": llama.cpp's mmproj file of a Qwen3.5
+(Qwen3-VL family) vision tower, which ships beside the text GGUF (llama.cpp's `--mmproj`).
+
+llama.cpp's converter (conversion/qwen3vl.py, `Qwen3VLVisionModel` for
+Qwen3_5MoeForConditionalGeneration) writes the tower one tensor for one, under clip names:
+`v.blk.N.{attn_qkv, attn_out, ffn_up, ffn_down, ln1, ln2}` are `model.visual.blocks.N.{attn.qkv,
+attn.proj, mlp.linear_fc1, mlp.linear_fc2, norm1, norm2}`, `mm.0` / `mm.2` the merger's
+`linear_fc1` / `linear_fc2`, `v.post_ln` its norm, `v.position_embd` the position table; the one
+value change: the Conv3D patch embedding [C_out, C_in, 2, p, p] split on its temporal axis into
+two Conv2D kernels, `v.patch_embd.weight` (t = 0) and `v.patch_embd.weight.1` (t = 1), joined
+back here. The vision config comes from the `clip.vision.*` metadata, the image preprocessing
+(mean, std, patch and merge sizes) too; what the file does not say (the pixel limits of a resize)
+takes the released Qwen3.5 preprocessor's values (`PIXEL_LIMITS`; `mm_processor_kwargs`
+overrides them, as vLLM's). Deepstack towers (Qwen3-VL's `is_deepstack_layers`) are refused:
+the Qwen3.5 tower has none.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from specdeploy.checkpoint.errors import CheckpointError
+
+ARCHS = ("clip",)
+ROTARY_PERMUTED = False
+PROJECTORS = ("qwen3vl_merger",)
+# the released Qwen3.5 preprocessor_config.json's size: {"shortest_edge", "longest_edge"}
+PIXEL_LIMITS = {"min_pixels": 65536, "max_pixels": 16777216}
+_BLOCK = {"attn_qkv": "attn.qkv", "attn_out": "attn.proj", "ffn_up": "mlp.linear_fc1",
+          "ffn_down": "mlp.linear_fc2", "ln1": "norm1", "ln2": "norm2"}
+_TOP = {"mm.0": "merger.linear_fc1", "mm.2": "merger.linear_fc2", "v.post_ln": "merger.norm",
+        "v.position_embd": "pos_embed", "v.patch_embd": "patch_embed.proj"}
+_PATCH = ("v.patch_embd.weight", "v.patch_embd.weight.1")
+
+
+def hf_config(reader) -> dict:
+    """{"vision_config": the tower's HF vision config, "preprocessor": the image processor's
+    fields}; a file this tower cannot be is refused by name."""
+    md, path = reader.metadata, reader.path
+    proj = md.get("clip.projector_type")
+    if proj not in PROJECTORS:
+        raise CheckpointError(f"{path}: mmproj projector {proj!r} is not supported; supported: "
+                              f"{', '.join(PROJECTORS)} (Qwen3.5 vision towers)")
+    if not md.get("clip.has_vision_encoder", False):
+        raise CheckpointError(f"{path}: mmproj without a vision encoder")
+    if any(md.get("clip.vision.is_deepstack_layers") or ()):
+        raise CheckpointError(f"{path}: a deepstack vision tower (Qwen3-VL) is not supported")
+
+    def get(key: str):
+        if f"clip.vision.{key}" not in md:
+            raise CheckpointError(f"{path}: mmproj metadata clip.vision.{key} is missing")
+        return md[f"clip.vision.{key}"]
+
+    infos = reader.tensor_infos
+    missing = [n for n in (*_PATCH, "v.position_embd.weight") if n not in infos]
+    if missing:
+        raise CheckpointError(f"{path}: mmproj tensors missing: {', '.join(missing)} (a "
+                              "Qwen3.5 tower's patch embedding is two temporal halves)")
+    if not md.get("clip.use_gelu", False):
+        raise CheckpointError(f"{path}: mmproj activation is not GELU (clip.use_gelu)")
+    patch = int(get("patch_size"))
+    vision = {
+        "model_type": "qwen3_5_moe_vision", "depth": int(get("block_count")),
+        "hidden_size": int(get("embedding_length")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_heads": int(get("attention.head_count")), "in_channels": infos[_PATCH[0]].shape[1],
+        "patch_size": patch, "temporal_patch_size": len(_PATCH),
+        "spatial_merge_size": int(get("spatial_merge_size")),
+        "out_hidden_size": int(get("projection_dim")),
+        "num_position_embeddings": infos["v.position_embd.weight"].shape[0],
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+    pre = {"patch_size": patch, "temporal_patch_size": len(_PATCH),
+           "merge_size": vision["spatial_merge_size"],
+           "image_mean": [float(x) for x in get("image_mean")],
+           "image_std": [float(x) for x in get("image_std")], **PIXEL_LIMITS}
+    for ours, theirs in (("min_pixels", "image_min_pixels"), ("max_pixels", "image_max_pixels")):
+        if f"clip.vision.{theirs}" in md:
+            pre[ours] = int(md[f"clip.vision.{theirs}"])
+    return {"vision_config": vision, "preprocessor": pre}
+
+
+def hf_name(gguf_name: str, cfg: dict) -> str | None:
+    if gguf_name in _PATCH:
+        return None  # joined (`joined`)
+    m = re.fullmatch(r"v\.blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m and m.group(2) in _BLOCK:
+        return f"model.visual.blocks.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    base, _, suffix = gguf_name.rpartition(".")
+    return f"model.visual.{_TOP[base]}.{suffix}" if base in _TOP else None
+
+
+def joined(reader) -> dict[str, tuple[list[str], int]]:
+    return {"model.visual.patch_embed.proj.weight": (list(_PATCH), 2)}
+
+
+def to_hf(gguf_name: str, a: np.ndarray, cfg: dict) -> np.ndarray:
+    return a[:, :, None] if gguf_name in _PATCH else a  # a temporal half [C_out, C_in, 1, p, p]
