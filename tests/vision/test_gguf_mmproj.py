@@ -37,21 +37,33 @@ def pair(vlm_dir, tmp_path_factory):
 
 
 def test_tower_tensors_and_config_are_the_checkpoints(vlm_dir, pair, tmp_path):
-    """Every `model.visual.*` tensor, the patch embedding joined from its two temporal halves,
-    exactly (F32) or as fp16 rounds it (F16); the vision config the checkpoint's."""
+    """Every `model.visual.*` tensor, the patch embedding joined from its two temporal halves:
+    exactly (F32), as fp16 rounds it (F16), as gguf-py's own Q8_0 round trip gives it (Q8_0
+    matrices, the common `mmproj-Q8_0.gguf`); the vision config the checkpoint's."""
+    from gguf.quants import dequantize, quantize
+
     from specdeploy.models.qwen3_5_vision import VisionConfig
 
+    Q = gguf.GGMLQuantizationType
     st = open_checkpoint(vlm_dir)
     names = sorted(k for k in st.keys() if k.startswith("model.visual."))
-    half = write_mmproj(vlm_dir, tmp_path / "f16.gguf", ftype=gguf.GGMLQuantizationType.F16)
-    for path, exact in ((pair[1], True), (half, False)):
+    rounded = {
+        Q.F32: lambda a: a,
+        Q.F16: lambda a: a.half().float() if a.dim() > 1 else a,
+        Q.Q8_0: lambda a: torch.from_numpy(dequantize(quantize(a.numpy(), Q.Q8_0), Q.Q8_0))
+        if a.dim() == 2 and a.shape[-1] % 32 == 0 else a,
+    }
+    for ftype, rnd in rounded.items():
+        path = pair[1] if ftype == Q.F32 else write_mmproj(vlm_dir, tmp_path / f"{ftype.name}.gguf",
+                                                           ftype=ftype)
         mm = open_checkpoint(path)
         assert sorted(k for k in mm.keys() if k.startswith("model.visual.")) == names
+        quantized = 0
         for k in names:
-            want = st.get(k).float()
-            if not exact and want.dim() > 1:
-                want = want.half().float()
-            assert torch.equal(mm.get(k), want), k
+            want = rnd(st.get(k).float())
+            quantized += not torch.equal(want, st.get(k).float())
+            assert torch.equal(mm.get(k), want), (ftype.name, k)
+        assert quantized > 0 or ftype == Q.F32  # (the test's rounding did something)
         assert VisionConfig.from_hf(mm.config) == VisionConfig.from_hf(st.config)
 
 
