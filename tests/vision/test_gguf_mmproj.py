@@ -139,15 +139,23 @@ def test_bad_pairs_are_refused_by_name(vlm_dir, pair, tmp_path):
         BuildOptions(mmproj=mm, vision=False)
 
 
-def test_cli_flags():
+def test_cli_flags_reach_the_llm(monkeypatch):
+    """`--mmproj` / `--mm-processor-kwargs` on generate and serve become LLM's arguments."""
     from specdeploy.cli import build_parser
-    from specdeploy.cli_args import vision_kwargs
 
-    args = build_parser().parse_args(["generate", "--prompt", "x", "--mmproj", "m.gguf",
-                                      "--mm-processor-kwargs", '{"max_pixels": 4096}'])
-    assert vision_kwargs(args) == {"mmproj": "m.gguf",
-                                   "mm_processor_kwargs": {"max_pixels": 4096}}
-    args = build_parser().parse_args(["serve", "t.gguf", "--mmproj", "m.gguf"])
-    assert vision_kwargs(args)["mmproj"] == "m.gguf"
+    class Built(Exception):
+        pass
+
+    def fake_llm(*args, **kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr("specdeploy.llm.LLM", fake_llm)
+    for argv in (["generate", "--model", "t.gguf", "--prompt", "x"], ["serve", "t.gguf"]):
+        args = build_parser().parse_args([*argv, "--mmproj", "m.gguf", "--mm-processor-kwargs",
+                                          '{"max_pixels": 4096}'])
+        with pytest.raises(Built) as e:
+            args.func(args)
+        kw = e.value.args[0]
+        assert kw["mmproj"] == "m.gguf" and kw["mm_processor_kwargs"] == {"max_pixels": 4096}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "x", "--mm-processor-kwargs", "[1]"])
