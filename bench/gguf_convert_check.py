@@ -13,8 +13,10 @@ per llama.cpp version:
    its last-position logits are compared with transformers';
 4. the tiny Qwen3.5-MoE's vision tower is converted with `--mmproj` (llama.cpp's mmproj GGUF):
    specdeploy's reader (checkpoint/gguf_mmproj.py) against the checkpoint's `model.visual.*`
-   tensors and vision config, and a text GGUF + mmproj deployment's greedy tokens with an
-   image against the safetensors checkpoint's.
+   tensors and vision config, a text GGUF + mmproj deployment's greedy tokens with an image
+   against the safetensors checkpoint's, and llama.cpp's own image embeddings of that mmproj
+   (libmtmd: tokenize, encode the image chunk) against specdeploy's tower on a 64 x 48 image
+   (a whole number of merged patches: neither tool resizes it).
 It prints one JSON object (the machine, the command, the max |difference| per check).
 
 NOTE (llama-cpp-python 0.3.36): the converter takes any NemotronH config as "nemotron_h_moe"
@@ -42,6 +44,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -113,7 +116,51 @@ def llamacpp_logits(gguf_path: Path, ids: list[int]) -> torch.Tensor | str | Non
     return torch.tensor(llm.scores[:len(ids)], dtype=torch.float32)
 
 
-def mmproj_check(src_dir: Path, ckpt: Path, tmp: Path) -> dict:
+def llamacpp_image_embd(text_gguf: Path, mmproj: Path, img) -> np.ndarray | str | None:
+    """llama.cpp's (libmtmd's) embeddings of one RGB image [tokens, projection dim]; None
+    without llama-cpp-python, a string where it refuses."""
+    import ctypes
+
+    try:
+        import llama_cpp
+        from llama_cpp import mtmd_cpp as mtmd
+    except ImportError:
+        return None
+    try:
+        llm = llama_cpp.Llama(model_path=str(text_gguf), n_ctx=256, verbose=False, n_threads=2)
+    except ValueError as e:
+        return str(e)
+    p = mtmd.mtmd_context_params_default()
+    p.use_gpu, p.print_timings, p.n_threads = False, False, 2
+    ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), llm._model.model, p)
+    if not ctx:
+        return "mtmd_init_from_file failed"
+    try:
+        a = np.asarray(img.convert("RGB"), dtype=np.uint8)
+        data = (ctypes.c_uint8 * a.size).from_buffer_copy(a.tobytes())
+        bitmap = mtmd.mtmd_bitmap_init(a.shape[1], a.shape[0], data)
+        chunks = mtmd.mtmd_input_chunks_init()
+        text = mtmd.mtmd_input_text()
+        text.text = b"x " + mtmd.mtmd_default_marker()
+        text.text_len, text.add_special, text.parse_special = len(text.text), False, True
+        if mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text),
+                              (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap), 1):
+            return "mtmd_tokenize failed"
+        for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+            chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+            if mtmd.mtmd_input_chunk_get_type(chunk) != 1:  # (MTMD_INPUT_CHUNK_TYPE_IMAGE)
+                continue
+            n = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+            if mtmd.mtmd_encode_chunk(ctx, chunk):
+                return "mtmd_encode_chunk failed"
+            out = mtmd.mtmd_get_output_embd(ctx)
+            return np.ctypeslib.as_array(out, shape=(n * llm.n_embd(),)).reshape(n, -1).copy()
+        return "no image chunk"
+    finally:
+        mtmd.mtmd_free(ctx)
+
+
+def mmproj_check(src_dir: Path, ckpt: Path, tmp: Path, converted_text: Path) -> dict:
     """The converter's mmproj of `ckpt` (a Qwen3.5 VLM) read back and deployed beside the text
     GGUF the tests write (the converter's text file carries a merge the tiny vocabulary lacks:
     see the module doc)."""
@@ -143,10 +190,29 @@ def mmproj_check(src_dir: Path, ckpt: Path, tmp: Path) -> dict:
     got = LLM(str(text_gguf), mmproj=str(out), mm_processor_kwargs={
         "min_pixels": pre["shortest_edge"], "max_pixels": pre["longest_edge"]}, **opts
     ).generate(prompt, sp, images=[img])[0].token_ids
-    return {"tower_vs_checkpoint_max_abs": max(
-                (mm.get(k) - st.get(k).float()).abs().max().item() for k in names),
-            "vision_config_fields_equal": same, "projector": mm.metadata["clip.projector_type"],
-            "greedy_with_an_image_equal": got == want}
+    check = {"tower_vs_checkpoint_max_abs": max(
+                 (mm.get(k) - st.get(k).float()).abs().max().item() for k in names),
+             "vision_config_fields_equal": same, "projector": mm.metadata["clip.projector_type"],
+             "greedy_with_an_image_equal": got == want}
+    from specdeploy.deploy.vlm import load_vision
+    from specdeploy.vision.image import ImageProcessor
+
+    pic = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), np.uint8))
+    theirs = llamacpp_image_embd(converted_text, out, pic)
+    if isinstance(theirs, str):
+        check["llamacpp_error"] = theirs
+    elif theirs is not None:
+        proc = ImageProcessor.from_config(mm.config["preprocessor"]).with_kwargs(
+            {"min_pixels": 64, "max_pixels": 1 << 24})
+        pix = proc.preprocess([pic])
+        ours = load_vision(mm, torch.float32)(pix.pixel_values, torch.tensor(pix.grid_thw))
+        check["llamacpp_image_tokens"] = theirs.shape[0]
+        check["ours_image_tokens"] = ours.shape[0]
+        if theirs.shape == tuple(ours.shape):
+            check["llamacpp_image_embd_vs_ours_max_abs"] = float(
+                np.abs(theirs - ours.numpy()).max())
+            check["ours_image_embd_max_abs"] = float(ours.abs().max())
+    return check
 
 
 @torch.no_grad()
@@ -185,7 +251,7 @@ def main() -> None:
             result["checks"][name] = check
             if name.startswith("qwen3_5"):
                 result["checks"][f"{name}_mmproj"] = mmproj_check(args.llamacpp_src, ckpt,
-                                                                  Path(tmp))
+                                                                  Path(tmp), out)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
