@@ -78,11 +78,11 @@ def _checkpoint(arch: str, out: Path) -> Path:
     return q35.make_tiny(out, seed=0, mtp_layers=1, hf_config=hf)
 
 
-def convert(src_dir: Path, ckpt: Path, out: Path, outtype: str) -> None:
+def convert(src_dir: Path, ckpt: Path, out: Path, outtype: str, *extra: str) -> None:
     env = {**os.environ, "PYTHONPATH": f"{src_dir}:{src_dir / 'gguf-py'}"}
     r = subprocess.run([sys.executable, "-c", CONVERT, str(ckpt), "--outfile", str(out),
-                        "--outtype", outtype], cwd=src_dir, env=env, capture_output=True,
-                       text=True, timeout=900)
+                        "--outtype", outtype, *extra], cwd=src_dir, env=env,
+                       capture_output=True, text=True, timeout=900)
     if r.returncode:
         raise RuntimeError(f"convert_hf_to_gguf failed:\n{r.stderr[-3000:]}")
 
