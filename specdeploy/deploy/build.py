@@ -83,16 +83,17 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         from specdeploy.deploy.vlm import gguf_vlm_config
 
         hf_config = model.hf_config = gguf_vlm_config(hf_config, model_path, opts.mmproj)
-    sharded = opts.dist is not None and opts.dist.world_size > 1
-    if opts.vision and sharded:
-        # NOTE: the ranks receive ids, not rank 0's merged image embeddings (distributed/)
-        raise ValueError("vision: vision-language targets are not sharded yet; with "
-                         "tensor_parallel_size > 1 the checkpoint deploys text-only")
-    vision = opts.vision is not False and has_vision(hf_config) and not sharded
+    vision = opts.vision is not False and has_vision(hf_config)
     prefix_caching = opts.enable_prefix_caching
     if opts.vision and not vision:
         raise ValueError("vision: this checkpoint has no vision tower")
-    embed = model.model.embed_tokens if vision else None
+    # NOTE: under tensor parallelism rank 0 alone runs the tower and the embedding (eagerly,
+    # whole) and sends each step's input embeddings with the step (distributed/runtime.py);
+    # every rank's graph takes embeddings
+    tower_here = vision and (opts.dist is None or opts.dist.rank == 0)
+    embed = model.model.embed_tokens if tower_here else None
+    if embed is not None and lazy is not None:
+        lazy.materialize_module(embed)
     rank_gib = _rank_budget(opts)  # under TP: the GiB the ranks agreed on (utilization spent)
     util = opts.gpu_memory_utilization if rank_gib == opts.max_cache_gib else None
     common = dict(page_size=opts.page_size, max_batch_size=opts.max_batch_size,
@@ -151,7 +152,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     # what this process held in weights while loading (per rank under TP: distributed/)
     out.load_stats = lazy.stats() if lazy is not None else {
         "load_peak_bytes": loaded, "load_resident_bytes": loaded, "load_read_bytes": loaded}
-    return _with_vision(out, model_path, embed, dtype, hf_config, opts) if vision else out
+    return _with_vision(out, model_path, embed, dtype, hf_config, opts) if tower_here else out
 
 
 def _weight_bytes(model: nn.Module) -> int:

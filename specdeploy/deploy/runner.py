@@ -149,6 +149,10 @@ class GraphDeployed:
         hidden = out[1][0] if len(out) > 1 else None
         return StepOutput(logits=out[0][0].float(), hidden=hidden)
 
+    def forward_embeds(self, meta: BatchMetadata, embeds: torch.Tensor) -> StepOutput:
+        """A vision-language target's step from its input embeddings [T, H] (deploy/vlm.py)."""
+        return self.forward(meta, embeds)
+
     @torch.inference_mode()
     def restore_states(self, slots: torch.Tensor, ckpts: torch.Tensor) -> None:
         """Prefix hits: every recurrent state slot `slots[i]` <- checkpoint `ckpts[i]`."""

@@ -239,6 +239,10 @@ class SpecDeployed:
     def forward(self, meta: BatchMetadata) -> StepOutput:
         return self.target.forward(meta)
 
+    def forward_embeds(self, meta: BatchMetadata, embeds: torch.Tensor) -> StepOutput:
+        """A vision-language target's step from its input embeddings (deploy/vlm.py)."""
+        return self.target.forward(meta, embeds)
+
     def project(self, captured: torch.Tensor) -> torch.Tensor:
         """Target features → the drafter's hidden input (EAGLE-3 fuses layers with `fc`)."""
         return self.drafter.project(captured)

@@ -128,7 +128,8 @@ class VisionLanguageDeployed:
             feats = self.image_features(mm)
             offsets, idx = rows
             embeds[first + offsets.to(embeds.device)] = feats[idx.to(feats.device)]
-        return self.target.forward(meta, embeds)
+        # (under tensor parallelism `inner` is rank 0's Leader: the step goes to every rank)
+        return self.inner.forward_embeds(meta, embeds)
 
     def image_features(self, mm) -> torch.Tensor:
         """The request's image features, computed on first use and kept with the request."""

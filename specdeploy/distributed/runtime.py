@@ -1,7 +1,9 @@
 """Ranks at run time: process groups, worker processes, rank 0's mirrored calls.
 
 Rank 0 runs the engine (scheduler, sampling, verification, HTTP server) on a `Leader`, which wraps
-its deployed model: each call that runs a graph (`forward`, `draft_forward`) is sent to the other
+its deployed model: each call that runs a graph (`forward`, `draft_forward`; a vision-language
+target's `forward_embeds`, whose input embeddings rank 0's tower and embedding made, the
+images' pixels left behind) is sent to the other
 ranks once (a `commit` of accepted drafts and prefix caching's state restores and checkpoints
 ride along with the next one), with its arguments as
 rank 0 computed them (batch metadata, draft ids, accepted indices), and then run locally. Tokens
@@ -37,7 +39,8 @@ from specdeploy.distributed.groups import CONTROL, free_port, init_group, leave,
 # host calls that change a rank's cache state (spec commits, prefix hits' state restores and
 # verified checkpoints) have no collective inside and return nothing: they ride, in order,
 # ahead of the next graph call, which is the first to read what they wrote
-MIRRORED = ("forward", "draft_forward", "commit", "restore_states", "checkpoint_spec")
+MIRRORED = ("forward", "forward_embeds", "draft_forward", "commit", "restore_states",
+            "checkpoint_spec")
 DEFERRED = ("commit", "restore_states", "checkpoint_spec")
 
 
@@ -73,7 +76,10 @@ class Leader:
             if name in DEFERRED:
                 self._pending.append((name, args, kwargs))
             else:
-                send(self._pending + [(name, args, kwargs)])
+                sent = args
+                if name == "forward_embeds":  # the embeddings carry the images: not the pixels
+                    sent = (dataclasses.replace(args[0], mm_rows=None), *args[1:])
+                send(self._pending + [(name, sent, kwargs)])
                 self._pending = []
             return getattr(self._local, name)(*args, **kwargs)
         except Exception as e:
@@ -275,11 +281,17 @@ def build_ranked(model_path, options, timeout: float = 60.0):
         _parting_barrier()
         leave()
         return None
-    leader = Leader(deployed, me, procs)
+    # a vision-language target: rank 0's tower wrapper around the Leader (deploy/vlm.py), so
+    # its steps reach the ranks as embeddings (`forward_embeds`)
+    vision = hasattr(deployed, "image_features")
+    leader = Leader(deployed.inner if vision else deployed, me, procs)
     leader.rank_memory = memory  # per rank: weight bytes at load and kept, RSS
     import atexit
 
     atexit.register(leader.close)  # before multiprocessing's own exit handler kills daemons
+    if vision:
+        deployed.inner = leader
+        return deployed
     return leader
 
 

@@ -294,3 +294,37 @@ def test_torchrun_cli_generate(kv3):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]  # rank 0 only
     assert json.loads(line)["token_ids"] == want
+
+
+def test_vision_language_target_on_two_ranks(targets, monkeypatch):
+    """A VLM on 2 ranks: rank 0 runs the tower and the embedding and sends each step's input
+    embeddings (the images' pixels left behind); image and text requests, plain and MTP (K
+    drafts every step: mirrored verify steps and commits), give the one-process tokens."""
+    from specdeploy.distributed import runtime
+    from tests.vision.conftest import rand_image
+
+    t = targets("qwen3_5_moe")
+    prompts = ["describe <|vision_start|><|image_pad|><|vision_end|> now", "hello there",
+               "two <|vision_start|><|image_pad|><|vision_end|> x "
+               "<|vision_start|><|image_pad|><|vision_end|>"]
+    images = [[rand_image(40, 56, 1)], [], [rand_image(64, 32, 2), rand_image(30, 30, 3)]]
+    opts = dict(LIMITS, max_num_tokens=16)  # prefill chunks split the images
+    want = _ids(LLM(str(t.path), **opts).generate(prompts, _params(), images=images))
+    sent = []
+    send = runtime.send
+
+    def spy(msg):
+        sent.extend(m for m in msg or () if m[0] == "forward_embeds")
+        send(msg)
+
+    monkeypatch.setattr(runtime, "send", spy)
+    for spec in (None, t.spec(K)):
+        llm = LLM(str(t.path), spec=spec, tensor_parallel_size=2, dist_timeout=30, **opts)
+        try:
+            assert hasattr(llm.deployed, "image_features")  # rank 0's tower, over the Leader
+            assert _ids(llm.generate(prompts, _params(), images=images)) == want
+            if spec is not None:
+                assert llm.stats()["draft_steps"] > 0
+        finally:
+            llm.shutdown()
+    assert sent and all(m[1][0].mm_rows is None for m in sent)  # no pixels went to rank 1
