@@ -48,12 +48,16 @@ def add_vision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mm-processor-kwargs", type=json_dict, default=None, metavar="JSON",
                    help='the image resize\'s pixel limits, e.g. \'{"max_pixels": 1003520}\' '
                         "(vLLM's; keys min_pixels, max_pixels)")
+    p.add_argument("--mm-encoder-dtype", default="auto", metavar="DTYPE",
+                   help="the vision tower's dtype (auto: the model's, but bfloat16 on a CPU "
+                        "with native bf16 matmuls when the tower ships in bfloat16)")
 
 
 def vision_kwargs(args) -> dict:
     """LLM keyword arguments from `add_vision_args`."""
     return dict(mmproj=getattr(args, "mmproj", None),
-                mm_processor_kwargs=getattr(args, "mm_processor_kwargs", None))
+                mm_processor_kwargs=getattr(args, "mm_processor_kwargs", None),
+                mm_encoder_dtype=getattr(args, "mm_encoder_dtype", "auto"))
 
 
 def json_dict(text: str) -> dict:

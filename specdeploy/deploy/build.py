@@ -220,13 +220,14 @@ def _with_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype, hf_con
     """The eager vision tower around the deployed language model (deploy/vlm.py): from the
     checkpoint directory, or from `opts.mmproj` (a GGUF target's)."""
     from specdeploy.checkpoint import open_checkpoint
-    from specdeploy.deploy.vlm import VisionLanguageDeployed, load_vision
+    from specdeploy.deploy.vlm import VisionLanguageDeployed, load_vision, tower_dtype
     from specdeploy.vision.image import ImageProcessor
 
     if model_path is None:
         raise ValueError("vision: a vision-language deployment needs its checkpoint directory")
     reader = open_checkpoint(opts.mmproj if opts.mmproj is not None else model_path)
-    visual = load_vision(reader, dtype).to(inner.device)
+    visual = load_vision(reader, tower_dtype(reader, opts.mm_encoder_dtype, dtype,
+                                             inner.device)).to(inner.device)
     processor = (ImageProcessor.from_config(reader.config["preprocessor"])
                  if opts.mmproj is not None else ImageProcessor.from_dir(model_path))
     processor = processor.with_kwargs(opts.mm_processor_kwargs)

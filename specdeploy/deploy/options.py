@@ -29,7 +29,8 @@ class BuildOptions:
     alike, and recurrent layers get a checkpoint pool with a checkpoint every
     `checkpoint_every` pages (None: every page when memory allows; cache/plan.py). `mmproj`: the
     vision tower of a text GGUF, llama.cpp's mmproj GGUF (checkpoint/gguf_mmproj.py);
-    `mm_processor_kwargs` (vLLM's): the image processor's `min_pixels` / `max_pixels`."""
+    `mm_processor_kwargs` (vLLM's): the image processor's `min_pixels` / `max_pixels`;
+    `mm_encoder_dtype` the vision tower's dtype ("auto": deploy/vlm.py `tower_dtype`)."""
 
     dtype: str | torch.dtype = "auto"
     max_batch_size: int = 16
@@ -57,6 +58,7 @@ class BuildOptions:
     progress: bool = False  # a tqdm bar while the checkpoint's tensors load
     mmproj: str | None = None
     mm_processor_kwargs: dict | None = None
+    mm_encoder_dtype: str = "auto"  # the vision tower's (deploy/vlm.py `tower_dtype`)
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "page_size", "checkpoint_every"):
@@ -80,6 +82,13 @@ class BuildOptions:
             from specdeploy.vision.image import check_processor_kwargs
 
             check_processor_kwargs(self.mm_processor_kwargs)
+        if self.mm_encoder_dtype != "auto":
+            from specdeploy.loading import resolve_dtype
+
+            try:
+                resolve_dtype(self.mm_encoder_dtype)
+            except ValueError as e:
+                raise ValueError(f"mm_encoder_{e}") from None
         if self.mmproj is not None and self.vision is False:
             raise ValueError("mmproj: given with vision=False")
         if isinstance(self.spec, dict):

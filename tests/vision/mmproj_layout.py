@@ -21,9 +21,9 @@ from specdeploy.checkpoint import open_checkpoint
 def write_mmproj(src: Path, out: Path, ftype=gguf.GGMLQuantizationType.F32,
                  projector: str = "qwen3vl_merger", pixels: tuple[int, int] | None = None,
                  skip: tuple[str, ...] = ()) -> Path:
-    """`src` (qwen3_5_moe.make_tiny) tower as an mmproj GGUF (`ftype` F16 / Q8_0: the matrices,
-    as the converter's --outtype; Q8_0 where a row is whole blocks); `pixels` (min, max) writes the
-    resize limits newer converters write; `skip`: GGUF tensor names left out."""
+    """`src` (qwen3_5_moe.make_tiny) tower as an mmproj GGUF (`ftype` F16 / BF16 / Q8_0: the
+    matrices, as the converter's --outtype; Q8_0 where a row is whole blocks); `pixels` (min,
+    max) writes the resize limits newer converters write; `skip`: GGUF tensor names left out."""
     reader = open_checkpoint(src)
     cfg = reader.config
     v = cfg["vision_config"]
@@ -75,6 +75,8 @@ def write_mmproj(src: Path, out: Path, ftype=gguf.GGMLQuantizationType.F32,
         if ftype == gguf.GGMLQuantizationType.F16 and a.ndim > 1:
             w.add_tensor(name, a.astype(np.float16), raw_dtype=ftype)
         elif ftype == gguf.GGMLQuantizationType.Q8_0 and a.ndim == 2 and a.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(a, ftype), raw_dtype=ftype)
+        elif ftype == gguf.GGMLQuantizationType.BF16 and a.ndim > 1:
             w.add_tensor(name, gguf.quants.quantize(a, ftype), raw_dtype=ftype)
         else:
             w.add_tensor(name, a)
