@@ -142,7 +142,7 @@ class VisionLanguageDeployed:
         self.image_token_id = int(hf_config["image_token_id"])
         self.merge_size = visual.cfg.spatial_merge_size
         self.vision_peak_bytes = vision_peak_bytes(visual.cfg, max_image_pixels,
-                                                   embed_tokens.weight.element_size())
+                                                   next(visual.parameters()).element_size())
         self.vision_seconds = 0.0  # time spent in the tower (bench/vision_prefill.py)
 
     def __getattr__(self, name):  # everything else is the inner deployment's
