@@ -98,8 +98,10 @@ def fits(func, args, result, structs) -> bool:
 class Batch:
     """Consecutive recorded calls as one `replay_calls` call."""
 
-    def __init__(self, lib, calls: ctypes.Array, keep: list, names: list[str]):
-        self.fn, self.calls, self.keep, self.names = lib.replay_calls, calls, keep, names
+    def __init__(self, lib, calls: ctypes.Array, keep: list, recorded: list[tuple]):
+        self.fn, self.calls, self.keep = lib.replay_calls, calls, keep
+        self.recorded = recorded  # (function, arguments, return value, structs) each
+        self.names = [f.__name__ for f, *_ in recorded]
         self.args = (ctypes.addressof(calls), len(calls))
 
     @classmethod
@@ -113,7 +115,7 @@ class Batch:
         for slot, (func, args, result, structs) in zip(arr, calls):
             if not _fill(slot, func, args, result, structs, keep):
                 return None
-        return cls(lib, arr, keep, [f.__name__ for f, *_ in calls])
+        return cls(lib, arr, keep, list(calls))
 
     def failed(self, code: int) -> str:
         return self.names[code - 1]

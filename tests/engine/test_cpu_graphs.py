@@ -93,6 +93,43 @@ def test_speculative_steps_with_graphs_give_the_plain_tokens(gguf, monkeypatch):
 
 
 @needs_kernels
+def test_kernel_calls_in_one_c_loop_give_the_ctypes_bits(gguf, monkeypatch):
+    """A recorded decode step replayed with its runs of kernel calls in one C loop each
+    (ops/replay_calls.py) gives the logits and cache bits of the same recording made call by
+    call through ctypes, from the same caches."""
+    from specdeploy.engine import cpu_graphs as cg
+
+    llm = _llm(gguf, monkeypatch, cpu_graphs=True)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, ignore_eos=True))
+    runner = _runner(llm)
+    cap = runner._graphs[next(k for k in runner._graphs if k[:2] == (1, 1))]
+    batched = cap.graph.events
+    if not any(e[0] == cg._BATCH for e in batched):
+        pytest.skip("the C replay loop is not built here")
+    unrolled = []
+    for e in batched:
+        if e[0] != cg._BATCH:
+            unrolled.append(e)
+            continue
+        unrolled += [(cg._STRUCT_CALL, f, a, r, tuple(st)) if st else (cg._CALL, f, a, r, None)
+                     for f, a, r, st in e[4].recorded]
+    gm = runner.target.gm
+    before = [b.clone() for b in gm.buffers()]
+    outs = []
+    for events in (batched, unrolled):
+        for b, saved in zip(gm.buffers(), before):
+            b.copy_(saved)
+        cap.graph.events = events
+        with torch.inference_mode():
+            cap.graph.replay()
+        outs.append([t.clone() for t in cap.out] + [b.clone() for b in gm.buffers()])
+    cap.graph.events = batched
+    assert len(outs[0]) == len(outs[1])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
 def test_default_on_the_cpu_and_off_when_eager(gguf, monkeypatch):
     assert _runner(_llm(gguf, monkeypatch)) is not None
     assert _runner(_llm(gguf, monkeypatch, cuda_graphs=False)) is None  # --enforce-eager
