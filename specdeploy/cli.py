@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -29,20 +30,26 @@ SPEC_STATS = ("num_draft_tokens", "draft_steps", "draft_tokens", "accepted_token
 
 def cmd_generate(args) -> int:
     sp = sampling_from_args(args)  # validate before the (slow) load
-    images = args.image or []
+    images, videos = args.image or [], args.video or []
     if images:
         from specdeploy.vision import load_image
 
         for p in images:
             load_image(p, f"--image {p}")
+    for p in videos:  # fail before the (slow) load
+        if not os.path.isfile(p):
+            from specdeploy.vision.video_decode import VideoError
+
+            raise VideoError(f"--video {p}: no such file")
     llm = llm_from_args(args, max_batch_size=1)
     t0 = time.perf_counter()
     if args.chat:
-        parts = [{"type": "image", "image": p} for p in images]
-        content = parts + [{"type": "text", "text": args.prompt}] if images else args.prompt
+        parts = [{"type": "video", "video": p} for p in videos]
+        parts += [{"type": "image", "image": p} for p in images]
+        content = parts + [{"type": "text", "text": args.prompt}] if parts else args.prompt
         (out,) = llm.chat([{"role": "user", "content": content}], sp)
-    else:  # a raw prompt writes one image placeholder per --image itself
-        (out,) = llm.generate(args.prompt, sp, images=images or None)
+    else:  # a raw prompt writes one placeholder per --image / --video itself
+        (out,) = llm.generate(args.prompt, sp, images=images or None, videos=videos or None)
     wall = time.perf_counter() - t0
     m = out.metrics
     if args.json:
@@ -163,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--image", action="append", metavar="PATH",
                    help="an image (vision-language models; repeatable): with --chat it comes "
                    "before the prompt, else each fills one <|image_pad|> of the prompt")
+    g.add_argument("--video", action="append", metavar="PATH",
+                   help="a video file (vision-language models; PyAV decodes it; repeatable): "
+                   "with --chat it comes first, else each fills one <|video_pad|> of the prompt")
     g.add_argument("--json", action="store_true", help="last line: one JSON object")
     g.set_defaults(func=cmd_generate)
 

@@ -258,23 +258,27 @@ class LLM:
         return list(prompt)
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams],
-                 images: list[list] | None = None, priority: list[int] | None = None
-                 ) -> list[str]:
+                 images: list[list] | None = None, priority: list[int] | None = None,
+                 videos: list[list] | None = None) -> list[str]:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         if priority is not None and (not isinstance(priority, (list, tuple))
                                      or len(priority) != len(prompts)):
             raise ValueError(f"priority: give one per prompt ({len(prompts)})")
-        if images is not None and len(images) != len(prompts):
-            raise ValueError(f"images: got {len(images)} image lists for {len(prompts)} prompts")
+        for name, media in (("images", images), ("videos", videos)):
+            if media is not None and len(media) != len(prompts):
+                raise ValueError(f"{name}: got {len(media)} lists for {len(prompts)} prompts")
         ids: list[str] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 tokens, mm = self._encode(p), None
-                if images is not None and images[i]:
+                imgs = images[i] if images is not None else None
+                clips = videos[i] if videos is not None else None
+                if imgs or clips:
                     from specdeploy.vision.chat import build_prompt
 
-                    mm = build_prompt(self.deployed, tokens, images[i], f"prompt {i}")
+                    mm = build_prompt(self.deployed, tokens, imgs or [], f"prompt {i}",
+                                      clips or [], self._encode_text)
                     tokens = mm.ids
                 ids.append(self.engine.add_request(
                     tokens, sp, mm=mm, priority=0 if priority is None else priority[i]))
@@ -285,6 +289,40 @@ class LLM:
             raise
         return ids
 
+    def _encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @staticmethod
+    def _split_prompt_dicts(prompts: list, images, videos):
+        """vLLM's prompt dicts ({"prompt": str} or {"prompt_token_ids": [...]}, with
+        "multi_modal_data": {"image": one or a list, "video": one or a list}) → prompts and
+        per-prompt image / video lists (None where no prompt has any)."""
+        if not any(isinstance(p, dict) for p in prompts):
+            return prompts, images, videos
+        if images is not None or videos is not None:
+            raise ValueError("images= / videos= cannot be combined with prompt dicts (give "
+                             "their multi_modal_data instead)")
+        out, imgs, clips = [], [], []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, dict):
+                out.append(p)
+                imgs.append([])
+                clips.append([])
+                continue
+            extra = set(p) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+            if extra or ("prompt" in p) == ("prompt_token_ids" in p):
+                raise ValueError(f"prompt {i}: a prompt dict has one of `prompt` / "
+                                 f"`prompt_token_ids` and optionally `multi_modal_data`"
+                                 f"{f' (unknown: {sorted(extra)})' if extra else ''}")
+            out.append(p.get("prompt", p.get("prompt_token_ids")))
+            mmd = p.get("multi_modal_data") or {}
+            if not isinstance(mmd, dict) or set(mmd) - {"image", "video"}:
+                raise ValueError(f"prompt {i}: multi_modal_data takes `image` and `video`")
+            for key, dst in (("image", imgs), ("video", clips)):
+                v = mmd.get(key)
+                dst.append([] if v is None else list(v) if isinstance(v, list) else [v])
+        return out, imgs if any(imgs) else None, clips if any(clips) else None
+
     # ---- generation -----------------------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without `sampling_params` samples with: greedy, unless the
@@ -294,29 +332,36 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  images: list | None = None, *, use_tqdm: bool = False,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None, videos: list | None = None
+                 ) -> list[RequestOutput]:
         """Generate for one prompt or a batch; outputs are in prompt order. `use_tqdm`: a
         progress bar of finished requests and tokens/s on stderr. `priority` (vLLM's; needs
         `scheduling_policy="priority"`): one per prompt, lower runs first. `images` (a VLM):
         the images of one prompt, or one list per prompt (PIL images, paths, file:// or data
         URLs, bytes), each filling one image placeholder of its prompt in order (the chat
-        template's `<|vision_start|><|image_pad|><|vision_end|>`)."""
-        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                              and all(isinstance(t, int) for t in prompts))
+        template's `<|vision_start|><|image_pad|><|vision_end|>`). `videos` likewise fill the
+        `<|video_pad|>` placeholders: video files (paths, file:// or data URLs, bytes; PyAV
+        decodes them) or decoded frames (vision/video.py). A prompt may also be vLLM's dict,
+        {"prompt": ..., "multi_modal_data": {"image": ..., "video": ...}}."""
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts
+            and all(isinstance(t, int) for t in prompts))
         if single:
             prompts = [prompts]
-            if images is not None:
-                images = [images]
+            images = None if images is None else [images]
+            videos = None if videos is None else [videos]
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts: no prompts given")
+        prompts, images, videos = self._split_prompt_dicts(prompts, images, videos)
         sp = sampling_params or self.get_default_sampling_params()
         params = list(sp) if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
-        if images is not None and not all(isinstance(x, (list, tuple)) for x in images):
-            raise ValueError("images: give one list of images per prompt")
+        for name, media in (("images", images), ("videos", videos)):
+            if media is not None and not all(isinstance(x, (list, tuple)) for x in media):
+                raise ValueError(f"{name}: give one list of {name} per prompt")
         if single and priority is not None and not isinstance(priority, (list, tuple)):
             priority = [priority]
-        ids = self._add_all(prompts, params, images, priority)
+        ids = self._add_all(prompts, params, images, priority, videos)
         done: dict[str, RequestOutput] = {}
         bar = progress_bar(len(ids)) if use_tqdm else None
         try:
@@ -343,18 +388,21 @@ class LLM:
              use_tqdm: bool = False, **template) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them. Content may be a
         list of OpenAI-style parts: text, and (a VLM) `image_url` parts with a data URL, a local
-        path or file:// URL, or {"type": "image", "image": <PIL image>}. `template`: as
+        path or file:// URL, or {"type": "image", "image": <PIL image>}; `video_url` parts or
+        {"type": "video", "video": <file or frames>} (vision/video.py). `template`: as
         `chat_ids` (add_generation_prompt, continue_final_message, chat_template,
         chat_template_kwargs, tools)."""
-        from specdeploy.vision.chat import split_images
+        from specdeploy.vision.chat import split_media
 
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not convs or any(not c for c in convs):
             raise ValueError("messages: empty conversation")
-        split = [split_images(c) for c in convs]
-        images = [imgs for _, imgs in split]
-        return self.generate([self.chat_ids(c, **template) for c, _ in split], sampling_params,
-                             images if any(images) else None, use_tqdm=use_tqdm)
+        split = [split_media(c) for c in convs]
+        images = [imgs for _, imgs, _ in split]
+        videos = [clips for _, _, clips in split]
+        return self.generate([self.chat_ids(c, **template) for c, _, _ in split],
+                             sampling_params, images if any(images) else None,
+                             use_tqdm=use_tqdm, videos=videos if any(videos) else None)
 
     def chat_ids(self, conversation: list[dict], *, add_generation_prompt: bool = True,
                  continue_final_message: bool = False, chat_template: str | None = None,

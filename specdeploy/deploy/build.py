@@ -222,6 +222,7 @@ def _with_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype, hf_con
     from specdeploy.checkpoint import open_checkpoint
     from specdeploy.deploy.vlm import VisionLanguageDeployed, load_vision, tower_dtype
     from specdeploy.vision.image import ImageProcessor
+    from specdeploy.vision.video import RELEASED, VideoProcessor
 
     if model_path is None:
         raise ValueError("vision: a vision-language deployment needs its checkpoint directory")
@@ -230,9 +231,12 @@ def _with_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype, hf_con
                                              inner.device)).to(inner.device)
     processor = (ImageProcessor.from_config(reader.config["preprocessor"])
                  if opts.mmproj is not None else ImageProcessor.from_dir(model_path))
+    video = (VideoProcessor.like(processor, RELEASED) if opts.mmproj is not None
+             else VideoProcessor.from_dir(model_path, processor))
     processor = processor.with_kwargs(opts.mm_processor_kwargs)
+    video = video.with_kwargs(opts.mm_processor_kwargs)
     out = VisionLanguageDeployed(inner, visual, embed, hf_config, processor.max_pixels)
-    out.processor = processor
+    out.processor, out.video_processor = processor, video
     return out
 
 

@@ -140,6 +140,10 @@ class VisionLanguageDeployed:
         self.visual = visual
         self.embed_tokens = embed_tokens
         self.image_token_id = int(hf_config["image_token_id"])
+        # -1: not declared (a video / its wrapper then never matches a prompt token)
+        self.video_token_id = int(hf_config.get("video_token_id", -1))
+        self.vision_start_id = int(hf_config.get("vision_start_token_id", -1))
+        self.vision_end_id = int(hf_config.get("vision_end_token_id", -1))
         self.merge_size = visual.cfg.spatial_merge_size
         self.vision_peak_bytes = vision_peak_bytes(visual.cfg, max_image_pixels,
                                                    next(visual.parameters()).element_size())
@@ -167,7 +171,8 @@ class VisionLanguageDeployed:
         return self.inner.forward_embeds(meta, embeds)
 
     def image_features(self, mm) -> torch.Tensor:
-        """The request's image features, computed on first use and kept with the request."""
+        """The request's image (and video) features, computed on first use and kept with the
+        request."""
         if mm.features is None:
             import time
 

@@ -256,10 +256,11 @@ def check_request(engine, prompt_ids, params, priority: int, mm) -> list[int]:
         raise ValueError("images: prompt_ids must be the multimodal prompt's expanded ids")
     if mm is not None and not hasattr(engine.deployed, "image_features"):
         raise ValueError("images: this model has no vision tower")
-    image_id = getattr(engine.deployed, "image_token_id", None)
-    if mm is None and image_id is not None and image_id in prompt_ids:
-        raise ValueError(f"prompt: has image placeholder tokens (id {image_id}) but no "
-                         "images were given")
+    for kind in ("image", "video"):
+        tok = getattr(engine.deployed, f"{kind}_token_id", None)
+        if mm is None and tok is not None and tok >= 0 and tok in prompt_ids:
+            raise ValueError(f"prompt: has {kind} placeholder tokens (id {tok}) but no "
+                             f"{kind}s were given")
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("prompt: empty prompt")

@@ -19,6 +19,8 @@ VLM_CHAT_TEMPLATE = (
     "{% for item in message['content'] %}"
     "{% if item['type'] == 'image' or 'image' in item or 'image_url' in item %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'video' or 'video' in item %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -31,6 +33,18 @@ TINY_PREPROCESSOR = {
     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
     "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
     "do_convert_rgb": True, "resample": 3,
+}
+
+# the video processor's (video_preprocessor_config.json): a total of at most 16,384 pixels over
+# the sampled frames (8 frames of ~45 x 45: 4 steps of ~25 tokens), 4 to 16 frames at 2 fps
+TINY_VIDEO_PREPROCESSOR = {
+    "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+    "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+    "size": {"shortest_edge": 256, "longest_edge": 16384},
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "do_convert_rgb": True, "resample": 3, "do_sample_frames": True, "fps": 2,
+    "min_frames": 4, "max_frames": 16,
 }
 
 
@@ -66,6 +80,9 @@ def write_tiny_processor(out: str | Path, hf: dict) -> None:
                merge_size=hf["vision_config"]["spatial_merge_size"],
                temporal_patch_size=hf["vision_config"]["temporal_patch_size"])
     (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+    video = dict(TINY_VIDEO_PREPROCESSOR, patch_size=pre["patch_size"],
+                 merge_size=pre["merge_size"], temporal_patch_size=pre["temporal_patch_size"])
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     proc = {"processor_class": "Qwen3VLProcessor"}
     (out / "processor_config.json").write_text(json.dumps(proc, indent=2))
     tcfg = json.loads((out / "tokenizer_config.json").read_text())

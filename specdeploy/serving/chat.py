@@ -29,7 +29,8 @@ from specdeploy.serving.token_fields import token_ids_flags, truncation
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _message(i: int, m: Any, images: list | None = None, vision: Any = None) -> dict:
+def _message(i: int, m: Any, images: list | None = None, vision: Any = None,
+             videos: list | None = None) -> dict:
     field = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(field, "must be an object with `role` and `content`", "invalid_type")
@@ -41,14 +42,17 @@ def _message(i: int, m: Any, images: list | None = None, vision: Any = None) -> 
     if isinstance(content, list):  # content parts: text, and image_url on a VLM
         texts, parts = [], []
         for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") == "image_url" and images is not None:
+            kind = part.get("type") if isinstance(part, dict) else None
+            media = {"image_url": ("image", images), "video_url": ("video", videos)}.get(kind)
+            if media is not None and media[1] is not None:
                 from specdeploy.vision.chat import served_image_url
 
+                what, dst = media
                 if vision is None:
-                    raise bad(f"{field}.content[{j}]", "this model takes no images (text parts "
-                              "only)", "unsupported")
-                images.append(served_image_url(part, bad, f"{field}.content[{j}].image_url.url"))
-                parts.append({"type": "image"})
+                    raise bad(f"{field}.content[{j}]", f"this model takes no {what}s (text "
+                              "parts only)", "unsupported")
+                dst.append(served_image_url(part, bad, f"{field}.content[{j}].{kind}.url", what))
+                parts.append({"type": what})
                 continue
             if not (isinstance(part, dict) and part.get("type") == "text"
                     and isinstance(part.get("text"), str)):
@@ -148,7 +152,8 @@ def render_messages(body: dict, tokenizer, limits: Limits,
     options, tool_plan = _template_options(body, limits.tool_parser)
     specials = _bool(body, "add_special_tokens", False)
     images: list = []
-    conversation = [_message(i, m, images, limits.vision) for i, m in enumerate(msgs)]
+    videos: list = []
+    conversation = [_message(i, m, images, limits.vision, videos) for i, m in enumerate(msgs)]
     if check_chars:
         _check_chars(sum(_text_chars(m["content"]) for m in conversation), limits, "messages")
     try:
@@ -159,14 +164,28 @@ def render_messages(body: dict, tokenizer, limits: Limits,
     if specials:  # vLLM's add_special_tokens: the tokenizer's own (BOS) on top of the template
         ids = list(tokenizer.encode("", add_special_tokens=True)) + ids
     mm = None
-    if images:
+    kwargs = body.get("mm_processor_kwargs")
+    if kwargs is not None and kwargs != {}:
+        from specdeploy.vision.image import check_processor_kwargs
+
+        try:
+            check_processor_kwargs(kwargs)
+        except ValueError as e:
+            raise bad("mm_processor_kwargs", str(e).removeprefix("mm_processor_kwargs: "),
+                      "invalid_value") from None
+    if images or videos:
         from specdeploy.vision import ImageError
         from specdeploy.vision.chat import build_prompt
 
         try:
-            mm = build_prompt(limits.vision, ids, images, "messages")
+            mm = build_prompt(limits.vision, ids, images, "messages", videos,
+                              lambda s: tokenizer.encode(s, add_special_tokens=False), kwargs)
         except ImageError as e:
-            raise APIError(400, str(e), "messages", "invalid_image") from None
+            kind = "invalid_video" if videos and "video" in str(e) else "invalid_image"
+            raise APIError(400, str(e), "messages", kind) from None
+        except ValueError as e:  # e.g. min_frames above max_frames
+            raise bad("mm_processor_kwargs", str(e).removeprefix("mm_processor_kwargs: "),
+                      "invalid_value") from None
         ids = mm.ids
     return ids, mm, tool_plan
 

@@ -30,7 +30,8 @@ PARSED = {
     "chat": PARSED_COMMON + ("messages", "max_completion_tokens", "add_generation_prompt",
                              "continue_final_message", "chat_template", "chat_template_kwargs",
                              "documents", "tools", "tool_choice", "parallel_tool_calls",
-                             "echo", "top_logprobs", "include_reasoning"),
+                             "echo", "top_logprobs", "include_reasoning",
+                             "mm_processor_kwargs"),
 }
 
 # Informational: no effect on the answer whatever their value.
@@ -53,7 +54,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "length_penalty": (None, 1, 1.0),
     "spaces_between_special_tokens": (None, True),
     "logits_processors": (None,),
-    "mm_processor_kwargs": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
     "prompt_embeds": (None,),

@@ -1,18 +1,28 @@
-"""Images in requests: OpenAI-style content parts → (template-ready messages, image sources), and
-prompt ids + images → the request's `MultimodalPrompt` (used by the LLM API, CLI and server)."""
+"""Images and videos in requests: OpenAI-style content parts → (template-ready messages, image
+and video sources), and prompt ids + media → the request's `MultimodalPrompt` (used by the LLM
+API, CLI and server)."""
 from __future__ import annotations
 
 from specdeploy.vision.image import ImageError
-from specdeploy.vision.prompt import MultimodalPrompt
-
-_VIDEO = ("video", "video_url", "input_video")
+from specdeploy.vision.prompt import MultimodalPrompt, VisionTokens
 
 
 def split_images(conversation: list[dict]) -> tuple[list[dict], list]:
+    """`split_media` for conversations of images only (a video part is refused)."""
+    out, images, videos = split_media(conversation)
+    if videos:
+        raise ImageError("video inputs are not accepted here (images only)")
+    return out, images
+
+
+def split_media(conversation: list[dict]) -> tuple[list[dict], list, list]:
     """Replace every image part ({"type": "image_url", "image_url": {"url": ...}} or
-    {"type": "image", "image": <PIL / path / bytes>}) by {"type": "image"} (what chat templates
-    render as the image placeholder) and collect the sources in order."""
+    {"type": "image", "image": <PIL / path / bytes>}) by {"type": "image"} and every video part
+    ({"type": "video_url", "video_url": {"url": ...}} or {"type": "video", "video": <file or
+    frames>}) by {"type": "video"} (what chat templates render as the placeholders) and collect
+    the sources in order: (messages, images, videos)."""
     images: list = []
+    videos: list = []
     out: list[dict] = []
     for m, msg in enumerate(conversation):
         content = msg.get("content") if isinstance(msg, dict) else None
@@ -23,10 +33,20 @@ def split_images(conversation: list[dict]) -> tuple[list[dict], list]:
         for p, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             where = f"messages[{m}].content[{p}]"
-            if kind in _VIDEO:
-                raise ImageError(f"{where}: video inputs are not supported (images only: "
-                                 "image_url parts or images=)")
-            if kind == "image_url":
+            if kind == "video_url":
+                url = part.get("video_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url:
+                    raise ImageError(f"{where}: video_url needs a url")
+                videos.append(url)
+                parts.append({"type": "video"})
+            elif kind == "video":
+                src = part.get("video", part.get("url"))
+                if src is None:
+                    raise ImageError(f"{where}: a video part needs `video` (a file or frames)")
+                videos.append(src)
+                parts.append({"type": "video"})
+            elif kind == "image_url":
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str) or not url:
@@ -42,21 +62,23 @@ def split_images(conversation: list[dict]) -> tuple[list[dict], list]:
             else:
                 parts.append(part)
         out.append({**msg, "content": parts})
-    return out, images
+    return out, images, videos
 
 
-def served_image_url(part: dict, bad, field: str) -> str:
-    """The data URL of an `image_url` part sent to the server: nothing is fetched and no local
-    file is read for a client, so any other URL is refused with `bad(field, message, code)`."""
-    url = part.get("image_url")
+def served_image_url(part: dict, bad, field: str, kind: str = "image") -> str:
+    """The data URL of an `image_url` (`video_url`) part sent to the server: nothing is fetched
+    and no local file is read for a client, so any other URL is refused with
+    `bad(field, message, code)`."""
+    url = part.get(f"{kind}_url")
     url = url.get("url") if isinstance(url, dict) else url
+    example = "image/png" if kind == "image" else "video/mp4"
     if not isinstance(url, str) or not url:
         raise bad(field, "is required", "invalid_value")
     if url.startswith(("http://", "https://")):
-        raise bad(field, "remote image URLs are not fetched; send the image as a data URL "
-                  "(data:image/png;base64,...)", "unsupported")
+        raise bad(field, f"remote {kind} URLs are not fetched; send the {kind} as a data URL "
+                  f"(data:{example};base64,...)", "unsupported")
     if not url.startswith("data:"):
-        raise bad(field, "must be a data URL (data:image/<type>;base64,...)", "invalid_value")
+        raise bad(field, f"must be a data URL (data:{kind}/<type>;base64,...)", "invalid_value")
     return url
 
 
@@ -72,11 +94,23 @@ def text_only(conversation: list[dict]) -> list[dict]:
     return out
 
 
-def build_prompt(deployed, ids: list[int], images: list, what: str = "prompt"
+def build_prompt(deployed, ids: list[int], images: list, what: str = "prompt",
+                 videos: list | None = None, encode=None, kwargs: dict | None = None
                  ) -> MultimodalPrompt:
-    """Preprocess `images` with the deployment's processor and expand their placeholders."""
+    """Preprocess `images` and `videos` with the deployment's processors (`kwargs`: a request's
+    `mm_processor_kwargs` over the deployment's) and expand their placeholders (`encode`: text
+    → ids without special tokens, for videos' timestamps)."""
     if not hasattr(deployed, "image_features"):
-        raise ImageError(f"{what}: this model has no vision tower; images are not accepted")
-    processed = deployed.processor.preprocess(list(images), what=f"{what} image")
-    return MultimodalPrompt.build(list(ids), processed, deployed.image_token_id,
-                                  deployed.merge_size, what)
+        kind = "videos" if videos and not images else "images"
+        raise ImageError(f"{what}: this model has no vision tower; {kind} are not accepted")
+    processed = (deployed.processor.with_kwargs(kwargs).preprocess(list(images),
+                                                                   what=f"{what} image")
+                 if images else None)
+    clips = None
+    if videos:
+        clips = deployed.video_processor.with_kwargs(kwargs).preprocess(list(videos),
+                                                                        what=f"{what} video")
+    tokens = VisionTokens(deployed.image_token_id, deployed.video_token_id,
+                          deployed.vision_start_id, deployed.vision_end_id)
+    return MultimodalPrompt.build(list(ids), processed, tokens, deployed.merge_size, what,
+                                  clips, encode)

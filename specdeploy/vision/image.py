@@ -126,11 +126,12 @@ class ImageProcessor:
         return cls(**kw)
 
     def with_kwargs(self, kwargs: dict | None) -> ImageProcessor:
-        """`mm_processor_kwargs` (vLLM's) applied: the resize's pixel limits."""
+        """`mm_processor_kwargs` (vLLM's) applied: the resize's pixel limits (the video keys
+        are the video processor's)."""
         if not kwargs:
             return self
         check_processor_kwargs(kwargs)
-        out = replace(self, **{k: int(v) for k, v in kwargs.items()})
+        out = replace(self, **{k: int(v) for k, v in kwargs.items() if k in IMAGE_KWARGS})
         if out.min_pixels > out.max_pixels:
             raise ValueError(f"mm_processor_kwargs: min_pixels {out.min_pixels} is above "
                              f"max_pixels {out.max_pixels}")
@@ -185,18 +186,29 @@ class ImageProcessor:
         return ProcessedImages(torch.cat(patches), grids)
 
 
-PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
+IMAGE_KWARGS = ("min_pixels", "max_pixels")  # the image resize's pixel limits
+# the video processor's (vision/video.py VIDEO_KWARGS): sampling rate and frame bounds
+PROCESSOR_KWARGS = IMAGE_KWARGS + ("fps", "min_frames", "max_frames", "do_sample_frames")
 
 
 def check_processor_kwargs(kwargs) -> None:
-    """`mm_processor_kwargs`: a dict of the resize's pixel limits (positive integers)."""
+    """`mm_processor_kwargs`: a dict of the image resize's pixel limits (positive integers) and
+    the video sampling's `fps` (a positive number), `min_frames` / `max_frames` (positive
+    integers), `do_sample_frames` (a boolean)."""
     if not isinstance(kwargs, dict):
         raise ValueError(f"mm_processor_kwargs: must be a dict, got {type(kwargs).__name__}")
     for k, v in kwargs.items():
         if k not in PROCESSOR_KWARGS:
             raise ValueError(f"mm_processor_kwargs: {k!r} is not supported; supported: "
                              f"{', '.join(PROCESSOR_KWARGS)}")
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if k == "do_sample_frames":
+            if not isinstance(v, bool):
+                raise ValueError(f"mm_processor_kwargs: {k} must be a boolean, got {v!r}")
+        elif k == "fps":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e4:
+                raise ValueError(f"mm_processor_kwargs: fps must be a positive number, got "
+                                 f"{v!r}")
+        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"mm_processor_kwargs: {k} must be a positive integer, got {v!r}")
 
 

@@ -84,6 +84,29 @@ def test_greedy_with_images_equals_the_safetensors_vlm(vlm_dir, pair):
                        want_llm.deployed.visual(pix.pixel_values, grid))
 
 
+def test_videos_on_the_gguf_pair(vlm_dir, pair):
+    """An mmproj says nothing of videos: the released Qwen3.5 video preprocessor's limits and
+    sampling around the file's patching; a video request's greedy tokens are the safetensors
+    checkpoint's under that processor."""
+    from specdeploy.vision.video import RELEASED
+    from tests.vision.video_util import rand_frames
+
+    llm = LLM(str(pair[0]), mmproj=str(pair[1]), **OPTS)
+    vp = llm.deployed.video_processor
+    assert {k: getattr(vp, k) for k in RELEASED} == RELEASED
+    assert (vp.patch_size, vp.merge_size, vp.temporal_patch_size) == (4, 2, 2)
+    assert vp.image_mean == vp.image_std == (0.5, 0.5, 0.5)
+    want_llm = LLM(vlm_dir, **OPTS)
+    want_llm.deployed.video_processor = vp
+    prompt = "see <|vision_start|><|video_pad|><|vision_end|> then"
+    clip = [(rand_frames(30, 24, 32, 2), {"fps": 6})]
+    want = want_llm.generate(prompt, GREEDY, videos=clip)[0]
+    got = llm.generate(prompt, GREEDY, videos=clip)[0]
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert sum(t == 127 for t in got.prompt_token_ids) == 5 * 12  # 10 frames: 5 steps
+    assert got.token_ids == want.token_ids
+
+
 def test_mtp_with_images_on_the_gguf_pair(vlm_dir, pair):
     """The text GGUF's MTP layer drafts for image requests; greedy output is plain's."""
     plain = LLM(str(pair[0]), mmproj=str(pair[1]), mm_processor_kwargs=TINY_PIXELS, **OPTS)

@@ -109,9 +109,11 @@ def test_bad_images_are_refused_by_name(vlm_llm, tmp_path):
         _chat_image(vlm_llm, "data:image/png;base64,@@@")
     with pytest.raises(ImageError, match="no such file"):
         _chat_image(vlm_llm, str(tmp_path / "missing.png"))
-    with pytest.raises(ImageError, match="video inputs are not supported"):
+    with pytest.raises(ImageError, match="not a video"):
         vlm_llm.chat([{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}])
+    with pytest.raises(ValueError, match="video placeholder tokens .* but no videos"):
+        vlm_llm.generate("<|video_pad|>none?")
     with pytest.raises(ImageError, match=r"2 image\(s\) but 1 image placeholder"):
         vlm_llm.generate("<|image_pad|>two?", images=[rand_image(8, 8), rand_image(8, 8)])
     with pytest.raises(ValueError, match="placeholder tokens .* but no images"):
