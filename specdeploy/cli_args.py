@@ -46,11 +46,13 @@ def add_vision_args(p: argparse.ArgumentParser) -> None:
                    help="the vision tower of a text GGUF: llama.cpp's mmproj GGUF (a Qwen3.5 "
                         "tower beside a Qwen3.5-MoE text GGUF)")
     p.add_argument("--mm-processor-kwargs", type=json_dict, default=None, metavar="JSON",
-                   help='the image resize\'s pixel limits, e.g. \'{"max_pixels": 1003520}\' '
-                        "(vLLM's; keys min_pixels, max_pixels)")
+                   help='the image resize\'s pixel limits and the video sampling, e.g. '
+                        '\'{"max_pixels": 1003520, "fps": 1}\' (vLLM\'s; keys min_pixels, '
+                        "max_pixels, fps, min_frames, max_frames, do_sample_frames)")
     p.add_argument("--mm-encoder-dtype", default="auto", metavar="DTYPE",
                    help="the vision tower's dtype (auto: the model's, but bfloat16 on a CPU "
-                        "with native bf16 matmuls when the tower ships in bfloat16)")
+                        "with native bf16 matmuls when the tower's values are bfloat16: "
+                        "stored so, or an F16 mmproj of a bfloat16 tower)")
 
 
 def vision_kwargs(args) -> dict:

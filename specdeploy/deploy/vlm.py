@@ -12,6 +12,7 @@ Everything else (drafting, commit, layout) is the inner deployment's.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -97,13 +98,33 @@ def tower_dtype(reader, want: str, model_dtype: torch.dtype, device) -> torch.dt
 
 
 def shipped_bf16(reader) -> bool:
-    """Whether the tower's weights are stored in bfloat16 (a safetensors checkpoint's or an
-    mmproj GGUF's first block)."""
+    """Whether the tower's weights are bfloat16 values: stored in bfloat16 (a safetensors
+    checkpoint's or an mmproj GGUF's first block), or an F16 mmproj converted from a bfloat16
+    checkpoint (`f16_holds_bf16`: llama.cpp's mmproj-F16 files of released towers)."""
     infos = getattr(reader, "tensor_infos", None)
-    if infos is not None:  # GGUF: the stored ggml type (BF16 = 30)
+    if infos is not None:  # GGUF: the stored ggml type (BF16 = 30, F16 = 1)
         info = infos.get(_TOWER_PROBE[1])
+        if info is not None and info.ggml_type == 1:
+            return f16_holds_bf16(reader)
         return info is not None and info.ggml_type == 30
     return _TOWER_PROBE[0] in reader and reader.get(_TOWER_PROBE[0]).dtype == torch.bfloat16
+
+
+def f16_holds_bf16(reader) -> bool:
+    """Every normal value of the mmproj's F16 tensors has the 3 low mantissa bits clear: the
+    values are bfloat16 values (f16 keeps 10 mantissa bits, bf16 7; data converted from fp32
+    sets those bits in 7 of 8 values). Such a tower runs in bf16 exactly as shipped (subnormal
+    f16 values, below 6.1e-5, move by < 6e-8 at most)."""
+    checked = 0
+    for info in reader.tensor_infos.values():
+        if info.ggml_type != 1 or len(info.shape) < 2:
+            continue
+        bits = np.asarray(reader._data[info.offset:info.offset + info.nbytes]).view(np.uint16)
+        exp = (bits >> 10) & 0x1F
+        if ((bits & 0x7) != 0)[(exp != 0) & (exp != 0x1F)].any():
+            return False
+        checked += 1
+    return checked > 0
 
 
 def cpu_bf16_matmul() -> bool:

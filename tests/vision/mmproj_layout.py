@@ -32,7 +32,7 @@ def write_mmproj(src: Path, out: Path, ftype=gguf.GGMLQuantizationType.F32,
     for key in reader.keys():
         if not key.startswith("model.visual."):
             continue
-        a = reader.get(key).numpy().astype(np.float32)
+        a = reader.get(key).float().numpy()
         name = key.replace("model.visual.", "visual.", 1)
         if name == "visual.patch_embed.proj.weight":
             tensors["v.patch_embd.weight"] = a[:, :, 0]

@@ -36,17 +36,38 @@ def test_auto_runs_a_bf16_tower_in_bf16_on_a_bf16_cpu(vlm_dir, bf16_dir, tmp_pat
     f32, bf = torch.float32, torch.bfloat16
     mm_bf16 = write_mmproj(vlm_dir, tmp_path / "bf16.gguf", ftype=gguf.GGMLQuantizationType.BF16)
     mm_f16 = write_mmproj(vlm_dir, tmp_path / "f16.gguf", ftype=gguf.GGMLQuantizationType.F16)
-    shipped = {p: open_checkpoint(p) for p in (vlm_dir, bf16_dir, mm_bf16, mm_f16)}
+    # llama.cpp's F16 mmproj of a bf16 tower (what released towers are): bf16 values in F16
+    mm_f16_of_bf16 = write_mmproj(bf16_dir, tmp_path / "f16b.gguf",
+                                  ftype=gguf.GGMLQuantizationType.F16)
+    shipped = {p: open_checkpoint(p) for p in (vlm_dir, bf16_dir, mm_bf16, mm_f16,
+                                               mm_f16_of_bf16)}
+    assert not vlm.f16_holds_bf16(shipped[mm_f16]) and vlm.f16_holds_bf16(shipped[mm_f16_of_bf16])
     for capable in (True, False):
         monkeypatch.setattr(vlm, "cpu_bf16_matmul", lambda c=capable: c)
         for path, reader in shipped.items():
-            want = bf if capable and path in (bf16_dir, mm_bf16) else f32
+            want = bf if capable and path in (bf16_dir, mm_bf16, mm_f16_of_bf16) else f32
             assert vlm.tower_dtype(reader, "auto", f32, "cpu") == want, (path, capable)
             assert vlm.tower_dtype(reader, "float32", f32, "cpu") == f32
             assert vlm.tower_dtype(reader, "bfloat16", f32, "cpu") == bf
             assert vlm.tower_dtype(reader, "auto", f32, "cuda") == f32  # (the model's there)
     with pytest.raises(ValueError, match="mm_encoder_dtype: unsupported 'int8'"):
         LLM(bf16_dir, mm_encoder_dtype="int8", **OPTS)
+
+
+def test_an_f16_mmproj_of_a_bf16_tower_loads_its_values(bf16_dir, tmp_path):
+    """The F16 file's tower in bf16 holds the bf16 checkpoint's weights: equal wherever f16
+    stores them as normal numbers, within f16's subnormal step (2^-24) below that."""
+    from specdeploy.deploy.vlm import load_vision
+
+    mm = write_mmproj(bf16_dir, tmp_path / "f16b.gguf", ftype=gguf.GGMLQuantizationType.F16)
+    got = load_vision(open_checkpoint(mm), torch.bfloat16).state_dict()
+    want = load_vision(open_checkpoint(bf16_dir), torch.bfloat16).state_dict()
+    assert got.keys() == want.keys()
+    for k in got:
+        g, w = got[k].float(), want[k].float()
+        normal = w.abs() >= 2 ** -14
+        assert torch.equal(g[normal], w[normal]), k
+        assert (g - w).abs().max() <= 2 ** -24, k
 
 
 def test_bf16_tower_matches_transformers_bf16_tower(bf16_dir, hf_vlm):
