@@ -53,13 +53,17 @@ def add_vision_args(p: argparse.ArgumentParser) -> None:
                    help="the vision tower's dtype (auto: the model's, but bfloat16 on a CPU "
                         "with native bf16 matmuls when the tower's values are bfloat16: "
                         "stored so, or an F16 mmproj of a bfloat16 tower)")
+    p.add_argument("--limit-mm-per-prompt", type=json_dict, default=None, metavar="JSON",
+                   help='the most images / videos one prompt may carry, e.g. \'{"image": 4, '
+                        '"video": 1}\' (vLLM\'s; default: no limit)')
 
 
 def vision_kwargs(args) -> dict:
     """LLM keyword arguments from `add_vision_args`."""
     return dict(mmproj=getattr(args, "mmproj", None),
                 mm_processor_kwargs=getattr(args, "mm_processor_kwargs", None),
-                mm_encoder_dtype=getattr(args, "mm_encoder_dtype", "auto"))
+                mm_encoder_dtype=getattr(args, "mm_encoder_dtype", "auto"),
+                limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None))
 
 
 def json_dict(text: str) -> dict:

@@ -96,9 +96,12 @@ class LLM:
             Qwen3.5-MoE text GGUF with its Qwen3.5 tower): the deployment takes images as the
             released checkpoint does. mm_processor_kwargs (vLLM's): the image resize's
             `min_pixels` / `max_pixels` (an mmproj says neither: the released Qwen3.5
-            preprocessor's by default). mm_encoder_dtype: the vision tower's dtype; "auto"
+            preprocessor's by default) and the video sampling's `fps`, `min_frames`,
+            `max_frames`, `do_sample_frames`. mm_encoder_dtype: the vision tower's dtype; "auto"
             (default): the model's, but bfloat16 on a CPU with native bf16 matmuls (AMX,
-            AVX512-BF16) when the tower ships in bfloat16 (its own precision, ~3x faster).
+            AVX512-BF16) when the tower's values are bfloat16 (its own precision, ~3x faster).
+            limit_mm_per_prompt (vLLM's): {"image": N, "video": M}, the most of each one
+            prompt may carry (None: no limit).
         threads: CPU threads: None (torch's setting), a count, or "auto": that many (torch's
             setting) or 1, whichever the engine measures faster now (engine/threads.py: on a
             machine shared with other work, N threads can collapse at their barriers). "auto"
@@ -123,7 +126,8 @@ class LLM:
                  threads: int | str | None = None, num_scheduler_steps: int = 1,
                  scheduling_policy: str = "fcfs", cpu_graphs: bool | None = None,
                  mmproj: str | os.PathLike | None = None,
-                 mm_processor_kwargs: dict | None = None, mm_encoder_dtype: str = "auto"):
+                 mm_processor_kwargs: dict | None = None, mm_encoder_dtype: str = "auto",
+                 limit_mm_per_prompt: dict | None = None):
         _check_threads(threads, kernels, device)
         from specdeploy.engine.scheduler import POLICIES
 
@@ -179,7 +183,8 @@ class LLM:
                                checkpoint_every=checkpoint_every, progress=progress,
                                mmproj=None if mmproj is None else str(mmproj),
                                mm_processor_kwargs=mm_processor_kwargs,
-                               mm_encoder_dtype=mm_encoder_dtype)
+                               mm_encoder_dtype=mm_encoder_dtype,
+                               limit_mm_per_prompt=limit_mm_per_prompt)
         self.spec = spec = options.spec
         log = stderr_log if progress else (lambda msg: None)
         self.model_path = Path(model)

@@ -237,6 +237,7 @@ def _with_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype, hf_con
     video = video.with_kwargs(opts.mm_processor_kwargs)
     out = VisionLanguageDeployed(inner, visual, embed, hf_config, processor.max_pixels)
     out.processor, out.video_processor = processor, video
+    out.mm_limits = dict(opts.limit_mm_per_prompt or {})
     return out
 
 

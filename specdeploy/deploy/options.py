@@ -30,7 +30,8 @@ class BuildOptions:
     `checkpoint_every` pages (None: every page when memory allows; cache/plan.py). `mmproj`: the
     vision tower of a text GGUF, llama.cpp's mmproj GGUF (checkpoint/gguf_mmproj.py);
     `mm_processor_kwargs` (vLLM's): the image processor's `min_pixels` / `max_pixels`;
-    `mm_encoder_dtype` the vision tower's dtype ("auto": deploy/vlm.py `tower_dtype`)."""
+    `mm_encoder_dtype` the vision tower's dtype ("auto": deploy/vlm.py `tower_dtype`);
+    `limit_mm_per_prompt` (vLLM's): at most this many images / videos in one prompt."""
 
     dtype: str | torch.dtype = "auto"
     max_batch_size: int = 16
@@ -59,6 +60,7 @@ class BuildOptions:
     mmproj: str | None = None
     mm_processor_kwargs: dict | None = None
     mm_encoder_dtype: str = "auto"  # the vision tower's (deploy/vlm.py `tower_dtype`)
+    limit_mm_per_prompt: dict | None = None  # {"image": N, "video": M}; None: no limit
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "page_size", "checkpoint_every"):
@@ -82,6 +84,8 @@ class BuildOptions:
             from specdeploy.vision.image import check_processor_kwargs
 
             check_processor_kwargs(self.mm_processor_kwargs)
+        if self.limit_mm_per_prompt is not None:
+            check_mm_limits(self.limit_mm_per_prompt)
         if self.mm_encoder_dtype != "auto":
             from specdeploy.loading import resolve_dtype
 
@@ -121,3 +125,17 @@ def _device(device: str | torch.device) -> torch.device:
     return dev
 
 
+MM_MODALITIES = ("image", "video")
+
+
+def check_mm_limits(limits) -> None:
+    """`limit_mm_per_prompt`: {"image": N, "video": M}, non-negative integers."""
+    if not isinstance(limits, dict):
+        raise ValueError(f"limit_mm_per_prompt: must be a dict, got {type(limits).__name__}")
+    for k, v in limits.items():
+        if k not in MM_MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt: {k!r} is not a modality here; supported: "
+                             f"{', '.join(MM_MODALITIES)}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"limit_mm_per_prompt: {k} must be a non-negative integer, got "
+                             f"{v!r}")

@@ -103,6 +103,11 @@ def build_prompt(deployed, ids: list[int], images: list, what: str = "prompt",
     if not hasattr(deployed, "image_features"):
         kind = "videos" if videos and not images else "images"
         raise ImageError(f"{what}: this model has no vision tower; {kind} are not accepted")
+    limits = getattr(deployed, "mm_limits", None) or {}
+    for kind, given in (("image", images), ("video", videos)):
+        n, most = len(given or ()), limits.get(kind)
+        if most is not None and n > most:
+            raise ImageError(f"{what}: {n} {kind}(s), but limit_mm_per_prompt allows {most}")
     processed = (deployed.processor.with_kwargs(kwargs).preprocess(list(images),
                                                                    what=f"{what} image")
                  if images else None)

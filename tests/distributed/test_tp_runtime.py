@@ -298,18 +298,22 @@ def test_torchrun_cli_generate(kv3):
 
 def test_vision_language_target_on_two_ranks(targets, monkeypatch):
     """A VLM on 2 ranks: rank 0 runs the tower and the embedding and sends each step's input
-    embeddings (the images' pixels left behind); image and text requests, plain and MTP (K
-    drafts every step: mirrored verify steps and commits), give the one-process tokens."""
+    embeddings (the images' pixels left behind); image, video and text requests, plain and MTP
+    (K drafts every step: mirrored verify steps and commits), give the one-process tokens."""
     from specdeploy.distributed import runtime
     from tests.vision.conftest import rand_image
+    from tests.vision.video_util import rand_frames
 
     t = targets("qwen3_5_moe")
     prompts = ["describe <|vision_start|><|image_pad|><|vision_end|> now", "hello there",
                "two <|vision_start|><|image_pad|><|vision_end|> x "
-               "<|vision_start|><|image_pad|><|vision_end|>"]
-    images = [[rand_image(40, 56, 1)], [], [rand_image(64, 32, 2), rand_image(30, 30, 3)]]
+               "<|vision_start|><|image_pad|><|vision_end|>",
+               "clip <|vision_start|><|video_pad|><|vision_end|> then"]
+    images = [[rand_image(40, 56, 1)], [], [rand_image(64, 32, 2), rand_image(30, 30, 3)], []]
+    videos = [[], [], [], [(rand_frames(12, 24, 32, 4), {"fps": 6})]]
     opts = dict(LIMITS, max_num_tokens=16)  # prefill chunks split the images
-    want = _ids(LLM(str(t.path), **opts).generate(prompts, _params(), images=images))
+    want = _ids(LLM(str(t.path), **opts).generate(prompts, _params(), images=images,
+                                                  videos=videos))
     sent = []
     send = runtime.send
 
@@ -322,7 +326,7 @@ def test_vision_language_target_on_two_ranks(targets, monkeypatch):
         llm = LLM(str(t.path), spec=spec, tensor_parallel_size=2, dist_timeout=30, **opts)
         try:
             assert hasattr(llm.deployed, "image_features")  # rank 0's tower, over the Leader
-            assert _ids(llm.generate(prompts, _params(), images=images)) == want
+            assert _ids(llm.generate(prompts, _params(), images=images, videos=videos)) == want
             if spec is not None:
                 assert llm.stats()["draft_steps"] > 0
         finally:

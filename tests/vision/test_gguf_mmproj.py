@@ -163,7 +163,8 @@ def test_bad_pairs_are_refused_by_name(vlm_dir, pair, tmp_path):
 
 
 def test_cli_flags_reach_the_llm(monkeypatch):
-    """`--mmproj` / `--mm-processor-kwargs` / `--mm-encoder-dtype` on generate and serve
+    """`--mmproj` / `--mm-processor-kwargs` / `--mm-encoder-dtype` / `--limit-mm-per-prompt`
+    on generate and serve
     become LLM's arguments."""
     from specdeploy.cli import build_parser
 
@@ -177,11 +178,12 @@ def test_cli_flags_reach_the_llm(monkeypatch):
     for argv in (["generate", "--model", "t.gguf", "--prompt", "x"], ["serve", "t.gguf"]):
         args = build_parser().parse_args([*argv, "--mmproj", "m.gguf", "--mm-processor-kwargs",
                                           '{"max_pixels": 4096}', "--mm-encoder-dtype",
-                                          "bfloat16"])
+                                          "bfloat16", "--limit-mm-per-prompt", '{"video": 1}'])
         with pytest.raises(Built) as e:
             args.func(args)
         kw = e.value.args[0]
         assert kw["mmproj"] == "m.gguf" and kw["mm_processor_kwargs"] == {"max_pixels": 4096}
         assert kw["mm_encoder_dtype"] == "bfloat16"
+        assert kw["limit_mm_per_prompt"] == {"video": 1}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "x", "--mm-processor-kwargs", "[1]"])

@@ -327,3 +327,23 @@ def test_cli_generate_with_a_video(vlm_dir, vlm_llm, tmp_path, capsys):
     assert main(["generate", "--model", str(vlm_dir), "--chat", "--video", str(tmp_path / "no"),
                  "--prompt", "x"]) == 2
     assert "--video" in capsys.readouterr().err
+
+
+def test_limit_mm_per_prompt(vlm_dir):
+    """vLLM's `limit_mm_per_prompt`: a prompt over a modality's limit is refused by name (the
+    engine keeps serving); bad limits are refused when the LLM is built."""
+    llm = LLM(vlm_dir, max_batch_size=2, max_seq_len=512,
+              limit_mm_per_prompt={"image": 1, "video": 0})
+    frames = rand_frames(4, 16, 16)
+    with pytest.raises(ImageError, match=r"1 video\(s\), but limit_mm_per_prompt allows 0"):
+        llm.chat(_video_chat(frames))
+    two = [{"role": "user", "content": [{"type": "image", "image": rand_image(16, 16, i)}
+                                        for i in range(2)]}]
+    with pytest.raises(ImageError, match=r"2 image\(s\), but limit_mm_per_prompt allows 1"):
+        llm.chat(two)
+    assert len(llm.chat([{"role": "user", "content": [
+        {"type": "image", "image": rand_image(16, 16)}]}], GREEDY)[0].token_ids) == 24
+    for bad, msg in (({"audio": 1}, "'audio' is not a modality"),
+                     ({"image": -1}, "non-negative integer"), ([1], "must be a dict")):
+        with pytest.raises(ValueError, match=msg):
+            LLM(vlm_dir, max_batch_size=2, max_seq_len=512, limit_mm_per_prompt=bad)
