@@ -76,7 +76,9 @@ def decode_video(src, what: str, pick, max_frame_pixels: int
         if not container.streams.video:
             container.close()
             raise VideoError(f"{what}: the file has no video stream")
-        return container, container.streams.video[0]
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"  # frame and slice threads in the codec
+        return container, stream
 
     container, stream = open_stream()
     try:
