@@ -151,6 +151,9 @@ def load_vision(reader, dtype: torch.dtype) -> VisionModel:
     return tower.eval().requires_grad_(False)
 
 
+MAX_TOWER_PATCHES = 16384  # ~75 MiB per fp32 activation at a released tower's width (1152)
+
+
 class VisionLanguageDeployed:
     """Wraps a `GraphDeployed` / `SpecDeployed` whose target graph was exported from
     `TextFromEmbeds`. `image_token_id` marks the placeholders features replace."""
@@ -169,6 +172,10 @@ class VisionLanguageDeployed:
         self.vision_peak_bytes = vision_peak_bytes(visual.cfg, max_image_pixels,
                                                    next(visual.parameters()).element_size())
         self.vision_seconds = 0.0  # time spent in the tower (bench/vision_prefill.py)
+        # one tower call takes at most this many patches (or one frame): a long video's frames
+        # go through in groups (`forward_chunked`), so its peak is a group's, not the video's
+        self.max_tower_patches = max(MAX_TOWER_PATCHES, max_image_pixels // (
+            visual.cfg.patch_size ** 2))
 
     def __getattr__(self, name):  # everything else is the inner deployment's
         return getattr(self.__dict__["inner"], name)
@@ -199,8 +206,8 @@ class VisionLanguageDeployed:
 
             t0 = time.perf_counter()
             dev = self.embed_tokens.weight.device
-            grid = torch.tensor(mm.grid_thw, dtype=torch.long)
-            feats = self.visual(mm.pixel_values.to(dev), grid)
+            feats = self.visual.forward_chunked(mm.pixel_values.to(dev), mm.grid_thw,
+                                                self.max_tower_patches)
             mm.features = feats.to(self.embed_tokens.weight.dtype)
             self.vision_seconds += time.perf_counter() - t0
         return mm.features

@@ -154,6 +154,36 @@ class VisionModel(nn.Module):
             x = blk(x, cos, sin, lengths)
         return self.merger(x)
 
+    def forward_chunked(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]],
+                        max_patches: int) -> torch.Tensor:
+        """`forward` over groups of at most `max_patches` patches: the same features (a frame
+        attends only within itself, and everything else is per patch), with the activations'
+        peak bounded by a group rather than by a long video. A frame is the unit (one larger
+        than `max_patches` is a group alone)."""
+        groups: list[list[tuple[int, int]]] = [[]]
+        size = 0
+        for t, h, w in grid_thw:
+            for _ in range(int(t)):
+                if size and size + h * w > max_patches:
+                    groups.append([])
+                    size = 0
+                groups[-1].append((int(h), int(w)))
+                size += h * w
+        if len(groups) == 1:
+            return self(pixel_values, torch.tensor(grid_thw, dtype=torch.long))
+        out, row = [], 0
+        for frames in groups:
+            grids: list[list[int]] = []
+            for h, w in frames:  # consecutive frames of one size: one (t, h, w) run
+                if grids and grids[-1][1:] == [h, w]:
+                    grids[-1][0] += 1
+                else:
+                    grids.append([1, h, w])
+            n = sum(h * w for h, w in frames)
+            out.append(self(pixel_values[row:row + n], torch.tensor(grids, dtype=torch.long)))
+            row += n
+        return torch.cat(out)
+
     def _merge_order(self, t: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """[h, w, ...] raster → [h*w, ...] in merge-block order (the processor's patch order)."""
         m = self.cfg.spatial_merge_size

@@ -347,3 +347,24 @@ def test_limit_mm_per_prompt(vlm_dir):
                      ({"image": -1}, "non-negative integer"), ([1], "must be a dict")):
         with pytest.raises(ValueError, match=msg):
             LLM(vlm_dir, max_batch_size=2, max_seq_len=512, limit_mm_per_prompt=bad)
+
+
+def test_the_tower_in_frame_groups_gives_the_whole_calls_features(vlm_llm):
+    """A long video's frames go through the tower in groups of at most N patches (a frame
+    attends only within itself): the features equal one call's (fp32, 1e-5), grouped at every
+    size from one frame per group up."""
+    from specdeploy.vision.chat import build_prompt
+
+    d = vlm_llm.deployed
+    tok = vlm_llm.tokenizer
+    text = _chat_text(video_first=True)
+    mm = build_prompt(d, tok.encode(text, add_special_tokens=False), [rand_image(30, 44, 1)],
+                      "p", [(rand_frames(9, 28, 36, 2), {"fps": 2})],
+                      lambda s: tok.encode(s, add_special_tokens=False))
+    whole = d.visual(mm.pixel_values, torch.tensor(mm.grid_thw))
+    frame = mm.grid_thw[0][1] * mm.grid_thw[0][2]
+    assert mm.grid_thw[0][0] == 5 and len(mm.grid_thw) == 2
+    for most in (1, frame, 2 * frame + 1, 3 * frame, 10 ** 6):
+        got = d.visual.forward_chunked(mm.pixel_values, mm.grid_thw, most)
+        torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+    assert d.max_tower_patches >= 16384
