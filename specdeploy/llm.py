@@ -11,24 +11,14 @@ from specdeploy.chat_template import chat_ids
 from specdeploy.config import SpecConfig
 from specdeploy.distributed.config import dist_config
 from specdeploy.engine import Engine, RequestOutput, SamplingParams
+from specdeploy.engine.threads import check_threads
 from specdeploy.progress import progress_bar, stderr_log, token_rate
+from specdeploy.prompt_batch import prompt_batch
 from specdeploy.tokenizer import eos_token_ids
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
-Prompt = str | list[int]
-
-
-def _check_threads(threads, kernels: str, device) -> None:
-    if threads is None:
-        return
-    if isinstance(threads, bool) or not (threads == "auto" or isinstance(threads, int)):
-        raise ValueError(f"threads: must be a positive integer or 'auto', got {threads!r}")
-    if isinstance(threads, int) and threads < 1:
-        raise ValueError(f"threads: must be >= 1, got {threads}")
-    if threads == "auto" and (kernels != "fast" or not str(device).startswith("cpu")):
-        raise ValueError("threads='auto' needs kernels='fast' on the CPU (thread-invariant "
-                         f"kernels), got kernels={kernels!r} device={device!r}")
+Prompt = str | list[int] | dict  # dict: vLLM's {"prompt", "multi_modal_data"} (prompt_batch.py)
 
 
 class LLM:
@@ -128,7 +118,7 @@ class LLM:
                  mmproj: str | os.PathLike | None = None,
                  mm_processor_kwargs: dict | None = None, mm_encoder_dtype: str = "auto",
                  limit_mm_per_prompt: dict | None = None):
-        _check_threads(threads, kernels, device)
+        check_threads(threads, kernels, device)
         from specdeploy.engine.scheduler import POLICIES
 
         if scheduling_policy not in POLICIES:  # (before minutes of loading)
@@ -297,37 +287,6 @@ class LLM:
     def _encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    @staticmethod
-    def _split_prompt_dicts(prompts: list, images, videos):
-        """vLLM's prompt dicts ({"prompt": str} or {"prompt_token_ids": [...]}, with
-        "multi_modal_data": {"image": one or a list, "video": one or a list}) → prompts and
-        per-prompt image / video lists (None where no prompt has any)."""
-        if not any(isinstance(p, dict) for p in prompts):
-            return prompts, images, videos
-        if images is not None or videos is not None:
-            raise ValueError("images= / videos= cannot be combined with prompt dicts (give "
-                             "their multi_modal_data instead)")
-        out, imgs, clips = [], [], []
-        for i, p in enumerate(prompts):
-            if not isinstance(p, dict):
-                out.append(p)
-                imgs.append([])
-                clips.append([])
-                continue
-            extra = set(p) - {"prompt", "prompt_token_ids", "multi_modal_data"}
-            if extra or ("prompt" in p) == ("prompt_token_ids" in p):
-                raise ValueError(f"prompt {i}: a prompt dict has one of `prompt` / "
-                                 f"`prompt_token_ids` and optionally `multi_modal_data`"
-                                 f"{f' (unknown: {sorted(extra)})' if extra else ''}")
-            out.append(p.get("prompt", p.get("prompt_token_ids")))
-            mmd = p.get("multi_modal_data") or {}
-            if not isinstance(mmd, dict) or set(mmd) - {"image", "video"}:
-                raise ValueError(f"prompt {i}: multi_modal_data takes `image` and `video`")
-            for key, dst in (("image", imgs), ("video", clips)):
-                v = mmd.get(key)
-                dst.append([] if v is None else list(v) if isinstance(v, list) else [v])
-        return out, imgs if any(imgs) else None, clips if any(clips) else None
-
     # ---- generation -----------------------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without `sampling_params` samples with: greedy, unless the
@@ -348,22 +307,9 @@ class LLM:
         `<|video_pad|>` placeholders: video files (paths, file:// or data URLs, bytes; PyAV
         decodes them) or decoded frames (vision/video.py). A prompt may also be vLLM's dict,
         {"prompt": ..., "multi_modal_data": {"image": ..., "video": ...}}."""
-        single = isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts
-            and all(isinstance(t, int) for t in prompts))
-        if single:
-            prompts = [prompts]
-            images = None if images is None else [images]
-            videos = None if videos is None else [videos]
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("prompts: no prompts given")
-        prompts, images, videos = self._split_prompt_dicts(prompts, images, videos)
+        single, prompts, images, videos = prompt_batch(prompts, images, videos)
         sp = sampling_params or self.get_default_sampling_params()
         params = list(sp) if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
-        for name, media in (("images", images), ("videos", videos)):
-            if media is not None and not all(isinstance(x, (list, tuple)) for x in media):
-                raise ValueError(f"{name}: give one list of {name} per prompt")
         if single and priority is not None and not isinstance(priority, (list, tuple)):
             priority = [priority]
         ids = self._add_all(prompts, params, images, priority, videos)

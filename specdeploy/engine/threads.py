@@ -123,3 +123,16 @@ class ThreadGovernor:
     def as_dict(self) -> dict:
         return {"threads": self.current, "thread_trials": self.trials,
                 "thread_switches": self.switches, "thread_trial_every": self.every}
+
+
+def check_threads(threads, kernels: str, device) -> None:
+    """`LLM(threads=)`: None, a positive count, or "auto" (fast kernels on the CPU only)."""
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not (threads == "auto" or isinstance(threads, int)):
+        raise ValueError(f"threads: must be a positive integer or 'auto', got {threads!r}")
+    if isinstance(threads, int) and threads < 1:
+        raise ValueError(f"threads: must be >= 1, got {threads}")
+    if threads == "auto" and (kernels != "fast" or not str(device).startswith("cpu")):
+        raise ValueError("threads='auto' needs kernels='fast' on the CPU (thread-invariant "
+                         f"kernels), got kernels={kernels!r} device={device!r}")

@@ -299,6 +299,10 @@ def test_bad_videos_are_refused_by_name(vlm_llm, tmp_path, monkeypatch):
         vlm_llm.generate(["a", "b"], videos=[rand_frames(4, 16, 16), None])
     with pytest.raises(ValueError, match="multi_modal_data takes"):
         vlm_llm.generate({"prompt": "a", "multi_modal_data": {"audio": 1}})
+    with pytest.raises(ValueError, match="cannot be combined with prompt dicts"):
+        vlm_llm.generate({"prompt": "a"}, videos=[rand_frames(4, 16, 16)])
+    with pytest.raises(ValueError, match="one of `prompt` / `prompt_token_ids`"):
+        vlm_llm.generate([{"prompt": "a", "prompt_token_ids": [1]}])
     assert vlm_llm.engine.has_unfinished() is False
 
 
