@@ -83,3 +83,40 @@ def test_cuda_graphs_by_default(target):
     eager = LLM(str(target.path), device="cuda", dtype="float32", cuda_graphs=False, **LIMITS)
     assert getattr(eager.engine.deployed, "target", eager.engine.deployed).graph_runner is None
     assert [o.token_ids for o in eager.generate(target.prompts[:3], params)] == got
+
+
+def test_vision_language_requests_on_cuda(tmp_path_factory):
+    """The tiny Qwen3.5 VLM on CUDA: an image and a video in one prompt, and a text request;
+    the tower's features equal the CPU tower's (fp32, 1e-3) and greedy tokens with CUDA graphs
+    equal the eager CUDA deployment's."""
+    from specdeploy import LLM
+    from specdeploy.models.qwen3_5_moe import make_tiny
+    from tests.vision.conftest import rand_image
+    from tests.vision.video_util import rand_frames
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = str(make_tiny(tmp_path_factory.mktemp("cuda_vlm"), seed=0, mtp_layers=1))
+    msgs = [[{"role": "user", "content": [
+        {"type": "video", "video": (rand_frames(12, 24, 32, 1), {"fps": 6})},
+        {"type": "image", "image": rand_image(30, 40, 2)}, {"type": "text", "text": "and"}]}],
+        [{"role": "user", "content": "hello there"}]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    opts = dict(dtype="float32", max_batch_size=2, max_seq_len=512, max_num_tokens=16)
+    gpu = LLM(path, device="cuda", **opts)
+    got = [o.token_ids for o in gpu.chat(msgs, params)]
+    runner = gpu.engine.deployed.target.graph_runner
+    assert runner.replays > 0
+    eager = LLM(path, device="cuda", cuda_graphs=False, **opts)
+    assert [o.token_ids for o in eager.chat(msgs, params)] == got
+    cpu = LLM(path, **opts)
+    from specdeploy.vision.chat import build_prompt
+
+    tok = cpu.tokenizer
+    ids = cpu.chat_ids([{"role": "user", "content": [
+        {"type": "video"}, {"type": "image"}, {"type": "text", "text": "and"}]}])
+    mm = build_prompt(cpu.deployed, ids, [rand_image(30, 40, 2)], "p",
+                      [(rand_frames(12, 24, 32, 1), {"fps": 6})],
+                      lambda s: tok.encode(s, add_special_tokens=False))
+    want = cpu.deployed.visual(mm.pixel_values, torch.tensor(mm.grid_thw))
+    feats = gpu.deployed.visual(mm.pixel_values.cuda(), torch.tensor(mm.grid_thw)).cpu()
+    torch.testing.assert_close(feats, want, atol=1e-3, rtol=1e-3)
