@@ -266,7 +266,10 @@ def check_request(engine, prompt_ids, params, priority: int, mm) -> list[int]:
         raise ValueError("prompt: empty prompt")
     n = len(prompt_ids)
     if n > engine.max_seq_len:
-        raise ValueError(f"prompt: {n} tokens is longer than max_seq_len={engine.max_seq_len}")
+        hint = "" if mm is None else (" (with its images / videos: fewer pixels or frames fit, "
+                                      "e.g. mm_processor_kwargs max_pixels, fps, max_frames)")
+        raise ValueError(f"prompt: {n} tokens is longer than max_seq_len={engine.max_seq_len}"
+                         + hint)
     if n + params.max_tokens > engine.max_seq_len:
         raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds "
                          f"max_seq_len={engine.max_seq_len}")

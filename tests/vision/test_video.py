@@ -303,6 +303,9 @@ def test_bad_videos_are_refused_by_name(vlm_llm, tmp_path, monkeypatch):
         vlm_llm.generate({"prompt": "a"}, videos=[rand_frames(4, 16, 16)])
     with pytest.raises(ValueError, match="one of `prompt` / `prompt_token_ids`"):
         vlm_llm.generate([{"prompt": "a", "prompt_token_ids": [1]}])
+    with pytest.raises(ValueError, match="longer than max_seq_len=512 .* fps, max_frames"):
+        vlm_llm.generate("<|video_pad|>", videos=[(rand_frames(120, 16, 16),
+                                                   {"frames_indices": list(range(120))})])
     assert vlm_llm.engine.has_unfinished() is False
 
 
