@@ -95,6 +95,13 @@ def cmd_make_tiny(args) -> int:
         from specdeploy.models.drafters.eagle3 import make_tiny_eagle3
 
         path = make_tiny_eagle3(args.target, args.out, seed=args.seed)
+    elif args.arch == "qwen3_5":
+        if args.quant:
+            raise SystemExit("make-tiny --arch qwen3_5: --quant is not supported (dense Qwen3.5)")
+        from specdeploy.models import qwen3_5_moe as q35
+
+        path = q35.make_tiny(args.out, seed=args.seed, mtp_layers=args.mtp_layers,
+                             hf_config=q35.tiny_hf_config(args.mtp_layers, dense=True))
     elif args.quant:
         from specdeploy.quantize_cli import make_tiny_quantized
 
@@ -208,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("make-tiny", help="write a tiny random checkpoint")
     t.add_argument("--arch", required=True,
-                   choices=("llama", "nemotron_h", "qwen3_5_moe", "eagle3"))
+                   choices=("llama", "nemotron_h", "qwen3_5_moe", "qwen3_5", "eagle3"),
+                   help="qwen3_5: the dense Qwen3.5 VLM (qwen3_5_moe's blocks, an MLP per layer)")
     t.add_argument("--mtp-layers", type=int, default=0)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--target", default=None, help="target checkpoint (for --arch eagle3)")

@@ -20,7 +20,7 @@ from specdeploy.cache.metadata import BatchMetadata
 from specdeploy.deploy.base import StepOutput
 from specdeploy.models.qwen3_5_vision import VisionConfig, VisionModel
 
-VISION_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration",)
+VISION_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
 
 
 class TextFromEmbeds(nn.Module):
@@ -58,9 +58,12 @@ def gguf_vlm_config(cfg: dict, model_path, mmproj) -> dict:
     if path is None or path.suffix != ".gguf" or not path.is_file():
         raise ValueError(f"mmproj: goes with a text GGUF file (llama.cpp's --mmproj); the model "
                          f"is {str(model_path)!r}")
-    if cfg.get("model_type") != "qwen3_5_moe":
-        raise ValueError(f"mmproj: a Qwen3.5 vision tower goes with a Qwen3.5-MoE text GGUF; "
-                         f"{path} is {', '.join(cfg.get('architectures') or ['?'])}")
+    arch = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+            "qwen3_5": "Qwen3_5ForConditionalGeneration"}.get(cfg.get("model_type"))
+    if arch is None:
+        raise ValueError(f"mmproj: a Qwen3.5 vision tower goes with a Qwen3.5 or Qwen3.5-MoE "
+                         f"text GGUF; {path} is "
+                         f"{', '.join(cfg.get('architectures') or ['?'])}")
     text = cfg.get("text_config", cfg)
     mm = open_checkpoint(mmproj)
     if not getattr(mm, "is_mmproj", False):
@@ -76,7 +79,7 @@ def gguf_vlm_config(cfg: dict, model_path, mmproj) -> dict:
         raise CheckpointError(f"{path}: its vocabulary has no {VISION_TOKENS['image_token_id']} "
                               "token: not a vision-language model's text GGUF")
     ids = {k: where[t] for k, t in VISION_TOKENS.items() if t in where}
-    return {**cfg, "architectures": list(VISION_ARCHITECTURES), "vision_config": vision, **ids}
+    return {**cfg, "architectures": [arch], "vision_config": vision, **ids}
 
 
 _TOWER_PROBE = ("model.visual.blocks.0.attn.qkv.weight", "v.blk.0.attn_qkv.weight")

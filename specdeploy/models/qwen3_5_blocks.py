@@ -1,4 +1,5 @@
-"""Qwen3.5-MoE config and decoder blocks: gated attention, gated delta net, sparse MoE.
+"""Qwen3.5(-MoE) config and decoder blocks: gated attention, gated delta net, sparse MoE (or
+the dense models' SwiGLU MLP).
 
 Full-sequence math on canonical ops (`torch.ops.specdeploy.*`); no caches. Submodule and parameter
 names follow transformers' `modeling_qwen3_5_moe.py` so checkpoint keys map one to one.
@@ -39,10 +40,11 @@ class Config:
     linear_key_head_dim: int
     linear_value_head_dim: int
     linear_conv_kernel_dim: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
+    num_experts: int = 0  # 0: dense Qwen3.5 (a SwiGLU MLP of `intermediate_size` per layer)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    intermediate_size: int = 0  # the dense MLP's width
     norm_topk_prob: bool = True
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e7
@@ -95,10 +97,7 @@ class Config:
             linear_key_head_dim=text["linear_key_head_dim"],
             linear_value_head_dim=text["linear_value_head_dim"],
             linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
-            num_experts=text["num_experts"],
-            num_experts_per_tok=text["num_experts_per_tok"],
-            moe_intermediate_size=text["moe_intermediate_size"],
-            shared_expert_intermediate_size=text["shared_expert_intermediate_size"],
+            **_ffn_fields(text),
             # transformers' 3.5 router always renormalizes; Qwen3-Next configs carry the flag.
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
             rms_norm_eps=text.get("rms_norm_eps", 1e-6),
@@ -113,6 +112,18 @@ class Config:
             mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
             tie_word_embeddings=bool(tie),
         )
+
+
+def _ffn_fields(text: dict) -> dict:
+    """MoE fields (Qwen3.5-MoE), or the dense MLP's width (Qwen3.5: no `num_experts`)."""
+    if not text.get("num_experts"):
+        if not text.get("intermediate_size"):
+            raise ValueError("Qwen3.5: config has neither num_experts (MoE) nor "
+                             "intermediate_size (dense)")
+        return {"intermediate_size": int(text["intermediate_size"])}
+    return {k: int(text[k]) for k in ("num_experts", "num_experts_per_tok",
+                                      "moe_intermediate_size",
+                                      "shared_expert_intermediate_size")}
 
 
 class GatedRMSNorm(nn.Module):
@@ -246,7 +257,8 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(cfg)
         else:
             raise ValueError(f"unknown Qwen3.5 layer type {layer_type!r}")
-        self.mlp = SparseMoeBlock(cfg)
+        self.mlp = (SparseMoeBlock(cfg) if cfg.num_experts
+                    else MLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

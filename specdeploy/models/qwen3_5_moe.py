@@ -1,4 +1,5 @@
-"""Qwen3.5-MoE text model: gated full attention + gated delta net layers, sparse MoE, MTP head.
+"""Qwen3.5-MoE text model: gated full attention + gated delta net layers, sparse MoE, MTP head;
+and the dense Qwen3.5 models (the same, with a SwiGLU MLP in place of the MoE block).
 
 Serves the released vision-language layout (`model.language_model.*`, `model.visual.*` ignored,
 `lm_head.*`, top-level `mtp.*`) and transformers' text-only layout (`model.*`). Experts load from
@@ -24,7 +25,8 @@ from specdeploy.models.qwen3_5_blocks import Config, DecoderLayer
 from specdeploy.models.qwen3_5_vision_tiny import tiny_visual, write_tiny_processor
 from specdeploy.ops import rope_cos_sin
 
-ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+                 "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 __all__ = ["ARCHITECTURES", "MTP", "Config", "Model", "checkpoint_to_params", "make_tiny",
            "params_to_checkpoint", "tiny_hf_config"]
 
@@ -123,7 +125,8 @@ def checkpoint_to_params(
                 f"{cfg.mtp_num_hidden_layers})" if only_mtp else "tensors are missing")
         more = f" (+{len(missing) - 12} more)" if len(missing) > 12 else ""
         shown = ", ".join(missing[:12]) + more
-        raise CheckpointError(f"{reader.path}: Qwen3.5-MoE {what}: {shown}")
+        family = "Qwen3.5-MoE" if cfg.num_experts else "Qwen3.5"
+        raise CheckpointError(f"{reader.path}: {family} {what}: {shown}")
     return params
 
 
@@ -167,8 +170,9 @@ def params_to_checkpoint(
     return out
 
 
-def tiny_hf_config(mtp_layers: int = 0) -> dict:
-    """A tiny `Qwen3_5MoeForConditionalGeneration` config.json (text: 4 layers, 3 GDN + 1 full)."""
+def tiny_hf_config(mtp_layers: int = 0, dense: bool = False) -> dict:
+    """A tiny `Qwen3_5MoeForConditionalGeneration` config.json (text: 4 layers, 3 GDN + 1 full);
+    `dense`: a `Qwen3_5ForConditionalGeneration` (a SwiGLU MLP of width 96 per layer)."""
     text = {
         "model_type": "qwen3_5_moe_text",
         "vocab_size": 128,
@@ -200,15 +204,23 @@ def tiny_hf_config(mtp_layers: int = 0) -> dict:
     }
     if mtp_layers:
         text.update(mtp_num_hidden_layers=mtp_layers, mtp_use_dedicated_embeddings=False)
+    if dense:
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size"):
+            del text[k]
+        text.update(model_type="qwen3_5_text", intermediate_size=96)
     vision = {
         "model_type": "qwen3_5_moe_vision", "depth": 1, "hidden_size": 32, "intermediate_size": 64,
         "num_heads": 2, "in_channels": 3, "patch_size": 4, "temporal_patch_size": 2,
         "spatial_merge_size": 2, "out_hidden_size": 64, "num_position_embeddings": 16,
         "hidden_act": "gelu_pytorch_tanh",
     }
+    if dense:
+        vision["model_type"] = "qwen3_5_vision"
     return {
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-        "model_type": "qwen3_5_moe",
+        "architectures": ["Qwen3_5ForConditionalGeneration" if dense
+                          else "Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5" if dense else "qwen3_5_moe",
         "text_config": text,
         "vision_config": vision,
         "tie_word_embeddings": False,

@@ -16,6 +16,9 @@ _ARCH_TO_FAMILY = {
     "NemotronHForCausalLM": "nemotron_h",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    # dense Qwen3.5: the same module (models/qwen3_5_blocks.py: an MLP in place of the MoE)
+    "Qwen3_5ForCausalLM": "qwen3_5_moe",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5_moe",
 }
 
 
