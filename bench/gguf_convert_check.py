@@ -1,12 +1,13 @@
-"""llama.cpp's own converter and runtime against specdeploy's GGUF reader, on tiny NemotronH
-and Qwen3.5-MoE.
+"""llama.cpp's own converter and runtime against specdeploy's GGUF reader, on tiny NemotronH,
+Qwen3.5-MoE and dense Qwen3.5.
 
 The unit tests (tests/checkpoint/test_gguf_nemotron_h.py) write their GGUFs with a test-side
 converter that follows llama.cpp's; this checks that assumption against the real thing, once
 per llama.cpp version:
 1. tiny NemotronH checkpoints (dense; MoE with a latent projection and an MTP head) and a tiny
    Qwen3.5-MoE (fewer key than value heads, an MTP head) are converted by llama.cpp's
-   convert_hf_to_gguf.py (from the llama-cpp-python sdist, `--llamacpp-src`);
+   convert_hf_to_gguf.py (from the llama-cpp-python sdist, `--llamacpp-src`), and a tiny dense
+   Qwen3.5 ("qwen35") with an MTP head;
 2. specdeploy loads each GGUF; its logits are compared with transformers' on the safetensors
    checkpoint, and its parameters (MTP head included) with those loaded from the checkpoint;
 3. llama.cpp itself (llama-cpp-python, built by bench/setup_llamacpp.sh) runs the same GGUF, and
@@ -80,6 +81,9 @@ def models(tmp: Path) -> dict[str, tuple[Path, str]]:
                                "NemotronHForCausalLM"),
         "qwen3_5_moe_mtp": (q35.make_tiny(tmp / "q35", seed=5, mtp_layers=1),
                             "Qwen3_5MoeForConditionalGeneration"),
+        "qwen3_5_dense_mtp": (q35.make_tiny(tmp / "q35d", seed=5, mtp_layers=1,
+                                            hf_config=q35.tiny_hf_config(1, dense=True)),
+                              "Qwen3_5ForConditionalGeneration"),
     }
 
 

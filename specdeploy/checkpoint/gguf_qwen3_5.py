@@ -1,7 +1,7 @@
-"""GGUF architecture "qwen35moe" (llama.cpp: Qwen3.5-MoE, text): its metadata as a Hugging Face
-Qwen3.5-MoE text config, its tensors under the text checkpoint's names (`model.layers.N.*`,
-`mtp.*`), its values in the HF layout. (A GGUF holds no vision tower: llama.cpp keeps it in a
-separate mmproj file.)
+"""GGUF architectures "qwen35moe" and "qwen35" (llama.cpp: Qwen3.5-MoE and dense Qwen3.5, text):
+its metadata as a Hugging Face Qwen3.5(-MoE) text config, its tensors under the text
+checkpoint's names (`model.layers.N.*`, `mtp.*`), its values in the HF layout. (A GGUF holds no
+vision tower: llama.cpp keeps it in a separate mmproj file.)
 
 What llama.cpp's converter changes, undone here:
 - every RMSNorm weight but the gated delta net's output norm is stored as 1 + w (the HF
@@ -14,7 +14,8 @@ What llama.cpp's converter changes, undone here:
   V channels of `ssm_conv1d` and the columns of `ssm_out`;
 - routed experts are stacked with gate and up apart (`ffn_gate_exps`, `ffn_up_exps`; joined
   back into the checkpoint's fused gate_up_proj [E, 2I, H]); the MTP head is the trailing
-  block(s) (`nextn_predict_layers`), its fc / norms as `nextn.*`.
+  block(s) (`nextn_predict_layers`), its fc / norms as `nextn.*`;
+- a dense model's MLP is `ffn_gate` / `ffn_up` / `ffn_down` (as llama's).
 Layer kinds come from the tensors a block holds (`attn_qkv`: gated delta net, `attn_q`: full
 attention). llama.cpp always renormalizes the top-k router weights (norm_topk_prob is not
 stored): so does this config. q/k rows are not permuted (Qwen's RoPE is rotate-half).
@@ -28,7 +29,7 @@ import numpy as np
 from specdeploy.checkpoint.errors import CheckpointError
 from specdeploy.checkpoint.gguf_meta import ArchMeta
 
-ARCHS = ("qwen35moe",)
+ARCHS = ("qwen35moe", "qwen35")
 ROTARY_PERMUTED = False
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
            "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
@@ -46,6 +47,8 @@ _LAYER = {  # blk.N.<tail> -> the layer's HF suffix
     "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_a": "linear_attn.A_log",
     "ssm_dt.bias": "linear_attn.dt_bias", "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",  # a dense model's MLP
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
@@ -88,22 +91,20 @@ def hf_config(reader) -> dict:
     if inner % nv:
         raise CheckpointError(f"{path}: ssm.inner_size {inner} is not a multiple of "
                               f"ssm.time_step_rank {nv}")
-    gate = tensors["blk.0.ffn_gate_exps.weight"].shape  # [E, I, H]
-    shared = tensors.get("blk.0.ffn_up_shexp.weight")
+    dense = md.get("general.architecture") == "qwen35"
     sections = list(get("rope.dimension_sections", []) or [11, 11, 10])
     rope_dim = int(get("rope.dimension_count", head_dim // 4))
     text = {
-        "model_type": "qwen3_5_moe_text", "vocab_size": tensors["token_embd.weight"].shape[0],
+        "model_type": "qwen3_5_text" if dense else "qwen3_5_moe_text",
+        "vocab_size": tensors["token_embd.weight"].shape[0],
         "hidden_size": int(need("embedding_length")), "num_hidden_layers": n,
         "layer_types": types, "num_attention_heads": heads, "num_key_value_heads": kv,
         "head_dim": head_dim, "linear_num_key_heads": int(need("ssm.group_count")),
         "linear_num_value_heads": nv, "linear_key_head_dim": int(need("ssm.state_size")),
         "linear_value_head_dim": inner // nv,
         "linear_conv_kernel_dim": int(need("ssm.conv_kernel")),
-        "num_experts": gate[0], "num_experts_per_tok": int(need("expert_used_count")),
-        "moe_intermediate_size": gate[1],
-        "shared_expert_intermediate_size": shared.shape[0] if shared else 0,
-        "norm_topk_prob": True, "hidden_act": "silu",
+        **(_dense_ffn(reader) if dense else _moe_ffn(reader, need)),
+        "hidden_act": "silu",
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(get("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -117,8 +118,31 @@ def hf_config(reader) -> dict:
         "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
     }
-    return {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe",
+    arch, kind = (("Qwen3_5ForCausalLM", "qwen3_5") if dense
+                  else ("Qwen3_5MoeForCausalLM", "qwen3_5_moe"))
+    return {"architectures": [arch], "model_type": kind,
             "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
+
+
+def _moe_ffn(reader, need) -> dict:
+    tensors = reader.tensor_infos
+    if "blk.0.ffn_gate_exps.weight" not in tensors:
+        raise CheckpointError(f"{reader.path}: a qwen35moe GGUF without routed experts "
+                              "(blk.0.ffn_gate_exps)")
+    gate = tensors["blk.0.ffn_gate_exps.weight"].shape  # [E, I, H]
+    shared = tensors.get("blk.0.ffn_up_shexp.weight")
+    # llama.cpp always renormalizes the top-k router weights (norm_topk_prob is not stored)
+    return {"num_experts": gate[0], "num_experts_per_tok": int(need("expert_used_count")),
+            "moe_intermediate_size": gate[1],
+            "shared_expert_intermediate_size": shared.shape[0] if shared else 0,
+            "norm_topk_prob": True}
+
+
+def _dense_ffn(reader) -> dict:
+    gate = reader.tensor_infos.get("blk.0.ffn_gate.weight")
+    if gate is None:
+        raise CheckpointError(f"{reader.path}: a qwen35 GGUF without its MLP (blk.0.ffn_gate)")
+    return {"intermediate_size": gate.shape[0]}  # [I, H]
 
 
 def _prefix(i: int, cfg: dict) -> str:

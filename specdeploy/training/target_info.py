@@ -86,9 +86,9 @@ def eagle3_geometry(target: nn.Module) -> dict:
         moe = t.num_experts_per_tok * t.moe_intermediate_size + \
             t.moe_shared_expert_intermediate_size
         width, eps, rope = max(t.intermediate_size, moe), t.eps, RopeConfig()
-    else:  # Qwen3.5
+    else:  # Qwen3.5 (dense: its MLP's width)
         width = t.num_experts_per_tok * t.moe_intermediate_size + \
-            t.shared_expert_intermediate_size
+            t.shared_expert_intermediate_size if t.num_experts else t.intermediate_size
         eps, rope = t.rms_norm_eps, RopeConfig(theta=t.rope_theta)
     return dict(intermediate_size=width, rms_norm_eps=eps, rope=rope,
                 max_position_embeddings=int(hf.get("max_position_embeddings") or 8192))

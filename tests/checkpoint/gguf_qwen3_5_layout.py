@@ -1,4 +1,4 @@
-"""A tiny Qwen3.5-MoE safetensors checkpoint written as llama.cpp's converter writes its GGUF
+"""A tiny Qwen3.5(-MoE) safetensors checkpoint written as llama.cpp's converter writes its GGUF
 (convert_hf_to_gguf.py: Qwen3_5MoeTextModel, _LinearAttentionVReorderBase, Qwen3NextModel,
 _QwenMtpMixin, Qwen2MoeModel), for the tests.
 
@@ -40,7 +40,8 @@ def _converted(src: Path):
     n, nextn = text["num_hidden_layers"], text.get("mtp_num_hidden_layers", 0)
     nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
     dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
-    names = gguf.get_tensor_name_map(MODEL_ARCH.QWEN35MOE, n + nextn)
+    arch = MODEL_ARCH.QWEN35MOE if text.get("num_experts") else MODEL_ARCH.QWEN35
+    names = gguf.get_tensor_name_map(arch, n + nextn)
     out, experts = {}, defaultdict(dict)
     for key in reader.keys():
         if key.startswith("model.visual."):
@@ -82,15 +83,15 @@ def _converted(src: Path):
         stacked = np.stack([by_e[e] for e in range(len(by_e))])
         out[names.get_name(f"model.layers.{bid}.mlp.experts.{proj}.weight",
                            try_suffixes=(".weight",))] = stacked
-    return out, text
+    return out, text, arch
 
 
 def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32) -> Path:
     """`src` (qwen3_5_moe.make_tiny) as a text GGUF, as nemotron_h_layout.write_gguf."""
-    tensors, t = _converted(src)
+    tensors, t, arch = _converted(src)
     n, nextn = t["num_hidden_layers"], t.get("mtp_num_hidden_layers", 0)
     rope = t["rope_parameters"]
-    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[MODEL_ARCH.QWEN35MOE])
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     w.add_block_count(n + nextn)
     w.add_context_length(t["max_position_embeddings"])
     w.add_embedding_length(t["hidden_size"])
@@ -99,12 +100,15 @@ def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32) -> Path:
     w.add_rope_dimension_sections([*rope["mrope_section"], 0])
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(t["rms_norm_eps"])
-    w.add_expert_count(t["num_experts"])
-    w.add_expert_used_count(t["num_experts_per_tok"])
     w.add_key_length(t["head_dim"])
     w.add_value_length(t["head_dim"])
-    w.add_expert_feed_forward_length(t["moe_intermediate_size"])
-    w.add_expert_shared_feed_forward_length(t["shared_expert_intermediate_size"])
+    if arch == MODEL_ARCH.QWEN35MOE:
+        w.add_expert_count(t["num_experts"])
+        w.add_expert_used_count(t["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(t["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(t["shared_expert_intermediate_size"])
+    else:  # dense Qwen3.5 (the converter's Qwen3_5TextModel)
+        w.add_feed_forward_length(t["intermediate_size"])
     if nextn:
         w.add_nextn_predict_layers(nextn)
     w.add_ssm_conv_kernel(t["linear_conv_kernel_dim"])

@@ -48,8 +48,10 @@ class Hybrid:
 
     def __init__(self, arch: str, root: Path):
         self.arch, self.root = arch, root
-        self.path = family_module(arch.removesuffix("_text")).make_tiny(
-            root / arch, seed=0, mtp_layers=MTP_GROUPS)
+        module = family_module("qwen3_5_moe" if arch == "qwen3_5" else arch.removesuffix("_text"))
+        extra = {"hf_config": module.tiny_hf_config(MTP_GROUPS, dense=True)} \
+            if arch == "qwen3_5" else {}  # dense Qwen3.5: the MoE family's module
+        self.path = module.make_tiny(root / arch, seed=0, mtp_layers=MTP_GROUPS, **extra)
         if arch.endswith("_text"):
             self.path = text_only_qwen(self.path, root / "text_only")
         rng = random.Random(0)

@@ -235,3 +235,23 @@ def test_init_from_a_fine_tuned_module(hybrid, exported, tmp_path):
         assert sorted(a.keys()) == sorted(b.keys())
         for k in a.keys():
             assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
+
+
+@pytest.mark.parametrize("run", ["eagle3", "mtp"])
+def test_dense_qwen3_5_trains_its_heads(tmp_path, run):
+    """Dense Qwen3.5: an EAGLE-3 head as wide as its MLP, and a fresh MTP module, lower the
+    loss in 10 steps."""
+    from specdeploy.training.target_info import eagle3_geometry
+
+    h = Hybrid("qwen3_5", tmp_path)
+    target = h.target()
+    assert eagle3_geometry(target)["intermediate_size"] == target.cfg.intermediate_size == 96
+    cfg, meta = h.run(run)
+    state = torch.load(f"{cfg.out}/checkpoint.pt")
+    feats = h.batch(target, cfg)
+    obj = _objective(h, cfg, target, state["draft_ids"])
+    with torch.no_grad():
+        before = float(obj.loss(feats)[0])
+        obj.load_state_dict(state["objective"])
+        after = float(obj.loss(feats)[0])
+    assert meta["steps"] == 10 and after < before - 0.05, (before, after)
