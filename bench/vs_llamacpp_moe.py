@@ -1,4 +1,5 @@
-"""specdeploy vs llama.cpp on hybrid MoE GGUFs (NemotronH MoE, Qwen3.5-MoE), batch 1: prefill
+"""specdeploy vs llama.cpp on hybrid GGUFs (NemotronH MoE, Qwen3.5-MoE; dense Qwen3.5 with
+`--archs qwen3_5`), batch 1: prefill
 time and decode tokens/s on the same file, side by side in one run.
 
 No real hybrid weights are available offline, so random mid-size checkpoints (~60-90M
@@ -42,6 +43,10 @@ QWEN = dict(hidden_size=512, num_hidden_layers=8, layer_types=["linear_attention
     linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
     num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
     shared_expert_intermediate_size=512, vocab_size=4096)
+# the dense Qwen3.5 of the same shape (a SwiGLU MLP of width 1536 per layer: ~50M parameters)
+QWEN_DENSE = {**{k: v for k, v in QWEN.items() if not k.startswith(("num_experts", "moe_",
+                                                                     "shared_expert"))},
+              "intermediate_size": 1536}
 
 
 def _with_a_merge_token(ckpt: Path) -> Path:
@@ -73,8 +78,9 @@ def _checkpoint(arch: str, out: Path) -> Path:
 
     # (with its MTP layer: llama.cpp 0.3.36's converter wants one for Qwen3.5; neither tool
     # runs it here)
-    hf = q35.tiny_hf_config(mtp_layers=1)
-    hf["text_config"] = dict(hf["text_config"], **QWEN)
+    dense = arch == "qwen3_5"
+    hf = q35.tiny_hf_config(mtp_layers=1, dense=dense)
+    hf["text_config"] = dict(hf["text_config"], **(QWEN_DENSE if dense else QWEN))
     return q35.make_tiny(out, seed=0, mtp_layers=1, hf_config=hf)
 
 
