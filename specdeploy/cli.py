@@ -95,9 +95,7 @@ def cmd_make_tiny(args) -> int:
         from specdeploy.models.drafters.eagle3 import make_tiny_eagle3
 
         path = make_tiny_eagle3(args.target, args.out, seed=args.seed)
-    elif args.arch == "qwen3_5":
-        if args.quant:
-            raise SystemExit("make-tiny --arch qwen3_5: --quant is not supported (dense Qwen3.5)")
+    elif args.arch == "qwen3_5" and not args.quant:
         from specdeploy.models import qwen3_5_moe as q35
 
         path = q35.make_tiny(args.out, seed=args.seed, mtp_layers=args.mtp_layers,

@@ -40,5 +40,11 @@ def make_tiny_quantized(arch: str, out: str | Path, quant: str, seed: int = 0,
     from specdeploy.models.registry import family_module
 
     with tempfile.TemporaryDirectory() as tmp:
-        src = family_module(arch).make_tiny(Path(tmp) / arch, seed=seed, mtp_layers=mtp_layers)
+        if arch == "qwen3_5":  # dense Qwen3.5: the MoE family's module
+            q35 = family_module("qwen3_5_moe")
+            src = q35.make_tiny(Path(tmp) / arch, seed=seed, mtp_layers=mtp_layers,
+                                hf_config=q35.tiny_hf_config(mtp_layers, dense=True))
+        else:
+            src = family_module(arch).make_tiny(Path(tmp) / arch, seed=seed,
+                                                mtp_layers=mtp_layers)
         return quantize_checkpoint(src, out, quant, kv_cache=kv_cache)

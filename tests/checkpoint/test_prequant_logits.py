@@ -23,12 +23,13 @@ from specdeploy.models import nemotron_h_blocks, qwen3_5_blocks
 from specdeploy.quantize_cli import make_tiny_quantized
 from tests.checkpoint.quant_oracle import dequantize_dir, fake_quant_hooks
 
-ARCHS = ("llama", "nemotron_h", "qwen3_5_moe")
+ARCHS = ("llama", "nemotron_h", "qwen3_5_moe", "qwen3_5")  # qwen3_5: dense
 METHODS = ("fp8", "nvfp4", "fp8-block")
 # quantized linears (+ routed-expert sets) per tiny model: everything but lm_head, routers and
 # the shared-expert gate (see test_quantize.EXPECTED_MATCHES; the nemotron_h router is excluded
 # by '*.mixer.gate' here and no longer a linear there)
-EXPECTED = {"llama": 14, "nemotron_h": 24 + 2, "qwen3_5_moe": 31 + 4}
+EXPECTED = {"llama": 14, "nemotron_h": 24 + 2, "qwen3_5_moe": 31 + 4,
+            "qwen3_5": 31}  # (the MoE's shared expert's 3 linears are the dense MLP's here)
 
 
 def assert_close(actual, expected, rtol=1e-4):
