@@ -17,7 +17,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from specdeploy.checkpoint import gguf_llama, gguf_mmproj, gguf_nemotron_h, gguf_qwen3_5
+from specdeploy.checkpoint import (
+    gguf_llama,
+    gguf_mmproj,
+    gguf_nemotron_h,
+    gguf_qwen,
+    gguf_qwen3_5,
+)
 from specdeploy.checkpoint.errors import CheckpointError
 from specdeploy.checkpoint.gguf_llama import hf_name
 
@@ -28,8 +34,8 @@ _NP_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32,
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 # general.architecture -> the module that maps it (config, names, values)
-_ARCHS = {"llama": gguf_llama, **{a: m for m in (gguf_nemotron_h, gguf_qwen3_5, gguf_mmproj)
-                                   for a in m.ARCHS}}
+_ARCHS = {"llama": gguf_llama, **{a: m for m in (gguf_qwen, gguf_nemotron_h, gguf_qwen3_5,
+                                                 gguf_mmproj) for a in m.ARCHS}}
 SUPPORTED_ARCHITECTURES = tuple(a for a in _ARCHS if a not in gguf_mmproj.ARCHS)  # (models)
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFReader", "hf_name", "read_header"]
 

@@ -31,10 +31,11 @@ def hf_name(gguf_name: str, cfg: dict | None = None) -> str | None:
     return None
 
 
-def hf_config(reader) -> dict:
-    """`reader`: a `GGUFReader` (its `metadata`, tensor table and `path`)."""
+def hf_config(reader, arch: str = "llama") -> dict:
+    """`reader`: a `GGUFReader` (its `metadata`, tensor table and `path`); `arch`: the metadata's
+    key prefix (gguf_qwen.py reads Qwen2 / Qwen3 files through this)."""
     md, tensors = reader.metadata, reader.tensor_infos
-    meta = ArchMeta(reader, "llama")
+    meta = ArchMeta(reader, arch)
     get, need = meta.get, meta.need
 
     heads = int(need("attention.head_count"))

@@ -1,7 +1,9 @@
-"""Llama family (Llama 2/3, SmolLM2, Mistral-style GQA): plain full-sequence model on canonical ops.
+"""Llama family (Llama 2/3, SmolLM2, Mistral-style GQA; Qwen2 and Qwen3, which differ only in
+q/k/v biases and per-head q/k RMSNorms): plain full-sequence model on canonical ops.
 
-Submodule names follow HF `LlamaForCausalLM` (`model.layers.N.self_attn.q_proj`, ...), so a released
-checkpoint maps onto the parameters one to one.
+Submodule names follow HF `LlamaForCausalLM` (`model.layers.N.self_attn.q_proj`, ...;
+`self_attn.q_norm` / `k_norm` for Qwen3), so a released checkpoint maps onto the parameters one
+to one.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from specdeploy.checkpoint import CheckpointError
 from specdeploy.models.layers import MLP, RMSNorm, RopeConfig, RotaryEmbedding
 from specdeploy.ops.shard import heads, linear_col, linear_row, tp_reduce
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class Config:
     rope: RopeConfig = field(default_factory=RopeConfig)
     attention_bias: bool = False
     mlp_bias: bool = False
+    qkv_bias: bool = False  # q/k/v biases without an o_proj one (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q / k head before RoPE (Qwen3)
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
@@ -40,6 +44,10 @@ class Config:
     def from_hf(cls, hf: dict) -> Config:
         hf = hf.get("text_config") or hf
         heads = int(hf["num_attention_heads"])
+        kind = hf.get("model_type", "llama")
+        if kind in ("qwen2", "qwen3") and (hf.get("use_sliding_window") or any(
+                t != "full_attention" for t in hf.get("layer_types") or ())):
+            raise ValueError(f"{kind}: sliding-window attention is not supported")
         return cls(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
@@ -52,6 +60,8 @@ class Config:
             rope=RopeConfig.from_hf(hf),
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            qkv_bias=kind == "qwen2",
+            qk_norm=kind == "qwen3",
             hidden_act=hf.get("hidden_act", "silu"),
             # transformers' default for Llama is untied
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -71,10 +81,14 @@ class Attention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, d)
         self.scale = d**-0.5
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(in_features, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(in_features, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(in_features, self.num_kv_heads * d, bias=bias)
+        qkv = bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(in_features, self.num_heads * d, bias=qkv)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * d, bias=qkv)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * d, bias=qkv)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        if cfg.qk_norm:  # (replicated over TP ranks: one weight per head dimension)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         (b, t, _), d, hq = x.shape, self.head_dim, self.num_heads
@@ -82,6 +96,8 @@ class Attention(nn.Module):
         q = linear_col(self.q_proj, x, "mha", [heads(hq, d)]).view(b, t, -1, d)
         k = linear_col(self.k_proj, x, "mha", [heads(self.num_kv_heads, d, hq)]).view(b, t, -1, d)
         v = linear_col(self.v_proj, x, "mha", [heads(self.num_kv_heads, d, hq)]).view(b, t, -1, d)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q = torch.ops.specdeploy.rope(q, cos, sin)
         k = torch.ops.specdeploy.rope(k, cos, sin)
         o = torch.ops.specdeploy.attention(q, k, v, self.scale, 0)
@@ -189,7 +205,9 @@ def params_to_checkpoint(state_dict: dict[str, torch.Tensor], cfg: Config
 
 
 def tiny_hf_config(mtp_layers: int = 0, **overrides) -> dict:
-    """config.json of a tiny Llama (GQA 4:2, head_dim 16) that transformers loads."""
+    """config.json of a tiny Llama (GQA 4:2, head_dim 16) that transformers loads;
+    `model_type="qwen2"` / `"qwen3"` (with the matching `architectures`) in `overrides`: a tiny
+    Qwen2 / Qwen3 (see `tiny_qwen_config`)."""
     if mtp_layers:
         raise ValueError("Llama has no MTP layers")
     cfg = {
@@ -203,6 +221,13 @@ def tiny_hf_config(mtp_layers: int = 0, **overrides) -> dict:
     }
     cfg.update(overrides)
     return cfg
+
+
+def tiny_qwen_config(kind: str) -> dict:
+    """`tiny_hf_config` overrides of a tiny Qwen2 ("qwen2") or Qwen3 ("qwen3")."""
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    return {"architectures": [arch], "model_type": kind, "rope_theta": 1e6,
+            "use_sliding_window": False, "max_window_layers": 2}
 
 
 def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, *,

@@ -13,6 +13,8 @@ _FAMILIES = {
 }
 _ARCH_TO_FAMILY = {
     "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",  # Llama + q/k/v biases
+    "Qwen3ForCausalLM": "llama",  # Llama + per-head q/k RMSNorms
     "NemotronHForCausalLM": "nemotron_h",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",

@@ -349,3 +349,20 @@ def test_dense_qwen3_5_on_two_ranks(tmp_path):
             assert _ids(llm.generate(prompts, _params())) == want
         finally:
             llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_qwen2_qwen3_on_two_ranks(tmp_path, kind):
+    """Qwen2's q/k/v biases split with their heads, Qwen3's per-head q/k norms replicated: 2
+    ranks give the one-process tokens."""
+    from specdeploy.models import llama
+
+    path = str(llama.make_tiny(tmp_path / kind, seed=1,
+                               config_overrides=llama.tiny_qwen_config(kind)))
+    prompts = ["hello there", "a b c d"]
+    want = _ids(LLM(path, **LIMITS).generate(prompts, _params()))
+    llm = LLM(path, tensor_parallel_size=2, dist_timeout=30, **LIMITS)
+    try:
+        assert _ids(llm.generate(prompts, _params())) == want
+    finally:
+        llm.shutdown()
