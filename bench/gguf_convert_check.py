@@ -59,6 +59,9 @@ sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
 import gguf
 from conversion.base import TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+def no_sentencepiece(self, *args, **kwargs):  # (Qwen2's converter tries it first; without the
+    raise FileNotFoundError("no tokenizer.model")  # package it fails instead of falling back)
+TextModel._set_vocab_sentencepiece = no_sentencepiece
 add = gguf.SpecialVocab.add_to_gguf
 def add_with_a_merge(self, gw, quiet=False):
     self.merges = self.merges or ["a b"]

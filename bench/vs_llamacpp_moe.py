@@ -1,5 +1,5 @@
 """specdeploy vs llama.cpp on hybrid GGUFs (NemotronH MoE, Qwen3.5-MoE; dense Qwen3.5 with
-`--archs qwen3_5`), batch 1: prefill
+`--archs qwen3_5`; Qwen3 / Qwen2 with `--archs qwen3`), batch 1: prefill
 time and decode tokens/s on the same file, side by side in one run.
 
 No real hybrid weights are available offline, so random mid-size checkpoints (~60-90M
@@ -62,11 +62,22 @@ def _with_a_merge_token(ckpt: Path) -> Path:
     return ckpt
 
 
+# a Qwen3-0.6B-shaped block stack (hidden 1024, 16 q / 8 kv heads of 128, MLP 3072), 8 layers
+QWEN3 = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+             num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=4096,
+             max_position_embeddings=4096)
+
+
 def checkpoint(arch: str, out: Path) -> Path:
     return _with_a_merge_token(_checkpoint(arch, out))
 
 
 def _checkpoint(arch: str, out: Path) -> Path:
+    if arch in ("qwen2", "qwen3"):
+        from specdeploy.models import llama
+
+        return llama.make_tiny(out, seed=0, config_overrides={
+            **llama.tiny_qwen_config(arch), **QWEN3})
     if arch == "nemotron_h_moe":
         from specdeploy.models import nemotron_h as nh
 
