@@ -7,7 +7,8 @@ per llama.cpp version:
 1. tiny NemotronH checkpoints (dense; MoE with a latent projection and an MTP head) and a tiny
    Qwen3.5-MoE (fewer key than value heads, an MTP head) are converted by llama.cpp's
    convert_hf_to_gguf.py (from the llama-cpp-python sdist, `--llamacpp-src`), and a tiny dense
-   Qwen3.5 ("qwen35") with an MTP head, and tiny Qwen2 / Qwen3 ("qwen2" / "qwen3");
+   Qwen3.5 ("qwen35") with an MTP head, and tiny Qwen2 / Qwen3 / Qwen3-MoE ("qwen2" /
+   "qwen3" / "qwen3moe");
 2. specdeploy loads each GGUF; its logits are compared with transformers' on the safetensors
    checkpoint, and its parameters (MTP head included) with those loaded from the checkpoint;
 3. llama.cpp itself (llama-cpp-python, built by bench/setup_llamacpp.sh) runs the same GGUF, and
@@ -74,7 +75,7 @@ runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
 
 def models(tmp: Path) -> dict[str, tuple[Path, str]]:
     """name -> (tiny checkpoint, transformers class of its oracle)."""
-    from specdeploy.models import llama
+    from specdeploy.models import llama, qwen3_moe
     from specdeploy.models import qwen3_5_moe as q35
     from tests.checkpoint.test_gguf_nemotron_h import DENSE, MOE
 
@@ -87,6 +88,8 @@ def models(tmp: Path) -> dict[str, tuple[Path, str]]:
                             "Qwen3_5MoeForConditionalGeneration"),
         **{kind: (llama.make_tiny(tmp / kind, seed=5, config_overrides=llama.tiny_qwen_config(
             kind)), f"Qwen{kind[-1]}ForCausalLM") for kind in ("qwen2", "qwen3")},
+        "qwen3_moe": (qwen3_moe.make_tiny(tmp / "q3moe", seed=5, config_overrides={
+            "mlp_only_layers": []}), "Qwen3MoeForCausalLM"),
         "qwen3_5_dense_mtp": (q35.make_tiny(tmp / "q35d", seed=5, mtp_layers=1,
                                             hf_config=q35.tiny_hf_config(1, dense=True)),
                               "Qwen3_5ForConditionalGeneration"),

@@ -1,5 +1,5 @@
 """specdeploy vs llama.cpp on hybrid GGUFs (NemotronH MoE, Qwen3.5-MoE; dense Qwen3.5 with
-`--archs qwen3_5`; Qwen3 / Qwen2 with `--archs qwen3`), batch 1: prefill
+`--archs qwen3_5`; Qwen3 / Qwen2 / Qwen3-MoE with `--archs qwen3` / `qwen3_moe`), batch 1: prefill
 time and decode tokens/s on the same file, side by side in one run.
 
 No real hybrid weights are available offline, so random mid-size checkpoints (~60-90M
@@ -68,11 +68,21 @@ QWEN3 = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
              max_position_embeddings=4096)
 
 
+# Qwen3-30B-A3B's attention (32 q / 4 kv heads of 128) and routing (128 experts, top 8) at
+# hidden 1024, 48 experts of width 384, 8 layers (~0.15B parameters, ~40M active)
+QWEN3_MOE = dict(QWEN3, num_attention_heads=16, num_key_value_heads=4, num_experts=48,
+                 num_experts_per_tok=8, moe_intermediate_size=384, mlp_only_layers=[])
+
+
 def checkpoint(arch: str, out: Path) -> Path:
     return _with_a_merge_token(_checkpoint(arch, out))
 
 
 def _checkpoint(arch: str, out: Path) -> Path:
+    if arch == "qwen3_moe":
+        from specdeploy.models import qwen3_moe
+
+        return qwen3_moe.make_tiny(out, seed=0, config_overrides=QWEN3_MOE)
     if arch in ("qwen2", "qwen3"):
         from specdeploy.models import llama
 

@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("make-tiny", help="write a tiny random checkpoint")
     t.add_argument("--arch", required=True,
-                   choices=("llama", "nemotron_h", "qwen3_5_moe", "qwen3_5", "eagle3"),
+                   choices=("llama", "nemotron_h", "qwen3_5_moe", "qwen3_5", "qwen3_moe",
+                            "eagle3"),
                    help="qwen3_5: the dense Qwen3.5 VLM (qwen3_5_moe's blocks, an MLP per layer)")
     t.add_argument("--mtp-layers", type=int, default=0)
     t.add_argument("--seed", type=int, default=0)

@@ -31,9 +31,10 @@ def hf_name(gguf_name: str, cfg: dict | None = None) -> str | None:
     return None
 
 
-def hf_config(reader, arch: str = "llama") -> dict:
+def hf_config(reader, arch: str = "llama", dense_ffn: bool = True) -> dict:
     """`reader`: a `GGUFReader` (its `metadata`, tensor table and `path`); `arch`: the metadata's
-    key prefix (gguf_qwen.py reads Qwen2 / Qwen3 files through this)."""
+    key prefix (gguf_qwen.py reads Qwen2 / Qwen3 files through this); `dense_ffn` False: the
+    dense MLP's width may be absent (0: a model of MoE layers)."""
     md, tensors = reader.metadata, reader.tensor_infos
     meta = ArchMeta(reader, arch)
     get, need = meta.get, meta.need
@@ -48,7 +49,8 @@ def hf_config(reader, arch: str = "llama") -> dict:
         md.get("tokenizer.ggml.tokens", ()))
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-        "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
+        "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length") if dense_ffn
+                                 else get("feed_forward_length", 0) or 0),
         "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": int(get("attention.key_length", hidden // heads)),

@@ -1,31 +1,71 @@
-"""GGUF architectures "qwen2" and "qwen3" (llama.cpp): Llama-layout files whose q/k rows are not
-permuted (Qwen's RoPE is rotate-half, which llama.cpp runs as NEOX), with q/k/v biases (Qwen2)
-or per-head q / k RMSNorms (Qwen3, `attn_q_norm` / `attn_k_norm`). Metadata as gguf_llama.py
-reads it under the file's own key prefix."""
+"""GGUF architectures "qwen2", "qwen3" and "qwen3moe" (llama.cpp): Llama-layout files whose q/k
+rows are not permuted (Qwen's RoPE is rotate-half, which llama.cpp runs as NEOX), with q/k/v
+biases (Qwen2) or per-head q / k RMSNorms (Qwen3, `attn_q_norm` / `attn_k_norm`); Qwen3-MoE's
+routed experts stacked with gate and up apart (`ffn_gate_exps`, `ffn_up_exps`: joined back into
+the fused gate_up_proj [E, 2I, H]), its router `ffn_gate_inp`. Metadata as gguf_llama.py reads
+it under the file's own key prefix."""
 from __future__ import annotations
 
-from specdeploy.checkpoint import gguf_llama
+import re
 
-ARCHS = ("qwen2", "qwen3")
+from specdeploy.checkpoint import gguf_llama
+from specdeploy.checkpoint.errors import CheckpointError
+from specdeploy.checkpoint.gguf_meta import ArchMeta
+
+ARCHS = ("qwen2", "qwen3", "qwen3moe")
 ROTARY_PERMUTED = False
-_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_HF = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_OWN = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate_inp": "mlp.gate", "ffn_down_exps": "mlp.experts.down_proj"}
+_HF = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+       "qwen3moe": "Qwen3MoeForCausalLM"}
+_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+_EXPS = re.compile(r"^blk\.(\d+)\.ffn_gate_exps\.weight$")
 
 
 def hf_name(gguf_name: str, cfg: dict | None = None) -> str | None:
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _NORMS:
-        return f"model.layers.{parts[1]}.{_NORMS[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _OWN:
+        tail = "" if parts[2] == "ffn_down_exps" else f".{parts[3]}"  # (a 3-D parameter)
+        return f"model.layers.{parts[1]}.{_OWN[parts[2]]}{tail}"
     return gguf_llama.hf_name(gguf_name, cfg)
 
 
 def hf_config(reader) -> dict:
     arch = reader.metadata["general.architecture"]
-    cfg = gguf_llama.hf_config(reader, arch)
+    cfg = gguf_llama.hf_config(reader, arch, dense_ffn=arch != "qwen3moe")
     # Qwen2's q/k/v biases are its own (no o_proj bias): model_type says so, not attention_bias
-    cfg.update(architectures=[_HF[arch]], model_type=arch, attention_bias=False,
+    cfg.update(architectures=[_HF[arch]], model_type=_TYPES[arch], attention_bias=False,
                use_sliding_window=False)
+    if arch == "qwen3moe":
+        cfg.update(_moe(reader))
     return cfg
+
+
+def _moe(reader) -> dict:
+    tensors = reader.tensor_infos
+    meta = ArchMeta(reader, "qwen3moe")
+    gate = tensors.get("blk.0.ffn_gate_exps.weight") or next(
+        (t for n, t in tensors.items() if _EXPS.match(n)), None)
+    if gate is None:
+        raise CheckpointError(f"{reader.path}: a qwen3moe GGUF without routed experts "
+                              "(ffn_gate_exps)")
+    n = int(meta.need("block_count"))
+    dense = [i for i in range(n) if f"blk.{i}.ffn_gate_exps.weight" not in tensors]
+    # llama.cpp renormalizes Qwen3-MoE's top-k weights (its configs say norm_topk_prob)
+    return {"num_experts": gate.shape[0], "num_experts_per_tok":
+            int(meta.need("expert_used_count")), "moe_intermediate_size": gate.shape[1],
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": dense}
+
+
+def joined(reader) -> dict[str, tuple[list[str], int]]:
+    """Each MoE layer's fused gate_up_proj [E, 2I, H]: gate rows, then up."""
+    out = {}
+    for name in reader.tensor_infos:
+        m = _EXPS.match(name)
+        up = f"blk.{m.group(1)}.ffn_up_exps.weight" if m else None
+        if up in reader.tensor_infos:
+            out[f"model.layers.{m.group(1)}.mlp.experts.gate_up_proj"] = ([name, up], 1)
+    return out
 
 
 def to_hf(gguf_name: str, a, cfg: dict):

@@ -10,11 +10,13 @@ _FAMILIES = {
     "llama": "specdeploy.models.llama",
     "nemotron_h": "specdeploy.models.nemotron_h",
     "qwen3_5_moe": "specdeploy.models.qwen3_5_moe",
+    "qwen3_moe": "specdeploy.models.qwen3_moe",
 }
 _ARCH_TO_FAMILY = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",  # Llama + q/k/v biases
     "Qwen3ForCausalLM": "llama",  # Llama + per-head q/k RMSNorms
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "NemotronHForCausalLM": "nemotron_h",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",

@@ -1,0 +1,208 @@
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`, e.g. Qwen3-30B-A3B): Qwen3's attention (the Llama module's,
+with per-head q/k norms) and a softmax top-k routed SwiGLU MoE without a shared expert (dense
+MLPs on `mlp_only_layers` and off the `decoder_sparse_step`).
+
+Names follow transformers' `modeling_qwen3_moe.py`. Experts load from per-expert keys
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`, what releases write) or transformers' fused 3-D
+tensors (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdeploy.checkpoint import CheckpointError, CheckpointReader, from_keys
+from specdeploy.models import llama
+from specdeploy.models.layers import MLP, RMSNorm, RotaryEmbedding
+from specdeploy.ops import route_softmax_topk
+from specdeploy.ops.shard import Seg, tp_param, tp_reduce
+
+ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+_ops = torch.ops.specdeploy
+
+
+@dataclass(frozen=True)
+class Config(llama.Config):
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # (none: what drafter training sizes against)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> Config:
+        hf = hf.get("text_config") or hf
+        base = llama.Config.from_hf({**hf, "model_type": "qwen3"})  # q/k norms, no biases
+        return cls(**base.__dict__, num_experts=int(hf["num_experts"]),
+                   num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                   moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                   decoder_sparse_step=int(hf.get("decoder_sparse_step", 1) or 1),
+                   mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    def sparse(self, layer: int) -> bool:
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+
+class SparseMoeBlock(nn.Module):
+    """Softmax top-k routed SwiGLU experts (renormalized when `norm_topk_prob`)."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        route = route_softmax_topk(self.gate(x), self.top_k, self.renormalize)  # replicated
+        # sharding hints: experts over EP ranks, each expert's width ([gate | up]) over TP ranks
+        i = self.experts.down_proj.shape[-1]
+        w_up = tp_param(self.experts.gate_up_proj, "moe", "expert_colwise", 1, [Seg(i), Seg(i)])
+        w_down = tp_param(self.experts.down_proj, "moe", "expert_rowwise", 2, [Seg(i)])
+        out = tp_reduce(_ops.moe_experts(x, route.ids, route.weights, w_up, w_down, "swiglu"),
+                        "moe")
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Config, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = llama.Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SparseMoeBlock(cfg) if cfg.sparse(index) else MLP(
+            cfg.hidden_size, cfg.intermediate_size, False, cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+
+class Model(llama.Model):
+    """`forward(input_ids[B,T], position_ids?) -> logits[B,T,V]` (llama.Model's, other layers)."""
+
+    def __init__(self, cfg: Config, with_mtp: bool = False):
+        nn.Module.__init__(self)
+        if with_mtp:
+            raise ValueError("Qwen3-MoE checkpoints have no MTP head; use an EAGLE-3 drafter")
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._tie()
+
+
+def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool = False
+                         ) -> dict[str, Callable[[], torch.Tensor]]:
+    """Our parameter name → lazy tensor; raises `CheckpointError` naming missing keys."""
+    from specdeploy.models.qwen3_5_moe import _per_expert
+
+    if with_mtp:
+        raise CheckpointError("Qwen3-MoE checkpoints have no MTP weights")
+    with torch.device("meta"):
+        names = [n for n, _ in Model(cfg).named_parameters()]
+    params: dict[str, Callable[[], torch.Tensor]] = {}
+    missing: list[str] = []
+    for name in names:
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) \
+                and name not in reader:
+            params[name], lacking = _per_expert(reader, name, cfg.num_experts)
+            missing += lacking
+        elif name in reader:
+            params[name] = from_keys(lambda s=name: reader.get(s), name)
+        else:
+            missing.append(name)
+    if missing:
+        more = f" (+{len(missing) - 12} more)" if len(missing) > 12 else ""
+        raise CheckpointError(f"{reader.path}: Qwen3-MoE tensors are missing: "
+                              f"{', '.join(missing[:12])}{more}")
+    return params
+
+
+def params_to_checkpoint(state_dict: dict[str, torch.Tensor], cfg: Config
+                         ) -> dict[str, torch.Tensor]:
+    """Our state dict → the released layout (per-expert keys; the tied head not stored)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state_dict.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        if key.endswith("mlp.experts.gate_up_proj"):
+            base, inter = key[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{base}{e}.up_proj.weight"] = t[e, inter:]
+        elif key.endswith("mlp.experts.down_proj"):
+            base = key[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[key] = t
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def tiny_hf_config(mtp_layers: int = 0, **overrides) -> dict:
+    """A tiny `Qwen3MoeForCausalLM` config.json (3 layers: the middle one a dense MLP)."""
+    if mtp_layers:
+        raise ValueError("Qwen3-MoE has no MTP layers")
+    cfg = llama.tiny_hf_config(**llama.tiny_qwen_config("qwen3"))
+    cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+               num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+               mlp_only_layers=[1], intermediate_size=96)
+    cfg.update(overrides)
+    return cfg
+
+
+def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, *,
+              config_overrides: dict | None = None) -> Path:
+    from specdeploy.checkpoint.tiny import write_checkpoint, write_tiny_tokenizer
+
+    hf = tiny_hf_config(mtp_layers, **(config_overrides or {}))
+    cfg = Config.from_hf(hf)
+    gen = torch.Generator().manual_seed(seed)
+    model = Model(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    path = write_checkpoint(out, hf, params_to_checkpoint(model.state_dict(), cfg))
+    write_tiny_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+__all__ = ["ARCHITECTURES", "Config", "Model", "checkpoint_to_params", "make_tiny",
+           "params_to_checkpoint", "tiny_hf_config"]
