@@ -1,5 +1,6 @@
-"""Llama family (Llama 2/3, SmolLM2, Mistral-style GQA; Qwen2 and Qwen3, which differ only in
-q/k/v biases and per-head q/k RMSNorms): plain full-sequence model on canonical ops.
+"""Llama family (Llama 2/3, SmolLM2, Mistral without a sliding window; Qwen2 and Qwen3, which
+differ only in q/k/v biases and per-head q/k RMSNorms): plain full-sequence model on canonical
+ops.
 
 Submodule names follow HF `LlamaForCausalLM` (`model.layers.N.self_attn.q_proj`, ...;
 `self_attn.q_norm` / `k_norm` for Qwen3), so a released checkpoint maps onto the parameters one
@@ -18,7 +19,8 @@ from specdeploy.checkpoint import CheckpointError
 from specdeploy.models.layers import MLP, RMSNorm, RopeConfig, RotaryEmbedding
 from specdeploy.ops.shard import heads, linear_col, linear_row, tp_reduce
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,10 @@ class Config:
         if kind in ("qwen2", "qwen3") and (hf.get("use_sliding_window") or any(
                 t != "full_attention" for t in hf.get("layer_types") or ())):
             raise ValueError(f"{kind}: sliding-window attention is not supported")
+        window = hf.get("sliding_window") if kind == "mistral" else None
+        if window is not None and window < int(hf.get("max_position_embeddings", 4096)):
+            raise ValueError(f"mistral: sliding-window attention ({window} tokens) is not "
+                             "supported")
         return cls(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),

@@ -14,6 +14,7 @@ _FAMILIES = {
 }
 _ARCH_TO_FAMILY = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",  # (without a sliding window)
     "Qwen2ForCausalLM": "llama",  # Llama + q/k/v biases
     "Qwen3ForCausalLM": "llama",  # Llama + per-head q/k RMSNorms
     "Qwen3MoeForCausalLM": "qwen3_moe",

@@ -61,3 +61,19 @@ def test_sliding_window_is_refused():
         hf = llama.tiny_hf_config(**{**llama.tiny_qwen_config(kind), "use_sliding_window": True})
         with pytest.raises(ValueError, match=f"{kind}: sliding-window attention"):
             llama.Config.from_hf(hf)
+
+
+def test_mistral_without_a_window_is_llama(tmp_path):
+    """`MistralForCausalLM` with no sliding window (or one as long as the context) deploys as
+    Llama: logits = transformers' class; a shorter window is refused by name."""
+    over = {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+            "sliding_window": None}
+    path = llama.make_tiny(tmp_path / "m", seed=4, config_overrides=over)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "MistralForCausalLM"
+    ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        assert (load_model(path)(ids) - want).abs().max().item() <= 1e-4 * want.abs().max()
+    with pytest.raises(ValueError, match="mistral: sliding-window attention .256 tokens"):
+        llama.Config.from_hf(llama.tiny_hf_config(**{**over, "sliding_window": 256}))
