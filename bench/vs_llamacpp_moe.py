@@ -69,7 +69,7 @@ QWEN3 = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
 
 
 # Qwen3-30B-A3B's attention (32 q / 4 kv heads of 128) and routing (128 experts, top 8) at
-# hidden 1024, 48 experts of width 384, 8 layers (~0.15B parameters, ~40M active)
+# hidden 1024, 48 experts of width 384, 8 layers (~0.5B parameters, ~0.1B active a token)
 QWEN3_MOE = dict(QWEN3, num_attention_heads=16, num_key_value_heads=4, num_experts=48,
                  num_experts_per_tok=8, moe_intermediate_size=384, mlp_only_layers=[])
 
