@@ -75,7 +75,10 @@ def make_drafter(target: nn.Module, draft_ids: torch.Tensor, aux_layers: tuple[i
             mid.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight)
             mid.post_attention_layernorm.load_state_dict(
                 last.post_attention_layernorm.state_dict())
-            mid.mlp.load_state_dict(last.mlp.state_dict())
+            theirs, ours = last.mlp.state_dict(), mid.mlp.state_dict()
+            if theirs.keys() == ours.keys() and all(  # (a Qwen3-MoE last layer: experts)
+                    theirs[k].shape == ours[k].shape for k in ours):
+                mid.mlp.load_state_dict(theirs)
     return drafter
 
 

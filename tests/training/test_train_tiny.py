@@ -258,3 +258,37 @@ def test_mtp_head_with_a_bad_draft_vocab_is_named(setup, trained, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"))
     with pytest.raises(CheckpointError, match="mtp.d2t"):
         load_mtp_head(bad, target)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_qwen3_targets_train_heads_that_deploy(tmp_path, family):
+    """Qwen3 and Qwen3-MoE targets (the Llama module's attention with q/k norms; routed
+    experts) train an EAGLE-3 head and a generic MTP head; the saved EAGLE-3 head drafts on
+    the deployed target without changing its greedy tokens."""
+    from specdeploy.models import qwen3_moe
+
+    path = (llama.make_tiny(tmp_path / "t", seed=0, config_overrides=llama.tiny_qwen_config(
+        "qwen3")) if family == "qwen3" else qwen3_moe.make_tiny(tmp_path / "t", seed=0))
+    target = specdeploy.load_model(path)
+    rng = random.Random(0)
+    convs = [Conversation(str(i), [
+        {"role": "user", "content": " ".join(rng.choices(WORDS, k=6))},
+        {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=12))}])
+        for i in range(40)]
+    for method in ("eagle3", "mtp"):
+        cfg = TrainConfig(method=method, out=str(tmp_path / method), max_steps=10,
+                          batch_size=2, seq_len=48, num_samples=2, lr=3e-3, warmup_steps=1,
+                          draft_vocab_size=64, save_dtype="fp32", vocab_samples=20,
+                          progress=False, fit_batches=0)
+        meta = train(cfg, target=target, tokenizer=CharTokenizer(), convs=convs,
+                     log=lambda m: None)
+        losses = [h["loss"] for h in meta["history"]]
+        assert losses[-1] < losses[0] - 0.05, (method, losses)
+    sp = specdeploy.SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = ["the cat sat", "a dog"]
+    want = [o.token_ids for o in specdeploy.LLM(str(path), max_batch_size=2,
+                                                max_seq_len=128).generate(prompts, sp)]
+    spec = specdeploy.LLM(str(path), max_batch_size=2, max_seq_len=128, spec={
+        "method": "eagle3", "draft_model": str(tmp_path / "eagle3"), "num_draft_tokens": 2,
+        "controller": "off"})
+    assert [o.token_ids for o in spec.generate(prompts, sp)] == want

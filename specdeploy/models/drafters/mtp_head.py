@@ -106,7 +106,11 @@ def make_mtp_head(target: nn.Module, init_from_target: bool = True) -> MTPHead:
     if init_from_target:
         h = cfg.hidden_size
         with torch.no_grad():
-            mtp.layers[0].load_state_dict(target.model.layers[-1].state_dict())
+            ours, theirs = mtp.layers[0].state_dict(), target.model.layers[-1].state_dict()
+            # every tensor of the same name and shape (a Qwen3-MoE last layer's experts are not
+            # the head's dense MLP: that keeps its init)
+            mtp.layers[0].load_state_dict({k: theirs[k] if k in theirs and theirs[k].shape ==
+                                           v.shape else v for k, v in ours.items()})
             mtp.norm.weight.copy_(target.model.norm.weight)
             mtp.fc.weight.zero_()
             mtp.fc.weight[:, h:].copy_(torch.eye(h))
