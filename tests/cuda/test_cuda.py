@@ -120,3 +120,37 @@ def test_vision_language_requests_on_cuda(tmp_path_factory):
     want = cpu.deployed.visual(mm.pixel_values, torch.tensor(mm.grid_thw))
     feats = gpu.deployed.visual(mm.pixel_values.cuda(), torch.tensor(mm.grid_thw)).cpu()
     torch.testing.assert_close(feats, want, atol=1e-3, rtol=1e-3)
+
+
+def _new_family(kind: str, path):
+    from specdeploy.models import llama, qwen3_moe
+    from specdeploy.models import qwen3_5_moe as q35
+
+    if kind == "qwen3_moe":
+        return qwen3_moe.make_tiny(path, seed=0)
+    if kind == "qwen3_5_dense":
+        return q35.make_tiny(path, seed=0, mtp_layers=1, hf_config=q35.tiny_hf_config(
+            1, dense=True))
+    return llama.make_tiny(path, seed=0, config_overrides=llama.tiny_qwen_config(kind))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "qwen3_5_dense"])
+def test_more_families_on_cuda(tmp_path, kind):
+    """Qwen2 / Qwen3 / Qwen3-MoE / dense Qwen3.5: prefill logits on CUDA = on the CPU (fp32,
+    1e-3), and greedy tokens with CUDA graphs = the eager CUDA deployment's."""
+    from specdeploy import LLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = str(_new_family(kind, tmp_path / kind))
+    opts = dict(dtype="float32", max_batch_size=2, max_seq_len=128, max_cache_gib=0.05)
+    cpu, gpu = build(path, **opts), build(path, device="cuda", **opts)
+    ids = list(range(3, 40))
+    torch.testing.assert_close(_prefill_logits(gpu, ids), _prefill_logits(cpu, ids),
+                               atol=1e-3, rtol=1e-3)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], list(range(20, 50))]
+    kw = dict(device="cuda", dtype="float32", max_batch_size=2, max_seq_len=128)
+    graphs = LLM(path, **kw)
+    got = [o.token_ids for o in graphs.generate(prompts, params)]
+    eager = LLM(path, cuda_graphs=False, **kw)
+    assert [o.token_ids for o in eager.generate(prompts, params)] == got
