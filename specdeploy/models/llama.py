@@ -125,13 +125,15 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, layer=None):
+        """`layer(i)`: decoder layer i (default: this module's; Qwen3-MoE's routed ones)."""
         super().__init__()
         # NOTE: `_weight` skips normal_() init, which on the meta device imports torch._dynamo
         # (seconds); every weight comes from the checkpoint anyway.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        layer = layer or (lambda i: DecoderLayer(cfg))
+        self.layers = nn.ModuleList(layer(i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)
 
@@ -142,11 +144,17 @@ class Model(nn.Module):
     def __init__(self, cfg: Config, with_mtp: bool = False):
         super().__init__()
         if with_mtp:
-            raise ValueError("Llama checkpoints have no MTP head; use an EAGLE-3 drafter instead")
+            raise ValueError(f"{type(self).__module__.rsplit('.', 1)[-1]} checkpoints have no "
+                             "MTP head; use an EAGLE-3 drafter instead")
         self.cfg = cfg
-        self.model = Backbone(cfg)
+        self.model = Backbone(cfg, self.layer_factory(cfg))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._tie()
+
+    @staticmethod
+    def layer_factory(cfg: Config):
+        """`i -> decoder layer i` for `Backbone`; None: Llama's (subclasses override)."""
+        return None
 
     def _tie(self) -> None:
         if self.cfg.tie_word_embeddings:

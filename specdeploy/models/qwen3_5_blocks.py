@@ -223,15 +223,17 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Softmax top-k routed SwiGLU experts plus a sigmoid-gated shared expert."""
+    """Softmax top-k routed SwiGLU experts plus a sigmoid-gated shared expert (where the config
+    has one: Qwen3-MoE has none, models/qwen3_moe.py)."""
 
     def __init__(self, cfg: Config):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
-        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -243,7 +245,8 @@ class SparseMoeBlock(nn.Module):
         w_down = tp_param(self.experts.down_proj, "moe", "expert_rowwise", 2, [Seg(i)])
         out = tp_reduce(_ops.moe_experts(x, route.ids, route.weights, w_up, w_down, "swiglu"),
                         "moe")
-        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
 
 

@@ -156,18 +156,22 @@ def params_to_checkpoint(
         key = _source_key(name, _VLM_PREFIX)
         if _zero_centred(name):
             t = t.float().sub(1.0).to(t.dtype)
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base, inter = key[: -len("gate_up_proj")], t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = t[e, :inter]
-                out[f"{base}{e}.up_proj.weight"] = t[e, inter:]
-        elif name.endswith("mlp.experts.down_proj"):
-            base = key[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = t[e]
-        else:
-            out[key] = t
+        out.update(per_expert_keys(key, t))
     return out
+
+
+def per_expert_keys(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A fused expert tensor as the released per-expert keys (gate_up_proj [E, 2I, H]: gate
+    rows first; down_proj [E, H, I]); any other tensor as it is."""
+    if key.endswith("mlp.experts.gate_up_proj"):
+        base, inter = key[: -len("gate_up_proj")], t.shape[1] // 2
+        return {k: v for e in range(t.shape[0]) for k, v in (
+            (f"{base}{e}.gate_proj.weight", t[e, :inter]), (f"{base}{e}.up_proj.weight",
+                                                            t[e, inter:]))}
+    if key.endswith("mlp.experts.down_proj"):
+        base = key[: -len("down_proj")]
+        return {f"{base}{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
+    return {key: t}
 
 
 def tiny_hf_config(mtp_layers: int = 0, dense: bool = False) -> dict:

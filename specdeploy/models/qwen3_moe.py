@@ -2,7 +2,8 @@
 with per-head q/k norms) and a softmax top-k routed SwiGLU MoE without a shared expert (dense
 MLPs on `mlp_only_layers` and off the `decoder_sparse_step`).
 
-Names follow transformers' `modeling_qwen3_moe.py`. Experts load from per-expert keys
+Names follow transformers' `modeling_qwen3_moe.py`; the MoE block is Qwen3.5-MoE's
+(models/qwen3_5_blocks.py) without its shared expert. Experts load from per-expert keys
 (`mlp.experts.{e}.{gate,up,down}_proj.weight`, what releases write) or transformers' fused 3-D
 tensors (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
 """
@@ -13,16 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from specdeploy.checkpoint import CheckpointError, CheckpointReader, from_keys
 from specdeploy.models import llama
-from specdeploy.models.layers import MLP, RMSNorm, RotaryEmbedding
-from specdeploy.ops import route_softmax_topk
-from specdeploy.ops.shard import Seg, tp_param, tp_reduce
+from specdeploy.models.qwen3_5_blocks import SparseMoeBlock
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-_ops = torch.ops.specdeploy
 
 
 @dataclass(frozen=True)
@@ -33,7 +30,7 @@ class Config(llama.Config):
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    shared_expert_intermediate_size: int = 0  # (none: what drafter training sizes against)
+    shared_expert_intermediate_size: int = 0  # none (qwen3_5_blocks.SparseMoeBlock reads it)
 
     @classmethod
     def from_hf(cls, hf: dict) -> Config:
@@ -55,71 +52,21 @@ class Config(llama.Config):
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
 
-class Experts(nn.Module):
-    def __init__(self, cfg: Config):
-        super().__init__()
-        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+class DecoderLayer(llama.DecoderLayer):
+    """Llama's layer (Qwen3's attention) with the routed experts where the layer is sparse."""
 
-
-class SparseMoeBlock(nn.Module):
-    """Softmax top-k routed SwiGLU experts (renormalized when `norm_topk_prob`)."""
-
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        route = route_softmax_topk(self.gate(x), self.top_k, self.renormalize)  # replicated
-        # sharding hints: experts over EP ranks, each expert's width ([gate | up]) over TP ranks
-        i = self.experts.down_proj.shape[-1]
-        w_up = tp_param(self.experts.gate_up_proj, "moe", "expert_colwise", 1, [Seg(i), Seg(i)])
-        w_down = tp_param(self.experts.down_proj, "moe", "expert_rowwise", 2, [Seg(i)])
-        out = tp_reduce(_ops.moe_experts(x, route.ids, route.weights, w_up, w_down, "swiglu"),
-                        "moe")
-        return out.view(shape)
-
-
-class DecoderLayer(nn.Module):
     def __init__(self, cfg: Config, index: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = llama.Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoeBlock(cfg) if cfg.sparse(index) else MLP(
-            cfg.hidden_size, cfg.intermediate_size, False, cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Backbone(nn.Module):
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        super().__init__(cfg)
+        if cfg.sparse(index):
+            self.mlp = SparseMoeBlock(cfg)
 
 
 class Model(llama.Model):
     """`forward(input_ids[B,T], position_ids?) -> logits[B,T,V]` (llama.Model's, other layers)."""
 
-    def __init__(self, cfg: Config, with_mtp: bool = False):
-        nn.Module.__init__(self)
-        if with_mtp:
-            raise ValueError("Qwen3-MoE checkpoints have no MTP head; use an EAGLE-3 drafter")
-        self.cfg = cfg
-        self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self._tie()
+    @staticmethod
+    def layer_factory(cfg: Config):
+        return lambda i: DecoderLayer(cfg, i)
 
 
 def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool = False
@@ -152,21 +99,12 @@ def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool =
 def params_to_checkpoint(state_dict: dict[str, torch.Tensor], cfg: Config
                          ) -> dict[str, torch.Tensor]:
     """Our state dict → the released layout (per-expert keys; the tied head not stored)."""
+    from specdeploy.models.qwen3_5_moe import per_expert_keys
+
     out: dict[str, torch.Tensor] = {}
     for key, t in state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):
-            continue
-        if key.endswith("mlp.experts.gate_up_proj"):
-            base, inter = key[: -len("gate_up_proj")], t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = t[e, :inter]
-                out[f"{base}{e}.up_proj.weight"] = t[e, inter:]
-        elif key.endswith("mlp.experts.down_proj"):
-            base = key[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = t[e]
-        else:
-            out[key] = t
+        if not key.endswith("rotary_emb.inv_freq"):
+            out.update(per_expert_keys(key, t))
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out

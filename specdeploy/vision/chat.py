@@ -6,6 +6,10 @@ from __future__ import annotations
 from specdeploy.vision.image import ImageError
 from specdeploy.vision.prompt import MultimodalPrompt, VisionTokens
 
+_MEDIA = ("image_url", "image", "video_url", "video")
+_NEEDS = {"image": "an image part needs `image` (PIL, path, bytes)",
+          "video": "a video part needs `video` (a file or frames)"}
+
 
 def split_images(conversation: list[dict]) -> tuple[list[dict], list]:
     """`split_media` for conversations of images only (a video part is refused)."""
@@ -32,35 +36,22 @@ def split_media(conversation: list[dict]) -> tuple[list[dict], list, list]:
         parts = []
         for p, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            where = f"messages[{m}].content[{p}]"
-            if kind == "video_url":
-                url = part.get("video_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                if not isinstance(url, str) or not url:
-                    raise ImageError(f"{where}: video_url needs a url")
-                videos.append(url)
-                parts.append({"type": "video"})
-            elif kind == "video":
-                src = part.get("video", part.get("url"))
-                if src is None:
-                    raise ImageError(f"{where}: a video part needs `video` (a file or frames)")
-                videos.append(src)
-                parts.append({"type": "video"})
-            elif kind == "image_url":
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                if not isinstance(url, str) or not url:
-                    raise ImageError(f"{where}: image_url needs a url")
-                images.append(url)
-                parts.append({"type": "image"})
-            elif kind == "image":
-                src = part.get("image", part.get("url"))
-                if src is None:
-                    raise ImageError(f"{where}: an image part needs `image` (PIL, path, bytes)")
-                images.append(src)
-                parts.append({"type": "image"})
-            else:
+            media = kind.removesuffix("_url") if kind in _MEDIA else None
+            if media is None:
                 parts.append(part)
+                continue
+            where = f"messages[{m}].content[{p}]"
+            if kind.endswith("_url"):
+                src = part.get(kind)
+                src = src.get("url") if isinstance(src, dict) else src
+                if not isinstance(src, str) or not src:
+                    raise ImageError(f"{where}: {kind} needs a url")
+            else:
+                src = part.get(kind, part.get("url"))
+                if src is None:
+                    raise ImageError(f"{where}: {_NEEDS[kind]}")
+            (images if media == "image" else videos).append(src)
+            parts.append({"type": media})
         out.append({**msg, "content": parts})
     return out, images, videos
 

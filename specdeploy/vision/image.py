@@ -43,15 +43,7 @@ def load_image(src, what: str = "image", max_pixels: int = MAX_INPUT_PIXELS):
             raise ImageError(f"{what}: remote URLs are not fetched ({s[:60]}); send the image "
                              "as a data URL (data:image/png;base64,...)")
         if s.startswith("data:"):
-            head, sep, payload = s.partition(",")
-            if not sep or not head.startswith("data:image/") or ";base64" not in head:
-                raise ImageError(f"{what}: a data URL must look like data:image/<type>;base64,"
-                                 "<data>")
-            try:
-                data = base64.b64decode(payload, validate=True)
-            except (binascii.Error, ValueError) as e:
-                raise ImageError(f"{what}: invalid base64 in the data URL ({e})") from None
-            img = _open(io.BytesIO(data), what)
+            img = _open(io.BytesIO(data_url_bytes(s, "image", what)), what)
         else:
             path = Path(s[len("file://"):] if s.startswith("file://") else s)
             if not path.is_file():
@@ -70,6 +62,17 @@ def load_image(src, what: str = "image", max_pixels: int = MAX_INPUT_PIXELS):
     except (OSError, SyntaxError, ValueError) as e:
         raise ImageError(f"{what}: cannot decode the image ({e})") from None
     return img
+
+
+def data_url_bytes(url: str, kind: str, what: str, error=ImageError) -> bytes:
+    """The bytes of a `data:<kind>/<type>;base64,<data>` URL; `error` names what is wrong."""
+    head, sep, payload = url.partition(",")
+    if not sep or not head.startswith(f"data:{kind}/") or ";base64" not in head:
+        raise error(f"{what}: a data URL must look like data:{kind}/<type>;base64,<data>")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise error(f"{what}: invalid base64 in the data URL ({e})") from None
 
 
 def _open(fp, what: str):

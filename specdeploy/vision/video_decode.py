@@ -6,15 +6,13 @@ converted to RGB, so a long video costs decoding time but not memory.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import os
 from pathlib import Path
 
 import numpy as np
 
-from specdeploy.vision.image import ImageError
+from specdeploy.vision.image import ImageError, data_url_bytes
 
 
 class VideoError(ImageError):
@@ -35,13 +33,7 @@ def _source(src, what: str):
         raise VideoError(f"{what}: remote URLs are not fetched ({s[:60]}); send the video as a "
                          "data URL (data:video/mp4;base64,...)")
     if s.startswith("data:"):
-        head, sep, payload = s.partition(",")
-        if not sep or not head.startswith("data:video/") or ";base64" not in head:
-            raise VideoError(f"{what}: a data URL must look like data:video/<type>;base64,<data>")
-        try:
-            return io.BytesIO(base64.b64decode(payload, validate=True))
-        except (binascii.Error, ValueError) as e:
-            raise VideoError(f"{what}: invalid base64 in the data URL ({e})") from None
+        return io.BytesIO(data_url_bytes(s, "video", what, VideoError))
     path = Path(s[len("file://"):] if s.startswith("file://") else s)
     if not path.is_file():
         raise VideoError(f"{what}: no such file {str(path)!r}")
