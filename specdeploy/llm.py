@@ -254,7 +254,7 @@ class LLM:
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams],
                  images: list[list] | None = None, priority: list[int] | None = None,
-                 videos: list[list] | None = None) -> list[str]:
+                 videos: list[list] | None = None, kwargs: list | None = None) -> list[str]:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         if priority is not None and (not isinstance(priority, (list, tuple))
@@ -273,7 +273,8 @@ class LLM:
                     from specdeploy.vision.chat import build_prompt
 
                     mm = build_prompt(self.deployed, tokens, imgs or [], f"prompt {i}",
-                                      clips or [], self._encode_text)
+                                      clips or [], self._encode_text,
+                                      kwargs[i] if kwargs is not None else None)
                     tokens = mm.ids
                 ids.append(self.engine.add_request(
                     tokens, sp, mm=mm, priority=0 if priority is None else priority[i]))
@@ -306,13 +307,14 @@ class LLM:
         template's `<|vision_start|><|image_pad|><|vision_end|>`). `videos` likewise fill the
         `<|video_pad|>` placeholders: video files (paths, file:// or data URLs, bytes; PyAV
         decodes them) or decoded frames (vision/video.py). A prompt may also be vLLM's dict,
-        {"prompt": ..., "multi_modal_data": {"image": ..., "video": ...}}."""
-        single, prompts, images, videos = prompt_batch(prompts, images, videos)
+        {"prompt": ..., "multi_modal_data": {"image": ..., "video": ...},
+        "mm_processor_kwargs": {...}} (its own preprocessing, e.g. {"fps": 1})."""
+        single, prompts, images, videos, kwargs = prompt_batch(prompts, images, videos)
         sp = sampling_params or self.get_default_sampling_params()
         params = list(sp) if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
         if single and priority is not None and not isinstance(priority, (list, tuple)):
             priority = [priority]
-        ids = self._add_all(prompts, params, images, priority, videos)
+        ids = self._add_all(prompts, params, images, priority, videos, kwargs)
         done: dict[str, RequestOutput] = {}
         bar = progress_bar(len(ids)) if use_tqdm else None
         try:

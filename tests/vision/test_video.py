@@ -375,3 +375,30 @@ def test_the_tower_in_frame_groups_gives_the_whole_calls_features(vlm_llm):
         got = d.visual.forward_chunked(mm.pixel_values, mm.grid_thw, most)
         torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
     assert d.max_tower_patches >= 16384
+
+
+def test_a_prompt_dicts_processor_kwargs(vlm_llm):
+    """vLLM's prompt dict with its own `mm_processor_kwargs`: that prompt's video is sampled at
+    its fps (its tokens = the processor with those kwargs), the next prompt's at the
+    deployment's; bad kwargs are refused naming the prompt."""
+    from specdeploy.vision.chat import build_prompt
+
+    clip = (rand_frames(40, 24, 32, 5), {"fps": 10})
+    prompt = "see <|vision_start|><|video_pad|><|vision_end|> then"
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    slow, base = vlm_llm.generate([
+        {"prompt": prompt, "multi_modal_data": {"video": clip},
+         "mm_processor_kwargs": {"fps": 0.5, "min_frames": 2}},
+        {"prompt": prompt, "multi_modal_data": {"video": clip}}], sp)
+    tok = vlm_llm.tokenizer
+    ids = tok.encode(prompt)
+    encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    want = build_prompt(vlm_llm.deployed, ids, [], "p", [clip], encode,
+                        {"fps": 0.5, "min_frames": 2})
+    assert slow.prompt_token_ids == want.ids
+    assert base.prompt_token_ids == build_prompt(vlm_llm.deployed, ids, [], "p", [clip],
+                                                 encode).ids
+    assert len(slow.prompt_token_ids) < len(base.prompt_token_ids)
+    with pytest.raises(ValueError, match="prompt 0: mm_processor_kwargs: fps must be"):
+        vlm_llm.generate({"prompt": prompt, "multi_modal_data": {"video": clip},
+                          "mm_processor_kwargs": {"fps": -1}}, sp)
