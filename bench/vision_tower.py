@@ -1,13 +1,17 @@
 """The vision tower alone at a released size, fp32 vs bf16 (`mm_encoder_dtype`), on this CPU.
 
     PYTHONPATH=. python bench/vision_tower.py [--sides 448 896] [--rounds 3] [--threads 2]
-        [--json-out FILE]
+        [--video-seconds 10] [--json-out FILE]
 
 A random tower of Qwen3.5-35B-A3B's vision config (27 blocks, hidden 1152, MLP 4304, 16 heads,
 16-pixel patches, merge 2, output 2048: ~0.45B parameters) on one square image of each side
 (patches = (side / 16)^2, image tokens a quarter of that), in fp32 and in bf16, the two
 alternating over --rounds (after one warm-up call each); medians and the median per-round
 ratio. What an image request's first token waits for before the language model's prefill.
+`--video-seconds S`: also a 640 x 360 clip of S seconds as the released video preprocessor
+gives it (2 frames a second, 640 x 352 frames: one (1, 22, 40) step of 220 tokens per frame
+pair), through the tower as a deployment runs it (`forward_chunked`, 16,384-patch groups), one
+call in each dtype after the images.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ def main() -> None:
     ap.add_argument("--sides", type=int, nargs="+", default=[448, 896])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--video-seconds", type=float, default=0.0)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     from specdeploy.bench import machine, print_json
@@ -65,6 +70,21 @@ def main() -> None:
                    a / b for a, b in zip(secs["float32"], secs["bfloat16"])), 2)}
         result["images"].append(row)
         print(row, file=sys.stderr, flush=True)
+    if args.video_seconds:
+        steps = int(args.video_seconds * 2) // 2  # 2 frames a second, 2 frames a step
+        grid = [(steps, 22, 40)]
+        pix = torch.randn(steps * 22 * 40, 3 * 2 * 16 * 16)
+        secs = {}
+        with torch.inference_mode():
+            for name, m in towers.items():
+                t = time.perf_counter()
+                m.forward_chunked(pix, grid, 16384)
+                secs[name] = time.perf_counter() - t
+        result["video"] = {"seconds": args.video_seconds, "frames": 2 * steps,
+                           "grid_thw": list(grid[0]), "video_tokens": steps * 22 * 40 // 4,
+                           **{f"{n}_s": round(v, 2) for n, v in secs.items()},
+                           "bf16_speedup": round(secs["float32"] / secs["bfloat16"], 2)}
+        print(result["video"], file=sys.stderr, flush=True)
     print_json(result, args.json_out)
 
 
