@@ -15,7 +15,10 @@ tokens part at near-ties; reported, not asserted).
     PYTHONPATH=.:/work/llamacpp .venv/bin/python bench/vs_llamacpp_moe.py \\
         --llamacpp-src .../llama_cpp_python-0.3.36/vendor/llama.cpp [--rounds 3] \\
         [--tokens 48] [--prompt-len 128] [--json-out FILE] [--gguf-dir DIR] [--eager]
-        [--burst N]
+        [--burst N] [--isolated]
+
+`--isolated`: every run in a fresh process of its own (a warm-up run there first): in one
+process the two tools' thread pools (ggml's, torch's OpenMP) slow each other.
 """
 from __future__ import annotations
 
@@ -130,6 +133,47 @@ def llamacpp_run(lc: LlamaCpp, prompt: list[int], n: int) -> tuple[list[int], fl
     return toks, wall - after_first, after_first
 
 
+def _child(tool: str, path: str, threads: int, n_ctx: int) -> None:
+    """`--child TOOL`: one tool alone in this process (a warm-up run, then the prompt read from
+    stdin as JSON {"prompt", "tokens"}): prints {"tokens", "first_s", "decode_s", "version"}."""
+    torch.set_num_threads(threads)
+    job = json.loads(sys.stdin.read())
+    version = None
+    if tool == "llama.cpp":
+        lc = LlamaCpp(path, threads, n_ctx)
+        fn, version = partial(llamacpp_run, lc), lc.version
+    else:
+        from specdeploy import LLM
+
+        fn = partial(ours_run, LLM(path, max_batch_size=1, max_seq_len=n_ctx))
+    fn(list(range(3, 20)), 4)
+    toks, first_s, decode_s = fn(job["prompt"], job["tokens"])
+    print("CHILD " + json.dumps({"tokens": toks, "first_s": first_s, "decode_s": decode_s,
+                                 "version": version}), flush=True)
+    os._exit(0)  # (llama.cpp's and torch's pools need no orderly exit)
+
+
+class Isolated:
+    """A tool run in a fresh process per call (`--isolated`): neither tool's thread pool is
+    near the other's."""
+
+    def __init__(self, tool: str, path: Path, threads: int, n_ctx: int):
+        self.args = [sys.executable, __file__, "--child", tool, "--child-path", str(path),
+                     "--threads", str(threads), "--child-n-ctx", str(n_ctx),
+                     "--llamacpp-src", "."]
+        self.version = None
+
+    def __call__(self, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+        r = subprocess.run(self.args, input=json.dumps({"prompt": prompt, "tokens": n}),
+                           capture_output=True, text=True, timeout=900)
+        line = next((x for x in r.stdout.splitlines() if x.startswith("CHILD ")), None)
+        if line is None:
+            raise RuntimeError(f"{self.args[3]} run failed:\n{r.stderr[-2000:]}")
+        out = json.loads(line[len("CHILD "):])
+        self.version = out["version"] or self.version
+        return out["tokens"], out["first_s"], out["decode_s"]
+
+
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2]
@@ -151,13 +195,24 @@ def main() -> None:
                     help="also ours with num_scheduler_steps=N (decode bursts), same rounds")
     ap.add_argument("--gguf-dir", type=Path,
                     help="keep the converted GGUFs here (reused when present) for profiling")
+    ap.add_argument("--isolated", action="store_true",
+                    help="each run in a fresh process of its own (one tool's thread pool never "
+                         "beside the other's); not with --eager / --burst")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-path", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-n-ctx", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        return _child(args.child, args.child_path, args.threads, args.child_n_ctx)
+    if args.isolated and (args.eager or args.burst > 1):
+        ap.error("--isolated runs ours with its defaults and llama.cpp only")
     from specdeploy import LLM
 
     torch.set_num_threads(args.threads)
     cpu = cpu_info()
     result = {"machine": cpu["model"], "simd": cpu["simd_flags"], "threads": args.threads,
-              "command": " ".join(sys.argv), "outtype": args.outtype, "models": {}}
+              "command": " ".join(sys.argv), "outtype": args.outtype,
+              "isolated": args.isolated, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs:
             keep = args.gguf_dir / f"{arch}_{args.outtype}.gguf" if args.gguf_dir else None
@@ -167,10 +222,16 @@ def main() -> None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 convert(args.llamacpp_src, src, path, args.outtype)
             n_ctx = args.prompt_len + args.tokens + 8
-            lc = LlamaCpp(str(path), args.threads, n_ctx)
-            ours = LLM(str(path), max_batch_size=1, max_seq_len=n_ctx)
-            tools = [("specdeploy", partial(ours_run, ours)),
-                     ("llama.cpp", partial(llamacpp_run, lc))]
+            if args.isolated:
+                lc = Isolated("llama.cpp", path, args.threads, n_ctx)
+                ours = None
+                tools = [("specdeploy", Isolated("specdeploy", path, args.threads, n_ctx)),
+                         ("llama.cpp", lc)]
+            else:
+                lc = LlamaCpp(str(path), args.threads, n_ctx)
+                ours = LLM(str(path), max_batch_size=1, max_seq_len=n_ctx)
+                tools = [("specdeploy", partial(ours_run, ours)),
+                         ("llama.cpp", partial(llamacpp_run, lc))]
             if args.eager:
                 eager = LLM(str(path), max_batch_size=1, max_seq_len=n_ctx, cpu_graphs=False)
                 tools.append(("specdeploy eager", partial(ours_run, eager)))
@@ -178,7 +239,7 @@ def main() -> None:
                 burst = LLM(str(path), max_batch_size=1, max_seq_len=n_ctx,
                             num_scheduler_steps=args.burst)
                 tools.append((f"specdeploy burst{args.burst}", partial(ours_run, burst)))
-            for _name, fn in tools:  # warm-up
+            for _name, fn in tools if not args.isolated else ():  # warm-up (a child warms up)
                 fn(list(range(3, 20)), 4)
             rounds = []
             for r in range(args.rounds):
@@ -221,7 +282,8 @@ def main() -> None:
                 result["models"][arch]["burst_over_steps_median"] = round(_median([
                     r[b]["decode_tok_s"] / r["specdeploy"]["decode_tok_s"] for r in rounds]), 3)
                 burst.shutdown()
-            ours.shutdown()
+            if ours is not None:
+                ours.shutdown()
     text = json.dumps(result, indent=2)
     print(text)
     if args.json_out:
