@@ -100,6 +100,10 @@ def cmd_make_tiny(args) -> int:
 
         path = q35.make_tiny(args.out, seed=args.seed, mtp_layers=args.mtp_layers,
                              hf_config=q35.tiny_hf_config(args.mtp_layers, dense=True))
+    elif args.arch == "qwen3_vl_moe" and not args.quant:
+        from specdeploy.models import qwen3_vl
+
+        path = qwen3_vl.make_tiny(args.out, seed=args.seed, mtp_layers=args.mtp_layers, moe=True)
     elif args.quant:
         from specdeploy.quantize_cli import make_tiny_quantized
 
@@ -214,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("make-tiny", help="write a tiny random checkpoint")
     t.add_argument("--arch", required=True,
                    choices=("llama", "nemotron_h", "qwen3_5_moe", "qwen3_5", "qwen3_moe",
-                            "eagle3"),
-                   help="qwen3_5: the dense Qwen3.5 VLM (qwen3_5_moe's blocks, an MLP per layer)")
+                            "qwen3_vl", "qwen3_vl_moe", "eagle3"),
+                   help="qwen3_5: the dense Qwen3.5 VLM (qwen3_5_moe's blocks, an MLP per "
+                        "layer); qwen3_vl(_moe): Qwen3-VL(-MoE) with DeepStack")
     t.add_argument("--mtp-layers", type=int, default=0)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--target", default=None, help="target checkpoint (for --arch eagle3)")

@@ -115,7 +115,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
     if vision:  # the graph takes embeddings (image features merged in by deploy/vlm.py)
         from specdeploy.deploy.vlm import TextFromEmbeds
 
-        programs = [(TextFromEmbeds(model), target_ctx, model.cfg.hidden_size)]
+        width = getattr(model, "embeds_width", model.cfg.hidden_size)  # (DeepStack: wider)
+        programs = [(TextFromEmbeds(model), target_ctx, width)]
     # one drafter program per MTP group, each with its own KV (all in the one cache plan)
     for g, step in enumerate(drafter.steps if drafter is not None else ()):
         draft_ctx = DeployContext(

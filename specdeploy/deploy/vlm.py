@@ -20,11 +20,14 @@ from specdeploy.cache.metadata import BatchMetadata
 from specdeploy.deploy.base import StepOutput
 from specdeploy.models.qwen3_5_vision import VisionConfig, VisionModel
 
-VISION_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
+VISION_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+                        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 
 
 class TextFromEmbeds(nn.Module):
-    """The exported target of a VLM: (ids (unused), positions[3,1,T], embeds[1,T,H]) → logits."""
+    """The exported target of a VLM: (ids (unused), positions[3,1,T], embeds[1,T,W]) → logits;
+    W = H, or (1 + levels) * H with DeepStack (models/qwen3_vl.py: the token's embedding, then
+    each level's feature)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -172,6 +175,8 @@ class VisionLanguageDeployed:
         self.vision_start_id = int(hf_config.get("vision_start_token_id", -1))
         self.vision_end_id = int(hf_config.get("vision_end_token_id", -1))
         self.merge_size = visual.cfg.spatial_merge_size
+        # the tower's features beyond the token width (Qwen3-VL's DeepStack levels)
+        self.deepstack_width = visual.feature_width - embed_tokens.weight.shape[1]
         self.vision_peak_bytes = vision_peak_bytes(visual.cfg, max_image_pixels,
                                                    next(visual.parameters()).element_size())
         self.vision_seconds = 0.0  # time spent in the tower (bench/vision_prefill.py)
@@ -191,6 +196,9 @@ class VisionLanguageDeployed:
     def forward(self, meta: BatchMetadata) -> StepOutput:
         weight = self.embed_tokens.weight  # meta holds host tensors: ids go to the device
         embeds = self.embed_tokens(meta.input_ids.to(weight.device, non_blocking=True))
+        if self.deepstack_width:  # DeepStack levels: zero but at the vision tokens
+            embeds = torch.cat((embeds, embeds.new_zeros(embeds.shape[0], self.deepstack_width)),
+                               -1)
         for first, mm, start, n in meta.mm_rows or ():
             rows = mm.image_rows(start, n)
             if rows is None:

@@ -38,6 +38,10 @@ class VisionConfig:
     spatial_merge_size: int = 2
     rope_theta: float = 10000.0
     hidden_act: str = "gelu_pytorch_tanh"
+    # Qwen3-VL's DeepStack: after these blocks a merger of its own (normed after the merge)
+    # projects the patches to the text width; the language model adds them to its first
+    # len(...) layers' outputs at the vision tokens (models/qwen3_vl.py)
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     @property
     def patch_dim(self) -> int:
@@ -54,8 +58,12 @@ class VisionConfig:
         keys = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size",
                 "num_position_embeddings", "in_channels", "patch_size", "temporal_patch_size",
                 "spatial_merge_size", "hidden_act")
+        deep = tuple(int(i) for i in v.get("deepstack_visual_indexes") or ())
+        if any(not 0 <= i < int(v["depth"]) for i in deep):
+            raise ValueError(f"vision: deepstack_visual_indexes {list(deep)} are not blocks of a "
+                             f"{v['depth']}-block tower")
         return cls(rope_theta=float(rope.get("rope_theta", 10000.0)),
-                   **{k: v[k] for k in keys if k in v})
+                   deepstack_visual_indexes=deep, **{k: v[k] for k in keys if k in v})
 
 
 class PatchEmbed(nn.Module):
@@ -120,21 +128,28 @@ class Block(nn.Module):
 
 
 class Merger(nn.Module):
-    def __init__(self, cfg: VisionConfig):
+    """`post_norm`: the norm runs over each merged group (DeepStack's mergers) rather than over
+    each patch before the merge."""
+
+    def __init__(self, cfg: VisionConfig, post_norm: bool = False):
         super().__init__()
         m = cfg.hidden_size * cfg.spatial_merge_size ** 2
-        self.norm = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.post_norm = post_norm
+        self.norm = nn.LayerNorm(m if post_norm else cfg.hidden_size, eps=1e-6)
         self.linear_fc1 = nn.Linear(m, m)
         self.linear_fc2 = nn.Linear(m, cfg.out_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x).reshape(-1, self.linear_fc1.in_features)
+        m = self.linear_fc1.in_features
+        x = self.norm(x.reshape(-1, m)) if self.post_norm else self.norm(x).reshape(-1, m)
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
 class VisionModel(nn.Module):
-    """`forward(pixel_values[P, patch_dim], grid_thw[n, 3]) -> features[P / merge², out_hidden]`,
-    the images' tokens laid end to end in input order."""
+    """`forward(pixel_values[P, patch_dim], grid_thw[n, 3]) -> features[P / merge², W]`, the
+    images' tokens laid end to end in input order; W = out_hidden, or with DeepStack mergers
+    (1 + len(deepstack_visual_indexes)) * out_hidden: the main merger's features, then each
+    DeepStack level's, side by side (so every consumer slices rows as for one feature)."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -143,6 +158,13 @@ class VisionModel(nn.Module):
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         self.merger = Merger(cfg)
+        if cfg.deepstack_visual_indexes:
+            self.deepstack_merger_list = nn.ModuleList(
+                Merger(cfg, post_norm=True) for _ in cfg.deepstack_visual_indexes)
+
+    @property
+    def feature_width(self) -> int:
+        return self.cfg.out_hidden_size * (1 + len(self.cfg.deepstack_visual_indexes))
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
@@ -150,9 +172,13 @@ class VisionModel(nn.Module):
         x = x + torch.cat([self._pos_embed(h, w).repeat(t, 1) for t, h, w in grids]).to(x.dtype)
         cos, sin = self._rotary(grids, x.device)
         lengths = [h * w for t, h, w in grids for _ in range(t)]  # one attention span per frame
-        for blk in self.blocks:
+        deep = []
+        for i, blk in enumerate(self.blocks):
             x = blk(x, cos, sin, lengths)
-        return self.merger(x)
+            if i in self.cfg.deepstack_visual_indexes:
+                level = self.cfg.deepstack_visual_indexes.index(i)
+                deep.append(self.deepstack_merger_list[level](x))
+        return torch.cat([self.merger(x), *deep], -1) if deep else self.merger(x)
 
     def forward_chunked(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]],
                         max_patches: int) -> torch.Tensor:

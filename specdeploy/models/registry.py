@@ -11,6 +11,7 @@ _FAMILIES = {
     "nemotron_h": "specdeploy.models.nemotron_h",
     "qwen3_5_moe": "specdeploy.models.qwen3_5_moe",
     "qwen3_moe": "specdeploy.models.qwen3_moe",
+    "qwen3_vl": "specdeploy.models.qwen3_vl",
 }
 _ARCH_TO_FAMILY = {
     "LlamaForCausalLM": "llama",
@@ -24,6 +25,9 @@ _ARCH_TO_FAMILY = {
     # dense Qwen3.5: the same module (models/qwen3_5_blocks.py: an MLP in place of the MoE)
     "Qwen3_5ForCausalLM": "qwen3_5_moe",
     "Qwen3_5ForConditionalGeneration": "qwen3_5_moe",
+    # Qwen3-VL / Qwen3-VL-MoE: Qwen3 (-MoE) layers, multimodal RoPE, DeepStack
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
 }
 
 
