@@ -8,12 +8,13 @@ per llama.cpp version:
    Qwen3.5-MoE (fewer key than value heads, an MTP head) are converted by llama.cpp's
    convert_hf_to_gguf.py (from the llama-cpp-python sdist, `--llamacpp-src`), and a tiny dense
    Qwen3.5 ("qwen35") with an MTP head, and tiny Qwen2 / Qwen3 / Qwen3-MoE ("qwen2" /
-   "qwen3" / "qwen3moe");
+   "qwen3" / "qwen3moe") and Qwen3-VL / Qwen3-VL-MoE ("qwen3vl" / "qwen3vlmoe");
 2. specdeploy loads each GGUF; its logits are compared with transformers' on the safetensors
    checkpoint, and its parameters (MTP head included) with those loaded from the checkpoint;
 3. llama.cpp itself (llama-cpp-python, built by bench/setup_llamacpp.sh) runs the same GGUF, and
    its last-position logits are compared with transformers';
-4. the tiny Qwen3.5-MoE's vision tower is converted with `--mmproj` (llama.cpp's mmproj GGUF):
+4. the tiny Qwen3.5-MoE's, dense Qwen3.5's and Qwen3-VL's vision towers are converted with
+   `--mmproj` (llama.cpp's mmproj GGUF):
    specdeploy's reader (checkpoint/gguf_mmproj.py) against the checkpoint's `model.visual.*`
    tensors and vision config, a text GGUF + mmproj deployment's greedy tokens with an image
    against the safetensors checkpoint's, and llama.cpp's own image embeddings of that mmproj
@@ -75,7 +76,7 @@ runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
 
 def models(tmp: Path) -> dict[str, tuple[Path, str]]:
     """name -> (tiny checkpoint, transformers class of its oracle)."""
-    from specdeploy.models import llama, qwen3_moe
+    from specdeploy.models import llama, qwen3_moe, qwen3_vl
     from specdeploy.models import qwen3_5_moe as q35
     from tests.checkpoint.test_gguf_nemotron_h import DENSE, MOE
 
@@ -93,6 +94,10 @@ def models(tmp: Path) -> dict[str, tuple[Path, str]]:
         "qwen3_5_dense_mtp": (q35.make_tiny(tmp / "q35d", seed=5, mtp_layers=1,
                                             hf_config=q35.tiny_hf_config(1, dense=True)),
                               "Qwen3_5ForConditionalGeneration"),
+        "qwen3_vl": (qwen3_vl.make_tiny(tmp / "q3vl", seed=5), "Qwen3VLForConditionalGeneration"),
+        # (every layer MoE: llama.cpp's qwen3vlmoe has no dense MLP tensors)
+        "qwen3_vl_moe": (qwen3_vl.make_tiny(tmp / "q3vlmoe", seed=5, moe=True, text_overrides={
+            "mlp_only_layers": []}), "Qwen3VLMoeForConditionalGeneration"),
     }
 
 
@@ -167,25 +172,33 @@ def llamacpp_image_embd(text_gguf: Path, mmproj: Path, img) -> np.ndarray | str 
             if mtmd.mtmd_encode_chunk(ctx, chunk):
                 return "mtmd_encode_chunk failed"
             out = mtmd.mtmd_get_output_embd(ctx)
-            return np.ctypeslib.as_array(out, shape=(n * llm.n_embd(),)).reshape(n, -1).copy()
+            # (Qwen3-VL: each token's embedding, then its DeepStack levels' features)
+            width = llama_cpp.llama_model_n_embd_inp(llm._model.model)
+            return np.ctypeslib.as_array(out, shape=(n * width,)).reshape(n, -1).copy()
         return "no image chunk"
     finally:
         mtmd.mtmd_free(ctx)
 
 
-def mmproj_check(src_dir: Path, ckpt: Path, tmp: Path, converted_text: Path) -> dict:
-    """The converter's mmproj of `ckpt` (a Qwen3.5 VLM) read back and deployed beside the text
-    GGUF the tests write (the converter's text file carries a merge the tiny vocabulary lacks:
-    see the module doc)."""
+def mmproj_check(src_dir: Path, ckpt: Path, tmp: Path, converted_text: Path, name: str
+                 ) -> dict:
+    """The converter's mmproj of `ckpt` (a Qwen3.5 or Qwen3-VL VLM) read back and deployed
+    beside the text GGUF the tests write (the converter's text file carries a merge the tiny
+    vocabulary lacks: see the module doc)."""
     from PIL import Image
 
     from specdeploy import LLM, SamplingParams
     from specdeploy.checkpoint import open_checkpoint
     from tests.checkpoint.gguf_qwen3_5_layout import write_gguf
+    from tests.vision.test_gguf_qwen3_vl import write_text_gguf
 
-    text_gguf = write_gguf(ckpt, tmp / "text_for_mmproj.gguf")
+    text_gguf = tmp / f"{name}_text_for_mmproj.gguf"
+    if name.startswith("qwen3_vl"):
+        write_text_gguf(ckpt, text_gguf, "moe" if name.endswith("moe") else "dense")
+    else:
+        write_gguf(ckpt, text_gguf)
 
-    out = tmp / "mmproj.gguf"
+    out = tmp / f"{name}_mmproj.gguf"
     convert(src_dir, ckpt, out, "--mmproj")
     mm, st = open_checkpoint(out), open_checkpoint(ckpt)
     names = sorted(k for k in st.keys() if k.startswith("model.visual."))
@@ -234,6 +247,8 @@ def main() -> None:
     ap.add_argument("--llamacpp-src", type=Path, required=True,
                     help="vendor/llama.cpp of the llama-cpp-python sdist")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
+    ap.add_argument("--only", nargs="*", default=None, help="these models only (names as in "
+                    "the JSON: qwen3_vl, qwen3_vl_moe, qwen3_5_moe_mtp, ...)")
     args = ap.parse_args()
     import transformers
 
@@ -242,6 +257,8 @@ def main() -> None:
     ids = [5, 17, 40, 41, 42, 3, 99, 64, 12, 77, 31, 8, 90, 23, 55, 61]
     with tempfile.TemporaryDirectory() as tmp:
         for name, (ckpt, oracle_cls) in models(Path(tmp)).items():
+            if args.only and name not in args.only:
+                continue
             out = Path(tmp) / f"{name}.gguf"
             convert(args.llamacpp_src, ckpt, out)
             oracle = getattr(transformers, oracle_cls).from_pretrained(
@@ -262,9 +279,9 @@ def main() -> None:
                     theirs - want[:, :v]).abs().max().item()
                 check["llamacpp_vs_ours_max_abs"] = (theirs - ours[:, :v]).abs().max().item()
             result["checks"][name] = check
-            if name.startswith("qwen3_5"):
+            if name.startswith(("qwen3_5", "qwen3_vl")):
                 result["checks"][f"{name}_mmproj"] = mmproj_check(args.llamacpp_src, ckpt,
-                                                                  Path(tmp), out)
+                                                                  Path(tmp), out, name)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

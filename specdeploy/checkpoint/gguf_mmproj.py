@@ -1,5 +1,5 @@
 """GGUF architecture "clip" with projector "qwen3vl_merger": llama.cpp's mmproj file of a Qwen3.5
-(Qwen3-VL family) vision tower, which ships beside the text GGUF (llama.cpp's `--mmproj`).
+or Qwen3-VL vision tower, which ships beside the text GGUF (llama.cpp's `--mmproj`).
 
 llama.cpp's converter (conversion/qwen3vl.py, `Qwen3VLVisionModel` for
 Qwen3_5MoeForConditionalGeneration) writes the tower one tensor for one, under clip names:
@@ -11,8 +11,10 @@ two Conv2D kernels, `v.patch_embd.weight` (t = 0) and `v.patch_embd.weight.1` (t
 back here. The vision config comes from the `clip.vision.*` metadata, the image preprocessing
 (mean, std, patch and merge sizes) too; what the file does not say (the pixel limits of a resize)
 takes the released Qwen3.5 preprocessor's values (`PIXEL_LIMITS`; `mm_processor_kwargs`
-overrides them, as vLLM's). Deepstack towers (Qwen3-VL's `is_deepstack_layers`) are refused:
-the Qwen3.5 tower has none.
+overrides them, as vLLM's). Qwen3-VL's DeepStack mergers are `v.deepstack.N.{norm, fc1, fc2}`
+under the index N of the block they follow (`clip.vision.is_deepstack_layers` marks those
+blocks): `model.visual.deepstack_merger_list.L.{norm, linear_fc1, linear_fc2}`, L counting the
+marked blocks in order.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ _BLOCK = {"attn_qkv": "attn.qkv", "attn_out": "attn.proj", "ffn_up": "mlp.linear
 _TOP = {"mm.0": "merger.linear_fc1", "mm.2": "merger.linear_fc2", "v.post_ln": "merger.norm",
         "v.position_embd": "pos_embed", "v.patch_embd": "patch_embed.proj"}
 _PATCH = ("v.patch_embd.weight", "v.patch_embd.weight.1")
+_DEEP = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
 
 
 def hf_config(reader) -> dict:
@@ -44,8 +47,6 @@ def hf_config(reader) -> dict:
                               f"{', '.join(PROJECTORS)} (Qwen3.5 vision towers)")
     if not md.get("clip.has_vision_encoder", False):
         raise CheckpointError(f"{path}: mmproj without a vision encoder")
-    if any(md.get("clip.vision.is_deepstack_layers") or ()):
-        raise CheckpointError(f"{path}: a deepstack vision tower (Qwen3-VL) is not supported")
 
     def get(key: str):
         if f"clip.vision.{key}" not in md:
@@ -70,6 +71,8 @@ def hf_config(reader) -> dict:
         "out_hidden_size": int(get("projection_dim")),
         "num_position_embeddings": infos["v.position_embd.weight"].shape[0],
         "hidden_act": "gelu_pytorch_tanh",
+        "deepstack_visual_indexes": [i for i, on in enumerate(
+            md.get("clip.vision.is_deepstack_layers") or ()) if on],
     }
     pre = {"patch_size": patch, "temporal_patch_size": len(_PATCH),
            "merge_size": vision["spatial_merge_size"],
@@ -87,6 +90,15 @@ def hf_name(gguf_name: str, cfg: dict) -> str | None:
     m = re.fullmatch(r"v\.blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m and m.group(2) in _BLOCK:
         return f"model.visual.blocks.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    m = re.fullmatch(r"v\.deepstack\.(\d+)\.(norm|fc1|fc2)\.(weight|bias)", gguf_name)
+    if m:
+        marked = cfg["vision_config"]["deepstack_visual_indexes"]
+        if int(m.group(1)) not in marked:
+            raise CheckpointError(f"{gguf_name}: block {m.group(1)} is not marked in "
+                                  f"clip.vision.is_deepstack_layers")
+        level = marked.index(int(m.group(1)))
+        return (f"model.visual.deepstack_merger_list.{level}.{_DEEP[m.group(2)]}."
+                f"{m.group(3)}")
     base, _, suffix = gguf_name.rpartition(".")
     return f"model.visual.{_TOP[base]}.{suffix}" if base in _TOP else None
 

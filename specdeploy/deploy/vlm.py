@@ -62,9 +62,11 @@ def gguf_vlm_config(cfg: dict, model_path, mmproj) -> dict:
         raise ValueError(f"mmproj: goes with a text GGUF file (llama.cpp's --mmproj); the model "
                          f"is {str(model_path)!r}")
     arch = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-            "qwen3_5": "Qwen3_5ForConditionalGeneration"}.get(cfg.get("model_type"))
+            "qwen3_5": "Qwen3_5ForConditionalGeneration",
+            "qwen3_vl": "Qwen3VLForConditionalGeneration",
+            "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}.get(cfg.get("model_type"))
     if arch is None:
-        raise ValueError(f"mmproj: a Qwen3.5 vision tower goes with a Qwen3.5 or Qwen3.5-MoE "
+        raise ValueError(f"mmproj: a vision tower goes with a Qwen3.5(-MoE) or Qwen3-VL(-MoE) "
                          f"text GGUF; {path} is "
                          f"{', '.join(cfg.get('architectures') or ['?'])}")
     text = cfg.get("text_config", cfg)
@@ -76,6 +78,11 @@ def gguf_vlm_config(cfg: dict, model_path, mmproj) -> dict:
         raise CheckpointError(f"{mmproj}: its projection width {vision['out_hidden_size']} is "
                               f"not {path.name}'s hidden size {text['hidden_size']}: another "
                               "model's tower")
+    levels = len(vision.get("deepstack_visual_indexes") or ())
+    if levels != int(text.get("num_deepstack_layers", 0)):
+        raise CheckpointError(f"{mmproj}: its tower has {levels} DeepStack levels, "
+                              f"{path.name} takes {int(text.get('num_deepstack_layers', 0))}: "
+                              "another model's tower")
     tokens = read_header(path).metadata.get("tokenizer.ggml.tokens") or []
     where = {t: i for i, t in enumerate(tokens) if t in VISION_TOKENS.values()}
     if VISION_TOKENS["image_token_id"] not in where:

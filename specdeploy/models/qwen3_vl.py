@@ -51,7 +51,10 @@ class Config(qwen3_moe.Config):
         moe = int(text.get("num_experts") or 0)
         tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         fields = {**base.__dict__, "tie_word_embeddings": bool(tie)}
-        vision = hf.get("vision_config") or {}
+        vision = hf.get("vision_config")
+        # a text GGUF (checkpoint/gguf_qwen.py) says how many levels without its tower
+        levels = len(vision.get("deepstack_visual_indexes") or ()) if vision is not None else \
+            int(text.get("num_deepstack_layers", 0))
         return cls(**fields, num_experts=moe,
                    num_experts_per_tok=int(text.get("num_experts_per_tok") or 0) if moe else 0,
                    moe_intermediate_size=int(text.get("moe_intermediate_size") or 0) if moe else 0,
@@ -60,7 +63,7 @@ class Config(qwen3_moe.Config):
                    mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
                    mrope_section=section,
                    mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
-                   deepstack_layers=len(vision.get("deepstack_visual_indexes") or ()))
+                   deepstack_layers=levels)
 
 
 class Model(qwen3_moe.Model):
@@ -103,6 +106,7 @@ def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool =
     if with_mtp:
         raise CheckpointError("Qwen3-VL checkpoints have no MTP weights")
     prefix = _PREFIX if reader.has_prefix(_PREFIX) else "model."
+    gguf = getattr(reader, "tensor_infos", None) is not None
     with torch.device("meta"):
         names = [n for n, _ in Model(cfg).named_parameters()]
     params: dict[str, Callable[[], torch.Tensor]] = {}
@@ -110,7 +114,9 @@ def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool =
     for name in names:
         src = prefix + name[len("model."):] if name.startswith("model.") else name
         if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            if src in reader:  # released: [E, H, 2I] / [E, I, H]
+            if src in reader and gguf:  # the GGUF reader joins them in our layout (blocks too)
+                params[name] = from_keys(lambda s=src: reader.get(s), src)
+            elif src in reader:  # released: [E, H, 2I] / [E, I, H]
                 params[name] = lambda s=src: reader.get(s).transpose(1, 2).contiguous()
             else:
                 params[name], lacking = _per_expert(reader, src, cfg.num_experts)
@@ -180,12 +186,15 @@ def tiny_hf_config(mtp_layers: int = 0, moe: bool = False) -> dict:
     }
 
 
-def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, moe: bool = False) -> Path:
-    """A tiny random checkpoint in the released layout (tower, processor and tokenizer too)."""
+def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, moe: bool = False,
+              text_overrides: dict | None = None) -> Path:
+    """A tiny random checkpoint in the released layout (tower, processor and tokenizer too);
+    `text_overrides` update its text config."""
     from specdeploy.checkpoint.tiny import write_checkpoint
     from specdeploy.models.qwen3_5_vision_tiny import tiny_visual, write_tiny_processor
 
     hf = tiny_hf_config(mtp_layers, moe=moe)
+    hf["text_config"].update(text_overrides or {})
     cfg = Config.from_hf(hf)
     gen = torch.Generator().manual_seed(seed)
     model = Model(cfg)

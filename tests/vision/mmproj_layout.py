@@ -1,11 +1,13 @@
-"""A tiny Qwen3.5 VLM's vision tower written as llama.cpp's converter writes its mmproj GGUF
-(convert_hf_to_gguf.py --mmproj: conversion/qwen3vl.py `Qwen3VLVisionModel`), for the tests.
+"""A tiny Qwen3.5 / Qwen3-VL VLM's vision tower written as llama.cpp's converter writes its
+mmproj GGUF (convert_hf_to_gguf.py --mmproj: conversion/qwen3vl.py `Qwen3VLVisionModel`), for
+the tests.
 
 Names come from gguf-py's own map for the mmproj arch (`gguf.get_tensor_name_map`, not the
 reader's); the converter's own handling: the merger's fc1 / fc2 as `mm.0` / `mm.2`, its norm as
-`v.post_ln`, the Conv3D patch embedding split on its temporal axis into two Conv2D kernels
-(`v.patch_embd.weight`, `v.patch_embd.weight.1`); the metadata its `set_gguf_parameters` writes
-(the attention norm's eps is the text model's rms_norm_eps, as there).
+`v.post_ln`, Qwen3-VL's DeepStack mergers as `v.deepstack.{block}.{norm,fc1,fc2}`, the Conv3D
+patch embedding split on its temporal axis into two Conv2D kernels (`v.patch_embd.weight`,
+`v.patch_embd.weight.1`); the metadata its `set_gguf_parameters` writes (the attention norm's
+eps is the text model's rms_norm_eps, as there).
 """
 from __future__ import annotations
 
@@ -41,6 +43,12 @@ def write_mmproj(src: Path, out: Path, ftype=gguf.GGMLQuantizationType.F32,
         if name == "visual.patch_embed.proj.bias":
             tensors["v.patch_embd.bias"] = a
             continue
+        if name.startswith("visual.deepstack_merger_list."):  # under the block's own index
+            level, part, suffix = name.split(".")[2:]
+            block = v["deepstack_visual_indexes"][int(level)]
+            short = {"linear_fc1": "fc1", "linear_fc2": "fc2", "norm": "norm"}[part]
+            tensors[f"v.deepstack.{block}.{short}.{suffix}"] = a
+            continue
         if name.startswith("visual.merger."):
             part, suffix = name.split(".")[2:]
             base = {"linear_fc1": "mm.0", "linear_fc2": "mm.2", "norm": "v.post_ln"}[part]
@@ -65,7 +73,8 @@ def write_mmproj(src: Path, out: Path, ftype=gguf.GGMLQuantizationType.F32,
     w.add_vision_use_gelu(True)
     w.add_vision_spatial_merge_size(v["spatial_merge_size"])
     w.add_vision_attention_layernorm_eps(cfg["text_config"]["rms_norm_eps"])
-    w.add_vision_is_deepstack_layers([False] * v["depth"])
+    deep = v.get("deepstack_visual_indexes") or ()
+    w.add_vision_is_deepstack_layers([i in deep for i in range(v["depth"])])
     if pixels is not None:
         w.add_vision_min_pixels(pixels[0])
         w.add_vision_max_pixels(pixels[1])
