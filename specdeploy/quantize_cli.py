@@ -40,7 +40,11 @@ def make_tiny_quantized(arch: str, out: str | Path, quant: str, seed: int = 0,
     from specdeploy.models.registry import family_module
 
     with tempfile.TemporaryDirectory() as tmp:
-        if arch == "qwen3_5":  # dense Qwen3.5: the MoE family's module
+        if arch == "qwen3_vl_moe":  # per-expert keys, as FP8 releases write them
+            from specdeploy.models import qwen3_vl
+
+            src = qwen3_vl.make_tiny(Path(tmp) / arch, seed=seed, moe=True, per_expert=True)
+        elif arch == "qwen3_5":  # dense Qwen3.5: the MoE family's module
             q35 = family_module("qwen3_5_moe")
             src = q35.make_tiny(Path(tmp) / arch, seed=seed, mtp_layers=mtp_layers,
                                 hf_config=q35.tiny_hf_config(mtp_layers, dense=True))

@@ -116,6 +116,10 @@ def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool =
         if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             if src in reader and gguf:  # the GGUF reader joins them in our layout (blocks too)
                 params[name] = from_keys(lambda s=src: reader.get(s), src)
+            elif src in reader and any(k.startswith(f"{src}_") for k in reader.keys()):
+                raise CheckpointError(f"{reader.path}: {src} is quantized in the fused, "
+                                      "transposed layout, which is not supported (per-expert "
+                                      "quantized keys are)")
             elif src in reader:  # released: [E, H, 2I] / [E, I, H]
                 params[name] = lambda s=src: reader.get(s).transpose(1, 2).contiguous()
             else:
@@ -132,15 +136,20 @@ def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool =
     return params
 
 
-def params_to_checkpoint(state_dict: dict[str, torch.Tensor], cfg: Config
-                         ) -> dict[str, torch.Tensor]:
-    """Our state dict → the released layout (fused experts transposed; the tied head not
-    stored)."""
+def params_to_checkpoint(state_dict: dict[str, torch.Tensor], cfg: Config,
+                         per_expert: bool = False) -> dict[str, torch.Tensor]:
+    """Our state dict → the released layout (fused experts transposed, or `per_expert` keys as
+    FP8 releases write them; the tied head not stored)."""
+    from specdeploy.models.qwen3_5_moe import per_expert_keys
+
     out: dict[str, torch.Tensor] = {}
     for name, t in state_dict.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
         key = _PREFIX + name[len("model."):] if name.startswith("model.") else name
+        if per_expert:
+            out.update(per_expert_keys(key, t))
+            continue
         if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             t = t.transpose(1, 2).contiguous()
         out[key] = t
@@ -187,9 +196,9 @@ def tiny_hf_config(mtp_layers: int = 0, moe: bool = False) -> dict:
 
 
 def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, moe: bool = False,
-              text_overrides: dict | None = None) -> Path:
+              text_overrides: dict | None = None, per_expert: bool = False) -> Path:
     """A tiny random checkpoint in the released layout (tower, processor and tokenizer too);
-    `text_overrides` update its text config."""
+    `text_overrides` update its text config; `per_expert`: experts under per-expert keys."""
     from specdeploy.checkpoint.tiny import write_checkpoint
     from specdeploy.models.qwen3_5_vision_tiny import tiny_visual, write_tiny_processor
 
@@ -206,7 +215,7 @@ def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, moe: bool = F
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    tensors = params_to_checkpoint(model.state_dict(), cfg)
+    tensors = params_to_checkpoint(model.state_dict(), cfg, per_expert)
     tensors.update(tiny_visual(hf, gen))
     write_checkpoint(out, hf, tensors)
     write_tiny_processor(out, hf)

@@ -231,3 +231,57 @@ def test_make_tiny_cli(arch, tmp_path):
     assert hf["architectures"] == [{"qwen3_vl": "Qwen3VLForConditionalGeneration",
                                     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}[arch]]
     assert hf["vision_config"]["deepstack_visual_indexes"] == [0, 1]
+
+
+@pytest.mark.parametrize("method", ["nvfp4", "fp8-block"])
+def test_quantized_checkpoint_with_an_image(method, tmp_path):
+    """A pre-quantized Qwen3-VL-MoE (per-expert keys, the tower excluded as releases do): the
+    deployed graph's prompt logprobs with an image = an independently dequantized copy's eager
+    model on the deployment's tower features (these formats quantize weights only; fp32,
+    1e-4)."""
+    from specdeploy.quantize_cli import make_tiny_quantized
+    from specdeploy.vision.chat import build_prompt
+    from tests.checkpoint.quant_oracle import dequantize_dir
+
+    path = make_tiny_quantized("qwen3_vl_moe", tmp_path / "q", method)
+    dequantize_dir(path, tmp_path / "oracle")
+    llm = LLM(path, **LIMITS)
+    d = llm.deployed
+    img = rand_image(37, 53, 3)
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    out, = llm.generate(text, SamplingParams(max_tokens=1, prompt_logprobs=0), images=[img])
+    mm = build_prompt(d, llm.tokenizer.encode(text, add_special_tokens=False), [img], "p")
+    ids = out.prompt_token_ids
+    assert mm.ids == ids
+    oracle = load_model(tmp_path / "oracle", dtype=torch.float32)
+    with torch.no_grad():
+        e = d.embed_tokens(torch.tensor([ids]))
+        e = torch.cat((e, e.new_zeros(*e.shape[:2], d.deepstack_width)), -1)
+        feats = d.visual(mm.pixel_values, torch.tensor(mm.grid_thw))
+        e[0, mm.feature_row >= 0] = feats.to(e.dtype)
+        logits = oracle(None, mm.positions(0, mm.num_prompt)[:, None], e)[0]
+    want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]]
+    got = torch.tensor([lp[t] for lp, t in zip(out.prompt_logprobs[1:], ids[1:])])
+    assert (got - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
+    info = next(i for i in d.target.infos if i.name == "prequantized_weights")
+    assert info.num_matches == 15 + 2
+
+
+def test_quantized_fused_transposed_experts_are_refused(tiny, tmp_path):
+    """Scales beside a released fused [E, H, 2I] expert tensor: which axis they scale is not
+    a layout anyone documents, so it is refused by name rather than guessed."""
+    from safetensors.torch import load_file, save_file
+
+    from specdeploy.checkpoint import CheckpointError
+
+    path, _, _ = tiny("moe")
+    tensors = load_file(str(path / "model.safetensors"))
+    key = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    tensors[key + "_weight_scale"] = torch.ones(8, 1, 1)
+    out = tmp_path / "fused_q"
+    out.mkdir()
+    (out / "config.json").write_text((path / "config.json").read_text())
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{key} is quantized in the fused, transposed"):
+        load_model(out, dtype=torch.float32)
