@@ -85,17 +85,21 @@ def test_cuda_graphs_by_default(target):
     assert [o.token_ids for o in eager.generate(target.prompts[:3], params)] == got
 
 
-def test_vision_language_requests_on_cuda(tmp_path_factory):
-    """The tiny Qwen3.5 VLM on CUDA: an image and a video in one prompt, and a text request;
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_vl_moe"])
+def test_vision_language_requests_on_cuda(tmp_path_factory, family):
+    """The tiny Qwen3.5 VLM and Qwen3-VL-MoE (DeepStack: the wider embeddings through the CUDA
+    graphs' static inputs) on CUDA: an image and a video in one prompt, and a text request;
     the tower's features equal the CPU tower's (fp32, 1e-3) and greedy tokens with CUDA graphs
     equal the eager CUDA deployment's."""
     from specdeploy import LLM
-    from specdeploy.models.qwen3_5_moe import make_tiny
+    from specdeploy.models import qwen3_5_moe, qwen3_vl
     from tests.vision.conftest import rand_image
     from tests.vision.video_util import rand_frames
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    path = str(make_tiny(tmp_path_factory.mktemp("cuda_vlm"), seed=0, mtp_layers=1))
+    d = tmp_path_factory.mktemp(f"cuda_{family}")
+    path = str(qwen3_5_moe.make_tiny(d, seed=0, mtp_layers=1) if family == "qwen3_5_moe"
+               else qwen3_vl.make_tiny(d, seed=0, moe=True))
     msgs = [[{"role": "user", "content": [
         {"type": "video", "video": (rand_frames(12, 24, 32, 1), {"fps": 6})},
         {"type": "image", "image": rand_image(30, 40, 2)}, {"type": "text", "text": "and"}]}],
