@@ -4,12 +4,17 @@ batch 1, greedy, the same files.
     PYTHONPATH=.:/work/llamacpp python bench/vs_llamacpp_vlm.py \\
         --llamacpp-src .../llama_cpp_python-0.3.36/vendor/llama.cpp [--rounds 3] [--tokens 64]
         [--outtype q8_0] [--threads 2] [--json-out FILE]
+        [--arch qwen3_5_moe|qwen3_vl_moe|qwen3_vl]
 
 The checkpoint: a random Qwen3.5-MoE VLM, bench/vs_llamacpp_moe.py's mid-size text model (8
 layers, hidden 512, 32 experts top 4) with a mid-size tower (`TOWER`: 4 blocks, hidden 256,
-patch 16, merge 2), converted by llama.cpp's own converter: the text GGUF (`--outtype`, the
-tokenizer given one merge as in vs_llamacpp_moe.py) and the mmproj (`--mmproj`, F32). Each round,
-in alternating order: one request of "describe" + one 448 x 448 image (14 x 14 merged patches:
+patch 16, merge 2); `--arch qwen3_vl_moe`: a Qwen3-VL-MoE of vs_llamacpp_moe.py's Qwen3-MoE
+text shape (8 layers, hidden 1024, 48 experts top 8, Qwen3-30B-A3B's attention) and the same
+tower with 3 DeepStack levels (after blocks 1-3, as the released towers' 8 / 16 / 24 of 27);
+`--arch qwen3_vl`: the dense Qwen3-VL of vs_llamacpp_moe.py's Qwen3-0.6B block shape.
+Converted by llama.cpp's own converter: the text GGUF (`--outtype`, the tokenizer given one
+merge as in vs_llamacpp_moe.py) and the mmproj (`--mmproj`, F32). Each round, in alternating
+order: one request of "describe" + one 448 x 448 image (14 x 14 merged patches:
 neither tool resizes it, 196 image tokens in both) + "now" (the same token ids in both), then
 --tokens greedy tokens.
 - llama.cpp: libmtmd tokenizes the prompt with the image (its marker), `mtmd_helper_eval_chunks`
@@ -34,7 +39,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.vs_llamacpp_moe import QWEN, _median, _with_a_merge_token, convert  # noqa: E402
+from bench.vs_llamacpp_moe import (  # noqa: E402
+    QWEN,
+    QWEN3,
+    QWEN3_MOE,
+    _median,
+    _with_a_merge_token,
+    convert,
+)
 
 TOWER = dict(depth=4, hidden_size=256, intermediate_size=1024, num_heads=4, patch_size=16,
              temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304)
@@ -44,9 +56,20 @@ SIDE = 448  # a multiple of patch x merge (32): no resize in either tool
 BEFORE, AFTER = "describe", "now"
 
 
-def checkpoint(out: Path) -> Path:
+def checkpoint(out: Path, arch: str = "qwen3_5_moe") -> Path:
     from specdeploy.models import qwen3_5_moe as q35
+    from specdeploy.models import qwen3_vl
 
+    if arch.startswith("qwen3_vl"):
+        moe = arch == "qwen3_vl_moe"
+        hf = qwen3_vl.tiny_hf_config(moe=moe)
+        text = {k: v for k, v in (QWEN3_MOE if moe else QWEN3).items()}
+        text["rope_parameters"] = dict(hf["text_config"]["rope_parameters"],
+                                       mrope_section=[24, 20, 20])  # head_dim 128, as released
+        hf["text_config"] = dict(hf["text_config"], **text)
+        hf["vision_config"] = dict(hf["vision_config"], **TOWER, deepstack_visual_indexes=[
+            1, 2, 3], out_hidden_size=text["hidden_size"])
+        return _with_a_merge_token(qwen3_vl.make_tiny_from(out, hf, seed=0))
     hf = q35.tiny_hf_config(mtp_layers=1)
     hf["text_config"] = dict(hf["text_config"], **QWEN)
     hf["vision_config"] = dict(hf["vision_config"], **TOWER,
@@ -137,13 +160,15 @@ def main() -> None:
     ap.add_argument("--outtype", default="q8_0")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--arch", default="qwen3_5_moe", choices=("qwen3_5_moe", "qwen3_vl_moe",
+                                                              "qwen3_vl"))
     args = ap.parse_args()
     from specdeploy import LLM
     from specdeploy.bench import machine, print_json
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="vlm_vs_llamacpp_"))
-    ckpt = checkpoint(tmp / "ckpt")
+    ckpt = checkpoint(tmp / "ckpt", args.arch)
     text, mmproj = tmp / f"text_{args.outtype}.gguf", tmp / "mmproj.gguf"
     convert(args.llamacpp_src, ckpt, text, args.outtype)
     convert(args.llamacpp_src, ckpt, mmproj, "f32", "--mmproj")
@@ -170,7 +195,8 @@ def main() -> None:
                 min(len(a[0]["tokens"]), len(b[0]["tokens"])))
     result = {
         "machine": machine(), "command": "bench/vs_llamacpp_vlm.py " + " ".join(sys.argv[1:]),
-        "llama_cpp": theirs.version, "text_gguf": text.name, "mmproj": "F32",
+        "arch": args.arch, "llama_cpp": theirs.version, "text_gguf": text.name,
+        "mmproj": "F32",
         "image": [SIDE, SIDE], "image_tokens": {"specdeploy": a[0]["image"],
                                                 "llama.cpp": b[0]["image"]},
         **{name: {"prefill_s": _median([x["prefill_s"] for x in xs]),

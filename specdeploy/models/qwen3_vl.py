@@ -199,11 +199,16 @@ def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, moe: bool = F
               text_overrides: dict | None = None, per_expert: bool = False) -> Path:
     """A tiny random checkpoint in the released layout (tower, processor and tokenizer too);
     `text_overrides` update its text config; `per_expert`: experts under per-expert keys."""
+    hf = tiny_hf_config(mtp_layers, moe=moe)
+    hf["text_config"].update(text_overrides or {})
+    return make_tiny_from(out, hf, seed, per_expert)
+
+
+def make_tiny_from(out: str | Path, hf: dict, seed: int = 0, per_expert: bool = False) -> Path:
+    """`make_tiny` of a given config.json (benches size it up)."""
     from specdeploy.checkpoint.tiny import write_checkpoint
     from specdeploy.models.qwen3_5_vision_tiny import tiny_visual, write_tiny_processor
 
-    hf = tiny_hf_config(mtp_layers, moe=moe)
-    hf["text_config"].update(text_overrides or {})
     cfg = Config.from_hf(hf)
     gen = torch.Generator().manual_seed(seed)
     model = Model(cfg)
@@ -223,4 +228,4 @@ def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, moe: bool = F
 
 
 __all__ = ["ARCHITECTURES", "Config", "Model", "checkpoint_to_params", "make_tiny",
-           "params_to_checkpoint", "tiny_hf_config"]
+           "make_tiny_from", "params_to_checkpoint", "tiny_hf_config"]
