@@ -97,6 +97,17 @@ class QuantizedReader:
             return dequantize_fp8(*qw)
         return dequantize_nvfp4(*qw)
 
+    def get_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """`get(name)[rows]` of a 2-D weight, the quantized form recorded with the same rows
+        (every format here keeps its scales per row: the selection is exact). For checkpoints
+        whose fused projections a family splits (models/qwen3_next.py)."""
+        t = self.get(name)
+        if self.is_quantized(name):
+            logged, qw, in_scale = self._log.pop()
+            rows_of = [f[rows] if isinstance(f, torch.Tensor) else f for f in qw]
+            self._log.append((logged, type(qw)(*rows_of), in_scale))
+        return t[rows]
+
     def _per_matrix(self, key: str, lead: tuple, what: str) -> torch.Tensor:
         """A per-tensor scale (one per expert for a fused [E, N, K] tensor) as fp32 `lead`."""
         s = self._r.get(key).float()

@@ -12,6 +12,7 @@ _FAMILIES = {
     "qwen3_5_moe": "specdeploy.models.qwen3_5_moe",
     "qwen3_moe": "specdeploy.models.qwen3_moe",
     "qwen3_vl": "specdeploy.models.qwen3_vl",
+    "qwen3_next": "specdeploy.models.qwen3_next",
 }
 _ARCH_TO_FAMILY = {
     "LlamaForCausalLM": "llama",
@@ -28,6 +29,8 @@ _ARCH_TO_FAMILY = {
     # Qwen3-VL / Qwen3-VL-MoE: Qwen3 (-MoE) layers, multimodal RoPE, DeepStack
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
+    # Qwen3-Next: Qwen3.5-MoE's blocks, 1-D RoPE, GDN projections grouped per key head
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 
 

@@ -108,6 +108,15 @@ def _ours(ckpt: str) -> str:
     return ckpt
 
 
+# Qwen3-Next's grouped GDN projections are our split ones (models/qwen3_next.py): one input
+_SPLIT = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
+
+
+def _split(mod_name: str) -> list[str]:
+    base, _, last = mod_name.rpartition(".")
+    return [f"{base}.{n}" for n in _SPLIT[last]] if last in _SPLIT else [mod_name]
+
+
 def _fq(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return (x / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s
 
@@ -129,8 +138,9 @@ def fake_quant_hooks(model: torch.nn.Module, in_scales: dict[str, torch.Tensor],
             prev = expert_scales.setdefault(owner, {}).get(proj)
             expert_scales[owner][proj] = s if prev is None else torch.maximum(prev, s)
             continue
-        mod = model.get_submodule(mod_name)
-        hooks.append(mod.register_forward_pre_hook(lambda m, a, s=s: (_fq(a[0], s),)))
+        for name in _split(mod_name):
+            mod = model.get_submodule(name)
+            hooks.append(mod.register_forward_pre_hook(lambda m, a, s=s: (_fq(a[0], s),)))
     by_weight = {}
     for owner, sc in expert_scales.items():
         experts = model.get_submodule(owner)

@@ -24,7 +24,7 @@ from specdeploy.quantize_cli import make_tiny_quantized
 from tests.checkpoint.quant_oracle import dequantize_dir, fake_quant_hooks
 
 ARCHS = ("llama", "nemotron_h", "qwen3_5_moe", "qwen3_5", "qwen3_moe", "qwen3_vl",
-         "qwen3_vl_moe")  # qwen3_5: dense
+         "qwen3_vl_moe", "qwen3_next")  # qwen3_5: dense
 METHODS = ("fp8", "nvfp4", "fp8-block")
 # quantized linears (+ routed-expert sets) per tiny model: everything but lm_head, routers and
 # the shared-expert gate (see test_quantize.EXPECTED_MATCHES; the nemotron_h router is excluded
@@ -32,7 +32,8 @@ METHODS = ("fp8", "nvfp4", "fp8-block")
 EXPECTED = {"llama": 14, "nemotron_h": 24 + 2, "qwen3_5_moe": 31 + 4,
             "qwen3_5": 31,  # (the MoE's shared expert's 3 linears are the dense MLP's here)
             "qwen3_moe": 15 + 2,  # 3 layers' attention, the dense layer's MLP; 2 expert sets
-            "qwen3_vl": 21, "qwen3_vl_moe": 15 + 2}  # (the towers stay as shipped: excluded)
+            "qwen3_vl": 21, "qwen3_vl_moe": 15 + 2,  # (the towers stay as shipped: excluded)
+            "qwen3_next": 31 + 4}  # Qwen3.5-MoE's blocks (GDN projections split from grouped)
 
 
 def assert_close(actual, expected, rtol=1e-4):
