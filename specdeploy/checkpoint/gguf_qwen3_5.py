@@ -1,4 +1,5 @@
-"""GGUF architectures "qwen35moe" and "qwen35" (llama.cpp: Qwen3.5-MoE and dense Qwen3.5, text):
+"""GGUF architectures "qwen35moe", "qwen35" and "qwen3next" (llama.cpp: Qwen3.5-MoE, dense
+Qwen3.5, text; Qwen3-Next):
 its metadata as a Hugging Face Qwen3.5(-MoE) text config, its tensors under the text
 checkpoint's names (`model.layers.N.*`, `mtp.*`), its values in the HF layout. (A GGUF holds no
 vision tower: llama.cpp keeps it in a separate mmproj file.)
@@ -16,8 +17,11 @@ What llama.cpp's converter changes, undone here:
   back into the checkpoint's fused gate_up_proj [E, 2I, H]); the MTP head is the trailing
   block(s) (`nextn_predict_layers`), its fc / norms as `nextn.*`;
 - a dense model's MLP is `ffn_gate` / `ffn_up` / `ffn_down` (as llama's).
-Layer kinds come from the tensors a block holds (`attn_qkv`: gated delta net, `attn_q`: full
-attention). llama.cpp always renormalizes the top-k router weights (norm_topk_prob is not
+Qwen3-Next's files ("qwen3next") are Qwen3.5-MoE's but for three things: 1-D RoPE (no dimension
+sections), value heads left grouped by key head (its converter does not tile them), and b / a
+kept in one grouped tensor (`ssm_ba`, the checkpoint's `in_proj_ba`, which models/qwen3_next.py
+splits). Layer kinds come from the tensors a block holds (`attn_qkv`: gated delta net, `attn_q`:
+full attention). llama.cpp always renormalizes the top-k router weights (norm_topk_prob is not
 stored): so does this config. q/k rows are not permuted (Qwen's RoPE is rotate-half).
 """
 from __future__ import annotations
@@ -29,7 +33,7 @@ import numpy as np
 from specdeploy.checkpoint.errors import CheckpointError
 from specdeploy.checkpoint.gguf_meta import ArchMeta
 
-ARCHS = ("qwen35moe", "qwen35")
+ARCHS = ("qwen35moe", "qwen35", "qwen3next")
 ROTARY_PERMUTED = False
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
            "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
@@ -44,6 +48,7 @@ _LAYER = {  # blk.N.<tail> -> the layer's HF suffix
     "attn_gate.weight": "linear_attn.in_proj_z.weight",
     "ssm_beta.weight": "linear_attn.in_proj_b.weight",
     "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",  # (qwen3next: grouped per key head)
     "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_a": "linear_attn.A_log",
     "ssm_dt.bias": "linear_attn.dt_bias", "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
@@ -92,6 +97,7 @@ def hf_config(reader) -> dict:
         raise CheckpointError(f"{path}: ssm.inner_size {inner} is not a multiple of "
                               f"ssm.time_step_rank {nv}")
     dense = md.get("general.architecture") == "qwen35"
+    nxt = md.get("general.architecture") == "qwen3next"
     sections = list(get("rope.dimension_sections", []) or [11, 11, 10])
     rope_dim = int(get("rope.dimension_count", head_dim // 4))
     text = {
@@ -112,14 +118,17 @@ def hf_config(reader) -> dict:
         "rope_parameters": {"rope_type": "default",
                             "rope_theta": float(get("rope.freq_base", 1e7)),
                             "partial_rotary_factor": rope_dim / head_dim,
-                            "mrope_section": [s for s in sections[:3]],
-                            "mrope_interleaved": True},
+                            **({} if nxt else {"mrope_section": [s for s in sections[:3]],
+                                               "mrope_interleaved": True})},
         "mtp_num_hidden_layers": nextn,
         "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
     }
     arch, kind = (("Qwen3_5ForCausalLM", "qwen3_5") if dense
+                  else ("Qwen3NextForCausalLM", "qwen3_next") if nxt
                   else ("Qwen3_5MoeForCausalLM", "qwen3_5_moe"))
+    if nxt:
+        text["model_type"] = "qwen3_next"
     return {"architectures": [arch], "model_type": kind,
             "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
 
@@ -187,7 +196,8 @@ def to_hf(gguf_name: str, a: np.ndarray, cfg: dict) -> np.ndarray:
     elif tail == "ssm_conv1d.weight":
         a = a.reshape(a.shape[0], 1, a.shape[-1])
     nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
-    if nk == nv or nk <= 0 or not tail.startswith(("attn_qkv", "attn_gate", "ssm_")):
+    if nk == nv or nk <= 0 or not tail.startswith(("attn_qkv", "attn_gate", "ssm_")) or \
+            cfg["model_type"] == "qwen3_next":  # (its value heads stay grouped)
         return a
     dv, qk = t["linear_value_head_dim"], 2 * nk * t["linear_key_head_dim"]
     if tail in ("attn_qkv.weight", "ssm_conv1d.weight"):
@@ -212,7 +222,8 @@ def blocks_hf(gguf_name: str, raw: np.ndarray, cfg: dict):
     t = cfg["text_config"]
     if tail in _PLUS_ONE or tail == "ssm_a":
         return None
-    if tail == "ssm_out.weight" and t["linear_num_key_heads"] != t["linear_num_value_heads"]:
+    if tail == "ssm_out.weight" and t["linear_num_key_heads"] != t["linear_num_value_heads"] \
+            and cfg["model_type"] != "qwen3_next":
         nk, nv, dv = (t["linear_num_key_heads"], t["linear_num_value_heads"],
                       t["linear_value_head_dim"])
         cols = _grouped(np.arange(nv * dv)[None], 1, nk, nv // nk, dv)[0]

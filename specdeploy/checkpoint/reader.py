@@ -49,6 +49,7 @@ class CheckpointReader:
             self._handles[f] = h
             for k in h.keys():
                 self._where[k] = f
+        self.config = _mtp_count_from_keys(self.config, self._where)
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -70,6 +71,20 @@ class CheckpointReader:
 
     def missing(self, names: Iterable[str]) -> list[str]:
         return [n for n in names if n not in self._where]
+
+
+def _mtp_count_from_keys(config: dict, keys) -> dict:
+    """Qwen3-Next releases ship their MTP layer (`mtp.fc`, `mtp.layers.N.*`, Qwen3.5's names)
+    without declaring it (no `mtp_num_hidden_layers`): the count comes from the tensors, as
+    vLLM and llama.cpp's converter take it. Configs that declare theirs are left alone."""
+    text = config.get("text_config", config)
+    if "mtp.fc.weight" not in keys or any(k in text for k in ("mtp_num_hidden_layers",
+                                                              "num_nextn_predict_layers")):
+        return config
+    layers = {int(k.split(".")[2]) for k in keys if k.startswith("mtp.layers.")
+              and k.split(".")[2].isdigit()}
+    text = {**text, "mtp_num_hidden_layers": max(layers) + 1 if layers else 0}
+    return {**config, "text_config": text} if "text_config" in config else text
 
 
 def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:

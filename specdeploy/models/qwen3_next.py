@@ -51,6 +51,8 @@ class _QkvzAsQwen35:
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
 
     def _source(self, name: str) -> tuple[str, str] | None:
+        if name in self._r:  # (llama.cpp's qwen3next GGUF stores q|k|v and z apart already)
+            return None
         parts = name.split(".")
         if len(parts) > 2 and parts[-1] == "weight" and parts[-2] in _FROM:
             return ".".join([*parts[:-2], _FROM[parts[-2]], "weight"]), parts[-2]

@@ -1,6 +1,7 @@
-"""A tiny Qwen3.5(-MoE) safetensors checkpoint written as llama.cpp's converter writes its GGUF
-(convert_hf_to_gguf.py: Qwen3_5MoeTextModel, _LinearAttentionVReorderBase, Qwen3NextModel,
-_QwenMtpMixin, Qwen2MoeModel), for the tests.
+"""A tiny Qwen3.5(-MoE) or Qwen3-Next safetensors checkpoint written as llama.cpp's converter
+writes its GGUF (convert_hf_to_gguf.py: Qwen3_5MoeTextModel, _LinearAttentionVReorderBase,
+Qwen3NextModel, _QwenMtpMixin, Qwen2MoeModel), for the tests. Qwen3-Next: `in_proj_qkvz` split
+into q | k | v and z (value heads kept grouped), `in_proj_ba` as it is, no RoPE sections.
 
 Names come from gguf-py's own map (`gguf.get_tensor_name_map`, not the reader's); the MTP
 block's own names, which gguf-py 0.19 does not map yet, and the value changes follow the
@@ -40,7 +41,9 @@ def _converted(src: Path):
     n, nextn = text["num_hidden_layers"], text.get("mtp_num_hidden_layers", 0)
     nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
     dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
-    arch = MODEL_ARCH.QWEN35MOE if text.get("num_experts") else MODEL_ARCH.QWEN35
+    nxt = text.get("model_type", reader.config.get("model_type")) == "qwen3_next"
+    arch = (MODEL_ARCH.QWEN3NEXT if nxt else MODEL_ARCH.QWEN35MOE if text.get("num_experts")
+            else MODEL_ARCH.QWEN35)
     names = gguf.get_tensor_name_map(arch, n + nextn)
     out, experts = {}, defaultdict(dict)
     for key in reader.keys():
@@ -66,7 +69,16 @@ def _converted(src: Path):
             hf = hf[: -len(".dt_bias")] + ".dt_proj.bias"
         elif "conv1d" in hf:
             w = w.squeeze()
-        if nk != nv and ".linear_attn." in hf:
+        if nxt and hf.endswith(".in_proj_qkvz.weight"):  # Qwen3NextModel: q | k | v, and z
+            g = w.reshape(nk, 2 * dk + 2 * (nv // nk) * dv, -1)
+            q, k, v, z = np.split(g, np.cumsum([dk, dk, (nv // nk) * dv])[:3], axis=1)
+            qkv = np.concatenate([t.reshape(-1, g.shape[-1]) for t in (q, k, v)])
+            base = hf[: -len("in_proj_qkvz.weight")]
+            out[names.get_name(base + "in_proj_qkv.weight", try_suffixes=(".weight",))] = qkv
+            out[names.get_name(base + "in_proj_z.weight", try_suffixes=(".weight",))] = \
+                z.reshape(-1, g.shape[-1])
+            continue
+        if nk != nv and ".linear_attn." in hf and not nxt:  # (Qwen3-Next: not tiled)
             per_k, qk = nv // nk, 2 * nk * dk
             if ".in_proj_qkv." in hf or ".conv1d." in hf:
                 w = np.concatenate([w[:qk], tiled(w[qk:], 0, nk, per_k, dv)])
@@ -97,12 +109,13 @@ def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32) -> Path:
     w.add_embedding_length(t["hidden_size"])
     w.add_head_count(t["num_attention_heads"])
     w.add_head_count_kv(t["num_key_value_heads"])
-    w.add_rope_dimension_sections([*rope["mrope_section"], 0])
+    if "mrope_section" in rope:  # (Qwen3-Next: 1-D RoPE)
+        w.add_rope_dimension_sections([*rope["mrope_section"], 0])
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(t["rms_norm_eps"])
     w.add_key_length(t["head_dim"])
     w.add_value_length(t["head_dim"])
-    if arch == MODEL_ARCH.QWEN35MOE:
+    if arch in (MODEL_ARCH.QWEN35MOE, MODEL_ARCH.QWEN3NEXT):
         w.add_expert_count(t["num_experts"])
         w.add_expert_used_count(t["num_experts_per_tok"])
         w.add_expert_feed_forward_length(t["moe_intermediate_size"])

@@ -151,3 +151,23 @@ def test_make_tiny_cli(tmp_path):
                  str(tmp_path / "d")]) == 0
     hf = json.loads((tmp_path / "d" / "config.json").read_text())
     assert hf["architectures"] == ["Qwen3NextForCausalLM"] and hf["mtp_num_hidden_layers"] == 1
+
+
+def test_an_undeclared_mtp_layer_is_found_in_the_tensors(mtp_dir, tmp_path):
+    """Released Qwen3-Next configs do not declare their MTP layer: the `mtp.*` tensors do, and
+    `SpecConfig("mtp")` finds it (drafting losslessly) as with the declared count."""
+    import shutil
+
+    out = tmp_path / "undeclared"
+    shutil.copytree(mtp_dir, out)
+    hf = json.loads((out / "config.json").read_text())
+    del hf["mtp_num_hidden_layers"]
+    (out / "config.json").write_text(json.dumps(hf))
+    from specdeploy.checkpoint import open_checkpoint
+
+    assert open_checkpoint(out).config["mtp_num_hidden_layers"] == 1
+    prompts = ["hello there", "a b c d e f"]
+    want = [o.token_ids for o in LLM(out, **LIMITS).generate(prompts, GREEDY)]
+    spec = LLM(out, spec={"method": "mtp", "num_speculative_tokens": 2}, **LIMITS)
+    assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == want
+    assert spec.stats()["draft_steps"] > 0
