@@ -1,5 +1,6 @@
 """specdeploy vs llama.cpp on hybrid GGUFs (NemotronH MoE, Qwen3.5-MoE; dense Qwen3.5 with
-`--archs qwen3_5`; Qwen3 / Qwen2 / Qwen3-MoE with `--archs qwen3` / `qwen3_moe`), batch 1: prefill
+`--archs qwen3_5`; Qwen3-Next with `--archs qwen3_next`; Qwen3 / Qwen2 / Qwen3-MoE with
+`--archs qwen3` / `qwen3_moe`), batch 1: prefill
 time and decode tokens/s on the same file, side by side in one run.
 
 No real hybrid weights are available offline, so random mid-size checkpoints (~60-90M
@@ -100,6 +101,11 @@ def _checkpoint(arch: str, out: Path) -> Path:
         return nh.make_tiny(out, seed=0, hf_config=hf)
     from specdeploy.models import qwen3_5_moe as q35
 
+    if arch == "qwen3_next":  # Qwen3.5-MoE's mid-size shape, Qwen3-Next's layout and RoPE
+        from specdeploy.models import qwen3_next
+
+        hf = {**qwen3_next.tiny_hf_config(mtp_layers=1), **QWEN}
+        return qwen3_next.make_tiny(out, seed=0, hf_config=hf)
     # (with its MTP layer: llama.cpp 0.3.36's converter wants one for Qwen3.5; neither tool
     # runs it here)
     dense = arch == "qwen3_5"

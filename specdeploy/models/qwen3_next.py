@@ -23,7 +23,6 @@ from specdeploy.models import qwen3_5_blocks
 from specdeploy.models import qwen3_5_moe as q35
 
 ARCHITECTURES = ("Qwen3NextForCausalLM",)
-Model = q35.Model
 _FROM = {"in_proj_qkv": "in_proj_qkvz", "in_proj_z": "in_proj_qkvz", "in_proj_b": "in_proj_ba",
          "in_proj_a": "in_proj_ba"}
 
@@ -40,6 +39,10 @@ class Config(qwen3_5_blocks.Config):
         mtp = text.get("mtp_num_hidden_layers", text.get("num_nextn_predict_layers", 0))
         base = qwen3_5_blocks.Config.from_hf({**text, "mtp_num_hidden_layers": mtp or 0})
         return cls(**{**base.__dict__, "mrope_section": None})
+
+
+class Model(q35.Model):
+    """Qwen3.5-MoE's model (its own class: drafter training and MTP heads key on the family)."""
 
 
 class _QkvzAsQwen35:
@@ -164,13 +167,15 @@ def tiny_hf_config(mtp_layers: int = 0) -> dict:
     }
 
 
-def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0) -> Path:
-    """A tiny random checkpoint in the released layout (+ `mtp.*` when asked)."""
+def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, hf_config: dict | None = None
+              ) -> Path:
+    """A tiny random checkpoint in the released layout (+ `mtp.*` when asked); `hf_config`
+    replaces `tiny_hf_config(mtp_layers)` (benches size it up)."""
     from specdeploy.checkpoint.tiny import write_checkpoint, write_tiny_tokenizer
 
-    hf = tiny_hf_config(mtp_layers)
+    hf = hf_config or tiny_hf_config(mtp_layers)
     cfg = Config.from_hf(hf)
-    model = Model(cfg, with_mtp=mtp_layers > 0)
+    model = Model(cfg, with_mtp=cfg.mtp_num_hidden_layers > 0)
     q35._random_init(model, torch.Generator().manual_seed(seed))
     write_checkpoint(out, hf, params_to_checkpoint(model.state_dict(), cfg))
     write_tiny_tokenizer(out, cfg.vocab_size)

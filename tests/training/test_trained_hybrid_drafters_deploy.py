@@ -31,7 +31,8 @@ def _chats():
                                           {"type": "text", "text": "ok"}]}]]
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5_moe", "qwen3_5_moe_text"])
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5_moe", "qwen3_5_moe_text",
+                                        "qwen3_next"])
 def hybrid(request, tmp_path_factory):
     h = Hybrid(request.param, tmp_path_factory.mktemp(request.param))
     plain = LLM(str(h.path), **LIMITS)

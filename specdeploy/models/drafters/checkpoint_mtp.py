@@ -29,7 +29,10 @@ PREFIX = "mtp."
 FAMILIES = {"specdeploy.models.nemotron_h": ("num_nextn_predict_layers",
                                              "specdeploy.models.drafters.nemotron_h_mtp"),
             "specdeploy.models.qwen3_5_moe": ("mtp_num_hidden_layers",
-                                              "specdeploy.models.drafters.qwen3_5_mtp")}
+                                              "specdeploy.models.drafters.qwen3_5_mtp"),
+            # (Qwen3-Next's model is Qwen3.5-MoE's; its written heads' configs name Qwen3-Next)
+            "specdeploy.models.qwen3_next": ("mtp_num_hidden_layers",
+                                             "specdeploy.models.drafters.qwen3_5_mtp")}
 
 
 def family_of(target: nn.Module) -> ModuleType | None:
