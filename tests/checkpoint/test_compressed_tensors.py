@@ -27,7 +27,8 @@ from tests.checkpoint.test_prequant_logits import EXPECTED, assert_close
 ct_layout = pytest.importorskip("tests.checkpoint.ct_layout")
 
 CASES = [("llama", k) for k, v in ct_layout.KINDS.items() if v[0] is not None] + [
-    ("qwen3_5_moe", "fp8-channel"), ("qwen3_5_moe", "nvfp4"), ("nemotron_h", "fp8-tensor")]
+    ("qwen3_5_moe", "fp8-channel"), ("qwen3_5_moe", "nvfp4"), ("nemotron_h", "fp8-tensor"),
+    ("qwen3_vl_moe", "fp8-channel"), ("qwen3_next", "nvfp4"), ("qwen3_next", "fp8-tensor")]
 
 
 @pytest.fixture(scope="module")
