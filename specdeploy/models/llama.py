@@ -135,7 +135,8 @@ class Backbone(nn.Module):
         layer = layer or (lambda i: DecoderLayer(cfg))
         self.layers = nn.ModuleList(layer(i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        # (partial RoPE: GLM-4.5 rotates the first half of each head; the rope op passes the rest)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, getattr(cfg, "rotary_dim", cfg.head_dim))
 
 
 class Model(nn.Module):

@@ -13,6 +13,7 @@ _FAMILIES = {
     "qwen3_moe": "specdeploy.models.qwen3_moe",
     "qwen3_vl": "specdeploy.models.qwen3_vl",
     "qwen3_next": "specdeploy.models.qwen3_next",
+    "glm4_moe": "specdeploy.models.glm4_moe",
 }
 _ARCH_TO_FAMILY = {
     "LlamaForCausalLM": "llama",
@@ -31,6 +32,8 @@ _ARCH_TO_FAMILY = {
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
     # Qwen3-Next: Qwen3.5-MoE's blocks, 1-D RoPE, GDN projections grouped per key head
     "Qwen3NextForCausalLM": "qwen3_next",
+    # GLM-4.5 / 4.6 / 4.7: Llama-style attention (partial RoPE), sigmoid-routed MoE, MTP
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 
 

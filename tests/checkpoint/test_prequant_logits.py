@@ -19,12 +19,12 @@ from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.export import export_model
 from specdeploy.deploy.pipeline import run_transform
 from specdeploy.loading import load_model
-from specdeploy.models import nemotron_h_blocks, qwen3_5_blocks
+from specdeploy.models import glm4_moe, nemotron_h_blocks, qwen3_5_blocks
 from specdeploy.quantize_cli import make_tiny_quantized
 from tests.checkpoint.quant_oracle import dequantize_dir, fake_quant_hooks
 
 ARCHS = ("llama", "nemotron_h", "qwen3_5_moe", "qwen3_5", "qwen3_moe", "qwen3_vl",
-         "qwen3_vl_moe", "qwen3_next")  # qwen3_5: dense
+         "qwen3_vl_moe", "qwen3_next", "glm4_moe")  # qwen3_5: dense
 METHODS = ("fp8", "nvfp4", "fp8-block")
 # quantized linears (+ routed-expert sets) per tiny model: everything but lm_head, routers and
 # the shared-expert gate (see test_quantize.EXPECTED_MATCHES; the nemotron_h router is excluded
@@ -33,7 +33,8 @@ EXPECTED = {"llama": 14, "nemotron_h": 24 + 2, "qwen3_5_moe": 31 + 4,
             "qwen3_5": 31,  # (the MoE's shared expert's 3 linears are the dense MLP's here)
             "qwen3_moe": 15 + 2,  # 3 layers' attention, the dense layer's MLP; 2 expert sets
             "qwen3_vl": 21, "qwen3_vl_moe": 15 + 2,  # (the towers stay as shipped: excluded)
-            "qwen3_next": 31 + 4}  # Qwen3.5-MoE's blocks (GDN projections split from grouped)
+            "qwen3_next": 31 + 4,  # Qwen3.5-MoE's blocks (GDN projections split from grouped)
+            "glm4_moe": 12 + 3 + 2 * 4}  # attention, the dense MLP, shared + routed experts
 
 
 def assert_close(actual, expected, rtol=1e-4):
@@ -49,7 +50,8 @@ def quantized(tmp_path_factory):
 
     def get(arch: str, method: str):
         if (arch, method) not in cache:
-            mtp = 0 if arch in ("llama", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe") else 1
+            mtp = 0 if arch in ("llama", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe",
+                                "glm4_moe") else 1
             cache[arch, method] = make_tiny_quantized(arch, root / f"{arch}-{method}", method,
                                                       mtp_layers=mtp)
         return cache[arch, method]
@@ -71,7 +73,7 @@ def test_deployed_logits_match_dequantized_oracle(quantized, tmp_path, arch, met
     oracle = load_model(tmp_path / "oracle")
     ids, pos = _ids()
     with torch.no_grad(), fake_quant_hooks(oracle, in_scales,
-                                           (nemotron_h_blocks, qwen3_5_blocks)):
+                                           (nemotron_h_blocks, qwen3_5_blocks, glm4_moe)):
         want = oracle(ids)
     model = load_model(path)
     gm = export_model(model, max_tokens=64)
