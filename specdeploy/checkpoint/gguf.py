@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from specdeploy.checkpoint import (
+    gguf_glm4moe,
     gguf_llama,
     gguf_mmproj,
     gguf_nemotron_h,
@@ -35,7 +36,7 @@ _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 # general.architecture -> the module that maps it (config, names, values)
 _ARCHS = {"llama": gguf_llama, **{a: m for m in (gguf_qwen, gguf_nemotron_h, gguf_qwen3_5,
-                                                 gguf_mmproj) for a in m.ARCHS}}
+                                                 gguf_glm4moe, gguf_mmproj) for a in m.ARCHS}}
 SUPPORTED_ARCHITECTURES = tuple(a for a in _ARCHS if a not in gguf_mmproj.ARCHS)  # (models)
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFReader", "hf_name", "read_header"]
 

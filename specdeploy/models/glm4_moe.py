@@ -200,14 +200,16 @@ def tiny_hf_config(mtp_layers: int = 0) -> dict:
     return cfg
 
 
-def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0) -> Path:
-    """A tiny random checkpoint in the released layout (+ MTP layers when asked)."""
+def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, hf_config: dict | None = None
+              ) -> Path:
+    """A tiny random checkpoint in the released layout (+ MTP layers when asked); `hf_config`
+    replaces `tiny_hf_config(mtp_layers)`."""
     from specdeploy.checkpoint.tiny import write_checkpoint, write_tiny_tokenizer
 
-    hf = tiny_hf_config(mtp_layers)
+    hf = hf_config or tiny_hf_config(mtp_layers)
     cfg = Config.from_hf(hf)
     gen = torch.Generator().manual_seed(seed)
-    model = Model(cfg, with_mtp=mtp_layers > 0)
+    model = Model(cfg, with_mtp=cfg.num_nextn_predict_layers > 0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -223,7 +225,9 @@ def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0) -> Path:
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
     state = {**model.state_dict()}
     write_checkpoint(out, hf, params_to_checkpoint(state, cfg))
-    write_tiny_tokenizer(out, cfg.vocab_size)
+    # GLM's own special tokens (llama.cpp's converter looks them up by text)
+    write_tiny_tokenizer(out, cfg.vocab_size, {120: "[gMASK]", 121: "<|user|>",
+                                               122: "<|observation|>"})
     return Path(out)
 
 
