@@ -1,6 +1,6 @@
 """specdeploy vs llama.cpp on hybrid GGUFs (NemotronH MoE, Qwen3.5-MoE; dense Qwen3.5 with
-`--archs qwen3_5`; Qwen3-Next with `--archs qwen3_next`; Qwen3 / Qwen2 / Qwen3-MoE with
-`--archs qwen3` / `qwen3_moe`), batch 1: prefill
+`--archs qwen3_5`; Qwen3-Next with `--archs qwen3_next`; GLM-4.5 with `--archs glm4_moe`;
+Qwen3 / Qwen2 / Qwen3-MoE with `--archs qwen3` / `qwen3_moe`), batch 1: prefill
 time and decode tokens/s on the same file, side by side in one run.
 
 No real hybrid weights are available offline, so random mid-size checkpoints (~60-90M
@@ -78,6 +78,15 @@ QWEN3_MOE = dict(QWEN3, num_attention_heads=16, num_key_value_heads=4, num_exper
                  num_experts_per_tok=8, moe_intermediate_size=384, mlp_only_layers=[])
 
 
+# GLM-4.5-Air's attention (heads of 128, RoPE on half, q/k/v biases) and routing (8 of 128
+# experts, sigmoid, one shared expert, the first layer dense) at hidden 1024, 64 experts of width
+# 256, 8 layers (+ its MTP layer, which llama.cpp's converter writes and neither tool runs here)
+GLM = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+           num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=4096,
+           max_position_embeddings=4096, n_routed_experts=64, num_experts_per_tok=8,
+           moe_intermediate_size=256, n_group=1, topk_group=1, use_qk_norm=False)
+
+
 def checkpoint(arch: str, out: Path) -> Path:
     return _with_a_merge_token(_checkpoint(arch, out))
 
@@ -101,6 +110,10 @@ def _checkpoint(arch: str, out: Path) -> Path:
         return nh.make_tiny(out, seed=0, hf_config=hf)
     from specdeploy.models import qwen3_5_moe as q35
 
+    if arch == "glm4_moe":
+        from specdeploy.models import glm4_moe
+
+        return glm4_moe.make_tiny(out, seed=0, hf_config={**glm4_moe.tiny_hf_config(1), **GLM})
     if arch == "qwen3_next":  # Qwen3.5-MoE's mid-size shape, Qwen3-Next's layout and RoPE
         from specdeploy.models import qwen3_next
 

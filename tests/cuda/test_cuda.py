@@ -132,6 +132,10 @@ def _new_family(kind: str, path):
 
     if kind == "qwen3_moe":
         return qwen3_moe.make_tiny(path, seed=0)
+    if kind == "glm4_moe":
+        from specdeploy.models import glm4_moe
+
+        return glm4_moe.make_tiny(path, seed=0, mtp_layers=1)
     if kind == "qwen3_next":
         from specdeploy.models import qwen3_next
 
@@ -142,10 +146,11 @@ def _new_family(kind: str, path):
     return llama.make_tiny(path, seed=0, config_overrides=llama.tiny_qwen_config(kind))
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "qwen3_5_dense", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "qwen3_5_dense", "qwen3_next",
+                                  "glm4_moe"])
 def test_more_families_on_cuda(tmp_path, kind):
-    """Qwen2 / Qwen3 / Qwen3-MoE / dense Qwen3.5 / Qwen3-Next: prefill logits on CUDA = on the
-    CPU (fp32, 1e-3), and greedy tokens with CUDA graphs = the eager CUDA deployment's."""
+    """Qwen2 / Qwen3 / Qwen3-MoE / dense Qwen3.5 / Qwen3-Next / GLM-4.5: prefill logits on CUDA =
+    on the CPU (fp32, 1e-3), and greedy tokens with CUDA graphs = the eager CUDA deployment's."""
     from specdeploy import LLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
