@@ -118,7 +118,7 @@ class Model(llama.Model):
         if with_mtp:
             from specdeploy.models.drafters.glm4_moe_mtp import MTP
 
-            self.mtp = MTP(cfg, self.model.embed_tokens, self.lm_head)
+            self.mtp = MTP(cfg, self.model.embed_tokens, self.lm_head, DecoderLayer)
 
     @staticmethod
     def layer_factory(cfg: Config):

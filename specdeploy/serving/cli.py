@@ -22,6 +22,8 @@ from specdeploy.cli_args import (
     threads_arg,
     vision_kwargs,
 )
+from specdeploy.serving.reasoning import PARSERS as REASONING_PARSERS
+from specdeploy.serving.tools import PARSERS as TOOL_PARSERS
 from specdeploy.spec_args import add_spec_args, spec_from_args
 
 
@@ -65,12 +67,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds between the one-line speculative-decoding log (0: off)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic speculative-decoding log (vLLM's flag)")
-    p.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3", "nemotron_v3"),
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    default=None,
                    help="chat replies' <think> block into `reasoning` (vLLM's flag)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice \"auto\": calls parsed out of replies (vLLM's flag)")
-    p.add_argument("--tool-call-parser", choices=("hermes", "qwen3_coder", "qwen3_xml"),
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
                    default=None,
                    help="the format of the model's tool calls (vLLM's flag)")
     p.add_argument("--responses-store", type=int, default=0, metavar="N",

@@ -19,6 +19,9 @@ rest to `content`, in whole responses and in streamed deltas alike.
   content instead (vLLM's rule). A stream cannot know that before the end: its reasoning deltas
   go out as they come, and the final delta sends the reasoning as content, as vLLM's does.
 
+- `glm45` (GLM-4.5 / 4.6 / 4.7): `qwen3`'s split. GLM's template closes an empty block itself
+  when thinking is off, and the reply opens `<think>` when it thinks.
+
 A stream holds back what could still become a tag (a `<thi` at the start, a `</th` at the end
 of the reasoning), so the concatenated deltas always equal the whole response's fields.
 """
@@ -26,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARSERS = ("deepseek_r1", "qwen3", "nemotron_v3")
-QWEN3_LIKE = ("qwen3", "nemotron_v3")  # a <tool_call> ends the thinking
+PARSERS = ("deepseek_r1", "qwen3", "nemotron_v3", "glm45")
+QWEN3_LIKE = ("qwen3", "nemotron_v3", "glm45")  # a <tool_call> ends the thinking
 START, END = "<think>", "</think>"
 TOOL = "<tool_call>"  # qwen3: Qwen3.5 may call a tool from inside its thinking
 # chat_template_kwargs under which nemotron_v3 gives an empty-content reply's reasoning as content

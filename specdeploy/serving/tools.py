@@ -4,7 +4,9 @@
   writes calls as `<tool_call>...</tool_call>` blocks, JSON `{"name": ..., "arguments": {...}}`
   in them (P = "hermes": the format Qwen2.5 / Qwen3's templates teach) or XML
   `<function=NAME><parameter=KEY>VALUE</parameter></function>` (P = "qwen3_coder" or
-  "qwen3_xml": Qwen3-Coder, Qwen3.5; values take their parameter's JSON-schema type); they are
+  "qwen3_xml": Qwen3-Coder, Qwen3.5; values take their parameter's JSON-schema type) or GLM's
+  `NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...` (P = "glm45" / "glm47": GLM-4.5 /
+  4.6 write a newline after the name and each tag, 4.7 none; values typed as the XML's); they are
   parsed out of the reply into `tool_calls`, `finish_reason` "tool_calls", `content` the text
   before the first block.
 - `tool_choice: {"type": "function", "function": {"name": F}}`: the reply is F's arguments,
@@ -31,7 +33,7 @@ from specdeploy.serving.reasoning import held as _held
 
 # "hermes": JSON in the block (Qwen2.5 / Qwen3); "qwen3_coder" (= "qwen3_xml"): XML in the
 # block, `<function=NAME><parameter=KEY>VALUE</parameter></function>` (Qwen3-Coder, Qwen3.5)
-PARSERS = ("hermes", "qwen3_coder", "qwen3_xml")
+PARSERS = ("hermes", "qwen3_coder", "qwen3_xml", "glm45", "glm47")
 START, END = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
 
@@ -184,9 +186,48 @@ def _parse_xml_block(text: str, tools: list) -> tuple[str, str] | None:
     return name, json.dumps(args, ensure_ascii=False)
 
 
+_KEY, _KEY_END, _VAL, _VAL_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+
+
+def _parse_glm_block(text: str, tools: list) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one GLM block's body (the name, then key / value pairs, any
+    whitespace between the tags), or None (not that shape, or a typed value that does not
+    parse)."""
+    body = text.strip()
+    first = body.find(_KEY)
+    name = (body if first < 0 else body[:first]).strip()
+    if not name or any(ch in name for ch in "<>\n"):
+        return None
+    props = next((t["function"].get("parameters") or {} for t in tools
+                  if t["function"]["name"] == name), {}).get("properties", {})
+    args, pos = {}, len(body) if first < 0 else first
+    while pos < len(body):
+        k0 = body.find(_KEY, pos)
+        if k0 < 0 or body[pos:k0].strip():
+            return None
+        k1 = body.find(_KEY_END, k0)
+        v0 = body.find(_VAL, k1)
+        v1 = body.find(_VAL_END, v0)
+        if min(k1, v0, v1) < 0 or body[k1 + len(_KEY_END):v0].strip():
+            return None
+        key = body[k0 + len(_KEY):k1].strip()
+        try:
+            args[key] = _xml_value(body[v0 + len(_VAL):v1], props.get(key))
+        except ValueError:
+            return None
+        pos = v1 + len(_VAL_END)
+        if not body[pos:].strip():
+            break
+    return name, json.dumps(args, ensure_ascii=False)
+
+
 def parse_block(parser: str, text: str, tools: list) -> tuple[str, str] | None:
     """(name, arguments JSON) of one block's body in `parser`'s format, or None."""
-    return _parse_json_block(text) if parser == "hermes" else _parse_xml_block(text, tools)
+    if parser == "hermes":
+        return _parse_json_block(text)
+    if parser in ("glm45", "glm47"):
+        return _parse_glm_block(text, tools)
+    return _parse_xml_block(text, tools)
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]]:

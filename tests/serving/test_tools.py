@@ -83,6 +83,59 @@ def test_qwen3_coder_xml_calls_take_their_schema_types():
     assert json.loads(call["function"]["arguments"])["days"] == 3
 
 
+GLM45 = ("Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>San Jose"
+         "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>note"
+         "</arg_key>\n<arg_value>{\"a\": [1, 2]}</arg_value>\n</tool_call>")
+
+
+@pytest.mark.parametrize("parser", ["glm45", "glm47"])
+def test_glm_calls(parser):
+    """GLM-4.5's layout (a newline after the name and each tag) and GLM-4.7's (none): the name,
+    then key / value pairs; values typed as the XML parser's; two calls; a malformed block (a
+    value without its key, a typed value that does not parse) leaves the reply text; the
+    stream sends the call once, after the text before it."""
+    from specdeploy.serving.tools import parse_calls
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}
+    }}}]
+    reply = GLM45 if parser == "glm45" else GLM45.replace("\n", "")
+    content, calls = parse_calls(parser, reply, tools)
+    assert content == "Checking." and [c[0] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0][1]) == {"city": "San Jose", "days": 3, "note": {"a": [1, 2]}}
+    two = reply + "<tool_call>get_time<arg_key>zone</arg_key><arg_value>UTC</arg_value>" \
+        "</tool_call>"
+    assert [(n, json.loads(a)) for n, a in parse_calls(parser, two, tools)[1]][1] == (
+        "get_time", {"zone": "UTC"})
+    bare = "<tool_call>ping</tool_call>"
+    assert parse_calls(parser, bare, tools) == (None, [("ping", "{}")])
+    for broken in (reply.replace("<arg_key>days</arg_key>", ""),
+                   reply.replace(">3<", ">three<"), "<tool_call>a b<c</tool_call>"):
+        assert parse_calls(parser, broken, tools) == (broken, [])
+    rep = ToolReply(ToolPlan("auto", tools=tools, parser=parser))
+    deltas = [rep.delta(reply[:end], end == len(reply), "stop")
+              for end in range(1, len(reply) + 1)]
+    assert "".join(d.get("content", "") for d in deltas) == "Checking."
+    (call,) = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert json.loads(call["function"]["arguments"])["days"] == 3
+
+
+def test_glm45_reasoning_split():
+    """GLM's thinking: a reply that opens `<think>` thinks until `</think>`; one without it (the
+    template closed an empty block: thinking off) is all content."""
+    from specdeploy.serving.reasoning import Reasoning
+
+    r = Reasoning("glm45")
+    assert r.message("<think>hmm</think>The answer.") == {
+        "content": "The answer.", "reasoning": "hmm", "reasoning_content": "hmm"}
+    assert r.message("Just text.")["content"] == "Just text."
+    text = "<think>a b</think>ok"
+    s = Reasoning("glm45")
+    parts = [s.delta(text[:i], i == len(text)) for i in range(1, len(text) + 1)]
+    assert "".join(p.get("reasoning", "") for p in parts) == "a b"
+    assert "".join(p.get("content", "") for p in parts) == "ok"
+
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}},
@@ -246,3 +299,25 @@ def test_qwen3_coder_calls_through_the_server(tmp_path, serve):
         assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == \
             "get_time"
         assert json.loads(c.message.tool_calls[0].function.arguments)["zone"] in ("UTC", "CET")
+
+
+def test_glm45_calls_and_thinking_through_the_server(tmp_path, serve):
+    """`--reasoning-parser glm45 --tool-call-parser glm45`: the thinking apart, then the call
+    out of the content."""
+    from specdeploy.serving.app import create_app
+    from tests.spec.tiny_targets import Target
+
+    app = create_app(Target("llama", tmp_path).llm(None), model_name="m",
+                     reasoning_parser="glm45", enable_auto_tool_choice=True,
+                     tool_call_parser="glm45")
+    shape = (r"<think>[a-z]{2,3}</think><tool_call>get_time\n<arg_key>zone</arg_key>\n"
+             r"<arg_value>(UTC|CET)</arg_value>\n</tool_call>")
+    with serve(app) as srv:
+        r = srv.client(None).chat.completions.create(
+            model="m", messages=MSG, tools=TOOLS, max_tokens=200, temperature=0,
+            extra_body={"guided_regex": shape})
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == \
+            "get_time"
+        assert json.loads(c.message.tool_calls[0].function.arguments)["zone"] in ("UTC", "CET")
+        assert re.fullmatch("[a-z]{2,3}", c.message.model_extra["reasoning"])

@@ -27,10 +27,8 @@ class SharedHead(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def _layer(cfg):
-    from specdeploy.models.glm4_moe import DecoderLayer
-
-    layer = DecoderLayer(cfg, cfg.num_hidden_layers)  # (an MoE layer, as the trailing ones)
+def _layer(cfg, decoder_layer):
+    layer = decoder_layer(cfg, cfg.num_hidden_layers)  # (an MoE layer, as the trailing ones)
     h, eps = cfg.hidden_size, cfg.rms_norm_eps
     layer.enorm, layer.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
     layer.eh_proj = nn.Linear(2 * h, h, bias=False)
@@ -40,17 +38,18 @@ def _layer(cfg):
 
 class MTP(Drafter):
     """`forward(hidden_states[B,T,H], input_embeds[B,T,H], position_ids[B,T], step=0)
-    -> DraftOutput`; each of the `num_nextn_predict_layers` layers is a group."""
+    -> DraftOutput`; each of the `num_nextn_predict_layers` layers is a group.
+    `decoder_layer(cfg, index)`: the target family's decoder layer (models/glm4_moe.py)."""
 
     group_policy = "cycle"
 
-    def __init__(self, cfg, embed_tokens: nn.Module, lm_head: nn.Module):
+    def __init__(self, cfg, embed_tokens: nn.Module, lm_head: nn.Module, decoder_layer):
         super().__init__()
         self.cfg = cfg
         self.borrow(embed_tokens=embed_tokens, lm_head=lm_head)
         self.d2t = None
         n = max(1, cfg.num_nextn_predict_layers)
-        self.layers = nn.ModuleList(_layer(cfg) for _ in range(n))
+        self.layers = nn.ModuleList(_layer(cfg, decoder_layer) for _ in range(n))
         self.num_groups = n
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.rotary_dim)
 
