@@ -41,7 +41,7 @@ TOKEN_IDS = ("a token id (integer >= 0) or a list of them", lambda v: NONNEG_INT
 
 _POS_INTS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "max_position_embeddings", "draft_vocab_size", "target_hidden_size", "moe_intermediate_size",
+    "max_position_embeddings", "draft_vocab_size", "moe_intermediate_size",
     "num_experts_per_tok", "linear_value_head_dim", "linear_num_value_heads",
     "linear_num_key_heads", "linear_key_head_dim", "linear_conv_kernel_dim",
     "full_attention_interval", "patch_size", "temporal_patch_size", "spatial_merge_size",
@@ -49,7 +49,9 @@ _POS_INTS = (
 # key -> (expectation, check, null allowed)
 SCHEMA: dict[str, tuple[str, Callable[[Any], bool], bool]] = {
     **{k: (*POS_INT, False) for k in _POS_INTS},
-    **{k: (*POS_INT, True) for k in ("num_key_value_heads", "head_dim", "sliding_window")},
+    # (null: the default; speculators' EAGLE-3 configs write target_hidden_size null)
+    **{k: (*POS_INT, True) for k in ("num_key_value_heads", "head_dim", "sliding_window",
+                                     "target_hidden_size")},
     **{k: (*NONNEG_INT, False) for k in ("mtp_num_hidden_layers", "num_experts",
                                          "shared_expert_intermediate_size")},
     **{k: (*POS_FLOAT, False) for k in ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")},
@@ -65,7 +67,8 @@ SCHEMA: dict[str, tuple[str, Callable[[Any], bool], bool]] = {
     "eos_token_id": (*TOKEN_IDS, True),
     "bos_token_id": (*NONNEG_INT, True),
 }
-NESTED = ("text_config", "vision_config")  # validated with the same schema
+# validated with the same schema (transformer_layer_config: a speculators drafter's layer)
+NESTED = ("text_config", "vision_config", "transformer_layer_config")
 
 
 def validate_hf_config(cfg: Any, source: str, prefix: str = "") -> None:

@@ -211,3 +211,46 @@ def test_export_keeps_canonical_ops(tiny):
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     for op in ("specdeploy.attention", "specdeploy.rope", "specdeploy.rms_norm"):
         assert any(op in t for t in targets), op
+
+
+@pytest.mark.parametrize("nbr", [False, True])
+def test_speculators_format_loads_as_the_common_one(tiny, tmp_path, nbr):
+    """The `speculators` library's layout (Red Hat's `*-speculator.eagle3` heads:
+    `Eagle3Speculator`, the layer's config in `transformer_layer_config`, the layer as
+    `layers.0.*`) and vLLM's `Eagle3LlamaForCausalLM` name give the drafter of the common
+    format: same config, same outputs."""
+    common = json.loads((tiny / "config.json").read_text())
+    common["norm_before_residual"] = nbr
+    (tiny / "config.json").write_text(json.dumps(common))
+    want = load_eagle3(tiny, target_cfg=TARGET, embed_tokens=nn.Embedding(128, 64))
+    layer = {k: v for k, v in common.items()
+             if k not in ("architectures", "draft_vocab_size", "target_hidden_size",
+                          "norm_before_residual", "eagle_config")}
+    spec = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer, "draft_vocab_size": VD,
+            "norm_before_residual": nbr, "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": common["eagle_config"][
+                "eagle_aux_hidden_state_layer_ids"],
+            "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy",
+                                                         "speculative_tokens": 3}],
+                                   "verifier": {"name_or_path": "target"}}}
+    out = tmp_path / "speculators"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(spec))
+    tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
+               for k, v in load_file(tiny / "model.safetensors").items()}
+    save_file(tensors, str(out / "model.safetensors"))
+    got = load_eagle3(out, target_cfg=TARGET, embed_tokens=want.borrowed["embed_tokens"])
+    assert got.cfg == want.cfg
+    x = _inputs(want.cfg)
+    assert torch.equal(got(*x).logits, want(*x).logits)
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    (alias / "config.json").write_text(json.dumps({**common,
+                                                  "architectures": ["Eagle3LlamaForCausalLM"]}))
+    save_file(load_file(tiny / "model.safetensors"), str(alias / "model.safetensors"))
+    assert load_eagle3(alias, target_cfg=TARGET).cfg == want.cfg
+    (out / "config.json").write_text(json.dumps({**spec, "speculators_model_type": "eagle"}))
+    with pytest.raises(CheckpointError, match="speculators drafter of type 'eagle'"):
+        load_eagle3(out, target_cfg=TARGET)

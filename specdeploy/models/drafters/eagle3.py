@@ -37,6 +37,9 @@ from specdeploy.models.layers import MLP, RMSNorm, RopeConfig, RotaryEmbedding
 from specdeploy.ops.shard import heads, linear_col, linear_row, tp_reduce
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+# other names the same drafter ships under: vLLM's registry name, and the `speculators` library's
+# format (Red Hat's `*-speculator.eagle3` heads: the layer's config nested, `layers.0.*` names)
+ALIASES = ("Eagle3LlamaForCausalLM", "Eagle3Speculator")
 
 
 @dataclass(frozen=True)
@@ -209,9 +212,37 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     return (0, num_layers // 2, num_layers - 1)
 
 
+def speculators_config(hf: dict, source: str) -> dict:
+    """A `speculators` library config (`speculators_model_type`, `transformer_layer_config`,
+    `speculators_config`) as the common format's, the way vLLM reads it: the layer config at
+    the top, the EAGLE-3 fields beside it (`norm_before_residual` defaults to True there)."""
+    if "speculators_model_type" not in hf:
+        return hf
+    kind = hf.get("speculators_model_type")
+    layer = hf.get("transformer_layer_config")
+    if kind != "eagle3" or not isinstance(layer, dict):
+        raise CheckpointError(f"{source}: a speculators drafter of type {kind!r} (with "
+                              f"transformer_layer_config: {isinstance(layer, dict)}); only "
+                              "'eagle3' with its transformer_layer_config is supported")
+    out = {**layer, "architectures": list(ARCHITECTURES),
+           "draft_vocab_size": hf.get("draft_vocab_size") or layer.get("vocab_size"),
+           "norm_before_residual": hf.get("norm_before_residual", True)}
+    if hf.get("target_hidden_size") is not None:
+        out["target_hidden_size"] = hf["target_hidden_size"]
+    aux = hf.get("eagle_aux_hidden_state_layer_ids")
+    if aux:
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux)}
+    return out
+
+
 def checkpoint_to_params(reader: CheckpointReader, cfg: Eagle3Config) -> dict:
-    """Checkpoint keys are our parameter names; d2t/t2d default to the identity when Vd == V."""
-    params = {k: (lambda k=k: reader.get(k)) for k in reader.keys()}
+    """Checkpoint keys are our parameter names (`layers.0.*`, the speculators library's and
+    vLLM's name of the one layer, read as `midlayer.*`); d2t/t2d default to the identity when
+    Vd == V."""
+    def ours(key: str) -> str:
+        return "midlayer." + key[len("layers.0."):] if key.startswith("layers.0.") else key
+
+    params = {ours(k): (lambda k=k: reader.get(k)) for k in reader.keys()}
     if cfg.draft_vocab_size == cfg.vocab_size:
         params.setdefault("d2t", lambda: torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         params.setdefault("t2d", lambda: torch.ones(cfg.vocab_size, dtype=torch.bool))
@@ -239,10 +270,10 @@ def load_eagle3(path: str | os.PathLike, target_cfg: Any = None,
     checkpoint's own `embed_tokens.weight`, if any, wins over the shared `embed_tokens`."""
     reader = CheckpointReader(path)
     archs = reader.config.get("architectures") or []
-    if not set(archs) & set(ARCHITECTURES):
+    if not set(archs) & set(ARCHITECTURES + ALIASES):
         raise CheckpointError(f"{path}: architectures {archs} is not an EAGLE-3 drafter "
-                              f"({', '.join(ARCHITECTURES)})")
-    cfg = Eagle3Config.from_hf(reader.config)
+                              f"({', '.join(ARCHITECTURES + ALIASES)})")
+    cfg = Eagle3Config.from_hf(speculators_config(reader.config, str(path)))
     if target_cfg is not None:
         check_fits_target(cfg, target_cfg, source=str(path))
     own = "embed_tokens.weight" in reader
