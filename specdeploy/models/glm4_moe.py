@@ -104,7 +104,7 @@ class DecoderLayer(llama.DecoderLayer):
     """Llama's layer (GLM's attention via the config) with the MoE past the dense layers."""
 
     def __init__(self, cfg: Config, index: int):
-        super().__init__(cfg)
+        super().__init__(cfg, index)
         if cfg.sparse(index):
             self.mlp = MoE(cfg)
 

@@ -1,6 +1,7 @@
-"""Llama family (Llama 2/3, SmolLM2, Mistral without a sliding window; Qwen2 and Qwen3, which
-differ only in q/k/v biases and per-head q/k RMSNorms): plain full-sequence model on canonical
-ops.
+"""Llama family (Llama 2/3, SmolLM2, Mistral; Qwen2 and Qwen3, which differ only in q/k/v biases
+and per-head q/k RMSNorms): plain full-sequence model on canonical ops. Sliding-window attention
+(Mistral's `sliding_window`, Qwen2 / Qwen3's `use_sliding_window` from `max_window_layers` on, or
+transformers' `layer_types`) is a per-layer window on the attention op (ops/attention.py).
 
 Submodule names follow HF `LlamaForCausalLM` (`model.layers.N.self_attn.q_proj`, ...;
 `self_attn.q_norm` / `k_norm` for Qwen3), so a released checkpoint maps onto the parameters one
@@ -41,19 +42,16 @@ class Config:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    windows: tuple[int, ...] = ()  # per layer: its sliding window in tokens, 0 = full (or none)
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if layer < len(self.windows) else 0
 
     @classmethod
     def from_hf(cls, hf: dict) -> Config:
         hf = hf.get("text_config") or hf
         heads = int(hf["num_attention_heads"])
         kind = hf.get("model_type", "llama")
-        if kind in ("qwen2", "qwen3") and (hf.get("use_sliding_window") or any(
-                t != "full_attention" for t in hf.get("layer_types") or ())):
-            raise ValueError(f"{kind}: sliding-window attention is not supported")
-        window = hf.get("sliding_window") if kind == "mistral" else None
-        if window is not None and window < int(hf.get("max_position_embeddings", 4096)):
-            raise ValueError(f"mistral: sliding-window attention ({window} tokens) is not "
-                             "supported")
         return cls(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
@@ -72,16 +70,39 @@ class Config:
             # transformers' default for Llama is untied
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            windows=_windows(hf, kind),
         )
+
+
+def _windows(hf: dict, kind: str) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), as transformers reads the config:
+    `layer_types` where given; Mistral: every layer, when `sliding_window` is set; Qwen2 /
+    Qwen3: layers from `max_window_layers` on, when `use_sliding_window`."""
+    n, window = int(hf["num_hidden_layers"]), hf.get("sliding_window")
+    types = hf.get("layer_types")
+    if types:
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"{kind}: layer_types {sorted(unknown)} are not supported")
+        if "sliding_attention" in types and not window:
+            raise ValueError(f"{kind}: sliding_attention layers but no sliding_window")
+        return tuple(int(window) if t == "sliding_attention" else 0 for t in types[:n])
+    if kind == "mistral" and window:
+        return (int(window),) * n
+    if kind in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window:
+        start = int(hf.get("max_window_layers", n) or 0)
+        return tuple(int(window) if i >= start else 0 for i in range(n))
+    return ()
 
 
 class Attention(nn.Module):
     """Causal GQA self-attention with rotate-half RoPE. `in_features` lets an EAGLE-3 midlayer
     (input 2H) reuse it."""
 
-    def __init__(self, cfg: Config, in_features: int | None = None):
+    def __init__(self, cfg: Config, in_features: int | None = None, window: int = 0):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
+        self.window = window
         in_features = in_features or h
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, d)
@@ -106,16 +127,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = torch.ops.specdeploy.rope(q, cos, sin)
         k = torch.ops.specdeploy.rope(k, cos, sin)
-        o = torch.ops.specdeploy.attention(q, k, v, self.scale, 0)
+        o = torch.ops.specdeploy.attention(q, k, v, self.scale, self.window)
         return tp_reduce(linear_row(self.o_proj, o.reshape(b, t, -1), "mha", [heads(hq, d)]),
                          "mha")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window=cfg.window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 
@@ -132,7 +153,7 @@ class Backbone(nn.Module):
         # (seconds); every weight comes from the checkpoint anyway.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        layer = layer or (lambda i: DecoderLayer(cfg))
+        layer = layer or (lambda i: DecoderLayer(cfg, i))
         self.layers = nn.ModuleList(layer(i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # (partial RoPE: GLM-4.5 rotates the first half of each head; the rope op passes the rest)

@@ -56,7 +56,7 @@ class DecoderLayer(llama.DecoderLayer):
     """Llama's layer (Qwen3's attention) with the routed experts where the layer is sparse."""
 
     def __init__(self, cfg: Config, index: int):
-        super().__init__(cfg)
+        super().__init__(cfg, index)
         if cfg.sparse(index):
             self.mlp = SparseMoeBlock(cfg)
 

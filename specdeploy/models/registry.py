@@ -17,7 +17,7 @@ _FAMILIES = {
 }
 _ARCH_TO_FAMILY = {
     "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",  # (without a sliding window)
+    "MistralForCausalLM": "llama",  # (its sliding window per layer, as Qwen2 / Qwen3's)
     "Qwen2ForCausalLM": "llama",  # Llama + q/k/v biases
     "Qwen3ForCausalLM": "llama",  # Llama + per-head q/k RMSNorms
     "Qwen3MoeForCausalLM": "qwen3_moe",
