@@ -34,11 +34,16 @@ _TEKKEN_SPLIT = (  # Mistral's tekken (Nemo): words split at case changes, one d
 )
 _SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx",
-                     "pixtral", "falcon-h1", "lfm2", "midm-2.0"), _LLAMA3_SPLIT),
+                     "pixtral", "falcon-h1", "lfm2", "midm-2.0", "jina-v5-nano",
+                     "chatglm-bpe", "glm4", "glm5"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "hunyuan"), _QWEN2_SPLIT),
     "qwen35": _QWEN35_SPLIT,
     "tekken": _TEKKEN_SPLIT,
 }
+# Vocabularies whose pieces that are whole tokens skip BPE (llama.cpp's `ignore_merges`, the
+# tokenizer.json flag of Llama 3 and GLM-4): the merges alone may not spell such a token.
+_IGNORE_MERGES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                  "midm-2.0", "lfm2", "jina-v5-nano", "glm4", "glm5")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
@@ -180,7 +185,8 @@ def _from_gguf(path: Path) -> Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
     backend = Backend(models.BPE(vocab=vocab, merges=merges, dropout=None,
                                  continuing_subword_prefix="", end_of_word_suffix="",
-                                 fuse_unk=False))
+                                 fuse_unk=False,
+                                 ignore_merges=md.get("tokenizer.ggml.pre") in _IGNORE_MERGES))
     prefix_space = bool(md.get("tokenizer.ggml.add_space_prefix", False))
     split = _SPLITS.get(md.get("tokenizer.ggml.pre"))
     if split is not None:

@@ -105,6 +105,7 @@ SPLIT_TEXT = "HelloWorld 12345 cafe\u0301"
 SPLIT_PIECES = {
     "gpt-2": ["HelloWorld", " 12345", " cafe", "\u0301"],
     "llama3": ["HelloWorld", " ", "123", "45", " cafe", "\u0301"],
+    "glm4": ["HelloWorld", " ", "123", "45", " cafe", "\u0301"],
     "pixtral": ["HelloWorld", " ", "123", "45", " cafe", "\u0301"],
     "qwen2": ["HelloWorld", " ", "1", "2", "3", "4", "5", " cafe", "\u0301"],
     "qwen35": ["HelloWorld", " ", "1", "2", "3", "4", "5", " cafe\u0301"],
@@ -127,3 +128,24 @@ def test_gguf_pre_tokenizer_split_by_name(tmp_path, pre):
     tok = load_tokenizer(tmp_path / "v.gguf")
     pieces = tok.backend.pre_tokenizer.pre_tokenize_str(SPLIT_TEXT)
     assert [SPLIT_TEXT[a:b] for _, (a, b) in pieces] == SPLIT_PIECES[pre]
+
+
+@pytest.mark.parametrize("pre, ids", [("llama-bpe", [5]), ("glm4", [5]), ("gpt-2", [4, 2]),
+                                      ("qwen2", [4, 2])])
+def test_gguf_ignore_merges_by_name(tmp_path, pre, ids):
+    """llama.cpp's `ignore_merges` (Llama 3, GLM-4 vocabularies): a piece that is a whole
+    token is that token, though the merges alone would not spell it ("abc": only "a b" is a
+    merge); other vocabularies take the merges ("ab", "c")."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(["a", "b", "c", "Ġ", "ab", "abc"])
+    w.add_token_types([1] * 6)
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert load_tokenizer(tmp_path / "v.gguf").encode("abc", add_special_tokens=False) == ids
