@@ -42,7 +42,7 @@ TOKEN_IDS = ("a token id (integer >= 0) or a list of them", lambda v: NONNEG_INT
 _POS_INTS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "max_position_embeddings", "draft_vocab_size", "moe_intermediate_size",
-    "num_experts_per_tok", "linear_value_head_dim", "linear_num_value_heads",
+    "linear_value_head_dim", "linear_num_value_heads",
     "linear_num_key_heads", "linear_key_head_dim", "linear_conv_kernel_dim",
     "full_attention_interval", "patch_size", "temporal_patch_size", "spatial_merge_size",
     "in_channels", "depth", "out_hidden_size", "num_position_embeddings")
@@ -52,7 +52,9 @@ SCHEMA: dict[str, tuple[str, Callable[[Any], bool], bool]] = {
     # (null: the default; speculators' EAGLE-3 configs write target_hidden_size null)
     **{k: (*POS_INT, True) for k in ("num_key_value_heads", "head_dim", "sliding_window",
                                      "target_hidden_size")},
+    # (0 experts per token: dense Granite 4.0 configs write it)
     **{k: (*NONNEG_INT, False) for k in ("mtp_num_hidden_layers", "num_experts",
+                                         "num_experts_per_tok",
                                          "shared_expert_intermediate_size")},
     **{k: (*POS_FLOAT, False) for k in ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")},
     "partial_rotary_factor": (*FRACTION, False),

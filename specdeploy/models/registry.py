@@ -14,6 +14,7 @@ _FAMILIES = {
     "qwen3_vl": "specdeploy.models.qwen3_vl",
     "qwen3_next": "specdeploy.models.qwen3_next",
     "glm4_moe": "specdeploy.models.glm4_moe",
+    "granite_hybrid": "specdeploy.models.granite_hybrid",
 }
 _ARCH_TO_FAMILY = {
     "LlamaForCausalLM": "llama",
@@ -34,6 +35,8 @@ _ARCH_TO_FAMILY = {
     "Qwen3NextForCausalLM": "qwen3_next",
     # GLM-4.5 / 4.6 / 4.7: Llama-style attention (partial RoPE), sigmoid-routed MoE, MTP
     "Glm4MoeForCausalLM": "glm4_moe",
+    # IBM Granite 4.0 (-H): Mamba2 (NemotronH's mixer) + attention (NoPE or RoPE) + MoE
+    "GraniteMoeHybridForCausalLM": "granite_hybrid",
 }
 
 
