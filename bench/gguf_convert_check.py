@@ -9,7 +9,8 @@ per llama.cpp version:
    convert_hf_to_gguf.py (from the llama-cpp-python sdist, `--llamacpp-src`), and a tiny dense
    Qwen3.5 ("qwen35") with an MTP head, and tiny Qwen2 / Qwen3 / Qwen3-MoE ("qwen2" /
    "qwen3" / "qwen3moe"), Qwen3-VL / Qwen3-VL-MoE ("qwen3vl" / "qwen3vlmoe") and Qwen3-Next
-   with an MTP head ("qwen3next"), GLM-4.5 with an MTP layer ("glm4moe");
+   with an MTP head ("qwen3next"), GLM-4.5 with an MTP layer ("glm4moe"), Granite 4.0-H
+   ("granitehybrid");
 2. specdeploy loads each GGUF; its logits are compared with transformers' on the safetensors
    checkpoint, and its parameters (MTP head included) with those loaded from the checkpoint;
 3. llama.cpp itself (llama-cpp-python, built by bench/setup_llamacpp.sh) runs the same GGUF, and
@@ -77,7 +78,7 @@ runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
 
 def models(tmp: Path) -> dict[str, tuple[Path, str]]:
     """name -> (tiny checkpoint, transformers class of its oracle)."""
-    from specdeploy.models import glm4_moe, llama, qwen3_moe, qwen3_next, qwen3_vl
+    from specdeploy.models import glm4_moe, granite_hybrid, llama, qwen3_moe, qwen3_next, qwen3_vl
     from specdeploy.models import qwen3_5_moe as q35
     from tests.checkpoint.test_gguf_nemotron_h import DENSE, MOE
 
@@ -98,6 +99,8 @@ def models(tmp: Path) -> dict[str, tuple[Path, str]]:
         "qwen3_vl": (qwen3_vl.make_tiny(tmp / "q3vl", seed=5), "Qwen3VLForConditionalGeneration"),
         "qwen3_next_mtp": (qwen3_next.make_tiny(tmp / "q3next", seed=5, mtp_layers=1),
                            "Qwen3NextForCausalLM"),
+        "granite_hybrid": (granite_hybrid.make_tiny(tmp / "granite", seed=5),
+                           "GraniteMoeHybridForCausalLM"),
         # (one routing group: llama.cpp stores none, as the released GLM-4.5 configs have)
         "glm4_moe_mtp": (glm4_moe.make_tiny(tmp / "glm", seed=5, mtp_layers=1, hf_config={
             **glm4_moe.tiny_hf_config(1), "n_group": 1}), "Glm4MoeForCausalLM"),

@@ -19,6 +19,7 @@ import torch
 
 from specdeploy.checkpoint import (
     gguf_glm4moe,
+    gguf_granite,
     gguf_llama,
     gguf_mmproj,
     gguf_nemotron_h,
@@ -36,7 +37,8 @@ _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 # general.architecture -> the module that maps it (config, names, values)
 _ARCHS = {"llama": gguf_llama, **{a: m for m in (gguf_qwen, gguf_nemotron_h, gguf_qwen3_5,
-                                                 gguf_glm4moe, gguf_mmproj) for a in m.ARCHS}}
+                                                 gguf_glm4moe, gguf_granite, gguf_mmproj)
+                                   for a in m.ARCHS}}
 SUPPORTED_ARCHITECTURES = tuple(a for a in _ARCHS if a not in gguf_mmproj.ARCHS)  # (models)
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFReader", "hf_name", "read_header"]
 
