@@ -1,5 +1,6 @@
 """specdeploy vs llama.cpp on hybrid GGUFs (NemotronH MoE, Qwen3.5-MoE; dense Qwen3.5 with
 `--archs qwen3_5`; Qwen3-Next with `--archs qwen3_next`; GLM-4.5 with `--archs glm4_moe`;
+Granite 4.0-H with `--archs granite_hybrid`;
 Qwen3 / Qwen2 / Qwen3-MoE with `--archs qwen3` / `qwen3_moe`), batch 1: prefill
 time and decode tokens/s on the same file, side by side in one run.
 
@@ -87,6 +88,16 @@ GLM = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
            moe_intermediate_size=256, n_group=1, topk_group=1, use_qk_norm=False)
 
 
+# Granite-4.0-H-Tiny's routing (6 of 64 experts, a shared MLP) and mixers (Mamba2 heads of 64,
+# one group; NoPE attention) at hidden 768, 8 layers (the 4th attention), 32 experts of width 256
+GRANITE = dict(hidden_size=768, num_hidden_layers=8, layer_types=["mamba"] * 3 + ["attention"]
+               + ["mamba"] * 4, num_attention_heads=12, num_key_value_heads=4, vocab_size=4096,
+               num_local_experts=32, num_experts_per_tok=6, intermediate_size=256,
+               shared_intermediate_size=512, mamba_n_heads=24, mamba_d_head=64, mamba_n_groups=1,
+               mamba_d_state=64, mamba_chunk_size=256, attention_multiplier=0.0078125,
+               embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=6.0)
+
+
 def checkpoint(arch: str, out: Path) -> Path:
     return _with_a_merge_token(_checkpoint(arch, out))
 
@@ -110,6 +121,11 @@ def _checkpoint(arch: str, out: Path) -> Path:
         return nh.make_tiny(out, seed=0, hf_config=hf)
     from specdeploy.models import qwen3_5_moe as q35
 
+    if arch == "granite_hybrid":
+        from specdeploy.models import granite_hybrid
+
+        return granite_hybrid.make_tiny(out, seed=0, hf_config={
+            **granite_hybrid.tiny_hf_config(), **GRANITE})
     if arch == "glm4_moe":
         from specdeploy.models import glm4_moe
 

@@ -8,8 +8,9 @@ What llama.cpp's converter changes, undone here (conversion/granite.py `GraniteH
 - q/k projection rows are permuted as for llama's interleaved RoPE (undone; the hybrid has no
   RoPE: llama.cpp runs it only where `rope.scaling.finetuned` says so, as the converter writes
   for Bamba and non-hybrid models, which is what `position_embedding_type` becomes here);
-- the routed experts' `input_linear` [E, 2I, H] split into `ffn_gate_exps` / `ffn_up_exps`, the
-  shared MLP's `input_linear` [2I, H] into `ffn_gate_shexp` / `ffn_up_shexp` (joined back);
+- the routed experts' `input_linear` [E, 2I, H] split into `ffn_gate_exps` / `ffn_up_exps`
+  (joined back); the shared MLP's `input_linear` [2I, H] into `ffn_gate_shexp` / `ffn_up_shexp`
+  (kept apart: the model's own split);
 - Granite's multipliers as `attention.scale`, `embedding_scale`, `residual_scale`,
   `logit_scale`. The SSD chunk size is not stored: transformers' default (256).
 """
@@ -37,7 +38,10 @@ _LAYER = {
     "attn_output.bias": "self_attn.o_proj.bias",
     "ffn_gate_inp.weight": "block_sparse_moe.router.layer.weight",
     "ffn_down_exps.weight": "block_sparse_moe.output_linear.weight",
-    "ffn_down_shexp.weight": "shared_mlp.output_linear.weight",
+    # (the shared MLP under the model's split names: models/granite_hybrid.py)
+    "ffn_gate_shexp.weight": "shared_mlp.gate_proj.weight",
+    "ffn_up_shexp.weight": "shared_mlp.up_proj.weight",
+    "ffn_down_shexp.weight": "shared_mlp.down_proj.weight",
 }
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -111,8 +115,7 @@ def hf_name(gguf_name: str, cfg: dict) -> str | None:
 
 
 def joined(reader) -> dict[str, tuple[list[str], int]]:
-    """The released fused gate | up projections: the experts' [E, 2I, H], the shared MLP's
-    [2I, H] (gate rows first)."""
+    """The experts' released fused gate | up projection [E, 2I, H] (gate rows first)."""
     out = {}
     for name in reader.tensor_infos:
         m = _BLK.match(name)
@@ -122,9 +125,6 @@ def joined(reader) -> dict[str, tuple[list[str], int]]:
         if tail == "ffn_gate_exps.weight":
             out[f"model.layers.{i}.block_sparse_moe.input_linear.weight"] = (
                 [name, f"blk.{i}.ffn_up_exps.weight"], 1)
-        elif tail == "ffn_gate_shexp.weight":
-            out[f"model.layers.{i}.shared_mlp.input_linear.weight"] = (
-                [name, f"blk.{i}.ffn_up_shexp.weight"], 0)
     return out
 
 

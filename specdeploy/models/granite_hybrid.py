@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdeploy.checkpoint import CheckpointError, CheckpointReader, from_keys
-from specdeploy.models.layers import RMSNorm, RopeConfig, RotaryEmbedding
+from specdeploy.models.layers import MLP, RMSNorm, RopeConfig, RotaryEmbedding
 from specdeploy.models.nemotron_h_blocks import Mamba2Mixer
 from specdeploy.models.nemotron_h_config import _float
 from specdeploy.ops import route_softmax_topk
@@ -138,21 +137,6 @@ class Attention(nn.Module):
         return tp_reduce(linear_row(self.o_proj, o.flatten(2), "mha", [heads(hq, d)]), "mha")
 
 
-class SharedMLP(nn.Module):
-    """SwiGLU with gate and up in one projection (`input_linear` [2I, H]: gate rows first)."""
-
-    def __init__(self, cfg: Config):
-        super().__init__()
-        i = cfg.shared_intermediate_size
-        self.input_linear = nn.Linear(cfg.hidden_size, 2 * i, bias=False)
-        self.output_linear = nn.Linear(i, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        i = self.output_linear.in_features
-        gate, up = linear_col(self.input_linear, x, "mlp", [Seg(i), Seg(i)]).chunk(2, -1)
-        return tp_reduce(linear_row(self.output_linear, F.silu(gate) * up, "mlp"), "mlp")
-
-
 class MoE(nn.Module):
     """Softmax over the top-k router logits; SwiGLU experts fused as released
     (`input_linear.weight` [E, 2I, H], gate rows first; `output_linear.weight` [E, H, I])."""
@@ -168,8 +152,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        logits = self.router.layer(flat)
+        if logits.dtype != torch.float32:  # (fp32 routing, as transformers; no cast node in fp32
+            logits = logits.float()         # graphs, where the MoE-block fusion reads the router)
         # softmax of the top-k logits = softmax over all, renormalized over the top k
-        r = route_softmax_topk(self.router.layer(flat).float(), self.top_k, True)
+        r = route_softmax_topk(logits, self.top_k, True)
         i = self.output_linear.weight.shape[-1]
         w_up = tp_param(self.input_linear.weight, "moe", "expert_colwise", 1, [Seg(i), Seg(i)])
         w_down = tp_param(self.output_linear.weight, "moe", "expert_rowwise", 2, [Seg(i)])
@@ -189,7 +176,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.eps)
         if cfg.num_local_experts:
             self.block_sparse_moe = MoE(cfg)
-        self.shared_mlp = SharedMLP(cfg)
+        # (the released `shared_mlp.input_linear` [2I, H] is split into gate_proj / up_proj at
+        # load: Llama's MLP, so its fusions and tensor-parallel hints apply as they are)
+        self.shared_mlp = MLP(cfg.hidden_size, cfg.shared_intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
                 ) -> torch.Tensor:
@@ -257,24 +246,59 @@ class Model(nn.Module):
                             / self.cfg.logits_scaling)
 
 
+_SHARED = {"gate_proj": "input_linear", "up_proj": "input_linear",
+           "down_proj": "output_linear"}
+
+
+def _shared_source(name: str, reader, cfg: Config) -> tuple[str, Callable] | None:
+    """A shared-MLP parameter from the released fused `input_linear` (its gate or up rows) or
+    `output_linear`; None where the reader holds our name (a GGUF's split tensors)."""
+    parts = name.split(".")
+    if name in reader or len(parts) < 3 or parts[-3] != "shared_mlp":
+        return None
+    src = ".".join([*parts[:-2], _SHARED[parts[-2]], "weight"])
+    if parts[-2] == "down_proj":
+        return src, from_keys(lambda: reader.get(src), src)
+    i = cfg.shared_intermediate_size
+    rows = torch.arange(i) + (i if parts[-2] == "up_proj" else 0)
+    if hasattr(reader, "get_rows"):  # pre-quantized: the quantized rows go along
+        return src, lambda: reader.get_rows(src, rows)
+    return src, lambda: reader.get(src)[rows]
+
+
 def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool = False
                          ) -> dict[str, Callable[[], torch.Tensor]]:
-    """Our parameter names are the checkpoint's; raises `CheckpointError` naming missing keys."""
+    """Our parameter names are the checkpoint's but for the shared MLP's split projections;
+    raises `CheckpointError` naming missing keys."""
     if with_mtp:
         raise CheckpointError("Granite 4.0 checkpoints have no MTP weights")
     with torch.device("meta"):
         names = [n for n, _ in Model(cfg).named_parameters()]  # (a tied head appears once)
-    missing = [n for n in names if n not in reader]
+    params, missing = {}, []
+    for n in names:
+        shared = _shared_source(n, reader, cfg)
+        src, thunk = shared or (n, from_keys(lambda n=n: reader.get(n), n))
+        if src in reader:
+            params[n] = thunk
+        else:
+            missing.append(src)
     if missing:
+        missing = list(dict.fromkeys(missing))
         more = f" (+{len(missing) - 12} more)" if len(missing) > 12 else ""
         raise CheckpointError(f"{reader.path}: Granite 4.0 tensors are missing: "
                               f"{', '.join(missing[:12])}{more}")
-    return {n: from_keys(lambda n=n: reader.get(n), n) for n in names}
+    return params
 
 
 def params_to_checkpoint(state_dict: dict[str, torch.Tensor], cfg: Config
                          ) -> dict[str, torch.Tensor]:
+    """Our state dict → the released layout (the shared MLP's gate and up fused again)."""
     out = {k: v for k, v in state_dict.items() if not k.endswith("inv_freq")}
+    for key in [k for k in out if k.endswith("shared_mlp.gate_proj.weight")]:
+        base = key[: -len("gate_proj.weight")]
+        out[f"{base}input_linear.weight"] = torch.cat(
+            [out.pop(key), out.pop(f"{base}up_proj.weight")])
+        out[f"{base}output_linear.weight"] = out.pop(f"{base}down_proj.weight")
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out

@@ -58,7 +58,10 @@ def _halves(gate: fx.Node, up: fx.Node) -> tuple[fx.Node, int] | None:
         return None
     (_, dg, g0, g1), (_, du, u0, u1) = (tuple(s.args) + (None,) * (4 - len(s.args))
                                         for s in (gate, up))
-    if (dg, du) != (-1, -1) or g0 != 0 or not isinstance(g1, int) or (u0, u1) != (g1, 2 * g1):
+    val = gate.args[0].meta.get("val") if isinstance(gate.args[0], fx.Node) else None
+    last = {-1} | ({val.dim() - 1} if val is not None else set())  # (export may write dim 2)
+    if dg not in last or du not in last or g0 != 0 or not isinstance(g1, int) \
+            or (u0, u1) != (g1, 2 * g1):
         return None
     return gate.args[0], g1
 
