@@ -132,6 +132,10 @@ def _new_family(kind: str, path):
 
     if kind == "qwen3_moe":
         return qwen3_moe.make_tiny(path, seed=0)
+    if kind == "granite_hybrid":
+        from specdeploy.models import granite_hybrid
+
+        return granite_hybrid.make_tiny(path, seed=0)
     if kind == "glm4_moe":
         from specdeploy.models import glm4_moe
 
@@ -147,10 +151,11 @@ def _new_family(kind: str, path):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "qwen3_5_dense", "qwen3_next",
-                                  "glm4_moe"])
+                                  "glm4_moe", "granite_hybrid"])
 def test_more_families_on_cuda(tmp_path, kind):
-    """Qwen2 / Qwen3 / Qwen3-MoE / dense Qwen3.5 / Qwen3-Next / GLM-4.5: prefill logits on CUDA =
-    on the CPU (fp32, 1e-3), and greedy tokens with CUDA graphs = the eager CUDA deployment's."""
+    """Qwen2 / Qwen3 / Qwen3-MoE / dense Qwen3.5 / Qwen3-Next / GLM-4.5 / Granite 4.0-H: prefill
+    logits on CUDA = on the CPU (fp32, 1e-3), and greedy tokens with CUDA graphs = the eager
+    CUDA deployment's."""
     from specdeploy import LLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
