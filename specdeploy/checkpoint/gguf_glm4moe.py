@@ -10,10 +10,8 @@ llama.cpp stores no routing groups (it routes over all experts): n_group = topk_
 the released GLM-4.5 configs."""
 from __future__ import annotations
 
-import re
-
 from specdeploy.checkpoint.errors import CheckpointError
-from specdeploy.checkpoint.gguf_meta import ArchMeta
+from specdeploy.checkpoint.gguf_meta import ArchMeta, joined_gate_up, table_name
 
 ARCHS = ("glm4moe",)
 ROTARY_PERMUTED = False
@@ -37,7 +35,6 @@ _LAYER = {
     "nextn.hnorm.weight": "hnorm.weight",
     "nextn.shared_head_norm.weight": "shared_head.norm.weight",
 }
-_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def hf_config(reader) -> dict:
@@ -84,24 +81,11 @@ def hf_config(reader) -> dict:
 
 
 def hf_name(gguf_name: str, cfg: dict) -> str | None:
-    if gguf_name in _GLOBAL:
-        return _GLOBAL[gguf_name]
-    m = _BLK.match(gguf_name)
-    if m is None or m.group(2) not in _LAYER:
-        return None
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    return table_name(gguf_name, _GLOBAL, _LAYER)
 
 
 def joined(reader) -> dict[str, tuple[list[str], int]]:
-    """Each MoE block's fused gate_up_proj [E, 2I, H]: gate rows, then up."""
-    out = {}
-    for name in reader.tensor_infos:
-        m = _BLK.match(name)
-        if m and m.group(2) == "ffn_gate_exps.weight":
-            up = f"blk.{m.group(1)}.ffn_up_exps.weight"
-            if up in reader.tensor_infos:
-                out[f"model.layers.{m.group(1)}.mlp.experts.gate_up_proj"] = ([name, up], 1)
-    return out
+    return joined_gate_up(reader, "mlp.experts.gate_up_proj")
 
 
 def to_hf(gguf_name: str, a, cfg: dict):

@@ -16,11 +16,9 @@ What llama.cpp's converter changes, undone here (conversion/granite.py `GraniteH
 """
 from __future__ import annotations
 
-import re
-
 from specdeploy.checkpoint import gguf_nemotron_h
 from specdeploy.checkpoint.errors import CheckpointError
-from specdeploy.checkpoint.gguf_meta import ArchMeta
+from specdeploy.checkpoint.gguf_meta import ArchMeta, joined_gate_up, table_name
 
 ARCHS = ("granitehybrid",)
 ROTARY_PERMUTED = True
@@ -43,7 +41,6 @@ _LAYER = {
     "ffn_up_shexp.weight": "shared_mlp.up_proj.weight",
     "ffn_down_shexp.weight": "shared_mlp.down_proj.weight",
 }
-_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def hf_config(reader) -> dict:
@@ -106,26 +103,11 @@ def hf_config(reader) -> dict:
 
 
 def hf_name(gguf_name: str, cfg: dict) -> str | None:
-    if gguf_name in _GLOBAL:
-        return _GLOBAL[gguf_name]
-    m = _BLK.match(gguf_name)
-    if m is None or m.group(2) not in _LAYER:
-        return None
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    return table_name(gguf_name, _GLOBAL, _LAYER)
 
 
 def joined(reader) -> dict[str, tuple[list[str], int]]:
-    """The experts' released fused gate | up projection [E, 2I, H] (gate rows first)."""
-    out = {}
-    for name in reader.tensor_infos:
-        m = _BLK.match(name)
-        if m is None:
-            continue
-        i, tail = m.group(1), m.group(2)
-        if tail == "ffn_gate_exps.weight":
-            out[f"model.layers.{i}.block_sparse_moe.input_linear.weight"] = (
-                [name, f"blk.{i}.ffn_up_exps.weight"], 1)
-    return out
+    return joined_gate_up(reader, "block_sparse_moe.input_linear.weight")
 
 
 to_hf = gguf_nemotron_h.to_hf

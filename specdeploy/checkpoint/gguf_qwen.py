@@ -13,7 +13,7 @@ import re
 
 from specdeploy.checkpoint import gguf_llama
 from specdeploy.checkpoint.errors import CheckpointError
-from specdeploy.checkpoint.gguf_meta import ArchMeta
+from specdeploy.checkpoint.gguf_meta import ArchMeta, joined_gate_up
 
 ARCHS = ("qwen2", "qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe")
 ROTARY_PERMUTED = False
@@ -80,13 +80,7 @@ def _moe(reader, arch: str) -> dict:
 
 def joined(reader) -> dict[str, tuple[list[str], int]]:
     """Each MoE layer's fused gate_up_proj [E, 2I, H]: gate rows, then up."""
-    out = {}
-    for name in reader.tensor_infos:
-        m = _EXPS.match(name)
-        up = f"blk.{m.group(1)}.ffn_up_exps.weight" if m else None
-        if up in reader.tensor_infos:
-            out[f"model.layers.{m.group(1)}.mlp.experts.gate_up_proj"] = ([name, up], 1)
-    return out
+    return joined_gate_up(reader, "mlp.experts.gate_up_proj")
 
 
 def to_hf(gguf_name: str, a, cfg: dict):
