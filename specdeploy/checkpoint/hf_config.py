@@ -50,8 +50,8 @@ _POS_INTS = (
 SCHEMA: dict[str, tuple[str, Callable[[Any], bool], bool]] = {
     **{k: (*POS_INT, False) for k in _POS_INTS},
     # (null: the default; speculators' EAGLE-3 configs write target_hidden_size null)
-    **{k: (*POS_INT, True) for k in ("num_key_value_heads", "head_dim", "sliding_window",
-                                     "target_hidden_size")},
+    **{k: (*POS_INT, True) for k in ("num_key_value_heads", "head_dim", "target_hidden_size")},
+    "sliding_window": (*NONNEG_INT, True),  # (0: none, as transformers writes Qwen2-MoE's)
     # (0 experts per token: dense Granite 4.0 configs write it)
     **{k: (*NONNEG_INT, False) for k in ("mtp_num_hidden_layers", "num_experts",
                                          "num_experts_per_tok",

@@ -1,6 +1,9 @@
 """Qwen3-MoE (`Qwen3MoeForCausalLM`, e.g. Qwen3-30B-A3B): Qwen3's attention (the Llama module's,
 with per-head q/k norms) and a softmax top-k routed SwiGLU MoE without a shared expert (dense
-MLPs on `mlp_only_layers` and off the `decoder_sparse_step`).
+MLPs on `mlp_only_layers` and off the `decoder_sparse_step`). Qwen2-MoE (`Qwen2MoeForCausalLM`,
+Qwen1.5-MoE / Qwen2-57B-A14B): Qwen2's attention (q/k/v biases) and the same MoE with a
+sigmoid-gated shared expert (`mlp.shared_expert`, `mlp.shared_expert_gate`), top-k weights not
+renormalized unless `norm_topk_prob`.
 
 Names follow transformers' `modeling_qwen3_moe.py`; the MoE block is Qwen3.5-MoE's
 (models/qwen3_5_blocks.py) without its shared expert. Experts load from per-expert keys
@@ -19,7 +22,7 @@ from specdeploy.checkpoint import CheckpointError, CheckpointReader, from_keys
 from specdeploy.models import llama
 from specdeploy.models.qwen3_5_blocks import SparseMoeBlock
 
-ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -30,16 +33,23 @@ class Config(llama.Config):
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    shared_expert_intermediate_size: int = 0  # none (qwen3_5_blocks.SparseMoeBlock reads it)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's (qwen3_5_blocks.SparseMoeBlock)
 
     @classmethod
     def from_hf(cls, hf: dict) -> Config:
         hf = hf.get("text_config") or hf
-        base = llama.Config.from_hf({**hf, "model_type": "qwen3"})  # q/k norms, no biases
-        return cls(**base.__dict__, num_experts=int(hf["num_experts"]),
+        # Qwen3: q/k norms, no biases; Qwen2-MoE: q/k/v biases (`qkv_bias`), no norms
+        qwen2 = hf.get("model_type") == "qwen2_moe"
+        base = llama.Config.from_hf({**hf, "model_type": "qwen2" if qwen2 else "qwen3"})
+        fields = {**base.__dict__, "qkv_bias": bool(hf.get("qkv_bias", True))} if qwen2 else \
+            base.__dict__
+        return cls(**fields, num_experts=int(hf["num_experts"]),
                    num_experts_per_tok=int(hf["num_experts_per_tok"]),
                    moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                   # (transformers' Qwen2-MoE default: not renormalized)
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", not qwen2)),
+                   shared_expert_intermediate_size=int(
+                       hf.get("shared_expert_intermediate_size") or 0) if qwen2 else 0,
                    decoder_sparse_step=int(hf.get("decoder_sparse_step", 1) or 1),
                    mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
 
@@ -91,7 +101,7 @@ def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool =
             missing.append(name)
     if missing:
         more = f" (+{len(missing) - 12} more)" if len(missing) > 12 else ""
-        raise CheckpointError(f"{reader.path}: Qwen3-MoE tensors are missing: "
+        raise CheckpointError(f"{reader.path}: Qwen3-MoE / Qwen2-MoE tensors are missing: "
                               f"{', '.join(missing[:12])}{more}")
     return params
 

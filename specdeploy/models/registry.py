@@ -22,6 +22,7 @@ _ARCH_TO_FAMILY = {
     "Qwen2ForCausalLM": "llama",  # Llama + q/k/v biases
     "Qwen3ForCausalLM": "llama",  # Llama + per-head q/k RMSNorms
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen3_moe",  # Qwen2's attention, a gated shared expert
     "NemotronHForCausalLM": "nemotron_h",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
