@@ -99,6 +99,10 @@ def models(tmp: Path) -> dict[str, tuple[Path, str]]:
         "qwen3_vl": (qwen3_vl.make_tiny(tmp / "q3vl", seed=5), "Qwen3VLForConditionalGeneration"),
         "qwen3_next_mtp": (qwen3_next.make_tiny(tmp / "q3next", seed=5, mtp_layers=1),
                            "Qwen3NextForCausalLM"),
+        "qwen2_moe": (qwen3_moe.make_tiny(tmp / "q2moe", seed=5, config_overrides={
+            "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+            "shared_expert_intermediate_size": 48, "qkv_bias": True, "norm_topk_prob": False,
+            "mlp_only_layers": []}), "Qwen2MoeForCausalLM"),
         "granite_hybrid": (granite_hybrid.make_tiny(tmp / "granite", seed=5),
                            "GraniteMoeHybridForCausalLM"),
         # (one routing group: llama.cpp stores none, as the released GLM-4.5 configs have)

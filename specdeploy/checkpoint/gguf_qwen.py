@@ -1,4 +1,4 @@
-"""GGUF architectures "qwen2", "qwen3", "qwen3moe", "qwen3vl" and "qwen3vlmoe" (llama.cpp): Llama-
+"""GGUF architectures "qwen2", "qwen3", "qwen2moe", "qwen3moe", "qwen3vl" and "qwen3vlmoe": Llama-
 layout files whose q/k rows are not permuted (Qwen's RoPE is rotate-half, which llama.cpp runs
 as NEOX), with q/k/v biases (Qwen2) or per-head q / k RMSNorms (Qwen3, `attn_q_norm` /
 `attn_k_norm`); Qwen3-MoE's routed experts stacked with gate and up apart (`ffn_gate_exps`,
@@ -15,16 +15,21 @@ from specdeploy.checkpoint import gguf_llama
 from specdeploy.checkpoint.errors import CheckpointError
 from specdeploy.checkpoint.gguf_meta import ArchMeta, joined_gate_up
 
-ARCHS = ("qwen2", "qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe")
+ARCHS = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "qwen3vl", "qwen3vlmoe")
 ROTARY_PERMUTED = False
 _OWN = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-        "ffn_gate_inp": "mlp.gate", "ffn_down_exps": "mlp.experts.down_proj"}
+        "ffn_gate_inp": "mlp.gate", "ffn_down_exps": "mlp.experts.down_proj",
+        # Qwen2-MoE's gated shared expert
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+        **{f"ffn_{p}_shexp": f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")}}
 _HF = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+       "qwen2moe": "Qwen2MoeForCausalLM",
        "qwen3moe": "Qwen3MoeForCausalLM", "qwen3vl": "Qwen3VLForConditionalGeneration",
        "qwen3vlmoe": "Qwen3VLMoeForConditionalGeneration"}
-_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen3vl": "qwen3_vl",
+_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+          "qwen3vl": "qwen3_vl",
           "qwen3vlmoe": "qwen3_vl_moe"}
-_MOE = ("qwen3moe", "qwen3vlmoe")
+_MOE = ("qwen2moe", "qwen3moe", "qwen3vlmoe")
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_gate_exps\.weight$")
 
 
@@ -72,10 +77,19 @@ def _moe(reader, arch: str) -> dict:
                               "(ffn_gate_exps)")
     n = int(meta.need("block_count"))
     dense = [i for i in range(n) if f"blk.{i}.ffn_gate_exps.weight" not in tensors]
-    # llama.cpp renormalizes Qwen3-MoE's top-k weights (its configs say norm_topk_prob)
-    return {"num_experts": gate.shape[0], "num_experts_per_tok":
-            int(meta.need("expert_used_count")), "moe_intermediate_size": gate.shape[1],
-            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": dense}
+    # llama.cpp renormalizes Qwen3-MoE's top-k weights (its configs say norm_topk_prob), not
+    # Qwen2-MoE's (Qwen1.5-MoE's configs: false)
+    out = {"num_experts": gate.shape[0], "num_experts_per_tok":
+           int(meta.need("expert_used_count")), "moe_intermediate_size": gate.shape[1],
+           "norm_topk_prob": arch != "qwen2moe", "decoder_sparse_step": 1,
+           "mlp_only_layers": dense}
+    if arch == "qwen2moe":
+        shared = tensors.get("blk.0.ffn_up_shexp.weight")
+        if shared is None:
+            raise CheckpointError(f"{reader.path}: a qwen2moe GGUF without its shared expert "
+                                  "(ffn_up_shexp)")
+        out.update(shared_expert_intermediate_size=shared.shape[0], qkv_bias=True)
+    return out
 
 
 def joined(reader) -> dict[str, tuple[list[str], int]]:
@@ -84,4 +98,6 @@ def joined(reader) -> dict[str, tuple[list[str], int]]:
 
 
 def to_hf(gguf_name: str, a, cfg: dict):
+    if gguf_name.endswith("ffn_gate_inp_shexp.weight"):  # [H] as the converter stores it
+        return a.reshape(1, -1)
     return a

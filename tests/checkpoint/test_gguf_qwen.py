@@ -21,7 +21,10 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 Q = gguf.GGMLQuantizationType
 ARCHS = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-         "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}
+         "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE}
+QWEN2_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+             "shared_expert_intermediate_size": 48, "qkv_bias": True, "norm_topk_prob": False,
+             "mlp_only_layers": []}
 
 
 def write_qwen_gguf(src: Path, out: Path, qtype=Q.F32) -> Path:
@@ -44,7 +47,7 @@ def write_qwen_gguf(src: Path, out: Path, qtype=Q.F32) -> Path:
     w.add_value_length(c["head_dim"])
     w.add_rope_freq_base(c["rope_theta"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    if kind == "qwen3_moe":
+    if kind in ("qwen3_moe", "qwen2_moe"):
         w.add_expert_count(c["num_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
@@ -73,11 +76,12 @@ def write_qwen_gguf(src: Path, out: Path, qtype=Q.F32) -> Path:
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def pair(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
-    if request.param == "qwen3_moe":
+    if request.param in ("qwen3_moe", "qwen2_moe"):
         from specdeploy.models import qwen3_moe
 
         # (every layer MoE: gguf-py and llama.cpp name no dense MLP in a qwen3moe file)
-        src = qwen3_moe.make_tiny(d / "st", seed=2, config_overrides={"mlp_only_layers": []})
+        over = QWEN2_MOE if request.param == "qwen2_moe" else {"mlp_only_layers": []}
+        src = qwen3_moe.make_tiny(d / "st", seed=2, config_overrides=over)
     else:
         src = llama.make_tiny(d / "st", seed=2, config_overrides=llama.tiny_qwen_config(
             request.param))
@@ -88,12 +92,17 @@ def test_gguf_equals_the_checkpoint_and_transformers(pair):
     kind, src, path = pair
     gg = GGUFReader(path)
     assert gg.config["architectures"] == [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                           "qwen3_moe": "Qwen3MoeForCausalLM"}[kind]]
-    assert ("model.layers.0.self_attn.q_norm.weight" in gg) == (kind != "qwen2")
+                                           "qwen3_moe": "Qwen3MoeForCausalLM",
+                                           "qwen2_moe": "Qwen2MoeForCausalLM"}[kind]]
+    qwen2 = kind in ("qwen2", "qwen2_moe")
+    assert ("model.layers.0.self_attn.q_norm.weight" in gg) == (not qwen2)
+    if kind == "qwen2_moe":
+        assert gg.config["shared_expert_intermediate_size"] == 48
+        assert "model.layers.0.mlp.shared_expert_gate.weight" in gg
     if kind == "qwen3_moe":
         assert gg.config["mlp_only_layers"] == [] and gg.config["num_experts"] == 8
         assert "model.layers.2.mlp.experts.gate_up_proj" in gg
-    assert ("model.layers.0.self_attn.q_proj.bias" in gg) == (kind == "qwen2")
+    assert ("model.layers.0.self_attn.q_proj.bias" in gg) == qwen2
     a, b = load_model(path).state_dict(), load_model(src).state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in b)
@@ -111,7 +120,7 @@ def test_q8_0_file_on_the_fast_kernels(pair, tmp_path):
     path = write_qwen_gguf(src, tmp_path / "q8.gguf", Q.Q8_0)
     gg = GGUFReader(path)
     assert gg.get_blocks("model.layers.0.self_attn.q_proj.weight") is not None
-    if kind == "qwen3_moe":
+    if kind in ("qwen3_moe", "qwen2_moe"):
         assert gg.get_blocks("model.layers.0.mlp.experts.gate_up_proj") is not None
     sp = SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9] * 3, [40, 41, 42, 43]]
