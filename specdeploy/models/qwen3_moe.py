@@ -101,7 +101,8 @@ def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool =
             missing.append(name)
     if missing:
         more = f" (+{len(missing) - 12} more)" if len(missing) > 12 else ""
-        raise CheckpointError(f"{reader.path}: Qwen3-MoE / Qwen2-MoE tensors are missing: "
+        family = "Qwen2-MoE" if cfg.qkv_bias else "Qwen3-MoE"
+        raise CheckpointError(f"{reader.path}: {family} tensors are missing: "
                               f"{', '.join(missing[:12])}{more}")
     return params
 

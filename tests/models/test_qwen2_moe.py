@@ -68,3 +68,18 @@ def test_greedy_equals_generate_and_ngram_is_lossless(tiny):
     spec = LLM(path, spec={"method": "ngram", "num_speculative_tokens": 3,
                            "prompt_lookup_max": 2, "controller": "off"}, **kw)
     assert spec.generate([prompt], sp)[0].token_ids == got
+
+
+def test_missing_tensors_are_named(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from specdeploy.checkpoint import CheckpointError
+
+    path, _ = tiny
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.0.mlp.shared_expert_gate.weight"]
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"Qwen2-MoE tensors are missing: "
+                                              r"model\.layers\.0\.mlp\.shared_expert_gate"):
+        load_model(tmp_path, dtype=torch.float32)
