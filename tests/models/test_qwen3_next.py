@@ -166,6 +166,10 @@ def test_an_undeclared_mtp_layer_is_found_in_the_tensors(mtp_dir, tmp_path):
     from specdeploy.checkpoint import open_checkpoint
 
     assert open_checkpoint(out).config["mtp_num_hidden_layers"] == 1
+    from specdeploy import SpecConfig
+    from specdeploy.spec_auto import resolve_auto
+
+    assert resolve_auto(SpecConfig("auto"), out).method == "mtp"  # `auto` finds it too
     prompts = ["hello there", "a b c d e f"]
     want = [o.token_ids for o in LLM(out, **LIMITS).generate(prompts, GREEDY)]
     spec = LLM(out, spec={"method": "mtp", "num_speculative_tokens": 2}, **LIMITS)
