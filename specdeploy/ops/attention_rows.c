@@ -1,6 +1,8 @@
 /* Paged causal attention for the query rows of a step (decode rows, verify segments, prefill
  * chunks):
  *     out[t, h] = sum_j softmax_j(scale * q[t, h] . k[j, g]) v[j, g],  j = 0..pos[t], g = h / rep
+ * (with a sliding window W only keys j > pos[t] - W; with attention sinks a per-head logit
+ * sink[h] joins each softmax's denominator, as gpt-oss's, and weighs no value)
  * computed chunk by chunk of keys at fixed positions (see "chunked attention" below), so that a
  * row's output is bit-identical in a 1-row decode and in a K + 1-row verify step, at any thread
  * count (batch invariance; one SDPA over the segment sums in another order). Keys and values
@@ -118,6 +120,7 @@ typedef struct { /* query rows t0..t1-1 of one sequence, row t at position pos0 
     int t0, t1, pos0;
     const int64_t *pages;
     int64_t first; /* its first work item */
+    int c0;        /* its first chunk (past 0 under a sliding window) */
 } piece_t;
 
 typedef struct {
@@ -127,9 +130,16 @@ typedef struct {
     float scale;
     float *out; /* [T, Hq, Dv] */
     int kv;
+    int window;         /* sliding window in keys (0: none) */
+    const float *sinks; /* [Hq] sink logits, or NULL */
 } attn_t;
 
 static inline int piece_last(const piece_t *p) { return p->pos0 + (p->t1 - 1 - p->t0); }
+
+/* the first key a row at position pos attends */
+static inline int first_key(const attn_t *A, int pos) {
+    return A->window > 0 && pos - A->window + 1 > 0 ? pos - A->window + 1 : 0;
+}
 
 static void prefetch_item(const attn_t *A, const piece_t *p, int g, int c) {
     const int es = A->kv == KV_F32 ? 4 : 2, lo = c * CH, last = piece_last(p);
@@ -156,9 +166,11 @@ AVX2 static inline void chunk_item(const attn_t *A, const piece_t *p, int g, int
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 sc = _mm256_set1_ps(A->scale);
     for (int t = p->t0; t < p->t1; t++) {
-        const int pos = p->pos0 + (t - p->t0);
-        if (pos < lo) continue;
+        const int pos = p->pos0 + (t - p->t0), fk = first_key(A, pos);
+        if (pos < lo || fk >= lo + CH) continue; /* the chunk lies outside the row's keys */
         const int n = pos + 1 - lo < CH ? pos + 1 - lo : CH; /* keys lo..lo+n-1 */
+        const int j0 = fk > lo ? fk - lo : 0, j8 = j0 & ~7;   /* keys before j0: outside */
+        const __m256i lo_lane = _mm256_sub_epi32(lane, _mm256_set1_epi32(j0));
         for (int r = 0; r < rep; r++) {
             const int h = g * rep + r;
             const float *q = A->q + (size_t)t * A->q_row + (size_t)h * D;
@@ -167,11 +179,12 @@ AVX2 static inline void chunk_item(const attn_t *A, const piece_t *p, int g, int
              * the row's keys are -inf. A max is exact in any order: the same m. */
             const __m256 ninf = _mm256_set1_ps(-INFINITY);
             __m256 mx = ninf;
-            for (int j = 0; j < n; j += 8) {
+            for (int j = j8; j < n; j += 8) {
                 const __m256 s = _mm256_mul_ps(dot8(q, kc + (size_t)j * D, D), sc);
                 _mm256_storeu_ps(e + j, s);
-                const __m256 live = _mm256_castsi256_ps(
-                    _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), lane));
+                const __m256 live = _mm256_castsi256_ps(_mm256_andnot_si256(
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(-j), lo_lane),
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), lane)));
                 mx = _mm256_max_ps(_mm256_blendv_ps(ninf, s, live), mx);
             }
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
@@ -180,9 +193,10 @@ AVX2 static inline void chunk_item(const attn_t *A, const piece_t *p, int g, int
             const float m = _mm_cvtss_f32(m4);
             const __m256 mv = _mm256_set1_ps(m);
             __m256 sv = _mm256_setzero_ps();
-            for (int j = 0; j < n; j += 8) {
-                const __m256 keep = _mm256_castsi256_ps(
-                    _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), lane));
+            for (int j = j8; j < n; j += 8) {
+                const __m256 keep = _mm256_castsi256_ps(_mm256_andnot_si256(
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(-j), lo_lane),
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), lane)));
                 const __m256 w = _mm256_and_ps(exp_neg(_mm256_sub_ps(_mm256_loadu_ps(e + j), mv)), keep);
                 _mm256_storeu_ps(e + j, w);
                 sv = _mm256_add_ps(sv, w);
@@ -194,7 +208,7 @@ AVX2 static inline void chunk_item(const attn_t *A, const piece_t *p, int g, int
             for (; x + 64 <= Dv; x += 64) { /* 8 accumulators a strip: all in registers */
                 __m256 o[8];
                 for (int v = 0; v < 8; v++) o[v] = _mm256_setzero_ps();
-                for (int j = 0; j < n; j++) {
+                for (int j = j0; j < n; j++) {
                     const __m256 w = _mm256_set1_ps(e[j]);
                     const float *vr = vc + (size_t)j * Dv + x;
                     for (int v = 0; v < 8; v++) o[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * v), o[v]);
@@ -203,7 +217,7 @@ AVX2 static inline void chunk_item(const attn_t *A, const piece_t *p, int g, int
             }
             for (; x < Dv; x += 8) { /* the rest, a vector at a time (same sums per element) */
                 __m256 o = _mm256_setzero_ps();
-                for (int j = 0; j < n; j++)
+                for (int j = j0; j < n; j++)
                     o = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), _mm256_loadu_ps(vc + (size_t)j * Dv + x), o);
                 _mm256_storeu_ps(dst + 2 + x, o);
             }
@@ -423,14 +437,19 @@ AVX2 static float exp_neg1(float x) {
 /* the output row of (row t, head h) at position pos from its partials (chunks in order) */
 AVX2 static void combine(const attn_t *A, int t, int h, int pos, int w0, int nc,
                          const float *part) {
-    const int Dv = A->Dv, last = pos / CH;
+    const int Dv = A->Dv, last = pos / CH, c0 = first_key(A, pos) / CH;
     const float *pr = part + ((size_t)(t - w0) * A->Hq + h) * nc * (2 + Dv);
     float M = -INFINITY;
-    for (int c = 0; c <= last; c++) M = pr[c * (2 + Dv)] > M ? pr[c * (2 + Dv)] : M;
+    for (int c = c0; c <= last; c++) M = pr[c * (2 + Dv)] > M ? pr[c * (2 + Dv)] : M;
     float L = 0.f;
+    if (A->sinks) { /* the sink's term of the denominator: e^(sink - M), M over it too */
+        const float s = A->sinks[h];
+        M = s > M ? s : M;
+        L = exp_neg1(s - M);
+    }
     float *out = A->out + ((size_t)t * A->Hq + h) * Dv;
     for (int x = 0; x < Dv; x += 8) _mm256_storeu_ps(out + x, _mm256_setzero_ps());
-    for (int c = 0; c <= last; c++) {
+    for (int c = c0; c <= last; c++) {
         const float *pc = pr + (size_t)c * (2 + Dv);
         const float w = exp_neg1(pc[0] - M);
         L += w * pc[1];
@@ -461,9 +480,10 @@ AVX2 static int attend_kv(const attn_t *A, const piece_t *segs, int S, int T, in
             q.t0 = a;
             q.t1 = b;
             q.first = items;
+            q.c0 = first_key(A, q.pos0) / CH; /* the rows' first keys grow with them */
             const int chunks = (q.pos0 + (b - a - 1)) / CH + 1;
             nc = chunks > nc ? chunks : nc;
-            items += (int64_t)chunks * A->Hkv;
+            items += (int64_t)(chunks - q.c0) * A->Hkv;
             pc[n++] = q;
         }
         float *part = (float *)malloc(sizeof(float) * (size_t)(w1 - w0) * A->Hq * nc * (2 + A->Dv));
@@ -483,13 +503,14 @@ AVX2 static int attend_kv(const attn_t *A, const piece_t *segs, int S, int T, in
                 if (it + 1 < items) {
                     const int j = i + 1 < n && pc[i + 1].first <= it + 1 ? i + 1 : i;
                     const int64_t k1 = it + 1 - pc[j].first;
-                    prefetch_item(A, &pc[j], (int)(k1 % A->Hkv), (int)(k1 / A->Hkv));
+                    prefetch_item(A, &pc[j], (int)(k1 % A->Hkv), pc[j].c0 + (int)(k1 / A->Hkv));
                 }
+                const int c = pc[i].c0 + (int)(k / A->Hkv);
                 if (kc && bf)
-                    chunk_item_bf16(A, &pc[i], (int)(k % A->Hkv), (int)(k / A->Hkv), w0, nc, part,
+                    chunk_item_bf16(A, &pc[i], (int)(k % A->Hkv), c, w0, nc, part,
                                     (uint16_t *)kc, kc + (size_t)CH * (A->D + A->Dv));
                 else if (kc)
-                    chunk_item(A, &pc[i], (int)(k % A->Hkv), (int)(k / A->Hkv), w0, nc, part, kc,
+                    chunk_item(A, &pc[i], (int)(k % A->Hkv), c, w0, nc, part, kc,
                                kc + (size_t)CH * A->D, kc + (size_t)CH * (A->D + A->Dv), kv);
             }
             if (kc && !failed) {
@@ -523,9 +544,11 @@ AVX2 static int attend_bf16_dots(const attn_t *A, const piece_t *s, int S, int T
     return attend_kv(A, s, S, T, th, KV_BF16, 1);
 }
 
+/* NOTE: windows and sinks take the fp32 path: they were written on an AVX2-only machine, where
+ * the bf16 path cannot run, so it has none (untested code is not shipped) */
 static int bf16_dots_here(const attn_t *A) {
     __builtin_cpu_init();
-    return bf16_dots && A->kv == KV_BF16 && A->D % 32 == 0 && A->Dv % 32 == 0 &&
+    return bf16_dots && A->window == 0 && !A->sinks && A->kv == KV_BF16 && A->D % 32 == 0 && A->Dv % 32 == 0 &&
            A->D <= 256 && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512bf16");
@@ -542,13 +565,22 @@ static int attend(const attn_t *A, const piece_t *s, int S, int T, int th) {
  * keys 0..pos0 + t); pages: the sequence's page table; kv: the caches' dtype. D and Dv
  * multiples of 8, Dv <= 256 (checked by the caller). Returns 0, or -1 when scratch memory
  * could not be had. */
+int attention_rows_ex(const float *q, int T, int Hq, int D, int Dv, const void *k_cache,
+                      const void *v_cache, int page_size, int Hkv, const int64_t *pages, int pos0,
+                      float scale, float *out, int nthreads, int kv, int window,
+                      const float *sinks) {
+    const attn_t A = {q, (int64_t)Hq * D, Hq, Hkv, D, Dv, page_size, (const uint8_t *)k_cache,
+                      (const uint8_t *)v_cache, scale, out, kv, window, sinks};
+    const piece_t seg = {0, T, pos0, pages, 0, 0};
+    return T > 0 ? attend(&A, &seg, 1, T, nthreads) : 0;
+}
+
+/* the above without a window or sinks */
 int attention_rows(const float *q, int T, int Hq, int D, int Dv, const void *k_cache,
                    const void *v_cache, int page_size, int Hkv, const int64_t *pages, int pos0,
                    float scale, float *out, int nthreads, int kv) {
-    const attn_t A = {q, (int64_t)Hq * D, Hq, Hkv, D, Dv, page_size, (const uint8_t *)k_cache,
-                      (const uint8_t *)v_cache, scale, out, kv};
-    const piece_t seg = {0, T, pos0, pages, 0};
-    return T > 0 ? attend(&A, &seg, 1, T, nthreads) : 0;
+    return attention_rows_ex(q, T, Hq, D, Dv, k_cache, v_cache, page_size, Hkv, pages, pos0,
+                             scale, out, nthreads, kv, 0, NULL);
 }
 
 /* fp32 -> bf16 / fp16 bits as torch's .to() rounds them (to nearest even; NaN stays NaN) */
@@ -581,11 +613,11 @@ AVX2 static void store_row(uint8_t *dst, const float *src, int n, const int kv) 
  *   cu [S + 1], lens [S]: segment s is tokens cu[s]..cu[s+1]-1 at positions lens[s] + i;
  *   page_table [S, P] (row stride P); out [T, Hq, Dv].
  * Returns 0, -1 without scratch memory, -2 when a position lies outside its pages. */
-int write_attend_rows(const float *qk, const float *v, int64_t v_stride, int T, int Hq, int Hkv,
-                      int D, int Dv, void *k_cache, void *v_cache, int page_size,
-                      const int64_t *slots, int S, const int64_t *cu, const int64_t *lens,
-                      const int64_t *page_table, int P, float scale, float *out, int nthreads,
-                      int kv) {
+int write_attend_rows_ex(const float *qk, const float *v, int64_t v_stride, int T, int Hq,
+                         int Hkv, int D, int Dv, void *k_cache, void *v_cache, int page_size,
+                         const int64_t *slots, int S, const int64_t *cu, const int64_t *lens,
+                         const int64_t *page_table, int P, float scale, float *out, int nthreads,
+                         int kv, int window, const float *sinks) {
     const size_t es = kv == KV_F32 ? 4 : 2;
     const size_t row_k = (size_t)Hkv * D * es, row_v = (size_t)Hkv * Dv * es;
     for (int s = 0; s < S; s++)
@@ -601,10 +633,22 @@ int write_attend_rows(const float *qk, const float *v, int64_t v_stride, int T, 
     int n = 0;
     for (int s = 0; s < S; s++)
         if (cu[s + 1] > cu[s])
-            seg[n++] = (piece_t){(int)cu[s], (int)cu[s + 1], (int)lens[s], page_table + (size_t)s * P, 0};
+            seg[n++] = (piece_t){(int)cu[s], (int)cu[s + 1], (int)lens[s], page_table + (size_t)s * P, 0, 0};
     const attn_t A = {qk, (int64_t)(Hq + Hkv) * D, Hq, Hkv, D, Dv, page_size,
-                      (const uint8_t *)k_cache, (const uint8_t *)v_cache, scale, out, kv};
+                      (const uint8_t *)k_cache, (const uint8_t *)v_cache, scale, out, kv, window,
+                      sinks};
     const int rc = T > 0 ? attend(&A, seg, n, T, nthreads) : 0;
     free(seg);
     return rc;
+}
+
+/* the above without a window or sinks (layer_rows.c calls it by address) */
+int write_attend_rows(const float *qk, const float *v, int64_t v_stride, int T, int Hq, int Hkv,
+                      int D, int Dv, void *k_cache, void *v_cache, int page_size,
+                      const int64_t *slots, int S, const int64_t *cu, const int64_t *lens,
+                      const int64_t *page_table, int P, float scale, float *out, int nthreads,
+                      int kv) {
+    return write_attend_rows_ex(qk, v, v_stride, T, Hq, Hkv, D, Dv, k_cache, v_cache, page_size,
+                                slots, S, cu, lens, page_table, P, scale, out, nthreads, kv, 0,
+                                NULL);
 }

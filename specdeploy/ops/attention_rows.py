@@ -43,6 +43,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     lib, errors = _gl.load_compiled("attention_rows", SOURCE, _FLAGS, {
         "attention_rows": ([ptr, int_, int_, int_, int_, ptr, ptr, int_, int_, ptr, int_,
                             ctypes.c_float, ptr, int_, int_], int_),
+        "attention_rows_ex": ([ptr, int_, int_, int_, int_, ptr, ptr, int_, int_, ptr, int_,
+                               ctypes.c_float, ptr, int_, int_, int_, ptr], int_),
         "attention_rows_bf16_dots": ([int_], int_)})
     if lib is not None:
         return lib, None
@@ -83,11 +85,22 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
             and _library()[0] is not None)
 
 
+def _sinks(sinks: torch.Tensor | None, hq: int) -> torch.Tensor | None:
+    if sinks is None:
+        return None
+    if sinks.shape != (hq,):
+        raise ValueError(f"attention sinks: expected one per query head ({hq}), "
+                         f"got shape {tuple(sinks.shape)}")
+    return sinks.detach().to(torch.float32).contiguous()
+
+
 def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   pages: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
+                   pages: torch.Tensor, pos0: int, scale: float, window: int = 0,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D]: one sequence's rows at positions pos0 .. pos0 + T - 1, each attending the
-    keys up to itself; caches [num_pages, page_size, Hkv, D(v)] fp32 / bf16 / fp16; pages: that
-    sequence's page table row (int64). -> [T, Hq, Dv]."""
+    keys up to itself (the last `window` of them where window > 0); caches [num_pages,
+    page_size, Hkv, D(v)] fp32 / bf16 / fp16; pages: that sequence's page table row (int64);
+    sinks: [Hq] logits joining each softmax's denominator, or None. -> [T, Hq, Dv]."""
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"attention kernel unavailable: {why}")
@@ -99,49 +112,59 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError(f"attention_rows: positions {pos0}..{pos0 + t - 1} outside the "
                          f"sequence's {pages.numel()} pages")
     out = torch.empty(t, hq, dv, dtype=torch.float32)
-    rc = lib.attention_rows(q.data_ptr(), t, hq, d, dv, k_cache.data_ptr(), v_cache.data_ptr(),
-                            k_cache.shape[1], k_cache.shape[2], pages.data_ptr(), pos0,
-                            float(scale), out.data_ptr(), torch.get_num_threads(),
-                            _KV_DTYPES.index(k_cache.dtype))
+    sk = _sinks(sinks, hq)
+    rc = lib.attention_rows_ex(q.data_ptr(), t, hq, d, dv, k_cache.data_ptr(),
+                               v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
+                               pages.data_ptr(), pos0, float(scale), out.data_ptr(),
+                               torch.get_num_threads(), _KV_DTYPES.index(k_cache.dtype),
+                               max(int(window), 0), None if sk is None else sk.data_ptr())
     if rc != 0:
         raise MemoryError("attention_rows: no scratch memory for the scores")
     return out
 
 
-def _write_attend_fn():
+def _write_attend_fn(ex: bool = False):
+    """`write_attend_rows` (layer_rows.py calls it by address) or, with ex, its form taking a
+    sliding window and sinks."""
     lib, _ = _library()
     if lib is None:
         return None
-    fn = lib.write_attend_rows
+    fn = lib.write_attend_rows_ex if ex else lib.write_attend_rows
     if not fn.argtypes:
         P, I = ctypes.c_void_p, ctypes.c_int  # noqa: N806
         fn.argtypes = [P, P, ctypes.c_int64, I, I, I, I, I, P, P, I, P, I, P, P, P, I,
-                       ctypes.c_float, P, I, I]
+                       ctypes.c_float, P, I, I] + ([I, P] if ex else [])
         fn.restype = I
     return fn
 
 
 def write_attend_rows(qk: torch.Tensor, qkv: torch.Tensor, v_offset: int, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor, cu_host: torch.Tensor,
-                      lens_host: torch.Tensor, page_table: torch.Tensor, scale: float
-                      ) -> torch.Tensor:
+                      lens_host: torch.Tensor, page_table: torch.Tensor, scale: float,
+                      window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The keys qk[:, Hq:] and values qkv[0, :, v_offset:] into the caches at `slots`, then each
     row of qk[:, :Hq] attending its segment's keys up to itself, as `attention_rows` computes
     it (the same bits). qk [T, Hq + Hkv, D] fp32 dense; qkv [1, T, W] fp32, last dim dense;
     slots [T], cu_host [S + 1], lens_host [S], page_table [S, P]: int64, dense, on the CPU.
-    The caller checks `fits` for the caches. -> [T, Hq, Dv]."""
-    fn = _write_attend_fn()
+    The caller checks `fits` for the caches. window, sinks: as `attention_rows`'.
+    -> [T, Hq, Dv]."""
+    ex = window > 0 or sinks is not None
+    fn = _write_attend_fn(ex)
     if fn is None:
         raise RuntimeError(f"attention kernel unavailable: {unavailable()}")
     t, heads, d = qk.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     hq = heads - hkv
     out = torch.empty(t, hq, dv, dtype=torch.float32)
-    rc = fn(qk.data_ptr(), qkv.data_ptr() + 4 * v_offset, qkv.stride(1), t, hq, hkv, d, dv,
+    args = [qk.data_ptr(), qkv.data_ptr() + 4 * v_offset, qkv.stride(1), t, hq, hkv, d, dv,
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], slots.data_ptr(),
             lens_host.shape[0], cu_host.data_ptr(), lens_host.data_ptr(), page_table.data_ptr(),
             page_table.shape[1], float(scale), out.data_ptr(), torch.get_num_threads(),
-            _KV_DTYPES.index(k_cache.dtype))
+            _KV_DTYPES.index(k_cache.dtype)]
+    if ex:
+        sk = _sinks(sinks, hq)
+        args += [max(int(window), 0), None if sk is None else sk.data_ptr()]
+    rc = fn(*args)
     if rc == -2:
         raise ValueError("write_attend_rows: a position lies outside its sequence's pages")
     if rc != 0:

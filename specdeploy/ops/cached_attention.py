@@ -148,25 +148,27 @@ def _seq_kv(k_cache, v_cache, pages, total):
             _pages(v_cache, pages[None, :n])[0, :total])
 
 
-def _decode_one(q, k_cache, v_cache, pages, cache_len, scale):
-    """One sequence's decode query against exactly its cached positions 0..cache_len (no mask).
-    q [1, Hq, D] -> [1, Hq, Dv]."""
+def _decode_one(q, k_cache, v_cache, pages, cache_len, scale, window=0):
+    """One sequence's decode query against exactly its cached positions 0..cache_len (no mask;
+    the last `window` of them where window > 0). q [1, Hq, D] -> [1, Hq, Dv]."""
     keys, vals = _seq_kv(k_cache, v_cache, pages, cache_len + 1)
+    if 0 < window <= cache_len:
+        keys, vals = keys[cache_len + 1 - window:], vals[cache_len + 1 - window:]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None].float(), keys.transpose(0, 1)[None].float(),
         vals.transpose(0, 1)[None].float(), scale=scale, enable_gqa=True)  # [1, Hq, 1, Dv]
     return out[0].transpose(0, 1).to(q.dtype)
 
 
-def _rows(q, k_cache, v_cache, pages, pos0, scale):
+def _rows(q, k_cache, v_cache, pages, pos0, scale, window=0):
     """One sequence's rows at positions pos0.. (q [T, Hq, D] -> [T, Hq, Dv]), each computed on
     its own (batch-invariant; see ops/attention_rows.py): by the C kernel where it fits, else
     by one 1-row SDPA per row. One SDPA over the rows would sum in another order (~1e-7 off a
     1-row call), which the fast kernels' 8-bit activation rounding can blow up into another
     greedy token."""
     if attention_rows.fits(q, k_cache, v_cache):
-        return attention_rows.attention_rows(q, k_cache, v_cache, pages, pos0, scale)
-    return torch.cat([_decode_one(q[i:i + 1], k_cache, v_cache, pages, pos0 + i, scale)
+        return attention_rows.attention_rows(q, k_cache, v_cache, pages, pos0, scale, window)
+    return torch.cat([_decode_one(q[i:i + 1], k_cache, v_cache, pages, pos0 + i, scale, window)
                       for i in range(q.shape[0])])
 
 
@@ -200,8 +202,8 @@ def cached_attention_impl(
     q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens, cache_lens_host,
     page_table, scale, sliding_window, slot_mapping=None,
 ):
-    if sliding_window == 0 and _one_call(q, k, v, k_cache, v_cache, cu_seqlens_host,
-                                         cache_lens_host, page_table, slot_mapping):
+    if _one_call(q, k, v, k_cache, v_cache, cu_seqlens_host, cache_lens_host, page_table,
+                 slot_mapping):
         # NOTE: the lengths by pointer, no host loop over sequences: ~1 C call instead of
         # ~10 torch calls and a Python loop, and a CPU graph (engine/cpu_graphs.py) replays it
         t = q.shape[1]
@@ -211,15 +213,16 @@ def cached_attention_impl(
             vv = vv.contiguous()
         return attention_rows.write_attend_rows(qk, vv, 0, k_cache, v_cache, slot_mapping,
                                                 cu_seqlens_host, cache_lens_host, page_table,
-                                                scale)[None]
+                                                scale, sliding_window)[None]
     _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table, slot_mapping)
     t = q.shape[1]
     num_seqs = cache_lens.shape[0]
     page_size = k_cache.shape[1]
-    if t == num_seqs and sliding_window == 0 and page_table.device.type == "cpu":
+    if t == num_seqs and page_table.device.type == "cpu":
         # NOTE: on the CPU a loop over sequences reading only their used pages (a view when the
         # pages are consecutive) beats gathering every page table row padded to the longest
-        return torch.cat([_rows(q[0, i:i + 1], k_cache, v_cache, page_table[i], n, scale)
+        return torch.cat([_rows(q[0, i:i + 1], k_cache, v_cache, page_table[i], n, scale,
+                                sliding_window)
                           for i, n in enumerate(cache_lens_host.tolist())])[None]
     if t == num_seqs:  # pure decode: one query per segment
         out = _decode(q[0], k_cache, v_cache, page_table, cache_lens, scale, sliding_window)
@@ -227,7 +230,7 @@ def cached_attention_impl(
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cu = cu_seqlens_host.tolist()
     lens = cache_lens_host.tolist()
-    if sliding_window == 0 and page_table.device.type == "cpu":
+    if page_table.device.type == "cpu":
         # NOTE: batch invariance: the rows of a short segment (a verify step, a decode in a
         # mixed step) go through `_rows` as a 1-row decode does, so each is bit-identical to
         # plain decoding's row at its position. Where the C kernel runs, prefill chunks do
@@ -241,7 +244,7 @@ def cached_attention_impl(
                 if every or cu[s + 1] - cu[s] <= INVARIANT_ROWS}
         for s in done:
             out[0, cu[s]:cu[s + 1]] = _rows(q[0, cu[s]:cu[s + 1]], k_cache, v_cache,
-                                            page_table[s], lens[s], scale)
+                                            page_table[s], lens[s], scale, sliding_window)
         if len(done) == num_seqs:
             return out
     else:

@@ -8,8 +8,8 @@ where the C attention kernel fits (then `cached_attention` attends every segment
 decode, verify and prefill chunks alike), it is two C calls: RoPE over the q and k heads of
 every token at once (row_kernels.c, the same function `rope` runs), then the cache writes and
 attention (attention_rows.c's `write_attend_rows`, the same per-(row, head) code as `_rows`).
-So it gives the unfused chain's bits exactly; anything else (sliding windows, other dtypes or
-devices) runs that chain itself (`qkv_attention_ref`).
+So it gives the unfused chain's bits exactly (sliding windows included); anything else (other
+dtypes or devices) runs that chain itself (`qkv_attention_ref`).
 Without RoPE (cos and sin None: NemotronH's attention layers) the q and k heads go to the
 cache writes and attention as they are (a copy where a verify step's rows lie apart).
 """
@@ -44,7 +44,7 @@ def qkv_attention_ref(qkv, cos, sin, k_cache, v_cache, cu_seqlens, cu_seqlens_ho
 
 def _fast(qkv, cos, sin, k_cache, v_cache, cu_host, lens_host, page_table, slot_mapping,
           sliding_window, hq, hkv, d) -> bool:
-    if (sliding_window or slot_mapping is None or qkv.dtype is not _F32 or qkv.dim() != 3
+    if (slot_mapping is None or qkv.dtype is not _F32 or qkv.dim() != 3
             or qkv.shape[0] != 1 or qkv.stride(-1) != 1 or qkv.device.type != "cpu"):
         return False
     if cos is None:
@@ -111,7 +111,7 @@ def _qkv_attention_kernel(qkv: torch.Tensor, cos: torch.Tensor | None,
                                          torch.get_num_threads())
     out = attention_rows.write_attend_rows(qk, qkv, (hq + hkv) * d, k_cache, v_cache,
                                            slot_mapping, cu_seqlens_host, cache_lens_host,
-                                           page_table, scale)
+                                           page_table, scale, sliding_window)
     return out[None]
 
 

@@ -23,8 +23,10 @@ def _cache(pages=12, page_size=8, hkv=3, d=64, dv=64, seed=0):
             torch.randperm(pages, generator=g))
 
 
-def _oracle(q, kc, vc, pages, pos0, scale):
-    """float64: row t attends keys 0..pos0 + t of the sequence's pages."""
+def _oracle(q, kc, vc, pages, pos0, scale, window=0, sinks=None):
+    """float64: row t attends keys 0..pos0 + t of the sequence's pages (only those past
+    pos0 + t - window where window > 0); sinks [Hq]: one more logit per head in each softmax,
+    weighing no value (gpt-oss's)."""
     hkv = kc.shape[2]
     keys = kc[pages].reshape(-1, hkv, kc.shape[-1]).double()
     vals = vc[pages].reshape(-1, hkv, vc.shape[-1]).double()
@@ -32,9 +34,13 @@ def _oracle(q, kc, vc, pages, pos0, scale):
     out = []
     for t in range(q.shape[0]):
         n = pos0 + t + 1
-        k = keys[:n].repeat_interleave(rep, 1)  # [n, Hq, D]
-        v = vals[:n].repeat_interleave(rep, 1)
-        w = torch.einsum("hd,nhd->hn", q[t].double(), k).mul(scale).softmax(-1)
+        a = max(0, n - window) if window > 0 else 0
+        k = keys[a:n].repeat_interleave(rep, 1)  # [n - a, Hq, D]
+        v = vals[a:n].repeat_interleave(rep, 1)
+        s = torch.einsum("hd,nhd->hn", q[t].double(), k).mul(scale)
+        if sinks is not None:
+            s = torch.cat((s, sinks.double()[:, None]), 1)
+        w = s.softmax(-1)[:, :n - a]
         out.append(torch.einsum("hn,nhd->hd", w, v))
     return torch.stack(out)
 
@@ -141,3 +147,95 @@ def test_verify_rows_equal_decode_rows_through_cached_attention(kernel, monkeypa
     verify = step([(0, prefix, n), (1, prefix, n)])
     assert torch.equal(torch.stack([x[0] for x in decode]), verify[:n])
     assert torch.equal(torch.stack([x[1] for x in decode]), verify[n:])
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [1, 5, 32, 40, 70, 500])
+@pytest.mark.parametrize("pos0,t", [(0, 16), (37, 7), (90, 6), (31, 3)])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_sliding_windows_and_sinks_match_the_float64_oracle(window, pos0, t, with_sinks):
+    """Windows inside one 32-key chunk, across chunk edges and wider than the sequence, with
+    and without sinks (some sinks far above the scores: most of the mass goes to them)."""
+    kc, vc, pages = _cache(hkv=3, d=64, dv=64)
+    g = torch.Generator().manual_seed(7 * t + window)
+    q = torch.randn(t, 9, 64, generator=g) * 2
+    sinks = torch.randn(9, generator=g) * 3 if with_sinks else None
+    got = ar.attention_rows(q, kc, vc, pages, pos0, 0.125, window=window, sinks=sinks)
+    want = _oracle(q, kc, vc, pages, pos0, 0.125, window, sinks)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * vc.abs().max().item())
+    if window < pos0 or with_sinks:  # the guard: the window / the sinks change the output
+        full = _oracle(q, kc, vc, pages, pos0, 0.125)
+        assert (full - want).abs().max() > 1e-2 * vc.abs().max()
+
+
+@needs_kernel
+def test_windowed_rows_are_batch_and_thread_invariant():
+    kc, vc, pages = _cache(pages=24, page_size=8)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(16, 9, 64, generator=g)
+    sinks = torch.randn(9, generator=g)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            full = ar.attention_rows(q, kc, vc, pages, 100, 0.125, window=45, sinks=sinks)
+            alone = [ar.attention_rows(q[i:i + 1], kc, vc, pages, 100 + i, 0.125, window=45,
+                                       sinks=sinks) for i in range(16)]
+            assert torch.equal(torch.cat(alone), full)
+            outs.append(full)
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_sinks_of_the_wrong_shape_are_refused():
+    kc, vc, pages = _cache()
+    with pytest.raises(ValueError, match=r"one per query head \(9\), got shape \(3,\)"):
+        ar.attention_rows(torch.randn(1, 9, 64), kc, vc, pages, 3, 0.125, sinks=torch.ones(3))
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "sdpa-fallback"])
+@pytest.mark.parametrize("one_call", [True, False], ids=["write-attend", "separate"])
+def test_windowed_verify_rows_equal_decode_rows_and_the_oracle(kernel, one_call, monkeypatch):
+    """A window of 6 over a 10-token prefix: 1-row decode steps, one 5-row verify segment per
+    sequence (with the cache writes in the same C call or not), bit-identical, and equal to the
+    float64 oracle within fp32 rounding."""
+    if kernel and ar.unavailable() is not None:
+        pytest.skip(f"attention kernel unavailable: {ar.unavailable()}")
+    if not kernel:
+        monkeypatch.setattr(ar, "fits", lambda *a: False)
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d, ps, window = 4, 2, 32, 4, 6
+    prefix, n = 10, 5
+    q = torch.randn(2, prefix + n, hq, d, generator=g)
+    k = torch.randn(2, prefix + n, hkv, d, generator=g)
+    v = torch.randn(2, prefix + n, hkv, d, generator=g)
+    pages = [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+
+    def step(segs):
+        kc, vc = caches
+        meta = build_metadata([Segment([0] * ln, st, pages[s], s, ln, SEG_EXTEND)
+                               for s, st, ln in segs])
+        slots = torch.cat([torch.tensor([pages[s][p // ps] * ps + p % ps
+                                         for p in range(st, st + ln)]) for s, st, ln in segs])
+        qq = torch.cat([q[s, st:st + ln] for s, st, ln in segs])[None]
+        kk = torch.cat([k[s, st:st + ln] for s, st, ln in segs])[None]
+        vv = torch.cat([v[s, st:st + ln] for s, st, ln in segs])[None]
+        return ca.cached_attention_impl(qq, kk, vv, kc, vc, meta.cu_seqlens, meta.cu_seqlens,
+                                        meta.cache_lens, meta.cache_lens, meta.page_table,
+                                        d ** -0.5, window, slots if one_call else None)[0]
+
+    caches = (torch.zeros(10, ps, hkv, d), torch.zeros(10, ps, hkv, d))
+    step([(0, 0, prefix), (1, 0, prefix)])
+    decode = [step([(0, prefix + i, 1), (1, prefix + i, 1)]) for i in range(n)]
+    caches = (torch.zeros(10, ps, hkv, d), torch.zeros(10, ps, hkv, d))
+    step([(0, 0, prefix), (1, 0, prefix)])
+    verify = step([(0, prefix, n), (1, prefix, n)])
+    assert torch.equal(torch.stack([x[0] for x in decode]), verify[:n])
+    assert torch.equal(torch.stack([x[1] for x in decode]), verify[n:])
+    kc, vc = caches
+    for s in (0, 1):
+        want = _oracle(q[s, prefix:], kc, vc, torch.tensor(pages[s]), prefix, d ** -0.5, window)
+        torch.testing.assert_close(verify[s * n:(s + 1) * n].double(), want, rtol=0, atol=1e-5)
