@@ -1,4 +1,10 @@
-"""Causal (optionally sliding-window) grouped-query attention."""
+"""Causal (optionally sliding-window) grouped-query attention, optionally with attention sinks.
+
+Sinks (gpt-oss): one learned logit per query head that joins every softmax's denominator and
+has no value, so a row's weights sum to less than 1: `softmax([scores, sink])[:-1] @ V`.
+Equivalently the sink-free output times `sigmoid(lse - sink)`, lse the row's log-sum-exp of
+its scores; the kernels here add the sink as a key column instead (exact, no extra rounding
+path to keep in sync)."""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import torch.nn.functional as F
 
 from specdeploy.ops.autograd import register_recompute_autograd
 
-__all__ = ["attention_ref", "attention_mask"]
+__all__ = ["attention_ref", "attention_mask", "sink_mask"]
 
 
 def attention_mask(
@@ -27,13 +33,15 @@ def attention_mask(
 
 
 def attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Explicit softmax attention (the oracle).
 
     Args:
         q: [B, T, Hq, D]; k: [B, T, Hkv, D]; v: [B, T, Hkv, Dv], Hq % Hkv == 0.
         scale: multiplies q·k. sliding_window: 0 = full causal.
+        sinks: [Hq] logits joining each row's softmax denominator (no value), or None.
     Returns:
         [B, T, Hq, Dv] in q's dtype.
     """
@@ -44,12 +52,36 @@ def attention_ref(
     scores = (qf @ kf.transpose(-1, -2)) * scale
     mask = attention_mask(q.shape[1], k.shape[1], sliding_window, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
-    out = scores.softmax(-1) @ vf
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    out = probs @ vf
     return out.transpose(1, 2).to(q.dtype)
 
 
+def sink_mask(mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """A boolean mask [..., Tq, Tk] as SDPA's additive float mask [..., Hq, Tq, Tk + 1] for keys
+    followed by one zero key (score 0) with a zero value: the added column's mask value is the
+    head's sink, so SDPA's softmax sees exactly the sink logit there."""
+    add = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    add = add.masked_fill(~mask, float("-inf"))
+    add = add.unsqueeze(-3).expand(*mask.shape[:-2], sinks.shape[0], *mask.shape[-2:])
+    col = sinks.float().view(-1, 1, 1).expand(*add.shape[:-1], 1)
+    return torch.cat((add, col), -1)
+
+
+def with_zero_key(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """`x` with one zero row appended on `dim` (the sink's key / value)."""
+    shape = list(x.shape)
+    shape[dim] = 1
+    return torch.cat((x, x.new_zeros(shape)), dim)
+
+
 def attention_fast(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA-based attention; same contract as :func:`attention_ref`."""
     qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
@@ -58,7 +90,11 @@ def attention_fast(
         # NOTE: SDPA's enable_gqa is not implemented by every backend; expanding is always valid.
         kf = kf.repeat_interleave(rep, dim=1)
         vf = vf.repeat_interleave(rep, dim=1)
-    if sliding_window > 0 and sliding_window < k.shape[1]:
+    if sinks is not None:
+        mask = attention_mask(q.shape[1], k.shape[1], sliding_window, q.device)
+        out = F.scaled_dot_product_attention(qf, with_zero_key(kf, 2), with_zero_key(vf, 2),
+                                             attn_mask=sink_mask(mask, sinks), scale=scale)
+    elif sliding_window > 0 and sliding_window < k.shape[1]:
         mask = attention_mask(q.shape[1], k.shape[1], sliding_window, q.device)
         out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
     else:
@@ -67,9 +103,10 @@ def attention_fast(
 
 
 def _attention_kernel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return attention_fast(q, k, v, scale, sliding_window)
+    return attention_fast(q, k, v, scale, sliding_window, sinks)
 
 
 attention = torch.library.custom_op("specdeploy::attention", _attention_kernel, mutates_args=())
@@ -77,5 +114,5 @@ register_recompute_autograd(attention, _attention_kernel)
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, scale, sliding_window=0):
+def _attention_fake(q, k, v, scale, sliding_window=0, sinks=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1])

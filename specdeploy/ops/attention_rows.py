@@ -11,7 +11,9 @@ exactly as fp32), head sizes that are multiples of 8 (up to 256). `unavailable()
 the caller then runs its per-row SDPA fallback. A bf16 cache (the fast path's) on a CPU with
 AVX512-BF16 takes bf16 dot products instead (`bf16_dots`): the query and the softmax weights are
 rounded to bf16 too, below the 8-bit activation rounding of the fast linears that read the
-output; still batch and thread invariant.
+output; still batch and thread invariant. Sliding windows (a row attends its last `window` keys)
+and attention sinks (gpt-oss's per-head logit in each softmax's denominator) run on the fp32
+path only (bf16 caches widened exactly).
 """
 from __future__ import annotations
 
