@@ -21,7 +21,7 @@ typedef int (*attend_fn)(const float *qk, const float *v, int64_t v_stride, int 
                          int Hkv, int D, int Dv, void *k_cache, void *v_cache, int page_size,
                          const int64_t *slots, int S, const int64_t *cu, const int64_t *lens,
                          const int64_t *page_table, int P, float scale, float *out,
-                         int nthreads, int kv);
+                         int nthreads, int kv, int window, const float *sinks);
 typedef void (*add_norm_fn)(const float *a, const float *b, int64_t rows, int64_t n,
                             const float *w, float eps, float *sum, float *out, int threads);
 typedef void (*silu_mul_fn)(const float *x, int64_t rows, int64_t n, int64_t x_stride,
@@ -43,6 +43,8 @@ typedef struct { /* one layer, fixed at deployment (the caches and norm weights:
     void *k_cache, *v_cache;
     const float *w_post, *w_next;
     float scale, eps_post, eps_next;
+    int64_t window;      /* sliding window (0: none) */
+    const float *sinks;  /* [hq] attention sinks or NULL */
 } layer_t;
 
 typedef struct { /* one step's metadata: the same for every layer of the step */
@@ -75,7 +77,7 @@ int decoder_layer_rows(const layer_t *L, const step_t *st, const float *res, con
     const int rc = L->attend(qk, qkv + heads * L->d, L->qkv.n, R, (int)L->hq, (int)L->hkv,
                              (int)L->d, (int)L->dv, L->k_cache, L->v_cache, (int)L->page_size,
                              st->slots, (int)st->S, st->cu, st->lens, st->page_table, (int)st->P,
-                             L->scale, attn, th, (int)L->kv);
+                             L->scale, attn, th, (int)L->kv, (int)L->window, L->sinks);
     if (rc) return rc;
     if (linear(L, &L->o, attn, R, o, th)) return -1;
     L->add_norm(res, o, R, h, L->w_post, L->eps_post, res2, normed2, th);

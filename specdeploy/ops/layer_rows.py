@@ -6,8 +6,8 @@ checks its inputs, allocates its result and calls one C kernel: ~25% of a decode
 default model. `decoder_layer_fn` makes one callable for the graph (`deploy/passes/
 fuse_layers.py` puts it there) that calls those same C kernels, with the same arguments in the
 same order, from one C function: the same bits. Where that path does not apply to a call
-(another dtype or device, a gradient, a sliding window, metadata the attention kernel does not
-take: what the chain's own fast-path checks reject), it runs the chain's callables themselves.
+(another dtype or device, a gradient, metadata the attention kernel does not take: what the
+chain's own fast-path checks reject), it runs the chain's callables themselves.
 
 Memory: the intermediates of a layer live in one scratch buffer shared by the fused layers of a
 graph (they run one after another), held up to HELD_ROWS rows and allocated per call above that
@@ -50,7 +50,7 @@ class _Layer(ctypes.Structure):  # layer_rows.c's layer_t
                 ("down", _Linear), ("hq", _I64), ("hkv", _I64), ("d", _I64), ("dv", _I64),
                 ("n_ff", _I64), ("page_size", _I64), ("kv", _I64), ("k_cache", _P),
                 ("v_cache", _P), ("w_post", _P), ("w_next", _P), ("scale", _F),
-                ("eps_post", _F), ("eps_next", _F)]
+                ("eps_post", _F), ("eps_next", _F), ("window", _I64), ("sinks", _P)]
 
 
 class _Step(ctypes.Structure):  # layer_rows.c's step_t
@@ -87,8 +87,8 @@ def _library() -> tuple[ctypes.CDLL | None, tuple | None, str | None]:
     lib.layer_work_floats.argtypes, lib.layer_work_floats.restype = [_P], _I64
     lib.decoder_layer_rows.argtypes = [_P] * 7
     lib.decoder_layer_rows.restype = ctypes.c_int
-    attention_rows._write_attend_fn()  # NOTE: sets its argtypes; the address is the same
-    fns = (tiled.ggml_tiled_linear, rows.rope_rows, attn.write_attend_rows,
+    attention_rows._write_attend_fn(True)  # NOTE: sets its argtypes; the address is the same
+    fns = (tiled.ggml_tiled_linear, rows.rope_rows, attn.write_attend_rows_ex,
            rows.add_rms_norm_rows, rows.silu_mul_rows)
     return lib, tuple(_addr(f) for f in fns), None
 
@@ -207,7 +207,7 @@ def decoder_layer_fn(chain: LayerChain, calls: tuple[TiledCall, ...], shared: Sh
     qkv, o, gu, dn = calls
     h, h_in = o.n, qkv.k  # h_in > h: the EAGLE-3 layer's q/k/v read cat(embeds, hidden)
     layer = _Layer(*fns, _linear(qkv), _linear(o), _linear(gu), _linear(dn), hq, hkv, d, 0,
-                   n_ff, 0, 0, None, None, None, None, scale, eps_post, eps_next)
+                   n_ff, 0, 0, None, None, None, None, scale, eps_post, eps_next, 0, None)
     register_struct(layer)
     register_struct(shared.step)
     addr, run, outputs = ctypes.addressof(layer), lib.decoder_layer_rows, shared.outputs
@@ -235,9 +235,10 @@ def decoder_layer_fn(chain: LayerChain, calls: tuple[TiledCall, ...], shared: Sh
                       cache_lens, cache_lens_host, page_table, scale_, sliding_window,
                       slot_mapping, hq_, hkv_, d_, shape, w_post, eps_post_, n_ff_, w_next,
                       eps_next_):
-        step = 0 if sliding_window else shared.step_of(cos, sin, cu_seqlens_host,
-                                                       cache_lens_host, page_table,
-                                                       slot_mapping)
+        step = shared.step_of(cos, sin, cu_seqlens_host, cache_lens_host, page_table,
+                              slot_mapping)
+        if sliding_window != layer.window:  # a constant of the layer's graph node: set once
+            layer.window = sliding_window
         rows = shared.rows
         if (step and res.dtype is _F32 and normed.dtype is _F32 and res.is_cpu
                 and normed.is_cpu and normed.shape == (1, rows, h_in) and res.shape == (1, rows, h)

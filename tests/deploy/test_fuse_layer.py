@@ -184,3 +184,39 @@ def test_greedy_speculative_equals_plain_with_the_fused_layer(tiny_gguf, monkeyp
     want = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in fast.generate(prompts, params)] == want
     assert fast.stats().get("lookup_steps", 0) > 0
+
+
+def _set_windows(gm, name: str, index: int, windows: list[int]):
+    """The sliding window argument of each layer's attention node, in layer order."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"
+             and getattr(n.target, "__name__", "") == name]
+    assert len(nodes) == len(windows)
+    for n, w in zip(nodes, windows):
+        assert n.args[index] == 0
+        n.args = n.args[:index] + (w,) + n.args[index + 1:]
+    gm.recompile()
+
+
+def test_windowed_layers_take_the_fused_path_with_the_unfused_bits(tiny_gguf, monkeypatch):
+    """Sliding windows of 5 on layers 0 and 2 (the GGUF has none: set on the graphs' attention
+    nodes): the fused layers take the C path on every step (no chain) and give the unfused
+    graph's logits bit for bit; a guard: the windows change the logits."""
+    _, path = tiny_gguf
+    fused = build(str(path), **LIMITS)
+    base = build(str(path), disabled=OFF, **LIMITS)
+    plain = build(str(path), disabled=OFF, **LIMITS)
+    windows = [5, 0, 5, 0]
+    _set_windows(fused.gm, "decoder_layer", 12, windows)
+    _set_windows(base.gm, "_qkv_attention_kernel", 11, windows)
+
+    def no_chain(*a):
+        raise AssertionError("the fused layer ran its fallback chain")
+
+    monkeypatch.setattr(layer_rows, "run_chain", no_chain)
+    moved = 0.0
+    for segs in _steps():
+        meta = build_metadata(segs)
+        got, want = fused.forward(meta).logits, base.forward(meta).logits
+        assert torch.equal(got, want), (segs, (got - want).abs().max())
+        moved = max(moved, (plain.forward(meta).logits - want).abs().max().item())
+    assert moved > 1e-3
