@@ -14,6 +14,7 @@ from specdeploy.ops import (  # noqa: F401  (registers ops)
     fused_rows,
     gdn,
     moe,
+    moe_bias,
     norm,
     norm_linear,
     quant_linear,

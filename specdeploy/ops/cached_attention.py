@@ -289,7 +289,14 @@ def cached_attention(
     v_cache: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: torch.Tensor,
     cache_lens: torch.Tensor, cache_lens_host: torch.Tensor, page_table: torch.Tensor,
     scale: float, sliding_window: int = 0, slot_mapping: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if sinks is not None:  # attention sinks (gpt-oss): the torch paths, never the C kernel
+        from specdeploy.ops.sink_attention import cached_attention_sinks
+
+        return cached_attention_sinks(
+            q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens,
+            cache_lens_host, page_table, scale, sliding_window, slot_mapping, sinks)
     return cached_attention_impl(
         q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens, cache_lens_host,
         page_table, scale, sliding_window, slot_mapping,

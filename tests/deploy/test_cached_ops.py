@@ -46,8 +46,10 @@ class OpCase:
     caches: object  # (page_size) -> dict of cache tensors
 
 
-def _attention_case(hq=4, hkv=2, d=8, dv=6, window=0, num_pages=160) -> OpCase:
+def _attention_case(hq=4, hkv=2, d=8, dv=6, window=0, num_pages=160, sinks=False) -> OpCase:
     scale = d**-0.5
+    # attention sinks (gpt-oss): one logit per query head in every softmax's denominator
+    sink = 2 * torch.randn(hq, generator=torch.Generator().manual_seed(5)) if sinks else None
 
     def make(n):
         return torch.randn(1, n, hq, d), torch.randn(1, n, hkv, d), torch.randn(1, n, hkv, dv)
@@ -60,12 +62,12 @@ def _attention_case(hq=4, hkv=2, d=8, dv=6, window=0, num_pages=160) -> OpCase:
     def call(xs, meta, c):
         return ops.cached_attention(*xs, c["k"], c["v"], meta.cu_seqlens, meta.cu_seqlens,
                                     meta.cache_lens, meta.cache_lens, meta.page_table, scale,
-                                    window)
+                                    window, sinks=sink)
 
     def ref(xs):
-        return attention_ref(*xs, scale, window), None
+        return attention_ref(*xs, scale, window, sink), None
 
-    return OpCase(f"attention(window={window})", make, call, ref, caches)
+    return OpCase(f"attention(window={window}, sinks={sinks})", make, call, ref, caches)
 
 
 def _conv_case(c=6, w=4) -> OpCase:
@@ -139,6 +141,9 @@ CASES = {
     "attention": _attention_case,
     "attention_gqa_window": lambda: _attention_case(hq=6, hkv=2, d=8, dv=8, window=5),
     "attention_mha": lambda: _attention_case(hq=2, hkv=2, d=4, dv=4),
+    "attention_sinks": lambda: _attention_case(sinks=True),
+    "attention_sinks_window": lambda: _attention_case(hq=6, hkv=2, d=8, dv=8, window=5,
+                                                      sinks=True),
     "conv": _conv_case,
     "ssm": _ssm_case,
     "gdn": _gdn_case,

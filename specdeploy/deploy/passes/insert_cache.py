@@ -76,12 +76,15 @@ def insert_cached_attention(gm: fx.GraphModule, ctx: DeployContext) -> Done:
         declared.append(h)
         kc = add_buffer(gm, f"{h.name}_k", torch.zeros(0), node)
         vc = add_buffer(gm, f"{h.name}_v", torch.zeros(0), node)
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(ops.cached_attention.default, (
-                a["q"], a["k"], a["v"], kc, vc, m["cu_seqlens"], m["cu_seqlens_host"],
+        args = (a["q"], a["k"], a["v"], kc, vc, m["cu_seqlens"], m["cu_seqlens_host"],
                 m["cache_lens"], m["cache_lens_host"], m["page_table"], a["scale"],
-                a["sliding_window"], m["slot_mapping"],
-            ))
+                a["sliding_window"], m["slot_mapping"])
+        # NOTE: sinks only where the layer has them: fuse_rope_attention matches 13 arguments
+        # (its fused op has no sinks), so a layer with sinks keeps this op
+        if a.get("sinks") is not None:
+            args += (a["sinks"],)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(ops.cached_attention.default, args)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         n += 1
