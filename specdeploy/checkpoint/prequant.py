@@ -268,6 +268,10 @@ def open_prequantized(reader, n_layers: int, model: nn.Module
         from specdeploy.checkpoint.ct_int import IntReader
 
         return IntReader(reader, qcfg), None
+    if qcfg.method == "mxfp4":  # exact in fp32 / bf16: the plain model, nothing to swap in
+        from specdeploy.checkpoint.mxfp4 import Mxfp4Reader
+
+        return Mxfp4Reader(reader, qcfg), None
     ckpt_modules = sorted({k.rpartition(".")[0] for k in reader.keys()})
     excl = map_exclusions(qcfg.exclude, ckpt_modules, n_layers, _quantizable_modules(model))
     info = PrequantInfo(qcfg, excl, kv_scales=_kv_scales(reader) if qcfg.kv_cache else {})

@@ -8,6 +8,8 @@ Supported (DESIGN.md invariant 10: everything else is refused with the method's 
 - Hugging Face fine-grained FP8: config.json `quantization_config` {"quant_method": "fp8",
   "weight_block_size": [bn, bk], "activation_scheme", "modules_to_not_convert"}.
 - compressed-tensors (llm-compressor) FP8 and NVFP4: compressed_tensors.py.
+- MXFP4 as gpt-oss ships it: `quant_method: "mxfp4"`, `modules_to_not_convert`; read
+  dequantized, exactly (checkpoint/mxfp4.py).
 A checkpoint with quantization tensors (`*.weight_scale`, `*.qweight`, ...) but no config is
 refused too: loading it as plain weights would drop the scales.
 """
@@ -25,7 +27,7 @@ __all__ = ["QuantConfig", "SUPPORTED", "UnsupportedQuantization", "detect_quant_
 
 SUPPORTED = ("modelopt FP8", "modelopt NVFP4", "fp8 with weight_block_size (HF fine-grained)",
              "compressed-tensors float-quantized (FP8) / nvfp4-pack-quantized / "
-             "pack-quantized (W4A16, W8A16) / int-quantized (W8A8)")
+             "pack-quantized (W4A16, W8A16) / int-quantized (W8A8)", "mxfp4 (gpt-oss)")
 _KV_ALGOS = (None, "FP8")
 # tensor-name endings that only quantized checkpoints have (ModelOpt, HF fp8, compressed-tensors,
 # GPTQ / AWQ, bitsandbytes)
@@ -42,7 +44,7 @@ class UnsupportedQuantization(CheckpointError):
 @dataclass(frozen=True)
 class QuantConfig:
     # "fp8" (ModelOpt per-tensor) | "nvfp4" | "fp8_block" (HF fine-grained) | "ct_fp8" |
-    # "ct_nvfp4" | "ct_int" (compressed-tensors)
+    # "ct_nvfp4" | "ct_int" (compressed-tensors) | "mxfp4" (gpt-oss)
     method: str
     source: str  # where it was read: "hf_quant_config.json" | "config.json"
     exclude: tuple[str, ...] = ()  # fnmatch globs over the checkpoint's module names
@@ -71,7 +73,9 @@ class QuantConfig:
                           + ("16" if self.packed else "8, run weight-only") + f" (int{self.bits} "
                           + (f"groups of {self.group_size}" if self.group_size else
                              "per channel")
-                          + f", as GGUF {'Q4_0' if self.bits == 4 else 'Q8_0'} blocks)"
+                          + f", as GGUF {'Q4_0' if self.bits == 4 else 'Q8_0'} blocks)",
+                "mxfp4": "MXFP4 (E2M1 in groups of 32, E8M0 scales; dequantized exactly at "
+                         "load)",
                 }[self.method]
         return what + (f", kv cache {self.kv_cache}" if self.kv_cache else "")
 
@@ -140,6 +144,9 @@ def detect_quant_config(path: str | Path, config: dict, keys: Iterable[str]
             return _modelopt(qc.get("quantization") or qc, where, "config.json")
         if method == "fp8":
             return _hf_fp8(qc, where)
+        if method == "mxfp4":
+            excl = qc.get("modules_to_not_convert") or []
+            return QuantConfig("mxfp4", "config.json", tuple(excl), group_size=32)
         if method == "compressed-tensors":
             return compressed_tensors.parse(
                 qc, where, keys, _unsupported,
