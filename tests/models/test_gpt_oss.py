@@ -106,6 +106,19 @@ def test_greedy_equals_generate_and_ngram_is_lossless(tiny):
     assert spec.stats()["draft_steps"] > 0
 
 
+def test_two_ranks_give_the_one_process_tokens(tiny):
+    """Heads (and their sinks) split over 2 ranks, the MoE replicated."""
+    path, _ = tiny
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9], list(range(20, 50))]
+    want = [o.token_ids for o in LLM(path, **LIMITS).generate(prompts, sp)]
+    tp = LLM(path, tensor_parallel_size=2, dist_timeout=60, **LIMITS)
+    try:
+        assert [o.token_ids for o in tp.generate(prompts, sp)] == want
+    finally:
+        tp.shutdown()
+
+
 # ---- MXFP4 as released ----------------------------------------------------------------------
 
 
