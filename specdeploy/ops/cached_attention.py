@@ -160,14 +160,17 @@ def _decode_one(q, k_cache, v_cache, pages, cache_len, scale, window=0):
     return out[0].transpose(0, 1).to(q.dtype)
 
 
-def _rows(q, k_cache, v_cache, pages, pos0, scale, window=0):
+def _rows(q, k_cache, v_cache, pages, pos0, scale, window=0, sinks=None):
     """One sequence's rows at positions pos0.. (q [T, Hq, D] -> [T, Hq, Dv]), each computed on
     its own (batch-invariant; see ops/attention_rows.py): by the C kernel where it fits, else
     by one 1-row SDPA per row. One SDPA over the rows would sum in another order (~1e-7 off a
     1-row call), which the fast kernels' 8-bit activation rounding can blow up into another
     greedy token."""
     if attention_rows.fits(q, k_cache, v_cache):
-        return attention_rows.attention_rows(q, k_cache, v_cache, pages, pos0, scale, window)
+        return attention_rows.attention_rows(q, k_cache, v_cache, pages, pos0, scale, window,
+                                             sinks)
+    if sinks is not None:
+        raise AssertionError("sinks reach _rows only where the C kernel fits")
     return torch.cat([_decode_one(q[i:i + 1], k_cache, v_cache, pages, pos0 + i, scale, window)
                       for i in range(q.shape[0])])
 
@@ -200,8 +203,9 @@ def _one_call(q, k, v, k_cache, v_cache, cu_host, lens_host, page_table, slot_ma
 
 def cached_attention_impl(
     q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens, cache_lens_host,
-    page_table, scale, sliding_window, slot_mapping=None,
+    page_table, scale, sliding_window, slot_mapping=None, sinks=None,
 ):
+    """`cached_attention`; with sinks only where the C kernel fits (see `cached_attention`)."""
     if _one_call(q, k, v, k_cache, v_cache, cu_seqlens_host, cache_lens_host, page_table,
                  slot_mapping):
         # NOTE: the lengths by pointer, no host loop over sequences: ~1 C call instead of
@@ -213,7 +217,7 @@ def cached_attention_impl(
             vv = vv.contiguous()
         return attention_rows.write_attend_rows(qk, vv, 0, k_cache, v_cache, slot_mapping,
                                                 cu_seqlens_host, cache_lens_host, page_table,
-                                                scale, sliding_window)[None]
+                                                scale, sliding_window, sinks)[None]
     _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table, slot_mapping)
     t = q.shape[1]
     num_seqs = cache_lens.shape[0]
@@ -222,7 +226,7 @@ def cached_attention_impl(
         # NOTE: on the CPU a loop over sequences reading only their used pages (a view when the
         # pages are consecutive) beats gathering every page table row padded to the longest
         return torch.cat([_rows(q[0, i:i + 1], k_cache, v_cache, page_table[i], n, scale,
-                                sliding_window)
+                                sliding_window, sinks)
                           for i, n in enumerate(cache_lens_host.tolist())])[None]
     if t == num_seqs:  # pure decode: one query per segment
         out = _decode(q[0], k_cache, v_cache, page_table, cache_lens, scale, sliding_window)
@@ -244,7 +248,8 @@ def cached_attention_impl(
                 if every or cu[s + 1] - cu[s] <= INVARIANT_ROWS}
         for s in done:
             out[0, cu[s]:cu[s + 1]] = _rows(q[0, cu[s]:cu[s + 1]], k_cache, v_cache,
-                                            page_table[s], lens[s], scale, sliding_window)
+                                            page_table[s], lens[s], scale, sliding_window,
+                                            sinks)
         if len(done) == num_seqs:
             return out
     else:
@@ -291,15 +296,19 @@ def cached_attention(
     scale: float, sliding_window: int = 0, slot_mapping: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if sinks is not None:  # attention sinks (gpt-oss): the torch paths, never the C kernel
+    if sinks is not None and not (page_table.device.type == "cpu"
+                                  and attention_rows.fits(q, k_cache, v_cache)):
+        # attention sinks (gpt-oss) where the C kernel does not fit: the torch paths
         from specdeploy.ops.sink_attention import cached_attention_sinks
 
         return cached_attention_sinks(
             q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens,
             cache_lens_host, page_table, scale, sliding_window, slot_mapping, sinks)
+    # NOTE: with sinks, the C kernel (fits) takes every segment: every branch below that
+    # runs on the CPU ends in `_rows` / `write_attend_rows`, which take the sinks
     return cached_attention_impl(
         q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens, cache_lens_host,
-        page_table, scale, sliding_window, slot_mapping,
+        page_table, scale, sliding_window, slot_mapping, sinks,
     )
 
 

@@ -1,6 +1,7 @@
 """`cached_attention` for layers with attention sinks (gpt-oss): its torch paths, each with the
 sinks' column (ops/attention.py: a zero key whose float-mask value is the head's sink, or an
-explicit column before the softmax). `cached_attention` sends every call with sinks here.
+explicit column before the softmax). `cached_attention` sends calls with sinks here where the C
+row kernel (attention_rows.c, which takes sinks) does not fit: off the CPU, other dtypes.
 
 Same cache layout, writes and batch-invariance rule as ops/cached_attention.py: on the CPU a
 decode row and every row of a short segment (a verify step) are each one 1-row attention over
@@ -8,7 +9,6 @@ exactly their visible keys, so a verify row is bit-identical to plain decoding's
 position (lossless greedy speculation); longer segments (prefill chunks) take one masked SDPA.
 Off the CPU decodes and uniform verify steps run batched with static shapes (no host sync, CUDA
 graphs replay them), as `_decode` / `extend_uniform` do.
-NOTE: the C row kernel (attention_rows.c) takes no sinks here: these layers never reach it.
 """
 from __future__ import annotations
 

@@ -239,3 +239,31 @@ def test_windowed_verify_rows_equal_decode_rows_and_the_oracle(kernel, one_call,
     for s in (0, 1):
         want = _oracle(q[s, prefix:], kc, vc, torch.tensor(pages[s]), prefix, d ** -0.5, window)
         torch.testing.assert_close(verify[s * n:(s + 1) * n].double(), want, rtol=0, atol=1e-5)
+
+
+@needs_kernel
+def test_cached_attention_with_sinks_takes_the_kernel(monkeypatch):
+    """Sinks where the kernel fits: `cached_attention` never reaches the torch sink paths
+    (ops/sink_attention.py), in a prefill, decode steps and a verify step; each row matches the
+    float64 oracle with sinks and a window."""
+    from specdeploy.ops import sink_attention
+
+    def torch_path(*a):
+        raise AssertionError("the torch sink path ran")
+
+    monkeypatch.setattr(sink_attention, "cached_attention_sinks", torch_path)
+    g = torch.Generator().manual_seed(9)
+    hq, hkv, d, ps, window, n = 4, 2, 32, 4, 7, 14
+    q, k, v = (torch.randn(1, n, h, d, generator=g) for h in (hq, hkv, hkv))
+    sinks = torch.randn(hq, generator=g) * 2
+    kc, vc = torch.zeros(4, ps, hkv, d), torch.zeros(4, ps, hkv, d)
+    pages = [2, 0, 3, 1]
+    outs = []
+    for start, ln in [(0, 9), (9, 1), (10, 4)]:
+        meta = build_metadata([Segment([0] * ln, start, pages, 0, ln, SEG_EXTEND)])
+        outs.append(torch.ops.specdeploy.cached_attention(
+            q[:, start:start + ln], k[:, start:start + ln], v[:, start:start + ln], kc, vc,
+            meta.cu_seqlens, meta.cu_seqlens, meta.cache_lens, meta.cache_lens, meta.page_table,
+            d ** -0.5, window, sinks=sinks)[0])
+    want = _oracle(q[0], kc, vc, torch.tensor(pages), 0, d ** -0.5, window, sinks)
+    torch.testing.assert_close(torch.cat(outs).double(), want, rtol=0, atol=1e-5)
