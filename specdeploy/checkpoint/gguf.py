@@ -19,6 +19,7 @@ import torch
 
 from specdeploy.checkpoint import (
     gguf_glm4moe,
+    gguf_gpt_oss,
     gguf_granite,
     gguf_llama,
     gguf_mmproj,
@@ -37,7 +38,8 @@ _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 # general.architecture -> the module that maps it (config, names, values)
 _ARCHS = {"llama": gguf_llama, **{a: m for m in (gguf_qwen, gguf_nemotron_h, gguf_qwen3_5,
-                                                 gguf_glm4moe, gguf_granite, gguf_mmproj)
+                                                 gguf_glm4moe, gguf_granite, gguf_gpt_oss,
+                                                 gguf_mmproj)
                                    for a in m.ARCHS}}
 SUPPORTED_ARCHITECTURES = tuple(a for a in _ARCHS if a not in gguf_mmproj.ARCHS)  # (models)
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFReader", "hf_name", "read_header"]
@@ -191,7 +193,9 @@ class GGUFReader:
     def get(self, name: str) -> torch.Tensor:
         if name in self._joined:
             parts, dim = self._joined[name]
-            return torch.from_numpy(np.concatenate([self._hf_array(p) for p in parts], dim))
+            arrays = [self._hf_array(p) for p in parts]
+            join = getattr(self._arch, "join", None)  # (gpt-oss: interleaved, not concatenated)
+            return torch.from_numpy(join(name, arrays) if join else np.concatenate(arrays, dim))
         if name not in self._where:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")
         return torch.from_numpy(self._hf_array(self._where[name]))
@@ -223,6 +227,8 @@ class GGUFReader:
 
         if name in self._joined:
             parts, dim = self._joined[name]
+            if hasattr(self._arch, "join"):  # a layout whole block rows cannot express
+                return None
             ws = [self._blocks(p) for p in parts]
             if any(w is None for w in ws) or len({w.kind for w in ws}) != 1 or dim == len(
                     ws[0].shape) - 1:
