@@ -28,6 +28,8 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """blocks uint8 [..., G, 16], scales uint8 [..., G] -> fp32 [..., G * 32] (exact)."""
+    if blocks.dim() > 3:  # one expert at a time: the int64 codes of all would be 8 bytes each
+        return torch.stack([dequantize_mxfp4(b, s) for b, s in zip(blocks, scales)])
     table = torch.tensor(E2M1, dtype=torch.float32)
     codes = torch.stack((blocks & 0x0F, blocks >> 4), -1).flatten(-2).long()  # [..., G, 32]
     exp = scales.to(torch.int32) - 127
