@@ -86,28 +86,33 @@ def _paged(hq=4, hkv=2, d=8, lengths=(11, 5), page_size=3, seed=0):
     return kc, vc, pages, seqs
 
 
-def _step(kc, vc, pages, seqs, segs, scale, window, sinks):
-    """segs: [(seq, start, n)] -> the op's output per segment."""
+def _step(kc, vc, pages, seqs, segs, scale, window, sinks, torch_paths=False):
+    """segs: [(seq, start, n)] -> the op's output per segment; `torch_paths`: the torch sink
+    paths themselves (on the CPU the op takes the C row kernel where it fits)."""
     meta = build_metadata([Segment([0] * n, a, pages[i], 0) for i, a, n in segs])
     flat = [torch.cat([x[:, a:a + n] for i, a, n in segs for x in [seqs[i][j]]], 1)
             for j in range(3)]
-    y = ops.cached_attention(*flat, kc, vc, meta.cu_seqlens, meta.cu_seqlens, meta.cache_lens,
-                             meta.cache_lens, meta.page_table, scale, window, sinks=sinks)
+    args = (*flat, kc, vc, meta.cu_seqlens, meta.cu_seqlens, meta.cache_lens, meta.cache_lens,
+            meta.page_table, scale, window)
+    y = (sink_attention.cached_attention_sinks(*args, None, sinks) if torch_paths
+         else ops.cached_attention(*args, sinks=sinks))
     return [y[:, meta.cu_seqlens[s]:meta.cu_seqlens[s + 1]] for s in range(len(segs))]
 
 
+@pytest.mark.parametrize("torch_paths", (False, True), ids=("op", "torch_paths"))
 @pytest.mark.parametrize("window", (0, 4))
-def test_verify_rows_are_the_decode_rows_bit_for_bit(window):
+def test_verify_rows_are_the_decode_rows_bit_for_bit(window, torch_paths):
     """A 4-row segment (a verify step) gives each row the bits plain decoding gives it alone:
     lossless greedy speculation rests on it."""
     sinks, scale = torch.randn(4), 8**-0.5
     kc, vc, pages, seqs = _paged(lengths=(11, 7))
-    _step(kc, vc, pages, seqs, [(0, 0, 7), (1, 0, 3)], scale, window, sinks)
-    verify = _step(kc, vc, pages, seqs, [(0, 7, 4), (1, 3, 4)], scale, window, sinks)
+    _step(kc, vc, pages, seqs, [(0, 0, 7), (1, 0, 3)], scale, window, sinks, torch_paths)
+    verify = _step(kc, vc, pages, seqs, [(0, 7, 4), (1, 3, 4)], scale, window, sinks,
+                   torch_paths)
     decode = [[], []]
     for j in range(4):
         for s, y in enumerate(_step(kc, vc, pages, seqs, [(0, 7 + j, 1), (1, 3 + j, 1)], scale,
-                                    window, sinks)):
+                                    window, sinks, torch_paths)):
             decode[s].append(y)
     for s in range(2):
         assert torch.equal(verify[s], torch.cat(decode[s], 1))
@@ -131,10 +136,21 @@ def test_batched_path_matches_ref(n):
         _close(got[s * n:(s + 1) * n], want)
 
 
-def test_sinks_of_the_wrong_size_are_refused():
+@pytest.mark.parametrize("torch_paths", (False, True), ids=("op", "torch_paths"))
+def test_sinks_of_the_wrong_size_are_refused(torch_paths):
     kc, vc, pages, seqs = _paged()
     with pytest.raises(ValueError, match="one per query head"):
-        _step(kc, vc, pages, seqs, [(0, 0, 3)], 0.3, 0, torch.randn(3))
+        _step(kc, vc, pages, seqs, [(0, 0, 3)], 0.3, 0, torch.randn(3), torch_paths)
+
+
+def test_torch_paths_prefill_chunks_match_ref():
+    """Segments longer than the per-row limit (prefill chunks: one masked SDPA each)."""
+    sinks, scale, window = torch.randn(4), 8**-0.5, 6
+    kc, vc, pages, seqs = _paged(lengths=(40, 25))
+    first = _step(kc, vc, pages, seqs, [(0, 0, 30), (1, 0, 25)], scale, window, sinks, True)
+    rest = _step(kc, vc, pages, seqs, [(0, 30, 10)], scale, window, sinks, True)
+    _close(torch.cat((first[0], rest[0]), 1), attention_ref(*seqs[0], scale, window, sinks))
+    _close(first[1], attention_ref(*seqs[1], scale, window, sinks))
 
 
 # ---- experts with biases, gpt-oss's clamped SwiGLU ------------------------------------------
