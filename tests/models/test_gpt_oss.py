@@ -68,6 +68,38 @@ def test_sinks_and_windows_change_the_logits(tiny):
         assert _err(full(input_ids=ids).logits, want) > 100 * RTOL
 
 
+# gpt-oss-20b's config.json as released (v4 style: `rope_scaling`, `rope_theta` at the top)
+RELEASED_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+    "initial_context_length": 4096, "intermediate_size": 2880, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+    "pad_token_id": 199999, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "rope_type": "yarn",
+                     "original_max_position_embeddings": 4096, "truncate": False},
+    "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+    "vocab_size": 201088}
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_released_config_and_its_yarn_equal_transformers(truncate):
+    """The released config read as transformers reads it; YaRN's inverse frequencies bit-equal
+    to transformers' and its attention factor equal (truncate: the releases' False, and True)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    hf = {**RELEASED_20B, "rope_scaling": {**RELEASED_20B["rope_scaling"], "truncate": truncate}}
+    ref = transformers.GptOssConfig(**{k: v for k, v in hf.items()
+                                       if k not in ("architectures", "model_type")})
+    cfg = gpt_oss.Config.from_hf(hf)
+    assert cfg.windows == tuple(128 if t == "sliding_attention" else 0 for t in ref.layer_types)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.swiglu_limit, cfg.qkv_bias or
+            cfg.attention_bias) == (32, 4, 7.0, True)
+    rotary = GptOssRotaryEmbedding(ref)
+    assert torch.equal(cfg.yarn.inv_freq(64), rotary.inv_freq)
+    assert cfg.yarn.scaling == rotary.attention_scaling
+
+
 def test_a_checkpoint_transformers_wrote(tmp_path):
     """Random weights through transformers' own `save_pretrained` (its layout, its names)."""
     cfg = transformers.GptOssConfig(**{k: v for k, v in gpt_oss.tiny_hf_config().items()
