@@ -23,6 +23,7 @@ from specdeploy.checkpoint import (
     gguf_granite,
     gguf_llama,
     gguf_mmproj,
+    gguf_mxfp4,
     gguf_nemotron_h,
     gguf_qwen,
     gguf_qwen3_5,
@@ -227,8 +228,10 @@ class GGUFReader:
 
         if name in self._joined:
             parts, dim = self._joined[name]
-            if hasattr(self._arch, "join"):  # a layout whole block rows cannot express
-                return None
+            if hasattr(self._arch, "join"):  # a layout whole block rows may not express
+                dim = getattr(self._arch, "BLOCKS_JOIN_DIM", None)
+                if dim is None:
+                    return None
             ws = [self._blocks(p) for p in parts]
             if any(w is None for w in ws) or len({w.kind for w in ws}) != 1 or dim == len(
                     ws[0].shape) - 1:
@@ -242,11 +245,16 @@ class GGUFReader:
         from specdeploy.ops.ggml_linear import make_weight
 
         info = self.tensor_infos.get(gguf_name)
-        kind = _BLOCK_KINDS.get(info.ggml_type) if info else None
+        mxfp4 = info is not None and info.ggml_type == gguf_mxfp4.MXFP4_TYPE
+        kind = "q8_0" if mxfp4 else _BLOCK_KINDS.get(info.ggml_type) if info else None
         if kind is None or len(info.shape) not in (2, 3):
             return None
         raw = np.asarray(self._data[info.offset:info.offset + info.nbytes]).reshape(
             *info.shape[:-1], -1)
+        if mxfp4:  # as Q8_0 blocks of the same values (checkpoint/gguf_mxfp4.py), or values
+            raw = gguf_mxfp4.mxfp4_to_q8_0(raw)
+            if raw is None:
+                return None
         raw = self._unpermute(info.name, raw)
         blocks_hf = getattr(self._arch, "blocks_hf", None)
         cols = None

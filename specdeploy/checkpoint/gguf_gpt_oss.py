@@ -5,7 +5,9 @@ the experts stacked with gate and up apart: `ffn_{gate,up}_exps.{weight,bias}` [
 [E, I] (the even / odd columns of transformers' interleaved `gate_up_proj`), `ffn_down_exps`
 [E, H, I]. The released MXFP4 experts stay MXFP4 there (ggml type 39: per 32 values one E8M0
 byte e and 16 bytes, byte j holding element j (low nibble) and j + 16, values ±{0, 1, 2, 3, 4,
-6, 8, 12} x 2^(e - 128), E2M1 doubled); gguf-py dequantizes them exactly (what `get` returns).
+6, 8, 12} x 2^(e - 128), E2M1 doubled); gguf-py dequantizes them exactly (what `get` returns),
+and `get_blocks` gives them as Q8_0 blocks of the same values (checkpoint/gguf_mxfp4.py) for the
+integer-dot kernels (deploy/passes/ggml_experts.py).
 
 Not in the file, so taken as the releases have them: the clamped SwiGLU's alpha 1.702 and limit
 7 (llama.cpp hard-codes both), YaRN's `truncate: false` (every gpt-oss config; NOTE: llama.cpp's
@@ -119,6 +121,6 @@ def to_hf(gguf_name: str, a, cfg: dict):
     return a
 
 
-def blocks_hf(gguf_name: str, raw, cfg: dict):
-    """No block kernels for the experts (their op computes in fp32 from the values)."""
-    return None if "_exps." in gguf_name else raw
+# The experts' blocks: stored [E, N, K] as the module's parameters are (gate_up_proj [E, 2I, H]
+# gate rows first: the gate and up tensors' rows joined on dim 1; down_proj [E, H, I]).
+BLOCKS_JOIN_DIM = 1

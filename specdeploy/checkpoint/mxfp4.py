@@ -9,7 +9,9 @@ per 32 elements: w = e2m1 * 2^(scale - 127). The matrix is stored [E, N, K] (out
 kinds of checkpoint alike. Everything else (attention, router, embeddings, head: the config's
 `modules_to_not_convert`) is stored unquantized and reads as it is.
 
-Why dequantize rather than keep the blocks: no kernel here computes with MXFP4, and the
+`get_blocks(X)` gives the same values as Q8_0 blocks (exact: checkpoint/gguf_mxfp4.py), which
+the CPU's integer-dot kernels run (deploy/passes/ggml_experts.py; their fp32 copy is then never
+resident). Why values elsewhere rather than MXFP4 itself: no kernel here computes with it, and the
 dequantized value is exact: an E2M1 value has at most two significant bits and 2^(s-127) is a
 power of two within fp32's and bf16's exponent range, so fp32 and bf16 weights hold exactly the
 numbers the released checkpoint means (no re-quantization, no rounding). The price is memory:
@@ -60,6 +62,30 @@ class Mxfp4Reader:
     def get(self, name: str) -> torch.Tensor:
         if name in self._r or name + "_blocks" not in self._r:
             return self._r.get(name)
+        return dequantize_mxfp4(*self._packed(name)).transpose(1, 2).contiguous()
+
+    def get_blocks(self, name: str):
+        """The expert matrix `name` as the family's parameter holds it ([E, N, K]; gate_up_proj
+        de-interleaved: gate rows first) in Q8_0 blocks of exactly its values (checkpoint/
+        gguf_mxfp4.py), for the CPU's integer-dot kernels (deploy/passes/ggml_experts.py); None
+        for other tensors, or where a block's scale has no fp16 form (the values are read)."""
+        from specdeploy.checkpoint.gguf_mxfp4 import e2m1_to_q8_0
+        from specdeploy.ops.ggml_linear import make_weight
+
+        if name in self._r or name + "_blocks" not in self._r:
+            return None
+        blocks, scales = self._packed(name)
+        e, n, g, _ = blocks.shape
+        codes = torch.stack((blocks & 0x0F, blocks >> 4), -1).view(e, n, g, 32)  # element order
+        if name.endswith("gate_up_proj"):  # rows: gate at the even ones, up at the odd ones
+            codes = torch.cat((codes[:, 0::2], codes[:, 1::2]), 1)
+            scales = torch.cat((scales[:, 0::2], scales[:, 1::2]), 1)
+        raw = e2m1_to_q8_0(codes.numpy(), scales.numpy())
+        if raw is None:
+            return None
+        return make_weight("q8_0", torch.from_numpy(raw), (e, n, g * 32))
+
+    def _packed(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if name + "_scales" not in self._r:
             raise CheckpointError(f"{self.path}: {name}_blocks has no {name}_scales (MXFP4 "
                                   "needs both)")
@@ -74,4 +100,4 @@ class Mxfp4Reader:
                                   f"{list(scales.shape)}")
         if bool((scales == 255).any()):  # E8M0's NaN
             raise CheckpointError(f"{self.path}: {name}_scales holds 255 (NaN in E8M0)")
-        return dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
+        return blocks, scales

@@ -172,10 +172,11 @@ ExpertLinear = Callable[[int, str, torch.Tensor], torch.Tensor]
 
 
 def moe_experts_loop(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                     num_experts: int, linear: ExpertLinear, activation: str) -> torch.Tensor:
+                     num_experts: int, linear: ExpertLinear, activation) -> torch.Tensor:
     """x [T, H], topk_ids / topk_weights [T, k] -> [T, H] (x's dtype): the tokens grouped per
     expert, and each expert that received some runs its up and down matrices through
-    `linear(e, which, rows)` (fp32 GEMMs here; GGUF blocks in deploy/passes/ggml_experts.py).
+    `linear(e, which, rows)` (fp32 GEMMs here; GGUF blocks in deploy/passes/ggml_experts.py);
+    `activation`: a name (`expert_activation`) or a callable on the up projection's rows.
     NOTE: one host sync for the per-expert counts; a CUDA grouped-GEMM kernel would avoid it."""
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
@@ -190,7 +191,8 @@ def moe_experts_loop(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         if n == 0:
             continue
         rows = slice(start, start + n)
-        h = expert_activation(linear(e, "up", xs[rows]), activation)
+        up = linear(e, "up", xs[rows])
+        h = activation(up) if callable(activation) else expert_activation(up, activation)
         out.index_add_(0, token_of[rows], linear(e, "down", h) * weight_of[rows, None])
         start += n
     return out.to(x.dtype)

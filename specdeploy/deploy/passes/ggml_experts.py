@@ -38,6 +38,7 @@ from specdeploy.ops.ggml_linear import (
 from specdeploy.ops.moe import moe_experts_loop
 
 _MOE = torch.ops.specdeploy.moe_experts.default
+_MOE_BIAS = torch.ops.specdeploy.moe_experts_bias.default
 
 
 def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | None):
@@ -69,6 +70,54 @@ def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | Non
     return experts_on_blocks
 
 
+def experts_bias_fn(up: GGMLWeight, b_up: torch.Tensor, down: GGMLWeight, b_down: torch.Tensor,
+                    activation: str, alpha: float, limit: float, isa: str | None):
+    """`moe_experts_bias` (gpt-oss: biases, the clamped SwiGLU) on `up` / `down`'s blocks:
+    (x, topk_ids, topk_weights) -> the routed experts' sum. Each chosen expert's rows through
+    its two matrices (the integer-dot kernel with "fast", the fp32 block kernel or a dequantized
+    GEMM with "exact"), its biases added to their rows; the rows of a token are computed alone
+    by those kernels and summed per token in expert order, so a verify row is a decode row's
+    bits."""
+    from specdeploy.ops.moe_bias import ACTIVATIONS, clamped_swiglu
+
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe_experts_bias: activation {activation!r} not in {ACTIVATIONS}")
+    mats = {"up": [expert(up, e) for e in range(up.shape[0])],
+            "down": [expert(down, e) for e in range(down.shape[0])]}
+    biases = {"up": b_up.detach().float().contiguous(),
+              "down": b_down.detach().float().contiguous()}
+    bound: dict[tuple[int, str], object] = {}
+
+    def linear(e: int, which: str, x: torch.Tensor) -> torch.Tensor:
+        w, b = mats[which][e], biases[which][e]
+        if isa is not None:
+            fn = bound.get((e, which))
+            if fn is None:  # NOTE: bound once per expert matrix, on first use
+                fn = bound[(e, which)] = ggml_int.bound_linear(w, b, isa)
+            return fn(x.contiguous())
+        y = ggml_linear(x.contiguous(), w) if x.shape[0] <= MAX_ROWS else dequant_linear(
+            x, w, None)
+        return y + b
+
+    def act(h: torch.Tensor) -> torch.Tensor:
+        return clamped_swiglu(h, alpha, limit)
+
+    def experts_bias_on_blocks(x: torch.Tensor, topk_ids: torch.Tensor,
+                               topk_weights: torch.Tensor) -> torch.Tensor:
+        return moe_experts_loop(x, topk_ids, topk_weights, up.shape[0], linear, act)
+
+    return experts_bias_on_blocks
+
+
+def _stacked_blocks(gm, stacked, args) -> list:
+    out = []
+    for arg in args:
+        w = attr_tensor(gm, arg)
+        key = None if w is None else (w.data_ptr(), tuple(w.shape), w.stride())
+        out.append(stacked.get(key) if w is not None and w.dtype == torch.float32 else None)
+    return out
+
+
 @register("ggml_moe_experts", Stage.OPTIMIZE, skip_if=_not_here)
 def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     weights = _weight_map(ctx) if ctx.model is not None else {}
@@ -81,18 +130,23 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
     isa, note = _fast_isa(ctx.kernels)
     n, stored, attrs, one_call = 0, 0, set(), 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not _MOE:
+        if node.op != "call_function" or node.target not in (_MOE, _MOE_BIAS):
             continue
-        x, ids, wts, w_up, w_down, activation = node.args
-        blocks = []
-        for arg in (w_up, w_down):
-            w = attr_tensor(gm, arg)
-            key = None if w is None else (w.data_ptr(), tuple(w.shape), w.stride())
-            blocks.append(stacked.get(key) if w is not None and w.dtype == torch.float32
-                          else None)
+        if node.target is _MOE:
+            x, ids, wts, w_up, w_down, activation = node.args
+        else:
+            x, ids, wts, w_up, b_up, w_down, b_down, activation, alpha, limit = node.args
+            bias = [attr_tensor(gm, b) for b in (b_up, b_down)]
+            if any(b is None for b in bias):
+                continue
+        blocks = _stacked_blocks(gm, stacked, (w_up, w_down))
         if None in blocks:
             continue
-        fn = experts_fn(*blocks, activation, isa)
+        if node.target is _MOE:
+            fn = experts_fn(*blocks, activation, isa)
+        else:
+            fn = experts_bias_fn(blocks[0], bias[0], blocks[1], bias[1], activation, alpha,
+                                 limit, isa)
         one_call += fn.__name__ == "experts_one_call"
         with gm.graph.inserting_before(node):
             out = gm.graph.call_function(fn, (x, ids, wts))
@@ -102,7 +156,7 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
         attrs |= {w_up.target, w_down.target}
         n, stored = n + 1, stored + sum(b.blocks.nbytes for b in blocks)
     if not n:
-        return Skipped("no moe_experts reads weights with blocks")
+        return Skipped("no moe_experts / moe_experts_bias reads weights with blocks")
     freed = drop_unread_params(gm, attrs)
     calls = f", {one_call} of them one C call each" if one_call else ""
     return Done(n, f"{n} expert groups on {stored / 2**20:.1f} MiB of blocks ({note}{calls}); "
