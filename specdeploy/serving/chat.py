@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from specdeploy.chat_template import RESERVED, chat_ids
+from specdeploy.serving import harmony
 from specdeploy.serving import tools as tools_mod
 from specdeploy.serving.errors import APIError, bad
 from specdeploy.serving.fields import check_fields
@@ -206,15 +207,21 @@ def parse_chat(body: dict, tokenizer, limits: Limits) -> GenerationRequest:
         params = _held_to_tools(params, tool_plan, limits)
     n = len(params)
     include = _bool(body, "include_reasoning", True)
+    harmony_parsed = limits.reasoning_parser == "openai_gptoss" or (
+        tool_plan is not None and tool_plan.kind == "auto" and tool_plan.parser == "openai")
+    if harmony_parsed and params[0].skip_special_tokens:
+        raise bad("skip_special_tokens", "must be false with the openai_gptoss / openai "
+                  "parsers: they read harmony's special tokens in the reply", "invalid_value")
+    head = harmony.prompt_head(tokenizer, ids) if harmony_parsed else None
     reasoning = None
     if limits.reasoning_parser is not None:
         inside = prompt_opens_thinking(tokenizer, ids)
         force = forces_content(body.get("chat_template_kwargs"))
-        reasoning = [Reasoning(limits.reasoning_parser, inside, include, force)
+        reasoning = [Reasoning(limits.reasoning_parser, inside, include, force, head)
                      for _ in range(n)]
     tools = None
     if tool_plan is not None and tool_plan.kind != "none":
-        tools = [tools_mod.ToolReply(tool_plan) for _ in range(n)]
+        tools = [tools_mod.ToolReply(tool_plan, head) for _ in range(n)]
     if stream and params[0].prompt_logprobs is not None:
         raise bad("prompt_logprobs", "the prompt's logprobs are not streamed; send the request "
                   "without stream", "unsupported")

@@ -22,6 +22,9 @@ rest to `content`, in whole responses and in streamed deltas alike.
 - `glm45` (GLM-4.5 / 4.6 / 4.7): `qwen3`'s split. GLM's template closes an empty block itself
   when thinking is off, and the reply opens `<think>` when it thinks.
 
+- `openai_gptoss` (gpt-oss, OpenAI's harmony format): the `analysis` channel's messages are the
+  reasoning, the `final` channel's (and preambles) the content (serving/harmony.py).
+
 A stream holds back what could still become a tag (a `<thi` at the start, a `</th` at the end
 of the reasoning), so the concatenated deltas always equal the whole response's fields.
 """
@@ -29,7 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARSERS = ("deepseek_r1", "qwen3", "nemotron_v3", "glm45")
+from specdeploy.serving import harmony
+
+PARSERS = ("deepseek_r1", "qwen3", "nemotron_v3", "glm45", "openai_gptoss")
 QWEN3_LIKE = ("qwen3", "nemotron_v3", "glm45")  # a <tool_call> ends the thinking
 START, END = "<think>", "</think>"
 TOOL = "<tool_call>"  # qwen3: Qwen3.5 may call a tool from inside its thinking
@@ -51,12 +56,14 @@ class Reasoning:
     """One choice's split. `inside`: the prompt opened the thinking block (or the parser
     assumes it); `include`: the request's `include_reasoning` (False: reasoning dropped);
     `force_content`: nemotron_v3 gives an empty-content reply's reasoning as its content
-    (`forces_content` of the request's chat_template_kwargs)."""
+    (`forces_content` of the request's chat_template_kwargs); `head`: openai_gptoss, the
+    message the prompt leaves open (harmony.prompt_head)."""
 
     parser: str
     inside: bool = False
     include: bool = True
     force_content: bool = False
+    head: str | None = None
     _sent_r: int = 0
     _sent_c: int = 0
     _forced: bool = False
@@ -75,6 +82,8 @@ class Reasoning:
         return r, c
 
     def _split(self, text: str, final: bool) -> tuple[str | None, str | None]:
+        if self.parser == "openai_gptoss":
+            return harmony.split(text, final, self.head)
         thinking = self.parser == "deepseek_r1" or self.inside
         if text.startswith(START):
             thinking, text = True, text[len(START):]

@@ -36,7 +36,8 @@ def _parsed_delta(req: P.GenerationRequest, i: int, text: str, final: bool,
         if req.tools is None:
             return fields
         fields.pop("content", None)
-        text = req.reasoning[i].split(text, final)[1] or ""
+        if not req.tools[i].reads_messages:  # (harmony's parser reads the channels itself)
+            text = req.reasoning[i].split(text, final)[1] or ""
     fields.update(req.tools[i].delta(text, final, finish_reason))
     return fields
 

@@ -35,7 +35,8 @@ def response_body(req: GenerationRequest, rid: str, created: int, texts: list[st
             if req.reasoning is not None:  # serving/reasoning.py
                 message.update(req.reasoning[i].message(t))
             if req.tools is not None:  # serving/tools.py: on what is content
-                fields, r = req.tools[i].message(message["content"] or "", r)
+                reply = t if req.tools[i].reads_messages else message["content"] or ""
+                fields, r = req.tools[i].message(reply, r)
                 message.update(fields)
             choices.append({"index": i, "message": message, "logprobs": lp,
                             "finish_reason": r})

@@ -283,7 +283,7 @@ def output_items(req, ids: dict, text: str, lp: dict | None, reason: str | None 
                  ) -> list:
     """The whole reply as items: its reasoning (with a parser), its message (unless it is
     all calls) and its function calls (with tools: serving/tools.py's parse)."""
-    items = []
+    items, whole = [], text
     if req.reasoning is not None:
         fields = req.reasoning[0].message(text)
         if fields.get("reasoning"):
@@ -291,7 +291,8 @@ def output_items(req, ids: dict, text: str, lp: dict | None, reason: str | None 
         text = fields.get("content") or ""
     calls = []
     if req.tools is not None:
-        fields, _ = req.tools[0].message(text, reason)
+        fields, _ = req.tools[0].message(whole if req.tools[0].reads_messages else text,
+                                         reason)
         text, calls = fields.get("content") or "", fields.get("tool_calls") or []
     if text or not calls:
         items.append(message_item(ids, text, _logprobs(lp)))

@@ -8,7 +8,8 @@
   `NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...` (P = "glm45" / "glm47": GLM-4.5 /
   4.6 write a newline after the name and each tag, 4.7 none; values typed as the XML's); they are
   parsed out of the reply into `tool_calls`, `finish_reason` "tool_calls", `content` the text
-  before the first block.
+  before the first block. P = "openai" (gpt-oss): harmony messages addressed
+  `to=functions.NAME` are the calls, the `final` channel the content (serving/harmony.py).
 - `tool_choice: {"type": "function", "function": {"name": F}}`: the reply is F's arguments,
   held to F's `parameters` schema by structured output (engine/grammar.py); one call to F.
 - `tool_choice: "required"`: the reply is a JSON array of `{"name", "parameters"}` objects, one
@@ -28,12 +29,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdeploy.serving import harmony
 from specdeploy.serving.errors import bad
 from specdeploy.serving.reasoning import held as _held
 
 # "hermes": JSON in the block (Qwen2.5 / Qwen3); "qwen3_coder" (= "qwen3_xml"): XML in the
 # block, `<function=NAME><parameter=KEY>VALUE</parameter></function>` (Qwen3-Coder, Qwen3.5)
-PARSERS = ("hermes", "qwen3_coder", "qwen3_xml", "glm45", "glm47")
+PARSERS = ("hermes", "qwen3_coder", "qwen3_xml", "glm45", "glm47", "openai")
 START, END = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
 
@@ -238,7 +240,9 @@ def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]]:
 def parse_calls(parser: str, text: str, tools: list) -> tuple[str | None, list[tuple[str, str]]]:
     """(content, [(name, arguments)]) of a whole reply: the calls of its complete blocks, the
     text before the first as content; a reply with none, or with a block that does not parse
-    or never closes, is all content."""
+    or never closes, is all content ("openai": harmony.calls)."""
+    if parser == "openai":
+        return harmony.calls(text, True)
     calls, pos = [], 0
     first = text.find(START)
     if first < 0:
@@ -261,13 +265,26 @@ class ToolReply:
     """One choice's reply under a tool plan: its whole message, or its stream's deltas."""
 
     plan: ToolPlan
+    head: str | None = None  # "openai": the message the prompt leaves open (harmony.py)
     _sent: int = 0  # characters of the reply handled (sent as text, or parsed as calls)
     _calls: int = 0
     _started: bool = False  # the first block has begun: no more text but failed blocks
 
+    @property
+    def reads_messages(self) -> bool:
+        """The parser takes the whole reply (harmony's channels), not the reasoning parser's
+        content."""
+        return self.plan.kind == "auto" and self.plan.parser == "openai"
+
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(message fields, finish_reason) of the whole reply."""
         kind = self.plan.kind
+        if self.reads_messages:
+            content, calls = harmony.calls(text, True, self.head)
+            msg = {"content": content or None}
+            if calls:
+                msg["tool_calls"] = [tool_call(n, a) for n, a in calls]
+            return msg, ("tool_calls" if calls and finish_reason == "stop" else finish_reason)
         if kind == "auto":
             content, calls = parse_calls(self.plan.parser, text, self.plan.tools)
             if calls:
@@ -300,6 +317,14 @@ class ToolReply:
             msg, _ = self.message(text, finish_reason)
             return self._calls_delta(msg.get("tool_calls") or []) if "tool_calls" in msg \
                 else ({"content": text} if text else {})
+        if self.reads_messages:
+            content, calls = harmony.calls(text, final, self.head)
+            out = {"content": content[self._sent:]} if content and len(content) > self._sent \
+                else {}
+            self._sent = max(self._sent, len(content or ""))
+            if len(calls) > self._calls:
+                out.update(self._calls_delta([tool_call(*c) for c in calls[self._calls:]]))
+            return out
         out: dict = {}
         calls = []
         if not self._started:  # text until the first block may begin
