@@ -8,6 +8,9 @@
  * an expert); each expert's rows through its up matrix, the activation (swiglu: silu(gate) * up
  * by row_kernels.c's silu_mul_rows, passed in as a pointer; relu2: max(h, 0)^2), its down
  * matrix; then out[t] = 0 + y_1 * w_1 + y_2 * w_2 + ... over t's pairs in that expert order.
+ * gpt-oss's experts (the *_ex entry points, ops/moe_bias.py): each up row plus its expert's up
+ * bias, row_kernels.c's clamped SwiGLU (passed in), each down row plus its down bias, one
+ * rounding each, as the per-expert loop's `y += b` (deploy/passes/ggml_experts.py).
  * Every row goes through the kernels alone (an output never depends on R or the threads), and
  * the sum per token takes a fixed order, so a token's output is the same bits whatever tokens
  * share the call: a verify step's rows equal the decode rows they replay.
@@ -18,7 +21,28 @@
 typedef void (*silu_mul_fn)(const float *x, int64_t rows, int64_t n, int64_t x_stride,
                             float *out, int threads);
 
-enum { ACT_SWIGLU = 0, ACT_RELU2 = 1 };
+typedef void (*swiglu_oai_fn)(const float *x, int64_t rows, int64_t n, int64_t x_stride,
+                              float alpha, float limit, float *out, int threads);
+
+enum { ACT_SWIGLU = 0, ACT_RELU2 = 1, ACT_SWIGLU_OAI = 2 };
+
+/* what gpt-oss's experts add (NULL for the others): biases b_up [E, N_up] and b_down [E, H]
+ * (either may be NULL), the clamped SwiGLU's kernel and constants */
+typedef struct {
+    const float *b_up, *b_down;
+    swiglu_oai_fn oai;
+    float alpha, limit;
+} extra_t;
+
+/* row[j] = row[j] + b[j]: one rounding, as torch's `y += b` */
+static void add_bias(float *row, const float *b, int n) {
+    for (int j = 0; j < n; j++) row[j] = row[j] + b[j];
+}
+
+/* -3 for an activation whose arguments are missing */
+static int check_act(int act, const extra_t *x) {
+    return act < 0 || act > ACT_SWIGLU_OAI || (act == ACT_SWIGLU_OAI && !(x && x->oai)) ? -3 : 0;
+}
 
 /* The P (token, slot) pairs sorted by expert, stably: expert e's are order[start[e] ..
  * start[e + 1]) (start: E + 1 zeros in), pos[p] = pair p's place; -1 without memory. */
@@ -42,8 +66,13 @@ static int sort_pairs(const int64_t *ids, size_t P, int E, size_t *start, size_t
 typedef int (*tiled_fn)(int kind, int isa, const float *x, int R, int K, const int64_t *start,
                         int E, const uint8_t *w, int64_t stride, int N, float *y, int nthreads);
 
-static void activate(const float *h, int N_up, int I, int act, silu_mul_fn silu_mul, float *o) {
-    if (act == ACT_SWIGLU) {
+/* pair row h (of expert e): its up bias added in place, then the activation into o */
+static void activate(float *h, int N_up, int I, int act, silu_mul_fn silu_mul,
+                     const extra_t *x, int64_t e, float *o) {
+    if (x && x->b_up) add_bias(h, x->b_up + e * N_up, N_up);
+    if (act == ACT_SWIGLU_OAI) {
+        x->oai(h, 1, I, N_up, x->alpha, x->limit, o, 1);
+    } else if (act == ACT_SWIGLU) {
         silu_mul(h, 1, I, N_up, o, 1);
     } else {
         for (int j = 0; j < I; j++) {
@@ -78,12 +107,12 @@ static void combine(const float *ydown, const size_t *order, const size_t *pos, 
  * (the tiled kernel: ~2x the per-output kernel's speed at decode sizes), the activation, the
  * down matrices likewise; the same sum per token as ggml_moe_int. up / down: E tiled copies,
  * `up_stride` / `down_stride` bytes apart. */
-int ggml_moe_tiled(int kind_up, int kind_down, int isa, const float *x, int T, int H,
-                   const int64_t *ids, const float *wts, int k, int E, const uint8_t *w_up,
-                   int64_t up_stride, int N_up, const uint8_t *w_down, int64_t down_stride,
-                   int I, int act, silu_mul_fn silu_mul, tiled_fn tiled, float *out,
-                   int nthreads) {
-    if (k < 1 || k > 64) return -3;
+static int moe_tiled(int kind_up, int kind_down, int isa, const float *x, int T, int H,
+                     const int64_t *ids, const float *wts, int k, int E, const uint8_t *w_up,
+                     int64_t up_stride, int N_up, const uint8_t *w_down, int64_t down_stride,
+                     int I, int act, silu_mul_fn silu_mul, const extra_t *ex, tiled_fn tiled,
+                     float *out, int nthreads) {
+    if (k < 1 || k > 64 || check_act(act, ex)) return -3;
     const size_t P = (size_t)T * k;
     for (size_t p = 0; p < P; p++)
         if (ids[p] < 0 || ids[p] >= E) return -3;
@@ -110,15 +139,38 @@ int ggml_moe_tiled(int kind_up, int kind_down, int isa, const float *x, int T, i
     for (int e = 0; e <= E; e++) bounds[e] = (int64_t)start[e];
     int rc = tiled(kind_up, isa, xg, (int)P, H, bounds, E, w_up, up_stride, N_up, hup, nthreads);
     for (size_t i = 0; i < P && !rc; i++)
-        activate(hup + i * N_up, N_up, I, act, silu_mul, hact + i * I);
+        activate(hup + i * N_up, N_up, I, act, silu_mul, ex, ids[order[i]], hact + i * I);
     if (!rc)
         rc = tiled(kind_down, isa, hact, (int)P, I, bounds, E, w_down, down_stride, H, ydown,
                    nthreads);
+    for (size_t i = 0; i < P && !rc && ex && ex->b_down; i++)
+        add_bias(ydown + i * H, ex->b_down + ids[order[i]] * H, H);
     free(bounds);
     if (!rc)
         for (int r = 0; r < T; r++) combine(ydown, order, pos, wts, k, H, r, out + (size_t)r * H);
     free(start), free(order), free(pos), free(fs);
     return rc;
+}
+
+int ggml_moe_tiled(int kind_up, int kind_down, int isa, const float *x, int T, int H,
+                   const int64_t *ids, const float *wts, int k, int E, const uint8_t *w_up,
+                   int64_t up_stride, int N_up, const uint8_t *w_down, int64_t down_stride,
+                   int I, int act, silu_mul_fn silu_mul, tiled_fn tiled, float *out,
+                   int nthreads) {
+    return moe_tiled(kind_up, kind_down, isa, x, T, H, ids, wts, k, E, w_up, up_stride, N_up,
+                     w_down, down_stride, I, act, silu_mul, NULL, tiled, out, nthreads);
+}
+
+/* ggml_moe_tiled with gpt-oss's biases and activation (act ACT_SWIGLU_OAI, `oai` non-NULL) */
+int ggml_moe_tiled_ex(int kind_up, int kind_down, int isa, const float *x, int T, int H,
+                      const int64_t *ids, const float *wts, int k, int E, const uint8_t *w_up,
+                      int64_t up_stride, int N_up, const uint8_t *w_down, int64_t down_stride,
+                      int I, int act, silu_mul_fn silu_mul, tiled_fn tiled, const float *b_up,
+                      const float *b_down, swiglu_oai_fn oai, float alpha, float limit,
+                      float *out, int nthreads) {
+    const extra_t ex = {b_up, b_down, oai, alpha, limit};
+    return moe_tiled(kind_up, kind_down, isa, x, T, H, ids, wts, k, E, w_up, up_stride, N_up,
+                     w_down, down_stride, I, act, silu_mul, &ex, tiled, out, nthreads);
 }
 
 /* this thread's contiguous slice of n outputs (multiples of 8, as ggml_linear_int) */
@@ -133,12 +185,12 @@ static void out_slice(int n, int t, int nt, int *n0, int *n1) {
  * N_up = I); w_down: E experts of H rows over I. out [T, H]. Returns 0; -1 without scratch
  * memory; -2 for an ISA this build / CPU cannot run; -3 for an expert id out of range or k
  * outside 1 .. 64 (out untouched in those cases). */
-int ggml_moe_int(int kind_up, int kind_down, int isa, const float *x, int T, int H,
-                 const int64_t *ids, const float *wts, int k, int E, const uint8_t *w_up,
-                 int64_t up_stride, int N_up, const uint8_t *w_down, int64_t down_stride, int I,
-                 int act, silu_mul_fn silu_mul, float *out, int nthreads) {
+static int moe_int(int kind_up, int kind_down, int isa, const float *x, int T, int H,
+                   const int64_t *ids, const float *wts, int k, int E, const uint8_t *w_up,
+                   int64_t up_stride, int N_up, const uint8_t *w_down, int64_t down_stride, int I,
+                   int act, silu_mul_fn silu_mul, const extra_t *ex, float *out, int nthreads) {
     if (!ggml_int_isa_supported(isa)) return -2;
-    if (k < 1 || k > 64) return -3;
+    if (k < 1 || k > 64 || check_act(act, ex)) return -3;
     const size_t P = (size_t)T * k;
     for (size_t p = 0; p < P; p++)
         if (ids[p] < 0 || ids[p] >= E) return -3;
@@ -194,7 +246,7 @@ int ggml_moe_int(int kind_up, int kind_down, int isa, const float *x, int T, int
 #pragma omp for schedule(static)
         for (long long i = 0; i < (long long)P; i++) {
             float *o = hact + (size_t)i * I;
-            activate(hup + (size_t)i * N_up, N_up, I, act, silu_mul, o);
+            activate(hup + (size_t)i * N_up, N_up, I, act, silu_mul, ex, ids[order[i]], o);
             quantize_rows(o, 1, I, qh + (size_t)i * I, dh + (size_t)i * nbi,
                           sh + (size_t)i * nbi);
         }
@@ -207,9 +259,33 @@ int ggml_moe_int(int kind_up, int kind_down, int isa, const float *x, int T, int
                      H, ydown + s0 * H);
         }
 #pragma omp barrier
+        if (ex && ex->b_down) {
+#pragma omp for schedule(static)
+            for (long long i = 0; i < (long long)P; i++)
+                add_bias(ydown + (size_t)i * H, ex->b_down + ids[order[i]] * H, H);
+        }
 #pragma omp for schedule(static)
         for (int r = 0; r < T; r++) combine(ydown, order, pos, wts, k, H, r, out + (size_t)r * H);
     }
     free(start), free(order), free(pos), free(qx), free(qa), free(fs);
     return 0;
+}
+
+int ggml_moe_int(int kind_up, int kind_down, int isa, const float *x, int T, int H,
+                 const int64_t *ids, const float *wts, int k, int E, const uint8_t *w_up,
+                 int64_t up_stride, int N_up, const uint8_t *w_down, int64_t down_stride, int I,
+                 int act, silu_mul_fn silu_mul, float *out, int nthreads) {
+    return moe_int(kind_up, kind_down, isa, x, T, H, ids, wts, k, E, w_up, up_stride, N_up,
+                   w_down, down_stride, I, act, silu_mul, NULL, out, nthreads);
+}
+
+/* ggml_moe_int with gpt-oss's biases and activation (act ACT_SWIGLU_OAI, `oai` non-NULL) */
+int ggml_moe_int_ex(int kind_up, int kind_down, int isa, const float *x, int T, int H,
+                    const int64_t *ids, const float *wts, int k, int E, const uint8_t *w_up,
+                    int64_t up_stride, int N_up, const uint8_t *w_down, int64_t down_stride,
+                    int I, int act, silu_mul_fn silu_mul, const float *b_up, const float *b_down,
+                    swiglu_oai_fn oai, float alpha, float limit, float *out, int nthreads) {
+    const extra_t ex = {b_up, b_down, oai, alpha, limit};
+    return moe_int(kind_up, kind_down, isa, x, T, H, ids, wts, k, E, w_up, up_stride, N_up,
+                   w_down, down_stride, I, act, silu_mul, &ex, out, nthreads);
 }

@@ -231,6 +231,69 @@ void silu_mul_rows(const float *x, int64_t rows, int64_t n, int64_t x_stride, fl
     (void)avx512;
 }
 
+/* gpt-oss's clamped SwiGLU (ops/moe_bias.py `clamped_swiglu`), in torch's order of operations:
+ * g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * (g * sigmoid(g * alpha)), the
+ * sigmoid as the elementwise op 0 below (e^-|z| only, so no overflow; exp_le0: relative error
+ * < 2e-7 against torch's libm-accurate sigmoid). NaN stays NaN through the clamps (compares
+ * that fail keep the value). Plain operations, selects only: the generic and the ISA clones give
+ * the same bits, wherever the element sits in the row. */
+#define SWIGLU_OAI_BODY                                                                        \
+    for (int64_t r = 0; r < rows; r++) {                                                       \
+        const float *gt = x + r * x_stride, *up = gt + n;                                      \
+        float *o = out + r * n;                                                                \
+        for (int64_t i = 0; i < n; i++) {                                                      \
+            const float g = gt[i] > limit ? limit : gt[i];                                     \
+            const float u0 = up[i] > limit ? limit : up[i];                                    \
+            const float u = u0 < -limit ? -limit : u0;                                         \
+            const float z = g * alpha, t = exp_le0(-fabsf(z));                                 \
+            const float s = (z >= 0.f ? 1.f : t) / (1.f + t);                                  \
+            o[i] = (u + 1.f) * (g * s);                                                        \
+        }                                                                                      \
+    }
+
+static void swiglu_oai_generic(const float *x, int64_t rows, int64_t n, int64_t x_stride,
+                               float alpha, float limit, float *out) {
+    SWIGLU_OAI_BODY
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static void swiglu_oai_avx2(const float *x, int64_t rows,
+                                                            int64_t n, int64_t x_stride,
+                                                            float alpha, float limit,
+                                                            float *out) {
+    SWIGLU_OAI_BODY
+}
+
+__attribute__((target("avx2,avx512f,avx512vl"))) static void swiglu_oai_avx512(
+    const float *x, int64_t rows, int64_t n, int64_t x_stride, float alpha, float limit,
+    float *out) {
+    SWIGLU_OAI_BODY
+}
+#endif
+
+/* out[r, i] = the clamped SwiGLU of x[r, i] (gate) and x[r, n + i] (up), i < n; rows
+ * `x_stride` apart; rows split across threads for big batches only (as silu_mul_rows). */
+void swiglu_oai_rows(const float *x, int64_t rows, int64_t n, int64_t x_stride, float alpha,
+                     float limit, float *out, int threads) {
+    const int avx2 = have_avx2(), avx512 = have_avx512();
+#pragma omp parallel for num_threads(threads) if (rows >= 64 && threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+#if defined(__x86_64__)
+        if (avx512) {
+            swiglu_oai_avx512(x + r * x_stride, 1, n, x_stride, alpha, limit, out + r * n);
+            continue;
+        }
+        if (avx2) {
+            swiglu_oai_avx2(x + r * x_stride, 1, n, x_stride, alpha, limit, out + r * n);
+            continue;
+        }
+#endif
+        swiglu_oai_generic(x + r * x_stride, 1, n, x_stride, alpha, limit, out + r * n);
+    }
+    (void)avx2;
+    (void)avx512;
+}
+
 /* e^x over the whole float range by the operations of exp_le0 (the range reduction, the same
  * polynomial), 2^k applied as two factors so that results down to the subnormals come out;
  * e^x rounds to 0 below about -103.9 (so e^-inf = 0), to inf above 88.72; NaN stays NaN */

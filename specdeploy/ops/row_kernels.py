@@ -35,6 +35,7 @@ def _library() -> ctypes.CDLL | None:
         "rope_rows": ([_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _I], None),
         "add_rms_norm_rows": ([_P, _P, _I64, _I64, _P, _F, _P, _P, _I], None),
         "silu_mul_rows": ([_P, _I64, _I64, _I64, _P, _I], None),
+        "swiglu_oai_rows": ([_P, _I64, _I64, _I64, _F, _F, _P, _I], None),
         "elementwise": ([_I, _P, _I64, _P, _I], None),
         "conv_step_rows": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I, _P, _P], None),
         "ssm_step_rows": ([_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P,
@@ -150,6 +151,22 @@ def silu_mul(x: torch.Tensor, n: int) -> torch.Tensor | None:
     out = torch.empty((*x.shape[:-1], n), dtype=_F32)
     _library().silu_mul_rows(x2.data_ptr(), rows, n, stride, out.data_ptr(),
                              torch.get_num_threads())
+    return out
+
+
+def swiglu_oai(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor | None:
+    """gpt-oss's clamped SwiGLU of h [..., 2n] (gate | up) -> [..., n] (ops/moe_bias.py
+    `clamped_swiglu`, within 1e-6 relative: the sigmoid's exp is row_kernels.c's), each element
+    by the same operations wherever it sits (batch-invariant); None when the kernel does not
+    take `h`."""
+    if not _usable(h) or h.shape[-1] % 2 or h.stride(-1) != 1:
+        return None
+    n = h.shape[-1] // 2
+    h2 = h.reshape(-1, h.shape[-1]).contiguous()
+    out = torch.empty((*h.shape[:-1], n), dtype=_F32)
+    if h2.numel():
+        _library().swiglu_oai_rows(h2.data_ptr(), h2.shape[0], n, h2.stride(0), alpha, limit,
+                                   out.data_ptr(), torch.get_num_threads())
     return out
 
 

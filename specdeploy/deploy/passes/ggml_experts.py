@@ -28,7 +28,7 @@ from specdeploy.deploy.graph import attr_tensor, drop_unread_params
 from specdeploy.deploy.passes.ggml_calls import MAX_ROWS, dequant_linear
 from specdeploy.deploy.passes.ggml_linears import _fast_isa, _not_here, _weight_map
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
-from specdeploy.ops import ggml_int, ggml_moe_int
+from specdeploy.ops import ggml_int, ggml_moe_int, row_kernels
 from specdeploy.ops.ggml_linear import (
     GGMLWeight,
     expert,
@@ -77,11 +77,19 @@ def experts_bias_fn(up: GGMLWeight, b_up: torch.Tensor, down: GGMLWeight, b_down
     its two matrices (the integer-dot kernel with "fast", the fp32 block kernel or a dequantized
     GEMM with "exact"), its biases added to their rows; the rows of a token are computed alone
     by those kernels and summed per token in expert order, so a verify row is a decode row's
-    bits."""
+    bits. With "fast" the whole layer is one C call where that is built (ops/ggml_moe_int.py);
+    the loop it replaces takes the same C activation, so the two differ only where the call
+    runs tiled copies of the blocks (another fp32 summation)."""
     from specdeploy.ops.moe_bias import ACTIVATIONS, clamped_swiglu
 
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe_experts_bias: activation {activation!r} not in {ACTIVATIONS}")
+    if isa is not None and ggml_moe_int.unavailable() is None:
+        try:
+            return ggml_moe_int.bound_experts(up, down, "swiglu_oai", isa, b_up=b_up,
+                                              b_down=b_down, alpha=alpha, limit=limit)
+        except ValueError:
+            pass  # shapes it does not take: the per-expert calls below
     mats = {"up": [expert(up, e) for e in range(up.shape[0])],
             "down": [expert(down, e) for e in range(down.shape[0])]}
     biases = {"up": b_up.detach().float().contiguous(),
@@ -100,7 +108,10 @@ def experts_bias_fn(up: GGMLWeight, b_up: torch.Tensor, down: GGMLWeight, b_down
         return y + b
 
     def act(h: torch.Tensor) -> torch.Tensor:
-        return clamped_swiglu(h, alpha, limit)
+        # "fast": the one call's activation (row_kernels.c: batch-invariant, within 1e-6 of
+        # torch's), where the row kernels are built
+        y = row_kernels.swiglu_oai(h, alpha, limit) if isa is not None else None
+        return clamped_swiglu(h, alpha, limit) if y is None else y
 
     def experts_bias_on_blocks(x: torch.Tensor, topk_ids: torch.Tensor,
                                topk_weights: torch.Tensor) -> torch.Tensor:
