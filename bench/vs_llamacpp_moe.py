@@ -1,6 +1,6 @@
 """specdeploy vs llama.cpp on hybrid GGUFs (NemotronH MoE, Qwen3.5-MoE; dense Qwen3.5 with
 `--archs qwen3_5`; Qwen3-Next with `--archs qwen3_next`; GLM-4.5 with `--archs glm4_moe`;
-Granite 4.0-H with `--archs granite_hybrid`;
+Granite 4.0-H with `--archs granite_hybrid`; gpt-oss (MXFP4 experts) with `--archs gpt_oss`;
 Qwen3 / Qwen2 / Qwen3-MoE with `--archs qwen3` / `qwen3_moe`), batch 1: prefill
 time and decode tokens/s on the same file, side by side in one run.
 
@@ -103,6 +103,10 @@ def checkpoint(arch: str, out: Path) -> Path:
 
 
 def _checkpoint(arch: str, out: Path) -> Path:
+    if arch == "gpt_oss":  # MXFP4 experts as released (bench/gpt_oss_mxfp4.py)
+        from bench.gpt_oss_mxfp4 import make_mxfp4
+
+        return make_mxfp4(out, seed=0)
     if arch == "qwen3_moe":
         from specdeploy.models import qwen3_moe
 
