@@ -16,6 +16,21 @@ from functools import lru_cache
 RESERVED = ("messages", "add_generation_prompt", "continue_final_message")
 
 
+class ChatTemplateError(ValueError):
+    """The template itself failed (it does not parse, or an expression in it raised), as
+    opposed to a conversation it refuses with raise_exception."""
+
+
+def _template_line(e: BaseException) -> int | None:
+    """The template line an error was raised at (jinja maps its frames to `<template>`)."""
+    line, tb = None, e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
 @lru_cache(maxsize=16)
 def compile_template(template: str):
     from jinja2 import nodes
@@ -61,8 +76,21 @@ def render(template: str, messages: list[dict], *, add_generation_prompt: bool =
         raise ValueError("continue_final_message: cannot be combined with "
                          "add_generation_prompt (the final message is continued, no new turn "
                          "is opened)")
-    text = compile_template(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, **(variables or {}))
+    from jinja2.exceptions import TemplateError, TemplateSyntaxError
+
+    try:
+        compiled = compile_template(template)
+    except TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the chat template does not parse: line {e.lineno}: "
+                                f"{e.message}") from None
+    try:
+        text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **(variables or {}))
+    except TemplateError:
+        raise  # the template's own raise_exception(...): its message names the problem
+    except Exception as e:  # e.g. a message field the template writes is missing or None
+        raise ChatTemplateError(f"the chat template failed at line {_template_line(e)}: "
+                                f"{type(e).__name__}: {e}") from None
     if not continue_final_message:
         return text
     final = messages[-1].get("content") if messages and isinstance(messages[-1], dict) else None

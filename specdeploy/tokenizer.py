@@ -45,6 +45,10 @@ _SPLITS = {
 _IGNORE_MERGES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
                   "midm-2.0", "lfm2", "jina-v5-nano", "glm4", "glm5")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+# OpenAI's harmony vocabulary (gpt-oss): <|return|> (the answer is done) and <|call|> (a tool
+# call waits for its result) end a reply; <|end|> only closes one of its messages (the analysis
+# before the final answer), so it never stops one (llama.cpp drops it from its EOG tokens too).
+_HARMONY_STOPS, _HARMONY_END, _HARMONY_MARK = ("<|return|>", "<|call|>"), "<|end|>", "<|channel|>"
 
 
 class Tokenizer:
@@ -137,8 +141,18 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     bos = gen.get("bos_token_id", mcfg.get("bos_token_id"))
     if bos is None and specials["bos_token"]:
         bos = backend.token_to_id(specials["bos_token"])
-    return Tokenizer(backend, bos_token_id=bos, eos_token_ids=eos, chat_template=template,
-                     special_tokens=specials)
+    return Tokenizer(backend, bos_token_id=bos, eos_token_ids=harmony_stops(backend, eos),
+                     chat_template=template, special_tokens=specials)
+
+
+def harmony_stops(backend, eos: list[int]) -> list[int]:
+    """`eos` with a harmony vocabulary's stops: its <|return|> and <|call|> in, <|end|> out
+    (whatever the checkpoint's files declare); other vocabularies' unchanged."""
+    stops = [backend.token_to_id(t) for t in _HARMONY_STOPS]
+    if None in stops or backend.token_to_id(_HARMONY_MARK) is None:
+        return eos
+    end = backend.token_to_id(_HARMONY_END)
+    return [i for i in eos if i != end] + stops
 
 
 def _read_json(f: Path) -> dict:
@@ -215,7 +229,7 @@ def _from_gguf(path: Path) -> Tokenizer:
                            md.get("tokenizer.ggml.eom_token_id")) if i is not None]
     specials = {"bos_token": bos, "eos_token": eos, "unk_token": tok("unknown_token_id")[1],
                 "pad_token": tok("padding_token_id")[1]}
-    return Tokenizer(backend, bos_token_id=bos_id, eos_token_ids=eos_ids,
+    return Tokenizer(backend, bos_token_id=bos_id, eos_token_ids=harmony_stops(backend, eos_ids),
                      chat_template=md.get("tokenizer.chat_template"), special_tokens=specials)
 
 
@@ -231,4 +245,5 @@ def eos_token_ids(tokenizer, hf_config: dict, path: Path) -> set[int]:
             ids.add(v)
         elif isinstance(v, (list, tuple)):
             ids.update(int(t) for t in v)
-    return ids
+    backend = getattr(tokenizer, "backend", None)
+    return ids if backend is None else set(harmony_stops(backend, sorted(ids)))

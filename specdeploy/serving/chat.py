@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-from specdeploy.chat_template import RESERVED, chat_ids
+from specdeploy.chat_template import RESERVED, ChatTemplateError, chat_ids
 from specdeploy.serving import harmony
 from specdeploy.serving import tools as tools_mod
 from specdeploy.serving.errors import APIError, bad
@@ -159,6 +159,9 @@ def render_messages(body: dict, tokenizer, limits: Limits,
         _check_chars(sum(_text_chars(m["content"]) for m in conversation), limits, "messages")
     try:
         ids = chat_ids(tokenizer, conversation, **options)
+    except ChatTemplateError as e:  # the template failed (the request's own, or the model's)
+        raise bad("chat_template" if options["chat_template"] is not None else "messages",
+                  str(e), "invalid_value") from None
     except Exception as e:  # the template may reject a conversation (roles, order)
         raise bad("messages", f"the chat template rejected the conversation: {e}",
                   "invalid_value") from None
