@@ -15,6 +15,7 @@ _FAMILIES = {
     "qwen3_next": "specdeploy.models.qwen3_next",
     "glm4_moe": "specdeploy.models.glm4_moe",
     "granite_hybrid": "specdeploy.models.granite_hybrid",
+    "phi3": "specdeploy.models.phi3",
     "gpt_oss": "specdeploy.models.gpt_oss",
 }
 _ARCH_TO_FAMILY = {
@@ -39,6 +40,8 @@ _ARCH_TO_FAMILY = {
     "Glm4MoeForCausalLM": "glm4_moe",
     # IBM Granite 4.0 (-H): Mamba2 (NemotronH's mixer) + attention (NoPE or RoPE) + MoE
     "GraniteMoeHybridForCausalLM": "granite_hybrid",
+    # Phi-3 / 3.5 / 4: Llama with fused qkv / gate_up tensors, partial RoPE, LongRoPE
+    "Phi3ForCausalLM": "phi3",
     # OpenAI gpt-oss: attention sinks, alternating sliding windows, YaRN, biased MoE (MXFP4)
     "GptOssForCausalLM": "gpt_oss",
 }
