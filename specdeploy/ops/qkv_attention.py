@@ -12,13 +12,15 @@ So it gives the unfused chain's bits exactly (sliding windows included); anythin
 dtypes or devices) runs that chain itself (`qkv_attention_ref`).
 Without RoPE (cos and sin None: NemotronH's attention layers) the q and k heads go to the
 cache writes and attention as they are (a copy where a verify step's rows lie apart).
+Attention sinks (gpt-oss: `sinks` [Hq]) go to the same C call as `cached_attention` gives them;
+where it does not fit, the chain runs `cached_attention` itself (its torch sink paths).
 """
 from __future__ import annotations
 
 import torch
 
 from specdeploy.ops import attention_rows, gpu_kernels, row_kernels
-from specdeploy.ops.cached_attention import cached_attention_impl
+from specdeploy.ops.cached_attention import cached_attention, cached_attention_impl
 from specdeploy.ops.rope import _rope_kernel
 
 __all__ = ["qkv_attention_ref"]
@@ -27,15 +29,19 @@ _I64, _F32 = torch.int64, torch.float32
 
 def qkv_attention_ref(qkv, cos, sin, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens,
                       cache_lens_host, page_table, scale, sliding_window, slot_mapping, hq, hkv,
-                      d):
+                      d, sinks=None):
     """The unfused chain: qkv [1, T, >= (Hq + Hkv) * D + Hkv * Dv] (q, k, v, maybe more) ->
-    [1, T, Hq, Dv], Dv the value cache's head size."""
+    [1, T, Hq, Dv], Dv the value cache's head size; sinks [Hq] or None."""
     t, kv0, dv = qkv.shape[1], (hq + hkv) * d, v_cache.shape[-1]
     q = qkv[..., :hq * d].view(1, t, hq, d)
     k = qkv[..., hq * d:kv0].view(1, t, hkv, d)
     v = qkv[..., kv0:kv0 + hkv * dv].view(1, t, hkv, dv)
     if cos is not None:
         q, k = _rope_kernel(q, cos, sin), _rope_kernel(k, cos, sin)
+    if sinks is not None:  # (the op's own choice of path for sinks)
+        return cached_attention(q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host,
+                                cache_lens, cache_lens_host, page_table, scale, sliding_window,
+                                slot_mapping, sinks)
     return cached_attention_impl(q, k, v,
                                  k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens,
                                  cache_lens_host, page_table, scale, sliding_window,
@@ -87,9 +93,9 @@ def _qkv_attention_kernel(qkv: torch.Tensor, cos: torch.Tensor | None,
                           cu_seqlens_host: torch.Tensor, cache_lens: torch.Tensor,
                           cache_lens_host: torch.Tensor, page_table: torch.Tensor, scale: float,
                           sliding_window: int, slot_mapping: torch.Tensor | None, hq: int,
-                          hkv: int, d: int) -> torch.Tensor:
-    # a uniform step (decode, verify) with RoPE: Triton (gpu_kernels)
-    if cos is not None and gpu_kernels.candidate(qkv):
+                          hkv: int, d: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    # a uniform step (decode, verify) with RoPE: Triton (gpu_kernels; no sinks there)
+    if cos is not None and sinks is None and gpu_kernels.candidate(qkv):
         out = gpu_kernels.qkv_attention(qkv, cos, sin, k_cache, v_cache, cu_seqlens_host,
                                         cache_lens_host, page_table, cache_lens, scale,
                                         sliding_window, slot_mapping, hq, hkv, d)
@@ -99,7 +105,7 @@ def _qkv_attention_kernel(qkv: torch.Tensor, cos: torch.Tensor | None,
                  slot_mapping, sliding_window, hq, hkv, d):
         return qkv_attention_ref(qkv, cos, sin, k_cache, v_cache, cu_seqlens, cu_seqlens_host,
                                  cache_lens, cache_lens_host, page_table, scale, sliding_window,
-                                 slot_mapping, hq, hkv, d)
+                                 slot_mapping, hq, hkv, d, sinks)
     t = qkv.shape[1]
     if cos is None:  # the q and k heads as they are: [T, Hq + Hkv, D] rows
         qk = qkv[0, :, :(hq + hkv) * d].contiguous().view(t, hq + hkv, d)
@@ -111,7 +117,7 @@ def _qkv_attention_kernel(qkv: torch.Tensor, cos: torch.Tensor | None,
                                          torch.get_num_threads())
     out = attention_rows.write_attend_rows(qk, qkv, (hq + hkv) * d, k_cache, v_cache,
                                            slot_mapping, cu_seqlens_host, cache_lens_host,
-                                           page_table, scale, sliding_window)
+                                           page_table, scale, sliding_window, sinks)
     return out[None]
 
 
@@ -121,5 +127,5 @@ qkv_attention = torch.library.custom_op("specdeploy::qkv_attention", _qkv_attent
 
 @qkv_attention.register_fake
 def _qkv_attention_fake(qkv, cos, sin, k_cache, v_cache, *args):
-    hq = args[-3]
+    hq = args[9]  # (after cu_seqlens ... slot_mapping)
     return qkv.new_empty(1, qkv.shape[1], hq, v_cache.shape[-1])

@@ -31,7 +31,9 @@ def _ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     return torch.cat((scales[..., None], qs), -1).flatten(-2).numpy()
 
 
-def write_gpt_oss_gguf(src: Path, out: Path) -> Path:
+def write_gpt_oss_gguf(src: Path, out: Path, q8_0: bool = False) -> Path:
+    """`src` in llama.cpp's converter layout; `q8_0`: its 2-D weights (attention, router, head,
+    embedding) as Q8_0 blocks, as `--outtype q8_0` writes them."""
     c = json.loads((src / "config.json").read_text())
     reader = open_checkpoint(src)  # the raw tensors (no dequantizing wrapper)
     n = c["num_hidden_layers"]
@@ -89,6 +91,10 @@ def write_gpt_oss_gguf(src: Path, out: Path) -> Path:
             key += ".weight"
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         assert name is not None, key
+        if q8_0 and a.dim() == 2 and a.shape[-1] % 32 == 0:
+            q = gguf.quants.quantize(a.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            continue
         w.add_tensor(name, a.float().contiguous().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()

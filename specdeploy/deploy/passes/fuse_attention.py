@@ -7,7 +7,8 @@ slices) and every intermediate node has no other reader:
 nine nodes a layer become one. The fused op gives the chain's bits exactly (its CPU decode /
 verify path runs the same C code; anything else runs the chain), so greedy speculation stays
 lossless and nothing else in the graph changes. Layers with q/k norms, gates or partial
-projections do not match and keep their chain.
+projections do not match and keep their chain. Attention sinks (gpt-oss; the 14th argument of
+`cached_attention`) go along as the fused op's last argument.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def _width(x: fx.Node, end: int) -> int | None:
 
 
 def _match(attn: fx.Node):
-    if len(attn.args) != 13 or attn.kwargs:
+    if len(attn.args) not in (13, 14) or attn.kwargs:
         return None
     q, k, v = attn.args[:3]
     rq, rk = _roped(q), _roped(k)
@@ -96,9 +97,10 @@ def fuse_rope_attention(gm: fx.GraphModule, ctx: DeployContext) -> Done:
         if found is None:
             continue
         x, cos, sin, hq, hkv, d, (q, k, v) = found
-        rest = attn.args[3:]
+        rest, sinks = attn.args[3:13], attn.args[13:]  # sinks: () or (node or None,)
+        sinks = sinks if sinks and sinks[0] is not None else ()
         with gm.graph.inserting_before(attn):
-            fused = gm.graph.call_function(_FUSED, (x, cos, sin, *rest, hq, hkv, d))
+            fused = gm.graph.call_function(_FUSED, (x, cos, sin, *rest, hq, hkv, d, *sinks))
         if "val" in attn.meta:
             fused.meta["val"] = attn.meta["val"]
         attn.replace_all_uses_with(fused)

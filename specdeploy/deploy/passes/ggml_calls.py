@@ -40,13 +40,15 @@ def ggml_linear_fn(weight: GGMLWeight, members: list[GGMLWeight], bias: torch.Te
         fast = ggml_int.bound_linear(weight, bias, isa)
         fast.__name__ = fast.__qualname__ = "linear_on_blocks"  # the graph's node names
         return fast
+    starts = [sum(m.shape[0] for m in members[:i]) for i in range(len(members))]
 
     def linear_on_blocks(x: torch.Tensor) -> torch.Tensor:
         if x.numel() // x.shape[-1] <= MAX_ROWS:
             return ggml_linear(x, weight, bias)
         if len(members) == 1:
             return dequant_linear(x, members[0], bias)
-        return torch.cat([dequant_linear(x, m, None) for m in members], -1)
+        return torch.cat([dequant_linear(x, m, None if bias is None else bias[a:a + m.shape[0]])
+                          for m, a in zip(members, starts)], -1)
 
     return linear_on_blocks
 

@@ -138,8 +138,9 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
 
 def _kernel_calls(gm: fx.GraphModule, weights: dict, deferred: dict) -> tuple[list, int]:
     """The linears on blocks as kernel calls (lists of (node, blocks)): grouped by their input,
-    the bias-free members of a group that share a kind fuse. And how many weights changed
-    since loading (left on the fp32 path)."""
+    the members of a group that share a kind and all have a bias or none fuse (gpt-oss's
+    biased q/k/v: one call, the biases joined). And how many weights changed since loading
+    (left on the fp32 path)."""
     groups: dict[fx.Node, list[tuple[fx.Node, GGMLWeight]]] = {}
     stale = 0
     for node in list(gm.graph.nodes):
@@ -154,8 +155,9 @@ def _kernel_calls(gm: fx.GraphModule, weights: dict, deferred: dict) -> tuple[li
     for members in groups.values():
         fusable: dict[tuple, list] = {}
         for node, gw in members:
-            if _bias(node) is None and gw.gather is None:
-                fusable.setdefault((gw.kind, gw.shape[1]), []).append((node, gw))
+            if gw.gather is None and (_bias(node) is None or _bias_tensor(gm, node) is not None):
+                key = (gw.kind, gw.shape[1], _bias(node) is None)
+                fusable.setdefault(key, []).append((node, gw))
             else:
                 todo.append([(node, gw)])
         todo.extend(fusable.values())
@@ -185,6 +187,14 @@ def _bias(node: fx.Node):
     return node.args[2] if len(node.args) > 2 else None
 
 
+def _bias_tensor(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
+    """A linear's bias where it is a parameter / buffer of the graph (what a fused call can
+    join), else None."""
+    b = _bias(node)
+    t = attr_tensor(gm, b) if isinstance(b, fx.Node) else None
+    return t if t is not None and t.dim() == 1 else None
+
+
 def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], isa: str | None,
              tile: bool) -> dict[int, GGMLWeight | TiledMember]:
     """One kernel call for `members` (linears of one input, in graph order); returns
@@ -194,6 +204,8 @@ def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], isa:
     if weights[0].kind in K_QUANTS or weights[0].gather is not None:
         tile = False  # (no tiled K-quant kernel, nor one that reorders x's columns)
     bias = attr_tensor(gm, _bias(nodes[0])) if len(nodes) == 1 else None
+    if len(nodes) > 1 and _bias(nodes[0]) is not None:  # each output row plus its own bias
+        bias = torch.cat([_bias_tensor(gm, n).detach().float() for n in nodes])
     views, start = [], 0
     if tile and sum(g.shape[0] for g in weights) % TILE == 0:
         tw = repack(weights)
