@@ -11,6 +11,7 @@ from specdeploy.checkpoint import CheckpointError, CheckpointReader, open_checkp
 from specdeploy.checkpoint.lazy import LazyWeights
 from specdeploy.checkpoint.prequant import attach as attach_prequant
 from specdeploy.checkpoint.prequant import open_prequantized
+from specdeploy.checkpoint.reader import RowSlice
 from specdeploy.models.registry import module_for_config
 from specdeploy.ops.ggml_linear import KINDS, kernel_unavailable, scale_bytes
 
@@ -223,10 +224,22 @@ def _ggml_weights(model: nn.Module, reader, params: dict) -> dict:
         if p.dim() not in (2, 3):
             continue
         src = getattr(params.get(name), "source", name)
-        w = get_blocks(src) if isinstance(src, str) else _expert_blocks(get_blocks, src)
+        if isinstance(src, RowSlice):
+            w = _row_blocks(get_blocks(src.key), src.start, src.stop)
+        else:
+            w = get_blocks(src) if isinstance(src, str) else _expert_blocks(get_blocks, src)
         if w is not None and w.shape == tuple(p.shape):
             out[name] = w
     return out
+
+
+def _row_blocks(w, start: int, stop: int):
+    """Rows start..stop-1 of a 2-D weight's blocks (blocks never straddle a row), or None."""
+    from specdeploy.ops.ggml_linear import GGMLWeight
+
+    if w is None or len(w.shape) != 2 or not 0 <= start < stop <= w.shape[0]:
+        return None
+    return GGMLWeight(w.kind, w.blocks[start:stop], (stop - start, w.shape[1]), w.gather)
 
 
 def _expert_blocks(get_blocks, rows: list[list[str]]):

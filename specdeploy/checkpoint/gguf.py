@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from specdeploy.checkpoint import (
+    gguf_gemma3,
     gguf_glm4moe,
     gguf_gpt_oss,
     gguf_granite,
@@ -25,6 +26,7 @@ from specdeploy.checkpoint import (
     gguf_mmproj,
     gguf_mxfp4,
     gguf_nemotron_h,
+    gguf_phi3,
     gguf_qwen,
     gguf_qwen3_5,
 )
@@ -40,7 +42,8 @@ _U64 = struct.Struct("<Q")
 # general.architecture -> the module that maps it (config, names, values)
 _ARCHS = {"llama": gguf_llama, **{a: m for m in (gguf_qwen, gguf_nemotron_h, gguf_qwen3_5,
                                                  gguf_glm4moe, gguf_granite, gguf_gpt_oss,
-                                                 gguf_mmproj)
+                                                 gguf_gemma3,
+                                                 gguf_phi3, gguf_mmproj)
                                    for a in m.ARCHS}}
 SUPPORTED_ARCHITECTURES = tuple(a for a in _ARCHS if a not in gguf_mmproj.ARCHS)  # (models)
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFReader", "hf_name", "read_header"]

@@ -9,6 +9,7 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -103,10 +104,20 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
     raise CheckpointError(f"{p}: expected a checkpoint directory or a .gguf file")
 
 
+class RowSlice(NamedTuple):
+    """A parameter that is rows start..stop-1 of one checkpoint tensor (Phi-3's q / k / v of
+    `qkv_proj`): GGUF blocks are per row, so its blocks are that tensor's rows of blocks."""
+
+    key: str
+    start: int
+    stop: int
+
+
 def from_keys(thunk, source):
     """Marks a parameter's loader (`checkpoint_to_params`' thunk) as reading checkpoint tensors
     unchanged: `source` is a key, or for stacked experts one list of keys per expert whose rows
-    it joins ([[gate, up], ...] or [[down], ...]). The loader then asks the reader for their
+    it joins ([[gate, up], ...] or [[down], ...]), or a `RowSlice` of one key's rows. The
+    loader then asks the reader for their
     GGUF blocks (`get_blocks`, loading.py), whatever the parameter is named."""
     thunk.source = source
     return thunk

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from specdeploy.checkpoint import CheckpointError
+from specdeploy.checkpoint.reader import RowSlice, from_keys
 from specdeploy.models import llama
 from specdeploy.ops.rope import RopeCosSin, rope_cos_sin
 
@@ -153,7 +154,9 @@ def checkpoint_to_params(reader, cfg: Config, with_mtp: bool = False):
             if src not in reader:
                 missing.append(src)
             else:
-                params[name] = lambda src=src, a=a, b=b: _rows(reader, src, a, b)
+                # (GGUF: the rows' blocks, loading.py, not fp32 values)
+                params[name] = from_keys(lambda src=src, a=a, b=b: _rows(reader, src, a, b),
+                                         RowSlice(src, a, b))
         elif name in reader:
             params[name] = lambda src=name: reader.get(src)
         else:
