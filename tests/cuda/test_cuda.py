@@ -144,6 +144,11 @@ def _new_family(kind: str, path):
         from specdeploy.models import qwen3_next
 
         return qwen3_next.make_tiny(path, seed=0, mtp_layers=1)
+    if kind == "phi3":  # partial RoPE, LongRoPE, a window on every layer
+        from specdeploy.models import phi3
+        from tests.models.test_phi3 import MINI
+
+        return phi3.make_tiny(path, seed=0, config_overrides=MINI)
     if kind == "gpt_oss":  # attention sinks, sliding windows, biased MoE experts
         from specdeploy.models import gpt_oss
 
@@ -155,10 +160,10 @@ def _new_family(kind: str, path):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "qwen3_5_dense", "qwen3_next",
-                                  "glm4_moe", "granite_hybrid", "gpt_oss"])
+                                  "glm4_moe", "granite_hybrid", "gpt_oss", "phi3"])
 def test_more_families_on_cuda(tmp_path, kind):
     """Qwen2 / Qwen3 / Qwen3-MoE / dense Qwen3.5 / Qwen3-Next / GLM-4.5 / Granite 4.0-H / gpt-oss
-    (sinks and windows on the torch paths off the CPU): prefill
+    (sinks and windows on the torch paths off the CPU) / Phi-4-mini's shape: prefill
     logits on CUDA = on the CPU (fp32, 1e-3), and greedy tokens with CUDA graphs = the eager
     CUDA deployment's."""
     from specdeploy import LLM
