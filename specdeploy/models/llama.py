@@ -1,5 +1,6 @@
 """Llama family (Llama 2/3, SmolLM2, Mistral; Qwen2 and Qwen3, which differ only in q/k/v biases
-and per-head q/k RMSNorms): plain full-sequence model on canonical ops. Sliding-window attention
+and per-head q/k RMSNorms; SmolLM3, whose every 4th layer has no RoPE): plain full-sequence
+model on canonical ops. Sliding-window attention
 (Mistral's `sliding_window`, Qwen2 / Qwen3's `use_sliding_window` from `max_window_layers` on, or
 transformers' `layer_types`) is a per-layer window on the attention op (ops/attention.py).
 
@@ -21,7 +22,7 @@ from specdeploy.models.layers import MLP, RMSNorm, RopeConfig, RotaryEmbedding
 from specdeploy.ops.shard import heads, linear_col, linear_row, tp_reduce
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM")
+                 "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,13 @@ class Config:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     windows: tuple[int, ...] = ()  # per layer: its sliding window in tokens, 0 = full (or none)
+    nope: tuple[bool, ...] = ()  # per layer: no RoPE (SmolLM3's every 4th layer)
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if layer < len(self.windows) else 0
+
+    def rope_at(self, layer: int) -> bool:
+        return not (self.nope[layer] if layer < len(self.nope) else False)
 
     @classmethod
     def from_hf(cls, hf: dict) -> Config:
@@ -71,7 +76,23 @@ class Config:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             windows=_windows(hf, kind),
+            nope=_nope(hf, kind),
         )
+
+
+def _nope(hf: dict, kind: str) -> tuple[bool, ...]:
+    """SmolLM3: `no_rope_layers[i]` 1 = RoPE, 0 = none; absent: none at every
+    `no_rope_layer_interval`-th layer (transformers' default, and llama.cpp's fixed 4)."""
+    if kind != "smollm3":
+        return ()
+    n = int(hf["num_hidden_layers"])
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        step = int(hf.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % step != 0) for i in range(n)]
+    if len(flags) < n:
+        raise ValueError(f"smollm3: no_rope_layers has {len(flags)} entries for {n} layers")
+    return tuple(not bool(f) for f in flags[:n])
 
 
 def _windows(hf: dict, kind: str) -> tuple[int, ...]:
@@ -80,6 +101,8 @@ def _windows(hf: dict, kind: str) -> tuple[int, ...]:
     Qwen3: layers from `max_window_layers` on, when `use_sliding_window`."""
     n, window = int(hf["num_hidden_layers"]), hf.get("sliding_window")
     types = hf.get("layer_types")
+    if kind == "smollm3" and not hf.get("use_sliding_window"):
+        return ()  # (its layer_types may name sliding layers transformers does not window)
     if types:
         unknown = set(types) - {"full_attention", "sliding_attention"}
         if unknown:
@@ -99,10 +122,11 @@ class Attention(nn.Module):
     """Causal GQA self-attention with rotate-half RoPE. `in_features` lets an EAGLE-3 midlayer
     (input 2H) reuse it."""
 
-    def __init__(self, cfg: Config, in_features: int | None = None, window: int = 0):
+    def __init__(self, cfg: Config, in_features: int | None = None, window: int = 0,
+                 rope: bool = True):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.window = window
+        self.window, self.rope = window, rope
         in_features = in_features or h
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, d)
@@ -125,8 +149,9 @@ class Attention(nn.Module):
         v = linear_col(self.v_proj, x, "mha", [heads(self.num_kv_heads, d, hq)]).view(b, t, -1, d)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = torch.ops.specdeploy.rope(q, cos, sin)
-        k = torch.ops.specdeploy.rope(k, cos, sin)
+        if self.rope:
+            q = torch.ops.specdeploy.rope(q, cos, sin)
+            k = torch.ops.specdeploy.rope(k, cos, sin)
         o = torch.ops.specdeploy.attention(q, k, v, self.scale, self.window)
         return tp_reduce(linear_row(self.o_proj, o.reshape(b, t, -1), "mha", [heads(hq, d)]),
                          "mha")
@@ -136,7 +161,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: Config, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, window=cfg.window(index))
+        self.self_attn = Attention(cfg, window=cfg.window(index), rope=cfg.rope_at(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 

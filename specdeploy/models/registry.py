@@ -23,6 +23,7 @@ _ARCH_TO_FAMILY = {
     "MistralForCausalLM": "llama",  # (its sliding window per layer, as Qwen2 / Qwen3's)
     "Qwen2ForCausalLM": "llama",  # Llama + q/k/v biases
     "Qwen3ForCausalLM": "llama",  # Llama + per-head q/k RMSNorms
+    "SmolLM3ForCausalLM": "llama",  # Llama without RoPE on every 4th layer (NoPE)
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen3_moe",  # Qwen2's attention, a gated shared expert
     "NemotronHForCausalLM": "nemotron_h",
