@@ -29,6 +29,7 @@ from specdeploy.checkpoint import (
     gguf_phi3,
     gguf_qwen,
     gguf_qwen3_5,
+    gguf_smollm3,
 )
 from specdeploy.checkpoint.errors import CheckpointError
 from specdeploy.checkpoint.gguf_llama import hf_name
@@ -43,7 +44,7 @@ _U64 = struct.Struct("<Q")
 _ARCHS = {"llama": gguf_llama, **{a: m for m in (gguf_qwen, gguf_nemotron_h, gguf_qwen3_5,
                                                  gguf_glm4moe, gguf_granite, gguf_gpt_oss,
                                                  gguf_gemma3,
-                                                 gguf_phi3, gguf_mmproj)
+                                                 gguf_phi3, gguf_smollm3, gguf_mmproj)
                                    for a in m.ARCHS}}
 SUPPORTED_ARCHITECTURES = tuple(a for a in _ARCHS if a not in gguf_mmproj.ARCHS)  # (models)
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFReader", "hf_name", "read_header"]

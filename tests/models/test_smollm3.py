@@ -63,3 +63,50 @@ def test_greedy_equals_generate_and_ngram_is_lossless(tiny):
                                 "controller": "off"}, **kw)
     assert [o.token_ids for o in spec.generate(prompts, sp)] == got
     assert spec.stats()["draft_steps"] > 0
+
+
+def test_gguf_smollm3_equals_the_checkpoint(tiny, tmp_path):
+    """A "smollm3" GGUF in llama.cpp's converter layout (llama's names, q/k rows permuted):
+    every parameter bit for bit, the same greedy tokens."""
+    gguf = pytest.importorskip("gguf")
+    import json
+
+    from specdeploy.checkpoint import open_checkpoint
+    from tests.checkpoint.gguf_nemotron_h_layout import add_tokenizer
+    from tests.checkpoint.test_gguf import _permute
+
+    path, _ = tiny
+    c = json.loads((path / "config.json").read_text())
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.SMOLLM3, c["num_hidden_layers"])
+    out = tmp_path / "smollm3.gguf"
+    w = gguf.GGUFWriter(str(out), "smollm3")
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(c["rope_theta"])
+    add_tokenizer(w, path, c["vocab_size"])
+    reader = open_checkpoint(path)
+    for key in reader.keys():
+        a = reader.get(key).float().numpy()
+        if key.endswith("q_proj.weight"):
+            a = _permute(a, c["num_attention_heads"])
+        elif key.endswith("k_proj.weight"):
+            a = _permute(a, c["num_key_value_heads"])
+        w.add_tensor(names.get_name(key, try_suffixes=(".weight",)), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    a = load_model(out, dtype=torch.float32).state_dict()
+    b = load_model(path, dtype=torch.float32).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    kw = dict(max_batch_size=2, max_seq_len=128)
+    want = [o.token_ids for o in LLM(str(path), **kw).generate([list(range(30, 50))], sp)]
+    assert [o.token_ids for o in LLM(str(out), **kw).generate([list(range(30, 50))], sp)] == want
