@@ -68,8 +68,8 @@ def create_app(llm, *, model_name: str | None = None, api_key: str | None = None
         drain_timeout: seconds shutdown waits for in-flight requests before aborting them.
         max_body_bytes: larger request bodies get 413, however they are sent (chunked too).
         stats_log_interval: seconds between speculative-decoding log lines (None: none).
-        reasoning_parser: "deepseek_r1", "qwen3" or "nemotron_v3" (vLLM's
-            `--reasoning-parser`): a chat reply's thinking goes to `reasoning` /
+        reasoning_parser: "deepseek_r1", "qwen3", "nemotron_v3", "glm45" or "openai_gptoss"
+            (vLLM's `--reasoning-parser`): a chat reply's thinking goes to `reasoning` /
             `reasoning_content` (serving/reasoning.py).
         enable_auto_tool_choice, tool_call_parser: vLLM's flags; with both (parser "hermes")
             `tool_choice: "auto"` parses calls out of replies (serving/tools.py).

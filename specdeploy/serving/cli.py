@@ -69,7 +69,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="no periodic speculative-decoding log (vLLM's flag)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    default=None,
-                   help="chat replies' <think> block into `reasoning` (vLLM's flag)")
+                   help="chat replies' <think> block (gpt-oss: the analysis channel) into "
+                   "`reasoning` (vLLM's flag)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice \"auto\": calls parsed out of replies (vLLM's flag)")
     p.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
