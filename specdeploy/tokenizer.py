@@ -1,7 +1,8 @@
 """Tokenizers from a HF directory (`tokenizer.json`) or a GGUF vocabulary, plus chat templates.
 
-The GGUF path rebuilds the byte-level BPE the way transformers does for `tokenizer.ggml.model ==
-"gpt2"`, so ids match transformers' own GGUF tokenizer.
+The GGUF path rebuilds the byte-level BPE (`tokenizer.ggml.model == "gpt2"`) and the SentencePiece
+BPE ("llama": merges from the pieces' scores, byte fallback) the way transformers does, so ids match
+transformers' own GGUF tokenizer.
 """
 from __future__ import annotations
 
@@ -186,9 +187,11 @@ def _from_gguf(path: Path) -> Tokenizer:
 
     md = read_header(path).metadata
     kind = md.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _spm_from_gguf(path, md)
     if kind != "gpt2":
         raise CheckpointError(f"{path}: GGUF tokenizer model {kind!r} is not supported "
-                              "(supported: 'gpt2' byte-level BPE)")
+                              "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
     tokens: list[str] = md["tokenizer.ggml.tokens"]
     types: list[int] = md.get("tokenizer.ggml.token_type") or []
     alphabet = _byte_alphabet()
@@ -221,16 +224,112 @@ def _from_gguf(path: Path) -> Tokenizer:
         return (i, tokens[i]) if i is not None and 0 <= i < len(tokens) else (None, None)
 
     bos_id, bos = tok("bos_token_id")
-    eos_id, eos = tok("eos_token_id")
     if md.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    return _gguf_tokenizer(backend, md, tokens)
+
+
+def _gguf_tokenizer(backend, md: dict, tokens: list[str]) -> Tokenizer:
+    def tok(key):
+        i = md.get(f"tokenizer.ggml.{key}")
+        return (i, tokens[i]) if i is not None and 0 <= i < len(tokens) else (None, None)
+
+    bos_id, bos = tok("bos_token_id")
+    eos_id, eos = tok("eos_token_id")
     eos_ids = [i for i in (eos_id, md.get("tokenizer.ggml.eot_token_id"),
                            md.get("tokenizer.ggml.eom_token_id")) if i is not None]
     specials = {"bos_token": bos, "eos_token": eos, "unk_token": tok("unknown_token_id")[1],
                 "pad_token": tok("padding_token_id")[1]}
     return Tokenizer(backend, bos_token_id=bos_id, eos_token_ids=harmony_stops(backend, eos_ids),
                      chat_template=md.get("tokenizer.chat_template"), special_tokens=specials)
+
+
+def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """A SentencePiece vocabulary's merges: every split of a piece into two pieces of the
+    vocabulary, best score first (then longer left, longer right), as transformers derives
+    them. BPE over these merges is llama.cpp's SPM encoding: the adjacent pair whose union
+    scores best merges first."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    score_of = dict(zip(tokens, scores))
+    found = []
+    for piece, score in score_of.items():
+        local = [(piece[:k], piece[k:]) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        found += [(lr, score) for lr in local]
+    found.sort(key=lambda m: (m[1], len(m[0][0]), len(m[0][1])), reverse=True)  # stable
+    return [lr for lr, _ in found]
+
+
+def _spm_from_gguf(path: Path, md: dict) -> Tokenizer:
+    """`tokenizer.ggml.model == "llama"` (Llama 2, Mistral 7B, Phi-3, ...): SentencePiece BPE
+    rebuilt as transformers' GGUF converter does: merges from the pieces' scores, byte fallback
+    through the <0xNN> tokens, spaces as "▁" with one added in front of the text."""
+    from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Backend
+
+    tokens: list[str] = md["tokenizer.ggml.tokens"]
+    types: list[int] = md.get("tokenizer.ggml.token_type") or []
+    arch = md.get("general.architecture")
+    gemma = arch in ("gemma", "gemma2", "gemma3")
+    if gemma:  # a token of spaces is stored as spaces, looked up as "▁"s (transformers)
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    if "tokenizer.ggml.merges" in md:
+        merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
+    elif gemma:  # Gemma's scores do not follow its merge order; the file's order does
+        merges = _spm_merges(tokens, [-float(i) for i in range(len(tokens))])
+    else:
+        scores = md.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise CheckpointError(f"{path}: SentencePiece GGUF vocabulary without one "
+                                  "tokenizer.ggml.scores entry per token")
+        merges = _spm_merges(tokens, [float(x) for x in scores])
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = md.get("tokenizer.ggml.unknown_token_id")
+    backend = Backend(models.BPE(
+        vocab=vocab, merges=merges, dropout=None, fuse_unk=True, byte_fallback=True,
+        unk_token=tokens[unk] if gemma and unk is not None and 0 <= unk < len(tokens) else None))
+    prefix = bool(md.get("tokenizer.ggml.add_space_prefix", not gemma))
+    if gemma:  # every space a "▁", none added in front (transformers' GemmaTokenizer)
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        prefix = False
+    elif arch == "phi3":
+        # Phi-3's own tokenizer.json: "▁" before every text, each space one "▁" (so a text
+        # that starts with a space keeps both), no pre-tokenizer (transformers' phi3 builder)
+        backend.normalizer = normalizers.Sequence(
+            [*([normalizers.Prepend("▁")] if prefix else []), normalizers.Replace(" ", "▁")])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+
+    def named(key):
+        i = md.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    bos, eos = named("bos_token_id"), named("eos_token_id")
+    # control tokens, and the ones named bos/eos/unk/pad, whole and special; user-defined
+    # ones whole but not special (a tokenizer from the same file in transformers)
+    special = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
+    special += [t for t in (bos, eos, named("unknown_token_id"), named("padding_token_id"))
+                if t is not None and t not in special]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", True)) and bos is not None
+    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        def around(seq, tid):
+            return " ".join([*([f"{bos}:{tid}"] if add_bos else []), f"{seq}:{tid}",
+                             *([f"{eos}:{tid}"] if add_eos else [])])
+        pairs = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+        backend.post_processor = processors.TemplateProcessing(
+            single=around("$A", 0), pair=f"{around('$A', 0)} {around('$B', 1)}",
+            special_tokens=list(dict.fromkeys(pairs)))
+    return _gguf_tokenizer(backend, md, tokens)
 
 
 def eos_token_ids(tokenizer, hf_config: dict, path: Path) -> set[int]:

@@ -118,10 +118,28 @@ _PASS_THROUGH = {
 }
 
 
+# elementwise ops on the logits with scalar operands only (Gemma's final logit softcapping,
+# tanh(logits / c) * c): each row of the output is its head row's function, so the head may be
+# gathered or sharded before them
+_SCALAR_ELEMENTWISE = {
+    torch.ops.aten.tanh.default, torch.ops.aten.div.Tensor, torch.ops.aten.mul.Tensor,
+    torch.ops.aten.div.Scalar, torch.ops.aten.mul.Scalar,
+}
+
+
+def _passes_through(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target in _PASS_THROUGH:
+        return True
+    return node.target in _SCALAR_ELEMENTWISE and isinstance(node.args[0], fx.Node) and not any(
+        isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values()))
+
+
 def find_head(gm: fx.GraphModule) -> fx.Node:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     node = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
-    while node.op == "call_function" and node.target in _PASS_THROUGH:
+    while _passes_through(node):
         node = node.args[0]
     if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
         raise RuntimeError(f"gather_logits: expected the output to come from a linear, got {node}")

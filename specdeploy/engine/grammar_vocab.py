@@ -22,7 +22,8 @@ def _byte_decoder() -> dict[str, int]:
 
 def token_bytes(tokenizer) -> dict[int, bytes]:
     """Each ordinary token's bytes (specials left out: the grammar never emits them). Byte-level
-    BPE vocabularies are decoded from their alphabet; others by decoding the token alone (a
+    BPE vocabularies are decoded from their alphabet, SentencePiece ones (byte fallback) from
+    their pieces ("▁" a space, <0xNN> one byte); others by decoding the token alone (a
     token that is part of a multi-byte character then cannot be used inside the grammar)."""
     backend = tokenizer.backend
     special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
@@ -33,6 +34,15 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
         for tok, i in vocab.items():
             if tok not in special and all(c in dec for c in tok):
                 out[i] = bytes(dec[c] for c in tok)
+        return out
+    if getattr(backend.model, "byte_fallback", False):  # SentencePiece: "▁" spaces, <0xNN>
+        for tok, i in vocab.items():
+            if tok in special:
+                continue
+            if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+                out[i] = bytes([int(tok[3:5], 16)])
+            else:
+                out[i] = tok.replace("\u2581", " ").encode()
         return out
     for tok, i in vocab.items():
         if tok in special:
