@@ -18,10 +18,17 @@ import torch.nn.functional as F
 
 from specdeploy.ops import attention_rows
 from specdeploy.ops.attention import attention_mask
-
-INVARIANT_ROWS = 16  # CPU segments up to here attend row by row (`_rows`: batch-invariant)
-_SHORT_SEGMENT = 32  # verify segments up to here reuse one CPU mask across layers and steps
-UNIFORM_MAX = _SHORT_SEGMENT  # off the CPU, uniform steps of segments up to here: extend_uniform
+from specdeploy.ops.paged_kv import (  # noqa: F401  (re-exported: callers use ca._pages etc.)
+    _FP8,
+    _SHORT_SEGMENT,
+    INVARIANT_ROWS,
+    UNIFORM_MAX,
+    _bytes,
+    _enc,
+    _pages,
+    _seq_kv,
+    _write_kv,
+)
 
 
 @lru_cache(maxsize=256)
@@ -31,48 +38,6 @@ def _short_mask(t_q: int, t_k: int, sliding_window: int) -> torch.Tensor:
     inference mode so that a later call with autograd on may use it too."""
     with torch.inference_mode(False):
         return attention_mask(t_q, t_k, sliding_window)
-
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _bytes(cache: torch.Tensor) -> torch.Tensor:
-    """The cache as index ops can address it: an FP8 KV cache (a checkpoint's
-    `kv_cache_quant_algo: FP8`) through a uint8 view, as CPU index kernels lack float8."""
-    return cache.view(torch.uint8) if cache.dtype in _FP8 else cache
-
-
-def _enc(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """New keys / values in the cache's storage dtype (float8 saturates at its largest value)."""
-    y = x.to(cache.dtype)
-    return y.view(torch.uint8) if cache.dtype in _FP8 else y
-
-
-def _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table, slot_mapping=None):
-    if slot_mapping is not None:  # flat cache rows, computed once per step for every layer
-        kb, vb = _bytes(k_cache), _bytes(v_cache)
-        kb.view(-1, *kb.shape[2:]).index_copy_(0, slot_mapping, _enc(k[0], k_cache))
-        vb.view(-1, *vb.shape[2:]).index_copy_(0, slot_mapping, _enc(v[0], v_cache))
-        return
-    t = k.shape[1]
-    num_seqs = cache_lens.shape[0]
-    page_size = k_cache.shape[1]
-    seg = torch.repeat_interleave(
-        torch.arange(num_seqs, device=k.device), cu_seqlens.diff(), output_size=t
-    )
-    pos = cache_lens[seg] + torch.arange(t, device=k.device) - cu_seqlens[seg]
-    page = page_table[seg, pos // page_size]
-    off = pos % page_size
-    _bytes(k_cache)[page, off] = _enc(k[0], k_cache)
-    _bytes(v_cache)[page, off] = _enc(v[0], v_cache)
-
-
-def _pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
-    """[S, P] page ids → [S, P*page_size, H, D]. NOTE: index_select copies whole pages and is
-    several times faster than advanced indexing with a 2-D index."""
-    s, p = page_table.shape
-    pages = _bytes(cache).index_select(0, page_table.reshape(-1)).view(cache.dtype)
-    return pages.view(s, p * cache.shape[1], *cache.shape[2:])
 
 
 def _sdpa(q, k, v, mask, scale):
@@ -130,22 +95,6 @@ def extend_uniform(q, k_cache, v_cache, page_table, cache_lens, scale, sliding_w
     scores.masked_fill_(masked[:, None, None], float("-inf"))  # [S, Hkv, rep, n, L]
     out = torch.matmul(scores.softmax(-1), vals.transpose(1, 2)[:, :, None].to(dt))
     return out.permute(0, 3, 1, 2, 4).reshape(1, t, hq, -1).to(q.dtype)
-
-
-def _seq_kv(k_cache, v_cache, pages, total):
-    """One sequence's keys and values at positions 0..total-1 ([total, Hkv, D] each).
-    Consecutive pages (the common case: pages are handed out in order) are read through a view
-    of the cache; otherwise only the used pages are gathered."""
-    ps = k_cache.shape[1]
-    n = (total + ps - 1) // ps
-    used = pages[:n].tolist()
-    first = used[0]
-    if used[-1] - first == n - 1 and used == list(range(first, first + n)):
-        keys = k_cache.view(-1, *k_cache.shape[2:])[first * ps:first * ps + total]
-        vals = v_cache.view(-1, *v_cache.shape[2:])[first * ps:first * ps + total]
-        return keys, vals
-    return (_pages(k_cache, pages[None, :n])[0, :total],
-            _pages(v_cache, pages[None, :n])[0, :total])
 
 
 def _decode_one(q, k_cache, v_cache, pages, cache_len, scale, window=0):

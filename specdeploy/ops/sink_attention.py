@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import specdeploy.ops.cached_attention as ca  # (its helpers, read at call time: no cycle)
+from specdeploy.ops import paged_kv as ca  # (the cache plumbing cached_attention shares)
 from specdeploy.ops.attention import attention_mask, sink_mask, with_zero_key
 
 __all__ = ["cached_attention_sinks"]
