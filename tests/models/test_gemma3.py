@@ -3,8 +3,8 @@ logits = transformers' class in fp32 on a tiny checkpoint (sliding window 8 < th
 local RoPE base, linear scaling on the full layers, a score scale other than head_dim's); the
 windows, the local base, the score scale and the softcap each move transformers' logits far
 more than the tolerance; released configs read as transformers reads them; greedy = `generate`;
-n-gram speculation lossless; a softcapped deployment's logprobs = transformers'; bad configs and
-missing tensors named.
+n-gram speculation lossless; a softcapped deployment's logprobs = transformers', on 2 ranks its
+tokens = `generate`; bad configs and missing tensors named.
 
 Tolerance: max |ours - transformers| <= 1e-4 * max |logit| (fp32; sums in other orders)."""
 from __future__ import annotations
@@ -95,13 +95,18 @@ def test_greedy_equals_generate_and_ngram_is_lossless(tiny):
     assert spec.stats()["draft_steps"] > 0
 
 
-def test_softcapped_logits_and_deployed_logprobs_equal_transformers(tmp_path):
-    """final_logit_softcapping (null in the releases; tanh(logits / c) * c): eager logits, and
-    the deployment's prompt logprobs (its head gathered before the cap) against transformers'
-    log-softmax (2e-4 absolute, as tests/engine/test_prompt_logprobs.py)."""
-    path = gemma3.make_tiny(tmp_path / "cap", seed=4, hf_config={
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory):
+    """final_logit_softcapping (null in the releases): tanh(logits / c) * c, c = 1.5."""
+    path = gemma3.make_tiny(tmp_path_factory.mktemp("gemma3_cap"), seed=4, hf_config={
         **gemma3.tiny_hf_config(), "final_logit_softcapping": 1.5})
-    hf = _hf(path)
+    return path, _hf(path)
+
+
+def test_softcapped_logits_and_deployed_logprobs_equal_transformers(capped):
+    """Eager logits, and the deployment's prompt logprobs (its head gathered before the cap)
+    against transformers' log-softmax (2e-4 absolute, as tests/engine/test_prompt_logprobs.py)."""
+    path, hf = capped
     prompt = _ids(1, 33, seed=5)
     with torch.no_grad():
         want = hf(input_ids=prompt).logits
@@ -113,6 +118,23 @@ def test_softcapped_logits_and_deployed_logprobs_equal_transformers(tmp_path):
                                        SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
     for i, tok in enumerate(prompt[0].tolist()[1:], 1):
         assert abs(out.prompt_logprobs[i][tok] - ref[i - 1, tok].item()) <= 2e-4
+
+
+def test_two_ranks_give_transformers_tokens(capped):
+    """Heads split over 2 ranks, the tied head vocab-parallel (gathered before the cap)."""
+    path, hf = capped
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9], list(range(20, 50))]
+    tp = LLM(path, tensor_parallel_size=2, dist_timeout=60, **LIMITS)
+    try:
+        got = [o.token_ids for o in tp.generate(prompts, SamplingParams(max_tokens=16,
+                                                                        ignore_eos=True))]
+    finally:
+        tp.shutdown()
+    hf.generation_config.eos_token_id = None
+    for p, ours in zip(prompts, got):
+        t = torch.tensor([p])
+        assert ours == hf.generate(input_ids=t, attention_mask=torch.ones_like(t),
+                                   max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
 
 
 # google/gemma-3-1b-it's config.json as released; a 4b-style multimodal one (its text_config
