@@ -184,16 +184,20 @@ def test_released_configs_read_as_transformers(released):
     assert torch.equal(cfg.local_rope.inv_freq(cfg.head_dim), rotary.sliding_attention_inv_freq)
 
 
-def test_multimodal_checkpoint_serves_its_language_model(tiny, tmp_path):
-    """The tiny model's tensors under the multimodal release's names (`language_model.model.*`,
-    a vision tower beside them, config nested in `text_config`) give transformers' logits."""
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_multimodal_checkpoint_serves_its_language_model(tiny, tmp_path, prefix):
+    """The tiny model's tensors under a multimodal checkpoint's names (as released:
+    `language_model.model.*`; as transformers v5 saves it: `model.language_model.*`), a vision
+    tower beside them, config nested in `text_config`: transformers' logits."""
     from safetensors.torch import load_file
 
     path, hf = tiny
     text = json.loads((path / "config.json").read_text())
-    tensors = {"language_model." + k: v
+    tensors = {prefix + k[len("model."):]: v
                for k, v in load_file(str(path / "model.safetensors")).items()}
-    tensors["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
+    assert len(tensors) == 2 + 13 * text["num_hidden_layers"]  # every tensor renamed
+    tower = "vision_tower." if prefix.startswith("language_model") else "model.vision_tower."
+    tensors[tower + "vision_model.post_layernorm.weight"] = torch.ones(8)
     write_checkpoint(tmp_path, {**MULTIMODAL_4B, "text_config": text}, tensors)
     write_tiny_tokenizer(tmp_path, text["vocab_size"])
     ids = _ids(1, 20, seed=2)
