@@ -265,7 +265,8 @@ def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]
 def _spm_from_gguf(path: Path, md: dict) -> Tokenizer:
     """`tokenizer.ggml.model == "llama"` (Llama 2, Mistral 7B, Phi-3, ...): SentencePiece BPE
     rebuilt as transformers' GGUF converter does: merges from the pieces' scores, byte fallback
-    through the <0xNN> tokens, spaces as "▁" with one added in front of the text."""
+    through the <0xNN> tokens, spaces as "▁" with one added in front of each run of text (as
+    llama.cpp; checked against llama.cpp's own expected ids of its Llama / Phi-3 vocabularies)."""
     from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers import Tokenizer as Backend
 
@@ -295,14 +296,14 @@ def _spm_from_gguf(path: Path, md: dict) -> Tokenizer:
         backend.normalizer = normalizers.Replace(" ", "\u2581")
         backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
         prefix = False
-    elif arch == "phi3":
-        # Phi-3's own tokenizer.json: "▁" before every text, each space one "▁" (so a text
-        # that starts with a space keeps both), no pre-tokenizer (transformers' phi3 builder)
-        backend.normalizer = normalizers.Sequence(
-            [*([normalizers.Prepend("▁")] if prefix else []), normalizers.Replace(" ", "▁")])
     else:
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="▁", prepend_scheme="first" if prefix else "never", split=False)
+        # llama.cpp's SPM (and SentencePiece's add_dummy_prefix): a "▁" in front of every run
+        # of text, also one that starts with a space or follows a special token, each space
+        # one "▁" (transformers' phi3 builder; its Metaspace for "llama" files adds none in
+        # front of a space, nor after a special token: " Hi" would be "▁Hi", not "▁▁Hi")
+        backend.normalizer = normalizers.Sequence(
+            [*([normalizers.Prepend("\u2581")] if prefix else []),
+             normalizers.Replace(" ", "\u2581")])
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
 

@@ -2,7 +2,9 @@
 Phi-3): ids and decoded text against transformers' own GGUF tokenizer of the same file."""
 from __future__ import annotations
 
+import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -116,31 +118,59 @@ def write_spm_gguf(path, *, arch: str = "llama", add_space_prefix: bool | None =
     return tokens
 
 
+def _prefix_free(text: str) -> bool:
+    """No run of text that starts with a space or follows an added token: transformers'
+    tokenizer of a "llama" file (Metaspace: "▁" in front of the text's start only, and only
+    where none is) and llama.cpp agree on it."""
+    return not text.startswith(" ") and USER not in text
+
+
+def _reference(d, name="ref.gguf", **kw):
+    """transformers' tokenizer of the same vocabulary written as a "phi3" file: its builder
+    puts a "▁" in front of every run of text, as llama.cpp's SPM (see test_llamacpp_vocab)."""
+    write_spm_gguf(d / name, arch=kw.pop("arch", "phi3"), **kw)
+    return transformers.AutoTokenizer.from_pretrained(str(d), gguf_file=name)
+
+
 @pytest.fixture(scope="module")
 def spm_pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("spm")
     tokens = write_spm_gguf(d / "spm.gguf")
     assert len(tokens) > 300
     ref = transformers.AutoTokenizer.from_pretrained(str(d), gguf_file="spm.gguf")
-    return load_tokenizer(d / "spm.gguf"), ref, tokens
+    return load_tokenizer(d / "spm.gguf"), ref, tokens, _reference(d)
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_spm_ids_and_decode_match_transformers(spm_pair, text):
-    tok, ref, _ = spm_pair
+    tok, ref_llama, _, ref = spm_pair
     ids = tok.encode(text)
     assert ids == ref.encode(text)
     assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == ref.decode(ids)
     assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
-    # text round-trips, but for the added token (matched whole, its neighbours' spaces go) and
-    # a leading space (Metaspace adds no second "▁" in front of one; the decoder strips one)
-    if USER not in text and not text.startswith(" "):
+    if _prefix_free(text):  # the "llama" file's own transformers tokenizer agrees here
+        assert ids == ref_llama.encode(text)
+        assert tok.decode(ids) == ref_llama.decode(ids)
+    if USER not in text:  # round trip (the added token, matched whole, loses a space after it)
         assert tok.decode(ids, skip_special_tokens=True) == text
 
 
+def test_spm_differs_from_transformers_llama_only_at_a_leading_space(spm_pair):
+    """Where transformers' "llama" builder and llama.cpp part: " Hi" is "▁▁Hi" in llama.cpp
+    (and SentencePiece's dummy prefix), "▁Hi" in transformers; we follow llama.cpp."""
+    tok, ref_llama, tokens, _ = spm_pair
+    def pieces(t, text):
+        return [tokens[i] for i in t.encode(text, add_special_tokens=False)]
+
+    assert pieces(tok, " the") == [SPACE, SPACE + "the"]
+    assert pieces(ref_llama, " the") == [SPACE + "the"]
+    assert pieces(tok, f"{USER}the") == [USER, SPACE + "the"]  # llama.cpp: after a token too
+    assert pieces(ref_llama, f"{USER}the")[1:] != [SPACE + "the"]
+
+
 def test_spm_pieces_are_merged_and_bytes_fall_back(spm_pair):
-    tok, _, tokens = spm_pair
+    tok, _, tokens, _ = spm_pair
     ids = tok.encode("the dog \U0001F600", add_special_tokens=False)
     pieces = [tokens[i] for i in ids]
     assert pieces[:2] == [SPACE + "the", SPACE + "dog"]  # whole words from the merges
@@ -153,7 +183,7 @@ def test_spm_pieces_are_merged_and_bytes_fall_back(spm_pair):
 
 
 def test_spm_streaming_detokenizer_round_trips(spm_pair):
-    tok, _, _ = spm_pair
+    tok = spm_pair[0]
     text = "Hello  world\nCafé \U0001F600 déjà vu — 日本"
     prompt = tok.encode("The prompt:")
     out_ids = tok.encode(" " + text, add_special_tokens=False)
@@ -167,7 +197,7 @@ def test_spm_streaming_detokenizer_round_trips(spm_pair):
 
 
 def test_spm_token_bytes_for_grammars(spm_pair):
-    tok, _, tokens = spm_pair
+    tok, _, tokens, _ = spm_pair
     tb = token_bytes(tok)
     assert tb[tokens.index(SPACE + "the")] == b" the"
     assert tb[tokens.index("<0xF0>")] == b"\xf0"
@@ -180,7 +210,7 @@ def test_spm_token_bytes_for_grammars(spm_pair):
 def test_spm_flags_and_phi3_match_transformers(tmp_path, kw):
     write_spm_gguf(tmp_path / "v.gguf", **kw)
     tok = load_tokenizer(tmp_path / "v.gguf")
-    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="v.gguf")
+    ref = _reference(tmp_path, **{"arch": "phi3", **kw})  # gemma3: its own builder
     for text in TEXTS:
         ids = tok.encode(text)
         assert ids == ref.encode(text), text
@@ -204,11 +234,11 @@ def test_wrong_construction_differs(spm_pair):
     """The comparison can fail: the same vocabulary without the space prefix, with merges
     ranked the wrong way round, or without byte fallback encodes some text differently from
     transformers; and the oracle's ids do hold the overlap the scores decide ("x yz")."""
-    from tokenizers import models, pre_tokenizers
+    from tokenizers import models, normalizers
 
     from specdeploy.tokenizer import _spm_merges
 
-    tok, ref, tokens = spm_pair
+    tok, _, tokens, ref = spm_pair
     assert [tokens[i] for i in ref.encode("xyz", add_special_tokens=False)] == [SPACE, "x", "yz"]
     vocab = {t: i for i, t in enumerate(tokens)}
     n = len(tokens) - 261
@@ -220,7 +250,7 @@ def test_wrong_construction_differs(spm_pair):
                   None):
         b = tok.backend.__class__.from_str(tok.backend.to_str())
         if model is None:
-            b.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never", split=False)
+            b.normalizer = normalizers.Replace(" ", SPACE)
         else:
             b.model = model
         wrong.append(b)
@@ -238,3 +268,25 @@ def test_unknown_tokenizer_model_is_named(tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match="'rwkv' is not supported"):
         load_tokenizer(tmp_path / "v.gguf")
+
+
+LLAMACPP_SRCS = [os.environ.get("LLAMACPP_SRC", ""),
+                 "/work/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"]
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "phi-3"])
+def test_llamacpp_vocab(name):
+    """llama.cpp's own SPM vocabularies (Llama's 32000 pieces; Phi-3's) and the ids its
+    tokenizer test expects for them (models/ggml-vocab-*.gguf.inp / .out of the llama.cpp
+    tree, as in the llama-cpp-python sdist; `LLAMACPP_SRC`): every text the same ids."""
+    found = [Path(d) / "models" / f"ggml-vocab-{name}.gguf" for d in LLAMACPP_SRCS if d]
+    found = [f for f in found if f.is_file()]
+    if not found:
+        pytest.skip("llama.cpp's vocabulary files not here (set LLAMACPP_SRC)")
+    f = found[0]
+    texts = Path(f"{f}.inp").read_text().split("\n__ggml_vocab_test__\n")
+    expected = Path(f"{f}.out").read_text().split("\n")
+    tok = load_tokenizer(f)
+    assert len(texts) > 40
+    for text, want in zip(texts, expected):
+        assert tok.encode(text, add_special_tokens=False) == [int(x) for x in want.split()], text
