@@ -27,7 +27,8 @@ CONFIG = {**gemma3.tiny_hf_config(), "num_hidden_layers": 6, "query_pre_attn_sca
 del CONFIG["sliding_window_pattern"]
 
 
-def write_gemma3_gguf(src: Path, out: Path) -> Path:
+def write_gemma3_gguf(src: Path, out: Path, q8_0: bool = False) -> Path:
+    """`q8_0`: the projections as Q8_0 blocks (gguf-py's quantizer; embeddings and norms F32)."""
     c = json.loads((src / "config.json").read_text())
     reader = open_checkpoint(src)
     n = c["num_hidden_layers"]
@@ -55,7 +56,12 @@ def write_gemma3_gguf(src: Path, out: Path) -> Path:
             a = a + 1.0
         name = names.get_name(key, try_suffixes=(".weight",))
         assert name is not None, key
-        w.add_tensor(name, a.contiguous().numpy())
+        a = a.contiguous().numpy()
+        if q8_0 and a.ndim == 2 and name != "token_embd.weight":
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(a, q8), raw_dtype=q8)
+        else:
+            w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -94,3 +100,22 @@ def test_gguf_generates_the_checkpoints_tokens(files):
     kw = dict(max_batch_size=2, max_seq_len=128)
     want = [o.token_ids for o in LLM(str(src), **kw).generate(prompts, sp)]
     assert [o.token_ids for o in LLM(str(path), **kw).generate(prompts, sp)] == want
+
+
+def test_q8_0_gguf_on_the_block_kernels_speculates_losslessly(files, tmp_path):
+    """Q8_0 projections run on the integer block kernels (`ggml_linears`); n-gram speculation
+    gives the plain greedy tokens (its verify rows as the decode rows, bit for bit)."""
+    src, _ = files
+    path = write_gemma3_gguf(src, tmp_path / "q8.gguf", q8_0=True)
+    assert GGUFReader(path).tensor_infos["blk.0.attn_q.weight"].ggml_type == 8
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9] * 4, list(range(20, 50))]
+    kw = dict(max_batch_size=4, max_seq_len=256)
+    plain = LLM(str(path), **kw)
+    report = plain.deployed.report()  # q, k, v, o, gate, up, down of each of the 6 layers
+    assert "42 linears on" in report, report
+    want = [o.token_ids for o in plain.generate(prompts, sp)]
+    spec = LLM(str(path), spec={"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_max": 2, "controller": "off"}, **kw)
+    assert [o.token_ids for o in spec.generate(prompts, sp)] == want
+    assert spec.stats()["draft_steps"] > 0
