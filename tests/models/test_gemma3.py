@@ -3,8 +3,8 @@ logits = transformers' class in fp32 on a tiny checkpoint (sliding window 8 < th
 local RoPE base, linear scaling on the full layers, a score scale other than head_dim's); the
 windows, the local base, the score scale and the softcap each move transformers' logits far
 more than the tolerance; released configs read as transformers reads them; greedy = `generate`;
-n-gram speculation lossless; a softcapped deployment's logprobs = transformers', on 2 ranks its
-tokens = `generate`; bad configs and missing tensors named.
+n-gram and EAGLE-3 speculation lossless; a softcapped deployment's logprobs = transformers', on
+2 ranks its tokens = `generate`; bad configs and missing tensors named.
 
 Tolerance: max |ours - transformers| <= 1e-4 * max |logit| (fp32; sums in other orders)."""
 from __future__ import annotations
@@ -79,7 +79,10 @@ def test_windows_local_rope_and_scale_change_the_logits(tiny):
         assert _err(scale(input_ids=ids).logits, want) > 100 * RTOL
 
 
-def test_greedy_equals_generate_and_ngram_is_lossless(tiny):
+def test_greedy_equals_generate_ngram_and_eagle3_are_lossless(tiny, tmp_path):
+    """(EAGLE-3: a random head on layers captured through the post-norm residual adds.)"""
+    from specdeploy.models.drafters.eagle3 import make_tiny_eagle3
+
     path, hf = tiny
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9], list(range(20, 50))]
@@ -93,6 +96,11 @@ def test_greedy_equals_generate_and_ngram_is_lossless(tiny):
                            "prompt_lookup_max": 2, "controller": "off"}, **LIMITS)
     assert [o.token_ids for o in spec.generate(prompts, sp)] == got
     assert spec.stats()["draft_steps"] > 0
+    head = make_tiny_eagle3(path, tmp_path / "eagle3", seed=0)
+    eagle = LLM(path, spec={"method": "eagle3", "draft_model": str(head),
+                            "num_draft_tokens": 3, "controller": "off"}, **LIMITS)
+    assert [o.token_ids for o in eagle.generate(prompts, sp)] == got
+    assert eagle.stats()["draft_steps"] > 0
 
 
 @pytest.fixture(scope="module")
