@@ -192,6 +192,14 @@ def test_released_configs_read_as_transformers(released):
     assert torch.equal(cfg.local_rope.inv_freq(cfg.head_dim), rotary.sliding_attention_inv_freq)
 
 
+def test_v5_config_as_transformers_saves_it_reads_the_same():
+    """`rope_parameters` keyed by layer type and explicit `layer_types` (transformers v5's
+    `to_dict`) = the released v4 keys they came from."""
+    v5 = transformers.AutoConfig.for_model(**gemma3.tiny_hf_config()).to_dict()
+    assert "full_attention" in v5["rope_parameters"] and "rope_scaling" not in v5
+    assert gemma3.Config.from_hf(v5) == gemma3.Config.from_hf(gemma3.tiny_hf_config())
+
+
 @pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
 def test_multimodal_checkpoint_serves_its_language_model(tiny, tmp_path, prefix):
     """The tiny model's tensors under a multimodal checkpoint's names (as released:
