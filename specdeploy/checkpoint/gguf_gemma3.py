@@ -3,9 +3,9 @@ language model of Gemma3ForConditionalGeneration): the Llama names without the q
 permutation (NEOX RoPE: rotate-half), plus `attn_{q,k}_norm`, `post_attention_norm`,
 `ffn_norm` (the pre-feedforward norm) and `post_ffw_norm`. The converter stores every RMSNorm
 weight with its 1 added (transformers' Gemma3RMSNorm scales by `1 + w`); `to_hf` takes it off in
-float64, exactly, so the family adds it back to the same fp32 value. (The converter adds the 1 in
-the checkpoint's dtype: a bf16 release's GGUF holds bf16(1 + w), which is what llama.cpp, and
-so this reader, compute with.)
+float64, exactly, so the family adds it back to the same fp32 value. (The converter upcasts a
+bf16 release to fp32 before adding the 1 and keeps norms F32: the file holds fp32's `1 + w`, the
+value the safetensors path computes.)
 
 Not in the file, so taken as llama.cpp's runtime (src/models/gemma3.cpp) takes them: the score
 scale (`query_pre_attn_scalar`: hidden / heads for the 62-layer 27B, else head_dim, as
