@@ -17,6 +17,7 @@ _FAMILIES = {
     "granite_hybrid": "specdeploy.models.granite_hybrid",
     "phi3": "specdeploy.models.phi3",
     "gpt_oss": "specdeploy.models.gpt_oss",
+    "lfm2": "specdeploy.models.lfm2",
     "gemma3": "specdeploy.models.gemma3",
 }
 _ARCH_TO_FAMILY = {
@@ -46,6 +47,8 @@ _ARCH_TO_FAMILY = {
     "Phi3ForCausalLM": "phi3",
     # OpenAI gpt-oss: attention sinks, alternating sliding windows, YaRN, biased MoE (MXFP4)
     "GptOssForCausalLM": "gpt_oss",
+    # Liquid AI LFM2: gated short convolutions (cached causal conv) + GQA with q/k norms
+    "Lfm2ForCausalLM": "lfm2",
     # Google Gemma 3: 1 + w norms, four a layer, GeGLU, scaled embeddings, local / global RoPE;
     # the multimodal releases' language model, text only (their vision tower is not read)
     "Gemma3ForCausalLM": "gemma3",
