@@ -22,6 +22,7 @@ from specdeploy.checkpoint import (
     gguf_glm4moe,
     gguf_gpt_oss,
     gguf_granite,
+    gguf_lfm2,
     gguf_llama,
     gguf_mmproj,
     gguf_mxfp4,
@@ -43,7 +44,7 @@ _U64 = struct.Struct("<Q")
 # general.architecture -> the module that maps it (config, names, values)
 _ARCHS = {"llama": gguf_llama, **{a: m for m in (gguf_qwen, gguf_nemotron_h, gguf_qwen3_5,
                                                  gguf_glm4moe, gguf_granite, gguf_gpt_oss,
-                                                 gguf_gemma3,
+                                                 gguf_gemma3, gguf_lfm2,
                                                  gguf_phi3, gguf_smollm3, gguf_mmproj)
                                    for a in m.ARCHS}}
 SUPPORTED_ARCHITECTURES = tuple(a for a in _ARCHS if a not in gguf_mmproj.ARCHS)  # (models)
