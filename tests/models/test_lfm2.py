@@ -3,8 +3,9 @@ attention layers with q / k norms, an auto-adjusted FFN width) against transform
 logits (fp32, max |ours - transformers| <= 1e-4 * max |logit|); the deployed engine's prompt
 logprobs with chunked prefill (16-token chunks, 2e-4 absolute as
 tests/engine/test_prompt_logprobs.py); greedy = `generate`; n-gram speculation lossless with
-drafts rejected (the conv states roll back); a checkpoint transformers wrote (conv biases);
-released configs read as transformers reads them; bad layer types and missing tensors named."""
+drafts rejected (the conv states roll back); 2 ranks = one process; a checkpoint transformers
+wrote (conv biases); released configs read as transformers reads them; bad layer types and
+missing tensors named."""
 from __future__ import annotations
 
 import json
@@ -89,6 +90,18 @@ def test_greedy_equals_generate_and_ngram_is_lossless(tiny, plain):
     s = spec.engine.spec_stats
     # drafts both accepted and rejected: the committed conv states were rolled back
     assert 0 < s.accepted_tokens < s.draft_tokens, (s.accepted_tokens, s.draft_tokens)
+
+
+def test_two_ranks_give_the_one_process_tokens(tiny, plain):
+    """The sharding hints: conv channels (in_proj's B / C / x thirds, the depthwise conv,
+    out_proj's columns), attention heads, the FFN width split over 2 ranks."""
+    prompts = ["hello there", "a b c d e f"]
+    want = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    tp = LLM(tiny[0], tensor_parallel_size=2, dist_timeout=30, **LIMITS)
+    try:
+        assert [o.token_ids for o in tp.generate(prompts, GREEDY)] == want
+    finally:
+        tp.shutdown()
 
 
 def test_a_checkpoint_transformers_wrote(tmp_path):
