@@ -3,9 +3,9 @@ attention layers with q / k norms, an auto-adjusted FFN width) against transform
 logits (fp32, max |ours - transformers| <= 1e-4 * max |logit|); the deployed engine's prompt
 logprobs with chunked prefill (16-token chunks, 2e-4 absolute as
 tests/engine/test_prompt_logprobs.py); greedy = `generate`; n-gram speculation lossless with
-drafts rejected (the conv states roll back); 2 ranks = one process; a checkpoint transformers
-wrote (conv biases); released configs read as transformers reads them; bad layer types and
-missing tensors named."""
+drafts rejected (the conv states roll back); a prefix-cache hit; 2 ranks = one process; a
+checkpoint transformers wrote (conv biases); released configs read as transformers reads them;
+bad layer types and missing tensors named."""
 from __future__ import annotations
 
 import json
@@ -90,6 +90,22 @@ def test_greedy_equals_generate_and_ngram_is_lossless(tiny, plain):
     s = spec.engine.spec_stats
     # drafts both accepted and rejected: the committed conv states were rolled back
     assert 0 < s.accepted_tokens < s.draft_tokens, (s.accepted_tokens, s.draft_tokens)
+
+
+def test_prefix_cache_resumes_from_the_conv_checkpoints(tiny, plain):
+    """A prompt extending a served one starts from its cached pages and the conv / KV state
+    checkpointed there, and still decodes transformers' greedy tokens."""
+    _, hf = tiny
+    base = _ids(1, 50, seed=21)[0].tolist()
+    plain.generate([base], GREEDY)
+    before = plain.stats()["prefix_cache_hits"]
+    prompt = base + [7, 8, 9]
+    got = plain.generate([prompt], GREEDY)[0].token_ids
+    assert plain.stats()["prefix_cache_hits"] > before
+    hf.generation_config.eos_token_id = None
+    t = torch.tensor([prompt])
+    assert got == hf.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=20,
+                              do_sample=False)[0, len(prompt):].tolist()
 
 
 def test_two_ranks_give_the_one_process_tokens(tiny, plain):
