@@ -126,6 +126,8 @@ qkv_attention = torch.library.custom_op("specdeploy::qkv_attention", _qkv_attent
 
 
 @qkv_attention.register_fake
-def _qkv_attention_fake(qkv, cos, sin, k_cache, v_cache, *args):
-    hq = args[9]  # (after cu_seqlens ... slot_mapping)
+def _qkv_attention_fake(qkv, cos, sin, k_cache, v_cache, cu_seqlens, cu_seqlens_host,
+                        cache_lens, cache_lens_host, page_table, scale, sliding_window,
+                        slot_mapping, hq, hkv, d, sinks=None):
+    # (named, not by position: an argument added later, like sinks, cannot shift hq)
     return qkv.new_empty(1, qkv.shape[1], hq, v_cache.shape[-1])
