@@ -134,6 +134,9 @@ class LLM:
             raise ValueError(f"cpu_graphs: needs device='cpu', got device={device!r}")
         if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
+        if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps: must be an integer >= 1, got "
+                             f"{num_scheduler_steps!r}")
         from specdeploy.checkpoint import open_checkpoint
         from specdeploy.checkpoint.hub import resolve_model_path
         from specdeploy.deploy.build import BuildOptions, build
@@ -226,9 +229,6 @@ class LLM:
             self.deployed, self.tokenizer, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, seed=seed,
             eos_token_ids=eos_token_ids(self.tokenizer, self.deployed.hf_config, self.model_path))
-        if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps: must be an integer >= 1, got "
-                             f"{num_scheduler_steps!r}")
         self.engine.num_scheduler_steps = num_scheduler_steps
         self.engine.scheduler.set_policy(scheduling_policy)
         if num_scheduler_steps > 1 and (spec is not None

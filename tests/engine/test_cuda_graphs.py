@@ -19,21 +19,40 @@ def target(request, tmp_path_factory) -> Target:
     return Target(request.param, tmp_path_factory.mktemp("graphs"))
 
 
+_DEPLOYED: dict = {}  # (target, runner, device, K, drafts, opts) -> (deployment, its runner)
+
+
+def _deployed(target, runner: bool, device: str, spec: int, drafts: bool, opts: dict):
+    """A deployment (and its runner) built once per target and options, its runners' counts
+    zeroed: building (export) is most of these tests' time, and each run takes a fresh Engine
+    (empty pages and slots; prefills start from position 0 and a zero recurrent state)."""
+    from specdeploy.deploy.build import build
+
+    key = (id(target), runner, device, spec, drafts, tuple(sorted(opts.items())))
+    if key not in _DEPLOYED:
+        dep = build(str(target.path), vision=False, device=device,
+                    spec=target.spec(spec) if spec else None, **LIMITS, **opts)
+        capture = None if device.startswith("cuda") else False  # a CUDA device captures
+        run = install(dep, LIMITS["max_batch_size"], capture=capture,
+                      drafts=drafts) if runner else None
+        if run is not None:  # the drafter programs, for the tests that look at their runners
+            run.test_drafts = list(getattr(dep, "drafts", ()))
+        _DEPLOYED[key] = dep, run
+    dep, run = _DEPLOYED[key]
+    for r in [run] + [getattr(d, "graph_runner", None) for d in getattr(run, "test_drafts", ())]:
+        if r is not None:
+            r.replays, r.replays_by_tokens = 0, type(r.replays_by_tokens)()
+    return dep, run
+
+
 def _greedy(target, runner: bool, device: str = "cpu", spec: int = 0, drafts: bool = False,
             oracle: list[list[int]] | None = None, on_device: bool = True,
             max_tokens: int = 16, **opts):
     """Greedy tokens of 3 prompts (decode steps of 3 sequences pad to the bucket of 4), from an
     Engine over a text-only deployment (the tiny Qwen3.5 has a vision tower)."""
-    from specdeploy.deploy.build import build
     from specdeploy.engine import Engine
 
-    dep = build(str(target.path), vision=False, device=device,
-                spec=target.spec(spec) if spec else None, **LIMITS, **opts)
-    capture = None if device.startswith("cuda") else False  # a CUDA device captures
-    run = install(dep, LIMITS["max_batch_size"], capture=capture,
-                  drafts=drafts) if runner else None
-    if run is not None:  # the drafter programs, for the tests that look at their runners
-        run.test_drafts = list(getattr(dep, "drafts", ()))
+    dep, run = _deployed(target, runner, device, spec, drafts, opts)
     if spec:
         from specdeploy.engine.speculative import SpecEngine as Engine
     engine = Engine(dep, max_batch_size=LIMITS["max_batch_size"])
@@ -239,11 +258,9 @@ def _feed_cases(ps: int) -> dict[str, list[Segment]]:
 def test_host_list_feed_equals_the_tensor_path(target, case):
     """graph_feed over the step's host lists gives the graph the same buffer, page width and
     bucket as padding, widening and concatenating its tensors (the path without lists)."""
-    from specdeploy.deploy.build import build
     from specdeploy.engine.graph_feed import static_width
 
-    dep = build(str(target.path), vision=False, **LIMITS)
-    runner = install(dep, LIMITS["max_batch_size"], capture=False)
+    dep, runner = _deployed(target, True, "cpu", 0, False, {})
     segs = _feed_cases(runner.page_size)[case]
     meta = build_metadata(segs)
     bare = replace(meta, lists=None)
