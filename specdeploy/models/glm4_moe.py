@@ -113,16 +113,18 @@ class Model(llama.Model):
     """`forward(input_ids[B,T], position_ids?) -> logits`; `with_mtp`: the checkpoint's MTP
     layers as `self.mtp` (a drafter)."""
 
+    decoder_layer = DecoderLayer  # (DeepSeek-V3's module swaps in its MLA layer)
+
     def __init__(self, cfg: Config, with_mtp: bool = False):
         super().__init__(cfg)
         if with_mtp:
             from specdeploy.models.drafters.glm4_moe_mtp import MTP
 
-            self.mtp = MTP(cfg, self.model.embed_tokens, self.lm_head, DecoderLayer)
+            self.mtp = MTP(cfg, self.model.embed_tokens, self.lm_head, self.decoder_layer)
 
-    @staticmethod
-    def layer_factory(cfg: Config):
-        return lambda i: DecoderLayer(cfg, i)
+    @classmethod
+    def layer_factory(cls, cfg: Config):
+        return lambda i: cls.decoder_layer(cfg, i)
 
     def init_buffers(self) -> None:
         super().init_buffers()
@@ -138,15 +140,17 @@ def _source(name: str, n_layers: int) -> str:
     return name
 
 
-def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool = False
+def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool = False, *,
+                         model_cls: type[Model] | None = None, family: str = "GLM-4.5"
                          ) -> dict[str, Callable[[], torch.Tensor]]:
-    """Our parameter name → lazy tensor; raises `CheckpointError` naming missing keys."""
+    """Our parameter name → lazy tensor; raises `CheckpointError` naming missing keys.
+    `model_cls` / `family`: a family with this layout (DeepSeek-V3) reading its own model."""
     from specdeploy.models.qwen3_5_moe import _per_expert
 
     with torch.device("meta"):
-        names = [n for n, _ in Model(cfg, with_mtp=with_mtp).named_parameters()]
-        buffers = [n for n, _ in Model(cfg, with_mtp=with_mtp).named_buffers()
-                   if n.endswith("e_score_correction_bias")]
+        model = (model_cls or Model)(cfg, with_mtp=with_mtp)
+        names = [n for n, _ in model.named_parameters()]
+        buffers = [n for n, _ in model.named_buffers() if n.endswith("e_score_correction_bias")]
     params: dict[str, Callable[[], torch.Tensor]] = {}
     missing: list[str] = []
     for name in names + buffers:
@@ -165,7 +169,7 @@ def checkpoint_to_params(reader: CheckpointReader, cfg: Config, with_mtp: bool =
         what = (f"MTP layer tensors are missing (config num_nextn_predict_layers="
                 f"{cfg.num_nextn_predict_layers})" if with_mtp and mtp else "tensors are missing")
         more = f" (+{len(missing) - 12} more)" if len(missing) > 12 else ""
-        raise CheckpointError(f"{reader.path}: GLM-4.5 {what}: {', '.join(missing[:12])}{more}")
+        raise CheckpointError(f"{reader.path}: {family} {what}: {', '.join(missing[:12])}{more}")
     return params
 
 
@@ -208,8 +212,18 @@ def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, hf_config: di
 
     hf = hf_config or tiny_hf_config(mtp_layers)
     cfg = Config.from_hf(hf)
-    gen = torch.Generator().manual_seed(seed)
     model = Model(cfg, with_mtp=cfg.num_nextn_predict_layers > 0)
+    write_checkpoint(out, hf, params_to_checkpoint(random_state(model, seed), cfg))
+    # GLM's own special tokens (llama.cpp's converter looks them up by text)
+    write_tiny_tokenizer(out, cfg.vocab_size, {120: "[gMASK]", 121: "<|user|>",
+                                               122: "<|observation|>"})
+    return Path(out)
+
+
+def random_state(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """A tiny model's random weights (norms near 1, a correction bias that moves the routing)
+    as its state dict."""
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -223,13 +237,8 @@ def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, hf_config: di
         for name, b in model.named_buffers():  # a bias that moves the selection
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
-    state = {**model.state_dict()}
-    write_checkpoint(out, hf, params_to_checkpoint(state, cfg))
-    # GLM's own special tokens (llama.cpp's converter looks them up by text)
-    write_tiny_tokenizer(out, cfg.vocab_size, {120: "[gMASK]", 121: "<|user|>",
-                                               122: "<|observation|>"})
-    return Path(out)
+    return {**model.state_dict()}
 
 
 __all__ = ["ARCHITECTURES", "Config", "Model", "checkpoint_to_params", "make_tiny",
-           "params_to_checkpoint", "tiny_hf_config"]
+           "params_to_checkpoint", "random_state", "tiny_hf_config"]

@@ -14,6 +14,7 @@ _FAMILIES = {
     "qwen3_vl": "specdeploy.models.qwen3_vl",
     "qwen3_next": "specdeploy.models.qwen3_next",
     "glm4_moe": "specdeploy.models.glm4_moe",
+    "deepseek_v3": "specdeploy.models.deepseek_v3",
     "granite_hybrid": "specdeploy.models.granite_hybrid",
     "phi3": "specdeploy.models.phi3",
     "gpt_oss": "specdeploy.models.gpt_oss",
@@ -41,6 +42,8 @@ _ARCH_TO_FAMILY = {
     "Qwen3NextForCausalLM": "qwen3_next",
     # GLM-4.5 / 4.6 / 4.7: Llama-style attention (partial RoPE), sigmoid-routed MoE, MTP
     "Glm4MoeForCausalLM": "glm4_moe",
+    # DeepSeek-V3 / R1 / Kimi K2: multi-head latent attention, GLM-4.5's MoE and MTP layout
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     # IBM Granite 4.0 (-H): Mamba2 (NemotronH's mixer) + attention (NoPE or RoPE) + MoE
     "GraniteMoeHybridForCausalLM": "granite_hybrid",
     # Phi-3 / 3.5 / 4: Llama with fused qkv / gate_up tensors, partial RoPE, LongRoPE

@@ -16,7 +16,12 @@ from torch import nn
 
 from specdeploy.ops.rope import RopeCosSin, rope_cos_sin
 
-__all__ = ["Yarn", "YarnRotaryEmbedding"]
+__all__ = ["Yarn", "YarnRotaryEmbedding", "yarn_mscale"]
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -30,21 +35,28 @@ class Yarn:
     attention_factor: float | None = None
 
     @classmethod
-    def from_params(cls, params: dict, theta: float, max_positions: int) -> Yarn:
-        """From a `rope_parameters` / `rope_scaling` dict (rope_type "default" or "yarn")."""
+    def from_params(cls, params: dict, theta: float, max_positions: int,
+                    family: str = "gpt-oss", mscale: bool = False) -> Yarn:
+        """From a `rope_parameters` / `rope_scaling` dict (rope_type "default" or "yarn").
+        `mscale`: the family reads DeepSeek's `mscale` / `mscale_all_dim` (the attention factor
+        mscale(factor, mscale) / mscale(factor, mscale_all_dim), as transformers); otherwise
+        they are refused."""
         kind = params.get("rope_type", params.get("type", "default"))
         if kind == "default":
             return cls(theta=theta)
         if kind != "yarn":
-            raise ValueError(f"gpt-oss: unsupported rope type {kind!r}; supported: default, "
+            raise ValueError(f"{family}: unsupported rope type {kind!r}; supported: default, "
                              "yarn")
-        if params.get("mscale") or params.get("mscale_all_dim"):
-            raise ValueError("gpt-oss: YaRN mscale / mscale_all_dim are not supported")
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        if not mscale and (m or m_all):
+            raise ValueError(f"{family}: YaRN mscale / mscale_all_dim are not supported")
         factor = params.get("factor")
         orig = int(params.get("original_max_position_embeddings") or max_positions)
+        factor = float(factor if factor is not None else max_positions / orig)
         att = params.get("attention_factor")
-        return cls(theta=theta, factor=float(factor if factor is not None
-                                             else max_positions / orig),
+        if att is None and m and m_all:
+            att = yarn_mscale(factor, float(m)) / yarn_mscale(factor, float(m_all))
+        return cls(theta=theta, factor=factor,
                    beta_fast=float(params.get("beta_fast") or 32),
                    beta_slow=float(params.get("beta_slow") or 1),
                    original_max_position_embeddings=orig,
@@ -55,7 +67,7 @@ class Yarn:
     def scaling(self) -> float:
         if self.attention_factor is not None:
             return self.attention_factor
-        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+        return yarn_mscale(self.factor)
 
     def inv_freq(self, dim: int) -> torch.Tensor:
         """[dim // 2] fp32, computed on the CPU (see layers.RopeConfig.inv_freq)."""

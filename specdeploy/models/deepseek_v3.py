@@ -1,0 +1,244 @@
+"""DeepSeek-V3 / R1 / Kimi K2 (`DeepseekV3ForCausalLM`): multi-head latent attention (MLA) with
+GLM-4.5's DeepSeek MoE (models/glm4_moe.py: sigmoid routing steered by
+`e_score_correction_bias`, group-limited, renormalized, scaled; shared experts; the first
+`first_k_dense_replace` layers dense) and its MTP layer layout (models/drafters/glm4_moe_mtp.py:
+`enorm` / `hnorm` / `eh_proj` / `shared_head`, stored as the trailing decoder layers).
+
+MLA per token: q from `q_a_proj → q_a_layernorm → q_b_proj` (or `q_proj` when q_lora_rank is
+None); `kv_a_proj_with_mqa` gives the latent (kv_lora_rank) and one RoPE key k_rope
+(qk_rope_head_dim) shared by all heads; `kv_b_proj(kv_a_layernorm(latent))` gives each head's
+k_nope and v. k = [k_nope, rope(k_rope)], q = [q_nope, rope(q_rope)], one causal attention over
+H heads of qk_nope + qk_rope (v: v_head_dim; the attention ops and the paged cache take a value
+head size of their own). This is the expanded form: the cache holds per head K and V,
+H (qk_nope + qk_rope + v) values per token and layer (DeepSeek-V3: 128 x 320) where the latent
+is kv_lora_rank + qk_rope (576). Caching the latent, with kv_b_proj absorbed into q and o
+("absorbed" MLA), is the known next step.
+
+Names and math follow transformers' `modeling_deepseek_v3.py`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdeploy.models import glm4_moe, llama
+from specdeploy.models.layers import MLP, RMSNorm
+from specdeploy.models.rope_yarn import Yarn, YarnRotaryEmbedding, yarn_mscale
+from specdeploy.ops.shard import heads, linear_col, linear_row, tp_reduce
+
+ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+_ops = torch.ops.specdeploy
+# DeepSeek's configs name the routing; this module runs V3's (transformers' DeepseekV3 router)
+_SCORING, _TOPK = ("sigmoid",), ("noaux_tc",)
+# NOTE: transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not the
+# config's rms_norm_eps (as DeepSeek's reference code)
+_LATENT_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Config(glm4_moe.Config):
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True  # RoPE on interleaved pairs (DeepSeek's weights' layout)
+    yarn: Yarn = Yarn(theta=10000.0)
+    softmax_scale: float = 0.0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> Config:
+        hf = hf.get("text_config") or hf
+        _refuse(hf)
+        params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        yarn = Yarn.from_params(params, theta, int(hf.get("max_position_embeddings", 4096)),
+                                family="deepseek_v3", mscale=True)
+        rope_dim, nope = int(hf["qk_rope_head_dim"]), int(hf["qk_nope_head_dim"])
+        # GLM's reader for the MoE / MTP fields; the RoPE it sees is plain (the YaRN is ours)
+        base = glm4_moe.Config.from_hf({
+            **hf, "rope_scaling": None, "head_dim": rope_dim, "rope_parameters": {
+                "rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 1.0}})
+        scale = (nope + rope_dim) ** -0.5
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default" and params.get("mscale_all_dim"):
+            # transformers' yarn_apply_mscale: the softmax scale too (all dims, not only RoPE's)
+            m = yarn_mscale(yarn.factor, float(params["mscale_all_dim"]))
+            scale = scale * m * m
+        q_lora = hf.get("q_lora_rank")
+        return cls(**{**base.__dict__, "qkv_bias": False,
+                      "attention_bias": bool(hf.get("attention_bias", False))},
+                   q_lora_rank=int(q_lora) if q_lora else None,
+                   kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_head_dim=nope,
+                   qk_rope_head_dim=rope_dim, v_head_dim=int(hf["v_head_dim"]),
+                   rope_interleave=bool(hf.get("rope_interleave", True)), yarn=yarn,
+                   softmax_scale=scale)
+
+
+def _refuse(hf: dict) -> None:
+    """What this module does not run, by name (never loaded as something else)."""
+    name = "deepseek_v3"
+    scoring = hf.get("scoring_func", "sigmoid")
+    if scoring not in _SCORING:
+        raise ValueError(f"{name}: scoring_func {scoring!r} is not supported; supported: "
+                         f"{', '.join(_SCORING)}")
+    topk = hf.get("topk_method", "noaux_tc")
+    if topk not in _TOPK:
+        raise ValueError(f"{name}: topk_method {topk!r} is not supported; supported: "
+                         f"{', '.join(_TOPK)}")
+    if int(hf.get("moe_layer_freq", 1) or 1) != 1:
+        raise ValueError(f"{name}: moe_layer_freq={hf['moe_layer_freq']} is not supported "
+                         "(every layer past first_k_dense_replace is MoE)")
+    heads_, kv = hf["num_attention_heads"], hf.get("num_key_value_heads")
+    if kv is not None and int(kv) != int(heads_):
+        raise ValueError(f"{name}: num_key_value_heads={kv} != num_attention_heads={heads_} "
+                         "is not supported (MLA expands K / V to every head)")
+
+
+class Attention(nn.Module):
+    """MLA, expanded (see the module docstring): `forward(x[B,T,H], cos, sin) -> [B,T,H]`."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        h, n, bias = cfg.hidden_size, cfg.num_attention_heads, cfg.attention_bias
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, n * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, n * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                            bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, _LATENT_EPS)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank,
+                                   n * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(n * cfg.v_head_dim, h, bias=bias)
+
+    def _pairs(self, x: torch.Tensor) -> torch.Tensor:
+        """Interleaved RoPE pairs (x0, x1), (x2, x3).. as the rotate-half layout the rope op
+        takes: evens then odds. q and k get the same permutation, so q·k is unchanged (what
+        transformers' apply_rotary_pos_emb_interleave computes). NOTE: it could be folded into
+        the rows of q_b_proj / kv_a_proj_with_mqa at load time; here it is two views and a
+        copy of the RoPE part."""
+        if not self.cfg.rope_interleave:
+            return x
+        b, t, _, r = x.shape
+        return x.view(b, t, -1, r // 2, 2).transpose(-1, -2).reshape(b, t, -1, r)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c, (b, t, _) = self.cfg, x.shape
+        n, nope, r, dv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, \
+            c.v_head_dim
+        # sharding hints: the heads of q_b (q) / kv_b / o split over ranks; the latent path
+        # (q_a, kv_a and their norms) is small and replicated, so every rank has k_rope
+        if c.q_lora_rank:
+            q = linear_col(self.q_b_proj, self.q_a_layernorm(self.q_a_proj(x)), "mha",
+                           [heads(n, c.qk_head_dim)])
+        else:
+            q = linear_col(self.q_proj, x, "mha", [heads(n, c.qk_head_dim)])
+        q_nope, q_rope = q.view(b, t, -1, c.qk_head_dim).split([nope, r], -1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, r], -1)
+        kv = linear_col(self.kv_b_proj, self.kv_a_layernorm(latent), "mha",
+                        [heads(n, nope + dv)]).view(b, t, -1, nope + dv)
+        k_nope, v = kv.split([nope, dv], -1)
+        q_rope = _ops.rope(self._pairs(q_rope), cos, sin)
+        k_rope = _ops.rope(self._pairs(k_rope.view(b, t, 1, r)), cos, sin)
+        q = torch.cat((q_nope, q_rope), -1)
+        # (expand_as, not expand: the head count follows this rank's share of q's heads)
+        k = torch.cat((k_nope, k_rope.expand_as(q_rope)), -1)
+        o = _ops.attention(q, k, v.contiguous(), c.softmax_scale, 0)
+        return tp_reduce(linear_row(self.o_proj, o.reshape(b, t, -1), "mha", [heads(n, dv)]),
+                         "mha")
+
+
+class DecoderLayer(nn.Module):
+    """Llama's residual layout around MLA and (past `first_k_dense_replace`) GLM's MoE."""
+
+    forward = llama.DecoderLayer.forward
+
+    def __init__(self, cfg: Config, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = glm4_moe.MoE(cfg) if cfg.sparse(index) else MLP(
+            cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+
+
+class Model(glm4_moe.Model):
+    """`forward(input_ids[B,T], position_ids?) -> logits`; `with_mtp`: the checkpoint's MTP
+    layers as `self.mtp` (a drafter)."""
+
+    decoder_layer = DecoderLayer
+
+    def __init__(self, cfg: Config, with_mtp: bool = False):
+        super().__init__(cfg, with_mtp=with_mtp)
+        # YaRN (cos / sin scaled by its attention factor) or plain RoPE, over qk_rope_head_dim
+        self.model.rotary_emb = YarnRotaryEmbedding(cfg.yarn, cfg.rotary_dim)
+        if with_mtp:
+            self.mtp.rotary_emb = YarnRotaryEmbedding(cfg.yarn, cfg.rotary_dim)
+
+
+def checkpoint_to_params(reader, cfg: Config, with_mtp: bool = False
+                         ) -> dict[str, Callable[[], torch.Tensor]]:
+    """Our parameter name → lazy tensor (GLM-4.5's layout: per-expert or fused experts, MTP
+    layers as trailing decoder layers); raises `CheckpointError` naming missing keys."""
+    return glm4_moe.checkpoint_to_params(reader, cfg, with_mtp, model_cls=Model,
+                                         family="DeepSeek-V3")
+
+
+params_to_checkpoint = glm4_moe.params_to_checkpoint
+
+
+def tiny_hf_config(mtp_layers: int = 0, q_lora_rank: int | None = 24, yarn: bool = False
+                   ) -> dict:
+    """A tiny `DeepseekV3ForCausalLM` config.json (release-style keys): 4 layers (the first
+    dense), 4 heads of 16 + 8 (RoPE) with v 16, latent 32, q latent `q_lora_rank` (None: a
+    plain q_proj), 8 experts in 2 groups (top 2 of 1 group) + 1 shared; `yarn`: YaRN x4 with
+    DeepSeek's mscale / mscale_all_dim."""
+    cfg = llama.tiny_hf_config()
+    cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+               num_hidden_layers=4, intermediate_size=96, num_key_value_heads=4,
+               q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16,
+               qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+               n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+               topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1,
+               num_nextn_predict_layers=mtp_layers, rope_scaling=None)
+    del cfg["head_dim"]
+    if yarn:
+        cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0,
+                               "original_max_position_embeddings": 128, "beta_fast": 32,
+                               "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+    return cfg
+
+
+def make_tiny(out: str | Path, seed: int = 0, mtp_layers: int = 0, hf_config: dict | None = None
+              ) -> Path:
+    """A tiny random checkpoint in the released layout (+ MTP layers when asked); `hf_config`
+    replaces `tiny_hf_config(mtp_layers)`."""
+    from specdeploy.checkpoint.tiny import write_checkpoint, write_tiny_tokenizer
+
+    hf = hf_config or tiny_hf_config(mtp_layers)
+    cfg = Config.from_hf(hf)
+    model = Model(cfg, with_mtp=cfg.num_nextn_predict_layers > 0)
+    write_checkpoint(out, hf, params_to_checkpoint(glm4_moe.random_state(model, seed), cfg))
+    write_tiny_tokenizer(out, cfg.vocab_size)
+    return Path(out)
+
+
+__all__ = ["ARCHITECTURES", "Config", "Model", "checkpoint_to_params", "make_tiny",
+           "params_to_checkpoint", "tiny_hf_config"]
