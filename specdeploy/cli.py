@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--arch", required=True,
                    choices=("llama", "nemotron_h", "qwen3_5_moe", "qwen3_5", "qwen3_moe",
                             "qwen3_vl", "qwen3_vl_moe", "qwen3_next", "glm4_moe",
-                            "granite_hybrid", "gpt_oss", "gemma3", "lfm2", "eagle3"),
+                            "deepseek_v3", "granite_hybrid", "gpt_oss", "gemma3", "lfm2",
+                            "eagle3"),
                    help="qwen3_5: the dense Qwen3.5 VLM (qwen3_5_moe's blocks, an MLP per "
                         "layer); qwen3_vl(_moe): Qwen3-VL(-MoE) with DeepStack")
     t.add_argument("--mtp-layers", type=int, default=0)

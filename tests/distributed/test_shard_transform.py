@@ -1,6 +1,6 @@
 """The `shard` transform alone: each rank's graph, run as threads of one process whose
 collectives sum (or concatenate) in rank order, reproduces the unsharded graph (fp32, 1e-5 of the
-output scale) for the three families, with TP, EP, KV replication and `shard_layers`."""
+output scale) for the families here, with TP, EP, KV replication and `shard_layers`."""
 from __future__ import annotations
 
 import copy
@@ -74,6 +74,8 @@ CASES = [
     ("qwen3_5_moe", DistConfig(2)),
     ("qwen3_5_moe", DistConfig(2, ep_size=2)),
     ("qwen3_5_moe", DistConfig(2, shard_layers=("moe", "delta", "mha"))),
+    ("deepseek_v3", DistConfig(2)),  # MLA: q_b / kv_b / o heads split, the latent replicated
+    ("deepseek_v3", DistConfig(2, ep_size=2)),
 ]
 
 

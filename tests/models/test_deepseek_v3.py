@@ -1,0 +1,216 @@
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`): logits = transformers' class (q latent or plain q_proj,
+plain RoPE or YaRN with mscale), on our tiny checkpoint and on one transformers wrote; greedy =
+`generate`; the MTP draft step = the same step built from transformers' own decoder layer
+(transformers runs no MTP); MTP and n-gram drafting lossless; 2 ranks = one process; refusals
+name what they refuse."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specdeploy import LLM, SamplingParams
+from specdeploy.checkpoint import CheckpointError, open_checkpoint
+from specdeploy.checkpoint.tiny import write_tiny_tokenizer
+from specdeploy.loading import load_model
+from specdeploy.models import deepseek_v3 as ds
+
+transformers = pytest.importorskip("transformers")
+RTOL = 1e-4  # of the largest logit, fp32
+LIMITS = dict(max_batch_size=4, max_seq_len=256)
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+PROMPTS = ["hello there", "a b c d e f", "the the the the"]
+VARIANTS = {"q_lora": {}, "q_proj": {"q_lora_rank": None}, "yarn": {"yarn": True}}
+
+
+def _hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def tinies(tmp_path_factory):
+    """Each variant's checkpoint (with one MTP layer) and transformers' model of it."""
+    out = {}
+    for name, kw in VARIANTS.items():
+        path = ds.make_tiny(tmp_path_factory.mktemp(f"ds_{name}"), seed=3,
+                            hf_config=ds.tiny_hf_config(mtp_layers=1, **kw))
+        out[name] = (path, _hf(path))
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tinies):
+    """The q_lora variant's greedy tokens without drafting (one deployment for the module)."""
+    path, _ = tinies["q_lora"]
+    return [o.token_ids for o in LLM(path, **LIMITS).generate(PROMPTS, GREEDY)]
+
+
+def _ids(b: int, t: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 124, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert (got - want).abs().max() <= RTOL * want.abs().max()
+    assert want.abs().mean() > 0.1
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_equal_transformers(tinies, variant):
+    path, hf = tinies[variant]
+    ours = load_model(path, dtype=torch.float32)
+    for b, t in [(1, 1), (2, 150)]:  # (150: past YaRN's original 128 positions)
+        ids = _ids(b, t, seed=t)
+        with torch.no_grad():
+            _close(ours(ids), hf(input_ids=ids).logits)
+
+
+def test_interleaved_rope_matters(tinies):
+    """The same weights read with rope_interleave off give other logits: the test above checks
+    the pair layout, not something RoPE-blind."""
+    path, hf = tinies["q_lora"]
+    model = load_model(path, dtype=torch.float32)
+    off = replace(model.cfg, rope_interleave=False)
+    for layer in model.model.layers:
+        layer.self_attn.cfg = off
+    ids = _ids(1, 40, seed=5)
+    with torch.no_grad():
+        got, want = model(ids), hf(input_ids=ids).logits
+    assert (got - want).abs().max() > 100 * RTOL * want.abs().max()
+
+
+def test_a_checkpoint_transformers_wrote(tmp_path):
+    """Random weights through transformers' own `save_pretrained` (its layout, its key names)."""
+    hf_cfg = ds.tiny_hf_config(yarn=True)
+    cfg = transformers.DeepseekV3Config(**{k: v for k, v in hf_cfg.items() if k not in (
+        "architectures", "model_type", "torch_dtype", "topk_method", "scoring_func",
+        "moe_layer_freq")})
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 0.1 if "norm" in name or name.endswith("bias") else p.shape[-1] ** -0.5
+            p.copy_((1.0 if "norm" in name else 0.0) + scale * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    model.save_pretrained(tmp_path)
+    write_tiny_tokenizer(tmp_path, cfg.vocab_size)
+    ids = _ids(2, 30, seed=4)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        _close(load_model(tmp_path, dtype=torch.float32)(ids), model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("variant", ["q_lora", "yarn"])
+def test_greedy_equals_transformers_generate(tinies, variant):
+    path, hf = tinies[variant]
+    prompts = [[5, 6, 7, 8, 9, 10], list(range(20, 61))]
+    got = [o.token_ids for o in LLM(path, **LIMITS).generate(prompts, GREEDY)]
+    hf.generation_config.eos_token_id = None
+    for p, ours in zip(prompts, got):
+        t = torch.tensor([p])
+        ref = hf.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=24,
+                          do_sample=False)[0, len(p):].tolist()
+        assert ours == ref
+
+
+def test_mtp_step_equals_transformers_blocks(tinies):
+    """The draft step (embedding zeroed at position 0, eh_proj over [enorm(e), hnorm(h)], the
+    decoder layer, shared_head.norm, the LM head) rebuilt from transformers' DeepSeek-V3
+    decoder layer, RMSNorm and rotary embedding with the checkpoint's `model.layers.4.*`."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+    path, hf = tinies["yarn"]
+    reader, cfg = open_checkpoint(path), hf.config
+    n = cfg.num_hidden_layers
+    layer = m.DeepseekV3DecoderLayer(cfg, n).eval()  # (an MoE layer, as the trailing ones)
+    own = {k[len(f"model.layers.{n}."):]: reader.get(k) for k in reader.keys()
+           if k.startswith(f"model.layers.{n}.")}
+    e = cfg.n_routed_experts  # the stored per-expert keys as transformers' fused parameters
+    own["mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
+        [own.pop(f"mlp.experts.{i}.gate_proj.weight"), own.pop(f"mlp.experts.{i}.up_proj.weight")])
+        for i in range(e)])
+    own["mlp.experts.down_proj"] = torch.stack([own.pop(f"mlp.experts.{i}.down_proj.weight")
+                                                for i in range(e)])
+    extra = ("enorm", "hnorm", "eh_proj", "shared_head")
+    missing, _ = layer.load_state_dict({k: v for k, v in own.items()
+                                        if not k.startswith(extra)}, strict=False)
+    assert not missing
+    norms = {}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        norms[name] = m.DeepseekV3RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norms[name].weight.data.copy_(own[f"{name}.weight"])
+    g, t = torch.Generator().manual_seed(1), 9
+    hidden, ids = torch.randn(1, t, cfg.hidden_size, generator=g), _ids(1, t, seed=2)
+    pos = torch.arange(t)[None]
+    with torch.no_grad():
+        emb = hf.model.embed_tokens(ids)
+        e0 = emb.masked_fill((pos == 0)[..., None], 0.0)
+        x = torch.cat((norms["enorm"](e0), norms["hnorm"](hidden)), -1) @ own["eh_proj.weight"].T
+        causal = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        x = layer(x, attention_mask=causal, position_embeddings=hf.model.rotary_emb(hidden, pos))
+        want = hf.lm_head(norms["shared_head.norm"](x))
+        out = load_model(path, dtype=torch.float32, with_mtp=True).mtp(hidden, emb, pos)
+    torch.testing.assert_close(out.hidden, x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [{"method": "mtp", "num_speculative_tokens": 1},
+                                  {"method": "mtp", "num_speculative_tokens": 3},
+                                  {"method": "ngram", "num_speculative_tokens": 3}],
+                         ids=["mtp1", "mtp3", "ngram3"])
+def test_speculative_greedy_equals_plain(tinies, plain, spec):
+    path, _ = tinies["q_lora"]
+    llm = LLM(path, spec={**spec, "controller": "off"}, **LIMITS)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
+    assert llm.stats()["draft_steps"] > 0
+
+
+def test_two_ranks_give_the_one_process_tokens(tinies, plain):
+    """Heads (q_b / kv_b / o), the dense and shared MLPs and the experts split over 2 ranks;
+    with MTP drafting, as the one-process plain run."""
+    path, _ = tinies["q_lora"]
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    tp = LLM(path, spec=spec, tensor_parallel_size=2, dist_timeout=30, **LIMITS)
+    try:
+        assert [o.token_ids for o in tp.generate(PROMPTS, GREEDY)] == plain
+    finally:
+        tp.shutdown()
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"scoring_func": "softmax"}, r"scoring_func 'softmax' is not supported"),
+    ({"topk_method": "group_limited_greedy"}, r"topk_method 'group_limited_greedy'"),
+    ({"moe_layer_freq": 2}, r"moe_layer_freq=2"),
+    ({"num_key_value_heads": 2}, r"num_key_value_heads=2"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope type 'dynamic'"),
+])
+def test_refusals_name_what(change, match):
+    with pytest.raises(ValueError, match=match):
+        ds.Config.from_hf({**ds.tiny_hf_config(), **change})
+
+
+def test_missing_mtp_layer_is_named(tinies, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = tinies["q_lora"]
+    tensors = {k: v for k, v in load_file(str(path / "model.safetensors")).items()
+               if not k.startswith("model.layers.4.")}
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"DeepSeek-V3 MTP layer tensors are missing .*"
+                                              r"num_nextn_predict_layers=1.*model\.layers\.4\."):
+        load_model(tmp_path, dtype=torch.float32, with_mtp=True)
+    load_model(tmp_path, dtype=torch.float32)  # the target alone loads
+
+
+def test_make_tiny_cli(tmp_path):
+    from specdeploy.cli import main
+
+    assert main(["make-tiny", "--arch", "deepseek_v3", "--mtp-layers", "1", "--out",
+                 str(tmp_path / "d")]) == 0
+    hf = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert hf["architectures"] == ["DeepseekV3ForCausalLM"] and hf["num_nextn_predict_layers"] == 1
