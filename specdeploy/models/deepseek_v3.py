@@ -1,4 +1,5 @@
-"""DeepSeek-V3 / R1 / Kimi K2 (`DeepseekV3ForCausalLM`): multi-head latent attention (MLA) with
+"""DeepSeek-V3 / R1 / Kimi K2 (`DeepseekV3ForCausalLM`) and DeepSeek-V2 / V2-Lite
+(`DeepseekV2ForCausalLM`: softmax routing, no MTP): multi-head latent attention (MLA) with
 GLM-4.5's DeepSeek MoE (models/glm4_moe.py: sigmoid routing steered by
 `e_score_correction_bias`, group-limited, renormalized, scaled; shared experts; the first
 `first_k_dense_replace` layers dense) and its MTP layer layout (models/drafters/glm4_moe_mtp.py:
@@ -14,7 +15,7 @@ H (qk_nope + qk_rope + v) values per token and layer (DeepSeek-V3: 128 x 320) wh
 is kv_lora_rank + qk_rope (576). Caching the latent, with kv_b_proj absorbed into q and o
 ("absorbed" MLA), is the known next step.
 
-Names and math follow transformers' `modeling_deepseek_v3.py`.
+Names and math follow transformers' `modeling_deepseek_v3.py` / `modeling_deepseek_v2.py`.
 """
 from __future__ import annotations
 
@@ -28,12 +29,20 @@ from torch import nn
 from specdeploy.models import glm4_moe, llama
 from specdeploy.models.layers import MLP, RMSNorm
 from specdeploy.models.rope_yarn import Yarn, YarnRotaryEmbedding, yarn_mscale
+from specdeploy.ops import Routing, route_softmax_topk
 from specdeploy.ops.shard import heads, linear_col, linear_row, tp_reduce
 
-ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 _ops = torch.ops.specdeploy
-# DeepSeek's configs name the routing; this module runs V3's (transformers' DeepseekV3 router)
-_SCORING, _TOPK = ("sigmoid",), ("noaux_tc",)
+# DeepSeek's configs name their routing; each architecture runs transformers' router for it
+_ROUTING = {"deepseek_v3": (("sigmoid",), ("noaux_tc",)),
+            "deepseek_v2": (("softmax",), ("greedy", "group_limited_greedy"))}
+# transformers' defaults where GLM's reader has others (released configs set them all)
+_DEFAULTS = {"deepseek_v3": dict(first_k_dense_replace=3, n_group=8, topk_group=4,
+                                 norm_topk_prob=True, routed_scaling_factor=2.5),
+             "deepseek_v2": dict(first_k_dense_replace=0, n_group=1, topk_group=1,
+                                 norm_topk_prob=False, routed_scaling_factor=1.0,
+                                 n_shared_experts=2)}
 # NOTE: transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not the
 # config's rms_norm_eps (as DeepSeek's reference code)
 _LATENT_EPS = 1e-6
@@ -49,6 +58,8 @@ class Config(glm4_moe.Config):
     rope_interleave: bool = True  # RoPE on interleaved pairs (DeepSeek's weights' layout)
     yarn: Yarn = Yarn(theta=10000.0)
     softmax_scale: float = 0.0
+    kind: str = "deepseek_v3"  # "deepseek_v2": softmax routing
+    topk_method: str = "noaux_tc"
 
     @property
     def qk_head_dim(self) -> int:
@@ -61,19 +72,22 @@ class Config(glm4_moe.Config):
     @classmethod
     def from_hf(cls, hf: dict) -> Config:
         hf = hf.get("text_config") or hf
-        _refuse(hf)
+        kind = "deepseek_v2" if "DeepseekV2ForCausalLM" in (hf.get("architectures") or ()) \
+            else "deepseek_v3"
+        _refuse(hf, kind)
+        hf = {**_DEFAULTS[kind], **{k: v for k, v in hf.items() if v is not None}}
         params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
         theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
         yarn = Yarn.from_params(params, theta, int(hf.get("max_position_embeddings", 4096)),
-                                family="deepseek_v3", mscale=True)
+                                family=kind, mscale=True)
         rope_dim, nope = int(hf["qk_rope_head_dim"]), int(hf["qk_nope_head_dim"])
         # GLM's reader for the MoE / MTP fields; the RoPE it sees is plain (the YaRN is ours)
         base = glm4_moe.Config.from_hf({
             **hf, "rope_scaling": None, "head_dim": rope_dim, "rope_parameters": {
                 "rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 1.0}})
         scale = (nope + rope_dim) ** -0.5
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default" and params.get("mscale_all_dim"):
+        if params.get("rope_type", params.get("type", "default")) != "default" \
+                and params.get("mscale_all_dim"):
             # transformers' yarn_apply_mscale: the softmax scale too (all dims, not only RoPE's)
             m = yarn_mscale(yarn.factor, float(params["mscale_all_dim"]))
             scale = scale * m * m
@@ -84,20 +98,26 @@ class Config(glm4_moe.Config):
                    kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_head_dim=nope,
                    qk_rope_head_dim=rope_dim, v_head_dim=int(hf["v_head_dim"]),
                    rope_interleave=bool(hf.get("rope_interleave", True)), yarn=yarn,
-                   softmax_scale=scale)
+                   softmax_scale=scale, kind=kind,
+                   topk_method=str(hf.get("topk_method", _ROUTING[kind][1][0])))
 
 
-def _refuse(hf: dict) -> None:
+def _refuse(hf: dict, name: str) -> None:
     """What this module does not run, by name (never loaded as something else)."""
-    name = "deepseek_v3"
-    scoring = hf.get("scoring_func", "sigmoid")
-    if scoring not in _SCORING:
+    scorings, methods = _ROUTING[name]
+    scoring = hf.get("scoring_func") or scorings[0]
+    if scoring not in scorings:
         raise ValueError(f"{name}: scoring_func {scoring!r} is not supported; supported: "
-                         f"{', '.join(_SCORING)}")
-    topk = hf.get("topk_method", "noaux_tc")
-    if topk not in _TOPK:
+                         f"{', '.join(scorings)}")
+    topk = hf.get("topk_method") or methods[0]
+    if topk not in methods:
         raise ValueError(f"{name}: topk_method {topk!r} is not supported; supported: "
-                         f"{', '.join(_TOPK)}")
+                         f"{', '.join(methods)}")
+    if name == "deepseek_v2" and hf.get("norm_topk_prob"):
+        # (DeepSeek's code renormalizes the top-k softmax weights, transformers' V2 does not)
+        raise ValueError("deepseek_v2: norm_topk_prob=true is not supported")
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{name}: mlp_bias=true is not supported")
     if int(hf.get("moe_layer_freq", 1) or 1) != 1:
         raise ValueError(f"{name}: moe_layer_freq={hf['moe_layer_freq']} is not supported "
                          "(every layer past first_k_dense_replace is MoE)")
@@ -164,6 +184,26 @@ class Attention(nn.Module):
                          "mha")
 
 
+class SoftmaxMoE(glm4_moe.MoE):
+    """DeepSeek-V2's routing (transformers' DeepseekV2TopkRouter): softmax over the experts,
+    top-k (greedy), or top-k within the `topk_group` groups of the best single expert
+    (group_limited_greedy); the weights not renormalized, times routed_scaling_factor."""
+
+    correction_bias = False
+
+    def route(self, logits: torch.Tensor) -> Routing:
+        c = self.cfg
+        if c.topk_method == "greedy" or c.n_group == 1:
+            r = route_softmax_topk(logits, c.num_experts_per_tok, False)
+            return Routing(r.ids, r.weights * c.routed_scaling_factor)
+        probs = logits.softmax(-1)
+        groups = probs.view(-1, c.n_group, c.num_experts // c.n_group).amax(-1)
+        keep = torch.zeros_like(groups).scatter(1, groups.topk(c.topk_group, -1).indices, 1.0)
+        keep = keep[..., None].expand(-1, -1, c.num_experts // c.n_group).reshape(probs.shape)
+        weights, ids = probs.masked_fill(keep == 0, 0.0).topk(c.num_experts_per_tok, -1)
+        return Routing(ids, weights * c.routed_scaling_factor)
+
+
 class DecoderLayer(nn.Module):
     """Llama's residual layout around MLA and (past `first_k_dense_replace`) GLM's MoE."""
 
@@ -174,7 +214,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = glm4_moe.MoE(cfg) if cfg.sparse(index) else MLP(
+        moe = SoftmaxMoE if cfg.kind == "deepseek_v2" else glm4_moe.MoE
+        self.mlp = moe(cfg) if cfg.sparse(index) else MLP(
             cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 
 
@@ -197,18 +238,18 @@ def checkpoint_to_params(reader, cfg: Config, with_mtp: bool = False
     """Our parameter name → lazy tensor (GLM-4.5's layout: per-expert or fused experts, MTP
     layers as trailing decoder layers); raises `CheckpointError` naming missing keys."""
     return glm4_moe.checkpoint_to_params(reader, cfg, with_mtp, model_cls=Model,
-                                         family="DeepSeek-V3")
+                                         family=cfg.kind.replace("deepseek_v", "DeepSeek-V"))
 
 
 params_to_checkpoint = glm4_moe.params_to_checkpoint
 
 
-def tiny_hf_config(mtp_layers: int = 0, q_lora_rank: int | None = 24, yarn: bool = False
-                   ) -> dict:
+def tiny_hf_config(mtp_layers: int = 0, q_lora_rank: int | None = 24, yarn: bool = False,
+                   v2: str | None = None) -> dict:
     """A tiny `DeepseekV3ForCausalLM` config.json (release-style keys): 4 layers (the first
     dense), 4 heads of 16 + 8 (RoPE) with v 16, latent 32, q latent `q_lora_rank` (None: a
     plain q_proj), 8 experts in 2 groups (top 2 of 1 group) + 1 shared; `yarn`: YaRN x4 with
-    DeepSeek's mscale / mscale_all_dim."""
+    DeepSeek's mscale / mscale_all_dim; `v2` (a topk_method): a `DeepseekV2ForCausalLM`."""
     cfg = llama.tiny_hf_config()
     cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
                num_hidden_layers=4, intermediate_size=96, num_key_value_heads=4,
@@ -219,6 +260,10 @@ def tiny_hf_config(mtp_layers: int = 0, q_lora_rank: int | None = 24, yarn: bool
                topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1,
                num_nextn_predict_layers=mtp_layers, rope_scaling=None)
     del cfg["head_dim"]
+    if v2:
+        cfg.update(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                   topk_method=v2, scoring_func="softmax", norm_topk_prob=False)
+        del cfg["num_nextn_predict_layers"]
     if yarn:
         cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0,
                                "original_max_position_embeddings": 128, "beta_fast": 32,

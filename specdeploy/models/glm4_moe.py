@@ -22,7 +22,7 @@ from specdeploy.checkpoint import CheckpointError, CheckpointReader, from_keys
 from specdeploy.models import llama
 from specdeploy.models.layers import MLP
 from specdeploy.models.qwen3_5_blocks import Experts
-from specdeploy.ops import route_sigmoid
+from specdeploy.ops import Routing, route_sigmoid
 from specdeploy.ops.shard import Seg, tp_param, tp_reduce
 
 ARCHITECTURES = ("Glm4MoeForCausalLM",)
@@ -76,22 +76,29 @@ class Config(llama.Config):
 class MoE(nn.Module):
     """Sigmoid-routed SwiGLU experts (fused [E, 2I, H] / [E, H, I]) plus the shared expert."""
 
+    correction_bias = True  # (DeepSeek-V2's softmax routing has none)
+
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
-        self.gate.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+        if self.correction_bias:
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg.hidden_size,
                                   cfg.moe_intermediate_size * cfg.n_shared_experts)
 
+    def route(self, logits: torch.Tensor) -> Routing:
+        """Router logits [N, E] (fp32) → the experts and weights of each row."""
+        c = self.cfg
+        return route_sigmoid(logits, self.gate.e_score_correction_bias, c.num_experts_per_tok,
+                             c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c, flat = self.cfg, x.reshape(-1, x.shape[-1])
+        flat = x.reshape(-1, x.shape[-1])
         # NOTE: routing in fp32 whatever the model dtype (as transformers and the releases)
-        logits = F.linear(flat.float(), self.gate.weight.float())
-        r = route_sigmoid(logits, self.gate.e_score_correction_bias, c.num_experts_per_tok,
-                          c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        r = self.route(F.linear(flat.float(), self.gate.weight.float()))
         # sharding hints: experts over EP ranks, each expert's width ([gate | up]) over TP ranks
         i = self.experts.down_proj.shape[-1]
         w_up = tp_param(self.experts.gate_up_proj, "moe", "expert_colwise", 1, [Seg(i), Seg(i)])

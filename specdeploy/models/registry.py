@@ -42,8 +42,9 @@ _ARCH_TO_FAMILY = {
     "Qwen3NextForCausalLM": "qwen3_next",
     # GLM-4.5 / 4.6 / 4.7: Llama-style attention (partial RoPE), sigmoid-routed MoE, MTP
     "Glm4MoeForCausalLM": "glm4_moe",
-    # DeepSeek-V3 / R1 / Kimi K2: multi-head latent attention, GLM-4.5's MoE and MTP layout
+    # DeepSeek-V3 / R1 / Kimi K2 / V2: multi-head latent attention, GLM-4.5's MoE and MTP layout
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV2ForCausalLM": "deepseek_v3",  # (softmax routing, greedy or group-limited)
     # IBM Granite 4.0 (-H): Mamba2 (NemotronH's mixer) + attention (NoPE or RoPE) + MoE
     "GraniteMoeHybridForCausalLM": "granite_hybrid",
     # Phi-3 / 3.5 / 4: Llama with fused qkv / gate_up tensors, partial RoPE, LongRoPE

@@ -1,5 +1,6 @@
-"""DeepSeek-V3 (`DeepseekV3ForCausalLM`): logits = transformers' class (q latent or plain q_proj,
-plain RoPE or YaRN with mscale), on our tiny checkpoint and on one transformers wrote; greedy =
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`) and V2 (`DeepseekV2ForCausalLM`): logits = transformers'
+classes (q latent or plain q_proj, plain RoPE or YaRN with mscale, V2's greedy or group-limited
+softmax routing), on our tiny checkpoints and on one transformers wrote; greedy =
 `generate`; the MTP draft step = the same step built from transformers' own decoder layer
 (transformers runs no MTP); MTP and n-gram drafting lossless; 2 ranks = one process; refusals
 name what they refuse."""
@@ -22,7 +23,10 @@ RTOL = 1e-4  # of the largest logit, fp32
 LIMITS = dict(max_batch_size=4, max_seq_len=256)
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 PROMPTS = ["hello there", "a b c d e f", "the the the the"]
-VARIANTS = {"q_lora": {}, "q_proj": {"q_lora_rank": None}, "yarn": {"yarn": True}}
+VARIANTS = {"q_lora": {}, "q_proj": {"q_lora_rank": None}, "yarn": {"yarn": True},
+            # DeepSeek-V2-Lite's shape (no q latent, YaRN) and V2's group-limited routing
+            "v2_greedy": {"v2": "greedy", "q_lora_rank": None, "yarn": True},
+            "v2_group": {"v2": "group_limited_greedy"}}
 
 
 def _hf(path):
@@ -42,10 +46,15 @@ def tinies(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain(tinies):
-    """The q_lora variant's greedy tokens without drafting (one deployment for the module)."""
+def plain_outputs(tinies):
+    """The q_lora variant's greedy outputs without drafting (one deployment for the module)."""
     path, _ = tinies["q_lora"]
-    return [o.token_ids for o in LLM(path, **LIMITS).generate(PROMPTS, GREEDY)]
+    return LLM(path, **LIMITS).generate(PROMPTS, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def plain(plain_outputs):
+    return [o.token_ids for o in plain_outputs]
 
 
 def _ids(b: int, t: int, seed: int) -> torch.Tensor:
@@ -104,17 +113,30 @@ def test_a_checkpoint_transformers_wrote(tmp_path):
         _close(load_model(tmp_path, dtype=torch.float32)(ids), model(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("variant", ["q_lora", "yarn"])
-def test_greedy_equals_transformers_generate(tinies, variant):
+@pytest.mark.parametrize("variant", ["q_lora", "yarn", "v2_group"])
+def test_greedy_equals_transformers_generate(tinies, plain_outputs, variant):
     path, hf = tinies[variant]
-    prompts = [[5, 6, 7, 8, 9, 10], list(range(20, 61))]
-    got = [o.token_ids for o in LLM(path, **LIMITS).generate(prompts, GREEDY)]
+    outs = plain_outputs if variant == "q_lora" else LLM(path, **LIMITS).generate(PROMPTS, GREEDY)
     hf.generation_config.eos_token_id = None
-    for p, ours in zip(prompts, got):
-        t = torch.tensor([p])
+    for o in outs:
+        t = torch.tensor([o.prompt_token_ids])
         ref = hf.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=24,
-                          do_sample=False)[0, len(p):].tolist()
-        assert ours == ref
+                          do_sample=False)[0, t.shape[1]:].tolist()
+        assert o.token_ids == ref
+
+
+def test_group_limited_routing_matters(tinies):
+    """V2's group-limited checkpoint read as greedy gives other logits: the logits test above
+    sees the group limit."""
+    path, hf = tinies["v2_group"]
+    model = load_model(path, dtype=torch.float32)
+    greedy = replace(model.cfg, topk_method="greedy")
+    for layer in model.model.layers[1:]:
+        layer.mlp.cfg = greedy
+    ids = _ids(1, 40, seed=5)
+    with torch.no_grad():
+        got, want = model(ids), hf(input_ids=ids).logits
+    assert (got - want).abs().max() > 100 * RTOL * want.abs().max()
 
 
 def test_mtp_step_equals_transformers_blocks(tinies):
@@ -187,10 +209,15 @@ def test_two_ranks_give_the_one_process_tokens(tinies, plain):
     ({"moe_layer_freq": 2}, r"moe_layer_freq=2"),
     ({"num_key_value_heads": 2}, r"num_key_value_heads=2"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope type 'dynamic'"),
+    ({"mlp_bias": True}, r"mlp_bias=true"),
+    ({"v2": "greedy", "scoring_func": "sigmoid"}, r"deepseek_v2: scoring_func 'sigmoid'"),
+    ({"v2": "greedy", "topk_method": "noaux_tc"}, r"deepseek_v2: topk_method 'noaux_tc'"),
+    ({"v2": "greedy", "norm_topk_prob": True}, r"deepseek_v2: norm_topk_prob=true"),
 ])
 def test_refusals_name_what(change, match):
+    hf = ds.tiny_hf_config(v2=change.pop("v2", None))
     with pytest.raises(ValueError, match=match):
-        ds.Config.from_hf({**ds.tiny_hf_config(), **change})
+        ds.Config.from_hf({**hf, **change})
 
 
 def test_missing_mtp_layer_is_named(tinies, tmp_path):
