@@ -10,7 +10,7 @@ per llama.cpp version:
    Qwen3.5 ("qwen35") with an MTP head, and tiny Qwen2 / Qwen3 / Qwen3-MoE ("qwen2" /
    "qwen3" / "qwen3moe"), Qwen3-VL / Qwen3-VL-MoE ("qwen3vl" / "qwen3vlmoe") and Qwen3-Next
    with an MTP head ("qwen3next"), GLM-4.5 with an MTP layer ("glm4moe"), Granite 4.0-H
-   ("granitehybrid");
+   ("granitehybrid"), DeepSeek-V3 and V2 ("deepseek2");
 2. specdeploy loads each GGUF; its logits are compared with transformers' on the safetensors
    checkpoint, and its parameters (MTP head included) with those loaded from the checkpoint;
 3. llama.cpp itself (llama-cpp-python, built by bench/setup_llamacpp.sh) runs the same GGUF, and
@@ -78,6 +78,7 @@ runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
 
 def models(tmp: Path) -> dict[str, tuple[Path, str]]:
     """name -> (tiny checkpoint, transformers class of its oracle)."""
+    from specdeploy.models import deepseek_v3 as ds
     from specdeploy.models import glm4_moe, granite_hybrid, llama, qwen3_moe, qwen3_next, qwen3_vl
     from specdeploy.models import qwen3_5_moe as q35
     from tests.checkpoint.test_gguf_nemotron_h import DENSE, MOE
@@ -108,6 +109,14 @@ def models(tmp: Path) -> dict[str, tuple[Path, str]]:
         # (one routing group: llama.cpp stores none, as the released GLM-4.5 configs have)
         "glm4_moe_mtp": (glm4_moe.make_tiny(tmp / "glm", seed=5, mtp_layers=1, hf_config={
             **glm4_moe.tiny_hf_config(1), "n_group": 1}), "Glm4MoeForCausalLM"),
+        # ("deepseek2": V3's sigmoid routing with groups and YaRN; V2's group-limited softmax
+        # without a q latent; mscale = mscale_all_dim, as the releases: the file keeps one)
+        **{f"deepseek_{k}": (ds.make_tiny(tmp / f"ds_{k}", seed=5, hf_config={
+            **ds.tiny_hf_config(**kw), "rope_scaling": {
+                **ds.tiny_hf_config(yarn=True)["rope_scaling"], "mscale": 0.707,
+                "mscale_all_dim": 0.707}}), f"Deepseek{k.upper()}ForCausalLM")
+           for k, kw in (("v3", {}), ("v2", {"v2": "group_limited_greedy",
+                                             "q_lora_rank": None}))},
         # (every layer MoE: llama.cpp's qwen3vlmoe has no dense MLP tensors)
         "qwen3_vl_moe": (qwen3_vl.make_tiny(tmp / "q3vlmoe", seed=5, moe=True, text_overrides={
             "mlp_only_layers": []}), "Qwen3VLMoeForConditionalGeneration"),

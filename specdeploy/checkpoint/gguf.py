@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from specdeploy.checkpoint import (
+    gguf_deepseek2,
     gguf_gemma3,
     gguf_glm4moe,
     gguf_gpt_oss,
@@ -44,7 +45,7 @@ _U64 = struct.Struct("<Q")
 # general.architecture -> the module that maps it (config, names, values)
 _ARCHS = {"llama": gguf_llama, **{a: m for m in (gguf_qwen, gguf_nemotron_h, gguf_qwen3_5,
                                                  gguf_glm4moe, gguf_granite, gguf_gpt_oss,
-                                                 gguf_gemma3, gguf_lfm2,
+                                                 gguf_gemma3, gguf_lfm2, gguf_deepseek2,
                                                  gguf_phi3, gguf_smollm3, gguf_mmproj)
                                    for a in m.ARCHS}}
 SUPPORTED_ARCHITECTURES = tuple(a for a in _ARCHS if a not in gguf_mmproj.ARCHS)  # (models)
