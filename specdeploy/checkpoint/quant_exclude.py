@@ -9,6 +9,10 @@ TensorRT-LLM AutoDeploy does (EagleOneModelFactory.get_quant_config), with its b
 - globs naming MTP modules (`mtp*`, `mtp.layers.0*`; DeepSeek-style `model.layers.{L}*` with
   L >= num_hidden_layers) are moved under `eagle_drafter` (AutoDeploy's drafter root was `model`,
   so `mtp.layers.0*` became `model.layers*` and excluded the whole target);
+- a rooted glob naming MTP modules that the checkpoint does not have (`mtp*` in a DeepSeek-style
+  checkpoint, whose MTP layers are `model.layers.{L}.*`) names nothing and is dropped: our own
+  quantizer once wrote it beside a quantized MTP layer, and mapping it to `eagle_drafter*`
+  would exclude what the checkpoint quantized;
 - globs starting with a wildcard (`*.mlp.gate`, `*mixer.gate*`) name a *kind* of module and apply
   in both namespaces; a rooted glob matching modules of both namespaces (`m*`) is refused, and so
   is any glob that would exclude every quantizable module of the target.
@@ -21,7 +25,8 @@ from fnmatch import fnmatchcase
 
 from specdeploy.checkpoint.reader import CheckpointError
 
-__all__ = ["DRAFTER_ROOT", "ExclusionMap", "map_exclusions", "target_module_name"]
+__all__ = ["DRAFTER_ROOT", "ExclusionMap", "is_drafter_module", "map_exclusions",
+           "target_module_name"]
 
 DRAFTER_ROOT = "eagle_drafter"
 # checkpoint export prefix → the target's own (all our families root the decoder at `model.`)
@@ -62,7 +67,9 @@ def target_module_name(ckpt_name: str) -> str:
     return ckpt_name
 
 
-def _is_drafter_ckpt(name: str, n_layers: int) -> bool:
+def is_drafter_module(name: str, n_layers: int) -> bool:
+    """Whether checkpoint module `name` belongs to an MTP drafter (`mtp.*`, or DeepSeek-style
+    decoder layer L >= n_layers)."""
     if name == "mtp" or name.startswith("mtp."):
         return True
     m = _LAYER.match(name)
@@ -89,8 +96,8 @@ def map_exclusions(globs: tuple[str, ...] | list[str], ckpt_modules: list[str], 
     `ckpt_modules`: the checkpoint's module names (tensor names minus the leaf); `n_layers`: the
     target's num_hidden_layers; `target_modules`: our names of the target's quantizable modules
     (a glob excluding all of them is refused)."""
-    ckpt_t = [m for m in ckpt_modules if not _is_drafter_ckpt(m, n_layers)]
-    ckpt_d = [m for m in ckpt_modules if _is_drafter_ckpt(m, n_layers)]
+    ckpt_t = [m for m in ckpt_modules if not is_drafter_module(m, n_layers)]
+    ckpt_d = [m for m in ckpt_modules if is_drafter_module(m, n_layers)]
     target, drafter, anywhere = [], [], []
     for g in globs:
         if g[:1] in ("*", "?", "["):
@@ -109,7 +116,8 @@ def map_exclusions(globs: tuple[str, ...] | list[str], ckpt_modules: list[str], 
                                       f"but does not start with 'mtp': cannot map it into "
                                       f"{DRAFTER_ROOT}.*")
             if is_drafter:
-                drafter.append((mapped, g))
+                if in_d:  # (one matching nothing here excludes nothing: module docstring)
+                    drafter.append((mapped, g))
                 continue
             target.append((mapped, g))
             mapped_t = mapped

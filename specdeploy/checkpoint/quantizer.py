@@ -4,7 +4,11 @@ the layouts NVIDIA's and Qwen's releases ship (see ops/fp8_linear.py, ops/nvfp4_
 Excluded as those releases do: the LM head, MTP layers (`mtp*`: the drafter stays bf16), MoE
 routers and the shared-expert gate, the vision tower; embeddings, norms and convolutions are
 never quantized. NVFP4 also leaves out linears whose input size is not a multiple of 16 (named
-one by one in `exclude_modules`).
+one by one in `exclude_modules`). DeepSeek-style MTP layers (DeepSeek-V3, GLM-4.5: trailing
+decoder layers `model.layers.{L}`, L >= num_hidden_layers) follow their own releases: HF block
+FP8 (DeepSeek-V3 / R1, GLM-4.5-FP8) quantizes the layer's decoder block like every other layer
+and keeps `eh_proj` / `shared_head.head` bf16, listing nothing (vLLM and SGLang build those two
+unquantized); NVIDIA's ModelOpt exports exclude the whole layer as `model.layers.{L}*`.
 
 Static FP8 activation scales (ModelOpt `input_scale` = amax / 448) are calibrated on the model
 itself: a few random-token sequences through the plain fp32 model, recording each linear's input
@@ -21,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from specdeploy.checkpoint.quant_exclude import is_drafter_module
 from specdeploy.checkpoint.reader import CheckpointError, CheckpointReader, open_checkpoint
 from specdeploy.checkpoint.tiny import write_checkpoint
 from specdeploy.ops.fp8_linear import FP8_MAX, quantize_fp8_block, quantize_fp8_tensor
@@ -32,10 +37,30 @@ METHODS = ("fp8", "nvfp4", "fp8-block")
 RELEASE_EXCLUDE = ("lm_head", "mtp*", "*.mlp.gate", "*.mixer.gate", "*.shared_expert_gate",
                    "model.visual*")
 _NEVER = ("embed", "norm", "conv1d")  # leaves quantized by no release
+_MTP_BF16 = (".eh_proj", ".shared_head.head")  # DeepSeek-style MTP layers' bf16 linears
+_SCALES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale")
 
 
 def _module(key: str) -> str:
     return key[: -len(".weight")]
+
+
+def _mtp_layers(modules: list[str], n_layers: int) -> list[str]:
+    """DeepSeek-style MTP layers of a checkpoint (`model.layers.{L}`, L >= n_layers)."""
+    return sorted({".".join(m.split(".")[:3]) for m in modules
+                   if m.startswith("model.layers.") and is_drafter_module(m, n_layers)})
+
+
+def _exclusions(exclude: tuple[str, ...], modules: list[str], n_layers: int, method: str
+                ) -> list[str]:
+    """`exclude` as this checkpoint's release would write it: `mtp*` only where it names
+    modules (a DeepSeek-style checkpoint has none), ModelOpt's `model.layers.{L}*` per
+    DeepSeek-style MTP layer."""
+    has_mtp = any(m.startswith("mtp.") for m in modules)
+    out = [g for g in exclude if has_mtp or not g.startswith("mtp")]
+    if method != "fp8-block":
+        out += [f"{layer}*" for layer in _mtp_layers(modules, n_layers)]
+    return out
 
 
 def _quantizable(key: str, t: torch.Tensor) -> bool:
@@ -168,10 +193,15 @@ def quantize_checkpoint(src: str | Path, out: str | Path, method: str,
         tensors = fam.params_to_checkpoint(model.state_dict(), cfg)
     amax = _calibrate(model, cfg.vocab_size) if method == "fp8" or kv_cache else {}
     source = _sources(reader, model, fam, cfg) if method == "fp8" else {}
+    n_layers = int(reader.config.get("text_config", reader.config).get("num_hidden_layers") or 0)
+    modules = sorted({k.rpartition(".")[0] for k in tensors})
+    mtp_layers = _mtp_layers(modules, n_layers)
+    exclude = tuple(_exclusions(exclude, modules, n_layers, method))
     excluded, result = list(exclude), {}
     for key, t in tensors.items():
         mod = _module(key) if key.endswith(".weight") else key
-        if not _quantizable(key, t) or any(fnmatchcase(mod, g) for g in exclude):
+        mtp_bf16 = mod.endswith(_MTP_BF16) and any(mod.startswith(m + ".") for m in mtp_layers)
+        if not _quantizable(key, t) or mtp_bf16 or any(fnmatchcase(mod, g) for g in exclude):
             result[key] = t
             continue
         if method == "nvfp4" and t.shape[1] % GROUP:
@@ -183,9 +213,10 @@ def quantize_checkpoint(src: str | Path, out: str | Path, method: str,
         result.update(_kv_scale_tensors(amax, list(tensors)))
     # NOTE: unquantized matrices ship in bf16, as in the releases; vectors (norms, biases, SSM
     # parameters) and scales keep their precision (a shipped drafter head recognises its target
-    # by its final norm's sum: drafters_registry)
-    result = {k: (v.to(torch.bfloat16) if v.dtype == torch.float32 and v.dim() >= 2 else v)
-              for k, v in result.items()}
+    # by its final norm's sum: drafters_registry; block FP8's 2-D `weight_scale_inv` is fp32 in
+    # the releases)
+    result = {k: (v.to(torch.bfloat16) if v.dtype == torch.float32 and v.dim() >= 2
+                  and not k.endswith(_SCALES) else v) for k, v in result.items()}
     config = dict(reader.config)
     config["torch_dtype"] = "bfloat16"
     if method == "fp8-block":
