@@ -64,6 +64,25 @@ def test_tp2_prequantized_greedy_equals_tp1(tmp_path, arch, quant, ep):
         llm.shutdown()
 
 
+def test_tp2_quantized_mtp_drafter_stays_quantized(tmp_path):
+    """A block-FP8 MTP layer (GLM-4.5 as released): each rank's drafter computes on its cut of
+    the FP8 tensors (the shard pass once looked for them on the program's root only, and the
+    drafter's slices ran dequantized), and greedy MTP speculation equals one-process plain."""
+    from specdeploy import SpecConfig
+
+    path = make_tiny_quantized("glm4_moe", tmp_path / "glm", "fp8-block", mtp_layers=1)
+    prompts, params = [[5, 6, 7, 8, 9], list(range(3, 30))], SamplingParams(max_tokens=10,
+                                                                             ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(path), **LIMITS).generate(prompts, params)]
+    llm = LLM(str(path), spec=SpecConfig("mtp", 2, controller="off"), tensor_parallel_size=2,
+              dist_timeout=30, **LIMITS)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert _info(llm.deployed.draft).num_matches == 4 + 3 + 1  # attention, shared, routed
+    finally:
+        llm.shutdown()
+
+
 def test_tp2_refuses_a_cut_through_nvfp4_groups(tmp_path):
     """The stock tiny NemotronH (shared expert 48: 24 input columns a rank) cannot be cut along
     NVFP4's 16-column scale groups: a clear error naming the weight, not a wrong model."""

@@ -171,7 +171,9 @@ def _lm_head(gm: fx.GraphModule, d: DistConfig, lazy: LazyWeights | None,
 
 
 def _prequant_map(ctx: DeployContext) -> dict | None:
-    if ctx.model is None or getattr(ctx.model, "prequant_weights", None) is None:
+    # NOTE: any module's `prequant_weights`, not only the root's: a drafter program's are on its
+    # `eagle_drafter` (a quantized MTP layer); without them its slices would run dequantized
+    if ctx.model is None:
         return None
     from specdeploy.deploy.passes.prequantized import weight_map
 
