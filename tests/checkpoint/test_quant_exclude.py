@@ -84,3 +84,19 @@ def test_checkpoint_exclusions_reported_with_their_mapping(tmp_path):
     assert ex["eagle_drafter.layers.0.mixer.q_proj"] == "'mtp*' -> 'eagle_drafter*'"
     assert not any(k.startswith("model.layers.0.") for k in ex)
     assert not any(n.startswith("mtp.") for n in model.prequant_weights)
+
+
+def test_modelopt_deepseek_style_mtp_layer_excluded_as_nvidia_ships_it(tmp_path):
+    """NVIDIA's ModelOpt exports of DeepSeek-style targets keep the MTP layer bf16 and exclude
+    it as `model.layers.{L}*` (there is no `mtp.*` module to name); the glob maps into the
+    drafter's namespace only."""
+    path = make_tiny_quantized("glm4_moe", tmp_path / "q", "nvfp4", mtp_layers=1)
+    n = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    excl = json.loads((path / "hf_quant_config.json").read_text())["quantization"][
+        "exclude_modules"]
+    assert f"model.layers.{n}*" in excl and not any(g.startswith("mtp") for g in excl)
+    model = load_model(path, with_mtp=True)
+    assert model.prequant.excluded["eagle_drafter.layers.0.self_attn.q_proj"] == \
+        f"'model.layers.{n}*' -> 'eagle_drafter.layers.0*'"
+    assert not any(n.startswith("mtp.") for n in model.prequant_weights)
+    assert any(n.startswith("model.layers.0.") for n in model.prequant_weights)
