@@ -144,3 +144,23 @@ def test_mtp_glob_naming_nothing_excludes_nothing_and_real_exclusions_still_refu
     with pytest.raises(CheckpointError, match=r"mtp\.layers\.0\.self_attn\.q_proj\.weight: "
                                               r"quantized in the checkpoint"):
         load_model(bad, with_mtp=True)
+
+
+def test_mtp_fp8_tensor_without_its_scales_is_refused_by_name(ckpt, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from specdeploy.checkpoint import CheckpointError
+
+    path, _ = ckpt("deepseek_v3")
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    n = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    key = f"model.layers.{n}.self_attn.o_proj.weight"
+    with safe_open(str(path / "model.safetensors"), framework="pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys() if k != key + "_scale_inv"}
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{key}'? is torch.float8_e4m3fn but has no "
+                                              "scales"):
+        load_model(bad, with_mtp=True)
