@@ -189,8 +189,11 @@ def _defer_blocks(model: nn.Module, blocks: dict, params: dict, source
     for name, w in blocks.items():
         if name not in params:
             continue
-        scales = w.blocks.view(w.shape[0], -1, KINDS[w.kind][1])[..., scale_bytes(w.kind)]
-        if not bool(torch.isfinite(scales.contiguous().view(torch.float16)).all()):
+        where = scale_bytes(w.kind)  # (None: MXFP4's E8M0 scales, all finite)
+        scales = None if where is None else w.blocks.view(w.shape[0], -1, KINDS[w.kind][1])[
+            ..., where]
+        if scales is not None and not bool(
+                torch.isfinite(scales.contiguous().view(torch.float16)).all()):
             raise CheckpointError(f"{source}: tensor {name!r} has non-finite block scales")
         out[name] = placeholder(w.shape)
         p = nn.Parameter(out[name], requires_grad=False)
