@@ -1,5 +1,6 @@
 """MXFP4 blocks (ggml type 39) on the tiled integer-dot kernels (ops/ggml_tiled.c), each ISA path
-this CPU runs, against oracles the kernel did not produce:
+this CPU runs, and on the exact fp32 kernel (ops/ggml_kernels.c), against oracles the kernels did
+not produce:
 
 1. the same values written here as Q8_0 blocks (this file's own doubled-E2M1 table, fp16 d =
    2^(e - 128)) through the Q8_0 tiled kernel: bit-identical, since the integer block sums and
@@ -9,7 +10,8 @@ this CPU runs, against oracles the kernel did not produce:
    bit-identical;
 3. gguf-py's MXFP4 dequantization for the tiled copy's rows: bit-identical.
 
-Plus: scalar = AVX2 at rows 1..9, a row alone = in a batch, 1 thread = 2 threads.
+Plus: scalar = AVX2 at rows 1..9, a row alone = in a batch, 1 thread = 2 threads. The exact
+kernel: the Q8_0 copy's outputs and gguf-py's values (dequantize, embedding rows), bit for bit.
 """
 from __future__ import annotations
 
@@ -150,3 +152,27 @@ def test_other_kinds_are_refused_by_repack():
     raw = np.zeros((16, 144), np.uint8)
     with pytest.raises(ValueError, match="no tiled kernel for q4_k"):
         gt.repack(gl.make_weight("q4_k", torch.from_numpy(raw), (16, 256)))
+
+
+def test_exact_kernel_equals_the_q8_0_one_and_gguf_values():
+    """kernels="exact": the same fp32 weights as the Q8_0 copy (so the same outputs, bit for
+    bit, at every row group size), and `dequantize` / `ggml_embedding` give gguf-py's values."""
+    if gl.kernel_unavailable():
+        pytest.skip(gl.kernel_unavailable())
+    for n, k in SHAPES[1:]:
+        raw = _raw(n, k, range(104, 144), seed=k)
+        mx = gl.make_weight("mxfp4", torch.from_numpy(raw), (n, k))
+        q8 = gl.make_weight("q8_0", torch.from_numpy(_as_q8_0(raw)), (n, k))
+        x = _x(9, k, seed=n)
+        for rows in range(1, 10):
+            assert torch.equal(gl.ggml_linear(x[:rows], mx), gl.ggml_linear(x[:rows], q8))
+    raw = _raw(40, 96, E_EDGES, seed=8)
+    w = gl.make_weight("mxfp4", torch.from_numpy(raw), (40, 96))
+    with np.errstate(over="ignore"):
+        want = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4))
+    assert torch.equal(gl.dequantize(w).view(torch.int32), want.view(torch.int32))
+    ids = torch.tensor([[39, 0], [7, 7]])
+    assert torch.equal(gl.ggml_embedding(ids, w).view(torch.int32), want[ids].view(torch.int32))
+    stacked = gl.make_weight("mxfp4", torch.from_numpy(raw).view(2, 20, -1), (2, 20, 96))
+    assert torch.equal(gl.dequantize(stacked).view(torch.int32), want.view(2, 20, 96).view(
+        torch.int32))
