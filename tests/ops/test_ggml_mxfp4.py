@@ -115,7 +115,7 @@ def test_every_scale_equals_the_emulation(isa, e):
 
 def test_rows_are_gguf_values():
     """tiled_rows (the embedding / dequantized-weight path) gives gguf-py's MXFP4 values, bit
-    for bit (signed zeros, e = 0 and 1's subnormals), and the Q8_0 copy's."""
+    for bit (e = 0 and 1: subnormals; code 8 is +0 as ggml reads it), and the Q8_0 copy's."""
     raw = _raw(48, 96, E_EDGES, seed=3)
     got = gt.tiled_rows(_weight("mxfp4", raw, 96), torch.arange(48)).numpy()
     with np.errstate(over="ignore"):  # e = 254: 12 * 2^126 is inf in fp32 (so in ours)
