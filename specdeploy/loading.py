@@ -159,10 +159,11 @@ def load_model_from_reader(
         fam.checkpoint_to_params(reader, cfg)
     if prequant is not None:
         params = reader.wrap_params(params, prequant)
-    # GGUF Q4_0 / Q4_1 / Q8_0 weights also keep their blocks: the deploy pipeline's CPU kernels
-    # compute with them (deploy/passes/ggml_linears.py); only for fp32 loads, whose values they
-    # match exactly. Per-rank loading too: the kernels find blocks by the loaded tensor, and
-    # the shard transform cuts a weight's blocks with its slice (deploy/shard_slice.py)
+    # GGUF Q4_0 / Q4_1 / Q8_0 / MXFP4 / K-quant weights also keep their blocks: the deploy
+    # pipeline's CPU kernels compute with them (deploy/passes/ggml_linears.py); only for fp32
+    # loads, whose values they match exactly. Per-rank loading too: the kernels find blocks by
+    # the loaded tensor, and the shard transform cuts a weight's blocks with its slice
+    # (deploy/shard_slice.py)
     blocks = _ggml_weights(model, reader, params) if torch_dtype == torch.float32 else {}
     deferred = {}
     # NOTE: the kernel is asked for only when there are blocks (no warning for other formats)
