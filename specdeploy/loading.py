@@ -159,10 +159,11 @@ def load_model_from_reader(
         fam.checkpoint_to_params(reader, cfg)
     if prequant is not None:
         params = reader.wrap_params(params, prequant)
-    # GGUF Q4_0 / Q4_1 / Q8_0 weights also keep their blocks: the deploy pipeline's CPU kernels
-    # compute with them (deploy/passes/ggml_linears.py); only for fp32 loads, whose values they
-    # match exactly. Per-rank loading too: the kernels find blocks by the loaded tensor, and
-    # the shard transform cuts a weight's blocks with its slice (deploy/shard_slice.py)
+    # GGUF Q4_0 / Q4_1 / Q8_0 / MXFP4 / K-quant weights also keep their blocks: the deploy
+    # pipeline's CPU kernels compute with them (deploy/passes/ggml_linears.py); only for fp32
+    # loads, whose values they match exactly. Per-rank loading too: the kernels find blocks by
+    # the loaded tensor, and the shard transform cuts a weight's blocks with its slice
+    # (deploy/shard_slice.py)
     blocks = _ggml_weights(model, reader, params) if torch_dtype == torch.float32 else {}
     deferred = {}
     # NOTE: the kernel is asked for only when there are blocks (no warning for other formats)
@@ -189,8 +190,11 @@ def _defer_blocks(model: nn.Module, blocks: dict, params: dict, source
     for name, w in blocks.items():
         if name not in params:
             continue
-        scales = w.blocks.view(w.shape[0], -1, KINDS[w.kind][1])[..., scale_bytes(w.kind)]
-        if not bool(torch.isfinite(scales.contiguous().view(torch.float16)).all()):
+        where = scale_bytes(w.kind)  # (None: MXFP4's E8M0 scales, all finite)
+        scales = None if where is None else w.blocks.view(w.shape[0], -1, KINDS[w.kind][1])[
+            ..., where]
+        if scales is not None and not bool(
+                torch.isfinite(scales.contiguous().view(torch.float16)).all()):
             raise CheckpointError(f"{source}: tensor {name!r} has non-finite block scales")
         out[name] = placeholder(w.shape)
         p = nn.Parameter(out[name], requires_grad=False)

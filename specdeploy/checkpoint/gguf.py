@@ -226,8 +226,8 @@ class GGUFReader:
         return a
 
     def get_blocks(self, name: str):
-        """`GGMLWeight` (its raw Q4_0 / Q4_1 / Q8_0 blocks, rows in HF order) of a 2-D tensor,
-        or of stacked experts [E, N, K], stored in one of those types, else None: what
+        """`GGMLWeight` (its raw blocks, rows in HF order) of a 2-D tensor, or of stacked
+        experts [E, N, K], stored in a type of _BLOCK_KINDS (MXFP4 included), else None: what
         `ops/ggml_linear.py` computes with. None too where the converter moved the tensor's
         values in a way whole block rows cannot undo (`blocks_hf`)."""
         from specdeploy.ops.ggml_linear import make_weight
@@ -251,16 +251,11 @@ class GGUFReader:
         from specdeploy.ops.ggml_linear import make_weight
 
         info = self.tensor_infos.get(gguf_name)
-        mxfp4 = info is not None and info.ggml_type == gguf_mxfp4.MXFP4_TYPE
-        kind = "q8_0" if mxfp4 else _BLOCK_KINDS.get(info.ggml_type) if info else None
+        kind = _BLOCK_KINDS.get(info.ggml_type) if info else None
         if kind is None or len(info.shape) not in (2, 3):
             return None
         raw = np.asarray(self._data[info.offset:info.offset + info.nbytes]).reshape(
             *info.shape[:-1], -1)
-        if mxfp4:  # as Q8_0 blocks of the same values (checkpoint/gguf_mxfp4.py), or values
-            raw = gguf_mxfp4.mxfp4_to_q8_0(raw)
-            if raw is None:
-                return None
         raw = self._unpermute(info.name, raw)
         blocks_hf = getattr(self._arch, "blocks_hf", None)
         cols = None
@@ -295,8 +290,10 @@ class GGUFReader:
 
 
 _MERGED_ROW = 131072
-# ggml types the kernels in ops/ggml_kernels.c read
-_BLOCK_KINDS = {2: "q4_0", 3: "q4_1", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
+# ggml types the kernels in ops/ggml_kernels.c read (MXFP4: gpt-oss's experts, as stored:
+# checkpoint/gguf_mxfp4.py)
+_BLOCK_KINDS = {2: "q4_0", 3: "q4_1", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k",
+                gguf_mxfp4.MXFP4_TYPE: "mxfp4"}
 
 
 def _unpermute_rotary(a: np.ndarray, n_head: int) -> np.ndarray:

@@ -6,8 +6,8 @@ the experts stacked with gate and up apart: `ffn_{gate,up}_exps.{weight,bias}` [
 [E, H, I]. The released MXFP4 experts stay MXFP4 there (ggml type 39: per 32 values one E8M0
 byte e and 16 bytes, byte j holding element j (low nibble) and j + 16, values ±{0, 1, 2, 3, 4,
 6, 8, 12} x 2^(e - 128), E2M1 doubled); gguf-py dequantizes them exactly (what `get` returns),
-and `get_blocks` gives them as Q8_0 blocks of the same values (checkpoint/gguf_mxfp4.py) for the
-integer-dot kernels (deploy/passes/ggml_experts.py).
+and `get_blocks` gives those blocks as they are (checkpoint/gguf_mxfp4.py) to the CPU's block
+kernels (deploy/passes/ggml_experts.py).
 
 Not in the file, so taken as the releases have them: the clamped SwiGLU's alpha 1.702 and limit
 7 (llama.cpp hard-codes both), YaRN's `truncate: false` (every gpt-oss config; NOTE: llama.cpp's

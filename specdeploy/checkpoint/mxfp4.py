@@ -9,13 +9,13 @@ per 32 elements: w = e2m1 * 2^(scale - 127). The matrix is stored [E, N, K] (out
 kinds of checkpoint alike. Everything else (attention, router, embeddings, head: the config's
 `modules_to_not_convert`) is stored unquantized and reads as it is.
 
-`get_blocks(X)` gives the same values as Q8_0 blocks (exact: checkpoint/gguf_mxfp4.py), which
-the CPU's integer-dot kernels run (deploy/passes/ggml_experts.py; their fp32 copy is then never
-resident). Why values elsewhere rather than MXFP4 itself: no kernel here computes with it, and the
-dequantized value is exact: an E2M1 value has at most two significant bits and 2^(s-127) is a
-power of two within fp32's and bf16's exponent range, so fp32 and bf16 weights hold exactly the
-numbers the released checkpoint means (no re-quantization, no rounding). The price is memory:
-4.25 bits a weight become 16 (bf16) or 32.
+`get_blocks(X)` gives the same values as ggml MXFP4 blocks (17 bytes a block of 32: checkpoint/
+gguf_mxfp4.py), which the CPU's block kernels run as they are (deploy/passes/ggml_experts.py;
+the experts' fp32 copy is then never resident). Where those kernels do not run (another device,
+compile, a bf16 load), the dequantized value is exact: an E2M1 value has at most two significant
+bits and 2^(s-127) is a power of two within fp32's and bf16's exponent range, so fp32 and bf16
+weights hold exactly the numbers the released checkpoint means (no re-quantization, no rounding).
+The price there is memory: 4.25 bits a weight become 16 (bf16) or 32.
 """
 from __future__ import annotations
 
@@ -66,10 +66,10 @@ class Mxfp4Reader:
 
     def get_blocks(self, name: str):
         """The expert matrix `name` as the family's parameter holds it ([E, N, K]; gate_up_proj
-        de-interleaved: gate rows first) in Q8_0 blocks of exactly its values (checkpoint/
-        gguf_mxfp4.py), for the CPU's integer-dot kernels (deploy/passes/ggml_experts.py); None
-        for other tensors, or where a block's scale has no fp16 form (the values are read)."""
-        from specdeploy.checkpoint.gguf_mxfp4 import e2m1_to_q8_0
+        de-interleaved: gate rows first) in ggml MXFP4 blocks of exactly its values (checkpoint/
+        gguf_mxfp4.py), for the CPU's block kernels (deploy/passes/ggml_experts.py); None for
+        other tensors."""
+        from specdeploy.checkpoint.gguf_mxfp4 import ggml_blocks
         from specdeploy.ops.ggml_linear import make_weight
 
         if name in self._r or name + "_blocks" not in self._r:
@@ -80,10 +80,8 @@ class Mxfp4Reader:
         if name.endswith("gate_up_proj"):  # rows: gate at the even ones, up at the odd ones
             codes = torch.cat((codes[:, 0::2], codes[:, 1::2]), 1)
             scales = torch.cat((scales[:, 0::2], scales[:, 1::2]), 1)
-        raw = e2m1_to_q8_0(codes.numpy(), scales.numpy())
-        if raw is None:
-            return None
-        return make_weight("q8_0", torch.from_numpy(raw), (e, n, g * 32))
+        raw = ggml_blocks(codes.numpy(), scales.numpy())
+        return make_weight("mxfp4", torch.from_numpy(raw), (e, n, g * 32))
 
     def _packed(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         if name + "_scales" not in self._r:

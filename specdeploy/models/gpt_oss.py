@@ -7,7 +7,8 @@ biases and a clamped SwiGLU (ops/moe_bias.py).
 Names follow transformers' `modeling_gpt_oss.py`. Checkpoints: full precision
 (`mlp.experts.gate_up_proj` [E, H, 2I] with gate / up interleaved as even / odd columns,
 `down_proj` [E, I, H], their biases) or MXFP4 as released (checkpoint/mxfp4.py reads those
-tensors dequantized, exactly). Here the experts are stored as every other family's fused
+tensors dequantized, exactly, and hands the CPU's block kernels the MXFP4 blocks themselves:
+deploy/passes/ggml_experts.py). Here the experts are stored as every other family's fused
 experts: `gate_up_proj` [E, 2I, H] with the gate rows first, `down_proj` [E, H, I].
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Integer-dot linears over GGUF Q4_1 / Q8_0 / Q4_0 blocks: the "fast" kernels.
+"""Integer-dot linears over GGUF Q4_1 / Q8_0 / Q4_0 blocks (and the K-quants): the "fast" kernels.
 
 `ggml_linear.py`'s exact kernel expands every weight to fp32 and multiply-adds in fp32 (the same
 fp32 model). This one does what llama.cpp does on a CPU: each input row is quantized to 8-bit
@@ -17,7 +17,8 @@ decoding still equals greedy plain decoding within a deployment. Compiled on fir
 the same cache as the exact kernel; where it cannot be built, one warning says why and callers
 keep the exact kernel (or fp32). `ggml_tiled.py` runs this model over weights repacked in tiles
 of 16 outputs (several rows for little more than one); `ggml_linears` uses it wherever a kernel
-call has N % 16 == 0 outputs and keeps this kernel for the others.
+call has N % 16 == 0 outputs and keeps this kernel for the others. MXFP4 has no kernel here
+(INT_KINDS): it runs tiled, or on the exact kernel where it cannot.
 """
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ ISAS = ("scalar", "avx2", "avx512_vnni")  # the C file's ISA_* values, in order
 # VNNI machine (bit-identical to scalar and AVX2, bounds, batch and thread invariance), and
 # bench/linear_rows.py there gave 5.6 ms for 30 layers at 1 row against AVX2's 8.0 ms.
 UNVERIFIED: tuple[str, ...] = ()
+INT_KINDS = ("q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")  # what ggml_kernels_int.c reads
+
+
+def _check_kind(weight: GGMLWeight) -> None:
+    if weight.kind not in INT_KINDS:
+        raise ValueError(f"ggml_linear_int: no per-output integer kernel for {weight.kind} "
+                         f"(kinds: {', '.join(INT_KINDS)}; mxfp4 runs on ggml_tiled or the exact "
+                         "kernel)")
 
 
 @lru_cache(maxsize=1)
@@ -94,6 +103,7 @@ def ggml_linear_int(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | No
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"integer ggml kernels unavailable: {why}")
+    _check_kind(weight)
     isa = default_isa() if isa is None else isa
     if isa not in ISAS:
         raise ValueError(f"isa: one of {', '.join(ISAS)}, got {isa!r}")
@@ -129,6 +139,7 @@ def bound_linear(weight: GGMLWeight, bias: torch.Tensor | None, isa: str):
         raise ValueError(f"isa: one of {', '.join(ISAS)}, got {isa!r}")
     if not lib.ggml_int_isa_supported(ISAS.index(isa)):
         raise ValueError(f"isa {isa!r}: this CPU / build runs {', '.join(supported_isas())}")
+    _check_kind(weight)
     fn, kind, isa_i = lib.ggml_linear_int, KINDS[weight.kind][0], ISAS.index(isa)
     n, k = weight.shape
     blocks = weight.blocks  # NOTE: the closure keeps the blocks alive for their pointer

@@ -1,5 +1,5 @@
-/* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0 and Q4_0, and the
- * K-quants Q4_K, Q5_K and Q6_K (256-value super-blocks; see kquant_values).
+/* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0, Q4_0 and MXFP4, and
+ * the K-quants Q4_K, Q5_K and Q6_K (256-value super-blocks; see kquant_values).
  *
  * Weights stay in their 4.5 / 8.5 bits per value and are expanded in registers; x and y are
  * fp32 and every weight is exactly the fp32 value gguf's dequantization gives (d * q + m), so
@@ -44,9 +44,27 @@ static inline __m256 block_dot(const float *xb, __m256 q0, __m256 q1, __m256 q2,
  *   Q4_1 (20 bytes): d (f16), m (f16), qs[16]; w = d * q + m
  *   Q8_0 (34 bytes): d (f16), qs[32] int8;    w = d * q
  *   Q4_0 (18 bytes): d (f16), qs[16];         w = d * (q - 8)
+ *   MXFP4 (17 bytes): e (E8M0), qs[16];       w = 2^(e - 128) * E2M1X2[q] (ggml's e8m0-half
+ *                     times its doubled E2M1 table: integers times a power of two, exact)
  * In the 4-bit kinds value i is the low nibble of qs[i] and value i + 16 the high one. For Q4_1,
- * y = sum_b d_b * dot(x_b, q_b) + m_b * sum(x_b), the block sums of x precomputed (xsum). */
-enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2 };
+ * y = sum_b d_b * dot(x_b, q_b) + m_b * sum(x_b), the block sums of x precomputed (xsum).
+ * MXFP4's d and integers are those of its Q8_0 rewrite (d = 2^(e - 128) in fp16, q the table's
+ * integer), so both give the same fp32 values and the same bits here. */
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, MXFP4 = 6 };
+
+static const int8_t E2M1X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* ggml_e8m0_to_fp32_half: 2^(e - 128) from its bits (e < 2: fp32 subnormals) */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline int block_bytes(int kind) {
+    return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == MXFP4 ? 17 : 18;
+}
 
 /* One group of rg (<= ROW_GROUP) input rows over output rows t0..t1. `rg` and `kind` are
  * constants at each call (BLOCK_TILE below): the accumulators stay in registers and each kind
@@ -54,8 +72,9 @@ enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2 };
 static inline __attribute__((always_inline)) void block_group(
     const float *x, const float *xsum, int K, const uint8_t *w, int t0, int t1, int N, float *y,
     int r0, const int rg, const int kind) {
-    const int nb = K / 32, bytes = kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : 18;
+    const int nb = K / 32, bytes = block_bytes(kind);
     const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const __m128i table = _mm_loadu_si128((const __m128i *)E2M1X2);
     for (int n = t0; n < t1; n++) {
         const uint8_t *row = w + (size_t)n * nb * bytes;
         __m256 acc[ROW_GROUP];
@@ -66,17 +85,21 @@ static inline __attribute__((always_inline)) void block_group(
         }
         for (int b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * bytes;
-            const __m256 d = _mm256_set1_ps(half_at(blk));
+            const __m256 d = _mm256_set1_ps(kind == MXFP4 ? e8m0_half(blk[0]) : half_at(blk));
             __m128i l, h;  /* the block's 32 values as int8, 0..15 / 16..31 */
             if (kind == Q8_0) {
                 const __m256i qa = _mm256_loadu_si256((const __m256i *)(blk + 2));
                 l = _mm256_castsi256_si128(qa);
                 h = _mm256_extracti128_si256(qa, 1);
             } else {
-                const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (kind == Q4_1 ? 4 : 2)));
+                const __m128i q = _mm_loadu_si128(
+                    (const __m128i *)(blk + (kind == Q4_1 ? 4 : kind == MXFP4 ? 1 : 2)));
                 l = _mm_and_si128(q, mask);
                 h = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-                if (kind == Q4_0) {
+                if (kind == MXFP4) {
+                    l = _mm_shuffle_epi8(table, l);
+                    h = _mm_shuffle_epi8(table, h);
+                } else if (kind == Q4_0) {
                     l = _mm_sub_epi8(l, eight);
                     h = _mm_sub_epi8(h, eight);
                 }
@@ -116,6 +139,7 @@ static inline __attribute__((always_inline)) void block_group(
 BLOCK_TILE(q4_1_tile, Q4_1)
 BLOCK_TILE(q8_0_tile, Q8_0)
 BLOCK_TILE(q4_0_tile, Q4_0)
+BLOCK_TILE(mxfp4_tile, MXFP4)
 
 /* K-quants: 256-value super-blocks (llama.cpp's QK_K), as gguf-py lays them out:
  *   Q4_K (144 bytes): d, dmin (f16), 12 bytes of 6-bit scales / mins for 8 sub-blocks of 32,
@@ -241,7 +265,7 @@ KQUANT_TILE(q6_k_tile, Q6_K)
 #include <omp.h>
 #endif
 
-/* kind: Q4_1, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K (above). x [R, K] and y [R, N] row-major fp32;
+/* kind: Q4_1, Q8_0, Q4_0, MXFP4, Q4_K, Q5_K or Q6_K (above). x [R, K] and y [R, N] row-major fp32;
  * w: N rows of blocks. Returns 0, or -1 when scratch memory could not be had (y untouched). */
 int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N, float *y,
                 int nthreads) {
@@ -274,6 +298,7 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
             else if (kind == Q6_K) q6_k_tile(x, R, K, w, n0, n1, N, y);
             else if (kind == Q4_1) q4_1_tile(x, xsum, R, K, w, n0, n1, N, y);
             else if (kind == Q8_0) q8_0_tile(x, xsum, R, K, w, n0, n1, N, y);
+            else if (kind == MXFP4) mxfp4_tile(x, xsum, R, K, w, n0, n1, N, y);
             else q4_0_tile(x, xsum, R, K, w, n0, n1, N, y);
         }
     }
@@ -287,7 +312,7 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
  * into a reused buffer with this, and embeddings gather their rows from the blocks. */
 void ggml_dequant(int kind, const uint8_t *w, const int64_t *rows, int R, int K, float *out,
                   int nthreads) {
-    if (kind >= Q4_K) {
+    if (kind >= Q4_K && kind <= Q6_K) {
         const int nk = K / 256, kb = kquant_bytes(kind);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int i = 0; i < R; i++) {
@@ -297,16 +322,21 @@ void ggml_dequant(int kind, const uint8_t *w, const int64_t *rows, int R, int K,
         }
         return;
     }
-    const int nb = K / 32, bytes = kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : 18;
+    const int nb = K / 32, bytes = block_bytes(kind);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int i = 0; i < R; i++) {
         const uint8_t *row = w + (size_t)(rows ? rows[i] : i) * nb * bytes;
         float *o = out + (size_t)i * K;
         for (int b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * bytes;
-            const float d = half_at(blk);
+            const float d = kind == MXFP4 ? e8m0_half(blk[0]) : half_at(blk);
             float *ob = o + b * 32;
-            if (kind == Q8_0) {
+            if (kind == MXFP4) {
+                for (int j = 0; j < 16; j++) {
+                    ob[j] = d * (float)E2M1X2[blk[1 + j] & 0x0F];
+                    ob[j + 16] = d * (float)E2M1X2[blk[1 + j] >> 4];
+                }
+            } else if (kind == Q8_0) {
                 for (int j = 0; j < 32; j++) ob[j] = d * (float)(int8_t)blk[2 + j];
             } else if (kind == Q4_1) {
                 const float m = half_at(blk + 2);

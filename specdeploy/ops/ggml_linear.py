@@ -31,9 +31,11 @@ import torch
 from specdeploy.ops.replay_state import capturing
 
 SOURCE = Path(__file__).with_name("ggml_kernels.c")
-# name -> (kernel kind, bytes per block): 32-value blocks, and the K-quants' 256-value ones
+# name -> (kernel kind, bytes per block): 32-value blocks, and the K-quants' 256-value ones;
+# mxfp4: ggml's MXFP4 (gpt-oss's experts: an E8M0 byte, then Q4_0's nibbles of the doubled
+# E2M1 table), on the exact and the tiled kernels only (ggml_int.py refuses it)
 KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18), "q4_k": (3, 144), "q5_k": (4, 176),
-         "q6_k": (5, 210)}
+         "q6_k": (5, 210), "mxfp4": (6, 17)}
 K_QUANTS = ("q4_k", "q5_k", "q6_k")  # exact and integer-dot kernels (not ggml_tiled)
 
 
@@ -42,8 +44,11 @@ def block_values(kind: str) -> int:
     return 256 if kind in K_QUANTS else 32
 
 
-def scale_bytes(kind: str) -> slice:
-    """Where a block of `kind` keeps its fp16 scale(s) (d, and the offset m / dmin)."""
+def scale_bytes(kind: str) -> slice | None:
+    """Where a block of `kind` keeps its fp16 scale(s) (d, and the offset m / dmin); None for
+    mxfp4, whose E8M0 byte is always a finite power of two as ggml reads it."""
+    if kind == "mxfp4":
+        return None
     return slice(208, 210) if kind == "q6_k" else slice(0, 4 if kind in ("q4_1", "q4_k",
                                                                           "q5_k") else 2)
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]
@@ -59,7 +64,7 @@ class GGMLWeight(NamedTuple):
     would split K-quant blocks; where it moves whole blocks `make_weight` reorders the blocks
     instead and there is no gather)."""
 
-    kind: str  # "q4_1" | "q8_0" | "q4_0" | the K-quants
+    kind: str  # "q4_1" | "q8_0" | "q4_0" | the K-quants | "mxfp4"
     blocks: torch.Tensor
     shape: tuple[int, ...]
     gather: torch.Tensor | None = None

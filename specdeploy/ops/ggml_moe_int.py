@@ -1,9 +1,10 @@
 """A MoE layer's routed experts on GGUF blocks in one C call (`ggml_moe_int.c`): the integer-dot
 kernels ("fast") over every chosen expert, the activation and the weighted sum per token, in
-one OpenMP region; Q4_0 / Q4_1 / Q8_0 experts on tiled copies (ggml_tiled.c's grouped call: an
-OpenMP region for all the up matrices, one for the down ones). `deploy/passes/ggml_experts.py`
-uses it with `kernels="fast"`; where it cannot be built (or the row kernels' SiLU is missing)
-the per-expert loop of ggml_linear_int calls stays. SPECDEPLOY_GGML_MOE=0 turns it off.
+one OpenMP region; Q4_0 / Q4_1 / Q8_0 / MXFP4 experts on tiled copies (ggml_tiled.c's grouped
+call: an OpenMP region for all the up matrices, one for the down ones; MXFP4 only there).
+`deploy/passes/ggml_experts.py` uses it with `kernels="fast"`; where it cannot be built (or the
+row kernels' SiLU is missing) the per-expert loop of ggml_linear_int calls stays (MXFP4: per-
+expert tiled calls). SPECDEPLOY_GGML_MOE=0 turns it off.
 gpt-oss's experts (`moe_experts_bias`: biases on the up and down rows, the clamped SwiGLU of
 row_kernels.c) take the same call through its *_ex entry points.
 """
@@ -23,7 +24,7 @@ from specdeploy.ops.ggml_linear import KINDS, GGMLWeight, expert
 
 SOURCE = Path(__file__).with_name("ggml_moe_int.c")
 ACTIVATIONS = ("swiglu", "relu2", "swiglu_oai")  # the C file's ACT_* values, in order
-TILED_KINDS = ("q4_0", "q4_1", "q8_0")  # ggml_tiled.c's
+TILED_KINDS = ggml_tiled.TILED_KINDS
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _ARGS = [_I, _I, _I, _P, _I, _I, _P, _P, _I, _I, _P, _I64, _I, _P, _I64, _I, _I, _P]
 _EX = [_P, _P, _P, _F, _F]  # b_up, b_down, the clamped SwiGLU, alpha, limit
@@ -66,7 +67,7 @@ def _tiled(w: GGMLWeight) -> torch.Tensor:
 
 
 def tiles(up: GGMLWeight, down: GGMLWeight) -> bool:
-    """Whether the experts can run on tiled copies: Q4_0 / Q4_1 / Q8_0, outputs in 16s."""
+    """Whether the experts can run on tiled copies: TILED_KINDS, outputs in 16s."""
     lib = _library()[0]
     return (lib is not None and lib.tiled is not None and up.kind in TILED_KINDS
             and down.kind in TILED_KINDS and up.shape[1] % 16 == 0 and down.shape[1] % 16 == 0)
@@ -102,11 +103,15 @@ def bound_experts(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str,
     args = (KINDS[up.kind][0], KINDS[down.kind][0], ggml_int.ISAS.index(isa))
     if tiled is None:
         tiled = tiles(up, down)
+    if not tiled and "mxfp4" in (up.kind, down.kind):  # (ggml_kernels_int.c has no MXFP4)
+        raise ValueError(f"mxfp4 experts run only tiled (outputs in 16s, the tiled kernel "
+                         f"built); got {up.kind} {tuple(up.shape)} / {down.kind} "
+                         f"{tuple(down.shape)}")
     if tiled:
         if not tiles(up, down):
-            raise ValueError(f"tiled experts: Q4_0 / Q4_1 / Q8_0 with outputs in 16s and the "
-                             f"tiled kernel built; got {up.kind} {tuple(up.shape)} / {down.kind} "
-                             f"{tuple(down.shape)}")
+            raise ValueError(f"tiled experts: {' / '.join(TILED_KINDS)} with outputs in 16s and "
+                             f"the tiled kernel built; got {up.kind} {tuple(up.shape)} / "
+                             f"{down.kind} {tuple(down.shape)}")
         ub, db, fn = _tiled(up), _tiled(down), lib.ggml_moe_tiled
     tail = (e, ub.data_ptr(), ub.stride(0), n_up, db.data_ptr(), db.stride(0), i,
             ACTIVATIONS.index(activation), silu, *((lib.tiled,) if tiled else ()))

@@ -1,4 +1,5 @@
-/* y[R, N] = x[R, K] @ W^T over GGUF weights (Q4_1, Q8_0, Q4_0) repacked in tiles of 16 outputs,
+/* y[R, N] = x[R, K] @ W^T over GGUF weights (Q4_1, Q8_0, Q4_0, MXFP4) repacked in tiles of 16
+ * outputs,
  * x quantized per row to 8-bit blocks of 32 as in ggml_kernels_int.c (d = max|x| / 127 fp32,
  * q = rint(x * 127 / max|x|), Q4_1's offset m meets the fp32 block sum of x, added in a fixed
  * 8-lane order: `quantize_rows`).
@@ -14,6 +15,10 @@
  * Q8_0 stores the 8 groups as signed bytes; 4-bit kinds store groups g (low nibbles) and g + 4
  * (high) in one 64-byte vector, per output GGUF's own qs[4g .. 4g + 3] (low nibble of qs[i] =
  * value i, high = value i + 16): unpacking is one `and` and one `srli_epi16 + and`.
+ * MXFP4 (ggml type 39, gpt-oss's experts: per 32 values an E8M0 byte e, then Q4_0's nibbles,
+ * each an index into the doubled E2M1 table below) keeps its 17 bytes a block: 16 e bytes in
+ * place of the fp16 d, then the nibbles as Q4_0's. Its d_w = 2^(e - 128) (ggml's e8m0-half,
+ * subnormal for e < 2) is made exactly in-kernel, so its products meet the same fp32 steps.
  *
  * Per (output, row, block) the integer dot product p is exact; then, per output lane, in block
  * order: scale = d_w * d_x (one rounding), acc = fma(float(p), scale, acc), for Q4_1 also
@@ -34,13 +39,14 @@
 #include <omp.h>
 #endif
 
-enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2 };             /* ggml_linear.py's KINDS */
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, MXFP4 = 6 }; /* ggml_linear.py's KINDS */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
 #define TILE 16
 /* rows sharing one unpacking of a tile's block: what the accumulators leave of 16 ymm / 32 zmm
  * (AVX2: 2 per row; Q8_0's sign and |w| take one more, and 5 rows spilled there) */
 #define AVX2_ROWS 5
 #define AVX2_ROWS_Q8 4
+#define AVX2_ROWS_MX 4 /* MXFP4: an int32 sum per row besides the int16 one (half_avx2) */
 #define AVX512_ROWS 8
 #define ROW_GROUP 8 /* the most of either */
 
@@ -51,8 +57,23 @@ typedef struct {
     const int32_t *S; /* [R, nb] integer block sums of q (the shift of signed kinds) */
 } act_t;
 
-static int block_bytes(int kind) { return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : 18; }
-static int quant_off(int kind) { return kind == Q4_1 ? 64 : 32; } /* in a tile block */
+static int block_bytes(int kind) {
+    return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == MXFP4 ? 17 : 18;
+}
+static int quant_off(int kind) { return kind == Q4_1 ? 64 : kind == MXFP4 ? 16 : 32; }
+
+/* MXFP4's nibble -> ggml's doubled E2M1 value (kvalues_mxfp4); the kernels look up these + 12
+ * (0..24, unsigned for maddubs) and take 12 * S off the integer sum, as Q4_0 takes 8 * S */
+static const int8_t E2M1X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#define MX_SHIFT 12
+
+/* ggml_e8m0_to_fp32_half: 2^(e - 128) from its bits (exact; e < 2 gives fp32 subnormals) */
+static float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 static float half_to_float(uint16_t h) { /* exact; portable (no F16C) */
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
@@ -124,7 +145,7 @@ static void quantize_rows(const float *x, int R, int K, int8_t *q, float *d, flo
 void ggml_tiled_repack(int kind, const uint8_t *src, int rows, int K, uint8_t *dst, int row0,
                        int nthreads) {
     const int nb = K / 32, bytes = block_bytes(kind), tb = TILE * bytes, qo = quant_off(kind);
-    const int qsrc = kind == Q4_1 ? 4 : 2, vecs = kind == Q8_0 ? 8 : 4;
+    const int qsrc = kind == Q4_1 ? 4 : kind == MXFP4 ? 1 : 2, vecs = kind == Q8_0 ? 8 : 4;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int i = 0; i < rows; i++) {
         const int n = row0 + i, o = n % TILE;
@@ -133,7 +154,8 @@ void ggml_tiled_repack(int kind, const uint8_t *src, int rows, int K, uint8_t *d
         for (int b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * bytes;
             uint8_t *t = tile + (size_t)b * tb;
-            memcpy(t + 2 * o, blk, 2);
+            if (kind == MXFP4) t[o] = blk[0];
+            else memcpy(t + 2 * o, blk, 2);
             if (kind == Q4_1) memcpy(t + 32 + 2 * o, blk + 2, 2);
             for (int j = 0; j < vecs; j++) memcpy(t + qo + 64 * j + 4 * o, blk + qsrc + 4 * j, 4);
         }
@@ -152,7 +174,8 @@ void ggml_tiled_rows(int kind, const uint8_t *w, int K, const int64_t *ids, int 
         float *y = out + (size_t)r * K;
         for (int b = 0; b < nb; b++) {
             const uint8_t *t = tile + (size_t)b * tb, *qs = t + qo + 4 * o;
-            const float d = half_at(t + 2 * o), m = kind == Q4_1 ? half_at(t + 32 + 2 * o) : 0.f;
+            const float d = kind == MXFP4 ? e8m0_half(t[o]) : half_at(t + 2 * o);
+            const float m = kind == Q4_1 ? half_at(t + 32 + 2 * o) : 0.f;
             float *yb = y + b * 32;
             for (int g = 0; g < 8; g++)
                 for (int i = 0; i < 4; i++) {
@@ -161,7 +184,8 @@ void ggml_tiled_rows(int kind, const uint8_t *w, int K, const int64_t *ids, int 
                     else {
                         const uint8_t byte = qs[64 * (g & 3) + i];
                         const int q = g < 4 ? byte & 0x0F : byte >> 4;
-                        v = kind == Q4_1 ? d * (float)q + m : d * (float)(q - 8);
+                        v = kind == Q4_1 ? d * (float)q + m
+                            : d * (float)(kind == MXFP4 ? E2M1X2[q] : q - 8);
                     }
                     yb[4 * g + i] = v;
                 }
@@ -189,10 +213,13 @@ static void tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_t *
                             else {
                                 const uint8_t byte = qs[64 * (g & 3) + i];
                                 wv = (g < 4 ? byte & 0x0F : byte >> 4) - (kind == Q4_0 ? 8 : 0);
+                                if (kind == MXFP4) wv = E2M1X2[wv] + MX_SHIFT;
                             }
                             p += wv * qx[4 * g + i];
                         }
-                    const float scale = half_at(blk + 2 * o) * a->d[rb];
+                    if (kind == MXFP4) p -= MX_SHIFT * a->S[rb];
+                    const float dw = kind == MXFP4 ? e8m0_half(blk[o]) : half_at(blk + 2 * o);
+                    const float scale = dw * a->d[rb];
                     acc = fmaf((float)p, scale, acc);
                     if (kind == Q4_1) macc = fmaf(half_at(blk + 32 + 2 * o), a->s[rb], macc);
                 }
@@ -219,6 +246,10 @@ static inline int32_t group_at(const int8_t *q) { /* 4 activation bytes as one i
  * pairs) and madd with ones. 4-bit weights are 0..15: a pair is <= 2 * 15 * 127 and the 8
  * groups' pairs add up in int16 without saturating (<= 30480) before one madd. Q8_0 goes in as
  * |w| times sign(q, w) (a pair <= 2 * 128 * 127 < 32767; w + 128 would saturate).
+ * MXFP4 goes in as table + 12 (pshufb of the nibbles, 0..24): a pair is <= 2 * 24 * 128 = 6144
+ * (|q| <= 128: -128 only in a non-finite row), so 5 maddubs results would still fit int16
+ * (30720) but 6 would not (36864); a row adds the 4 of two groups g (low and high nibbles of
+ * j = 2 jp, 2 jp + 1: <= 24576), then madds them into int32; 12 * S comes off there, exactly.
  * 16 ymm: a block's 8 unpacked weight vectors (+ 8 |w|) held for all rows spilled, so one
  * lives only while the rows use it (a load: groups j and j + 4, or a Q8_0 group and |w|), a
  * row holds its block's integer sum and acc, and Q4_1's macc = sum_b m_b * s_b runs in a pass
@@ -227,36 +258,59 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
                                 int r0, const int rg, const int kind, const int h) {
     const int nb = K / 32, tb = TILE * block_bytes(kind), qo = quant_off(kind);
     const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(
+        12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)); /* E2M1X2 + MX_SHIFT */
     __m256 acc[ROW_GROUP], macc[ROW_GROUP];
     for (int r = 0; r < rg; r++) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        /* half h: scales 16 h bytes on, quants 32 h bytes on in every 64-byte vector */
-        const uint8_t *blk = tile + (size_t)b * tb + 16 * h, *qs = blk + 16 * h + qo;
+        /* half h: scales 16 h bytes on (MXFP4's e: 8 h), quants 32 h on in every 64-byte vector */
+        const uint8_t *base = tile + (size_t)b * tb, *qs = base + qo + 32 * h;
         const int8_t *qx = a->q + (size_t)r0 * K + 32 * b; /* row r0 + r: qx + r * K */
-        __m256i p[ROW_GROUP]; /* Q8_0: int32 sums; 4-bit kinds: int16, exact in any order */
-        for (int r = 0; r < rg; r++) p[r] = _mm256_setzero_si256();
+        __m256i p[ROW_GROUP], p16[ROW_GROUP]; /* int32 (Q8_0, MXFP4) / int16 sums, exact */
+        for (int r = 0; r < rg; r++) p[r] = p16[r] = _mm256_setzero_si256();
         for (int j = 0; j < (kind == Q8_0 ? 8 : 4); j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * j));
-            const __m256i w0 = kind == Q8_0 ? _mm256_abs_epi8(v) : _mm256_and_si256(v, mask);
-            const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            __m256i w0 = kind == Q8_0 ? _mm256_abs_epi8(v) : _mm256_and_si256(v, mask);
+            __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            if (kind == MXFP4) w0 = _mm256_shuffle_epi8(lut, w0), w1 = _mm256_shuffle_epi8(lut, w1);
             for (int r = 0; r < rg; r++) {
                 const int8_t *qr = qx + (size_t)r * K + 4 * j;
                 const __m256i x = _mm256_set1_epi32(group_at(qr));
-                p[r] = kind == Q8_0
-                    ? _mm256_add_epi32(p[r], _mm256_madd_epi16(
-                          _mm256_maddubs_epi16(w0, _mm256_sign_epi8(x, v)), ones))
-                    : _mm256_add_epi16(p[r], _mm256_add_epi16(_mm256_maddubs_epi16(w0, x),
-                          _mm256_maddubs_epi16(w1, _mm256_set1_epi32(group_at(qr + 16)))));
-                KEEP(p[r]);
+                if (kind == Q8_0) {
+                    p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(w0, _mm256_sign_epi8(x, v)), ones));
+                    KEEP(p[r]);
+                    continue;
+                }
+                p16[r] = _mm256_add_epi16(p16[r], _mm256_add_epi16(_mm256_maddubs_epi16(w0, x),
+                    _mm256_maddubs_epi16(w1, _mm256_set1_epi32(group_at(qr + 16)))));
+                if (kind == MXFP4 && (j & 1)) { /* 4 results in int16: into int32 now */
+                    p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(p16[r], ones));
+                    p16[r] = _mm256_setzero_si256();
+                    KEEP(p[r]);
+                }
+                KEEP(p16[r]);
             }
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256 dw;
+        if (kind == MXFP4) { /* e8m0_half per lane: (e - 1) << 23, or 0x00200000 << e for e < 2 */
+            const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(base + 8 * h)));
+            const __m256i one = _mm256_set1_epi32(1);
+            dw = _mm256_castsi256_ps(_mm256_blendv_epi8(
+                _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e),
+                _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23), _mm256_cmpgt_epi32(e, one)));
+        } else {
+            dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(base + 16 * h)));
+        }
         const __m256 m = kind == Q4_1 && !MACC_PASS(rg)
-            ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32))) : _mm256_setzero_ps();
+            ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(base + 16 * h + 32)))
+            : _mm256_setzero_ps();
         for (int r = 0; r < rg; r++) {
             const size_t rb = (size_t)(r0 + r) * nb + b;
-            if (kind != Q8_0) p[r] = _mm256_madd_epi16(p[r], ones);
+            if (kind == Q4_1 || kind == Q4_0) p[r] = _mm256_madd_epi16(p16[r], ones);
             if (kind == Q4_0) p[r] = _mm256_sub_epi32(p[r], _mm256_set1_epi32(8 * a->S[rb]));
+            if (kind == MXFP4)
+                p[r] = _mm256_sub_epi32(p[r], _mm256_set1_epi32(MX_SHIFT * a->S[rb]));
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[rb]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[r]), scale, acc[r]);
             if (kind == Q4_1 && !MACC_PASS(rg))
@@ -400,6 +454,7 @@ AVX2_ATTR INLINE void tile_avx2(const act_t *a, int K, const uint8_t *tile, int 
 TILES_FN(q4_1_avx2, tile_avx2, Q4_1, AVX2_ROWS, AVX2_ATTR)
 TILES_FN(q8_0_avx2, tile_avx2, Q8_0, AVX2_ROWS_Q8, AVX2_ATTR)
 TILES_FN(q4_0_avx2, tile_avx2, Q4_0, AVX2_ROWS, AVX2_ATTR)
+TILES_FN(mxfp4_avx2, tile_avx2, MXFP4, AVX2_ROWS_MX, AVX2_ATTR)
 TILES_FN(q4_1_avx512, tile_avx512, Q4_1, AVX512_ROWS, AVX512_ATTR)
 TILES_FN(q8_0_avx512, tile_avx512, Q8_0, AVX512_ROWS, AVX512_ATTR)
 TILES_FN(q4_0_avx512, tile_avx512, Q4_0, AVX512_ROWS, AVX512_ATTR)
@@ -573,6 +628,9 @@ static int amx_usable(void) { return 0; }
  * amx_usable (0: never). Off until ggml_tiled.py sets them. */
 static int amx_min_rows[3] = {0, 0, 0};
 
+/* kind's AMX threshold; 0 (never) for MXFP4, which has no AMX / AVX-512 code (below) */
+static int amx_rows(int kind) { return kind >= 0 && kind <= 2 ? amx_min_rows[kind] : 0; }
+
 int ggml_tiled_amx_usable(void) { return amx_usable(); }
 
 /* sets kind's row threshold (rows < 0: only reads it; 0 turns AMX off; a threshold stays 0
@@ -609,7 +667,12 @@ static void run_tiles(int kind, int isa, int amx, uint8_t *wb, const act_t *a, i
     static const tiles_fn simd[2][3] = {{q4_1_avx2, q8_0_avx2, q4_0_avx2},      /* by kind */
                                         {q4_1_avx512, q8_0_avx512, q4_0_avx512}};
     static const amx_fn amx_fns[3] = {q4_1_amx, q8_0_amx, q4_0_amx};
-    if (amx) amx_fns[kind](a, R, K, w, t0, t1, N, y, wb);
+    /* NOTE: MXFP4 ships scalar and AVX2 only (the machines it was tested on have no AVX-512 /
+     * AMX); the avx512_vnni ISA runs its AVX2 path, which every AVX-512 CPU has, and the same
+     * bits as everywhere */
+    if (kind == MXFP4 && isa != ISA_SCALAR) mxfp4_avx2(a, R, K, w, t0, t1, N, y);
+    else if (kind == MXFP4) tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
+    else if (amx) amx_fns[kind](a, R, K, w, t0, t1, N, y, wb);
     else if (isa == ISA_AVX2 || isa == ISA_AVX512) simd[isa - 1][kind](a, R, K, w, t0, t1, N, y);
     else
 #endif
@@ -617,7 +680,7 @@ static void run_tiles(int kind, int isa, int amx, uint8_t *wb, const act_t *a, i
     (void)isa, (void)amx, (void)wb;
 }
 
-/* kind: Q4_1, Q8_0 or Q4_0; x [R, K] and y [R, N] row-major fp32, N % 16 == 0, K % 32 == 0;
+/* kind: Q4_1, Q8_0, Q4_0 or MXFP4; x [R, K] and y [R, N] row-major fp32, N % 16 == 0, K % 32 == 0;
  * w: the tiled copy. Returns 0, -1 when scratch memory could not be had, -2 for an ISA this
  * build / CPU cannot run, -3 for N % 16 != 0 (y untouched then). */
 int ggml_tiled_linear(int kind, int isa, const float *x, int R, int K, const uint8_t *w, int N,
@@ -627,7 +690,7 @@ int ggml_tiled_linear(int kind, int isa, const float *x, int R, int K, const uin
     const int nb = K / 32, tiles = N / TILE;
     /* one allocation: q (R * K bytes), then d, s, S (R * nb 4-byte values each), then AMX's
      * unpacking buffers (4-bit kinds: nb * 512 bytes a thread), 64-aligned */
-    const int amx = isa == ISA_AVX512 && amx_min_rows[kind] && R >= amx_min_rows[kind];
+    const int amx = isa == ISA_AVX512 && amx_rows(kind) && R >= amx_rows(kind);
     const size_t qbytes = ((size_t)R * K + 63) / 64 * 64;
     const size_t fbytes = (12 * (size_t)R * nb + 63) / 64 * 64;
     const size_t wbytes = amx && kind != Q8_0 ? (size_t)nb * 512 : 0;
@@ -672,7 +735,7 @@ int ggml_tiled_grouped(int kind, int isa, const float *x, int R, int K, const in
     int amx_any = 0;
     for (int e = 0; e < E; e++) {
         const int64_t n = start[e + 1] - start[e];
-        amx_any |= isa == ISA_AVX512 && amx_min_rows[kind] && n >= amx_min_rows[kind];
+        amx_any |= isa == ISA_AVX512 && amx_rows(kind) && n >= amx_rows(kind);
     }
     const size_t qbytes = ((size_t)R * K + 63) / 64 * 64;
     const size_t fbytes = (12 * (size_t)R * nb + 63) / 64 * 64;
@@ -701,7 +764,7 @@ int ggml_tiled_grouped(int kind, int isa, const float *x, int R, int K, const in
         for (int e = 0; e < E && t0 < t1; e++) {
             const int64_t s0 = start[e], n = start[e + 1] - s0;
             if (!n) continue;
-            const int amx = isa == ISA_AVX512 && amx_min_rows[kind] && n >= amx_min_rows[kind];
+            const int amx = isa == ISA_AVX512 && amx_rows(kind) && n >= amx_rows(kind);
             const act_t a = {(const int8_t *)scratch + s0 * K, d + s0 * nb, s + s0 * nb,
                              S + s0 * nb};
             run_tiles(kind, isa, amx, wb, &a, (int)n, K, w + (size_t)e * stride, t0, t1, N,

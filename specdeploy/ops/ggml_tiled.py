@@ -43,13 +43,15 @@ TILE = 16
 # 2-core Xeon with AMX (2026-12-05, bench/linear_rows.py): Q8_0 (the lm_head) from ~6 rows,
 # the 4-bit kinds, whose nibbles AMX needs unpacked to bytes, from ~32.
 AMX_MIN_ROWS = {"q4_1": 32, "q8_0": 8, "q4_0": 32}
+# the kinds ggml_tiled.c runs; mxfp4 on its scalar and AVX2 code (avx512_vnni runs the AVX2 one)
+TILED_KINDS = ("q4_0", "q4_1", "q8_0", "mxfp4")
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
 class TiledWeight(NamedTuple):
     """A [N, K] weight repacked in tiles of 16 outputs (`packed`: uint8 [N / 16, tile bytes])."""
 
-    kind: str  # "q4_1" | "q8_0" | "q4_0"
+    kind: str  # one of TILED_KINDS
     packed: torch.Tensor
     shape: tuple[int, int]
 
@@ -135,6 +137,9 @@ def repack(weight: GGMLWeight | list[GGMLWeight]) -> TiledWeight:
     if len(kinds) != 1:
         raise ValueError(f"tiled repack: cannot stack mixed kinds / input sizes {sorted(kinds)}")
     (kind, k), n = kinds.pop(), sum(w.shape[0] for w in members)
+    if kind not in TILED_KINDS:
+        raise ValueError(f"tiled repack: no tiled kernel for {kind} (tiled: "
+                         f"{', '.join(TILED_KINDS)})")
     if n % TILE:
         raise ValueError(f"tiled repack: {n} outputs (shape {(n, k)}) are not a multiple of "
                          f"{TILE}")

@@ -1,4 +1,4 @@
-"""gpt-oss on the CPU fast path (`kernels="fast"`, MXFP4 experts as Q8_0 blocks): the fusions
+"""gpt-oss on the CPU fast path (`kernels="fast"`, MXFP4 experts as MXFP4 blocks): the fusions
 that take its layers give the unfused graph's bits, and its decode / verify steps replay as CPU
 graphs.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from specdeploy.deploy.passes.pack_linears import packable
-from specdeploy.ops import ggml_int
+from specdeploy.ops import ggml_int, ggml_tiled
 from specdeploy.ops.ggml_linear import (
     GGMLWeight,
     dequantize,
@@ -14,7 +14,13 @@ from specdeploy.ops.ggml_linear import (
     ggml_linear,
     scratch,
 )
-from specdeploy.ops.ggml_tiled import TiledMember, TiledWeight, member_rows, tiled_linear_fn
+from specdeploy.ops.ggml_tiled import (
+    TILE,
+    TiledMember,
+    TiledWeight,
+    member_rows,
+    tiled_linear_fn,
+)
 
 # Above this many rows the fp32 GEMM wins for the exact kernel (bench/results/
 # linear_rows_q4_1.json: about even at 16 rows, fp32 ahead at 32). The integer-dot kernels
@@ -32,6 +38,8 @@ def ggml_linear_fn(weight: GGMLWeight, members: list[GGMLWeight], bias: torch.Te
     count; else the exact kernel up to MAX_ROWS rows, above that `dequant_linear` per fused
     member (views of `weight`'s rows), concatenated along the output."""
     bias = None if bias is None else bias.detach()
+    if isa is not None and weight.kind not in ggml_int.INT_KINDS:
+        return exact_fn(weight, bias)
     if isa is not None:
         # NOTE: every row count, K-quants too (slower than the fp32 GEMM above ~16 rows:
         # bench/results/kquant_rows_amx_1205.json): "fast" is another model than the fp32 one,
@@ -51,6 +59,28 @@ def ggml_linear_fn(weight: GGMLWeight, members: list[GGMLWeight], bias: torch.Te
                           for m, a in zip(members, starts)], -1)
 
     return linear_on_blocks
+
+
+def exact_fn(weight: GGMLWeight, bias: torch.Tensor | None):
+    """x -> x @ W^T (+ bias) on the exact kernel at every row count: a "fast" deployment's
+    MXFP4 weights that no tiled copy runs (outputs not in 16s; ggml_int has no MXFP4 kernel).
+    NOTE: no GEMM above MAX_ROWS: a row gets the same function whatever the rows beside it."""
+
+    def linear_on_blocks(x: torch.Tensor) -> torch.Tensor:
+        return ggml_linear(x, weight, bias)
+
+    return linear_on_blocks
+
+
+def expert_fast_fn(weight: GGMLWeight, bias: torch.Tensor | None, isa: str):
+    """An expert matrix's "fast" linear (the per-expert loop of deploy/passes/ggml_experts.py):
+    the integer-dot kernel; MXFP4, which has none there, on its tiled copy (outputs in 16s: the
+    one-call kernel's numbers), else `exact_fn`."""
+    if weight.kind in ggml_int.INT_KINDS:
+        return ggml_int.bound_linear(weight, bias, isa)
+    if weight.shape[0] % TILE == 0 and ggml_tiled.kernel_unavailable() is None:
+        return tiled_linear_fn(ggml_tiled.repack(weight), bias, isa)
+    return exact_fn(weight, bias)
 
 
 def dequant_linear(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | None

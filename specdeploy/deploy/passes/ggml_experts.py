@@ -9,8 +9,9 @@ where this runs, never writes their fp32 values (`model.ggml_deferred`). Each `m
 whose two expert weights have blocks becomes a call that runs each chosen expert's matrices
 on its blocks: with `ctx.kernels="exact"` the fp32 kernel up to MAX_ROWS rows an expert and
 above that the expert's matrix dequantized into the reused buffer (as `ggml_linears`), with
-"fast" the integer-dot kernel (8-bit activations, as llama.cpp) at every row count, the whole
-layer in one C call (ops/ggml_moe_int.py) where that is built. Either way each token's rows are
+"fast" the integer-dot kernel (8-bit activations, as llama.cpp; MXFP4 experts, which only the
+tiled kernel reads, on their tiled copies) at every row count, the whole layer in one C call
+(ops/ggml_moe_int.py) where that is built. Either way each token's rows are
 computed alone, so greedy speculative = greedy plain. A weight matches by
 identity with the loaded parameter; one a transform replaced keeps its path.
 
@@ -25,10 +26,10 @@ from torch import fx
 
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.graph import attr_tensor, drop_unread_params
-from specdeploy.deploy.passes.ggml_calls import MAX_ROWS, dequant_linear
+from specdeploy.deploy.passes.ggml_calls import MAX_ROWS, dequant_linear, expert_fast_fn
 from specdeploy.deploy.passes.ggml_linears import _fast_isa, _not_here, _weight_map
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
-from specdeploy.ops import ggml_int, ggml_moe_int, row_kernels
+from specdeploy.ops import ggml_moe_int, row_kernels
 from specdeploy.ops.ggml_linear import (
     GGMLWeight,
     expert,
@@ -57,7 +58,7 @@ def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | Non
         if isa is not None:  # every row count (see ggml_calls.ggml_linear_fn)
             fn = bound.get((e, which))
             if fn is None:  # NOTE: bound once per expert matrix, on first use
-                fn = bound[(e, which)] = ggml_int.bound_linear(w, None, isa)
+                fn = bound[(e, which)] = expert_fast_fn(w, None, isa)
             return fn(x.contiguous())
         if x.shape[0] <= MAX_ROWS:
             return ggml_linear(x.contiguous(), w)
@@ -101,7 +102,7 @@ def experts_bias_fn(up: GGMLWeight, b_up: torch.Tensor, down: GGMLWeight, b_down
         if isa is not None:
             fn = bound.get((e, which))
             if fn is None:  # NOTE: bound once per expert matrix, on first use
-                fn = bound[(e, which)] = ggml_int.bound_linear(w, b, isa)
+                fn = bound[(e, which)] = expert_fast_fn(w, b, isa)
             return fn(x.contiguous())
         y = ggml_linear(x.contiguous(), w) if x.shape[0] <= MAX_ROWS else dequant_linear(
             x, w, None)
@@ -134,7 +135,7 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
     weights = _weight_map(ctx) if ctx.model is not None else {}
     stacked = {k: w for k, w in weights.items() if len(w.shape) == 3}
     if not stacked:
-        return Skipped("no routed experts in GGUF Q4_0 / Q4_1 / Q8_0 blocks")
+        return Skipped("no routed experts in GGUF / MXFP4 blocks")
     why = kernel_unavailable()
     if why:
         return Skipped(f"kernel unavailable: {why}")

@@ -1,5 +1,5 @@
-"""Linears whose weights came from GGUF Q4_0 / Q4_1 / Q8_0 blocks (and the K-quants Q4_K / Q5_K /
-Q6_K) compute with those blocks on the CPU.
+"""Linears whose weights came from GGUF Q4_0 / Q4_1 / Q8_0 / MXFP4 blocks (and the K-quants Q4_K /
+Q5_K / Q6_K) compute with those blocks on the CPU.
 
 A decode step streams every weight once; the default model's are 540 MB as fp32 and 96 MB as
 blocks. `ops/ggml_linear.py` expands each block in registers to the exact fp32 weight values,
@@ -19,7 +19,8 @@ module). Both keep rows batch-invariant, so greedy speculative = greedy plain ei
 repacked in tiles of 16 outputs (`ops/ggml_tiled.py`: rows share the unpacked weights, so a
 verify step of K + 1 rows costs little more than a decode step); the packed copy replaces the
 blocks, a tied embedding gathers from it, and `model.ggml_weights` then names the members' rows
-of it (`TiledMember`). Other calls keep `ggml_int` on the blocks.
+of it (`TiledMember`). Other calls keep `ggml_int` on the blocks (MXFP4, which it does not read:
+the exact kernel, at every row count).
 
 Linears reading one input (q/k/v, gate/up) share one kernel call, as `fuse_linears` does for
 fp32 weights. A weight matches by identity with the loaded parameter that has blocks
@@ -106,7 +107,7 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     weights = _weight_map(ctx) if ctx.model is not None else {}
     deferred = deferred_ptrs(ctx.model)
     if not weights:
-        return Skipped("no GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights")
+        return Skipped("no GGUF Q4_0 / Q4_1 / Q8_0 / MXFP4 / Q4_K / Q5_K / Q6_K weights")
     why = kernel_unavailable()
     if why:
         return Skipped(f"kernel unavailable: {why}")
