@@ -153,6 +153,14 @@ def _new_family(kind: str, path):
         from specdeploy.models import gpt_oss
 
         return gpt_oss.make_tiny(path, seed=0)
+    if kind == "deepseek_v3":  # MLA (value heads narrower than keys), MTP layer
+        from specdeploy.models import deepseek_v3
+
+        return deepseek_v3.make_tiny(path, seed=0, mtp_layers=1)
+    if kind in ("gemma3", "lfm2"):  # softcapped logits, local / global RoPE; short convs
+        from specdeploy.models.registry import family_module
+
+        return family_module(kind).make_tiny(path, seed=0)
     if kind == "qwen3_5_dense":
         return q35.make_tiny(path, seed=0, mtp_layers=1, hf_config=q35.tiny_hf_config(
             1, dense=True))
@@ -160,10 +168,12 @@ def _new_family(kind: str, path):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "qwen3_5_dense", "qwen3_next",
-                                  "glm4_moe", "granite_hybrid", "gpt_oss", "phi3"])
+                                  "glm4_moe", "granite_hybrid", "gpt_oss", "phi3",
+                                  "deepseek_v3", "gemma3", "lfm2"])
 def test_more_families_on_cuda(tmp_path, kind):
     """Qwen2 / Qwen3 / Qwen3-MoE / dense Qwen3.5 / Qwen3-Next / GLM-4.5 / Granite 4.0-H / gpt-oss
-    (sinks and windows on the torch paths off the CPU) / Phi-4-mini's shape: prefill
+    (sinks and windows on the torch paths off the CPU) / Phi-4-mini's shape / DeepSeek-V3
+    (MLA) / Gemma 3 / LFM2: prefill
     logits on CUDA = on the CPU (fp32, 1e-3), and greedy tokens with CUDA graphs = the eager
     CUDA deployment's."""
     from specdeploy import LLM
