@@ -17,6 +17,10 @@ torch.set_num_threads(1)
 # (fla's gated delta rule, causal_conv1d) from the Hub for Qwen3.5 / NemotronH: the oracles
 # must be transformers' own torch code, and tests never reach the network.
 os.environ["USE_HUB_KERNELS"] = "0"
+# the same tiny architectures are built hundreds of times: reuse torch.export's graph of a model
+# whose structure was exported before in this process (deploy/export_cache.py; the first build
+# of each structure, and tests/deploy/test_export_cache.py, run torch.export itself)
+os.environ.setdefault("SPECDEPLOY_EXPORT_CACHE", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

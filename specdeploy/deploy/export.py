@@ -11,6 +11,7 @@ import torch
 from torch import fx, nn
 
 import specdeploy.ops  # noqa: F401  (registers the canonical ops)
+from specdeploy.deploy import export_cache
 
 
 def export_model(
@@ -39,6 +40,13 @@ def export_model(
     if hidden_size is not None:
         args += (torch.zeros(1, example_tokens, hidden_size, dtype=dtype, device=dev),)
         dyn += ({1: tokens},)
+    key = None
+    if export_cache.enabled():
+        key = export_cache.fingerprint(model, (example_tokens, max_tokens, hidden_size, dtype,
+                                               mrope, keep_hints, str(dev)))
+        hit = export_cache.lookup(key, model)
+        if hit is not None:
+            return hit
     with torch.no_grad():
         ep = torch.export.export(model, args, dynamic_shapes=dyn, strict=False)
     gm = _flatten_io(ep.module())
@@ -46,6 +54,7 @@ def export_model(
         from specdeploy.deploy.passes.shard import drop_hints
 
         drop_hints(gm)
+    export_cache.store(key, gm, model)
     return gm
 
 
