@@ -20,7 +20,9 @@ import os
 import torch
 from torch import fx, nn
 
-_GRAPHS: dict[str, tuple[fx.Graph, dict[str, torch.Tensor]]] = {}
+# key -> (graph, tensors the trace made, every parameter / buffer name the fresh module held,
+#         its tracer class)
+_GRAPHS: dict[str, tuple] = {}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
           "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 _SKIP = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training",
@@ -71,15 +73,20 @@ def lookup(key: str | None, model: nn.Module) -> fx.GraphModule | None:
     """A copy of the cached graph bound to `model`'s tensors, or None."""
     if key is None or key not in _GRAPHS:
         return None
-    graph, made = _GRAPHS[key]
-    copy = fx.Graph()
-    copy.output(copy.graph_copy(graph, {}))
+    graph, made, held, tracer_cls = _GRAPHS[key]
+    copy = _copy(graph)
     root: dict[str, object] = {}
     for node in copy.nodes:
         if node.op == "get_attr":
             root[node.target] = (made[node.target].clone() if node.target in made
                                  else _resolve(model, node.target))
     gm = fx.GraphModule(root, copy)
+    # NOTE: a fresh export's module also holds weights its graph does not read (a VLM target's
+    # embedding, read outside the graph); transforms look some of them up by name
+    for name, is_param in held:
+        if _resolve(gm, name, None) is None:
+            _assign(gm, name, _resolve(model, name), is_param)
+    gm._tracer_cls = tracer_cls
     gm.recompile()
     return gm
 
@@ -88,13 +95,37 @@ def store(key: str | None, gm: fx.GraphModule, model: nn.Module) -> None:
     """Keep `gm`'s graph (a copy: transforms rewrite theirs) and the tensors its trace made."""
     if key is None:
         return
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph = _copy(gm.graph)
     made = {}
     for node in graph.nodes:
         if node.op == "get_attr" and _resolve(model, node.target, None) is None:
             made[node.target] = _resolve(gm, node.target).detach().clone()
-    _GRAPHS[key] = (graph, made)
+    held = [(n, True) for n, _ in gm.named_parameters(remove_duplicate=False)]
+    held += [(n, False) for n, _ in gm.named_buffers(remove_duplicate=False)]
+    if any(n not in made and _resolve(model, n, None) is None for n, _ in held):
+        return  # a weight the model does not hold under that name: not reproducible by name
+    _GRAPHS[key] = (graph, made, held, getattr(gm, "_tracer_cls", None))
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    """Nodes, their meta (shallow: transforms replace entries, never edit them) and the output."""
+    out = fx.Graph()
+    value, old = out.graph_copy(graph, {}, return_output_node=True)
+    out.output(value, type_expr=old.type).meta = dict(old.meta)
+    return out
+
+
+def _assign(root: nn.Module, target: str, value: torch.Tensor, is_param: bool) -> None:
+    *path, field = target.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if is_param:
+        mod.register_parameter(field, value)
+    else:
+        mod.register_buffer(field, value)
 
 
 def _resolve(root: nn.Module, target: str, default=...):
