@@ -40,12 +40,12 @@ def export_model(
     if hidden_size is not None:
         args += (torch.zeros(1, example_tokens, hidden_size, dtype=dtype, device=dev),)
         dyn += ({1: tokens},)
-    key = None
+    key = hit = None
     if export_cache.enabled():
         key = export_cache.fingerprint(model, (example_tokens, max_tokens, hidden_size, dtype,
                                                mrope, keep_hints, str(dev)))
         hit = export_cache.lookup(key, model)
-        if hit is not None:
+        if hit is not None and not export_cache.checking():
             return hit
     with torch.no_grad():
         ep = torch.export.export(model, args, dynamic_shapes=dyn, strict=False)
@@ -54,6 +54,8 @@ def export_model(
         from specdeploy.deploy.passes.shard import drop_hints
 
         drop_hints(gm)
+    if key is not None and hit is not None:
+        export_cache.check(hit, gm)
     export_cache.store(key, gm, model)
     return gm
 

@@ -8,9 +8,11 @@ dtypes and devices, and the export arguments, not on the weights' values. A hit 
 cached graph and binds its `get_attr` nodes to the new model's own tensors (the same objects a
 fresh export binds); tensors the trace itself made (`lifted_tensor_*`) come from the cache.
 
-Opt-in with `SPECDEPLOY_EXPORT_CACHE=1` (tests/conftest.py sets it). A model whose structure
-cannot be keyed safely (a forward hook, an attribute whose repr names an object address) is
-exported every time. The first build of each structure in a process always runs torch.export.
+Opt-in with `SPECDEPLOY_EXPORT_CACHE=1` (tests/conftest.py sets it); `=check` exports anyway
+and raises where a hit differs from the fresh export (run the suite so to audit the key). A
+model whose structure cannot be keyed safely (a forward hook, an attribute whose repr names an
+object address) is exported every time. The first build of each structure in a process always
+runs torch.export.
 """
 from __future__ import annotations
 
@@ -33,6 +35,37 @@ _SKIP = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "
 
 def enabled() -> bool:
     return os.environ.get("SPECDEPLOY_EXPORT_CACHE", "") not in ("", "0")
+
+
+def checking() -> bool:
+    """`SPECDEPLOY_EXPORT_CACHE=check`: export anyway and compare each hit with the fresh graph."""
+    return os.environ.get("SPECDEPLOY_EXPORT_CACHE", "") == "check"
+
+
+def check(hit: fx.GraphModule, fresh: fx.GraphModule) -> None:
+    """Raise unless `hit` is what `fresh` (the same model exported now) is: the code, every
+    weight held under each name (the same tensor objects), the tensors the trace made, each
+    node's meta keys."""
+    problems = []
+    if hit.code != fresh.code:
+        problems.append("the graphs' code differs")
+    for kind in ("named_parameters", "named_buffers"):
+        a = dict(getattr(hit, kind)(remove_duplicate=False))
+        b = dict(getattr(fresh, kind)(remove_duplicate=False))
+        if a.keys() != b.keys():
+            problems.append(f"{kind}: {sorted(set(a) ^ set(b))[:5]}")
+        for name in a.keys() & b.keys():
+            same = a[name] is b[name] or (name.split(".")[-1].startswith("lifted_tensor")
+                                          and torch.equal(a[name], b[name]))
+            if not same:
+                problems.append(f"{name}: another tensor")
+    for x, y in zip(hit.graph.nodes, fresh.graph.nodes):
+        if x.meta.keys() != y.meta.keys():
+            problems.append(f"node {y.name}: meta {sorted(set(x.meta) ^ set(y.meta))}")
+            break
+    if problems:
+        raise RuntimeError("export cache: a hit differs from the fresh export: "
+                           + "; ".join(problems[:8]))
 
 
 def _tensor_key(t: torch.Tensor) -> str:

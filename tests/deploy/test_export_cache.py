@@ -86,3 +86,20 @@ def test_off_by_default(ckpts, fresh_cache, monkeypatch):
     monkeypatch.delenv("SPECDEPLOY_EXPORT_CACHE")
     export_model(load_model(ckpts[0]))
     assert not fresh_cache
+
+
+def test_check_mode_names_a_hit_that_differs(ckpts, fresh_cache, monkeypatch):
+    """`SPECDEPLOY_EXPORT_CACHE=check` exports anyway and compares each hit with the fresh
+    graph: an honest hit passes; an entry holding another structure's graph (here: another
+    norm eps, a constant in the code) fails, naming it."""
+    a, b, c = ckpts
+    monkeypatch.setenv("SPECDEPLOY_EXPORT_CACHE", "check")
+    export_model(load_model(c))
+    (other,) = fresh_cache
+    export_model(load_model(a))
+    export_model(load_model(b))  # an honest hit
+    (key,) = set(fresh_cache) - {other}
+    fresh_cache[key] = fresh_cache[other]
+    with pytest.raises(RuntimeError, match="a hit differs from the fresh export: the graphs' "
+                                           "code differs"):
+        export_model(load_model(b))
