@@ -295,6 +295,20 @@ def test_value_in_key_equals_a_separate_value_cache(kernel, one_call, hkv, dtype
                                    rtol=0, atol=1e-2 if dtype is torch.bfloat16 else 1e-5)
 
 
+def test_value_in_key_on_the_batched_paths():
+    """The batched decode / uniform verify (off the CPU's paths) read a value cache that is the
+    key cache's leading dims as they read a copy of it: the same bits."""
+    g = torch.Generator().manual_seed(8)
+    kc = torch.randn(10, 4, 1, 40, generator=g)
+    pt, lens = torch.tensor([[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]), torch.tensor([12, 7])
+    q, qv = torch.randn(2, 4, 40, generator=g), torch.randn(1, 6, 4, 40, generator=g)
+    shared, copy = kc[..., :32], kc[..., :32].contiguous()
+    assert torch.equal(ca._decode(q, kc, shared, pt, lens, 0.2, 0),
+                       ca._decode(q, kc, copy, pt, lens, 0.2, 0))
+    assert torch.equal(ca.extend_uniform(qv, kc, shared, pt, lens, 0.2, 0),
+                       ca.extend_uniform(qv, kc, copy, pt, lens, 0.2, 0))
+
+
 @needs_kernel
 def test_cached_attention_with_sinks_takes_the_kernel(monkeypatch):
     """Sinks where the kernel fits: `cached_attention` never reaches the torch sink paths
