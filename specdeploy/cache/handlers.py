@@ -17,7 +17,9 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class PagedKV:
-    """One attention layer's K and V pages: 2 × [num_pages, page_size, Hkv, D]."""
+    """One attention layer's K and V pages: 2 × [num_pages, page_size, Hkv, D]; with
+    `value_in_key` the values are the keys' leading v_head_dim dims (MLA's latent), stored once:
+    the V pages are a view of the K pages."""
 
     name: str
     num_kv_heads: int
@@ -25,13 +27,17 @@ class PagedKV:
     v_head_dim: int
     dtype: torch.dtype
     kind: str = "paged_kv"
+    value_in_key: bool = False
 
     def bytes_per_page(self, page_size: int) -> int:
-        return _nbytes((page_size, self.num_kv_heads, self.head_dim + self.v_head_dim), self.dtype)
+        width = self.head_dim + (0 if self.value_in_key else self.v_head_dim)
+        return _nbytes((page_size, self.num_kv_heads, width), self.dtype)
 
     def allocate(self, num_pages: int, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         k = lazy_zeros((num_pages, page_size, self.num_kv_heads, self.head_dim), self.dtype,
                        device)
+        if self.value_in_key:
+            return k, k[..., :self.v_head_dim]
         v = lazy_zeros((num_pages, page_size, self.num_kv_heads, self.v_head_dim), self.dtype,
                        device)
         return k, v

@@ -6,14 +6,16 @@ GLM-4.5's DeepSeek MoE (models/glm4_moe.py: sigmoid routing steered by
 `enorm` / `hnorm` / `eh_proj` / `shared_head`, stored as the trailing decoder layers).
 
 MLA per token: q from `q_a_proj → q_a_layernorm → q_b_proj` (or `q_proj` when q_lora_rank is
-None); `kv_a_proj_with_mqa` gives the latent (kv_lora_rank) and one RoPE key k_rope
-(qk_rope_head_dim) shared by all heads; `kv_b_proj(kv_a_layernorm(latent))` gives each head's
-k_nope and v. k = [k_nope, rope(k_rope)], q = [q_nope, rope(q_rope)], one causal attention over
-H heads of qk_nope + qk_rope (v: v_head_dim; the attention ops and the paged cache take a value
-head size of their own). This is the expanded form: the cache holds per head K and V,
-H (qk_nope + qk_rope + v) values per token and layer (DeepSeek-V3: 128 x 320) where the latent
-is kv_lora_rank + qk_rope (576). Caching the latent, with kv_b_proj absorbed into q and o
-("absorbed" MLA), is the known next step.
+None); `kv_a_proj_with_mqa` gives the latent c (kv_lora_rank) and one RoPE key k_rope
+(qk_rope_head_dim) shared by all heads. transformers expands `kv_b_proj(kv_a_layernorm(c))` into
+each head's k_nope and v; here kv_b_proj is absorbed (as vLLM / SGLang / llama.cpp decode): its
+rows per head are W_UK [H, qk_nope, kv_lora] and W_UV [H, v, kv_lora], q_nope · k_nope =
+(q_nope W_UK) · c, so each head's query [q_nope W_UK, rope(q_rope)] attends ONE shared key
+[c, rope(k_rope)] whose value is c (its leading kv_lora dims), and each head's output leaves
+through W_UV, then o_proj. The expanded math up to float reassociation (same softmax scale);
+the paged cache holds the key only, kv_lora + qk_rope values per token and layer (DeepSeek-V3:
+576, expanded 128 heads x 320 = 40960). Sharding: the heads of q, W_UK, W_UV and o_proj split
+over ranks; the latent path (q_a, kv_a, their norms) and the one key are replicated.
 
 Names and math follow transformers' `modeling_deepseek_v3.py` / `modeling_deepseek_v2.py`.
 """
@@ -30,7 +32,7 @@ from specdeploy.models import glm4_moe, llama
 from specdeploy.models.layers import MLP, RMSNorm
 from specdeploy.models.rope_yarn import Yarn, YarnRotaryEmbedding, yarn_mscale
 from specdeploy.ops import Routing, route_softmax_topk
-from specdeploy.ops.shard import heads, linear_col, linear_row, tp_reduce
+from specdeploy.ops.shard import heads, linear_col, linear_row, tp_param, tp_reduce
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 _ops = torch.ops.specdeploy
@@ -124,11 +126,11 @@ def _refuse(hf: dict, name: str) -> None:
     heads_, kv = hf["num_attention_heads"], hf.get("num_key_value_heads")
     if kv is not None and int(kv) != int(heads_):
         raise ValueError(f"{name}: num_key_value_heads={kv} != num_attention_heads={heads_} "
-                         "is not supported (MLA expands K / V to every head)")
+                         "is not supported (MLA: every head reads the one latent key)")
 
 
 class Attention(nn.Module):
-    """MLA, expanded (see the module docstring): `forward(x[B,T,H], cos, sin) -> [B,T,H]`."""
+    """MLA, absorbed (see the module docstring): `forward(x[B,T,H], cos, sin) -> [B,T,H]`."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -158,30 +160,39 @@ class Attention(nn.Module):
         b, t, _, r = x.shape
         return x.view(b, t, -1, r // 2, 2).transpose(-1, -2).reshape(b, t, -1, r)
 
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, qk_nope, kv_lora], W_UV [H, v, kv_lora]): kv_b_proj's rows per head (this
+        rank's heads under tensor parallelism)."""
+        c = self.cfg
+        nope, dv = c.qk_nope_head_dim, c.v_head_dim
+        w = tp_param(self.kv_b_proj.weight, "mha", "colwise", 0,
+                     [heads(c.num_attention_heads, nope + dv)])
+        w_uk, w_uv = w.view(-1, nope + dv, c.kv_lora_rank).split([nope, dv], 1)
+        return w_uk, w_uv
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, (b, t, _) = self.cfg, x.shape
-        n, nope, r, dv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, \
-            c.v_head_dim
+        n, nope, r, dv, lat = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, \
+            c.v_head_dim, c.kv_lora_rank
         # sharding hints: the heads of q_b (q) / kv_b / o split over ranks; the latent path
-        # (q_a, kv_a and their norms) is small and replicated, so every rank has k_rope
+        # (q_a, kv_a and their norms) is small and replicated, so every rank has the one key
         if c.q_lora_rank:
             q = linear_col(self.q_b_proj, self.q_a_layernorm(self.q_a_proj(x)), "mha",
                            [heads(n, c.qk_head_dim)])
         else:
             q = linear_col(self.q_proj, x, "mha", [heads(n, c.qk_head_dim)])
         q_nope, q_rope = q.view(b, t, -1, c.qk_head_dim).split([nope, r], -1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, r], -1)
-        kv = linear_col(self.kv_b_proj, self.kv_a_layernorm(latent), "mha",
-                        [heads(n, nope + dv)]).view(b, t, -1, nope + dv)
-        k_nope, v = kv.split([nope, dv], -1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([lat, r], -1)
+        w_uk, w_uv = self.absorbed()
+        q_lat = torch.einsum("bthd,hdl->bthl", q_nope, w_uk)
         q_rope = _ops.rope(self._pairs(q_rope), cos, sin)
         k_rope = _ops.rope(self._pairs(k_rope.view(b, t, 1, r)), cos, sin)
-        q = torch.cat((q_nope, q_rope), -1)
-        # (expand_as, not expand: the head count follows this rank's share of q's heads)
-        k = torch.cat((k_nope, k_rope.expand_as(q_rope)), -1)
-        o = _ops.attention(q, k, v.contiguous(), c.softmax_scale, 0)
-        return tp_reduce(linear_row(self.o_proj, o.reshape(b, t, -1), "mha", [heads(n, dv)]),
-                         "mha")
+        k = torch.cat((self.kv_a_layernorm(latent).view(b, t, 1, lat), k_rope), -1)
+        # the value is the key's leading kv_lora dims (the normed latent): the cache stores it
+        # once (deploy/passes/insert_cache.py)
+        o = _ops.attention(torch.cat((q_lat, q_rope), -1), k, k[..., :lat], c.softmax_scale, 0)
+        o = torch.einsum("bthl,hvl->bthv", o, w_uv).reshape(b, t, -1)
+        return tp_reduce(linear_row(self.o_proj, o, "mha", [heads(n, dv)]), "mha")
 
 
 class SoftmaxMoE(glm4_moe.MoE):

@@ -132,6 +132,8 @@ typedef struct {
     int kv;
     int window;         /* sliding window in keys (0: none) */
     const float *sinks; /* [Hq] sink logits, or NULL */
+    int64_t v_row, v_head; /* values: elements a token's row, a KV head (Hkv * Dv, Dv when
+                            * dense; the key's when the values are its leading dims) */
 } attn_t;
 
 static inline int piece_last(const piece_t *p) { return p->pos0 + (p->t1 - 1 - p->t0); }
@@ -146,7 +148,7 @@ static void prefetch_item(const attn_t *A, const piece_t *p, int g, int c) {
     const int hi = last + 1 < lo + CH ? last + 1 : lo + CH;
     prefetch_rows(A->k_cache, (int64_t)A->Hkv * A->D * es, (int64_t)g * A->D * es,
                   (int64_t)A->D * es, p->pages, A->page_size, lo, hi);
-    prefetch_rows(A->v_cache, (int64_t)A->Hkv * A->Dv * es, (int64_t)g * A->Dv * es,
+    prefetch_rows(A->v_cache, A->v_row * es, (int64_t)g * A->v_head * es,
                   (int64_t)A->Dv * es, p->pages, A->page_size, lo, hi);
 }
 
@@ -161,7 +163,7 @@ AVX2 static inline void chunk_item(const attn_t *A, const piece_t *p, int g, int
     const size_t es = kv == KV_F32 ? 4 : 2;
     widen(A->k_cache, (int64_t)A->Hkv * D * es, (int64_t)g * D * es, D, p->pages, A->page_size,
           lo, hi, kc, kv);
-    widen(A->v_cache, (int64_t)A->Hkv * Dv * es, (int64_t)g * Dv * es, Dv, p->pages,
+    widen(A->v_cache, A->v_row * (int64_t)es, (int64_t)g * A->v_head * es, Dv, p->pages,
           A->page_size, lo, hi, vc, kv);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 sc = _mm256_set1_ps(A->scale);
@@ -359,12 +361,12 @@ BF16 static void chunk_item_bf16(const attn_t *A, const piece_t *p, int g, int c
     const int D = A->D, Dv = A->Dv, rep = A->Hq / A->Hkv, lo = c * CH;
     const int maxpos = p->pos0 + (p->t1 - 1 - p->t0);
     const int hi = maxpos + 1 < lo + CH ? maxpos + 1 : lo + CH, cnt = hi - lo;
-    const int64_t krow = (int64_t)A->Hkv * D * 2, vrow = (int64_t)A->Hkv * Dv * 2;
+    const int64_t krow = (int64_t)A->Hkv * D * 2, vrow = A->v_row * 2;
     const uint8_t *kr[CH], *vr[CH];
     for (int j = 0, pg = lo / A->page_size, off = lo % A->page_size; j < cnt; j++) {
         const size_t row = (size_t)p->pages[pg] * A->page_size + off;
         kr[j] = A->k_cache + row * krow + (int64_t)g * D * 2;
-        vr[j] = A->v_cache + row * vrow + (int64_t)g * Dv * 2;
+        vr[j] = A->v_cache + row * vrow + (int64_t)g * A->v_head * 2;
         if (++off == A->page_size) off = 0, pg++;
     }
     for (int j = cnt; j < CH; j++) kr[j] = kr[0]; /* past the chunk: computed, never used */
@@ -563,16 +565,26 @@ static int attend(const attn_t *A, const piece_t *s, int S, int T, int th) {
 
 /* q [T, Hq, D], out [T, Hq, Dv] row-major fp32; row t sits at position pos0 + t (it attends
  * keys 0..pos0 + t); pages: the sequence's page table; kv: the caches' dtype. D and Dv
- * multiples of 8, Dv <= 256 (checked by the caller). Returns 0, or -1 when scratch memory
- * could not be had. */
+ * multiples of 8, Dv <= 256 (checked by the caller). v_row, v_head: the value cache's strides
+ * in elements (a token, a KV head), so the values may be the keys' leading dims. Returns 0, or
+ * -1 when scratch memory could not be had. */
+int attention_rows_v(const float *q, int T, int Hq, int D, int Dv, const void *k_cache,
+                     const void *v_cache, int page_size, int Hkv, const int64_t *pages, int pos0,
+                     float scale, float *out, int nthreads, int kv, int window,
+                     const float *sinks, int64_t v_row, int64_t v_head) {
+    const attn_t A = {q, (int64_t)Hq * D, Hq, Hkv, D, Dv, page_size, (const uint8_t *)k_cache,
+                      (const uint8_t *)v_cache, scale, out, kv, window, sinks, v_row, v_head};
+    const piece_t seg = {0, T, pos0, pages, 0, 0};
+    return T > 0 ? attend(&A, &seg, 1, T, nthreads) : 0;
+}
+
+/* the above with dense value rows */
 int attention_rows_ex(const float *q, int T, int Hq, int D, int Dv, const void *k_cache,
                       const void *v_cache, int page_size, int Hkv, const int64_t *pages, int pos0,
                       float scale, float *out, int nthreads, int kv, int window,
                       const float *sinks) {
-    const attn_t A = {q, (int64_t)Hq * D, Hq, Hkv, D, Dv, page_size, (const uint8_t *)k_cache,
-                      (const uint8_t *)v_cache, scale, out, kv, window, sinks};
-    const piece_t seg = {0, T, pos0, pages, 0, 0};
-    return T > 0 ? attend(&A, &seg, 1, T, nthreads) : 0;
+    return attention_rows_v(q, T, Hq, D, Dv, k_cache, v_cache, page_size, Hkv, pages, pos0,
+                            scale, out, nthreads, kv, window, sinks, (int64_t)Hkv * Dv, Dv);
 }
 
 /* the above without a window or sinks */
@@ -608,25 +620,27 @@ AVX2 static void store_row(uint8_t *dst, const float *src, int n, const int kv) 
  * attention_rows does (the same `attend`, so the same bits). Segments are the step's sequences,
  * each up to a few rows (decode, verify):
  *   qk [T, Hq + Hkv, D] fp32: the roped queries then keys of each token (dense rows);
- *   v: token t's values at v + t * v_stride (fp32, Hkv * Dv);
+ *   v: token t's values at v + t * v_stride (fp32, Hkv * Dv), or NULL: the value cache is
+ *      the keys' leading dims (v_row, v_head: its strides in elements), written with them;
  *   slots [T]: flat cache row (page * page_size + offset) of each token;
  *   cu [S + 1], lens [S]: segment s is tokens cu[s]..cu[s+1]-1 at positions lens[s] + i;
  *   page_table [S, P] (row stride P); out [T, Hq, Dv].
  * Returns 0, -1 without scratch memory, -2 when a position lies outside its pages. */
-int write_attend_rows_ex(const float *qk, const float *v, int64_t v_stride, int T, int Hq,
-                         int Hkv, int D, int Dv, void *k_cache, void *v_cache, int page_size,
-                         const int64_t *slots, int S, const int64_t *cu, const int64_t *lens,
-                         const int64_t *page_table, int P, float scale, float *out, int nthreads,
-                         int kv, int window, const float *sinks) {
+int write_attend_rows_v(const float *qk, const float *v, int64_t v_stride, int T, int Hq,
+                        int Hkv, int D, int Dv, void *k_cache, void *v_cache, int page_size,
+                        const int64_t *slots, int S, const int64_t *cu, const int64_t *lens,
+                        const int64_t *page_table, int P, float scale, float *out, int nthreads,
+                        int kv, int window, const float *sinks, int64_t v_row, int64_t v_head) {
     const size_t es = kv == KV_F32 ? 4 : 2;
-    const size_t row_k = (size_t)Hkv * D * es, row_v = (size_t)Hkv * Dv * es;
+    const size_t row_k = (size_t)Hkv * D * es;
     for (int s = 0; s < S; s++)
         if (lens[s] + cu[s + 1] - cu[s] > (int64_t)P * page_size) return -2;
     for (int t = 0; t < T; t++) {
         store_row((uint8_t *)k_cache + (size_t)slots[t] * row_k,
                   qk + ((size_t)t * (Hq + Hkv) + Hq) * D, Hkv * D, kv);
-        store_row((uint8_t *)v_cache + (size_t)slots[t] * row_v, v + (size_t)t * v_stride,
-                  Hkv * Dv, kv);
+        for (int g = 0; v && g < Hkv; g++)
+            store_row((uint8_t *)v_cache + ((size_t)slots[t] * v_row + (size_t)g * v_head) * es,
+                      v + (size_t)t * v_stride + (size_t)g * Dv, Dv, kv);
     }
     piece_t *seg = (piece_t *)malloc(sizeof(piece_t) * (size_t)(S > 0 ? S : 1));
     if (!seg) return -1;
@@ -636,10 +650,21 @@ int write_attend_rows_ex(const float *qk, const float *v, int64_t v_stride, int 
             seg[n++] = (piece_t){(int)cu[s], (int)cu[s + 1], (int)lens[s], page_table + (size_t)s * P, 0, 0};
     const attn_t A = {qk, (int64_t)(Hq + Hkv) * D, Hq, Hkv, D, Dv, page_size,
                       (const uint8_t *)k_cache, (const uint8_t *)v_cache, scale, out, kv, window,
-                      sinks};
+                      sinks, v_row, v_head};
     const int rc = T > 0 ? attend(&A, seg, n, T, nthreads) : 0;
     free(seg);
     return rc;
+}
+
+/* the above with dense value rows (layer_rows.c calls it by address) */
+int write_attend_rows_ex(const float *qk, const float *v, int64_t v_stride, int T, int Hq,
+                         int Hkv, int D, int Dv, void *k_cache, void *v_cache, int page_size,
+                         const int64_t *slots, int S, const int64_t *cu, const int64_t *lens,
+                         const int64_t *page_table, int P, float scale, float *out, int nthreads,
+                         int kv, int window, const float *sinks) {
+    return write_attend_rows_v(qk, v, v_stride, T, Hq, Hkv, D, Dv, k_cache, v_cache, page_size,
+                               slots, S, cu, lens, page_table, P, scale, out, nthreads, kv, window,
+                               sinks, (int64_t)Hkv * Dv, Dv);
 }
 
 /* the above without a window or sinks (layer_rows.c calls it by address) */

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from specdeploy.ops import ggml_linear as _gl
+from specdeploy.ops.paged_kv import value_in_key
 
 SOURCE = Path(__file__).with_name("attention_rows.c")
 _KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the C file's KV_* values, in order
@@ -47,6 +48,9 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
                             ctypes.c_float, ptr, int_, int_], int_),
         "attention_rows_ex": ([ptr, int_, int_, int_, int_, ptr, ptr, int_, int_, ptr, int_,
                                ctypes.c_float, ptr, int_, int_, int_, ptr], int_),
+        "attention_rows_v": ([ptr, int_, int_, int_, int_, ptr, ptr, int_, int_, ptr, int_,
+                              ctypes.c_float, ptr, int_, int_, int_, ptr, ctypes.c_int64,
+                              ctypes.c_int64], int_),
         "attention_rows_bf16_dots": ([int_], int_)})
     if lib is not None:
         return lib, None
@@ -77,12 +81,19 @@ def bf16_dots(on: bool):
         lib.attention_rows_bf16_dots(before)
 
 
+def _rows_dense(v_cache: torch.Tensor) -> bool:
+    """Value rows the kernel can address: dense dims, pages of whole rows (a contiguous cache,
+    or a contiguous key cache's leading dims: paged_kv.value_in_key)."""
+    st = v_cache.stride()
+    return st[-1] == 1 and st[0] == v_cache.shape[1] * st[1]
+
+
 def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the kernel takes these tensors (else the caller's fallback runs)."""
     d, dv = k_cache.shape[-1], v_cache.shape[-1]
     return (q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
             and k_cache.dtype in _KV_DTYPES
-            and q.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and q.device.type == "cpu" and k_cache.is_contiguous() and _rows_dense(v_cache)
             and d % 8 == 0 and dv % 8 == 0 and dv <= 256 and q.shape[-2] % k_cache.shape[2] == 0
             and _library()[0] is not None)
 
@@ -115,27 +126,30 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                          f"sequence's {pages.numel()} pages")
     out = torch.empty(t, hq, dv, dtype=torch.float32)
     sk = _sinks(sinks, hq)
-    rc = lib.attention_rows_ex(q.data_ptr(), t, hq, d, dv, k_cache.data_ptr(),
-                               v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
-                               pages.data_ptr(), pos0, float(scale), out.data_ptr(),
-                               torch.get_num_threads(), _KV_DTYPES.index(k_cache.dtype),
-                               max(int(window), 0), None if sk is None else sk.data_ptr())
+    rc = lib.attention_rows_v(q.data_ptr(), t, hq, d, dv, k_cache.data_ptr(),
+                              v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
+                              pages.data_ptr(), pos0, float(scale), out.data_ptr(),
+                              torch.get_num_threads(), _KV_DTYPES.index(k_cache.dtype),
+                              max(int(window), 0), None if sk is None else sk.data_ptr(),
+                              v_cache.stride(1), v_cache.stride(2))
     if rc != 0:
         raise MemoryError("attention_rows: no scratch memory for the scores")
     return out
 
 
-def _write_attend_fn(ex: bool = False):
+def _write_attend_fn(ex: bool = False, strided: bool = False):
     """`write_attend_rows` (layer_rows.py calls it by address) or, with ex, its form taking a
-    sliding window and sinks."""
+    sliding window and sinks; with strided too, value cache strides (write_attend_rows_v)."""
     lib, _ = _library()
     if lib is None:
         return None
-    fn = lib.write_attend_rows_ex if ex else lib.write_attend_rows
+    fn = lib.write_attend_rows_v if strided else (
+        lib.write_attend_rows_ex if ex else lib.write_attend_rows)
     if not fn.argtypes:
-        P, I = ctypes.c_void_p, ctypes.c_int  # noqa: N806
-        fn.argtypes = [P, P, ctypes.c_int64, I, I, I, I, I, P, P, I, P, I, P, P, P, I,
-                       ctypes.c_float, P, I, I] + ([I, P] if ex else [])
+        P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64  # noqa: N806
+        fn.argtypes = [P, P, L, I, I, I, I, I, P, P, I, P, I, P, P, P, I,
+                       ctypes.c_float, P, I, I] + ([I, P] if ex or strided else []) + (
+                           [L, L] if strided else [])
         fn.restype = I
     return fn
 
@@ -148,24 +162,30 @@ def write_attend_rows(qk: torch.Tensor, qkv: torch.Tensor, v_offset: int, k_cach
     row of qk[:, :Hq] attending its segment's keys up to itself, as `attention_rows` computes
     it (the same bits). qk [T, Hq + Hkv, D] fp32 dense; qkv [1, T, W] fp32, last dim dense;
     slots [T], cu_host [S + 1], lens_host [S], page_table [S, P]: int64, dense, on the CPU.
-    The caller checks `fits` for the caches. window, sinks: as `attention_rows`'.
-    -> [T, Hq, Dv]."""
+    The caller checks `fits` for the caches. window, sinks: as `attention_rows`'. A value
+    cache that is the key cache's leading dims (paged_kv.value_in_key) is written with the
+    keys; qkv's values are not read. -> [T, Hq, Dv]."""
     ex = window > 0 or sinks is not None
-    fn = _write_attend_fn(ex)
+    shared = value_in_key(k_cache, v_cache)
+    strided = shared or not v_cache.is_contiguous()
+    fn = _write_attend_fn(ex, strided)
     if fn is None:
         raise RuntimeError(f"attention kernel unavailable: {unavailable()}")
     t, heads, d = qk.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     hq = heads - hkv
     out = torch.empty(t, hq, dv, dtype=torch.float32)
-    args = [qk.data_ptr(), qkv.data_ptr() + 4 * v_offset, qkv.stride(1), t, hq, hkv, d, dv,
+    args = [qk.data_ptr(), None if shared else qkv.data_ptr() + 4 * v_offset, qkv.stride(1),
+            t, hq, hkv, d, dv,
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], slots.data_ptr(),
             lens_host.shape[0], cu_host.data_ptr(), lens_host.data_ptr(), page_table.data_ptr(),
             page_table.shape[1], float(scale), out.data_ptr(), torch.get_num_threads(),
             _KV_DTYPES.index(k_cache.dtype)]
-    if ex:
+    if ex or strided:
         sk = _sinks(sinks, hq)
         args += [max(int(window), 0), None if sk is None else sk.data_ptr()]
+    if strided:
+        args += [v_cache.stride(1), v_cache.stride(2)]
     rc = fn(*args)
     if rc == -2:
         raise ValueError("write_attend_rows: a position lies outside its sequence's pages")

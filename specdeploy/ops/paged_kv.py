@@ -26,11 +26,20 @@ def _enc(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return y.view(torch.uint8) if cache.dtype in _FP8 else y
 
 
+def value_in_key(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the value cache is a view of the key cache's leading dims (cache/handlers.py
+    PagedKV.value_in_key: MLA's latent, whose values are its keys' first dims): writing the
+    keys writes the values."""
+    return v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[-1] <= k_cache.shape[-1]
+
+
 def _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table, slot_mapping=None):
+    shared = value_in_key(k_cache, v_cache)
     if slot_mapping is not None:  # flat cache rows, computed once per step for every layer
         kb, vb = _bytes(k_cache), _bytes(v_cache)
         kb.view(-1, *kb.shape[2:]).index_copy_(0, slot_mapping, _enc(k[0], k_cache))
-        vb.view(-1, *vb.shape[2:]).index_copy_(0, slot_mapping, _enc(v[0], v_cache))
+        if not shared:
+            vb.view(-1, *vb.shape[2:]).index_copy_(0, slot_mapping, _enc(v[0], v_cache))
         return
     t = k.shape[1]
     num_seqs = cache_lens.shape[0]
@@ -42,7 +51,8 @@ def _write_kv(k, v, k_cache, v_cache, cu_seqlens, cache_lens, page_table, slot_m
     page = page_table[seg, pos // page_size]
     off = pos % page_size
     _bytes(k_cache)[page, off] = _enc(k[0], k_cache)
-    _bytes(v_cache)[page, off] = _enc(v[0], v_cache)
+    if not shared:
+        _bytes(v_cache)[page, off] = _enc(v[0], v_cache)
 
 
 def _pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:

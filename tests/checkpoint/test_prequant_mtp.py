@@ -24,8 +24,9 @@ from tests.checkpoint.test_prequant_logits import assert_close
 
 LIMITS = dict(max_batch_size=4, max_seq_len=96, max_cache_gib=0.02, page_size=8)
 # the MTP layer's quantized linears in the drafter graph: attention (GLM q/k/v/o; V3's MLA
-# q_a/q_b/kv_a/kv_b/o) + the shared expert's 3, and its routed-expert set
-DRAFT_MATCHES = {"glm4_moe": 4 + 3 + 1, "deepseek_v3": 5 + 3 + 1}
+# q_a/q_b/kv_a/o: kv_b_proj is absorbed, read dequantized as W_UK / W_UV) + the shared
+# expert's 3, and its routed-expert set
+DRAFT_MATCHES = {"glm4_moe": 4 + 3 + 1, "deepseek_v3": 4 + 3 + 1}
 ARCHS = tuple(DRAFT_MATCHES)
 
 

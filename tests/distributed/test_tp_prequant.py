@@ -16,7 +16,8 @@ from specdeploy.quantize_cli import make_tiny_quantized
 
 LIMITS = dict(max_batch_size=4, max_seq_len=96, max_cache_gib=0.02, page_size=8)
 CASES = [("llama", "fp8", 1), ("llama", "fp8-block", 1), ("qwen3_5_moe", "fp8", 2),
-         ("nemotron_h", "nvfp4", 1), ("nemotron_h", "nvfp4", 2)]
+         ("nemotron_h", "nvfp4", 1), ("nemotron_h", "nvfp4", 2),
+         ("deepseek_v3", "fp8-block", 1)]  # (absorbed MLA: W_UK / W_UV cut from kv_b by heads)
 
 
 def _info(dep):

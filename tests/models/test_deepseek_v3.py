@@ -1,9 +1,10 @@
 """DeepSeek-V3 (`DeepseekV3ForCausalLM`) and V2 (`DeepseekV2ForCausalLM`): logits = transformers'
 classes (q latent or plain q_proj, plain RoPE or YaRN with mscale, V2's greedy or group-limited
-softmax routing), on our tiny checkpoints and on one transformers wrote; greedy =
-`generate`; the MTP draft step = the same step built from transformers' own decoder layer
-(transformers runs no MTP); MTP and n-gram drafting lossless; 2 ranks = one process; refusals
-name what they refuse."""
+softmax routing), on our tiny checkpoints and on one transformers wrote; absorbed MLA = the
+expanded form per layer, and a mix-up of W_UK / W_UV is seen; the deployed cache holds the
+latent key only; greedy = `generate`; the MTP draft step = the same step built from
+transformers' own decoder layer (transformers runs no MTP); MTP and n-gram drafting lossless;
+2 ranks = one process; refusals name what they refuse."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from specdeploy.checkpoint import CheckpointError, open_checkpoint
 from specdeploy.checkpoint.tiny import write_tiny_tokenizer
 from specdeploy.loading import load_model
 from specdeploy.models import deepseek_v3 as ds
+from specdeploy.ops import attention_ref
 
 transformers = pytest.importorskip("transformers")
 RTOL = 1e-4  # of the largest logit, fp32
@@ -46,10 +48,15 @@ def tinies(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(tinies):
-    """The q_lora variant's greedy outputs without drafting (one deployment for the module)."""
-    path, _ = tinies["q_lora"]
-    return LLM(path, **LIMITS).generate(PROMPTS, GREEDY)
+def plain_llm(tinies):
+    """The q_lora variant deployed without drafting (one deployment for the module)."""
+    return LLM(tinies["q_lora"][0], **LIMITS)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain_llm):
+    """Its greedy outputs."""
+    return plain_llm.generate(PROMPTS, GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +95,69 @@ def test_interleaved_rope_matters(tinies):
     with torch.no_grad():
         got, want = model(ids), hf(input_ids=ids).logits
     assert (got - want).abs().max() > 100 * RTOL * want.abs().max()
+
+
+def _expanded(attn: ds.Attention, x, cos, sin):
+    """transformers' expanded MLA on the module's weights: kv_b_proj gives each head's k_nope
+    and v, H heads of K and V attend."""
+    c, (b, t, _) = attn.cfg, x.shape
+    n, nope, r = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+    q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))) if c.q_lora_rank else attn.q_proj(x)
+    q_nope, q_rope = q.view(b, t, n, -1).split([nope, r], -1)
+    latent, k_rope = attn.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, r], -1)
+    k_nope, v = attn.kv_b_proj(attn.kv_a_layernorm(latent)).view(b, t, n, -1).split(
+        [nope, c.v_head_dim], -1)
+    q_rope = torch.ops.specdeploy.rope(attn._pairs(q_rope), cos, sin)
+    k_rope = torch.ops.specdeploy.rope(attn._pairs(k_rope.view(b, t, 1, r)), cos, sin)
+    o = attention_ref(torch.cat((q_nope, q_rope), -1),
+                      torch.cat((k_nope, k_rope.expand(b, t, n, r)), -1), v, c.softmax_scale)
+    return attn.o_proj(o.reshape(b, t, -1))
+
+
+_MIXUPS = {"absorbed": lambda uk, uv: (uk, uv), "uk_uv_swapped": lambda uk, uv: (uv, uk),
+           "uk_heads_reversed": lambda uk, uv: (uk.flip(0), uv),
+           "uv_head_dims_reversed": lambda uk, uv: (uk, uv.flip(1))}
+
+
+@pytest.mark.parametrize("mixup", list(_MIXUPS))
+def test_absorbed_equals_expanded(tinies, monkeypatch, mixup):
+    """Every attention layer (the MTP layer's too), YaRN, 2 x 150 random tokens: the absorbed
+    forward = the expanded one within 1e-5 of its largest value; W_UK and W_UV swapped (the
+    tiny's qk_nope = v_head_dim lets them), or their heads / rows permuted, is far off."""
+    path, _ = tinies["yarn"]
+    model = load_model(path, dtype=torch.float32, with_mtp=True)
+    real = ds.Attention.absorbed
+    monkeypatch.setattr(ds.Attention, "absorbed",
+                        lambda self: _MIXUPS[mixup](*real(self)))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 150, model.cfg.hidden_size, generator=g)
+    cos, sin = model.model.rotary_emb(torch.arange(150)[None].expand(2, -1))
+    layers = [*model.model.layers, *model.mtp.layers]
+    assert len(layers) == 5
+    for layer in layers:
+        with torch.no_grad():
+            got, want = layer.self_attn(x, cos, sin), _expanded(layer.self_attn, x, cos, sin)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err <= 1e-5 if mixup == "absorbed" else err > 1e-2, err
+
+
+def test_cache_holds_the_latent_key_only(plain_llm, tinies):
+    """Bytes per token per layer of the deployed paged cache = (kv_lora_rank +
+    qk_rope_head_dim) x the element size, from config.json: the value is the key's leading
+    kv_lora_rank dims, one buffer (the expanded form held H (qk_nope + qk_rope + v))."""
+    hf = json.loads((tinies["q_lora"][0] / "config.json").read_text())
+    target = plain_llm.deployed
+    plan, kv = target.plan, [h for h in target.resources if hasattr(h, "num_kv_heads")]
+    assert len(kv) == hf["num_hidden_layers"]
+    bufs = dict(target.gm.named_buffers())
+    for h in kv:
+        k, v = bufs[f"{h.name}_k"], bufs[f"{h.name}_v"]
+        width = hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
+        tokens = (plan.num_pages + 1) * plan.page_size
+        assert plan.bytes_by_handler[h.name] == tokens * width * k.element_size()
+        assert k.nbytes == tokens * width * k.element_size()
+        assert v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+        assert v.shape[-1] == hf["kv_lora_rank"] and v.stride() == k.stride()
 
 
 def test_a_checkpoint_transformers_wrote(tmp_path):

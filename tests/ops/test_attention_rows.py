@@ -241,6 +241,74 @@ def test_windowed_verify_rows_equal_decode_rows_and_the_oracle(kernel, one_call,
         torch.testing.assert_close(verify[s * n:(s + 1) * n].double(), want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "sdpa-fallback"])
+@pytest.mark.parametrize("one_call", [True, False], ids=["write-attend", "separate"])
+@pytest.mark.parametrize("hkv,dtype", [(1, torch.float32), (2, torch.float32),
+                                       (1, torch.bfloat16)], ids=["mla", "2kv", "bf16"])
+def test_value_in_key_equals_a_separate_value_cache(kernel, one_call, hkv, dtype, monkeypatch):
+    """MLA's cache (cache/handlers.py PagedKV.value_in_key): the value cache a view of the key
+    cache's leading dims, values never written on their own. Prefill, 1-row decodes and a
+    verify segment give the bits of the same keys with their values in a cache of their own,
+    and the keys' cache is the same."""
+    if kernel and ar.unavailable() is not None:
+        pytest.skip(f"attention kernel unavailable: {ar.unavailable()}")
+    if not kernel:
+        monkeypatch.setattr(ar, "fits", lambda *a: False)
+    g = torch.Generator().manual_seed(6)
+    hq, d, dv, ps = 4, 40, 32, 4
+    prefix, n = 10, 5
+    q = torch.randn(2, prefix + n, hq, d, generator=g)
+    k = torch.randn(2, prefix + n, hkv, d, generator=g)
+    pages = [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+
+    def run(shared: bool):
+        kc = torch.zeros(10, ps, hkv, d, dtype=dtype)
+        vc = kc[..., :dv] if shared else torch.zeros(10, ps, hkv, dv, dtype=dtype)
+
+        def step(segs):
+            meta = build_metadata([Segment([0] * ln, st, pages[s], s, ln, SEG_EXTEND)
+                                   for s, st, ln in segs])
+            slots = torch.cat([torch.tensor([pages[s][p // ps] * ps + p % ps
+                                             for p in range(st, st + ln)])
+                               for s, st, ln in segs])
+            qq = torch.cat([q[s, st:st + ln] for s, st, ln in segs])[None]
+            kk = torch.cat([k[s, st:st + ln] for s, st, ln in segs])[None]
+            return ca.cached_attention_impl(qq, kk, kk[..., :dv], kc, vc, meta.cu_seqlens,
+                                            meta.cu_seqlens, meta.cache_lens, meta.cache_lens,
+                                            meta.page_table, d ** -0.5, 0,
+                                            slots if one_call else None)[0]
+
+        outs = [step([(0, 0, prefix), (1, 0, prefix)])]
+        outs += [step([(0, prefix + i, 1), (1, prefix + i, 1)]) for i in range(2)]
+        outs.append(step([(0, prefix + 2, n - 2), (1, prefix + 2, n - 2)]))
+        return outs, kc
+
+    (want, kc_want), (got, kc_got) = run(False), run(True)
+    assert torch.equal(kc_got, kc_want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    kv = kc_want.float()
+    for s in (0, 1):  # and the rows are right: the float64 oracle over what the cache holds
+        oracle = _oracle(q[s, prefix + 2:], kv, kv[..., :dv], torch.tensor(pages[s]),
+                         prefix + 2, d ** -0.5)
+        torch.testing.assert_close(got[3][s * (n - 2):(s + 1) * (n - 2)].double(), oracle,
+                                   rtol=0, atol=1e-2 if dtype is torch.bfloat16 else 1e-5)
+
+
+def test_value_in_key_on_the_batched_paths():
+    """The batched decode / uniform verify (off the CPU's paths) read a value cache that is the
+    key cache's leading dims as they read a copy of it: the same bits."""
+    g = torch.Generator().manual_seed(8)
+    kc = torch.randn(10, 4, 1, 40, generator=g)
+    pt, lens = torch.tensor([[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]), torch.tensor([12, 7])
+    q, qv = torch.randn(2, 4, 40, generator=g), torch.randn(1, 6, 4, 40, generator=g)
+    shared, copy = kc[..., :32], kc[..., :32].contiguous()
+    assert torch.equal(ca._decode(q, kc, shared, pt, lens, 0.2, 0),
+                       ca._decode(q, kc, copy, pt, lens, 0.2, 0))
+    assert torch.equal(ca.extend_uniform(qv, kc, shared, pt, lens, 0.2, 0),
+                       ca.extend_uniform(qv, kc, copy, pt, lens, 0.2, 0))
+
+
 @needs_kernel
 def test_cached_attention_with_sinks_takes_the_kernel(monkeypatch):
     """Sinks where the kernel fits: `cached_attention` never reaches the torch sink paths

@@ -64,6 +64,17 @@ def _replace_first_output(node: fx.Node, new: fx.Node) -> None:
         g.replace_all_uses_with(new)
 
 
+def _key_prefix(v, k) -> bool:
+    """Whether the value is `k[..., :Dv]`, the key's leading dims (MLA's latent): then the cache
+    stores the key only and reads the value from it (PagedKV.value_in_key)."""
+    if not (isinstance(v, fx.Node) and v.target is torch.ops.aten.slice.Tensor
+            and v.args[0] is k):
+        return False
+    dim, start, end, step = (list(v.args[1:]) + [0, None, None, 1][len(v.args) - 1:])[:4]
+    ndim = len(meta_shape(k))
+    return dim % ndim == ndim - 1 and start in (None, 0) and step == 1 and isinstance(end, int)
+
+
 @register("insert_cached_attention", Stage.CACHE)
 def insert_cached_attention(gm: fx.GraphModule, ctx: DeployContext) -> Done:
     n, declared = 0, []
@@ -72,7 +83,7 @@ def insert_cached_attention(gm: fx.GraphModule, ctx: DeployContext) -> Done:
         a = op_args(node)
         k_shape, v_shape = meta_shape(a["k"]), meta_shape(a["v"])
         h = PagedKV(f"{ctx.resource_prefix}kv_cache_{n}", k_shape[2], k_shape[3], v_shape[3],
-                    ctx.kv_cache_dtype or ctx.dtype)
+                    ctx.kv_cache_dtype or ctx.dtype, value_in_key=_key_prefix(a["v"], a["k"]))
         declared.append(h)
         kc = add_buffer(gm, f"{h.name}_k", torch.zeros(0), node)
         vc = add_buffer(gm, f"{h.name}_v", torch.zeros(0), node)
@@ -88,7 +99,9 @@ def insert_cached_attention(gm: fx.GraphModule, ctx: DeployContext) -> Done:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         n += 1
-    return Done(n, resources=tuple(declared))
+    shared = sum(h.value_in_key for h in declared)
+    return Done(n, f"{shared} with the value in the key's leading dims" if shared else "",
+                resources=tuple(declared))
 
 
 _SLOT_META = ("cu_seqlens_host", "cache_lens_host", "slot_idx", "seg_kind_host")
