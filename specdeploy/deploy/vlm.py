@@ -21,7 +21,8 @@ from specdeploy.deploy.base import StepOutput
 from specdeploy.models.qwen3_5_vision import VisionConfig, VisionModel
 
 VISION_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-                        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+                        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                        "Gemma3ForConditionalGeneration")
 
 
 class TextFromEmbeds(nn.Module):
@@ -242,3 +243,52 @@ def vision_peak_bytes(cfg: VisionConfig, max_pixels: int, elem: int) -> int:
     p = max(1, max_pixels // cfg.patch_size ** 2)
     d = cfg.hidden_size
     return p * (2 * d + 3 * d + cfg.intermediate_size) * elem + cfg.num_heads * p * p * 4
+
+
+class Gemma3VisionDeployed(VisionLanguageDeployed):
+    """Gemma 3 (models/gemma3_vision.py): 1-D positions, `<start_of_image>` expanded per image
+    (vision/gemma3.py), the features merged unscaled over the scaled token embeddings (the
+    `embed_tokens` given here scales), no videos."""
+
+    def __init__(self, inner, visual, embed_tokens: nn.Module, hf_config: dict,
+                 max_image_pixels: int):
+        hf = {**hf_config, "image_token_id": _gemma3_id(hf_config, "image_token")}
+        super().__init__(inner, visual, embed_tokens, hf, max_image_pixels)
+        self.boi_id = _gemma3_id(hf_config, "boi_token")
+        self.eoi_id = _gemma3_id(hf_config, "eoi_token")
+        self.tokens_per_image = visual.cfg.mm_tokens_per_image
+
+    def build_prompt(self, ids: list[int], images, what: str, encode):
+        from specdeploy.vision.gemma3 import Gemma3Prompt, Gemma3Tokens
+
+        if encode is None:
+            raise ValueError(f"{what}: Gemma 3 images need the tokenizer (\\n\\n around each)")
+        tokens = Gemma3Tokens(self.boi_id, self.eoi_id, self.image_token_id,
+                              self.tokens_per_image, tuple(encode("\n\n")))
+        return Gemma3Prompt.expand(list(ids), images, tokens, what)
+
+
+def _gemma3_id(hf: dict, name: str) -> int:
+    """`{name}_index` (the released config.json) or `{name}_id` (transformers v5's names)."""
+    for key in (f"{name}_index", f"{name}_id"):
+        if hf.get(key) is not None:
+            return int(hf[key])
+    default = {"image_token": 262_144, "boi_token": 255_999, "eoi_token": 256_000}[name]
+    return default
+
+
+class ScaledEmbedding(nn.Module):
+    """Gemma's input embedding: the table times sqrt(H) rounded to its dtype (models/gemma3.py)."""
+
+    def __init__(self, embed: nn.Module, scale: dict):
+        super().__init__()
+        self.embed = embed
+        self.scale = scale
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return x * self.scale[x.dtype]

@@ -235,6 +235,33 @@ def cached_attention_impl(
     return out
 
 
+def widen_rows(out, q, k_cache, v_cache, cu_host, lens_host, page_table, key_extent_host,
+               scale, sliding_window):
+    """Redo, in place, the rows of `out` whose query sees keys past itself: token i of the step
+    attends to the keys at positions < key_extent_host[i] (a bidirectional block: Gemma 3's
+    image tokens see their whole image) instead of <= its own; 0 = causal (left as it is).
+    A sliding window still bounds a row from below (transformers: AND(window, OR(causal,
+    block))). Each row is one SDPA over its keys, so its bits do not depend on how the
+    scheduler cut the prompt. The block's keys must be in the cache: written this step or
+    before (engine/scheduler.py never ends a chunk inside a block)."""
+    ext = key_extent_host.tolist()
+    cu, lens = cu_host.tolist(), lens_host.tolist()
+    for s in range(len(lens)):
+        for i in range(cu[s], cu[s + 1]):
+            end = ext[i]
+            pos = lens[s] + i - cu[s]
+            if end <= pos + 1:
+                continue
+            keys, vals = _seq_kv(k_cache, v_cache, page_table[s], end)
+            lo = max(0, pos + 1 - sliding_window) if sliding_window > 0 else 0
+            o = F.scaled_dot_product_attention(
+                q[0, i:i + 1].transpose(0, 1)[None].float(),
+                keys[lo:].transpose(0, 1)[None].float(), vals[lo:].transpose(0, 1)[None].float(),
+                scale=scale, enable_gqa=True)
+            out[0, i] = o[0, :, 0].to(out.dtype)
+    return out
+
+
 @torch.library.custom_op(
     "specdeploy::cached_attention", mutates_args=("k_cache", "v_cache"), device_types=None
 )
@@ -243,8 +270,24 @@ def cached_attention(
     v_cache: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: torch.Tensor,
     cache_lens: torch.Tensor, cache_lens_host: torch.Tensor, page_table: torch.Tensor,
     scale: float, sliding_window: int = 0, slot_mapping: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, key_extent_host: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """`key_extent_host` [T] or [0] (host): see `widen_rows`; only graphs of models with
+    bidirectional image blocks take it (deploy/passes/insert_cache.py)."""
+    out = _cached_attention(q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens,
+                            cache_lens_host, page_table, scale, sliding_window, slot_mapping,
+                            sinks)
+    if key_extent_host is not None and key_extent_host.numel():
+        if sinks is not None:
+            raise ValueError("cached_attention: bidirectional blocks with sinks are not "
+                             "supported")
+        widen_rows(out, q, k_cache, v_cache, cu_seqlens_host, cache_lens_host, page_table,
+                   key_extent_host, scale, sliding_window)
+    return out
+
+
+def _cached_attention(q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens,
+                      cache_lens_host, page_table, scale, sliding_window, slot_mapping, sinks):
     if sinks is not None and not (page_table.device.type == "cpu"
                                   and attention_rows.fits(q, k_cache, v_cache)):
         # attention sinks (gpt-oss) where the C kernel does not fit: the torch paths

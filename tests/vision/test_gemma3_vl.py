@@ -1,0 +1,248 @@
+"""Gemma 3 as a vision-language model (`Gemma3ForConditionalGeneration`): a tiny random checkpoint
+written by transformers' own classes (SigLIP tower on 56 x 56 images, 14-pixel patches, 4 image
+tokens an image), against transformers in fp32: the preprocessor's pixels, every prompt
+position's logprob with images (the image tokens attend bidirectionally within their image:
+a causal variant is far off), greedy generation, n-gram speculation = plain, prefill chunks that
+would cut an image, text-only requests, and refusals by name.
+
+Tolerance: |ours - transformers| <= 1e-4 * max(1, max |logprob|) (fp32, sums in other orders)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdeploy import LLM, SamplingParams
+from specdeploy.checkpoint.tiny import write_tiny_tokenizer
+from specdeploy.models import gemma3
+from tests.vision.conftest import rand_image
+
+transformers = pytest.importorskip("transformers")
+BOI, EOI, IMAGE = 124, 125, 126
+LIMITS = dict(max_batch_size=4, max_seq_len=256)
+TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PREPROCESSOR = {"image_processor_type": "Gemma3ImageProcessor", "do_resize": True,
+                "size": {"height": 56, "width": 56}, "resample": 2, "do_rescale": True,
+                "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * 3,
+                "image_std": [0.5] * 3, "do_convert_rgb": True, "do_pan_and_scan": False}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=gen)
+            if "layer_norm" in name or "post_layernorm" in name:
+                p.copy_(1.0 + 0.1 * r if name.endswith("weight") else 0.02 * r)
+            elif "norm" in name:  # Gemma RMSNorms: stored w, applied as 1 + w
+                p.copy_(0.1 * r)
+            elif name.endswith("bias"):
+                p.copy_(0.02 * r)
+            elif "embed_tokens" in name:
+                p.copy_(0.3 * r)
+            elif "position_embedding" in name:
+                p.copy_(r)
+            elif name.endswith("mm_input_projection_weight"):
+                p.copy_(r * p.shape[0] ** -0.5)
+            else:
+                p.copy_(r * p.shape[1:].numel() ** -0.5)
+
+
+def make_tiny_vlm(out, seed: int = 0):
+    text = {k: v for k, v in gemma3.tiny_hf_config().items()
+            if k not in ("architectures", "torch_dtype")}
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, image_size=56, patch_size=14,
+                  layer_norm_eps=1e-6, vision_use_head=False)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                    mm_tokens_per_image=4, boi_token_index=BOI,
+                                    eoi_token_index=EOI, image_token_index=IMAGE)
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    _randomize(model, seed)
+    model.save_pretrained(out)
+    write_tiny_tokenizer(out, 128, {BOI: "<start_of_image>", EOI: "<end_of_image>",
+                                    IMAGE: "<image_soft_token>"}, TEMPLATE)
+    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = make_tiny_vlm(tmp_path_factory.mktemp("gemma3_vl"))
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return LLM(tiny[0], **LIMITS)
+
+
+def _chat(seed: int = 0, two: bool = True) -> list[dict]:
+    parts = [{"type": "text", "text": "look"}, {"type": "image", "image": rand_image(37, 53, seed)},
+             {"type": "text", "text": "and"}]
+    if two:
+        parts += [{"type": "image", "image": rand_image(64, 30, seed + 1)}]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": "what?"}]}]
+
+
+def _images(msgs):
+    return [p["image"] for m in msgs for p in m["content"] if p["type"] == "image"]
+
+
+def _hf_inputs(ids, images, image_types: bool = True) -> dict:
+    proc = transformers.AutoImageProcessor.from_pretrained(_hf_inputs.path)
+    t = torch.tensor([ids])
+    out = dict(input_ids=t, attention_mask=torch.ones_like(t),
+               pixel_values=proc(images, return_tensors="pt")["pixel_values"])
+    if image_types:
+        out["token_type_ids"] = (t == IMAGE).long()
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _path(tiny):
+    _hf_inputs.path = tiny[0]
+
+
+def _logprobs(hf, ids, images, image_types=True) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf(**_hf_inputs(ids, images, image_types)).logits[0].float()
+    return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]]
+
+
+def _ours(out) -> torch.Tensor:
+    ids = out.prompt_token_ids
+    return torch.tensor([lp[t] for lp, t in zip(out.prompt_logprobs[1:], ids[1:])])
+
+
+def _err(got, want) -> float:
+    return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+
+
+def test_preprocessor_equals_transformers(llm):
+    proc = transformers.AutoImageProcessor.from_pretrained(_hf_inputs.path)
+    imgs = [rand_image(37, 53, 0), rand_image(90, 31, 1, "RGBA"), rand_image(56, 56, 2, "L")]
+    want = proc(imgs, return_tensors="pt")["pixel_values"]
+    got = llm.deployed.processor.preprocess(imgs).pixel_values
+    assert got.shape == want.shape == (3, 3, 56, 56)
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_prompt_expansion(llm):
+    (out,) = llm.chat(_chat(), SamplingParams(max_tokens=1))
+    ids = out.prompt_token_ids
+    nl = llm.tokenizer.encode("\n\n", add_special_tokens=False)
+    i = ids.index(BOI)
+    assert ids[i - len(nl):i] == nl and ids[i + 1:i + 5] == [IMAGE] * 4 and ids[i + 5] == EOI
+    assert ids[i + 6:i + 6 + len(nl)] == nl
+    assert ids.count(IMAGE) == 8 and ids.count(BOI) == 2
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_prompt_logprobs_with_images_equal_transformers(tiny, chunk):
+    """Every prompt position (two images, tokens 13-16 and 26-29), in one chunk and in chunks
+    of at most 7 tokens, whose cuts at 14 and 28 would fall inside both images (the scheduler
+    ends those chunks before each image, then takes it whole; without that rule the logprobs
+    are off by ~4e-2); a causal mask over the image tokens (transformers without
+    token_type_ids) is far off, so a deployment attending causally could not pass."""
+    path, hf = tiny
+    llm = LLM(path, **LIMITS, **({} if chunk is None else {"max_num_tokens": chunk}))
+    msgs = _chat(seed=3)
+    (out,) = llm.chat(msgs, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    ids = out.prompt_token_ids
+    want = _logprobs(hf, ids, _images(msgs))
+    assert _err(_ours(out), want) <= 1e-4
+    causal = _logprobs(hf, ids, _images(msgs), image_types=False)
+    assert _err(causal, want) > 100 * 1e-4
+
+
+def test_chunks_never_end_inside_an_image(tiny):
+    from specdeploy.vision.gemma3 import Gemma3Prompt
+
+    mm = Gemma3Prompt([1, 2, IMAGE, IMAGE, IMAGE, IMAGE, 3], torch.zeros(1, 3, 56, 56),
+                      [(1, 56, 56)], IMAGE)
+    assert mm.chunk_tokens(0, 3) == 2  # before the image
+    assert mm.chunk_tokens(2, 2) == 4  # the image whole, past the budget
+    assert mm.chunk_tokens(0, 6) == 6 and mm.chunk_tokens(0, 7) == 7
+    assert mm.key_extents(1, 3).tolist() == [0, 6, 6]
+
+
+def test_greedy_with_images_equals_transformers_generate(tiny, llm):
+    _, hf = tiny
+    msgs = _chat(seed=5)
+    (out,) = llm.chat(msgs, SamplingParams(max_tokens=16, ignore_eos=True))
+    n = len(out.prompt_token_ids)
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(**_hf_inputs(out.prompt_token_ids, _images(msgs)), max_new_tokens=16,
+                      do_sample=False)[0, n:].tolist()
+    assert out.token_ids == ref
+
+
+def test_ngram_speculation_with_images_equals_plain(tiny, llm):
+    batch = [_chat(seed=6), [{"role": "user", "content": "hello hello hello"}],
+             _chat(seed=8, two=False)]
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in llm.chat(batch, sp)]
+    fast = LLM(tiny[0], **LIMITS, max_num_tokens=16,
+               spec={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                     "controller": "off"})
+    assert [o.token_ids for o in fast.chat(batch, sp)] == want
+    assert fast.stats()["draft_steps"] > 0
+
+
+def test_text_only_requests_equal_transformers(tiny, llm):
+    _, hf = tiny
+    (out,) = llm.generate("hello there", SamplingParams(max_tokens=8, ignore_eos=True))
+    t = torch.tensor([out.prompt_token_ids])
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=8,
+                      do_sample=False)[0, t.shape[1]:].tolist()
+    assert out.token_ids == ref
+
+
+def test_generate_with_images_equals_chat(llm):
+    img = rand_image(40, 24, 7)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    msgs = [{"role": "user", "content": [{"type": "image", "image": img},
+                                         {"type": "text", "text": "what"}]}]
+    want = llm.chat(msgs, sp)[0].token_ids
+    prompt = "<|im_start|>user\n<start_of_image>what<|im_end|>\n<|im_start|>assistant\n"
+    assert llm.generate(prompt, sp, images=[img])[0].token_ids == want
+
+
+def test_refusals_are_named(tiny, llm, tmp_path):
+    from specdeploy.vision import ImageError
+
+    with pytest.raises(ImageError, match=r"2 image\(s\) but 1 image placeholder"):
+        llm.generate("<start_of_image>two?", images=[rand_image(8, 8), rand_image(8, 8)])
+    with pytest.raises(ImageError, match="takes no videos"):
+        llm.chat([{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}])
+    with pytest.raises(ValueError, match="mm_processor_kwargs: 'max_pixels'"):
+        LLM(tiny[0], **LIMITS, mm_processor_kwargs={"max_pixels": 100})
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in tiny[0].iterdir():
+        (bad / f.name).symlink_to(f)
+    (bad / "preprocessor_config.json").unlink()
+    (bad / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR,
+                                                              "do_pan_and_scan": True}))
+    with pytest.raises(ImageError, match="do_pan_and_scan=true is not supported"):
+        LLM(bad, **LIMITS)
+    from specdeploy.models.gemma3_vision import VisionConfig
+
+    hf = json.loads((tiny[0] / "config.json").read_text())
+    with pytest.raises(ValueError, match="mm_tokens_per_image 9 does not pool"):
+        VisionConfig.from_hf({**hf, "mm_tokens_per_image": 9})
+    with pytest.raises(ValueError, match="vision_use_head=true"):
+        VisionConfig.from_hf({**hf, "vision_config": {**hf["vision_config"],
+                                                      "vision_use_head": True}})
