@@ -94,6 +94,9 @@ def gguf_vlm_config(cfg: dict, model_path, mmproj) -> dict:
 
 
 _TOWER_PROBE = ("model.visual.blocks.0.attn.qkv.weight", "v.blk.0.attn_qkv.weight")
+_GEMMA3_PROBES = tuple(f"{p}encoder.layers.0.self_attn.q_proj.weight" for p in (
+    "vision_tower.vision_model.", "vision_tower.", "model.vision_tower.vision_model.",
+    "model.vision_tower."))
 
 
 def tower_dtype(reader, want: str, model_dtype: torch.dtype, device) -> torch.dtype:
@@ -121,7 +124,8 @@ def shipped_bf16(reader) -> bool:
         if info is not None and info.ggml_type == 1:
             return f16_holds_bf16(reader)
         return info is not None and info.ggml_type == 30
-    return _TOWER_PROBE[0] in reader and reader.get(_TOWER_PROBE[0]).dtype == torch.bfloat16
+    probe = next((n for n in (_TOWER_PROBE[0], *_GEMMA3_PROBES) if n in reader), None)
+    return probe is not None and reader.get(probe).dtype == torch.bfloat16
 
 
 def f16_holds_bf16(reader) -> bool:
