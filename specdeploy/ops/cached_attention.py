@@ -247,17 +247,18 @@ def widen_rows(out, q, k_cache, v_cache, cu_host, lens_host, page_table, key_ext
     ext = key_extent_host.tolist()
     cu, lens = cu_host.tolist(), lens_host.tolist()
     for s in range(len(lens)):
-        for i in range(cu[s], cu[s + 1]):
-            end = ext[i]
-            pos = lens[s] + i - cu[s]
-            if end <= pos + 1:
-                continue
-            keys, vals = _seq_kv(k_cache, v_cache, page_table[s], end)
+        rows = [(i, ext[i], lens[s] + i - cu[s]) for i in range(cu[s], cu[s + 1])
+                if ext[i] > lens[s] + i - cu[s] + 1]
+        if not rows:
+            continue
+        # (one read of the segment's keys: a page-table read syncs a CUDA device once)
+        keys, vals = _seq_kv(k_cache, v_cache, page_table[s], max(e for _, e, _ in rows))
+        for i, end, pos in rows:
             lo = max(0, pos + 1 - sliding_window) if sliding_window > 0 else 0
             o = F.scaled_dot_product_attention(
                 q[0, i:i + 1].transpose(0, 1)[None].float(),
-                keys[lo:].transpose(0, 1)[None].float(), vals[lo:].transpose(0, 1)[None].float(),
-                scale=scale, enable_gqa=True)
+                keys[lo:end].transpose(0, 1)[None].float(),
+                vals[lo:end].transpose(0, 1)[None].float(), scale=scale, enable_gqa=True)
             out[0, i] = o[0, :, 0].to(out.dtype)
     return out
 

@@ -288,6 +288,41 @@ def test_openai_server_image_equals_llm_chat(tiny):
     assert r.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
+@pytest.mark.parametrize("prefix", ["vision_tower.vision_model.", "model.vision_tower."])
+def test_tower_reads_the_released_names(tiny, tmp_path, prefix):
+    """The tower and projector under the released names (`vision_tower.vision_model.*`) and
+    transformers' in-memory ones (`model.*`) give the features transformers' tower gives."""
+    from safetensors.torch import load_file, save_file
+
+    from specdeploy.checkpoint import open_checkpoint
+    from specdeploy.models.gemma3_vision import load_vision
+
+    path, hf = tiny
+    tensors = load_file(str(path / "model.safetensors"))
+    proj = "model.multi_modal_projector." if prefix.startswith("model.") else (
+        "multi_modal_projector.")
+    renamed = {(prefix + k[len("vision_tower."):] if k.startswith("vision_tower.") else
+                proj + k[len("multi_modal_projector."):]
+                if k.startswith("multi_modal_projector.") else k): v for k, v in tensors.items()}
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    tower = load_vision(open_checkpoint(tmp_path), torch.float32)
+    pix = torch.randn(2, 3, 56, 56, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf.get_image_features(pix).pooler_output.reshape(-1, 64)
+        assert (tower(pix) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_released_config_reads():
+    """gemma-3-4b-it's vision settings: 64 x 64 patches pooled 4 x 4 into 256 tokens."""
+    from specdeploy.models.gemma3_vision import VisionConfig
+    from tests.models.test_gemma3 import MULTIMODAL_4B
+
+    cfg = VisionConfig.from_hf(MULTIMODAL_4B)
+    assert (cfg.grid, cfg.mm_tokens_per_image, cfg.hidden_size, cfg.text_hidden_size) == (
+        64, 256, 1152, 2560)
+
+
 def test_refusals_are_named(tiny, llm, tmp_path):
     from specdeploy.vision import ImageError
 
