@@ -254,6 +254,23 @@ def test_text_only_requests_equal_transformers(tiny, llm):
     assert out.token_ids == ref
 
 
+def test_prefix_hit_inside_an_image_equals_transformers(tiny):
+    """4-token pages: the repeated prompt's hit (12 of its 16 tokens) ends inside the image
+    (tokens 9-12), so the image's last token attends back to cached keys of its block."""
+    _, hf = tiny
+    llm = LLM(tiny[0], **LIMITS, page_size=4)
+    img = rand_image(50, 41, 9)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    first = llm.generate("abcdef<start_of_image>", sp, images=[img])[0]
+    again = llm.generate("abcdef<start_of_image>", sp, images=[img])[0]
+    ids = first.prompt_token_ids
+    assert len(ids) == 16 and ids[9:13] == [IMAGE] * 4
+    assert llm.stats()["prefix_cache_hits"] == 12
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(**_hf_inputs(ids, [img]), max_new_tokens=6, do_sample=False)[0, 16:]
+    assert first.token_ids == again.token_ids == ref.tolist()
+
+
 def test_generate_with_images_equals_chat(llm):
     img = rand_image(40, 24, 7)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
