@@ -260,13 +260,12 @@ def _with_gemma3_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype,
     from specdeploy.models.gemma3_vision import load_vision
     from specdeploy.vision.gemma3 import Gemma3ImageProcessor
 
-    if opts.mmproj is not None:
-        raise ValueError("mmproj: a Gemma 3 GGUF with llama.cpp's mmproj is not supported; "
-                         "deploy the checkpoint directory")
-    reader = open_checkpoint(model_path)
+    reader = open_checkpoint(opts.mmproj if opts.mmproj is not None else model_path)
     visual = load_vision(reader, tower_dtype(reader, opts.mm_encoder_dtype, dtype,
                                              inner.device)).to(inner.device)
-    processor = Gemma3ImageProcessor.from_dir(model_path).with_kwargs(opts.mm_processor_kwargs)
+    processor = (Gemma3ImageProcessor.from_config(reader.config["preprocessor"])
+                 if opts.mmproj is not None else Gemma3ImageProcessor.from_dir(model_path))
+    processor = processor.with_kwargs(opts.mm_processor_kwargs)
     scaled = ScaledEmbedding(embed, _embed_scale(hf_config))
     out = Gemma3VisionDeployed(inner, visual, scaled, hf_config, processor.max_pixels)
     out.processor, out.video_processor = processor, None

@@ -65,15 +65,21 @@ def gguf_vlm_config(cfg: dict, model_path, mmproj) -> dict:
     arch = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
             "qwen3_5": "Qwen3_5ForConditionalGeneration",
             "qwen3_vl": "Qwen3VLForConditionalGeneration",
-            "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}.get(cfg.get("model_type"))
+            "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+            "gemma3_text": "Gemma3ForConditionalGeneration"}.get(cfg.get("model_type"))
     if arch is None:
-        raise ValueError(f"mmproj: a vision tower goes with a Qwen3.5(-MoE) or Qwen3-VL(-MoE) "
-                         f"text GGUF; {path} is "
+        raise ValueError(f"mmproj: a vision tower goes with a Qwen3.5(-MoE), Qwen3-VL(-MoE) "
+                         f"or Gemma 3 text GGUF; {path} is "
                          f"{', '.join(cfg.get('architectures') or ['?'])}")
     text = cfg.get("text_config", cfg)
     mm = open_checkpoint(mmproj)
     if not getattr(mm, "is_mmproj", False):
         raise CheckpointError(f"{mmproj}: not an mmproj GGUF (llama.cpp's vision tower file)")
+    if (mm.config.get("projector") == "gemma3") != (arch == "Gemma3ForConditionalGeneration"):
+        raise CheckpointError(f"{mmproj}: its projector {mm.metadata.get('clip.projector_type')!r}"
+                              f" does not go with {path.name} ({cfg.get('model_type')})")
+    if arch == "Gemma3ForConditionalGeneration":
+        return _gemma3_gguf_config(cfg, path, mm)
     vision = mm.config["vision_config"]
     if vision["out_hidden_size"] != text["hidden_size"]:
         raise CheckpointError(f"{mmproj}: its projection width {vision['out_hidden_size']} is "
@@ -91,6 +97,30 @@ def gguf_vlm_config(cfg: dict, model_path, mmproj) -> dict:
                               "token: not a vision-language model's text GGUF")
     ids = {k: where[t] for k, t in VISION_TOKENS.items() if t in where}
     return {**cfg, "architectures": [arch], "vision_config": vision, **ids}
+
+
+GEMMA3_TOKENS = {"boi_token_index": "<start_of_image>", "eoi_token_index": "<end_of_image>",
+                 "image_token_index": "<image_soft_token>"}
+
+
+def _gemma3_gguf_config(cfg: dict, path, mm) -> dict:
+    from specdeploy.checkpoint import CheckpointError
+    from specdeploy.checkpoint.gguf import read_header
+
+    width = mm.config["text_config"]["hidden_size"]
+    if width != cfg["hidden_size"]:
+        raise CheckpointError(f"{mm.path}: its projection width {width} is not {path.name}'s "
+                              f"hidden size {cfg['hidden_size']}: another model's tower")
+    tokens = read_header(path).metadata.get("tokenizer.ggml.tokens") or []
+    where = {t: i for i, t in enumerate(tokens) if t in GEMMA3_TOKENS.values()}
+    missing = [t for t in GEMMA3_TOKENS.values() if t not in where]
+    if missing:
+        raise CheckpointError(f"{path}: its vocabulary has no {', '.join(missing)}: not a "
+                              "Gemma 3 vision-language model's text GGUF")
+    return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "text_config": cfg, "vision_config": mm.config["vision_config"],
+            "mm_tokens_per_image": mm.config["mm_tokens_per_image"],
+            **{k: where[t] for k, t in GEMMA3_TOKENS.items()}}
 
 
 _TOWER_PROBE = ("model.visual.blocks.0.attn.qkv.weight", "v.blk.0.attn_qkv.weight")

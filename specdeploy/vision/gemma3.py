@@ -51,7 +51,12 @@ class Gemma3ImageProcessor:
         f = Path(path) / "preprocessor_config.json"
         if not f.is_file():
             raise ImageError(f"{path}: no preprocessor_config.json (needed for image inputs)")
-        c = json.loads(f.read_text())
+        return cls.from_config(json.loads(f.read_text()), f)
+
+    @classmethod
+    def from_config(cls, c: dict, f="preprocessor") -> Gemma3ImageProcessor:
+        """From preprocessor_config.json's fields (or a GGUF mmproj's: checkpoint/
+        gguf_mmproj_gemma3.py)."""
         for k in _UNSUPPORTED:
             if c.get(k):
                 raise ImageError(f"{f}: {k}=true is not supported")
