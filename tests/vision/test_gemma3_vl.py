@@ -244,6 +244,18 @@ def test_ngram_speculation_with_images_equals_plain(tiny, llm):
     assert fast.stats()["draft_steps"] > 0
 
 
+def test_two_ranks_give_the_one_process_tokens(tiny, llm):
+    """2 gloo ranks: rank 0's tower and embeddings, the key extents with each step's metadata."""
+    batch = [_chat(seed=10), [{"role": "user", "content": "hello"}]]
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in llm.chat(batch, sp)]
+    tp = LLM(tiny[0], tensor_parallel_size=2, dist_timeout=30, **LIMITS)
+    try:
+        assert [o.token_ids for o in tp.chat(batch, sp)] == want
+    finally:
+        tp.shutdown()
+
+
 def test_text_only_requests_equal_transformers(tiny, llm):
     _, hf = tiny
     (out,) = llm.generate("hello there", SamplingParams(max_tokens=8, ignore_eos=True))
