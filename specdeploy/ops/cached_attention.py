@@ -241,25 +241,36 @@ def widen_rows(out, q, k_cache, v_cache, cu_host, lens_host, page_table, key_ext
     attends to the keys at positions < key_extent_host[i] (a bidirectional block: Gemma 3's
     image tokens see their whole image) instead of <= its own; 0 = causal (left as it is).
     A sliding window still bounds a row from below (transformers: AND(window, OR(causal,
-    block))). Each row is one SDPA over its keys, so its bits do not depend on how the
-    scheduler cut the prompt. The block's keys must be in the cache: written this step or
-    before (engine/scheduler.py never ends a chunk inside a block)."""
+    block))). One SDPA per block (the rows sharing an extent) over its keys: a block's rows
+    are always fed together (engine/scheduler.py never ends a chunk inside a block, so its
+    keys are all in the cache by now), so their bits do not depend on the rest of the step or
+    on where the chunks were cut; a prefix-cache hit ending inside a block is the exception
+    (its remaining rows form a smaller call)."""
     ext = key_extent_host.tolist()
     cu, lens = cu_host.tolist(), lens_host.tolist()
     for s in range(len(lens)):
-        rows = [(i, ext[i], lens[s] + i - cu[s]) for i in range(cu[s], cu[s + 1])
-                if ext[i] > lens[s] + i - cu[s] + 1]
-        if not rows:
+        blocks: dict[int, list[int]] = {}
+        for i in range(cu[s], cu[s + 1]):
+            if ext[i] > lens[s] + i - cu[s] + 1:
+                blocks.setdefault(ext[i], []).append(i)
+        if not blocks:
             continue
         # (one read of the segment's keys: a page-table read syncs a CUDA device once)
-        keys, vals = _seq_kv(k_cache, v_cache, page_table[s], max(e for _, e, _ in rows))
-        for i, end, pos in rows:
-            lo = max(0, pos + 1 - sliding_window) if sliding_window > 0 else 0
+        keys, vals = _seq_kv(k_cache, v_cache, page_table[s], max(blocks))
+        for end, rows in blocks.items():
+            pos = torch.tensor([lens[s] + i - cu[s] for i in rows])
+            lo = (pos + 1 - sliding_window).clamp_(min=0) if sliding_window > 0 else None
+            first = int(lo.min()) if lo is not None else 0
+            mask = None
+            if lo is not None and int(lo.max()) > first:
+                mask = (torch.arange(first, end)[None, :] >= lo[:, None]).to(q.device)
+            a, b = rows[0], rows[-1] + 1  # (a block's rows are consecutive tokens)
             o = F.scaled_dot_product_attention(
-                q[0, i:i + 1].transpose(0, 1)[None].float(),
-                keys[lo:end].transpose(0, 1)[None].float(),
-                vals[lo:end].transpose(0, 1)[None].float(), scale=scale, enable_gqa=True)
-            out[0, i] = o[0, :, 0].to(out.dtype)
+                q[0, a:b].transpose(0, 1)[None].float(),
+                keys[first:end].transpose(0, 1)[None].float(),
+                vals[first:end].transpose(0, 1)[None].float(), attn_mask=mask, scale=scale,
+                enable_gqa=True)
+            out[0, a:b] = o[0].transpose(0, 1).to(out.dtype)
     return out
 
 
