@@ -423,6 +423,23 @@ def test_gguf_mmproj_without_image_tokens_is_refused(gguf_pair, tmp_path):
         LLM(str(text), mmproj=str(gguf_pair[2]), **LIMITS)
 
 
+def test_make_tiny_cli_writes_the_released_layout(tmp_path):
+    """`make-tiny --arch gemma3_vl`: transformers loads it (the released names) without missing
+    or unexpected keys, and the deployment's prompt logprobs with an image are its."""
+    from specdeploy.cli import main
+
+    assert main(["make-tiny", "--arch", "gemma3_vl", "--out", str(tmp_path / "d")]) == 0
+    path = tmp_path / "d"
+    hf, info = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    _hf_inputs.path = path
+    msgs = _chat(seed=11, two=False)
+    (out,) = LLM(path, **LIMITS).chat(msgs, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    want = _logprobs(hf.eval(), out.prompt_token_ids, _images(msgs))
+    assert _err(_ours(out), want) <= 1e-4
+
+
 def test_refusals_are_named(tiny, llm, tmp_path):
     from specdeploy.vision import ImageError
 
@@ -432,16 +449,14 @@ def test_refusals_are_named(tiny, llm, tmp_path):
         llm.chat([{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}])
     with pytest.raises(ValueError, match="mm_processor_kwargs: 'max_pixels'"):
-        LLM(tiny[0], **LIMITS, mm_processor_kwargs={"max_pixels": 100})
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for f in tiny[0].iterdir():
-        (bad / f.name).symlink_to(f)
-    (bad / "preprocessor_config.json").unlink()
-    (bad / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR,
-                                                              "do_pan_and_scan": True}))
+        llm.generate({"prompt": "<start_of_image>x", "multi_modal_data": {
+            "image": rand_image(8, 8)}, "mm_processor_kwargs": {"max_pixels": 100}})
+    from specdeploy.vision.gemma3 import Gemma3ImageProcessor
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR,
+                                                                   "do_pan_and_scan": True}))
     with pytest.raises(ImageError, match="do_pan_and_scan=true is not supported"):
-        LLM(bad, **LIMITS)
+        Gemma3ImageProcessor.from_dir(tmp_path)
     from specdeploy.models.gemma3_vision import VisionConfig
 
     hf = json.loads((tiny[0] / "config.json").read_text())
