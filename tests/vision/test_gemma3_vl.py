@@ -147,12 +147,13 @@ def test_prompt_expansion(llm):
     assert ids.count(IMAGE) == 8 and ids.count(BOI) == 2
 
 
-@pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.parametrize("chunk", [None, 7, 3])
 def test_prompt_logprobs_with_images_equal_transformers(tiny, chunk):
     """Every prompt position (two images, tokens 13-16 and 26-29), in one chunk and in chunks
     of at most 7 tokens, whose cuts at 14 and 28 would fall inside both images (the scheduler
     ends those chunks before each image, then takes it whole; without that rule the logprobs
-    are off by ~4e-2); a causal mask over the image tokens (transformers without
+    are off by ~4e-2), and in chunks of 3, fewer than an image's 4 tokens (each image goes in
+    one step past the budget); a causal mask over the image tokens (transformers without
     token_type_ids) is far off, so a deployment attending causally could not pass."""
     path, hf = tiny
     llm = LLM(path, **LIMITS, **({} if chunk is None else {"max_num_tokens": chunk}))
