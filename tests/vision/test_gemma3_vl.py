@@ -3,7 +3,10 @@ written by transformers' own classes (SigLIP tower on 56 x 56 images, 14-pixel p
 tokens an image), against transformers in fp32: the preprocessor's pixels, every prompt
 position's logprob with images (the image tokens attend bidirectionally within their image:
 a causal variant is far off), greedy generation, n-gram speculation = plain, prefill chunks that
-would cut an image, text-only requests, and refusals by name.
+would cut an image, a prefix-cache hit ending inside one, 2 tensor-parallel ranks, the OpenAI
+server, text-only requests, the cached op's image blocks against `attention_ref`, the tower under
+the released names, `make-tiny --arch gemma3_vl`, and refusals by name (GGUF:
+test_gguf_gemma3_vl.py).
 
 Tolerance: |ours - transformers| <= 1e-4 * max(1, max |logprob|) (fp32, sums in other orders)."""
 from __future__ import annotations
