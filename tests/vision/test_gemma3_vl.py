@@ -2,11 +2,11 @@
 written by transformers' own classes (SigLIP tower on 56 x 56 images, 14-pixel patches, 4 image
 tokens an image), against transformers in fp32: the preprocessor's pixels, every prompt
 position's logprob with images (the image tokens attend bidirectionally within their image:
-a causal variant is far off), greedy generation, n-gram speculation = plain, prefill chunks that
-would cut an image, a prefix-cache hit ending inside one, 2 tensor-parallel ranks, the OpenAI
-server, text-only requests, the cached op's image blocks against `attention_ref`, the tower under
-the released names, `make-tiny --arch gemma3_vl`, and refusals by name (GGUF:
-test_gguf_gemma3_vl.py).
+a causal variant is far off), greedy generation, n-gram and EAGLE-3 speculation = plain,
+prefill chunks that would cut an image, a prefix-cache hit ending inside one, 2 tensor-parallel
+ranks, the OpenAI server, text-only requests, the tower under the released names, `make-tiny
+--arch gemma3_vl`, and refusals by name (GGUF: test_gguf_gemma3_vl.py; the cached op's image
+blocks: tests/ops/test_image_block_attention.py).
 
 Tolerance: |ours - transformers| <= 1e-4 * max(1, max |logprob|) (fp32, sums in other orders)."""
 from __future__ import annotations
@@ -180,51 +180,6 @@ def test_chunks_never_end_inside_an_image(tiny):
     assert mm.key_extents(1, 3).tolist() == [0, 6, 6]
 
 
-@pytest.mark.parametrize("window,dv,page", [(0, 8, 4), (4, 8, 16), (4, 6, 4), (0, 6, 16)])
-def test_cached_attention_with_image_blocks_equals_ref(window, dv, page):
-    """The cached op, fed like the engine (chunks ending outside the blocks, two sequences in
-    one step, pages out of order), = `attention_ref` with the same key extents over the whole
-    sequence; window 4 < the second block's 7 tokens, so the window bounds the block's rows.
-    dv 6 != d 8 takes the torch paths, dv 8 the C rows."""
-    import specdeploy.ops.cached_attention  # noqa: F401  (registers the op)
-    from specdeploy.cache.metadata import Segment, build_metadata
-    from specdeploy.ops import attention_ref
-
-    gen = torch.Generator().manual_seed(window + dv)
-    n, hq, hkv, d = 23, 4, 2, 8
-    ext = torch.zeros(n, dtype=torch.long)
-    ext[5:9], ext[14:21] = 9, 21
-    seqs = [tuple(torch.randn(1, n, h, w, generator=gen) for h, w in ((hq, d), (hkv, d),
-                                                                      (hkv, dv)))
-            for _ in range(2)]
-    k_cache = 1e3 * torch.randn(32, page, hkv, d, generator=gen)
-    v_cache = 1e3 * torch.randn(32, page, hkv, dv, generator=gen)
-    pages = [list(range(31, 31 - 8, -1)), list(range(0, 16, 2))]
-    cuts = [[0, 3, 9, 14, 23], [0, 5, 12, 23]]
-    got = [[], []]
-    for step in range(4):
-        segs = []
-        for s in range(2):
-            if step + 1 >= len(cuts[s]):
-                continue
-            a, b = cuts[s][step], cuts[s][step + 1]
-            segs.append((s, a, b))
-        meta = build_metadata([Segment([0] * (b - a), a, pages[s], s) for s, a, b in segs])
-        xs = [torch.cat([seqs[s][i][:, a:b] for s, a, b in segs], 1) for i in range(3)]
-        extent = torch.cat([ext[a:b] for _, a, b in segs])
-        out = torch.ops.specdeploy.cached_attention(
-            *xs, k_cache, v_cache, meta.cu_seqlens, meta.cu_seqlens, meta.cache_lens,
-            meta.cache_lens, meta.page_table, d ** -0.5, window,
-            key_extent_host=extent)
-        for (s, _, _), (lo, hi) in zip(segs, zip(meta.cu_seqlens[:-1], meta.cu_seqlens[1:])):
-            got[s].append(out[:, lo:hi])
-    for s in range(2):
-        want = attention_ref(*seqs[s], d ** -0.5, window, key_extent=ext)
-        assert (torch.cat(got[s], 1) - want).abs().max() <= 1e-5 * want.abs().max()
-        causal = attention_ref(*seqs[s], d ** -0.5, window)
-        assert (causal - want).abs().max() > 0.1 * want.abs().max()
-
-
 def test_greedy_with_images_equals_transformers_generate(tiny, llm):
     _, hf = tiny
     msgs = _chat(seed=5)
@@ -236,14 +191,22 @@ def test_greedy_with_images_equals_transformers_generate(tiny, llm):
     assert out.token_ids == ref
 
 
-def test_ngram_speculation_with_images_equals_plain(tiny, llm):
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_speculation_with_images_equals_plain(tiny, llm, method, tmp_path):
+    """A mixed batch (two images / text / one image), 16-token steps; the EAGLE-3 drafter (a
+    tiny random one) reads the target's hidden states at the image rows too."""
     batch = [_chat(seed=6), [{"role": "user", "content": "hello hello hello"}],
              _chat(seed=8, two=False)]
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     want = [o.token_ids for o in llm.chat(batch, sp)]
-    fast = LLM(tiny[0], **LIMITS, max_num_tokens=16,
-               spec={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                     "controller": "off"})
+    spec = {"method": method, "num_speculative_tokens": 3, "controller": "off"}
+    if method == "eagle3":
+        from specdeploy.models.drafters.eagle3 import make_tiny_eagle3
+
+        spec["model"] = str(make_tiny_eagle3(tiny[0], tmp_path / "e3"))
+    else:
+        spec["prompt_lookup_max"] = 3
+    fast = LLM(tiny[0], **LIMITS, max_num_tokens=16, spec=spec)
     assert [o.token_ids for o in fast.chat(batch, sp)] == want
     assert fast.stats()["draft_steps"] > 0
 
