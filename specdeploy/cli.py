@@ -100,6 +100,10 @@ def cmd_make_tiny(args) -> int:
 
         path = q35.make_tiny(args.out, seed=args.seed, mtp_layers=args.mtp_layers,
                              hf_config=q35.tiny_hf_config(args.mtp_layers, dense=True))
+    elif args.arch == "gemma3_vl" and not args.quant:
+        from specdeploy.models import gemma3_vision_tiny
+
+        path = gemma3_vision_tiny.make_tiny(args.out, seed=args.seed, mtp_layers=args.mtp_layers)
     elif args.arch == "qwen3_vl_moe" and not args.quant:
         from specdeploy.models import qwen3_vl
 
@@ -219,10 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--arch", required=True,
                    choices=("llama", "nemotron_h", "qwen3_5_moe", "qwen3_5", "qwen3_moe",
                             "qwen3_vl", "qwen3_vl_moe", "qwen3_next", "glm4_moe",
-                            "deepseek_v3", "granite_hybrid", "gpt_oss", "gemma3", "lfm2",
-                            "eagle3"),
+                            "deepseek_v3", "granite_hybrid", "gpt_oss", "gemma3",
+                            "gemma3_vl", "lfm2", "eagle3"),
                    help="qwen3_5: the dense Qwen3.5 VLM (qwen3_5_moe's blocks, an MLP per "
-                        "layer); qwen3_vl(_moe): Qwen3-VL(-MoE) with DeepStack")
+                        "layer); qwen3_vl(_moe): Qwen3-VL(-MoE) with DeepStack; gemma3_vl: "
+                        "Gemma 3 with its SigLIP tower")
     t.add_argument("--mtp-layers", type=int, default=0)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--target", default=None, help="target checkpoint (for --arch eagle3)")

@@ -57,6 +57,9 @@ class BatchMetadata:
     # and, per segment with images, (first token, MultimodalPrompt, cache_len, tokens) on the host
     mrope_positions: torch.Tensor | None = None
     mm_rows: list | None = None
+    # per token, the key positions it sees are < its extent (Gemma 3's image tokens see their
+    # whole image; 0: causal); [0] when no token of the step sees past itself. Host only.
+    key_extent: torch.Tensor = field(default_factory=_empty)
     ckpt_tokens: torch.Tensor = field(default_factory=_empty)  # [W] host: flat token index
     ckpt_slots: torch.Tensor = field(default_factory=_empty)  # [W]: checkpoint slot
     # the lists the tensors were built from (build_metadata only; None after `to`): whoever
@@ -72,7 +75,8 @@ class BatchMetadata:
             mv(self.page_table), mv(self.slot_idx), mv(self.seg_kind), mv(self.logits_idx),
             self.num_tokens, self.num_seqs,
             mrope_positions=None if self.mrope_positions is None else mv(self.mrope_positions),
-            mm_rows=self.mm_rows, ckpt_tokens=self.ckpt_tokens, ckpt_slots=mv(self.ckpt_slots),
+            mm_rows=self.mm_rows, key_extent=self.key_extent, ckpt_tokens=self.ckpt_tokens,
+            ckpt_slots=mv(self.ckpt_slots),
         )
 
 
@@ -139,17 +143,22 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
 
 
 def _add_multimodal(meta: BatchMetadata, segments: Sequence[Segment], cu: list[int]) -> None:
-    rows, pos = [], []
+    rows, pos, extents = [], [], []
     for s, start in zip(segments, cu):
         n = len(s.token_ids)
+        ext = None
         if s.mm is None:
             pos.append(torch.arange(s.cache_len, s.cache_len + n).expand(3, n))
-            continue
-        pos.append(s.mm.positions(s.cache_len, n))
-        if s.cache_len < s.mm.num_prompt:
-            rows.append((start, s.mm, s.cache_len, n))
+        else:
+            pos.append(s.mm.positions(s.cache_len, n))
+            if s.cache_len < s.mm.num_prompt:
+                rows.append((start, s.mm, s.cache_len, n))
+                ext = s.mm.key_extents(s.cache_len, n)
+        extents.append(torch.zeros(n, dtype=torch.long) if ext is None else ext)
     meta.mrope_positions = torch.cat(pos, 1)
     meta.mm_rows = rows
+    if any(bool(e.any()) for e in extents):
+        meta.key_extent = torch.cat(extents)
 
 
 def kv_slot_mapping(meta: BatchMetadata, page_size: int) -> torch.Tensor:

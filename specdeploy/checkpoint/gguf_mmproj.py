@@ -1,5 +1,6 @@
 """GGUF architecture "clip" with projector "qwen3vl_merger": llama.cpp's mmproj file of a Qwen3.5
-or Qwen3-VL vision tower, which ships beside the text GGUF (llama.cpp's `--mmproj`).
+or Qwen3-VL vision tower, which ships beside the text GGUF (llama.cpp's `--mmproj`); projector
+"gemma3" (Gemma 3's SigLIP tower) is gguf_mmproj_gemma3.py's.
 
 llama.cpp's converter (conversion/qwen3vl.py, `Qwen3VLVisionModel` for
 Qwen3_5MoeForConditionalGeneration) writes the tower one tensor for one, under clip names:
@@ -22,11 +23,12 @@ import re
 
 import numpy as np
 
+from specdeploy.checkpoint import gguf_mmproj_gemma3 as gemma3
 from specdeploy.checkpoint.errors import CheckpointError
 
 ARCHS = ("clip",)
 ROTARY_PERMUTED = False
-PROJECTORS = ("qwen3vl_merger",)
+PROJECTORS = ("qwen3vl_merger", "gemma3")
 # the released Qwen3.5 preprocessor_config.json's size: {"shortest_edge", "longest_edge"}
 PIXEL_LIMITS = {"min_pixels": 65536, "max_pixels": 16777216}
 _BLOCK = {"attn_qkv": "attn.qkv", "attn_out": "attn.proj", "ffn_up": "mlp.linear_fc1",
@@ -44,9 +46,12 @@ def hf_config(reader) -> dict:
     proj = md.get("clip.projector_type")
     if proj not in PROJECTORS:
         raise CheckpointError(f"{path}: mmproj projector {proj!r} is not supported; supported: "
-                              f"{', '.join(PROJECTORS)} (Qwen3.5 vision towers)")
+                              f"{', '.join(PROJECTORS)} (Qwen3.5 / Qwen3-VL and Gemma 3 "
+                              "vision towers)")
     if not md.get("clip.has_vision_encoder", False):
         raise CheckpointError(f"{path}: mmproj without a vision encoder")
+    if proj == gemma3.PROJECTOR:
+        return gemma3.hf_config(reader)
 
     def get(key: str):
         if f"clip.vision.{key}" not in md:
@@ -85,6 +90,8 @@ def hf_config(reader) -> dict:
 
 
 def hf_name(gguf_name: str, cfg: dict) -> str | None:
+    if cfg.get("projector") == gemma3.PROJECTOR:
+        return gemma3.hf_name(gguf_name, cfg)
     if gguf_name in _PATCH:
         return None  # joined (`joined`)
     m = re.fullmatch(r"v\.blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
@@ -104,8 +111,12 @@ def hf_name(gguf_name: str, cfg: dict) -> str | None:
 
 
 def joined(reader) -> dict[str, tuple[list[str], int]]:
+    if reader.config.get("projector") == gemma3.PROJECTOR:
+        return {}
     return {"model.visual.patch_embed.proj.weight": (list(_PATCH), 2)}
 
 
 def to_hf(gguf_name: str, a: np.ndarray, cfg: dict) -> np.ndarray:
+    if cfg.get("projector") == gemma3.PROJECTOR:
+        return gemma3.to_hf(gguf_name, a, cfg)
     return a[:, :, None] if gguf_name in _PATCH else a  # a temporal half [C_out, C_in, 1, p, p]

@@ -112,6 +112,10 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         **({} if opts.quant_exclude is None else {"quant_exclude": opts.quant_exclude}),
         **common)
     programs = [(model, target_ctx, None)]
+    # Gemma 3: 1-D positions, bidirectional image blocks (deploy/vlm.py Gemma3VisionDeployed)
+    gemma = vision and _is_gemma3(hf_config)
+    if gemma:
+        model.image_blocks = True
     if vision:  # the graph takes embeddings (image features merged in by deploy/vlm.py)
         from specdeploy.deploy.vlm import TextFromEmbeds
 
@@ -124,7 +128,8 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
             resource_prefix=resource_prefix(g), **common,
             **({} if drafter.quant_exclude is None else {"quant_exclude": drafter.quant_exclude}))
         programs.append((step, draft_ctx, model.cfg.hidden_size))
-    transformed = [(_transform(m, ctx, hidden, vision), ctx) for m, ctx, hidden in programs]
+    mrope = vision and not gemma
+    transformed = [(_transform(m, ctx, hidden, mrope), ctx) for m, ctx, hidden in programs]
     for (gm, _), _ in transformed:  # NOTE: no deferred zero is ever computed with
         materialize_deferred(gm, model)
     resources = [h for (_, res), _ in transformed for h in res.resources]
@@ -144,7 +149,7 @@ def build(model_path: str | os.PathLike | None = None, options: BuildOptions | N
         deployed.append(GraphDeployed(gm, ctx, res.infos, plan,
                                       hf_config, vocab, res.resources, res.program,
                                       time.perf_counter() - t0, prefix_caching))
-        deployed[-1].mrope = vision
+        deployed[-1].mrope = mrope
     _return_freed_memory()
     out = deployed[0] if spec is None else SpecDeployed(
         deployed[0], deployed[1:], drafter.drafter if drafter else None, spec)
@@ -227,6 +232,8 @@ def _with_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype, hf_con
 
     if model_path is None:
         raise ValueError("vision: a vision-language deployment needs its checkpoint directory")
+    if _is_gemma3(hf_config):
+        return _with_gemma3_vision(inner, model_path, embed, dtype, hf_config, opts)
     reader = open_checkpoint(opts.mmproj if opts.mmproj is not None else model_path)
     visual = load_vision(reader, tower_dtype(reader, opts.mm_encoder_dtype, dtype,
                                              inner.device)).to(inner.device)
@@ -240,6 +247,39 @@ def _with_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype, hf_con
     out.processor, out.video_processor = processor, video
     out.mm_limits = dict(opts.limit_mm_per_prompt or {})
     return out
+
+
+def _is_gemma3(hf_config: dict) -> bool:
+    return "Gemma3ForConditionalGeneration" in (hf_config.get("architectures") or ())
+
+
+def _with_gemma3_vision(inner, model_path, embed: nn.Module, dtype: torch.dtype,
+                        hf_config: dict, opts: BuildOptions):
+    from specdeploy.checkpoint import open_checkpoint
+    from specdeploy.deploy.vlm import Gemma3VisionDeployed, ScaledEmbedding, tower_dtype
+    from specdeploy.models.gemma3_vision import load_vision
+    from specdeploy.vision.gemma3 import Gemma3ImageProcessor
+
+    reader = open_checkpoint(opts.mmproj if opts.mmproj is not None else model_path)
+    visual = load_vision(reader, tower_dtype(reader, opts.mm_encoder_dtype, dtype,
+                                             inner.device)).to(inner.device)
+    processor = (Gemma3ImageProcessor.from_config(reader.config["preprocessor"])
+                 if opts.mmproj is not None else Gemma3ImageProcessor.from_dir(model_path))
+    processor = processor.with_kwargs(opts.mm_processor_kwargs)
+    scaled = ScaledEmbedding(embed, _embed_scale(hf_config))
+    out = Gemma3VisionDeployed(inner, visual, scaled, hf_config, processor.max_pixels)
+    out.processor, out.video_processor = processor, None
+    limits = dict(opts.limit_mm_per_prompt or {})
+    if limits.get("video"):
+        raise ValueError("limit_mm_per_prompt: Gemma 3 takes no videos")
+    out.mm_limits = limits
+    return out
+
+
+def _embed_scale(hf_config: dict) -> dict:
+    h = (hf_config.get("text_config") or hf_config)["hidden_size"]
+    root = torch.tensor(h ** 0.5, dtype=torch.float32)
+    return {dt: root.to(dt).item() for dt in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 def _declares_mtp(path) -> bool:

@@ -28,7 +28,8 @@ class BuildOptions:
     `enable_prefix_caching` (vLLM's name): cached KV pages are shared by prompts that start
     alike, and recurrent layers get a checkpoint pool with a checkpoint every
     `checkpoint_every` pages (None: every page when memory allows; cache/plan.py). `mmproj`: the
-    vision tower of a text GGUF, llama.cpp's mmproj GGUF (checkpoint/gguf_mmproj.py);
+    vision tower of a text GGUF, llama.cpp's mmproj GGUF (checkpoint/gguf_mmproj.py; Gemma 3's:
+    gguf_mmproj_gemma3.py);
     `mm_processor_kwargs` (vLLM's): the image processor's `min_pixels` / `max_pixels`;
     `mm_encoder_dtype` the vision tower's dtype ("auto": deploy/vlm.py `tower_dtype`);
     `limit_mm_per_prompt` (vLLM's): at most this many images / videos in one prompt."""

@@ -106,7 +106,7 @@ class GraphDeployed:
             dev = to_device(self.device_inputs(meta), self.device)
         feed = {**dev, "cu_seqlens_host": meta.cu_seqlens,
                 "cache_lens_host": meta.cache_lens, "seg_kind_host": meta.seg_kind,
-                "ckpt_tokens_host": meta.ckpt_tokens,
+                "ckpt_tokens_host": meta.ckpt_tokens, "key_extent_host": meta.key_extent,
                 "hidden": None if hidden is None else hidden[None].to(self.device)}
         return [feed[n] for n in self._input_names]
 

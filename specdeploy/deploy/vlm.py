@@ -21,7 +21,8 @@ from specdeploy.deploy.base import StepOutput
 from specdeploy.models.qwen3_5_vision import VisionConfig, VisionModel
 
 VISION_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-                        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+                        "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                        "Gemma3ForConditionalGeneration")
 
 
 class TextFromEmbeds(nn.Module):
@@ -64,15 +65,21 @@ def gguf_vlm_config(cfg: dict, model_path, mmproj) -> dict:
     arch = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
             "qwen3_5": "Qwen3_5ForConditionalGeneration",
             "qwen3_vl": "Qwen3VLForConditionalGeneration",
-            "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}.get(cfg.get("model_type"))
+            "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+            "gemma3_text": "Gemma3ForConditionalGeneration"}.get(cfg.get("model_type"))
     if arch is None:
-        raise ValueError(f"mmproj: a vision tower goes with a Qwen3.5(-MoE) or Qwen3-VL(-MoE) "
-                         f"text GGUF; {path} is "
+        raise ValueError(f"mmproj: a vision tower goes with a Qwen3.5(-MoE), Qwen3-VL(-MoE) "
+                         f"or Gemma 3 text GGUF; {path} is "
                          f"{', '.join(cfg.get('architectures') or ['?'])}")
     text = cfg.get("text_config", cfg)
     mm = open_checkpoint(mmproj)
     if not getattr(mm, "is_mmproj", False):
         raise CheckpointError(f"{mmproj}: not an mmproj GGUF (llama.cpp's vision tower file)")
+    if (mm.config.get("projector") == "gemma3") != (arch == "Gemma3ForConditionalGeneration"):
+        raise CheckpointError(f"{mmproj}: its projector {mm.metadata.get('clip.projector_type')!r}"
+                              f" does not go with {path.name} ({cfg.get('model_type')})")
+    if arch == "Gemma3ForConditionalGeneration":
+        return _gemma3_gguf_config(cfg, path, mm)
     vision = mm.config["vision_config"]
     if vision["out_hidden_size"] != text["hidden_size"]:
         raise CheckpointError(f"{mmproj}: its projection width {vision['out_hidden_size']} is "
@@ -92,7 +99,34 @@ def gguf_vlm_config(cfg: dict, model_path, mmproj) -> dict:
     return {**cfg, "architectures": [arch], "vision_config": vision, **ids}
 
 
+GEMMA3_TOKENS = {"boi_token_index": "<start_of_image>", "eoi_token_index": "<end_of_image>",
+                 "image_token_index": "<image_soft_token>"}
+
+
+def _gemma3_gguf_config(cfg: dict, path, mm) -> dict:
+    from specdeploy.checkpoint import CheckpointError
+    from specdeploy.checkpoint.gguf import read_header
+
+    width = mm.config["text_config"]["hidden_size"]
+    if width != cfg["hidden_size"]:
+        raise CheckpointError(f"{mm.path}: its projection width {width} is not {path.name}'s "
+                              f"hidden size {cfg['hidden_size']}: another model's tower")
+    tokens = read_header(path).metadata.get("tokenizer.ggml.tokens") or []
+    where = {t: i for i, t in enumerate(tokens) if t in GEMMA3_TOKENS.values()}
+    missing = [t for t in GEMMA3_TOKENS.values() if t not in where]
+    if missing:
+        raise CheckpointError(f"{path}: its vocabulary has no {', '.join(missing)}: not a "
+                              "Gemma 3 vision-language model's text GGUF")
+    return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "text_config": cfg, "vision_config": mm.config["vision_config"],
+            "mm_tokens_per_image": mm.config["mm_tokens_per_image"],
+            **{k: where[t] for k, t in GEMMA3_TOKENS.items()}}
+
+
 _TOWER_PROBE = ("model.visual.blocks.0.attn.qkv.weight", "v.blk.0.attn_qkv.weight")
+_GEMMA3_PROBES = tuple(f"{p}encoder.layers.0.self_attn.q_proj.weight" for p in (
+    "vision_tower.vision_model.", "vision_tower.", "model.vision_tower.vision_model.",
+    "model.vision_tower."))
 
 
 def tower_dtype(reader, want: str, model_dtype: torch.dtype, device) -> torch.dtype:
@@ -120,7 +154,8 @@ def shipped_bf16(reader) -> bool:
         if info is not None and info.ggml_type == 1:
             return f16_holds_bf16(reader)
         return info is not None and info.ggml_type == 30
-    return _TOWER_PROBE[0] in reader and reader.get(_TOWER_PROBE[0]).dtype == torch.bfloat16
+    probe = next((n for n in (_TOWER_PROBE[0], *_GEMMA3_PROBES) if n in reader), None)
+    return probe is not None and reader.get(probe).dtype == torch.bfloat16
 
 
 def f16_holds_bf16(reader) -> bool:
@@ -242,3 +277,52 @@ def vision_peak_bytes(cfg: VisionConfig, max_pixels: int, elem: int) -> int:
     p = max(1, max_pixels // cfg.patch_size ** 2)
     d = cfg.hidden_size
     return p * (2 * d + 3 * d + cfg.intermediate_size) * elem + cfg.num_heads * p * p * 4
+
+
+class Gemma3VisionDeployed(VisionLanguageDeployed):
+    """Gemma 3 (models/gemma3_vision.py): 1-D positions, `<start_of_image>` expanded per image
+    (vision/gemma3.py), the features merged unscaled over the scaled token embeddings (the
+    `embed_tokens` given here scales), no videos."""
+
+    def __init__(self, inner, visual, embed_tokens: nn.Module, hf_config: dict,
+                 max_image_pixels: int):
+        hf = {**hf_config, "image_token_id": _gemma3_id(hf_config, "image_token")}
+        super().__init__(inner, visual, embed_tokens, hf, max_image_pixels)
+        self.boi_id = _gemma3_id(hf_config, "boi_token")
+        self.eoi_id = _gemma3_id(hf_config, "eoi_token")
+        self.tokens_per_image = visual.cfg.mm_tokens_per_image
+
+    def build_prompt(self, ids: list[int], images, what: str, encode):
+        from specdeploy.vision.gemma3 import Gemma3Prompt, Gemma3Tokens
+
+        if encode is None:
+            raise ValueError(f"{what}: Gemma 3 images need the tokenizer (\\n\\n around each)")
+        tokens = Gemma3Tokens(self.boi_id, self.eoi_id, self.image_token_id,
+                              self.tokens_per_image, tuple(encode("\n\n")))
+        return Gemma3Prompt.expand(list(ids), images, tokens, what)
+
+
+def _gemma3_id(hf: dict, name: str) -> int:
+    """`{name}_index` (the released config.json) or `{name}_id` (transformers v5's names)."""
+    for key in (f"{name}_index", f"{name}_id"):
+        if hf.get(key) is not None:
+            return int(hf[key])
+    default = {"image_token": 262_144, "boi_token": 255_999, "eoi_token": 256_000}[name]
+    return default
+
+
+class ScaledEmbedding(nn.Module):
+    """Gemma's input embedding: the table times sqrt(H) rounded to its dtype (models/gemma3.py)."""
+
+    def __init__(self, embed: nn.Module, scale: dict):
+        super().__init__()
+        self.embed = embed
+        self.scale = scale
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return x * self.scale[x.dtype]

@@ -241,7 +241,7 @@ class CudaGraphRunner:
         # ops' host reads of a replayed step see its values
         feed = {**views, "cu_seqlens_host": views["cu_seqlens"],
                 "cache_lens_host": views["cache_lens"], "seg_kind_host": meta.seg_kind,
-                "ckpt_tokens_host": meta.ckpt_tokens,
+                "ckpt_tokens_host": meta.ckpt_tokens, "key_extent_host": meta.key_extent,
                 "hidden": None if buf is None else buf[None]}  # (as `_feed` gives it)
         inputs = [feed[name] for name in self.target._input_names]
         static = [views["cu_seqlens"], views["logits_idx"], meta.seg_kind, meta.ckpt_tokens]

@@ -179,6 +179,11 @@ class Scheduler:
         (a chunk starting off the boundaries would put every later one inside a scan chunk);
         never two steps running, so a prefill next to busy decodes is not starved."""
         n = min(seq.num_pending, budget)
+        if n < seq.num_pending and seq.mm is not None:
+            # NOTE: a chunk ends before a bidirectional image block it would cut (Gemma 3), or
+            # when the block starts the chunk, after it, past the budget if need be: a block's
+            # keys must all be cached when its first token attends (ops/cached_attention.py)
+            n = seq.mm.chunk_tokens(seq.num_cached, n)
         if n < seq.num_pending and max(self.align, self.chunk_align) > 1:
             for unit in (self.align, self.chunk_align):
                 end = (seq.num_cached + n) // unit * unit

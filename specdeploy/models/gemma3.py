@@ -1,5 +1,6 @@
 """Google Gemma 3 text models (`Gemma3ForCausalLM`: gemma-3-270m / 1b; the language model of
-`Gemma3ForConditionalGeneration`: 4b / 12b / 27b, text only). Llama's attention with per-head q/k
+`Gemma3ForConditionalGeneration`: 4b / 12b / 27b, whose tower is models/gemma3_vision.py and
+whose image features enter as `inputs_embeds`). Llama's attention with per-head q/k
 RMSNorms and the score scale `query_pre_attn_scalar ** -0.5`; four RMSNorms a layer (input,
 post-attention, pre- and post-feedforward: the sublayers' outputs are normed before the
 residual add); a GeGLU MLP (`hidden_activation`, tanh GELU); embeddings times sqrt(hidden),
@@ -135,14 +136,19 @@ class Model(llama.Model):
         self.model.rotary_emb_local.init_buffers()
 
     def forward_hidden(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+        self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [B, T, H]."""
+        """Final-normed hidden states [B, T, H]. `inputs_embeds` (a VLM's, deploy/vlm.py):
+        already scaled, image features in place of the image tokens."""
         if position_ids is None:
-            t = input_ids.shape[1]
-            position_ids = torch.arange(t, device=input_ids.device).expand(input_ids.shape[0], t)
-        x = self.model.embed_tokens(input_ids)
-        x = x * self.embed_scale[x.dtype]
+            b, t = input_ids.shape
+            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+        if inputs_embeds is None:
+            x = self.model.embed_tokens(input_ids)
+            x = x * self.embed_scale[x.dtype]
+        else:
+            x = inputs_embeds
         full = self.model.rotary_emb(position_ids)
         local = self.model.rotary_emb_local(position_ids)
         for layer in self.model.layers:
@@ -151,9 +157,10 @@ class Model(llama.Model):
         return self.model.norm(x)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+        self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        logits = self.lm_head(self.forward_hidden(input_ids, position_ids))
+        logits = self.lm_head(self.forward_hidden(input_ids, position_ids, inputs_embeds))
         cap = self.cfg.final_logit_softcapping
         # elementwise after the head: `gather_logits` still finds the head behind them
         return torch.tanh(logits / cap) * cap if cap else logits

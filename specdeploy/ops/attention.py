@@ -17,16 +17,21 @@ __all__ = ["attention_ref", "attention_mask", "sink_mask"]
 
 
 def attention_mask(
-    t_q: int, t_k: int, sliding_window: int = 0, device: torch.device | None = None
+    t_q: int, t_k: int, sliding_window: int = 0, device: torch.device | None = None,
+    key_extent: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean [t_q, t_k] mask, True where query i may attend key j.
 
     Queries are the last ``t_q`` of the ``t_k`` keys (so a prefix of cached keys is allowed, which
     the cached variants reuse). Window w: query at absolute position p sees keys p-w+1..p.
+    `key_extent` [t_q]: query i also sees the keys before position key_extent[i] (a
+    bidirectional block, Gemma 3's image; 0: none), the window still bounding it from below.
     """
     q_pos = torch.arange(t_k - t_q, t_k, device=device)[:, None]
     k_pos = torch.arange(t_k, device=device)[None, :]
     mask = k_pos <= q_pos
+    if key_extent is not None:
+        mask = mask | (k_pos < key_extent.to(device)[:, None])
     if sliding_window > 0:
         mask = mask & (k_pos > q_pos - sliding_window)
     return mask
@@ -34,7 +39,7 @@ def attention_mask(
 
 def attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int = 0,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, key_extent: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Explicit softmax attention (the oracle).
 
@@ -42,6 +47,7 @@ def attention_ref(
         q: [B, T, Hq, D]; k: [B, T, Hkv, D]; v: [B, T, Hkv, Dv], Hq % Hkv == 0.
         scale: multiplies q·k. sliding_window: 0 = full causal.
         sinks: [Hq] logits joining each row's softmax denominator (no value), or None.
+        key_extent: [T] bidirectional blocks (see `attention_mask`), or None.
     Returns:
         [B, T, Hq, Dv] in q's dtype.
     """
@@ -50,7 +56,7 @@ def attention_ref(
     kf = k.float().repeat_interleave(rep, dim=2).transpose(1, 2)
     vf = v.float().repeat_interleave(rep, dim=2).transpose(1, 2)
     scores = (qf @ kf.transpose(-1, -2)) * scale
-    mask = attention_mask(q.shape[1], k.shape[1], sliding_window, q.device)
+    mask = attention_mask(q.shape[1], k.shape[1], sliding_window, q.device, key_extent)
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:
         sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)

@@ -235,6 +235,45 @@ def cached_attention_impl(
     return out
 
 
+def widen_rows(out, q, k_cache, v_cache, cu_host, lens_host, page_table, key_extent_host,
+               scale, sliding_window):
+    """Redo, in place, the rows of `out` whose query sees keys past itself: token i of the step
+    attends to the keys at positions < key_extent_host[i] (a bidirectional block: Gemma 3's
+    image tokens see their whole image) instead of <= its own; 0 = causal (left as it is).
+    A sliding window still bounds a row from below (transformers: AND(window, OR(causal,
+    block))). One SDPA per block (the rows sharing an extent) over its keys: a block's rows
+    are always fed together (engine/scheduler.py never ends a chunk inside a block, so its
+    keys are all in the cache by now), so their bits do not depend on the rest of the step or
+    on where the chunks were cut; a prefix-cache hit ending inside a block is the exception
+    (its remaining rows form a smaller call)."""
+    ext = key_extent_host.tolist()
+    cu, lens = cu_host.tolist(), lens_host.tolist()
+    for s in range(len(lens)):
+        blocks: dict[int, list[int]] = {}
+        for i in range(cu[s], cu[s + 1]):
+            if ext[i] > lens[s] + i - cu[s] + 1:
+                blocks.setdefault(ext[i], []).append(i)
+        if not blocks:
+            continue
+        # (one read of the segment's keys: a page-table read syncs a CUDA device once)
+        keys, vals = _seq_kv(k_cache, v_cache, page_table[s], max(blocks))
+        for end, rows in blocks.items():
+            pos = torch.tensor([lens[s] + i - cu[s] for i in rows])
+            lo = (pos + 1 - sliding_window).clamp_(min=0) if sliding_window > 0 else None
+            first = int(lo.min()) if lo is not None else 0
+            mask = None
+            if lo is not None and int(lo.max()) > first:
+                mask = (torch.arange(first, end)[None, :] >= lo[:, None]).to(q.device)
+            a, b = rows[0], rows[-1] + 1  # (a block's rows are consecutive tokens)
+            o = F.scaled_dot_product_attention(
+                q[0, a:b].transpose(0, 1)[None].float(),
+                keys[first:end].transpose(0, 1)[None].float(),
+                vals[first:end].transpose(0, 1)[None].float(), attn_mask=mask, scale=scale,
+                enable_gqa=True)
+            out[0, a:b] = o[0].transpose(0, 1).to(out.dtype)
+    return out
+
+
 @torch.library.custom_op(
     "specdeploy::cached_attention", mutates_args=("k_cache", "v_cache"), device_types=None
 )
@@ -243,8 +282,24 @@ def cached_attention(
     v_cache: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: torch.Tensor,
     cache_lens: torch.Tensor, cache_lens_host: torch.Tensor, page_table: torch.Tensor,
     scale: float, sliding_window: int = 0, slot_mapping: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, key_extent_host: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """`key_extent_host` [T] or [0] (host): see `widen_rows`; only graphs of models with
+    bidirectional image blocks take it (deploy/passes/insert_cache.py)."""
+    out = _cached_attention(q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens,
+                            cache_lens_host, page_table, scale, sliding_window, slot_mapping,
+                            sinks)
+    if key_extent_host is not None and key_extent_host.numel():
+        if sinks is not None:
+            raise ValueError("cached_attention: bidirectional blocks with sinks are not "
+                             "supported")
+        widen_rows(out, q, k_cache, v_cache, cu_seqlens_host, cache_lens_host, page_table,
+                   key_extent_host, scale, sliding_window)
+    return out
+
+
+def _cached_attention(q, k, v, k_cache, v_cache, cu_seqlens, cu_seqlens_host, cache_lens,
+                      cache_lens_host, page_table, scale, sliding_window, slot_mapping, sinks):
     if sinks is not None and not (page_table.device.type == "cpu"
                                   and attention_rows.fits(q, k_cache, v_cache)):
         # attention sinks (gpt-oss) where the C kernel does not fit: the torch paths

@@ -99,6 +99,13 @@ def build_prompt(deployed, ids: list[int], images: list, what: str = "prompt",
         n, most = len(given or ()), limits.get(kind)
         if most is not None and n > most:
             raise ImageError(f"{what}: {n} {kind}(s), but limit_mm_per_prompt allows {most}")
+    if hasattr(deployed, "build_prompt"):  # Gemma 3 (deploy/vlm.py): images only
+        if videos:
+            raise ImageError(f"{what}: this model takes no videos")
+        processed = (deployed.processor.with_kwargs(kwargs).preprocess(list(images),
+                                                                       what=f"{what} image")
+                     if images else None)
+        return deployed.build_prompt(list(ids), processed, what, encode)
     processed = (deployed.processor.with_kwargs(kwargs).preprocess(list(images),
                                                                    what=f"{what} image")
                  if images else None)

@@ -111,6 +111,16 @@ class MultimodalPrompt:
         tail = torch.arange(first, max(first, start + n)).add(self.delta).expand(3, -1)
         return torch.cat((head, tail), 1) if head.shape[1] else tail
 
+    def key_extents(self, start: int, n: int) -> torch.Tensor | None:
+        """Per token of start..start+n-1, the end of the bidirectional block it sees (ops/
+        cached_attention.py `widen_rows`); None: causal throughout (Qwen's vision tokens)."""
+        return None
+
+    def chunk_tokens(self, start: int, n: int) -> int:
+        """How many of the n tokens from `start` one prefill chunk may take (a chunk never
+        ends inside a bidirectional block); causal prompts: all n."""
+        return n
+
     def image_rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(offsets within the chunk, feature rows) of the image tokens among start..start+n-1,
         or None when the chunk has none."""

@@ -38,6 +38,7 @@ def _meta(gm: fx.GraphModule) -> dict[str, fx.Node]:
 CKPT_INPUTS = ("ckpt_tokens_host", "ckpt_slots")
 
 
+
 def _state_buffers(gm, ctx, node, base: str, shape, dtype, declared: list, align: int = 1
                    ) -> tuple[fx.Node, fx.Node | None, fx.Node | None]:
     """(state, spec state or None, prefix-cache checkpoint pool or None) buffers."""
@@ -94,6 +95,11 @@ def insert_cached_attention(gm: fx.GraphModule, ctx: DeployContext) -> Done:
         # (its fused op has no sinks), so a layer with sinks keeps this op
         if a.get("sinks") is not None:
             args += (a["sinks"],)
+        # NOTE: a model whose image tokens attend bidirectionally (Gemma 3) takes the step's key
+        # extents; fuse_rope_attention then leaves the op alone (15 arguments), so every step
+        # runs `cached_attention` (its C rows where they fit, then the widened image rows)
+        if getattr(ctx.model, "image_blocks", False):
+            args += (a.get("sinks"), add_placeholder(gm, "key_extent_host"))
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(ops.cached_attention.default, args)
         node.replace_all_uses_with(new)
