@@ -546,6 +546,8 @@ AVX2 static int attend_bf16_dots(const attn_t *A, const piece_t *s, int S, int T
     return attend_kv(A, s, S, T, th, KV_BF16, 1);
 }
 
+#include "attention_wide.c"
+
 /* NOTE: windows and sinks take the fp32 path: they were written on an AVX2-only machine, where
  * the bf16 path cannot run, so it has none (untested code is not shipped) */
 static int bf16_dots_here(const attn_t *A) {
@@ -557,6 +559,7 @@ static int bf16_dots_here(const attn_t *A) {
 }
 
 static int attend(const attn_t *A, const piece_t *s, int S, int T, int th) {
+    if (A->Dv > 256 || (wide_mode & 1)) return attend_wide(A, s, S, T, th);
     if (bf16_dots_here(A)) return attend_bf16_dots(A, s, S, T, th);
     return A->kv == KV_BF16 ? attend_bf16(A, s, S, T, th)
          : A->kv == KV_F16  ? attend_f16(A, s, S, T, th)
@@ -565,7 +568,7 @@ static int attend(const attn_t *A, const piece_t *s, int S, int T, int th) {
 
 /* q [T, Hq, D], out [T, Hq, Dv] row-major fp32; row t sits at position pos0 + t (it attends
  * keys 0..pos0 + t); pages: the sequence's page table; kv: the caches' dtype. D and Dv
- * multiples of 8, Dv <= 256 (checked by the caller). v_row, v_head: the value cache's strides
+ * multiples of 8 (checked by the caller); Dv > 256 takes attention_wide.c's path. v_row, v_head: the value cache's strides
  * in elements (a token, a KV head), so the values may be the keys' leading dims. Returns 0, or
  * -1 when scratch memory could not be had. */
 int attention_rows_v(const float *q, int T, int Hq, int D, int Dv, const void *k_cache,

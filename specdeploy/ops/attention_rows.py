@@ -7,13 +7,15 @@ speculative decoding must give greedy plain decoding's tokens.
 
 Compiled on first use like the GGUF kernels (same cache, same one-line warning when it cannot
 be built); needs x86-64 with AVX2 + FMA + F16C, fp32 queries, fp32 / bf16 / fp16 caches (read
-exactly as fp32), head sizes that are multiples of 8 (up to 256). `unavailable()` says why not;
-the caller then runs its per-row SDPA fallback. A bf16 cache (the fast path's) on a CPU with
-AVX512-BF16 takes bf16 dot products instead (`bf16_dots`): the query and the softmax weights are
-rounded to bf16 too, below the 8-bit activation rounding of the fast linears that read the
-output; still batch and thread invariant. Sliding windows (a row attends its last `window` keys)
-and attention sinks (gpt-oss's per-head logit in each softmax's denominator) run on the fp32
-path only (bf16 caches widened exactly).
+exactly as fp32), head sizes that are multiples of 8. `unavailable()` says why not; the caller
+then runs its per-row SDPA fallback. Value widths past 256 (absorbed MLA's 512-dim latent
+values) take `attention_wide.c`: a running softmax per (row, head) over tiles of keys instead
+of per-chunk partials, so its scratch does not grow with the context. A bf16 cache (the fast
+path's) on a CPU with AVX512-BF16 takes bf16 dot products instead (`bf16_dots`): the query and
+the softmax weights are rounded to bf16 too, below the 8-bit activation rounding of the fast
+linears that read the output; still batch and thread invariant. Sliding windows (a row attends
+its last `window` keys) and attention sinks (gpt-oss's per-head logit in each softmax's
+denominator) run on the fp32 path only (bf16 caches widened exactly).
 """
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         "attention_rows_v": ([ptr, int_, int_, int_, int_, ptr, ptr, int_, int_, ptr, int_,
                               ctypes.c_float, ptr, int_, int_, int_, ptr, ctypes.c_int64,
                               ctypes.c_int64], int_),
-        "attention_rows_bf16_dots": ([int_], int_)})
+        "attention_rows_bf16_dots": ([int_], int_),
+        "attention_rows_wide_mode": ([int_], int_)})
     if lib is not None:
         return lib, None
     why = "; ".join(errors)
@@ -81,6 +84,18 @@ def bf16_dots(on: bool):
         lib.attention_rows_bf16_dots(before)
 
 
+@contextmanager
+def wide_mode(every: bool = True, scalar: bool = False):
+    """Within: every value width takes attention_wide.c's path (`every`), on its scalar kernels
+    (`scalar`) or the AVX2 ones where the CPU has them. For tests and benches."""
+    lib = _library()[0]
+    before = lib.attention_rows_wide_mode(int(every) | 2 * int(scalar))
+    try:
+        yield
+    finally:
+        lib.attention_rows_wide_mode(before)
+
+
 def _rows_dense(v_cache: torch.Tensor) -> bool:
     """Value rows the kernel can address: dense dims, pages of whole rows (a contiguous cache,
     or a contiguous key cache's leading dims: paged_kv.value_in_key)."""
@@ -94,7 +109,7 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
             and k_cache.dtype in _KV_DTYPES
             and q.device.type == "cpu" and k_cache.is_contiguous() and _rows_dense(v_cache)
-            and d % 8 == 0 and dv % 8 == 0 and dv <= 256 and q.shape[-2] % k_cache.shape[2] == 0
+            and d % 8 == 0 and dv % 8 == 0 and q.shape[-2] % k_cache.shape[2] == 0
             and _library()[0] is not None)
 
 
