@@ -54,7 +54,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
                               ctypes.c_float, ptr, int_, int_, int_, ptr, ctypes.c_int64,
                               ctypes.c_int64], int_),
         "attention_rows_bf16_dots": ([int_], int_),
-        "attention_rows_wide_mode": ([int_], int_)})
+        "attention_rows_wide_mode": ([int_], int_),
+        "attention_rows_wide_calls": ([], ctypes.c_int64)})
     if lib is not None:
         return lib, None
     why = "; ".join(errors)
@@ -94,6 +95,12 @@ def wide_mode(every: bool = True, scalar: bool = False):
         yield
     finally:
         lib.attention_rows_wide_mode(before)
+
+
+def wide_calls() -> int:
+    """How many calls took attention_wide.c's path in this process (any caller: the Python
+    wrappers, the fused layers and CPU graph replays that call the C entry points by address)."""
+    return _library()[0].attention_rows_wide_calls()
 
 
 def _rows_dense(v_cache: torch.Tensor) -> bool:

@@ -21,6 +21,10 @@
 
 static int wide_mode = 0; /* bit 0: every width takes this path; bit 1: the scalar kernels */
 
+static int64_t wide_calls = 0; /* calls of attend_wide so far (tests: the path ran) */
+
+int64_t attention_rows_wide_calls(void) { return __atomic_load_n(&wide_calls, __ATOMIC_RELAXED); }
+
 int attention_rows_wide_mode(int mode) { /* the switch (tests); returns the previous value */
     const int before = wide_mode;
     if (mode >= 0) wide_mode = mode;
@@ -274,6 +278,7 @@ static void wide_item(const attn_t *A, const piece_t *pc, const witem_t *it, flo
 }
 
 static int attend_wide(const attn_t *A, const piece_t *segs, int S, int T, int nthreads) {
+    __atomic_add_fetch(&wide_calls, 1, __ATOMIC_RELAXED);
     __builtin_cpu_init();
     const wops_t *op = !(wide_mode & 2) && __builtin_cpu_supports("avx2") &&
                        __builtin_cpu_supports("fma") ? &wide_avx2 : &wide_scalar;
