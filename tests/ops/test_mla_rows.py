@@ -169,3 +169,28 @@ def test_verify_rows_equal_decode_rows_through_cached_attention(one_call):
         torch.testing.assert_close(verify[s * n:(s + 1) * n].double(), want, rtol=0, atol=1e-5)
         flat = kc[torch.tensor(pages[s])].reshape(-1, D)[:prefix + n]
         assert torch.equal(flat, k[s, :, 0])
+
+
+def test_a_deepseek_deployment_with_a_512_latent_takes_the_c_path(tmp_path):
+    """A tiny DeepSeek-V3 (2 layers, 4 heads) with kv_lora_rank 512: its absorbed attention's
+    value width is 512, so the rows run in C (counted there, CPU graph replays included);
+    greedy = transformers' `generate`."""
+    transformers = pytest.importorskip("transformers")
+    from specdeploy import LLM, SamplingParams
+    from specdeploy.models import deepseek_v3 as ds
+
+    hf = ds.tiny_hf_config()
+    hf.update(kv_lora_rank=512, num_hidden_layers=2)
+    path = ds.make_tiny(tmp_path, seed=5, hf_config=hf)
+    calls = ar.wide_calls()
+    outs = LLM(path, max_batch_size=2, max_seq_len=128).generate(
+        ["hello there", "a b c d e f"], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert ar.wide_calls() - calls >= 2 * 12  # every layer's rows, every step
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+    for o in outs:
+        t = torch.tensor([o.prompt_token_ids])
+        want = model.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=12,
+                              do_sample=False)[0, t.shape[1]:].tolist()
+        assert o.token_ids == want
