@@ -13,11 +13,12 @@
  * (which emulates the 8 lanes and the tree with fmaf) as on the AVX2 one.
  * A work item is up to WIDE_PAIRS (row, head) pairs of one KV head: each tile's keys are read
  * from the cache (and widened) once per item and serve all of its rows and heads; o
- * accumulates in `out` itself. Scratch per thread: TK (D + Dv) + 4 TK + 2 WIDE_PAIRS floats
+ * accumulates in `out` itself. Scratch per thread: TK (D + Dv) + 2 HS TK + 2 WIDE_PAIRS floats
  * (the values' TK Dv only where they are not the keys' leading dims), ~140 KB at 576 / 512,
  * whatever the context length; plus the work item list, 6 ints per item. */
 #define TK 32
 #define WIDE_PAIRS 128
+#define HS 6 /* heads a kernel pass serves (12 accumulators of 16 registers) */
 
 static int wide_mode = 0; /* bit 0: every width takes this path; bit 1: the scalar kernels */
 
@@ -38,12 +39,12 @@ typedef struct { /* rows t0..t1-1 of piece `piece`, heads h0..h1-1 (all of KV he
 typedef struct { /* the kernels a path supplies: bit-identical between paths */
     void (*widen)(const uint8_t *cache, int64_t row_bytes, int64_t off, int n,
                   const int64_t *pages, int page_size, int lo, int hi, float *dst, int kv);
-    /* s[r * TK + j] = scale * q[r] . k[j], r < nh (1 or 2), j = j0..j1-1 (j1 - j0 % 4 == 0) */
+    /* s[r * TK + j] = scale * q[r] . k[j], r < nh (<= HS), j = j0..j1-1 (j1 - j0 even) */
     void (*dots)(const float *const *q, int nh, const float *k, int D, int j0, int j1,
                  float scale, float *s);
     /* p[j] = e^(s[j] - m), j = j0..j1-1 */
     void (*expw)(const float *s, float m, float *p, int j0, int j1);
-    /* o[r] = (first ? 0 : a[r] o[r]) + sum_{j0 <= j < j1} p[r * TK + j] v[j], r < nh */
+    /* o[r] = (first ? 0 : a[r] o[r]) + sum_{j0 <= j < j1} p[r * TK + j] v[j], r < nh <= HS */
     void (*pv)(float *const *o, const float *a, int nh, int first, const float *p, int j0,
                int j1, const float *v, int64_t vs, int Dv);
 } wops_t;
@@ -134,35 +135,40 @@ AVX2 static void widen_v(const uint8_t *cache, int64_t row_bytes, int64_t off, i
     widen(cache, row_bytes, off, n, pages, page_size, lo, hi, dst, kv);
 }
 
-/* NR heads x 4 keys a pass: 4 NR accumulators, the keys loaded once for the heads */
+/* NR heads x 2 keys a pass: 2 NR accumulators; each key vector, streamed from L2 (a tile is
+ * larger than L1), serves NR heads */
 AVX2 static inline __attribute__((always_inline)) void dots_nr(
     const float *const *q, const float *k, int D, int j0, int j1, float scale, float *s,
     const int NR) {
-    for (int j = j0; j < j1; j += 4) {
-        __m256 a[2][4];
-        for (int r = 0; r < NR; r++)
-            for (int u = 0; u < 4; u++) a[r][u] = _mm256_setzero_ps();
+    for (int j = j0; j < j1; j += 2) {
+        __m256 a[HS][2];
+        for (int r = 0; r < NR; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
         const float *k0 = k + (size_t)j * D;
         for (int d = 0; d < D; d += 8) {
             const __m256 kv0 = _mm256_loadu_ps(k0 + d), kv1 = _mm256_loadu_ps(k0 + D + d);
-            const __m256 kv2 = _mm256_loadu_ps(k0 + 2 * D + d), kv3 = _mm256_loadu_ps(k0 + 3 * D + d);
             for (int r = 0; r < NR; r++) {
                 const __m256 qv = _mm256_loadu_ps(q[r] + d);
                 a[r][0] = _mm256_fmadd_ps(qv, kv0, a[r][0]);
                 a[r][1] = _mm256_fmadd_ps(qv, kv1, a[r][1]);
-                a[r][2] = _mm256_fmadd_ps(qv, kv2, a[r][2]);
-                a[r][3] = _mm256_fmadd_ps(qv, kv3, a[r][3]);
             }
         }
-        for (int r = 0; r < NR; r++)
-            for (int u = 0; u < 4; u++) s[r * TK + j + u] = hsum8(a[r][u]) * scale;
+        for (int r = 0; r < NR; r++) {
+            s[r * TK + j] = hsum8(a[r][0]) * scale;
+            s[r * TK + j + 1] = hsum8(a[r][1]) * scale;
+        }
     }
 }
 
 AVX2 static void dots_v(const float *const *q, int nh, const float *k, int D, int j0, int j1,
                         float scale, float *s) {
-    if (nh == 2) dots_nr(q, k, D, j0, j1, scale, s, 2);
-    else dots_nr(q, k, D, j0, j1, scale, s, 1);
+    switch (nh) {
+    case 1: dots_nr(q, k, D, j0, j1, scale, s, 1); break;
+    case 2: dots_nr(q, k, D, j0, j1, scale, s, 2); break;
+    case 3: dots_nr(q, k, D, j0, j1, scale, s, 3); break;
+    case 4: dots_nr(q, k, D, j0, j1, scale, s, 4); break;
+    case 5: dots_nr(q, k, D, j0, j1, scale, s, 5); break;
+    default: dots_nr(q, k, D, j0, j1, scale, s, 6); break;
+    }
 }
 
 AVX2 static void expw_v(const float *s, float m, float *p, int j0, int j1) {
@@ -173,11 +179,11 @@ AVX2 static void expw_v(const float *s, float m, float *p, int j0, int j1) {
     for (; j < j1; j++) p[j] = exp_neg_s(s[j] - m);
 }
 
-/* NR heads x NV vectors of dims a pass: each value vector loaded once for the heads */
+/* NR heads x 2 vectors of dims a pass: each value vector loaded once for the NR heads */
 AVX2 static inline __attribute__((always_inline)) void pv_nr(
     float *const *o, const float *a, int first, const float *p, int j0, int j1,
     const float *v, int64_t vs, int x, const int NR, const int NV) {
-    __m256 acc[2][4];
+    __m256 acc[HS][2];
     for (int r = 0; r < NR; r++) {
         const __m256 av = _mm256_set1_ps(a[r]);
         for (int u = 0; u < NV; u++)
@@ -186,7 +192,7 @@ AVX2 static inline __attribute__((always_inline)) void pv_nr(
     }
     for (int j = j0; j < j1; j++) {
         const float *vr = v + (size_t)j * vs + x;
-        __m256 vv[4];
+        __m256 vv[2];
         for (int u = 0; u < NV; u++) vv[u] = _mm256_loadu_ps(vr + 8 * u);
         for (int r = 0; r < NR; r++) {
             const __m256 w = _mm256_set1_ps(p[r * TK + j]);
@@ -197,23 +203,27 @@ AVX2 static inline __attribute__((always_inline)) void pv_nr(
         for (int u = 0; u < NV; u++) _mm256_storeu_ps(o[r] + x + 8 * u, acc[r][u]);
 }
 
+#define PV_CASES(NV)                                                    \
+    switch (nh) {                                                       \
+    case 1: pv_nr(o, a, first, p, j0, j1, v, vs, x, 1, NV); break;      \
+    case 2: pv_nr(o, a, first, p, j0, j1, v, vs, x, 2, NV); break;      \
+    case 3: pv_nr(o, a, first, p, j0, j1, v, vs, x, 3, NV); break;      \
+    case 4: pv_nr(o, a, first, p, j0, j1, v, vs, x, 4, NV); break;      \
+    case 5: pv_nr(o, a, first, p, j0, j1, v, vs, x, 5, NV); break;      \
+    default: pv_nr(o, a, first, p, j0, j1, v, vs, x, 6, NV); break;     \
+    }
+
 AVX2 static void pv_v(float *const *o, const float *a, int nh, int first, const float *p, int j0,
                       int j1, const float *v, int64_t vs, int Dv) {
     int x = 0;
-    for (; x + 32 <= Dv; x += 32) {
-        if (nh == 2) pv_nr(o, a, first, p, j0, j1, v, vs, x, 2, 4);
-        else pv_nr(o, a, first, p, j0, j1, v, vs, x, 1, 4);
-    }
-    for (; x < Dv; x += 8) {
-        if (nh == 2) pv_nr(o, a, first, p, j0, j1, v, vs, x, 2, 1);
-        else pv_nr(o, a, first, p, j0, j1, v, vs, x, 1, 1);
-    }
+    for (; x + 16 <= Dv; x += 16) PV_CASES(2)
+    for (; x < Dv; x += 8) PV_CASES(1)
 }
 
 static const wops_t wide_scalar = {widen_s, dots_s, expw_s, pv_s};
 static const wops_t wide_avx2 = {widen_v, dots_v, expw_v, pv_v};
 
-/* one work item. scratch: kt [TK, D], vt [TK, Dv], s and p [2, TK] each, m l [WIDE_PAIRS] */
+/* one work item. scratch: kt [TK, D], vt [TK, Dv], s and p [HS, TK] each, m l [WIDE_PAIRS] */
 static void wide_item(const attn_t *A, const piece_t *pc, const witem_t *it, float *kt,
                       float *vt, float *s, float *p, float *m, float *l, const wops_t *op) {
     const int D = A->D, Dv = A->Dv, rep = A->Hq / A->Hkv, g = it->h0 / rep;
@@ -235,13 +245,13 @@ static void wide_item(const attn_t *A, const piece_t *pc, const witem_t *it, flo
             if (pos < lo || fk >= lo + TK) continue;
             const int n = pos + 1 - lo < TK ? pos + 1 - lo : TK;
             const int j0 = fk > lo ? fk - lo : 0, first = c == fk / TK;
-            /* whole groups of 4 keys: those outside [j0, n) are computed and never used
-             * (their rows were widened, or hold an earlier tile's keys) */
-            const int d0 = j0 & ~3, d1 = (n + 3) & ~3;
-            for (int h = it->h0; h < it->h1; h += 2) {
-                const int nr = it->h1 - h < 2 ? 1 : 2;
-                const float *q[2];
-                float *o[2], a[2];
+            /* whole pairs of keys: one outside [j0, n) is computed and never used (its row
+             * was widened, or holds an earlier tile's key) */
+            const int d0 = j0 & ~1, d1 = (n + 1) & ~1;
+            for (int h = it->h0; h < it->h1; h += HS) {
+                const int nr = it->h1 - h < HS ? it->h1 - h : HS;
+                const float *q[HS];
+                float *o[HS], a[HS];
                 for (int r = 0; r < nr; r++) {
                     q[r] = A->q + (size_t)t * A->q_row + (size_t)(h + r) * D;
                     o[r] = A->out + ((size_t)t * A->Hq + h + r) * Dv;
@@ -301,7 +311,7 @@ static int attend_wide(const attn_t *A, const piece_t *segs, int S, int T, int n
                     items[k++] = (witem_t){i, t, t + rb < segs[i].t1 ? t + rb : segs[i].t1,
                                            g * rep + h, g * rep + (h + hb < rep ? h + hb : rep)};
     int failed = 0;
-    const size_t floats = (size_t)TK * (A->D + A->Dv) + 4 * TK + 2 * WIDE_PAIRS;
+    const size_t floats = (size_t)TK * (A->D + A->Dv) + 2 * HS * TK + 2 * WIDE_PAIRS;
 #pragma omp parallel num_threads(th) reduction(| : failed)
     {
         float *kt = (float *)calloc(floats, sizeof(float));
@@ -311,8 +321,8 @@ static int attend_wide(const attn_t *A, const piece_t *segs, int S, int T, int n
         for (int64_t x = 0; x < count; x++) {
             if (!kt) continue;
             float *vt = kt + (size_t)TK * A->D, *s = vt + (size_t)TK * A->Dv;
-            wide_item(A, &segs[items[x].piece], &items[x], kt, vt, s, s + 2 * TK, s + 4 * TK,
-                      s + 4 * TK + WIDE_PAIRS, op);
+            wide_item(A, &segs[items[x].piece], &items[x], kt, vt, s, s + HS * TK,
+                      s + 2 * HS * TK, s + 2 * HS * TK + WIDE_PAIRS, op);
         }
         free(kt);
     }
