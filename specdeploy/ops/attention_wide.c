@@ -248,8 +248,10 @@ static void wide_item(const attn_t *A, const piece_t *pc, const witem_t *it, flo
             /* whole pairs of keys: one outside [j0, n) is computed and never used (its row
              * was widened, or holds an earlier tile's key) */
             const int d0 = j0 & ~1, d1 = (n + 1) & ~1;
-            for (int h = it->h0; h < it->h1; h += HS) {
-                const int nr = it->h1 - h < HS ? it->h1 - h : HS;
+            /* the item's heads in nb passes of near-equal size (8 heads: 4 + 4, not 6 + 2) */
+            const int nb = (nh + HS - 1) / HS;
+            for (int b = 0, h = it->h0; b < nb; b++) {
+                const int nr = nh / nb + (b < nh % nb);
                 const float *q[HS];
                 float *o[HS], a[HS];
                 for (int r = 0; r < nr; r++) {
@@ -270,6 +272,7 @@ static void wide_item(const attn_t *A, const piece_t *pc, const witem_t *it, flo
                     m[i] = mt;
                 }
                 op->pv(o, a, nr, first, p, j0, n, v, vs, Dv);
+                h += nr;
             }
         }
     }
