@@ -14,9 +14,11 @@
  * A work item is up to WIDE_PAIRS (row, head) pairs of one KV head: each tile's keys are read
  * from the cache (and widened) once per item and serve all of its rows and heads; o
  * accumulates in `out` itself. Scratch per thread: TK (D + Dv) + 2 HS TK + 2 WIDE_PAIRS floats
- * (the values' TK Dv only where they are not the keys' leading dims), ~140 KB at 576 / 512,
- * whatever the context length; plus the work item list, 6 ints per item. */
-#define TK 32
+ * (the values' TK Dv only where they are not the keys' leading dims): ~150 KB at 576 / 512 in
+ * one cache, whatever the context length; plus the work item list, 5 ints per item (about
+ * one per WIDE_PAIRS (row, head) pairs: linear in the rows, not the keys). TK 64: the tile
+ * (147 KB of fp32 keys) stays in L2 while each pass over it serves HS heads. */
+#define TK 64
 #define WIDE_PAIRS 128
 #define HS 6 /* heads a kernel pass serves (12 accumulators of 16 registers) */
 
@@ -223,14 +225,18 @@ AVX2 static void pv_v(float *const *o, const float *a, int nh, int first, const 
 static const wops_t wide_scalar = {widen_s, dots_s, expw_s, pv_s};
 static const wops_t wide_avx2 = {widen_v, dots_v, expw_v, pv_v};
 
+/* whether the values are the keys' leading dims (one cache): read from the widened keys */
+static int wide_shared(const attn_t *A) {
+    return A->v_cache == A->k_cache && A->v_row == (int64_t)A->Hkv * A->D && A->v_head == A->D;
+}
+
 /* one work item. scratch: kt [TK, D], vt [TK, Dv], s and p [HS, TK] each, m l [WIDE_PAIRS] */
 static void wide_item(const attn_t *A, const piece_t *pc, const witem_t *it, float *kt,
                       float *vt, float *s, float *p, float *m, float *l, const wops_t *op) {
     const int D = A->D, Dv = A->Dv, rep = A->Hq / A->Hkv, g = it->h0 / rep;
     const int nh = it->h1 - it->h0, es = A->kv == KV_F32 ? 4 : 2;
     const int pos_lo = pc->pos0 + (it->t0 - pc->t0), pos_hi = pc->pos0 + (it->t1 - 1 - pc->t0);
-    /* the values are the widened keys' leading dims: read the cache once */
-    const int shared = A->v_cache == A->k_cache && A->v_row == (int64_t)A->Hkv * D && A->v_head == D;
+    const int shared = wide_shared(A);
     const float *v = shared ? kt : vt;
     const int64_t vs = shared ? D : Dv;
     for (int c = first_key(A, pos_lo) / TK; c <= pos_hi / TK; c++) {
@@ -314,7 +320,8 @@ static int attend_wide(const attn_t *A, const piece_t *segs, int S, int T, int n
                     items[k++] = (witem_t){i, t, t + rb < segs[i].t1 ? t + rb : segs[i].t1,
                                            g * rep + h, g * rep + (h + hb < rep ? h + hb : rep)};
     int failed = 0;
-    const size_t floats = (size_t)TK * (A->D + A->Dv) + 2 * HS * TK + 2 * WIDE_PAIRS;
+    const int vdims = wide_shared(A) ? 0 : A->Dv; /* values read from the widened keys */
+    const size_t floats = (size_t)TK * (A->D + vdims) + 2 * HS * TK + 2 * WIDE_PAIRS;
 #pragma omp parallel num_threads(th) reduction(| : failed)
     {
         float *kt = (float *)calloc(floats, sizeof(float));
@@ -323,7 +330,7 @@ static int attend_wide(const attn_t *A, const piece_t *segs, int S, int T, int n
 #pragma omp for schedule(dynamic, 1)
         for (int64_t x = 0; x < count; x++) {
             if (!kt) continue;
-            float *vt = kt + (size_t)TK * A->D, *s = vt + (size_t)TK * A->Dv;
+            float *vt = kt + (size_t)TK * A->D, *s = vt + (size_t)TK * vdims;
             wide_item(A, &segs[items[x].piece], &items[x], kt, vt, s, s + HS * TK,
                       s + 2 * HS * TK, s + 2 * HS * TK + WIDE_PAIRS, op);
         }
