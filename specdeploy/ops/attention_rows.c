@@ -608,6 +608,22 @@ static inline uint16_t to_bf16(float f) {
 
 AVX2 static inline uint16_t to_f16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
 
+/* to_f16 without F16C: to nearest even, overflow to inf, subnormals, NaN quieted keeping its
+ * top payload bits (as vcvtps2ph) */
+static uint16_t to_f16_s(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return sign | 0x7E00 | (uint16_t)((u >> 13) & 0x3FF);
+    if (u >= 0x477FF000u) return sign | 0x7C00; /* 65520 and up round to inf */
+    if (u >= 0x38800000u) /* a normal half: round at bit 13, rebias 127 -> 15 */
+        return sign | (uint16_t)((u + 0xFFFu + ((u >> 13) & 1u) - 0x38000000u) >> 13);
+    float a; /* a subnormal half (or 0): in units of 2^-24, exact before the rounding */
+    __builtin_memcpy(&a, &u, 4);
+    return sign | (uint16_t)__builtin_rintf(a * 16777216.f);
+}
+
 /* `n` fp32 values into the cache's dtype at dst */
 AVX2 static void store_row(uint8_t *dst, const float *src, int n, const int kv) {
     if (kv == KV_F32) {
@@ -616,6 +632,16 @@ AVX2 static void store_row(uint8_t *dst, const float *src, int n, const int kv) 
     }
     uint16_t *h = (uint16_t *)dst;
     for (int i = 0; i < n; i++) h[i] = kv == KV_BF16 ? to_bf16(src[i]) : to_f16(src[i]);
+}
+
+/* the same without AVX2 / F16C (the wide path's generic C runs on any x86-64) */
+static void store_row_s(uint8_t *dst, const float *src, int n, const int kv) {
+    if (kv == KV_F32) {
+        __builtin_memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    uint16_t *h = (uint16_t *)dst;
+    for (int i = 0; i < n; i++) h[i] = kv == KV_BF16 ? to_bf16(src[i]) : to_f16_s(src[i]);
 }
 
 /* A step's attention of a Llama-type layer after its fused q/k/v projection and RoPE, in one
@@ -638,12 +664,13 @@ int write_attend_rows_v(const float *qk, const float *v, int64_t v_stride, int T
     const size_t row_k = (size_t)Hkv * D * es;
     for (int s = 0; s < S; s++)
         if (lens[s] + cu[s + 1] - cu[s] > (int64_t)P * page_size) return -2;
+    void (*store)(uint8_t *, const float *, int, int) = wide_generic() ? store_row_s : store_row;
     for (int t = 0; t < T; t++) {
-        store_row((uint8_t *)k_cache + (size_t)slots[t] * row_k,
-                  qk + ((size_t)t * (Hq + Hkv) + Hq) * D, Hkv * D, kv);
+        store((uint8_t *)k_cache + (size_t)slots[t] * row_k,
+              qk + ((size_t)t * (Hq + Hkv) + Hq) * D, Hkv * D, kv);
         for (int g = 0; v && g < Hkv; g++)
-            store_row((uint8_t *)v_cache + ((size_t)slots[t] * v_row + (size_t)g * v_head) * es,
-                      v + (size_t)t * v_stride + (size_t)g * Dv, Dv, kv);
+            store((uint8_t *)v_cache + ((size_t)slots[t] * v_row + (size_t)g * v_head) * es,
+                  v + (size_t)t * v_stride + (size_t)g * Dv, Dv, kv);
     }
     piece_t *seg = (piece_t *)malloc(sizeof(piece_t) * (size_t)(S > 0 ? S : 1));
     if (!seg) return -1;

@@ -22,7 +22,8 @@
 #define WIDE_PAIRS 128
 #define HS 6 /* heads a kernel pass serves (12 accumulators of 16 registers) */
 
-static int wide_mode = 0; /* bit 0: every width takes this path; bit 1: the scalar kernels */
+static int wide_mode = 0; /* bit 0: every width takes this path; bit 1: the generic C kernels
+                             * (and cache writes), where AVX2 would run */
 
 static int64_t wide_calls = 0; /* calls of attend_wide so far (tests: the path ran) */
 
@@ -32,6 +33,13 @@ int attention_rows_wide_mode(int mode) { /* the switch (tests); returns the prev
     const int before = wide_mode;
     if (mode >= 0) wide_mode = mode;
     return before;
+}
+
+/* the generic C kernels: asked for (wide_mode bit 1), or a CPU without AVX2 + FMA + F16C */
+static int wide_generic(void) {
+    __builtin_cpu_init();
+    return (wide_mode & 2) || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+           !__builtin_cpu_supports("f16c");
 }
 
 typedef struct { /* rows t0..t1-1 of piece `piece`, heads h0..h1-1 (all of KV head h0 / rep) */
@@ -298,9 +306,7 @@ static void wide_item(const attn_t *A, const piece_t *pc, const witem_t *it, flo
 
 static int attend_wide(const attn_t *A, const piece_t *segs, int S, int T, int nthreads) {
     __atomic_add_fetch(&wide_calls, 1, __ATOMIC_RELAXED);
-    __builtin_cpu_init();
-    const wops_t *op = !(wide_mode & 2) && __builtin_cpu_supports("avx2") &&
-                       __builtin_cpu_supports("fma") ? &wide_avx2 : &wide_scalar;
+    const wops_t *op = wide_generic() ? &wide_scalar : &wide_avx2;
     const int rep = A->Hq / A->Hkv, th = nthreads > 0 ? nthreads : 1;
     /* heads per item: up to 64 (the item's o rows stay in L2), fewer until every thread has
      * one; then rows to fill WIDE_PAIRS */

@@ -13,8 +13,8 @@ from specdeploy.cache.metadata import SEG_EXTEND, Segment, build_metadata
 from specdeploy.ops import attention_rows as ar
 from specdeploy.ops import cached_attention as ca
 
-pytestmark = pytest.mark.skipif(ar.unavailable() is not None,
-                                reason=f"attention kernel unavailable: {ar.unavailable()}")
+pytestmark = pytest.mark.skipif(ar.wide_unavailable() is not None,
+                                reason=f"attention kernel unavailable: {ar.wide_unavailable()}")
 D, DV, PS = 576, 512, 64
 SCALE = 0.1352  # DeepSeek-V3's 192 ** -0.5 times its YaRN mscale squared, roughly
 
@@ -194,3 +194,40 @@ def test_a_deepseek_deployment_with_a_512_latent_takes_the_c_path(tmp_path):
         want = model.generate(input_ids=t, attention_mask=torch.ones_like(t), max_new_tokens=12,
                               do_sample=False)[0, t.shape[1]:].tolist()
         assert o.token_ids == want
+
+
+def test_generic_cache_writes_round_as_torch():
+    """The cache writes of the generic C path (a CPU without F16C) round fp32 to fp16 as
+    torch does (to nearest even; subnormals; 65520 and up to inf) and as the F16C path does."""
+    g = torch.Generator().manual_seed(8)
+    vals = torch.cat((torch.randn(D, generator=g), torch.randn(D, generator=g) * 1e-6,
+                      torch.randn(D, generator=g) * 3e4,
+                      torch.tensor([65504.0, 65519.0, 65520.0, 1e9, -0.0, 2.0 ** -25,
+                                    3 * 2.0 ** -25, 2.0 ** -14 - 2.0 ** -26, 1 + 2.0 ** -11,
+                                    1 + 3 * 2.0 ** -11, float("inf"), float("-inf")])))
+    rows = vals[:(vals.numel() // D) * D].view(-1, D)
+    t, hq = rows.shape[0], 2
+    qk = torch.zeros(t, hq + 1, D)
+    qk[:, hq] = rows
+    caches = []
+    for scalar in (False, True):
+        kc = torch.zeros(1, PS, 1, D, dtype=torch.float16)
+        with ar.wide_mode(every=False, scalar=scalar):
+            ar.write_attend_rows(qk, qk.view(1, t, -1), 0, kc, kc[..., :DV],
+                                 torch.arange(t), torch.tensor([0, t]), torch.tensor([0]),
+                                 torch.tensor([[0]]), SCALE)
+        caches.append(kc.view(-1, D)[:t])
+    want = rows.to(torch.float16)
+    assert torch.equal(caches[1].view(torch.int16), want.view(torch.int16))
+    assert torch.equal(caches[0].view(torch.int16), want.view(torch.int16))
+
+
+def test_without_avx2_only_the_wide_path_fits(monkeypatch):
+    """Where the CPU lacks AVX2 the library still loads: value widths past 256 fit (their
+    generic C path), the narrow kernel's widths do not (the torch fallback runs)."""
+    lib = ar._library()[0]
+    monkeypatch.setattr(ar, "_library", lambda: (lib, "this CPU lacks avx2"))
+    kc = torch.zeros(2, PS, 1, D)
+    assert ar.wide_unavailable() is None and ar.unavailable() is not None
+    assert ar.fits(_q(1, 16), kc, kc[..., :DV])
+    assert not ar.fits(torch.zeros(1, 4, 64), kc[..., :64], kc[..., :64])
