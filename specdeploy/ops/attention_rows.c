@@ -546,6 +546,8 @@ AVX2 static int attend_bf16_dots(const attn_t *A, const piece_t *s, int S, int T
     return attend_kv(A, s, S, T, th, KV_BF16, 1);
 }
 
+#include "attention_wide.c"
+
 /* NOTE: windows and sinks take the fp32 path: they were written on an AVX2-only machine, where
  * the bf16 path cannot run, so it has none (untested code is not shipped) */
 static int bf16_dots_here(const attn_t *A) {
@@ -557,6 +559,7 @@ static int bf16_dots_here(const attn_t *A) {
 }
 
 static int attend(const attn_t *A, const piece_t *s, int S, int T, int th) {
+    if (A->Dv > 256 || (wide_mode & 1)) return attend_wide(A, s, S, T, th);
     if (bf16_dots_here(A)) return attend_bf16_dots(A, s, S, T, th);
     return A->kv == KV_BF16 ? attend_bf16(A, s, S, T, th)
          : A->kv == KV_F16  ? attend_f16(A, s, S, T, th)
@@ -565,7 +568,7 @@ static int attend(const attn_t *A, const piece_t *s, int S, int T, int th) {
 
 /* q [T, Hq, D], out [T, Hq, Dv] row-major fp32; row t sits at position pos0 + t (it attends
  * keys 0..pos0 + t); pages: the sequence's page table; kv: the caches' dtype. D and Dv
- * multiples of 8, Dv <= 256 (checked by the caller). v_row, v_head: the value cache's strides
+ * multiples of 8 (checked by the caller); Dv > 256 takes attention_wide.c's path. v_row, v_head: the value cache's strides
  * in elements (a token, a KV head), so the values may be the keys' leading dims. Returns 0, or
  * -1 when scratch memory could not be had. */
 int attention_rows_v(const float *q, int T, int Hq, int D, int Dv, const void *k_cache,
@@ -605,6 +608,22 @@ static inline uint16_t to_bf16(float f) {
 
 AVX2 static inline uint16_t to_f16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
 
+/* to_f16 without F16C: to nearest even, overflow to inf, subnormals, NaN quieted keeping its
+ * top payload bits (as vcvtps2ph) */
+static uint16_t to_f16_s(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return sign | 0x7E00 | (uint16_t)((u >> 13) & 0x3FF);
+    if (u >= 0x477FF000u) return sign | 0x7C00; /* 65520 and up round to inf */
+    if (u >= 0x38800000u) /* a normal half: round at bit 13, rebias 127 -> 15 */
+        return sign | (uint16_t)((u + 0xFFFu + ((u >> 13) & 1u) - 0x38000000u) >> 13);
+    float a; /* a subnormal half (or 0): in units of 2^-24, exact before the rounding */
+    __builtin_memcpy(&a, &u, 4);
+    return sign | (uint16_t)__builtin_rintf(a * 16777216.f);
+}
+
 /* `n` fp32 values into the cache's dtype at dst */
 AVX2 static void store_row(uint8_t *dst, const float *src, int n, const int kv) {
     if (kv == KV_F32) {
@@ -613,6 +632,16 @@ AVX2 static void store_row(uint8_t *dst, const float *src, int n, const int kv) 
     }
     uint16_t *h = (uint16_t *)dst;
     for (int i = 0; i < n; i++) h[i] = kv == KV_BF16 ? to_bf16(src[i]) : to_f16(src[i]);
+}
+
+/* the same without AVX2 / F16C (the wide path's generic C runs on any x86-64) */
+static void store_row_s(uint8_t *dst, const float *src, int n, const int kv) {
+    if (kv == KV_F32) {
+        __builtin_memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    uint16_t *h = (uint16_t *)dst;
+    for (int i = 0; i < n; i++) h[i] = kv == KV_BF16 ? to_bf16(src[i]) : to_f16_s(src[i]);
 }
 
 /* A step's attention of a Llama-type layer after its fused q/k/v projection and RoPE, in one
@@ -635,12 +664,13 @@ int write_attend_rows_v(const float *qk, const float *v, int64_t v_stride, int T
     const size_t row_k = (size_t)Hkv * D * es;
     for (int s = 0; s < S; s++)
         if (lens[s] + cu[s + 1] - cu[s] > (int64_t)P * page_size) return -2;
+    void (*store)(uint8_t *, const float *, int, int) = wide_generic() ? store_row_s : store_row;
     for (int t = 0; t < T; t++) {
-        store_row((uint8_t *)k_cache + (size_t)slots[t] * row_k,
-                  qk + ((size_t)t * (Hq + Hkv) + Hq) * D, Hkv * D, kv);
+        store((uint8_t *)k_cache + (size_t)slots[t] * row_k,
+              qk + ((size_t)t * (Hq + Hkv) + Hq) * D, Hkv * D, kv);
         for (int g = 0; v && g < Hkv; g++)
-            store_row((uint8_t *)v_cache + ((size_t)slots[t] * v_row + (size_t)g * v_head) * es,
-                      v + (size_t)t * v_stride + (size_t)g * Dv, Dv, kv);
+            store((uint8_t *)v_cache + ((size_t)slots[t] * v_row + (size_t)g * v_head) * es,
+                  v + (size_t)t * v_stride + (size_t)g * Dv, Dv, kv);
     }
     piece_t *seg = (piece_t *)malloc(sizeof(piece_t) * (size_t)(S > 0 ? S : 1));
     if (!seg) return -1;

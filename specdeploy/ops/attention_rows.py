@@ -7,13 +7,17 @@ speculative decoding must give greedy plain decoding's tokens.
 
 Compiled on first use like the GGUF kernels (same cache, same one-line warning when it cannot
 be built); needs x86-64 with AVX2 + FMA + F16C, fp32 queries, fp32 / bf16 / fp16 caches (read
-exactly as fp32), head sizes that are multiples of 8 (up to 256). `unavailable()` says why not;
-the caller then runs its per-row SDPA fallback. A bf16 cache (the fast path's) on a CPU with
-AVX512-BF16 takes bf16 dot products instead (`bf16_dots`): the query and the softmax weights are
-rounded to bf16 too, below the 8-bit activation rounding of the fast linears that read the
-output; still batch and thread invariant. Sliding windows (a row attends its last `window` keys)
-and attention sinks (gpt-oss's per-head logit in each softmax's denominator) run on the fp32
-path only (bf16 caches widened exactly).
+exactly as fp32), head sizes that are multiples of 8. `unavailable()` says why not; the caller
+then runs its per-row SDPA fallback. Value widths past 256 (absorbed MLA's 512-dim latent
+values) take `attention_wide.c`: a running softmax per (row, head) over tiles of keys instead
+of per-chunk partials, so its scratch does not grow with the context; it runs on any x86-64,
+in generic C (the same bits) where AVX2 + FMA + F16C are missing (`wide_unavailable()`). A
+bf16 cache (the fast path's) on a CPU with AVX512-BF16 takes bf16 dot products instead
+(`bf16_dots`): the query and the softmax weights are rounded to bf16 too, below the 8-bit
+activation rounding of the fast linears that read the output; still batch and thread
+invariant. Sliding windows (a row attends its last `window` keys) and attention sinks
+(gpt-oss's per-head logit in each softmax's denominator) run on the fp32 path only (bf16
+caches widened exactly).
 """
 from __future__ import annotations
 
@@ -37,11 +41,6 @@ _FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("SPECDEPLOY_ATTENTION_KERNEL", "1") == "0":
         return None, "SPECDEPLOY_ATTENTION_KERNEL=0"
-    missing = [f for f in ("avx2", "fma", "f16c") if f not in _gl._cpu_flags()]
-    if missing:
-        why = f"this CPU lacks {', '.join(missing)}"
-        _gl.warn_unbuilt("the batch-invariant attention kernel", why)
-        return None, why
     ptr, int_ = ctypes.c_void_p, ctypes.c_int
     lib, errors = _gl.load_compiled("attention_rows", SOURCE, _FLAGS, {
         "attention_rows": ([ptr, int_, int_, int_, int_, ptr, ptr, int_, int_, ptr, int_,
@@ -51,7 +50,15 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         "attention_rows_v": ([ptr, int_, int_, int_, int_, ptr, ptr, int_, int_, ptr, int_,
                               ctypes.c_float, ptr, int_, int_, int_, ptr, ctypes.c_int64,
                               ctypes.c_int64], int_),
-        "attention_rows_bf16_dots": ([int_], int_)})
+        "attention_rows_bf16_dots": ([int_], int_),
+        "attention_rows_wide_mode": ([int_], int_),
+        "attention_rows_wide_calls": ([], ctypes.c_int64)})
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in _gl._cpu_flags()]
+    if lib is not None and missing:
+        # NOTE: the library, not None: its wide path (value widths past 256) runs generic C
+        why = f"this CPU lacks {', '.join(missing)}"
+        _gl.warn_unbuilt("the batch-invariant attention kernel", why)
+        return lib, why
     if lib is not None:
         return lib, None
     why = "; ".join(errors)
@@ -60,7 +67,15 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
 
 
 def unavailable() -> str | None:
+    """Why the kernel does not run here at every width (None: it does)."""
     return _library()[1]
+
+
+def wide_unavailable() -> str | None:
+    """Why value widths past 256 (attention_wide.c) do not run here (None: they do, on the
+    AVX2 kernels or, on an x86-64 CPU without them, on the generic C ones)."""
+    lib, why = _library()
+    return why if lib is None else None
 
 
 def bf16_dots_supported() -> bool:
@@ -81,6 +96,25 @@ def bf16_dots(on: bool):
         lib.attention_rows_bf16_dots(before)
 
 
+@contextmanager
+def wide_mode(every: bool = True, scalar: bool = False):
+    """Within: every value width takes attention_wide.c's path (`every`), on its generic C
+    kernels and cache writes (`scalar`) or the AVX2 ones where the CPU has them. For tests and
+    benches."""
+    lib = _library()[0]
+    before = lib.attention_rows_wide_mode(int(every) | 2 * int(scalar))
+    try:
+        yield
+    finally:
+        lib.attention_rows_wide_mode(before)
+
+
+def wide_calls() -> int:
+    """How many calls took attention_wide.c's path in this process (any caller: the Python
+    wrappers, the fused layers and CPU graph replays that call the C entry points by address)."""
+    return _library()[0].attention_rows_wide_calls()
+
+
 def _rows_dense(v_cache: torch.Tensor) -> bool:
     """Value rows the kernel can address: dense dims, pages of whole rows (a contiguous cache,
     or a contiguous key cache's leading dims: paged_kv.value_in_key)."""
@@ -94,8 +128,8 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
             and k_cache.dtype in _KV_DTYPES
             and q.device.type == "cpu" and k_cache.is_contiguous() and _rows_dense(v_cache)
-            and d % 8 == 0 and dv % 8 == 0 and dv <= 256 and q.shape[-2] % k_cache.shape[2] == 0
-            and _library()[0] is not None)
+            and d % 8 == 0 and dv % 8 == 0 and q.shape[-2] % k_cache.shape[2] == 0
+            and (unavailable() is None or (dv > 256 and wide_unavailable() is None)))
 
 
 def _sinks(sinks: torch.Tensor | None, hq: int) -> torch.Tensor | None:
