@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import specdeploy.ops  # noqa: F401
+import specdeploy.ops.cached_attention  # noqa: F401  (registers the cached ops this file calls)
 from specdeploy.cache.metadata import Segment, build_metadata
 from specdeploy.ops import sink_attention
 from specdeploy.ops.attention import attention_ref
