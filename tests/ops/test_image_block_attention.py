@@ -49,3 +49,34 @@ def test_cached_attention_with_image_blocks_equals_ref(window, dv, page):
         assert (torch.cat(got[s], 1) - want).abs().max() <= 1e-5 * want.abs().max()
         causal = attention_ref(*seqs[s], d ** -0.5, window)
         assert (causal - want).abs().max() > 0.1 * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dv", [8, 6])
+def test_image_blocks_over_a_low_precision_cache(dtype, dv):
+    """An FP8 / bf16 cache (kv_cache_dtype) under image blocks: the widened rows read the
+    rounded keys and values like every other row, so the result = `attention_ref` over K / V
+    rounded to the cache dtype (exact math), for the C rows (dv 8) and the torch paths (dv 6).
+    The unrounded reference is farther off than the tolerance (the check can see the cast)."""
+    gen = torch.Generator().manual_seed(7 + dv)
+    n, hq, hkv, d, page = 17, 4, 2, 8, 4
+    ext = torch.zeros(n, dtype=torch.long)
+    ext[3:8] = 8
+    q, k, v = (torch.randn(1, n, h, w, generator=gen) for h, w in ((hq, d), (hkv, d),
+                                                                   (hkv, dv)))
+    k_cache = torch.full((8, page, hkv, d), float("nan")).to(dtype)
+    v_cache = torch.full((8, page, hkv, dv), float("nan")).to(dtype)
+    pages = [6, 1, 4, 0, 7]
+    outs = []
+    for a, b in ((0, 2), (2, 11), (11, 12), (12, 17)):  # the block's rows in one chunk
+        meta = build_metadata([Segment([0] * (b - a), a, pages, 0)])
+        outs.append(torch.ops.specdeploy.cached_attention(
+            q[:, a:b], k[:, a:b], v[:, a:b], k_cache, v_cache, meta.cu_seqlens,
+            meta.cu_seqlens, meta.cache_lens, meta.cache_lens, meta.page_table, d ** -0.5, 0,
+            key_extent_host=ext[a:b]))
+    got = torch.cat(outs, 1)
+    want = attention_ref(q, k.to(dtype).float(), v.to(dtype).float(), d ** -0.5, 0,
+                         key_extent=ext)
+    tol = 1e-5 * want.abs().max()
+    assert (got - want).abs().max() <= tol
+    assert (attention_ref(q, k, v, d ** -0.5, 0, key_extent=ext) - want).abs().max() > 10 * tol
