@@ -142,6 +142,7 @@ def cmd_deploy(args) -> int:
     print(describe(args.model, dtype=args.dtype, device=args.device,
                    max_seq_len=max_len, max_cache_gib=args.max_cache_gib,
                    gpu_memory_utilization=args.gpu_memory_utilization,
+                   kv_cache_dtype=args.kv_cache_dtype,
                    spec=spec_from_args(args), kernels=args.kernels, dist=dist,
                    enable_prefix_caching=args.enable_prefix_caching,
                    **vision_kwargs(args)))

@@ -84,6 +84,9 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction (0, 1] of the device's total memory this instance may hold, "
                         "weights included; the caches get the rest (not with --max-cache-gib)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="auto, float32, bfloat16, float16, fp8 (= fp8_e4m3: 1 byte a value, "
+                        "scale 1.0 unless the checkpoint ships k/v scales)")
 
 
 def positive_int(text: str) -> int:
@@ -168,6 +171,7 @@ def llm_from_args(args, max_batch_size: int):
                max_seq_len=args.max_seq_len, spec=spec_from_args(args),
                max_cache_gib=args.max_cache_gib,
                gpu_memory_utilization=args.gpu_memory_utilization,
+               kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                cuda_graphs=getattr(args, "cuda_graphs", None),
                num_scheduler_steps=getattr(args, "num_scheduler_steps", 1),
                backend=args.backend, progress=True, compile=args.compile, kernels=args.kernels,

@@ -38,6 +38,8 @@ def kv_dtype(opts: BuildOptions, dtype: torch.dtype, model: nn.Module | None = N
     is bf16 where the fast kernels run a GGUF model's blocks on the CPU (that path is already
     llama.cpp's model, 8-bit activations; llama.cpp keeps an f16 KV), else the model dtype:
     `kernels="fast"` is LLM()'s default and leaves every other checkpoint's numerics alone."""
+    if opts.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
     if opts.kv_cache_dtype != "auto":
         return getattr(torch, opts.kv_cache_dtype)
     fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32

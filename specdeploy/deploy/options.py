@@ -13,7 +13,9 @@ from specdeploy.distributed.config import DistConfig
 
 BACKENDS = ("graph", "eager")
 QUANTIZE_METHODS = (None, "int8")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "fp8" / "fp8_e4m3": float8_e4m3fn at scale 1.0 (vLLM's names; a checkpoint's own k/v scales
+# are used where it declares an FP8 KV cache)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@
  * computed chunk by chunk of keys at fixed positions (see "chunked attention" below), so that a
  * row's output is bit-identical in a 1-row decode and in a K + 1-row verify step, at any thread
  * count (batch invariance; one SDPA over the segment sums in another order). Keys and values
- * are read from the paged cache [num_pages, page_size, Hkv, D], fp32, bf16 or fp16 (`kv`:
- * KV_F32 / KV_BF16 / KV_F16; each value widened exactly to fp32, all arithmetic in fp32).
+ * are read from the paged cache [num_pages, page_size, Hkv, D], fp32, bf16, fp16 or FP8 E4M3
+ * (`kv`: KV_F32 / KV_BF16 / KV_F16 / KV_F8; each value widened exactly to fp32, all arithmetic
+ * in fp32).
  * Built at run time by attention_rows.py; AVX2 + FMA + F16C required (checked there),
  * -ffp-contract=off.
  */
@@ -21,11 +22,40 @@
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_F8 = 3 }; /* KV_F8: float8_e4m3fn */
 
-/* 8 cache values at p as fp32 (exact: bf16 and fp16 widen without rounding) */
+static inline int kv_bytes(const int kv) { return kv == KV_F32 ? 4 : kv == KV_F8 ? 1 : 2; }
+
+/* float8_e4m3fn bytes as fp32, exactly, through fp16 (whose 5 exponent bits hold E4M3's 4):
+ * a byte sign-extended to 16 bits and shifted left by 7 has its sign at bit 15 (a copy at bit
+ * 14, cleared) and its exponent and mantissa at fp16's bits 13..7: the fp16 value 2^-8 times
+ * the E4M3 one (bias 15 for 7; subnormals land on fp16 subnormals), which F16C widens and a
+ * multiply by 2^8 rescales, both exact. 0x7F / 0xFF (NaN: E4M3 "fn" has no infinities) would
+ * read 480: they become fp16 NaN first. f8_half: 16 bytes at p as fp16 bits. */
+AVX2 static inline __m256i f8_half(const uint8_t *p) {
+    __m256i h = _mm256_and_si256(
+        _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
+        _mm256_set1_epi16((short)0xBF80));
+    return _mm256_or_si256(h, _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x3F80)),
+                                                 _mm256_set1_epi16(0x3F80)));
+}
+
+AVX2 static inline __m256 f8_wide(const __m128i h) {
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+
+AVX2 static inline __m256 load8_f8(const uint8_t *p) { /* 8 bytes (reads 8, not 16) */
+    __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7),
+                              _mm_set1_epi16((short)0xBF80));
+    h = _mm_or_si128(h, _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3F80)),
+                                        _mm_set1_epi16(0x3F80)));
+    return f8_wide(h);
+}
+
+/* 8 cache values at p as fp32 (exact: bf16, fp16 and FP8 widen without rounding) */
 AVX2 static inline __m256 load8(const uint8_t *p, const int kv) {
     if (kv == KV_F32) return _mm256_loadu_ps((const float *)p);
+    if (kv == KV_F8) return load8_f8(p);
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
     if (kv == KV_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     return _mm256_cvtph_ps(h);
@@ -94,13 +124,20 @@ AVX2 static inline __m256 dot8(const float *q, const float *k, int D) {
 AVX2 static inline void widen(const uint8_t *cache, int64_t row_bytes, int64_t off, int n,
                               const int64_t *pages, int page_size, int lo, int hi, float *dst,
                               const int kv) {
-    const size_t es = kv == KV_F32 ? 4 : 2;
+    const size_t es = kv_bytes(kv);
     for (int j = lo; j < hi;) {
         const int in_page = j % page_size, take = page_size - in_page < hi - j ? page_size - in_page : hi - j;
         const uint8_t *src = cache + ((size_t)pages[j / page_size] * page_size + in_page) * row_bytes + off;
         for (int i = 0; i < take; i++, j++, src += row_bytes) {
             float *d = dst + (size_t)(j - lo) * n;
-            for (int x = 0; x < n; x += 8) _mm256_storeu_ps(d + x, load8(src + x * es, kv));
+            int x = 0;
+            if (kv == KV_F8) /* 16 at a time: the byte-to-half steps serve two vectors */
+                for (; x + 16 <= n; x += 16) {
+                    const __m256i h = f8_half(src + x);
+                    _mm256_storeu_ps(d + x, f8_wide(_mm256_castsi256_si128(h)));
+                    _mm256_storeu_ps(d + x + 8, f8_wide(_mm256_extracti128_si256(h, 1)));
+                }
+            for (; x < n; x += 8) _mm256_storeu_ps(d + x, load8(src + x * es, kv));
         }
     }
 }
@@ -144,7 +181,7 @@ static inline int first_key(const attn_t *A, int pos) {
 }
 
 static void prefetch_item(const attn_t *A, const piece_t *p, int g, int c) {
-    const int es = A->kv == KV_F32 ? 4 : 2, lo = c * CH, last = piece_last(p);
+    const int es = kv_bytes(A->kv), lo = c * CH, last = piece_last(p);
     const int hi = last + 1 < lo + CH ? last + 1 : lo + CH;
     prefetch_rows(A->k_cache, (int64_t)A->Hkv * A->D * es, (int64_t)g * A->D * es,
                   (int64_t)A->D * es, p->pages, A->page_size, lo, hi);
@@ -160,7 +197,7 @@ AVX2 static inline void chunk_item(const attn_t *A, const piece_t *p, int g, int
     const int D = A->D, Dv = A->Dv, rep = A->Hq / A->Hkv, lo = c * CH;
     const int maxpos = p->pos0 + (p->t1 - 1 - p->t0);
     const int hi = maxpos + 1 < lo + CH ? maxpos + 1 : lo + CH;
-    const size_t es = kv == KV_F32 ? 4 : 2;
+    const size_t es = kv_bytes(kv);
     widen(A->k_cache, (int64_t)A->Hkv * D * es, (int64_t)g * D * es, D, p->pages, A->page_size,
           lo, hi, kc, kv);
     widen(A->v_cache, A->v_row * (int64_t)es, (int64_t)g * A->v_head * es, Dv, p->pages,
@@ -541,6 +578,9 @@ AVX2 static int attend_bf16(const attn_t *A, const piece_t *s, int S, int T, int
 AVX2 static int attend_f16(const attn_t *A, const piece_t *s, int S, int T, int th) {
     return attend_kv(A, s, S, T, th, KV_F16, 0);
 }
+AVX2 static int attend_f8(const attn_t *A, const piece_t *s, int S, int T, int th) {
+    return attend_kv(A, s, S, T, th, KV_F8, 0);
+}
 
 AVX2 static int attend_bf16_dots(const attn_t *A, const piece_t *s, int S, int T, int th) {
     return attend_kv(A, s, S, T, th, KV_BF16, 1);
@@ -563,6 +603,7 @@ static int attend(const attn_t *A, const piece_t *s, int S, int T, int th) {
     if (bf16_dots_here(A)) return attend_bf16_dots(A, s, S, T, th);
     return A->kv == KV_BF16 ? attend_bf16(A, s, S, T, th)
          : A->kv == KV_F16  ? attend_f16(A, s, S, T, th)
+         : A->kv == KV_F8   ? attend_f8(A, s, S, T, th)
                             : attend_f32(A, s, S, T, th);
 }
 
@@ -624,10 +665,30 @@ static uint16_t to_f16_s(float f) {
     return sign | (uint16_t)__builtin_rintf(a * 16777216.f);
 }
 
+/* fp32 -> float8_e4m3fn bits as torch's .to() gives them on the CPU: to nearest even,
+ * saturating at +-448 (infinities included: E4M3 "fn" has none), NaN -> 0x7F with the sign */
+static inline uint8_t to_f8(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return sign | 0x7F;
+    if (u >= 0x43E00000u) return sign | 0x7E; /* 448 and up (what would round to 480 too) */
+    if (u >= 0x3C800000u) /* a normal E4M3 (2^-6 and up): round at bit 20, rebias 127 -> 7 */
+        return sign | (uint8_t)((u + 0x7FFFFu + ((u >> 20) & 1u) - (120u << 23)) >> 20);
+    float a; /* a subnormal (or 0): in units of 2^-9, exact before the rounding */
+    __builtin_memcpy(&a, &u, 4);
+    return sign | (uint8_t)__builtin_rintf(a * 512.f);
+}
+
 /* `n` fp32 values into the cache's dtype at dst */
 AVX2 static void store_row(uint8_t *dst, const float *src, int n, const int kv) {
     if (kv == KV_F32) {
         __builtin_memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    if (kv == KV_F8) {
+        for (int i = 0; i < n; i++) dst[i] = to_f8(src[i]);
         return;
     }
     uint16_t *h = (uint16_t *)dst;
@@ -638,6 +699,10 @@ AVX2 static void store_row(uint8_t *dst, const float *src, int n, const int kv) 
 static void store_row_s(uint8_t *dst, const float *src, int n, const int kv) {
     if (kv == KV_F32) {
         __builtin_memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    if (kv == KV_F8) {
+        for (int i = 0; i < n; i++) dst[i] = to_f8(src[i]);
         return;
     }
     uint16_t *h = (uint16_t *)dst;
@@ -660,7 +725,7 @@ int write_attend_rows_v(const float *qk, const float *v, int64_t v_stride, int T
                         const int64_t *slots, int S, const int64_t *cu, const int64_t *lens,
                         const int64_t *page_table, int P, float scale, float *out, int nthreads,
                         int kv, int window, const float *sinks, int64_t v_row, int64_t v_head) {
-    const size_t es = kv == KV_F32 ? 4 : 2;
+    const size_t es = kv_bytes(kv);
     const size_t row_k = (size_t)Hkv * D * es;
     for (int s = 0; s < S; s++)
         if (lens[s] + cu[s + 1] - cu[s] > (int64_t)P * page_size) return -2;

@@ -5,20 +5,18 @@ segment sums in another order than a 1-row call (~1e-7 apart); the fast integer-
 round activations to 8 bits, which can blow that up into a different greedy token, and greedy
 speculative decoding must give greedy plain decoding's tokens.
 
-Compiled on first use like the GGUF kernels (same cache, same one-line warning when it cannot
-be built); needs x86-64 with AVX2 + FMA + F16C, fp32 queries, fp32 / bf16 / fp16 caches (read
-exactly as fp32), head sizes that are multiples of 8. `unavailable()` says why not; the caller
-then runs its per-row SDPA fallback. Value widths past 256 (absorbed MLA's 512-dim latent
-values) take `attention_wide.c`: a running softmax per (row, head) over tiles of keys instead
-of per-chunk partials, so its scratch does not grow with the context; it runs on any x86-64,
-in generic C (the same bits) where AVX2 + FMA + F16C are missing (`wide_unavailable()`). A
-bf16 cache (the fast path's) on a CPU with AVX512-BF16 takes bf16 dot products instead
-(`bf16_dots`): the query and the softmax weights are rounded to bf16 too, below the 8-bit
-activation rounding of the fast linears that read the output; still batch and thread
-invariant. Sliding windows (a row attends its last `window` keys) and attention sinks
-(gpt-oss's per-head logit in each softmax's denominator) run on the fp32 path only (bf16
-caches widened exactly).
-"""
+Compiled on first use like the GGUF kernels (same cache, same one-line warning when it cannot be
+built); needs x86-64 with AVX2 + FMA + F16C, fp32 queries, fp32 / bf16 / fp16 / FP8 E4M3 caches
+(read exactly as fp32), head sizes that are multiples of 8. `unavailable()` says why not; the
+caller then runs its per-row SDPA fallback. Value widths past 256 (absorbed MLA's 512-dim latent
+values) take `attention_wide.c`: a running softmax per (row, head) over tiles of keys instead of
+per-chunk partials, so its scratch does not grow with the context; it runs on any x86-64, in
+generic C (the same bits) where AVX2 + FMA + F16C are missing (`wide_unavailable()`). A bf16
+cache (the fast path's) on a CPU with AVX512-BF16 takes bf16 dot products instead (`bf16_dots`):
+the query and the softmax weights are rounded to bf16 too, below the 8-bit activation rounding
+of the fast linears that read the output; still batch and thread invariant. Sliding windows (a
+row attends its last `window` keys) and attention sinks (gpt-oss's per-head logit in each
+softmax's denominator) run on the fp32 path only (bf16 caches widened exactly)."""
 from __future__ import annotations
 
 import ctypes
@@ -33,7 +31,8 @@ from specdeploy.ops import ggml_linear as _gl
 from specdeploy.ops.paged_kv import value_in_key
 
 SOURCE = Path(__file__).with_name("attention_rows.c")
-_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the C file's KV_* values, in order
+# the C file's KV_* values, in order
+_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 _FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 
 

@@ -94,12 +94,28 @@ static float half_s(uint16_t h) { /* fp16 bits -> fp32, exact */
     return f;
 }
 
+static float f8_s(uint8_t b) { /* float8_e4m3fn bits -> fp32, exact (load8_f8's lanes) */
+    const uint32_t em = b & 0x7Fu;
+    float f;
+    if (em == 0x7F) f = NAN;
+    else if (em < 8) f = (float)em * (1.f / 512);
+    else {
+        const uint32_t u = (em << 20) + (120u << 23);
+        __builtin_memcpy(&f, &u, 4);
+    }
+    return b & 0x80 ? -f : f;
+}
+
 static void widen_s(const uint8_t *cache, int64_t row_bytes, int64_t off, int n,
                     const int64_t *pages, int page_size, int lo, int hi, float *dst, int kv) {
     for (int j = lo; j < hi; j++) {
         const uint8_t *src = cache + ((size_t)pages[j / page_size] * page_size + j % page_size) * row_bytes + off;
         float *d = dst + (size_t)(j - lo) * n;
         if (kv == KV_F32) { __builtin_memcpy(d, src, (size_t)n * 4); continue; }
+        if (kv == KV_F8) {
+            for (int x = 0; x < n; x++) d[x] = f8_s(src[x]);
+            continue;
+        }
         const uint16_t *h = (const uint16_t *)src;
         for (int x = 0; x < n; x++) {
             if (kv == KV_BF16) {
@@ -242,7 +258,7 @@ static int wide_shared(const attn_t *A) {
 static void wide_item(const attn_t *A, const piece_t *pc, const witem_t *it, float *kt,
                       float *vt, float *s, float *p, float *m, float *l, const wops_t *op) {
     const int D = A->D, Dv = A->Dv, rep = A->Hq / A->Hkv, g = it->h0 / rep;
-    const int nh = it->h1 - it->h0, es = A->kv == KV_F32 ? 4 : 2;
+    const int nh = it->h1 - it->h0, es = kv_bytes(A->kv);
     const int pos_lo = pc->pos0 + (it->t0 - pc->t0), pos_hi = pc->pos0 + (it->t1 - 1 - pc->t0);
     const int shared = wide_shared(A);
     const float *v = shared ? kt : vt;

@@ -110,6 +110,7 @@ def cmd_serve(args) -> int:
     llm = LLM(model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
               max_seq_len=args.max_seq_len, spec=spec, max_cache_gib=args.max_cache_gib,
               gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=args.cuda_graphs,
+              kv_cache_dtype=args.kv_cache_dtype,
               num_scheduler_steps=args.num_scheduler_steps,
               backend=args.backend, progress=True, seed=args.seed,
               generation_config=args.generation_config,
