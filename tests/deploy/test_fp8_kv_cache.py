@@ -90,11 +90,11 @@ def test_unknown_kv_dtype_is_refused_by_name(tiny_dir):
 
 
 def test_cli_flag_reaches_the_plan(tiny_dir, capsys):
-    """`--kv-cache-dtype fp8` on `deploy`: the plan holds a quarter of the fp32 plan's KV bytes
-    a page (same pages, same budget arithmetic); generate / bench / serve parse it."""
+    """`--kv-cache-dtype fp8` on `deploy`: a budget that limits the fp32 plan holds ~4x its
+    pages as FP8; generate / bench / serve parse the flag."""
     def kv_mib(flag):
         rc = main(["deploy", "--model", str(tiny_dir("llama")), "--list-transforms",
-                   "--max-seq-len", "64", "--max-cache-gib", "0.01", "--dtype", "float32",
+                   "--max-seq-len", "64", "--max-cache-gib", "0.0001", "--dtype", "float32",
                    "--kv-cache-dtype", flag])
         out = capsys.readouterr().out
         assert rc == 0
@@ -102,8 +102,8 @@ def test_cli_flag_reaches_the_plan(tiny_dir, capsys):
 
     fp8, fp32 = kv_mib("fp8"), kv_mib("float32")
     pages = [int(re.search(r"num_pages=(\d+)", p).group(1)) for p in (fp8, fp32)]
-    # one budget: 4x the pages fit (a page costs a quarter), up to the planned maximum
-    assert pages[0] >= pages[1]
+    # one small budget: ~4x the pages fit (a page costs a quarter; measured 51 vs 12)
+    assert pages[0] >= 3.5 * pages[1] > 0
     from specdeploy.cli import build_parser
     from specdeploy.serving.cli import add_parser
 
