@@ -1,5 +1,5 @@
 """One decode row of attention on the CPU's C kernel (ops/attention_rows.c) over a paged cache
-held as fp32, bf16, fp16 or FP8 E4M3 (`kv_cache_dtype`), in one process, the dtypes
+held as fp32, bf16, fp16, FP8 E4M3 or E5M2 (`kv_cache_dtype`), in one process, the dtypes
 interleaved within each round: what the cache dtype costs or saves per step at a context
 length (the cache is read once per row; FP8 reads a quarter of fp32's bytes, half of bf16's).
 
@@ -29,7 +29,7 @@ from specdeploy.ops import attention_rows as ar  # noqa: E402
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "fp8": torch.float8_e4m3fn}
+          "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def _once(q, kc, vc, pages, pos, reps: int = 5) -> float:

@@ -86,7 +86,7 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                         "weights included; the caches get the rest (not with --max-cache-gib)")
     p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="auto, float32, bfloat16, float16, fp8 (= fp8_e4m3: 1 byte a value, "
-                        "scale 1.0 unless the checkpoint ships k/v scales)")
+                        "scale 1.0 unless the checkpoint ships k/v scales), fp8_e5m2")
 
 
 def positive_int(text: str) -> int:

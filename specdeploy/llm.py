@@ -45,9 +45,9 @@ class LLM:
         kv_cache_dtype: "auto" (bfloat16 with kernels="fast" on the CPU, else the model dtype),
             "float32", "bfloat16", "float16", or "fp8" / "fp8_e4m3" (float8_e4m3fn, 1 byte a
             value, saturating at +-448, scale 1.0 unless the checkpoint ships k/v scales: vLLM's
-            `--kv-cache-dtype fp8`; the CPU's C attention reads it exactly). The KV cache is
-            planned for max_batch_size x max_seq_len (capped by max_cache_gib); on the CPU its
-            memory is backed as written.
+            `--kv-cache-dtype fp8`; the CPU's C attention reads it exactly) or "fp8_e5m2". The
+            KV cache is planned for max_batch_size x max_seq_len (capped by max_cache_gib); on
+            the CPU its memory is backed as written.
         max_cache_gib: the caches' budget in GiB. gpu_memory_utilization (vLLM's knob, in
             (0, 1]): the fraction of the device's total memory (the machine's, on the CPU) this
             instance may hold, weights and whatever else already uses the device included; the

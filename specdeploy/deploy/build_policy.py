@@ -40,6 +40,8 @@ def kv_dtype(opts: BuildOptions, dtype: torch.dtype, model: nn.Module | None = N
     `kernels="fast"` is LLM()'s default and leaves every other checkpoint's numerics alone."""
     if opts.kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return torch.float8_e4m3fn
+    if opts.kv_cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
     if opts.kv_cache_dtype != "auto":
         return getattr(torch, opts.kv_cache_dtype)
     fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32

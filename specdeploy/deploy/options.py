@@ -13,9 +13,9 @@ from specdeploy.distributed.config import DistConfig
 
 BACKENDS = ("graph", "eager")
 QUANTIZE_METHODS = (None, "int8")
-# "fp8" / "fp8_e4m3": float8_e4m3fn at scale 1.0 (vLLM's names; a checkpoint's own k/v scales
-# are used where it declares an FP8 KV cache)
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
+# "fp8" / "fp8_e4m3": float8_e4m3fn at scale 1.0, "fp8_e5m2": float8_e5m2 (vLLM's names; a
+# checkpoint's own k/v scales are used where it declares an FP8 KV cache)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@
  * computed chunk by chunk of keys at fixed positions (see "chunked attention" below), so that a
  * row's output is bit-identical in a 1-row decode and in a K + 1-row verify step, at any thread
  * count (batch invariance; one SDPA over the segment sums in another order). Keys and values
- * are read from the paged cache [num_pages, page_size, Hkv, D], fp32, bf16, fp16 or FP8 E4M3
- * (`kv`: KV_F32 / KV_BF16 / KV_F16 / KV_F8; each value widened exactly to fp32, all arithmetic
- * in fp32).
+ * are read from the paged cache [num_pages, page_size, Hkv, D], fp32, bf16, fp16, FP8 E4M3 or
+ * FP8 E5M2 (`kv`: KV_F32 / KV_BF16 / KV_F16 / KV_F8 / KV_F8E5; each value widened exactly to
+ * fp32, all arithmetic in fp32).
  * Built at run time by attention_rows.py; AVX2 + FMA + F16C required (checked there),
  * -ffp-contract=off.
  */
@@ -22,9 +22,10 @@
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_F8 = 3 }; /* KV_F8: float8_e4m3fn */
+/* KV_F8: float8_e4m3fn; KV_F8E5: float8_e5m2 (fp16's top byte) */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_F8 = 3, KV_F8E5 = 4 };
 
-static inline int kv_bytes(const int kv) { return kv == KV_F32 ? 4 : kv == KV_F8 ? 1 : 2; }
+static inline int kv_bytes(const int kv) { return kv == KV_F32 ? 4 : kv >= KV_F8 ? 1 : 2; }
 
 /* float8_e4m3fn bytes as fp32, exactly, through fp16 (whose 5 exponent bits hold E4M3's 4):
  * a byte sign-extended to 16 bits and shifted left by 7 has its sign at bit 15 (a copy at bit
@@ -56,6 +57,8 @@ AVX2 static inline __m256 load8_f8(const uint8_t *p) { /* 8 bytes (reads 8, not 
 AVX2 static inline __m256 load8(const uint8_t *p, const int kv) {
     if (kv == KV_F32) return _mm256_loadu_ps((const float *)p);
     if (kv == KV_F8) return load8_f8(p);
+    if (kv == KV_F8E5) /* the fp16 value whose top byte it is */
+        return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
     if (kv == KV_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     return _mm256_cvtph_ps(h);
@@ -136,6 +139,13 @@ AVX2 static inline void widen(const uint8_t *cache, int64_t row_bytes, int64_t o
                     const __m256i h = f8_half(src + x);
                     _mm256_storeu_ps(d + x, f8_wide(_mm256_castsi256_si128(h)));
                     _mm256_storeu_ps(d + x + 8, f8_wide(_mm256_extracti128_si256(h, 1)));
+                }
+            if (kv == KV_F8E5)
+                for (; x + 16 <= n; x += 16) {
+                    const __m256i h = _mm256_slli_epi16(
+                        _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + x))), 8);
+                    _mm256_storeu_ps(d + x, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+                    _mm256_storeu_ps(d + x + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
                 }
             for (; x < n; x += 8) _mm256_storeu_ps(d + x, load8(src + x * es, kv));
         }
@@ -581,6 +591,9 @@ AVX2 static int attend_f16(const attn_t *A, const piece_t *s, int S, int T, int 
 AVX2 static int attend_f8(const attn_t *A, const piece_t *s, int S, int T, int th) {
     return attend_kv(A, s, S, T, th, KV_F8, 0);
 }
+AVX2 static int attend_f8e5(const attn_t *A, const piece_t *s, int S, int T, int th) {
+    return attend_kv(A, s, S, T, th, KV_F8E5, 0);
+}
 
 AVX2 static int attend_bf16_dots(const attn_t *A, const piece_t *s, int S, int T, int th) {
     return attend_kv(A, s, S, T, th, KV_BF16, 1);
@@ -604,6 +617,7 @@ static int attend(const attn_t *A, const piece_t *s, int S, int T, int th) {
     return A->kv == KV_BF16 ? attend_bf16(A, s, S, T, th)
          : A->kv == KV_F16  ? attend_f16(A, s, S, T, th)
          : A->kv == KV_F8   ? attend_f8(A, s, S, T, th)
+         : A->kv == KV_F8E5 ? attend_f8e5(A, s, S, T, th)
                             : attend_f32(A, s, S, T, th);
 }
 
@@ -681,14 +695,31 @@ static inline uint8_t to_f8(float f) {
     return sign | (uint8_t)__builtin_rintf(a * 512.f);
 }
 
+/* fp32 -> float8_e5m2 bits as torch's .to() gives them: to nearest even at fp16's exponent
+ * range (bias 15) and 2 mantissa bits, overflowing to infinity (61440 and up: E5M2 has
+ * infinities, torch does not saturate it), NaN -> 0x7F with the sign */
+static inline uint8_t to_f8e5(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return sign | 0x7F;
+    if (u >= 0x47700000u) return sign | 0x7C;
+    if (u >= 0x38800000u) /* a normal E5M2 (2^-14 and up): round at bit 21, rebias 127 -> 15 */
+        return sign | (uint8_t)((u + 0xFFFFFu + ((u >> 21) & 1u) - 0x38000000u) >> 21);
+    float a; /* a subnormal (or 0): in units of 2^-16, exact before the rounding */
+    __builtin_memcpy(&a, &u, 4);
+    return sign | (uint8_t)__builtin_rintf(a * 65536.f);
+}
+
 /* `n` fp32 values into the cache's dtype at dst */
 AVX2 static void store_row(uint8_t *dst, const float *src, int n, const int kv) {
     if (kv == KV_F32) {
         __builtin_memcpy(dst, src, (size_t)n * 4);
         return;
     }
-    if (kv == KV_F8) {
-        for (int i = 0; i < n; i++) dst[i] = to_f8(src[i]);
+    if (kv >= KV_F8) {
+        for (int i = 0; i < n; i++) dst[i] = kv == KV_F8 ? to_f8(src[i]) : to_f8e5(src[i]);
         return;
     }
     uint16_t *h = (uint16_t *)dst;
@@ -701,8 +732,8 @@ static void store_row_s(uint8_t *dst, const float *src, int n, const int kv) {
         __builtin_memcpy(dst, src, (size_t)n * 4);
         return;
     }
-    if (kv == KV_F8) {
-        for (int i = 0; i < n; i++) dst[i] = to_f8(src[i]);
+    if (kv >= KV_F8) {
+        for (int i = 0; i < n; i++) dst[i] = kv == KV_F8 ? to_f8(src[i]) : to_f8e5(src[i]);
         return;
     }
     uint16_t *h = (uint16_t *)dst;

@@ -6,8 +6,8 @@ round activations to 8 bits, which can blow that up into a different greedy toke
 speculative decoding must give greedy plain decoding's tokens.
 
 Compiled on first use like the GGUF kernels (same cache, same one-line warning when it cannot be
-built); needs x86-64 with AVX2 + FMA + F16C, fp32 queries, fp32 / bf16 / fp16 / FP8 E4M3 caches
-(read exactly as fp32), head sizes that are multiples of 8. `unavailable()` says why not; the
+built); needs x86-64 with AVX2 + FMA + F16C, fp32 queries, fp32 / bf16 / fp16 / FP8 E4M3 or E5M2
+caches (read exactly as fp32), head sizes that are multiples of 8. `unavailable()` says why not; the
 caller then runs its per-row SDPA fallback. Value widths past 256 (absorbed MLA's 512-dim latent
 values) take `attention_wide.c`: a running softmax per (row, head) over tiles of keys instead of
 per-chunk partials, so its scratch does not grow with the context; it runs on any x86-64, in
@@ -32,7 +32,8 @@ from specdeploy.ops.paged_kv import value_in_key
 
 SOURCE = Path(__file__).with_name("attention_rows.c")
 # the C file's KV_* values, in order
-_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+              torch.float8_e5m2)
 _FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 
 

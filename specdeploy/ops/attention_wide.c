@@ -116,6 +116,10 @@ static void widen_s(const uint8_t *cache, int64_t row_bytes, int64_t off, int n,
             for (int x = 0; x < n; x++) d[x] = f8_s(src[x]);
             continue;
         }
+        if (kv == KV_F8E5) {
+            for (int x = 0; x < n; x++) d[x] = half_s((uint16_t)(src[x] << 8));
+            continue;
+        }
         const uint16_t *h = (const uint16_t *)src;
         for (int x = 0; x < n; x++) {
             if (kv == KV_BF16) {
