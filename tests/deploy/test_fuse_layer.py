@@ -56,7 +56,7 @@ def _caches(dep):
     return {n: b for n, b in dep.gm.named_buffers() if "kv_cache" in n}
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8", "fp8_e5m2"])
 def test_fused_graph_gives_the_unfused_bits(tiny_gguf, kv_dtype, monkeypatch):
     """Prefill, decode, verify and mixed steps: logits and every KV cache bit-equal to the graph
     built without the pass, with the C path taking every step (the chain is never run)."""
@@ -75,7 +75,8 @@ def test_fused_graph_gives_the_unfused_bits(tiny_gguf, kv_dtype, monkeypatch):
         assert torch.equal(got, want), (segs, (got - want).abs().max())
     want_kv = _caches(base)
     for name, kv in _caches(fused).items():
-        want = torch.float8_e4m3fn if kv_dtype == "fp8" else getattr(torch, kv_dtype)
+        want = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(
+            kv_dtype) or getattr(torch, kv_dtype)
         # (bytes: torch.equal has no float8 kernel)
         assert kv.dtype == want and torch.equal(kv.view(torch.uint8),
                                                 want_kv[name].view(torch.uint8)), name
