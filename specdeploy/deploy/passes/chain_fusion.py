@@ -1,6 +1,7 @@
 """Replacing a matched chain of FX nodes by one call that falls back to the chain itself
-(fuse_mixers.py, fuse_moe_blocks.py): the matching helpers they share, the fallback `_Sub`
-(the chain's targets replayed on the fused call's arguments) and the rewrite `_fuse`.
+(fuse_mixers.py, fuse_moe_blocks.py): the fallback `_Sub` (the chain's targets replayed on the
+fused call's arguments), the rewrite `_fuse` and its skip rule, and fuse_mixers' small node
+predicates.
 """
 from __future__ import annotations
 
