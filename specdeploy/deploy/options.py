@@ -8,7 +8,7 @@ import torch
 
 from specdeploy.cache.plan import check_budget
 from specdeploy.config import SpecConfig
-from specdeploy.deploy.passes.ggml_linears import KERNELS
+from specdeploy.deploy.passes.ggml_weights import KERNELS
 from specdeploy.distributed.config import DistConfig
 
 BACKENDS = ("graph", "eager")

@@ -29,7 +29,7 @@ from specdeploy.deploy.pipeline import format_infos
 from specdeploy.deploy.runner import GraphDeployed
 from specdeploy.models.drafters import Drafter
 from specdeploy.models.drafters.eagle3 import default_aux_layers
-from specdeploy.ops import row_kernels
+from specdeploy.ops import state_rows
 
 log = logging.getLogger("specdeploy")
 
@@ -280,11 +280,11 @@ class SpecDeployed:
 
     def commit(self, slots: torch.Tensor, accepted_idx: torch.Tensor) -> None:
         """Promote spec-state entry `accepted_idx[s]` (tokens kept - 1) into each state slot.
-        On the CPU one C call copies them all (row_kernels.promote_states); elsewhere, or
+        On the CPU one C call copies them all (state_rows.promote_states); elsewhere, or
         where it cannot, advanced indexing per state."""
         gm = self.target.gm
         pairs = [(getattr(gm, main), getattr(gm, spec)) for main, spec in self._spec_pairs]
-        if slots.device.type == "cpu" and row_kernels.promote_states(
+        if slots.device.type == "cpu" and state_rows.promote_states(
                 pairs, slots.tolist(), accepted_idx.tolist()):
             return
         for state, per_token in pairs:

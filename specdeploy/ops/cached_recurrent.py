@@ -28,8 +28,8 @@ from specdeploy.ops.conv import causal_conv1d_core
 from specdeploy.ops.gdn import decode_step as gdn_decode_step
 from specdeploy.ops.gdn import gated_delta_rule_core
 from specdeploy.ops.replay_state import reads_allowed
-from specdeploy.ops.row_kernels import conv_step, ssm_step
 from specdeploy.ops.ssm import ssm_dt, ssm_scan_core
+from specdeploy.ops.state_rows import conv_step, ssm_step
 
 # step(inputs [S, 1, ...] each, state [slots, ...], slot_idx [S]) -> y [S, 1, ...] or None: a
 #   decode step that reads and writes the rows `slot_idx` of the cache's state in place (the

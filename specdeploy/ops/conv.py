@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specdeploy.ops import elementwise as ew
-from specdeploy.ops import row_kernels
+from specdeploy.ops import state_rows
 from specdeploy.ops.autograd import register_recompute_autograd
 
 __all__ = ["ConvOutput", "causal_conv1d_ref", "causal_conv1d_core"]
@@ -79,7 +79,7 @@ def causal_conv1d_core(
     width = weight.shape[1]
     b, t, c = x.shape
     if t == 1 and state_at is None:  # decode: one C call (row_kernels.c conv_step_rows)
-        step = row_kernels.conv_step(x, weight, bias, initial_state, activation)
+        step = state_rows.conv_step(x, weight, bias, initial_state, activation)
         if step is not None:
             y, final_state = step
             return ConvOutput(y, final_state, final_state[:, None] if return_states else None,

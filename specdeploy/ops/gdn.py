@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from specdeploy.ops import elementwise as ew
-from specdeploy.ops import row_kernels
+from specdeploy.ops import state_rows
 from specdeploy.ops.autograd import register_recompute_autograd
 from specdeploy.ops.scan_states import states_at
 
@@ -43,7 +43,7 @@ def decode_step(q, k, v, g, beta, state, slots, use_qk_l2norm: bool, scale: floa
     l2norm, the scale and the q / k heads' sharing in the step), or None where the kernel does
     not take the tensors. The cached op's in-place decode steps (`slots`) and the core's
     one-token form (verify steps' rows) both come here: the same bits."""
-    return row_kernels.gdn_step(q[:, 0].float(), k[:, 0].float(), v[:, 0].float(),
+    return state_rows.gdn_step(q[:, 0].float(), k[:, 0].float(), v[:, 0].float(),
                                 g[:, 0].float(), beta[:, 0].float(), state, slots,
                                 use_qk_l2norm, scale if scale > 0 else q.shape[-1] ** -0.5)
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from specdeploy.ops import elementwise as ew
-from specdeploy.ops import row_kernels
+from specdeploy.ops import state_rows
 from specdeploy.ops.autograd import register_recompute_autograd
 from specdeploy.ops.scan_states import states_at
 
@@ -78,7 +78,7 @@ def _chunk(t: torch.Tensor, size: int) -> torch.Tensor:
 def _ssm_step(x, delta, A, B, C, D, initial_state, rep, return_states) -> ScanOutput:
     """One token (decode): the recurrence itself, no chunk bookkeeping; one C call where the
     row kernels take the tensors (row_kernels.c ssm_step_rows), decode and verify rows alike."""
-    step = row_kernels.ssm_step(x[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], D, initial_state)
+    step = state_rows.ssm_step(x[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], D, initial_state)
     if step is not None:
         y, state = step
         return ScanOutput(y[:, None], state, state[:, None] if return_states else None)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdeploy.models.qwen3_5_vision import image_num_tokens, mrope_positions
+from specdeploy.models.qwen3_5_mrope import image_num_tokens, mrope_positions
 from specdeploy.vision.image import ImageError, ProcessedImages
 from specdeploy.vision.video import ProcessedVideo
 

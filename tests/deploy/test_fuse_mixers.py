@@ -9,7 +9,7 @@ import torch
 
 from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, Segment, build_metadata
 from specdeploy.deploy.build import build
-from specdeploy.ops import ggml_int, row_kernels
+from specdeploy.ops import ggml_int, state_rows
 from specdeploy.ops.ggml_linear import kernel_unavailable
 
 pytestmark = pytest.mark.skipif(
@@ -60,14 +60,14 @@ def test_fused_mixers_give_the_chains_bits(gguf, kernels, monkeypatch):
     assert (info.num_matches > 0) == want_match, info
     kernel = "mamba2_decode" if name == "nemotron" else "gdn_decode"
     calls = []
-    real = getattr(row_kernels, kernel)
+    real = getattr(state_rows, kernel)
 
     def counted(*a, **k):
         out = real(*a, **k)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(row_kernels, kernel, counted)
+    monkeypatch.setattr(state_rows, kernel, counted)
     want, got = _run(off), _run(on)
     assert not calls or all(calls)
     if want_match:  # each fused mixer ran the C call at the 4 decode-only steps and the verify

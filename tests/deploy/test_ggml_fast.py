@@ -14,7 +14,7 @@ from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, Segment, build_met
 from specdeploy.config import SpecConfig
 from specdeploy.deploy.build import build
 from specdeploy.deploy.deferred import fill_from_blocks
-from specdeploy.deploy.passes import ggml_linears as pass_mod
+from specdeploy.deploy.passes import ggml_weights
 from specdeploy.loading import load_model
 from specdeploy.models import llama
 from specdeploy.ops import ggml_int, ggml_tiled
@@ -97,7 +97,7 @@ def test_kernels_option_is_checked_and_falls_back_with_a_warning(tiny_gguf, monk
     assert len(lines) == 1, lines
     info = {i.name: i for i in dep.infos}["ggml_linears"]
     assert "exact fp32 kernel; fast unavailable" in info.detail
-    assert pass_mod.KERNELS == ("exact", "fast")
+    assert ggml_weights.KERNELS == ("exact", "fast")
 
 
 def _mtp_head_dir(path, out):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specdeploy.ops import row_kernels as rk
+from specdeploy.ops import state_rows as sr
 from specdeploy.ops.norm import _rms_norm_kernel, rms_norm_ref
 from specdeploy.ops.rope import _rope_kernel, rope_ref, rotate_half
 
@@ -98,15 +99,15 @@ def test_conv_step_matches_the_reference_and_is_batch_invariant(activation, with
     x, weight, bias = (torch.randn(b, 1, c, generator=g), torch.randn(c, w, generator=g),
                        torch.randn(c, generator=g))
     state = torch.randn(b, c, w - 1, generator=g) if with_state else None
-    y, new = rk.conv_step(x, weight, bias, state, activation)
+    y, new = sr.conv_step(x, weight, bias, state, activation)
     want_y, want_state = causal_conv1d_ref(x, weight, bias, state, activation)
     torch.testing.assert_close(y, want_y, rtol=1e-6, atol=1e-6)
     assert torch.equal(new, want_state)  # a shift: exact
     for r in range(b):
-        y1, _ = rk.conv_step(x[r:r + 1], weight, bias, None if state is None else state[r:r + 1],
+        y1, _ = sr.conv_step(x[r:r + 1], weight, bias, None if state is None else state[r:r + 1],
                              activation)
         assert torch.equal(y1[0], y[r])
-    assert rk.conv_step(x, weight, bias, state, "gelu") is None  # not taken: torch runs it
+    assert sr.conv_step(x, weight, bias, state, "gelu") is None  # not taken: torch runs it
 
 
 @pytest.mark.parametrize("with_state", [True, False])
@@ -124,13 +125,13 @@ def test_ssm_step_matches_the_torch_step_and_is_batch_invariant(with_state):
     state = torch.randn(r, h, p, n, generator=g) if with_state else None
     from specdeploy.ops.ssm import ssm_dt
     delta = ssm_dt(dt, dt_bias, 0.0, float("inf"))
-    y, new = rk.ssm_step(x[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], D, state)
+    y, new = sr.ssm_step(x[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], D, state)
     want_y, want_state = ssm_scan_ref(x, dt, A, B, C, D, dt_bias, 0.0, float("inf"),
                                       initial_state=state)
     torch.testing.assert_close(y, want_y[:, 0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(new, want_state, rtol=1e-5, atol=1e-5)
     for i in range(r):
-        y1, s1 = rk.ssm_step(x[i:i + 1, 0], delta[i:i + 1, 0], A, B[i:i + 1, 0], C[i:i + 1, 0],
+        y1, s1 = sr.ssm_step(x[i:i + 1, 0], delta[i:i + 1, 0], A, B[i:i + 1, 0], C[i:i + 1, 0],
                              D, None if state is None else state[i:i + 1])
         assert torch.equal(y1[0], y[i]) and torch.equal(s1[0], new[i])
 
@@ -148,12 +149,12 @@ def test_gdn_step_matches_the_reference_and_is_batch_invariant(with_state):
     gate, beta = -torch.rand(r, 1, h, generator=g), torch.rand(r, 1, h, generator=g)
     state = torch.randn(r, h, dk, dv, generator=g) if with_state else None
     qf, kf, vf, gf, bf = _prepare(q, k, v, gate, beta, True, dk ** -0.5)
-    o, new = rk.gdn_step(qf[:, :, 0], kf[:, :, 0], vf[:, :, 0], gf[:, :, 0], bf[:, :, 0], state)
+    o, new = sr.gdn_step(qf[:, :, 0], kf[:, :, 0], vf[:, :, 0], gf[:, :, 0], bf[:, :, 0], state)
     want_o, want_state = gated_delta_rule_ref(q, k, v, gate, beta, state, True, dk ** -0.5)
     torch.testing.assert_close(o, want_o[:, 0].float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(new, want_state.float(), rtol=1e-5, atol=1e-5)
     for i in range(r):
-        o1, s1 = rk.gdn_step(qf[i:i + 1, :, 0], kf[i:i + 1, :, 0], vf[i:i + 1, :, 0],
+        o1, s1 = sr.gdn_step(qf[i:i + 1, :, 0], kf[i:i + 1, :, 0], vf[i:i + 1, :, 0],
                              gf[i:i + 1, :, 0], bf[i:i + 1, :, 0],
                              None if state is None else state[i:i + 1])
         assert torch.equal(o1[0], o[i]) and torch.equal(s1[0], new[i])
@@ -177,11 +178,11 @@ def _step_cases(g):
     gate, beta = -torch.rand(r, 1, h, generator=g), torch.rand(r, 1, h, generator=g)
     qf, kf, vf, gf, bf = (t[:, :, 0] for t in _prepare(q, k, v, gate, beta, True, 0.25))
     return [
-        ("conv", lambda s, sl: rk.conv_step(x, weight, bias, s, "silu", sl),
+        ("conv", lambda s, sl: sr.conv_step(x, weight, bias, s, "silu", sl),
          torch.randn(r, 40, 3, generator=g)),
-        ("ssm", lambda s, sl: rk.ssm_step(xs, delta, A, B, C, D, s, sl),
+        ("ssm", lambda s, sl: sr.ssm_step(xs, delta, A, B, C, D, s, sl),
          torch.randn(r, h, p, n, generator=g)),
-        ("gdn", lambda s, sl: rk.gdn_step(qf, kf, vf, gf, bf, s, sl),
+        ("gdn", lambda s, sl: sr.gdn_step(qf, kf, vf, gf, bf, s, sl),
          torch.randn(r, h, 16, 13, generator=g)),
     ]
 
@@ -257,14 +258,14 @@ def test_gdn_step_normalizes_and_shares_heads_itself(with_state):
     v = torch.randn(r, 1, h, dv, generator=g)
     gate, beta = -torch.rand(r, 1, h, generator=g), torch.rand(r, 1, h, generator=g)
     state = torch.randn(r, h, dk, dv, generator=g) if with_state else None
-    o, new = rk.gdn_step(q[:, 0], k[:, 0], v[:, 0], gate[:, 0], beta[:, 0], state, None, True,
+    o, new = sr.gdn_step(q[:, 0], k[:, 0], v[:, 0], gate[:, 0], beta[:, 0], state, None, True,
                          0.3)
     want_o, want_state = gated_delta_rule_ref(q, k, v, gate, beta, state, True, 0.3)
     torch.testing.assert_close(o, want_o[:, 0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(new, want_state, rtol=1e-5, atol=1e-5)
     core = gated_delta_rule_core(q, k, v, gate, beta, state, True, 0.3)
     assert torch.equal(core.o[:, 0], o) and torch.equal(core.final_state, new)
-    assert rk.gdn_step(q[:, 0], k[:, 0, :1], v[:, 0], gate[:, 0], beta[:, 0], state) is None
+    assert sr.gdn_step(q[:, 0], k[:, 0, :1], v[:, 0], gate[:, 0], beta[:, 0], state) is None
 
 
 def test_promote_states_equals_advanced_indexing():
@@ -278,14 +279,14 @@ def test_promote_states_equals_advanced_indexing():
     want = [m.clone() for m, _ in pairs]
     for w, (_, sp) in zip(want, pairs):
         w[torch.tensor(slots)] = sp[torch.tensor(slots), torch.tensor(idx)]
-    assert rk.promote_states(pairs, slots, idx)
+    assert sr.promote_states(pairs, slots, idx)
     for w, (m, _) in zip(want, pairs):
         assert torch.equal(m, w)
     with pytest.raises(IndexError, match="slots"):
-        rk.promote_states(pairs, [5], [0])
+        sr.promote_states(pairs, [5], [0])
     with pytest.raises(IndexError, match="indices"):
-        rk.promote_states(pairs, [0], [4])
+        sr.promote_states(pairs, [0], [4])
     # what the call cannot take is left to the caller (False, nothing written)
     odd = [(torch.zeros(5, 6, 8).transpose(1, 2), torch.ones(5, 4, 8, 6))]
-    assert not rk.promote_states(odd, [0], [0]) and not odd[0][0].any()
-    assert not rk.promote_states([(torch.zeros(5, 3), torch.ones(5, 4, 2))], [0], [0])
+    assert not sr.promote_states(odd, [0], [0]) and not odd[0][0].any()
+    assert not sr.promote_states([(torch.zeros(5, 3), torch.ones(5, 4, 2))], [0], [0])

@@ -9,7 +9,7 @@ import pytest
 
 from specdeploy.engine.spec_control import MAX_PROBE_GAP, NEAR_EVEN, CostController
 from specdeploy.engine.spec_cost import REG_MIN, MeasuredCost
-from tests.spec.test_spec_controller import Linear, _Seq
+from tests.spec.cost_models import Linear, _Seq
 
 NET = {1: 3e-3, 2: 3.3e-3, 3: 3.7e-3, 4: 4.0e-3}  # a step's cost at no context, by rows
 COEF = 2e-6  # seconds per cached key

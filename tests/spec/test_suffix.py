@@ -12,7 +12,7 @@ from specdeploy.engine.spec_accept import store_bucket
 from specdeploy.engine.spec_control import CostController, cut_drafts
 from specdeploy.engine.spec_cost import MeasuredCost
 from specdeploy.engine.suffix_store import SuffixStore
-from tests.spec.test_spec_controller import Linear
+from tests.spec.cost_models import Linear
 from tests.spec.tiny_targets import LIMITS
 
 MAX_TOKENS = 24

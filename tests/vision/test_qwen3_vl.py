@@ -51,7 +51,7 @@ def _media_chat(seed: int = 0):
 
 def _hf_inputs(llm, msgs, ids: list[int]) -> dict:
     """transformers' inputs for our expanded ids: our processors' pixels (their equality with
-    transformers' processors is tests/vision/test_video.py's)."""
+    transformers' processors is tests/vision/test_video_processor.py's)."""
     d = llm.deployed
     parts = msgs[0]["content"]
     pix = d.processor.preprocess([p["image"] for p in parts if p["type"] == "image"])

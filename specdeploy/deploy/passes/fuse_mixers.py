@@ -29,28 +29,19 @@ import operator
 import torch
 from torch import fx
 
-from specdeploy.cache.metadata import SEG_EXTEND
 from specdeploy.deploy.context import DeployContext
+from specdeploy.deploy.passes.chain_fusion import _call, _fuse, _only, _shape, _skip
 from specdeploy.deploy.passes.compile import _kernel
 from specdeploy.deploy.passes.identity import is_identity
+from specdeploy.deploy.passes.mixer_calls import _gdn_fn, _mamba2_fn
 from specdeploy.deploy.passes.row_linears import sigmoid_rows, softplus_rows
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import row_kernels
 from specdeploy.ops.norm import _gated_rms_norm_kernel
-from specdeploy.ops.replay_state import reads_allowed
 
 _ops = torch.ops.specdeploy
 _aten = torch.ops.aten
 _CONV_ARGS, _SSM_ARGS, _GDN_ARGS = 13, 19, 17  # with the prefix cache's three (else 3 fewer)
-
-
-def _call(node, target) -> bool:
-    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
-            and not node.kwargs)
-
-
-def _only(node: fx.Node, reader: fx.Node) -> bool:
-    return isinstance(node, fx.Node) and set(node.users) == {reader}
 
 
 def _args(node: fx.Node, full: int) -> list | None:
@@ -78,83 +69,6 @@ def _reshaped(node, reader) -> fx.Node | None:
     if _call(node, _aten.reshape.default) and _only(node, reader):
         return node.args[0]
     return None
-
-
-def _shape(node: fx.Node) -> tuple | None:
-    v = node.meta.get("val")
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
-class _Ref:
-    __slots__ = ("own", "i")
-
-    def __init__(self, own: bool, i: int):
-        self.own, self.i = own, i
-
-
-class _Sub:
-    """The matched nodes as a plain function of the fused call's arguments (the fallback)."""
-
-    def __init__(self, chain: list[fx.Node], ext: list):
-        pos: dict[fx.Node, int] = {}
-        for i, a in enumerate(ext):
-            if isinstance(a, fx.Node):
-                pos.setdefault(a, i)
-        own = {n: i for i, n in enumerate(chain)}
-        self.steps = [(n.target, fx.node.map_arg(
-            n.args, lambda m: _Ref(True, own[m]) if m in own else _Ref(False, pos[m])))
-            for n in chain]
-
-    def __call__(self, ext: tuple):
-        vals: list = []
-
-        def get(a):
-            if isinstance(a, _Ref):
-                return vals[a.i] if a.own else ext[a.i]
-            if isinstance(a, tuple):
-                return tuple(get(x) for x in a)
-            if isinstance(a, list):
-                return [get(x) for x in a]
-            return a
-
-        for target, args in self.steps:
-            vals.append(target(*[get(a) for a in args]))
-        return vals[-1]
-
-
-def _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok, conv_spec, spec) -> tuple[int, bool] | None:
-    """(tokens a sequence, verify) for a step the fused call takes: decodes only (run_cached's
-    in-place path) or verify segments only (with spec states), all of one length; every
-    sequence with a cached state, no prefix-cache checkpoint. None for any other step (the
-    chain runs it)."""
-    if ckpt is not None and ckpt_tok is not None and ckpt_tok.numel():
-        return None
-    kinds, cu = kind_h.tolist(), cu_h.tolist()
-    with reads_allowed():  # a replayed step (engine/cpu_graphs.py) has every state cached
-        fresh = 0 in lens_h.tolist()
-    if fresh or not kinds:
-        return None
-    if SEG_EXTEND not in kinds:
-        return (1, False) if cu[-1] == len(kinds) else None
-    n = cu[1] - cu[0]
-    if conv_spec is None or spec is None:
-        return None
-    if any(k != SEG_EXTEND for k in kinds) or cu[-1] != n * len(kinds) or any(
-            cu[i + 1] - cu[i] != n for i in range(len(kinds))):
-        return None
-    return n, True
-
-
-def _external(chain: list[fx.Node], known: list) -> list:
-    """`known` then every other node the chain reads from outside it, in order of appearance."""
-    inside, ext = set(chain), list(known)
-    seen = {a for a in known if isinstance(a, fx.Node)}
-    for n in chain:
-        for a in n.all_input_nodes:
-            if a not in inside and a not in seen:
-                seen.add(a)
-                ext.append(a)
-    return ext
 
 
 def _match_mamba2(gn: fx.Node, conv_fn, ssm_fn):
@@ -193,24 +107,6 @@ def _match_mamba2(gn: fx.Node, conv_fn, ssm_fn):
     consts = dict(dt_min=sa[13], dt_max=sa[14], eps=gn.args[3], group=gn.args[4], h=xs[2],
                   p=xs[3], g=bs[2], n=bs[3])
     return chain, known, consts
-
-
-def _mamba2_fn(sub: _Sub, c: dict):
-    def mamba2_mixer(*ext):
-        (xbc, z, dt, conv_w, conv_b, conv_state, slots, cu_h, lens_h, kind_h, ckpt, ckpt_tok,
-         A, D, dt_bias, ssm_state, norm_w, conv_spec, ssm_spec) = ext[:19]
-        kind = _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok, conv_spec, ssm_spec)
-        if kind is not None:
-            ntok, verify = kind
-            out = row_kernels.mamba2_decode(
-                xbc, z, dt, conv_w, conv_b, conv_state, slots, A, D, dt_bias, c["dt_min"],
-                c["dt_max"], ssm_state, norm_w, c["eps"], c["group"], c["h"], c["p"], c["n"],
-                c["g"], ntok, conv_spec if verify else None, ssm_spec if verify else None)
-            if out is not None:
-                return out
-        return sub(ext)
-
-    return mamba2_mixer
 
 
 def _decay(g: fx.Node, reader: fx.Node):
@@ -281,47 +177,6 @@ def _match_gdn(gn: fx.Node, conv_fn, gdn_fn):
     consts = dict(l2norm=ga[11], scale=ga[12] if ga[12] > 0 else ks[3] ** -0.5, eps=gn.args[3],
                   group=gn.args[4], hk=ks[2], h=vs[2], dk=ks[3], dv=vs[3])
     return chain, known, consts
-
-
-def _gdn_fn(sub: _Sub, c: dict):
-    def gdn_mixer(*ext):
-        (qkv, b, a, z, conv_w, conv_b, conv_state, slots, cu_h, lens_h, kind_h, ckpt, ckpt_tok,
-         A, dt_bias, gdn_state, norm_w, conv_spec, gdn_spec) = ext[:19]
-        kind = _step_kind(cu_h, lens_h, kind_h, ckpt, ckpt_tok, conv_spec, gdn_spec)
-        if kind is not None:
-            ntok, verify = kind
-            out = row_kernels.gdn_decode(
-                qkv, b, a, z, conv_w, conv_b, conv_state, slots, A, dt_bias, gdn_state,
-                c["l2norm"], c["scale"], norm_w, c["eps"], c["group"], c["hk"], c["h"],
-                c["dk"], c["dv"], ntok, conv_spec if verify else None,
-                gdn_spec if verify else None)
-            if out is not None:
-                return out
-        return sub(ext)
-
-    return gdn_mixer
-
-
-def _fuse(gm: fx.GraphModule, chain: list[fx.Node], known: list, fn_of, consts: dict,
-          name: str) -> None:
-    ext = _external(chain, known)
-    fn = fn_of(_Sub(chain, ext), consts)
-    fn.__name__ = fn.__qualname__ = name  # the graph's node names
-    last = chain[-1]
-    with gm.graph.inserting_before(last):
-        fused = gm.graph.call_function(fn, tuple(ext))
-    fused.meta = dict(last.meta)
-    last.replace_all_uses_with(fused)
-    for node in reversed(chain):
-        gm.graph.erase_node(node)
-
-
-def _skip(ctx: DeployContext) -> str | None:
-    if ctx.compile:
-        return "compile=True keeps ops for inductor"
-    if torch.device(ctx.device).type != "cpu":
-        return f"CPU kernels; the graph runs on {ctx.device}"
-    return None
 
 
 @register("fuse_recurrent_mixers", Stage.COMPILE, skip_if=_skip)

@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from specdeploy.deploy.context import DeployContext
-from specdeploy.deploy.passes.fuse_mixers import _fuse, _skip
+from specdeploy.deploy.passes.chain_fusion import _fuse, _skip
 from specdeploy.deploy.passes.row_linears import sigmoid_rows
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import moe_block

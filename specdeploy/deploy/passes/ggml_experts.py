@@ -27,7 +27,7 @@ from torch import fx
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.graph import attr_tensor, drop_unread_params
 from specdeploy.deploy.passes.ggml_calls import MAX_ROWS, dequant_linear, expert_fast_fn
-from specdeploy.deploy.passes.ggml_linears import _fast_isa, _not_here, _weight_map
+from specdeploy.deploy.passes.ggml_weights import _fast_isa, _not_here, _weight_map
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import ggml_moe_int, row_kernels
 from specdeploy.ops.ggml_linear import (

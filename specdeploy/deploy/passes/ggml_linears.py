@@ -32,8 +32,6 @@ when compiling, off the CPU, and where the kernel cannot be built (the report sa
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import fx
 
@@ -47,33 +45,20 @@ from specdeploy.deploy.passes.ggml_calls import (  # noqa: F401 (MAX_ROWS, dequa
     ggml_linear_fn,
     tiled_fn,
 )
+from specdeploy.deploy.passes.ggml_weights import _fast_isa, _not_here, _weight_map
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
-from specdeploy.ops import ggml_int, ggml_tiled
+from specdeploy.ops import ggml_tiled
 from specdeploy.ops.ggml_linear import (
     K_QUANTS,
     GGMLWeight,
     concat_rows,
     ggml_linear,
     kernel_unavailable,
-    warn_unbuilt,
 )
 from specdeploy.ops.ggml_tiled import TILE, TiledMember, repack
 
 _LINEAR = torch.ops.aten.linear.default
 _EMBEDDING = torch.ops.aten.embedding.default
-KERNELS = ("exact", "fast")
-
-
-def _weight_map(ctx: DeployContext) -> dict:
-    named = getattr(ctx.model, "ggml_weights", None) or {}
-    out = {}
-    for name, p in ctx.model.named_parameters():
-        if name in named:
-            out[(p.data_ptr(), tuple(p.shape), p.stride())] = named[name]
-    # a drafter's: weights it borrows from the target and its own Q8_0 ones (deploy/spec.py)
-    for p, gw in getattr(ctx.model, "ggml_tensors", ()):
-        out[(p.data_ptr(), tuple(p.shape), p.stride())] = gw
-    return out
 
 
 def _blocks_of(gm, node, weights) -> GGMLWeight | None:
@@ -92,14 +77,6 @@ def _same_values(w: torch.Tensor, gw: GGMLWeight) -> bool:
     unit = torch.zeros(len(cols), k)
     unit[torch.arange(len(cols)), cols] = 1.0
     return torch.equal(ggml_linear(unit, gw), w.detach()[:, cols].t())
-
-
-def _not_here(ctx: DeployContext) -> str | None:
-    if ctx.compile:
-        return "compile=True"
-    if ctx.device.type != "cpu":
-        return f"CPU kernels; device is {ctx.device}"
-    return None
 
 
 @register("ggml_linears", Stage.OPTIMIZE, skip_if=_not_here)
@@ -163,25 +140,6 @@ def _kernel_calls(gm: fx.GraphModule, weights: dict, deferred: dict) -> tuple[li
                 todo.append([(node, gw)])
         todo.extend(fusable.values())
     return todo, stale
-
-
-def _fast_isa(kernels: str, warn: bool = True) -> tuple[str | None, str]:
-    """(ISA path of the integer-dot kernels or None for the exact one, what the report says).
-    "fast" falls back to the exact kernel, with one warning, where no SIMD integer path runs
-    (the portable scalar one is slower than fp32 there) unless SPECDEPLOY_GGML_ISA forces it."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels: one of {', '.join(KERNELS)}, got {kernels!r}")
-    if kernels == "exact":
-        return None, "exact fp32 kernel"
-    why = ggml_int.kernel_unavailable()
-    if why is None:
-        isa = ggml_int.default_isa()
-        if isa != "scalar" or os.environ.get("SPECDEPLOY_GGML_ISA") == "scalar":
-            return isa, f"integer-dot kernel, {isa}"
-        why = "no SIMD integer path on this CPU"
-        if warn:  # (once: the passes after this one ask again quietly)
-            warn_unbuilt("the fast integer-dot path", why)
-    return None, f"exact fp32 kernel; fast unavailable: {why}"
 
 
 def _bias(node: fx.Node):

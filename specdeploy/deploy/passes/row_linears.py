@@ -27,7 +27,7 @@ from torch import fx
 
 from specdeploy.deploy.context import DeployContext
 from specdeploy.deploy.graph import attr_tensor
-from specdeploy.deploy.passes.ggml_linears import _fast_isa, _not_here
+from specdeploy.deploy.passes.ggml_weights import _fast_isa, _not_here
 from specdeploy.deploy.passes.identity import is_identity
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import linear_rows as lr

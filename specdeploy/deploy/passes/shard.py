@@ -131,7 +131,7 @@ def _ggml_map(ctx: DeployContext) -> dict | None:
     """A GGUF model's weights with blocks, by tensor identity (their cuts keep blocks)."""
     if ctx.model is None or not getattr(ctx.model, "ggml_weights", None):
         return None
-    from specdeploy.deploy.passes.ggml_linears import _weight_map
+    from specdeploy.deploy.passes.ggml_weights import _weight_map
 
     return _weight_map(ctx) or None
 
