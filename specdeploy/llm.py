@@ -11,7 +11,7 @@ from specdeploy.chat_template import chat_ids
 from specdeploy.config import SpecConfig
 from specdeploy.distributed.config import dist_config
 from specdeploy.engine import Engine, RequestOutput, SamplingParams
-from specdeploy.engine.threads import check_threads
+from specdeploy.llm_setup import check_engine_args, install_step_graphs
 from specdeploy.progress import progress_bar, stderr_log, token_rate
 from specdeploy.prompt_batch import prompt_batch
 from specdeploy.tokenizer import eos_token_ids
@@ -121,25 +121,14 @@ class LLM:
                  mmproj: str | os.PathLike | None = None,
                  mm_processor_kwargs: dict | None = None, mm_encoder_dtype: str = "auto",
                  limit_mm_per_prompt: dict | None = None):
-        check_threads(threads, kernels, device)
-        from specdeploy.engine.scheduler import POLICIES
-
-        if scheduling_policy not in POLICIES:  # (before minutes of loading)
-            raise ValueError(f"scheduling_policy: must be one of {', '.join(POLICIES)}, got "
-                             f"{scheduling_policy!r}")
+        check_engine_args(threads=threads, kernels=kernels, device=device,
+                          scheduling_policy=scheduling_policy, cuda_graphs=cuda_graphs,
+                          cpu_graphs=cpu_graphs, max_num_tokens=max_num_tokens,
+                          num_scheduler_steps=num_scheduler_steps)
         import torch
 
         if isinstance(threads, int):  # before loading: the build's kernels use them too
             torch.set_num_threads(threads)
-        if cuda_graphs and not str(device).startswith("cuda"):
-            raise ValueError(f"cuda_graphs: needs a CUDA device, got device={device!r}")
-        if cpu_graphs and str(device) != "cpu":
-            raise ValueError(f"cpu_graphs: needs device='cpu', got device={device!r}")
-        if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
-            raise ValueError(f"max_num_tokens: must be a positive integer, got {max_num_tokens!r}")
-        if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps: must be an integer >= 1, got "
-                             f"{num_scheduler_steps!r}")
         from specdeploy.checkpoint import open_checkpoint
         from specdeploy.checkpoint.hub import resolve_model_path
         from specdeploy.deploy.build import BuildOptions, build
@@ -203,28 +192,9 @@ class LLM:
         lay = self.deployed.layout
         log(f"ready in {time.perf_counter() - t0:.1f}s: {lay.num_pages} pages x {lay.page_size} "
             f"tokens, {lay.num_slots} slots, cache {lay.total_bytes / 2**20:.1f} MiB")
-        if cuda_graphs or (cuda_graphs is None and str(device).startswith("cuda")):
-            from specdeploy.engine.cuda_graphs import install
-
-            try:  # the drafter's chain steps too (SPECDEPLOY_DRAFT_GRAPHS=0: not them)
-                install(self.deployed, max_batch_size,
-                        drafts=os.environ.get("SPECDEPLOY_DRAFT_GRAPHS", "1") != "0")
-            except ValueError as e:
-                if cuda_graphs:
-                    raise
-                log(f"CUDA graphs off ({e})")
-        if cpu_graphs or (cpu_graphs is None and str(device) == "cpu" and cuda_graphs is not False
-                          and threads != "auto" and not compile
-                          and os.environ.get("SPECDEPLOY_CPU_GRAPHS", "1") != "0"):
-            from specdeploy.engine.cuda_graphs import install
-
-            try:  # the drafter's chain steps too (SPECDEPLOY_DRAFT_GRAPHS=0: not them)
-                install(self.deployed, max_batch_size, capture=True,
-                        drafts=os.environ.get("SPECDEPLOY_DRAFT_GRAPHS", "1") != "0")
-            except ValueError as e:
-                if cpu_graphs:
-                    raise
-                log(f"CPU graphs off ({e})")
+        install_step_graphs(self.deployed, max_batch_size, device=device,
+                            cuda_graphs=cuda_graphs, cpu_graphs=cpu_graphs, threads=threads,
+                            compile=compile, log=log)
         engine_cls = Engine
         if spec is not None:
             from specdeploy.engine.speculative import SpecEngine as engine_cls
