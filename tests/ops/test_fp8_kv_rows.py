@@ -73,8 +73,9 @@ def test_kernel_writes_the_bytes_torch_casts_to(f8):
 
 
 @BOTH
-@pytest.mark.parametrize("wide", [False, True], ids=["chunked", "wide-scalar"])
-def test_every_byte_widens_exactly(wide, f8):
+@pytest.mark.parametrize("wide,scalar", [(False, False), (True, False), (True, True)],
+                         ids=["chunked", "wide-avx2", "wide-scalar"])
+def test_every_byte_widens_exactly(wide, scalar, f8):
     """One key: its weight is exactly 1, so the output is the value row as the kernel widened
     it: every one of the 256 codes = torch's `.float()` (NaN codes NaN, E5M2's infinities
     infinite), on the AVX2 loads and on the wide path's generic C ones."""
@@ -82,7 +83,7 @@ def test_every_byte_widens_exactly(wide, f8):
     vc[0, 0, 0] = torch.arange(256, dtype=torch.uint8).view(f8)
     kc = torch.zeros(1, 8, 1, 8, dtype=f8)
     q = torch.randn(1, 1, 8)
-    with ar.wide_mode(every=wide, scalar=wide):
+    with ar.wide_mode(every=wide, scalar=scalar):
         out = ar.attention_rows(q, kc, vc, torch.zeros(1, dtype=torch.long), 0, 1.0)
     assert _same(out[0, 0], vc[0, 0, 0].float())
 
@@ -156,3 +157,21 @@ def test_kernel_writes_equal_torch_writes_and_verify_equals_decode(shared, f8):
         rows = [ar.attention_rows(q[s, p:p + 1], kc_a, vc_a, torch.tensor(pages[s]), p,
                                   40 ** -0.5) for p in (12, 13, 14)]
         assert torch.equal(torch.cat(rows), a[3][3 * s:3 * s + 3])
+
+
+@BOTH
+def test_mla_widths_on_fp8(f8):
+    """DeepSeek's absorbed MLA on an FP8 cache (one KV head of 576 whose values are its first
+    512 dims, attention_wide.c): = the float64 oracle over what the cache holds, and the generic
+    C kernels give the AVX2 ones' bits."""
+    g = torch.Generator().manual_seed(5)
+    kc = torch.randn(8, 16, 1, 576, generator=g).to(f8)
+    vc = kc[..., :512]
+    pages = torch.randperm(8, generator=g)
+    q = torch.randn(3, 16, 576, generator=g)
+    got = ar.attention_rows(q, kc, vc, pages, 97, 576 ** -0.5)
+    with ar.wide_mode(every=True, scalar=True):
+        assert torch.equal(ar.attention_rows(q, kc, vc, pages, 97, 576 ** -0.5), got)
+    kf = kc.float()
+    want = _oracle(q, kf, kf[..., :512], pages, 97, 576 ** -0.5)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * kf.abs().max().item())
