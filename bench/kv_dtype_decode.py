@@ -2,12 +2,14 @@
 (`kv_cache_dtype`): one deployment per dtype in one process, rounds alternating between them.
 
     PYTHONPATH=. .venv/bin/python bench/kv_dtype_decode.py [--model PATH] [--context 2048]
-        [--tokens 64] [--rounds 3] [--dtypes auto fp8 fp8_e5m2] [--json-out FILE]
+        [--tokens 64] [--rounds 3] [--dtypes auto fp8 fp8_e5m2] [--threads N] [--json-out FILE]
 
 Each round: one request of `--context` prompt tokens (random ids from the vocabulary, seeded),
 then `--tokens` greedy tokens (ignore_eos); decode tokens/s = tokens after the first over the
-time after the first token (`RequestOutput` metrics). Ratios to the first dtype are medians of
-per-round ratios. KV bytes per token: the plan's paged-KV bytes a page over its page size.
+time after the first token: wall time, or with --threads 1 this thread's CPU time (the
+engine and its kernels run on it; steadier on a shared machine). Ratios to the first dtype are
+medians of per-round ratios. KV bytes per token: the plan's paged-KV bytes a page over its page
+size.
 """
 from __future__ import annotations
 
@@ -34,11 +36,12 @@ def _kv_bytes_per_token(llm: LLM) -> int:
 
 def _decode_rate(llm: LLM, prompt: list[int], tokens: int) -> float:
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     first = []
     for out in llm.generate_stream(prompt, params):
         if not first and out.token_ids:
-            first.append(time.perf_counter())
-    return (tokens - 1) / (time.perf_counter() - first[0]) if first else float("nan")
+            first.append(clock())
+    return (tokens - 1) / (clock() - first[0]) if first else float("nan")
 
 
 def main() -> int:
@@ -48,11 +51,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtypes", nargs="+", default=["auto", "fp8", "fp8_e5m2"])
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     max_len = a.context + a.tokens + 16
-    llms = {d: LLM(a.model, kv_cache_dtype=d, max_batch_size=1, max_seq_len=max_len)
-            for d in a.dtypes}
+    llms = {d: LLM(a.model, kv_cache_dtype=d, max_batch_size=1, max_seq_len=max_len,
+                   threads=a.threads) for d in a.dtypes}
     vocab = llms[a.dtypes[0]].deployed.hf_config.get("vocab_size", 32000)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, vocab - 100, (a.context,), generator=g).tolist()
