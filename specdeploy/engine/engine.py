@@ -374,6 +374,9 @@ class Engine:
         d["num_running"] = len(self.scheduler.running)
         d["free_pages"] = self.blocks.num_free  # cached pages nobody holds are free to reuse
         d["num_pages"] = self.blocks.num_pages
+        w = self.blocks.window
+        if w is not None:  # the sliding-window page group (cache/window.py)
+            d.update(num_win_pages=w.num_pages, free_win_pages=w.num_free, win_pages_slid=w.slid)
         if self.prefix is not None:
             d.update(self.prefix.stats(), checkpoint_bytes=self.deployed.layout.checkpoint_bytes)
         if self.threads is not None:
