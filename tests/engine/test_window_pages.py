@@ -223,3 +223,18 @@ def test_one_budget_serves_more_sequences(tiny):
     a, b = plain.stats(), windowed.stats()
     assert a["num_preemptions"] > 0 and b["num_preemptions"] == 0
     assert b["max_running"] == 4 > a["max_running"] or a["num_preemptions"] > 0
+
+
+def test_a_model_without_windows_is_unchanged(tmp_path):
+    path = llama.make_tiny(tmp_path / "llama", seed=0)
+    on, off = _llm(path), _llm(path, windows=False)
+    a, b = _target(on), _target(off)
+    assert a._input_names == b._input_names and "page_table_win" not in a._input_names
+    assert a.layout == b.layout and a.plan.num_win_pages == 0 and on.engine.blocks.window is None
+    info = next(i for i in a.infos if i.name == "window_kv_pages")
+    assert info.num_matches == 0 and not info.skipped
+    sp = _sampled(12)
+    got, logits, _, _ = _run(on, PROMPTS, sp)
+    want, ref, _, _ = _run(off, PROMPTS, sp)
+    assert got == want
+    _same(logits, ref)
