@@ -105,6 +105,10 @@ class GraphDeployed:
     def _feed(self, meta: BatchMetadata, hidden: torch.Tensor | None = None,
               dev: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The graph's inputs in order; `dev`: device copies already made (engine/cuda_graphs)."""
+        if dev is None and meta.page_table_win is None and "page_table_win" in self._input_names:
+            raise ValueError("this deployment's sliding-window layers have pages of their own: "
+                             "give each Segment its win_pages (cache/window.py; ids 1.."
+                             f"{self.layout.num_win_pages}, 0 the null page)")
         if dev is None and meta.lists is not None and not self.mrope:
             dev = self._device_from_lists(meta, meta.lists)
         elif dev is None:
