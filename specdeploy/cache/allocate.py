@@ -16,7 +16,9 @@ def allocate(gm: torch.nn.Module, resources: list, plan: CachePlan, device,
     tensors = []
     for h in resources:
         if isinstance(h, PagedKV):
-            k, v = h.allocate(plan.num_pages + 1, plan.page_size, device)
+            # (the window group: its null page 0, its pool, its scratch page; cache/window.py)
+            pages = plan.num_win_pages + 2 if h.window else plan.num_pages + 1
+            k, v = h.allocate(pages, plan.page_size, device)
             tensors += [(f"{h.name}_k", k), (f"{h.name}_v", v)]
         elif isinstance(h, Checkpoint):
             tensors.append((h.name, h.allocate(plan.num_checkpoints, device)))

@@ -19,7 +19,8 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 class PagedKV:
     """One attention layer's K and V pages: 2 × [num_pages, page_size, Hkv, D]; with
     `value_in_key` the values are the keys' leading v_head_dim dims (MLA's latent), stored once:
-    the V pages are a view of the K pages."""
+    the V pages are a view of the K pages. `window` > 0: a sliding-window layer in the window
+    page group (its own block table and pool; cache/window.py), 0: the full-context group."""
 
     name: str
     num_kv_heads: int
@@ -28,6 +29,7 @@ class PagedKV:
     dtype: torch.dtype
     kind: str = "paged_kv"
     value_in_key: bool = False
+    window: int = 0
 
     def bytes_per_page(self, page_size: int) -> int:
         width = self.head_dim + (0 if self.value_in_key else self.v_head_dim)

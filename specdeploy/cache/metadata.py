@@ -33,6 +33,9 @@ class Segment:
     # prefix-cache checkpoints: (offset of a fed token, checkpoint slot) = save the recurrent
     # states after that token (NORMAL segments; cache/prefix.py)
     ckpt: Sequence[tuple[int, int]] = ()
+    # the window group's block table (cache/window.py): page ids by page index, 0 = the null
+    # page where a page slid out of the window; () when the model has no window group
+    win_pages: Sequence[int] = ()
 
 
 def _empty() -> torch.Tensor:
@@ -62,6 +65,7 @@ class BatchMetadata:
     key_extent: torch.Tensor = field(default_factory=_empty)
     ckpt_tokens: torch.Tensor = field(default_factory=_empty)  # [W] host: flat token index
     ckpt_slots: torch.Tensor = field(default_factory=_empty)  # [W]: checkpoint slot
+    page_table_win: torch.Tensor | None = None  # [S, Pw] the window group's (0-padded)
     # the lists the tensors were built from (build_metadata only; None after `to`): whoever
     # changes a tensor in place must drop them
     lists: HostLists | None = field(default=None, repr=False, compare=False)
@@ -77,6 +81,7 @@ class BatchMetadata:
             mrope_positions=None if self.mrope_positions is None else mv(self.mrope_positions),
             mm_rows=self.mm_rows, key_extent=self.key_extent, ckpt_tokens=self.ckpt_tokens,
             ckpt_slots=mv(self.ckpt_slots),
+            page_table_win=None if self.page_table_win is None else mv(self.page_table_win),
         )
 
 
@@ -94,7 +99,12 @@ class HostLists(NamedTuple):
     logits_idx: list[int]
     ckpt_tokens: list[int]
     ckpt_slots: list[int]
+    win_table: list[int]  # [S * max_win_pages] row-major; [] without a window group
     max_pages: int
+    max_win_pages: int = 0
+
+
+_LISTS = 11  # HostLists' int lists (flattened into one tensor)
 
 
 def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
@@ -111,6 +121,9 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
     table: list[int] = []
     ckpt_tokens: list[int] = []
     ckpt_slots: list[int] = []
+    win = any(s.win_pages for s in segments)
+    max_win = max(1, max(len(s.win_pages) for s in segments)) if win else 0
+    win_table: list[int] = []
     start = 0
     for s in segments:
         n = len(s.token_ids)
@@ -121,6 +134,9 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
         logits_idx.extend(range(start + n - s.num_logits, start + n))
         table.extend(s.pages)
         table.extend([0] * (max_pages - len(s.pages)))
+        if win:  # (padding: the null page)
+            win_table.extend(s.win_pages)
+            win_table.extend([0] * (max_win - len(s.win_pages)))
         for off, slot in s.ckpt:
             ckpt_tokens.append(start + off)
             ckpt_slots.append(slot)
@@ -128,15 +144,16 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
         cu.append(start)
     lists = HostLists(ids, pos, cu, [s.cache_len for s in segments], table,
                       [s.slot for s in segments], [s.kind for s in segments], logits_idx,
-                      ckpt_tokens, ckpt_slots, max_pages)
-    flat = torch.tensor(list(chain.from_iterable(lists[:-1])), dtype=torch.long)
+                      ckpt_tokens, ckpt_slots, win_table, max_pages, max_win)
+    flat = torch.tensor(list(chain.from_iterable(lists[:_LISTS])), dtype=torch.long)
     (t_ids, t_pos, t_cu, t_lens, t_table, t_slots, t_kinds, t_logits, t_ckt,
-     t_cks) = flat.split([len(x) for x in lists[:-1]])
+     t_cks, t_win) = flat.split([len(x) for x in lists[:_LISTS]])
     meta = BatchMetadata(
         input_ids=t_ids, position_ids=t_pos, cu_seqlens=t_cu, cache_lens=t_lens,
         page_table=t_table.view(len(segments), max_pages), slot_idx=t_slots, seg_kind=t_kinds,
         logits_idx=t_logits, num_tokens=len(ids), num_seqs=len(segments),
-        ckpt_tokens=t_ckt, ckpt_slots=t_cks, lists=lists)
+        ckpt_tokens=t_ckt, ckpt_slots=t_cks, lists=lists,
+        page_table_win=t_win.view(len(segments), max_win) if win else None)
     if any(s.mm is not None for s in segments):
         _add_multimodal(meta, segments, cu)
     return meta
@@ -161,26 +178,28 @@ def _add_multimodal(meta: BatchMetadata, segments: Sequence[Segment], cu: list[i
         meta.key_extent = torch.cat(extents)
 
 
-def kv_slot_mapping(meta: BatchMetadata, page_size: int) -> torch.Tensor:
+def kv_slot_mapping(meta: BatchMetadata, page_size: int, win: bool = False) -> torch.Tensor:
     """Flat KV-cache row (page * page_size + offset) of every fed token: [T] int64.
 
-    Computed once per step; every attention layer writes its new keys there.
+    Computed once per step; every attention layer writes its new keys there (`win`: the
+    window group's layers, through its table).
     """
     if meta.lists is not None:
-        return torch.tensor(slot_mapping_list(meta.lists, page_size), dtype=torch.long)
+        return torch.tensor(slot_mapping_list(meta.lists, page_size, win), dtype=torch.long)
     seg = torch.repeat_interleave(torch.arange(meta.num_seqs), meta.cu_seqlens.diff(),
                                   output_size=meta.num_tokens)
     pos = meta.position_ids
-    return meta.page_table[seg, pos // page_size] * page_size + pos % page_size
+    table = meta.page_table_win if win else meta.page_table
+    return table[seg, pos // page_size] * page_size + pos % page_size
 
 
-def slot_mapping_list(h: HostLists, page_size: int) -> list[int]:
+def slot_mapping_list(h: HostLists, page_size: int, win: bool = False) -> list[int]:
     """`kv_slot_mapping` over the host lists, in Python (a decode / verify step has a few
     tokens, where each torch call costs more than the arithmetic)."""
     out: list[int] = []
-    p = h.max_pages
+    p, table = (h.max_win_pages, h.win_table) if win else (h.max_pages, h.table)
     for s in range(len(h.cu) - 1):
-        row = h.table[s * p:(s + 1) * p]
+        row = table[s * p:(s + 1) * p]
         out.extend(row[q // page_size] * page_size + q % page_size
                    for q in h.pos[h.cu[s]:h.cu[s + 1]])
     return out

@@ -53,9 +53,11 @@ def uniform_step(meta: BatchMetadata) -> tuple[int, int] | None:
 
 
 def pad_batch(meta: BatchMetadata, bucket: int, *, scratch_page: int, scratch_slot: int,
-              page_size: int) -> BatchMetadata:
+              page_size: int, scratch_page_win: int = 0) -> BatchMetadata:
     """`meta` (host tensors, a uniform decode / verify step of S sequences) padded with
-    `bucket - S` dummy sequences after the real ones; S == bucket returns `meta` itself."""
+    `bucket - S` dummy sequences after the real ones; S == bucket returns `meta` itself.
+    The window group's table (cache/window.py), where there is one, likewise: dummy rows on
+    its scratch page `scratch_page_win`."""
     s = meta.num_seqs
     if bucket < s:
         raise ValueError(f"pad_batch: bucket {bucket} is smaller than the batch ({s})")
@@ -86,6 +88,12 @@ def pad_batch(meta: BatchMetadata, bucket: int, *, scratch_page: int, scratch_sl
         logits_idx=torch.cat([meta.logits_idx,
                               (ends[:, None] - torch.arange(m, 0, -1)[None]).reshape(-1)]),
         num_tokens=t + d * n, num_seqs=bucket, lists=None)  # the lists are the unpadded step's
+    if meta.page_table_win is not None:
+        w = meta.page_table_win
+        win = torch.zeros(bucket, max(w.shape[1], width), **long)  # (padding: the null page)
+        win[:s, :w.shape[1]] = w
+        win[s:] = scratch_page_win
+        out.page_table_win = win
     if meta.mrope_positions is not None:
         out.mrope_positions = torch.cat([meta.mrope_positions,
                                          (DUMMY_LEN + offsets).expand(3, -1)], 1)

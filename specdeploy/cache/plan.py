@@ -94,6 +94,12 @@ class CachePlan:
     bytes_by_handler: dict[str, int] = field(default_factory=dict)
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
     kind_by_handler: dict[str, str] = field(default_factory=dict)
+    # the sliding-window group (cache/window.py): its pool's pages are 1..num_win_pages; 0 is
+    # the null page (never written: freed and padding slots of its block table), then scratch
+    num_win_pages: int = 0
+    window: int = 0
+    win_handlers: tuple[str, ...] = ()
+    win_pages_per_seq: int = 0  # what a decoding sequence holds of them at most (sizing)
 
     @property
     def total_bytes(self) -> int:
@@ -109,6 +115,10 @@ class CachePlan:
     def scratch_slot(self) -> int:
         return self.num_slots
 
+    @property
+    def scratch_page_win(self) -> int:
+        return self.num_win_pages + 1
+
     def summary(self) -> str:
         lines = [
             f"cache plan: page_size={self.page_size} num_pages={self.num_pages} "
@@ -117,6 +127,13 @@ class CachePlan:
             f"sequence; on the CPU the paged KV is reserved, "
             f"its memory backed as pages are first written)"
         ]
+        if self.window:
+            win = sum(b for n, b in self.bytes_by_handler.items() if n in self.win_handlers)
+            lines.append(f"  sliding-window group: {len(self.win_handlers)} layer(s), window "
+                         f"{self.window}: {self.num_win_pages} pages (+ null and scratch, "
+                         f"{win / 2**20:.3f} MiB), a decoding sequence holds at most "
+                         f"{self.win_pages_per_seq}; pages that slide out of every future "
+                         f"query's window go back to the pool")
         if "checkpoint" in self.bytes_by_kind:
             pool = self.bytes_by_kind["checkpoint"]
             lines.append(f"  prefix-cache checkpoints: {self.num_checkpoints} slots "
@@ -192,7 +209,8 @@ def plan_cache(
                    "boundaries inside a chunk would cost extra states")
     if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every: must be a positive integer, got {checkpoint_every!r}")
-    kv = [h for h in handlers if isinstance(h, PagedKV)]
+    kv = [h for h in handlers if isinstance(h, PagedKV) and not h.window]
+    win = [h for h in handlers if isinstance(h, PagedKV) and h.window]
     slotted = [h for h in handlers if isinstance(h, (State, SpecState))]
     num_slots = max_batch_size
     slot_bytes = (num_slots + 1) * sum(h.bytes_per_slot() for h in slotted)  # + the scratch
@@ -206,16 +224,24 @@ def plan_cache(
             f"{slot_bytes / GIB:.3f} GiB, over the budget of {budget / GIB:.3f} GiB"
         )
     num_pages = 0
-    if kv:
+    window = max((h.window for h in win), default=0)
+    win_bytes = sum(h.bytes_per_page(page_size) for h in win)
+    num_win, per_seq = 0, 0
+    if win:
+        num_pages, num_win, per_seq = window_split(
+            budget - slot_bytes - page_bytes - 2 * win_bytes, page_bytes, win_bytes,
+            pages_per_seq, max_batch_size, -(-window // page_size))
+    elif kv:
         num_pages = min(wanted_pages, (budget - slot_bytes) // page_bytes - 1)  # - the scratch
-        if num_pages < pages_per_seq:
-            raise ValueError(
-                f"{knob}: the budget of {budget / GIB:.3f} GiB holds {num_pages} KV pages; "
-                f"one sequence of max_seq_len={max_seq_len} needs {pages_per_seq}"
-            )
+    if (kv and num_pages < pages_per_seq) or (win and num_win < pages_per_seq):
+        raise ValueError(
+            f"{knob}: the budget of {budget / GIB:.3f} GiB holds "
+            f"{min(num_pages, num_win) if win and kv else num_win if win else num_pages} KV "
+            f"pages; one sequence of max_seq_len={max_seq_len} needs {pages_per_seq}"
+        )
     num_ckpt = 0
     if ckpts:
-        left = budget - slot_bytes - (num_pages + 1) * page_bytes
+        left = budget - slot_bytes - (num_pages + 1) * page_bytes - (num_win + 2) * win_bytes
         fits = max(0, left // sum(h.bytes_per_slot() for h in ckpts))
         base = checkpoint_every
         while auto and fits and -(-num_pages // checkpoint_every) > fits:
@@ -225,15 +251,39 @@ def plan_cache(
                    f"would take {-(-num_pages // base)}")
         num_ckpt = min(-(-num_pages // checkpoint_every), fits)
     plan = CachePlan(page_size, int(num_pages), num_slots, budget, int(num_ckpt),
-                     checkpoint_every, why)
+                     checkpoint_every, why, num_win_pages=int(num_win), window=window,
+                     win_handlers=tuple(h.name for h in win), win_pages_per_seq=per_seq)
     for h in kv:
         plan.bytes_by_handler[h.name] = h.bytes_per_page(page_size) * (plan.num_pages + 1)
+    for h in win:
+        plan.bytes_by_handler[h.name] = h.bytes_per_page(page_size) * (num_win + 2)
     for h in slotted:
         plan.bytes_by_handler[h.name] = h.bytes_per_slot() * (num_slots + 1)
     for h in ckpts:
         plan.bytes_by_handler[h.name] = h.bytes_per_slot() * plan.num_checkpoints
-    for h in kv + slotted + ckpts:
+    for h in kv + win + slotted + ckpts:
         plan.kind_by_handler[h.name] = h.kind
         by_kind = plan.bytes_by_kind
         by_kind[h.kind] = by_kind.get(h.kind, 0) + plan.bytes_by_handler[h.name]
     return plan
+
+
+def window_split(avail: int, full_bytes: int, win_bytes: int, pages_per_seq: int,
+                 max_batch_size: int, window_pages: int) -> tuple[int, int, int]:
+    """(full-context pages, window pages, window pages a decoding sequence holds) from `avail`
+    bytes (scratch, null pages and states already taken). A decoding sequence holds at most
+    its window's pages + 2 (a page partly before the window, the page being written) of the
+    window group: the sizing unit; the window group also gets what one max_seq_len prompt
+    prefilled in one chunk holds at once (all its pages), so one sequence always fits. Both
+    groups capped at what max_batch_size sequences could use; a tighter budget is split so
+    the two run out together."""
+    per_seq = min(pages_per_seq, window_pages + 2)
+    slack = pages_per_seq - per_seq
+    want_full = max_batch_size * pages_per_seq + 1 if full_bytes else 0
+    want_win = min(max_batch_size * pages_per_seq, max_batch_size * per_seq + slack) + 1
+    if want_full * full_bytes + want_win * win_bytes <= avail:
+        return want_full, want_win, per_seq
+    unit = pages_per_seq * full_bytes + per_seq * win_bytes  # one sequence's worth
+    left = max(0, avail - slack * win_bytes)
+    full = left * pages_per_seq // unit if full_bytes else 0
+    return full, (left - full * full_bytes) // win_bytes + slack, per_seq

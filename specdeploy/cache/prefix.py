@@ -53,10 +53,16 @@ def root_key(seq) -> bytes:
 class Hit(NamedTuple):
     pages: list[int]  # cached pages the sequence starts with
     checkpoint: int  # checkpoint slot to restore the recurrent states from, -1: none needed
+    win: list[int] = []  # the window group's block-table row (cache/window.py), or []
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of prompt the hit covers (the full group's, or the window row's length)."""
+        return max(len(self.pages), len(self.win))
 
     @property
     def empty(self) -> bool:
-        return not self.pages
+        return not self.num_pages
 
 
 NO_HIT = Hit([], -1)
@@ -68,8 +74,10 @@ class PrefixCache:
     checkpointed page; `num_checkpoints` slots, one every `checkpoint_every` pages at most."""
 
     def __init__(self, num_pages: int, page_size: int, *, recurrent: bool = False,
-                 num_checkpoints: int = 0, checkpoint_every: int = 1):
+                 num_checkpoints: int = 0, checkpoint_every: int = 1, window=None):
         self.page_size = page_size
+        self.window = window  # cache/window.py WindowPages: the window group's cached pages
+        self.full = num_pages > 0  # (a model whose every layer is windowed has no full pages)
         self.recurrent = recurrent
         self.checkpoint_every = checkpoint_every
         self.num_checkpoints = num_checkpoints
@@ -101,30 +109,42 @@ class PrefixCache:
         """The longest run of cached pages the sequence starts with (at least its last token is
         left to feed: its logits are needed), cut back to a checkpointed page if recurrent."""
         pages = []
-        for key in self.keys(seq, (len(seq) - 1) // self.page_size):
+        keys = self.keys(seq, (len(seq) - 1) // self.page_size)
+        for key in keys if self.full else ():
             page = self.page_of.get(key)
             if page is None:
                 break
             pages.append(page)
-        if not self.recurrent:
-            return Hit(pages, -1)
-        while pages and pages[-1] not in self.ckpt_of:
-            pages.pop()
-        return Hit(pages, self.ckpt_of[pages[-1]]) if pages else NO_HIT
+        if self.window is None:
+            if not self.recurrent:
+                return Hit(pages, -1)
+            while pages and pages[-1] not in self.ckpt_of:
+                pages.pop()
+            return Hit(pages, self.ckpt_of[pages[-1]]) if pages else NO_HIT
+        # NOTE: the window group must also hold the pages of the first new query's window
+        for n in range(len(pages) if self.full else len(keys), 0, -1):
+            if self.recurrent and pages[n - 1] not in self.ckpt_of:
+                continue
+            row = self.window.hit_pages(keys, n)
+            if row is not None:
+                return Hit(pages[:n], self.ckpt_of[pages[n - 1]] if self.recurrent else -1, row)
+        return NO_HIT
 
     def free_after_hit(self, hit: Hit) -> int:
         """Cached-but-unreferenced pages that stay evictable once `hit` is taken."""
         return len(self.evictable) - sum(p in self.evictable for p in hit.pages)
 
-    def take(self, hit: Hit, num_tokens: int) -> None:
-        """A sequence of `num_tokens` tokens starts with `hit` (counts the query)."""
+    def take(self, hit: Hit, seq) -> None:
+        """`seq` starts with `hit` (counts the query)."""
         for p in hit.pages:
             self.ref[p] += 1
             self.evictable.pop(p, None)
+        if self.window is not None:
+            self.window.take(seq, hit.win)
         if hit.checkpoint >= 0:
             self.ckpt_lru.move_to_end(hit.checkpoint)
-        self.queries += num_tokens
-        self.hits += len(hit.pages) * self.page_size
+        self.queries += len(seq)
+        self.hits += hit.num_pages * self.page_size
 
     # ---- page lifetime ----------------------------------------------------------------------
     def new_page(self, page: int) -> None:
@@ -161,7 +181,9 @@ class PrefixCache:
         if last <= first:
             return
         keys = self.keys(seq, last)
-        for i in range(first, last):
+        if self.window is not None:
+            self.window.register(seq, first, last, keys)
+        for i in range(first, min(last, len(seq.pages))):
             page, key = seq.pages[i], keys[i]
             slot = self.pending.pop((id(seq), i), None)
             if key in self.page_of or page in self.key_of:
@@ -206,6 +228,8 @@ class PrefixCache:
         """Forget every cached page and checkpoint (vLLM's reset_prefix_cache); pages still
         referenced stay with their sequences as private pages. Returns the pages now free."""
         freed = list(self.evictable)
+        if self.window is not None:
+            self.window.clear()
         self.key_of.clear()
         self.page_of.clear()
         self.evictable.clear()

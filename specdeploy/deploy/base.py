@@ -22,6 +22,9 @@ class CacheLayout:
     num_checkpoints: int = 0
     checkpoint_every: int = 1
     checkpoint_bytes: int = 0
+    # the sliding-window page group (cache/window.py): 0 pages when the graph has none
+    num_win_pages: int = 0
+    window: int = 0
 
     @property
     def total_bytes(self) -> int:

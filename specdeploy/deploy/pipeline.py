@@ -44,6 +44,7 @@ PIPELINE = (
     ("insert_cache", "insert_cached_ssm"),
     ("insert_cache", "insert_cached_conv"),
     ("insert_cache", "insert_cached_gdn"),
+    ("insert_cache", "window_kv_pages"),  # sliding-window layers: their own page group
     ("ggml_experts", "ggml_moe_experts"),  # before ggml_linears, which fills deferred weights
     ("ggml_linears", "ggml_linears"),  # before fusion: it fuses its own groups
     ("row_linears", "row_invariant_linears"),  # the fp32 ones beside the fast kernels
@@ -170,6 +171,10 @@ def run_pipeline(gm: fx.GraphModule, ctx: DeployContext) -> PipelineResult:
     for t in items:
         info, done = run_transform(t, gm, ctx)
         result.infos.append(info)
+        # NOTE: a later transform may declare a handler again (window_kv_pages moves a layer's
+        # paged KV to the window group): the last declaration of a name wins
+        names = {h.name for h in done.resources}
+        result.resources[:] = [h for h in result.resources if h.name not in names]
         result.resources.extend(done.resources)
         if done.program is not None:
             result.program = done.program

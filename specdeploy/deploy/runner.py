@@ -72,7 +72,8 @@ class GraphDeployed:
         self.layout = CacheLayout(
             plan.page_size, plan.num_pages, plan.num_slots, dict(plan.bytes_by_handler),
             prefix_caching, any(isinstance(h, State) for h in resources),
-            plan.num_checkpoints, plan.checkpoint_every, plan.bytes_by_kind.get("checkpoint", 0))
+            plan.num_checkpoints, plan.checkpoint_every, plan.bytes_by_kind.get("checkpoint", 0),
+            plan.num_win_pages, plan.window)
         spec_of = {h.shadows: h.name for h in resources if isinstance(h, SpecState)}
         # (state, its spec state or None, its checkpoint pool) buffer names
         self._ckpt = [(h.of, spec_of.get(h.of), h.name) for h in resources
@@ -95,11 +96,19 @@ class GraphDeployed:
             dev_inputs["slot_mapping"] = (
                 kv_slot_mapping(meta, self.layout.page_size) if self.layout.num_pages
                 else torch.full((meta.num_tokens,), -1, dtype=torch.long))  # (no KV: no slots)
+        if "page_table_win" in self._input_names:  # the window group's (cache/window.py)
+            dev_inputs["page_table_win"] = meta.page_table_win
+            dev_inputs["slot_mapping_win"] = kv_slot_mapping(meta, self.layout.page_size,
+                                                             win=True)
         return dev_inputs
 
     def _feed(self, meta: BatchMetadata, hidden: torch.Tensor | None = None,
               dev: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The graph's inputs in order; `dev`: device copies already made (engine/cuda_graphs)."""
+        if dev is None and meta.page_table_win is None and "page_table_win" in self._input_names:
+            raise ValueError("this deployment's sliding-window layers have pages of their own: "
+                             "give each Segment its win_pages (cache/window.py; ids 1.."
+                             f"{self.layout.num_win_pages}, 0 the null page)")
         if dev is None and meta.lists is not None and not self.mrope:
             dev = self._device_from_lists(meta, meta.lists)
         elif dev is None:
@@ -122,6 +131,10 @@ class GraphDeployed:
             # NOTE: a model without attention has no KV pages (its table is padding): no slots
             parts["slot_mapping"] = (slot_mapping_list(h, self.layout.page_size)
                                      if self.layout.num_pages else [-1] * t, None)
+        if "page_table_win" in self._input_names:
+            parts["page_table_win"] = (h.win_table, (s, h.max_win_pages))
+            parts["slot_mapping_win"] = (slot_mapping_list(h, self.layout.page_size, win=True),
+                                         None)
         return lists_to_device(parts, self.device)
 
     def _positions(self, meta: BatchMetadata) -> torch.Tensor:

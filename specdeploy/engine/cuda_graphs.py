@@ -36,7 +36,7 @@ import torch
 from specdeploy.cache.metadata import SEG_EXTEND, SEG_NORMAL, BatchMetadata, Segment, build_metadata
 from specdeploy.cache.padding import DUMMY_LEN, bucket_of, buckets_for, pad_batch, uniform_step
 from specdeploy.deploy.base import StepOutput
-from specdeploy.engine.graph_feed import flat_feed, static_width, uniform_shape
+from specdeploy.engine.graph_feed import flat_feed, flat_feed_win, static_width, uniform_shape
 from specdeploy.ops.cached_attention import UNIFORM_MAX
 
 CPU_MAX_BATCH = 4  # CPU graphs replay steps of up to this many sequences
@@ -59,6 +59,9 @@ class CudaGraphRunner:
         self.target = target
         plan = target.plan
         self.scratch_page, self.scratch_slot = plan.scratch_page, plan.scratch_slot
+        # the window page group's (cache/window.py), where the graph reads one
+        self.win = "page_table_win" in target._input_names
+        self.scratch_win = plan.scratch_page_win
         self.page_size = plan.page_size
         self.max_pages = -(-target.max_seq_len // plan.page_size)
         # NOTE: on the CPU one width, the widest: the C attention's work follows the lengths,
@@ -106,7 +109,9 @@ class CudaGraphRunner:
         verify = shape is not None and kind == SEG_EXTEND and shape[0] == shape[1] <= UNIFORM_MAX
         if not (decode or verify):
             return None
-        if fresh or meta.page_table.shape[1] > self.max_pages:
+        win = meta.page_table_win
+        if fresh or max(meta.page_table.shape[1],
+                        0 if win is None else win.shape[1]) > self.max_pages:
             return None  # NOTE: a decode always follows a prefill; the check keeps it honest
         return bucket_of(meta.num_seqs, self.buckets)
 
@@ -172,19 +177,29 @@ class CudaGraphRunner:
                         mrope=mrope, slot_mapping=slots and pages, mrope_pos=axes)
         if slots and not pages:
             out += [-1] * (bucket * (meta.num_tokens // meta.num_seqs))
+        if self.win:
+            out += flat_feed_win(meta.lists, bucket, width, page_size=self.page_size,
+                                 scratch_page=self.scratch_win)
         return out
 
     def _static(self, meta: BatchMetadata, bucket: int) -> BatchMetadata:
         """Padded to the bucket, the page table widened to its page-width bucket (dummy rows:
         the scratch page; real rows: 0, masked by their cache length as before)."""
         meta = pad_batch(meta, bucket, scratch_page=self.scratch_page,
-                         scratch_slot=self.scratch_slot, page_size=self.page_size)
-        width = bucket_of(meta.page_table.shape[1], self.widths)
-        table = torch.zeros(bucket, width, dtype=torch.long)
-        table[:, :meta.page_table.shape[1]] = meta.page_table
+                         scratch_slot=self.scratch_slot, page_size=self.page_size,
+                         scratch_page_win=self.scratch_win)
+        win = meta.page_table_win
+        width = bucket_of(max(meta.page_table.shape[1], 0 if win is None else win.shape[1]),
+                          self.widths)
         is_dummy = meta.slot_idx == self.scratch_slot
-        table[is_dummy] = self.scratch_page
-        return replace(meta, page_table=table, lists=None)
+        tables = []
+        for t, scratch in ((meta.page_table, self.scratch_page), (win, self.scratch_win)):
+            if t is not None:
+                table = torch.zeros(bucket, width, dtype=torch.long)
+                table[:, :t.shape[1]] = t
+                table[is_dummy] = scratch
+            tables.append(None if t is None else table)
+        return replace(meta, page_table=tables[0], page_table_win=tables[1], lists=None)
 
     def _ids_fit(self, meta: BatchMetadata, ids: torch.Tensor | None) -> bool:
         """Whether the step's token ids lie in the vocabulary (a CPU graph reads them by pointer,
@@ -201,7 +216,8 @@ class CudaGraphRunner:
         capturing), after two warm-up runs on a side stream (lazy initialisation, workspace).
         A drafter's graph reads its hidden rows from a static buffer shaped like `hidden`'s."""
         dummy = Segment([0] * n, DUMMY_LEN, [self.scratch_page] * width,
-                        self.scratch_slot, n, kind)
+                        self.scratch_slot, n, kind,
+                        win_pages=[self.scratch_win] * width if self.win else ())
         meta = build_metadata([dummy] * bucket)
         host = self.target.device_inputs(meta)
         dev = self.target.device

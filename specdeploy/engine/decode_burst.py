@@ -56,8 +56,7 @@ def burst_len(engine, batch: list[ScheduledSeq]) -> int:
                 n = min(n, crossed[0] - seq.num_cached - 1)
     if n < 2:
         return 0
-    blocks = engine.blocks
-    if sum(blocks.extra_pages(s.seq, s.seq.num_cached + n) for s in batch) > blocks.num_free:
+    if not engine.blocks.can_grow_all([(s.seq, s.seq.num_cached + n) for s in batch]):
         return 0
     return n
 
@@ -68,8 +67,8 @@ def run_burst(engine, batch: list[ScheduledSeq], n: int) -> list[list[int]] | No
     first step (nothing has run; the engine takes a normal step)."""
     runner = engine.deployed.graph_runner
     seqs = [s.seq for s in batch]
-    first = build_metadata([Segment([seq.all_ids[-1]], seq.num_cached, seq.pages, seq.slot)
-                            for seq in seqs])
+    first = build_metadata([Segment([seq.all_ids[-1]], seq.num_cached, seq.pages, seq.slot,
+                                    win_pages=seq.win_pages) for seq in seqs])
     if runner.bucket(first) is None:
         return None
     for seq in seqs:  # positions num_cached .. num_cached + n - 1
@@ -79,7 +78,8 @@ def run_burst(engine, batch: list[ScheduledSeq], n: int) -> list[list[int]] | No
     ids, steps = None, []
     for j in range(n):
         meta = first if j == 0 else build_metadata(
-            [Segment([0], seq.num_cached + j, seq.pages, seq.slot) for seq in seqs])
+            [Segment([0], seq.num_cached + j, seq.pages, seq.slot, win_pages=seq.win_pages)
+             for seq in seqs])
         out = runner.run(meta, ids=ids)  # step j's input tokens: step j - 1's sample
         if out is None:  # a CPU graph's capture refused this shape (engine/cpu_graphs.py):
             if not steps:  # nothing ran, the engine takes a normal step

@@ -22,7 +22,6 @@ from collections.abc import Iterable
 import torch
 
 from specdeploy.cache.metadata import SEG_NORMAL, Segment, build_metadata
-from specdeploy.cache.prefix import PrefixCache
 from specdeploy.deploy.base import DeployedModel, StepOutput
 from specdeploy.engine import prompt_logprobs
 from specdeploy.engine.decode_burst import burst_len, run_burst
@@ -31,7 +30,7 @@ from specdeploy.engine.metrics import EngineStats
 from specdeploy.engine.params_check import check_request
 from specdeploy.engine.request import RequestOutput, SamplingParams, Sequence
 from specdeploy.engine.sample_rows import sample_isolated
-from specdeploy.engine.scheduler import BlockManager, ScheduledSeq, Scheduler
+from specdeploy.engine.scheduler import ScheduledSeq, Scheduler, block_manager
 
 log = logging.getLogger("specdeploy.engine")
 
@@ -44,17 +43,10 @@ class Engine:
         self.deployed = deployed
         self.tokenizer = tokenizer
         layout = deployed.layout
-        self.prefix = None
-        # (prefix caching is by KV page: a model without attention has none to key it on)
-        if getattr(layout, "prefix_caching", False) and layout.num_pages:
-            self.prefix = PrefixCache(layout.num_pages, layout.page_size,
-                                      recurrent=layout.recurrent,
-                                      num_checkpoints=layout.num_checkpoints,
-                                      checkpoint_every=layout.checkpoint_every)
+        self.blocks = block_manager(layout)  # (with the prefix cache and window page group)
+        self.prefix = self.blocks.prefix
         # a finishing sequence's last pages are cached unless a drafter still owes their rows
         self._cache_on_finish = True
-        self.blocks = BlockManager(layout.num_pages, layout.page_size, layout.num_slots,
-                                   self.prefix)
         self.scheduler = Scheduler(self.blocks, max_batch_size, max_num_tokens,
                                    recurrent=layout.recurrent)
         if layout.recurrent and max_num_tokens < layout.page_size:
@@ -281,7 +273,7 @@ class Engine:
     def _segments(self, batch: list[ScheduledSeq]) -> list[Segment]:
         segs = [Segment(token_ids=s.seq.pending_ids(s.num_tokens), cache_len=s.seq.num_cached,
                         pages=s.seq.pages, slot=s.seq.slot, num_logits=int(s.samples),
-                        mm=s.seq.mm)
+                        mm=s.seq.mm, win_pages=s.seq.win_pages)
                 for s in batch]
         if not any(s.num_logits for s in segs):
             segs[-1].num_logits = 1  # NOTE: keeps N ≥ 1 for runners that cannot return [0, V]
@@ -382,6 +374,9 @@ class Engine:
         d["num_running"] = len(self.scheduler.running)
         d["free_pages"] = self.blocks.num_free  # cached pages nobody holds are free to reuse
         d["num_pages"] = self.blocks.num_pages
+        w = self.blocks.window
+        if w is not None:  # the sliding-window page group (cache/window.py)
+            d.update(num_win_pages=w.num_pages, free_win_pages=w.num_free, win_pages_slid=w.slid)
         if self.prefix is not None:
             d.update(self.prefix.stats(), checkpoint_bytes=self.deployed.layout.checkpoint_bytes)
         if self.threads is not None:

@@ -31,7 +31,7 @@ def uniform_shape(h: HostLists) -> tuple[int, int] | None:
 def static_width(h: HostLists, n: int, bucket: int, page_size: int,
                  widths: tuple[int, ...]) -> int:
     """The page-table width the padded step replays at (`CudaGraphRunner._static`'s)."""
-    pages = h.max_pages
+    pages = max(h.max_pages, h.max_win_pages)  # (the window group's table: the same width)
     if bucket > len(h.cu) - 1:  # dummy rows need the pages of a DUMMY_LEN + n sequence
         pages = max(pages, -(-(DUMMY_LEN + n) // page_size))
     return bucket_of(pages, widths)
@@ -74,4 +74,24 @@ def flat_feed(h: HostLists, bucket: int, width: int, *, page_size: int, scratch_
             out += [row[q // page_size] * page_size + q % page_size
                     for q in h.pos[h.cu[i]:h.cu[i + 1]]]
         out += [scratch_page * page_size + q % page_size for q in dummy_pos] * d
+    return out
+
+
+def flat_feed_win(h: HostLists, bucket: int, width: int, *, page_size: int,
+                  scratch_page: int) -> list[int]:
+    """The window group's page_table_win [bucket, width] and slot_mapping_win (cache/window.py),
+    which follow `flat_feed`'s inputs: real rows padded with the null page 0, dummy rows on the
+    group's scratch page."""
+    s, t = len(h.cu) - 1, h.cu[-1]
+    n, d, p = t // s, bucket - s, h.max_win_pages
+    out: list[int] = []
+    for i in range(s):
+        out += h.win_table[i * p:(i + 1) * p]
+        out += [0] * (width - p)
+    out += [scratch_page] * (width * d)
+    for i in range(s):
+        row = h.win_table[i * p:(i + 1) * p]
+        out += [row[q // page_size] * page_size + q % page_size
+                for q in h.pos[h.cu[i]:h.cu[i + 1]]]
+    out += [scratch_page * page_size + (DUMMY_LEN + j) % page_size for j in range(n)] * d
     return out

@@ -210,6 +210,10 @@ class Sequence:
         self.pages: list[int] = []
         self.page_keys: list[bytes] = []  # prefix-cache keys of its full pages (cache/prefix.py)
         self.num_offered_pages = 0  # of `pages`, those already offered to the prefix cache
+        # the window page group's block-table row (cache/window.py; 0: slid out) and the
+        # index before which every slot is already null
+        self.win_pages: list[int] = []
+        self.win_first = 0
         self.slot = -1
         self.finish_reason: str | None = None
         self.error: str | None = None  # set with finish_reason "error"

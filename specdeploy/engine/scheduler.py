@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from specdeploy.cache.prefix import NO_HIT, Hit, PrefixCache
+from specdeploy.cache.window import WindowPages
 from specdeploy.engine.request import Sequence, Status
 
 
@@ -14,16 +15,18 @@ class BlockManager:
     """Free lists of KV pages (`page_size` tokens each) and recurrent-state slots. With a
     `PrefixCache`, pages are reference-counted and cached ones stay until evicted (LRU) when the
     free list runs dry; `restores` collects the (state slot, checkpoint) copies that admitted
-    hits need before the step's forward."""
+    hits need before the step's forward. `window`: the sliding-window layers' page group
+    (cache/window.py), grown and freed alongside; its pages slide out (`slide`)."""
 
     def __init__(self, num_pages: int, page_size: int, num_slots: int,
-                 prefix: PrefixCache | None = None):
+                 prefix: PrefixCache | None = None, window: WindowPages | None = None):
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_slots = num_slots
         self.free_pages = deque(range(num_pages))
         self.free_slots = deque(range(num_slots))
         self.prefix = prefix
+        self.window = window
         self.restores: list[tuple[int, int]] = []
 
     @property
@@ -46,16 +49,18 @@ class BlockManager:
         if hit.empty:
             return self.can_grow(seq, total_tokens)
         extra = self.pages_for(total_tokens) - len(hit.pages)
-        return extra <= len(self.free_pages) + self.prefix.free_after_hit(hit)
+        w = self.window
+        return extra <= len(self.free_pages) + self.prefix.free_after_hit(hit) and (
+            w is None or w.pages_for(total_tokens) - len(hit.win) <= w.free_after_hit(hit.win))
 
     def admit(self, seq: Sequence, hit: Hit) -> None:
         """Start `seq` (slot taken) on its cached pages; count the lookup."""
         if self.prefix is None:
             return
-        self.prefix.take(hit, len(seq))
+        self.prefix.take(hit, seq)
         seq.pages = list(hit.pages)
-        seq.num_offered_pages = len(hit.pages)
-        seq.num_cached = len(hit.pages) * self.page_size
+        seq.num_offered_pages = hit.num_pages
+        seq.num_cached = hit.num_pages * self.page_size
         if hit.checkpoint >= 0:
             self.restores.append((seq.slot, hit.checkpoint))
 
@@ -68,9 +73,23 @@ class BlockManager:
         return max(0, self.pages_for(total_tokens) - len(seq.pages))
 
     def can_grow(self, seq: Sequence, total_tokens: int) -> bool:
-        return self.extra_pages(seq, total_tokens) <= self.num_free
+        return self.can_grow_all([(seq, total_tokens)])
+
+    def can_grow_all(self, wants: list[tuple[Sequence, int]]) -> bool:
+        """Whether every (sequence, total tokens) can grow at once, in both page groups."""
+        w = self.window
+        return sum(self.extra_pages(s, t) for s, t in wants) <= self.num_free and (
+            w is None or sum(w.extra(s, t) for s, t in wants) <= w.num_free)
+
+    def slide(self, seqs) -> None:
+        """Free the window-group pages the sequences' future queries cannot see."""
+        if self.window is not None:
+            for seq in seqs:
+                self.window.slide(seq)
 
     def grow(self, seq: Sequence, total_tokens: int) -> None:
+        if self.window is not None:
+            self.window.grow(seq, total_tokens)
         for _ in range(self.extra_pages(seq, total_tokens)):
             if self.prefix is None:
                 seq.pages.append(self.free_pages.popleft())
@@ -91,6 +110,8 @@ class BlockManager:
         else:  # tail first: a prefix's later pages are evicted before its first ones
             self.free_pages.extend(p for p in reversed(seq.pages) if self.prefix.release(p))
         seq.pages = []
+        if self.window is not None:
+            self.window.release_all(seq)
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
         seq.slot = -1
@@ -219,6 +240,7 @@ class Scheduler:
         reserved = self._reserved()
         out: list[ScheduledSeq] = []
         preempted_before = self.num_preemptions
+        self.blocks.slide(self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -247,7 +269,7 @@ class Scheduler:
                and self.blocks.free_slots and self.num_preemptions == preempted_before):
             seq = self.waiting[0]
             hit = self.blocks.match(seq)  # cached prefix pages: their tokens are not fed
-            seq.num_cached = len(hit.pages) * self.blocks.page_size
+            seq.num_cached = hit.num_pages * self.blocks.page_size
             n = self._want(seq, budget)
             need = self._reserve(seq, n)
             if n == 0 or not self.blocks.can_admit(seq, hit, need):
@@ -305,3 +327,17 @@ class SpecScheduler(Scheduler):
         seq.spec.clear()  # recomputed from scratch with the prefill
         seq.spec.behind = None
         super().preempt(seq)
+
+
+def block_manager(layout) -> BlockManager:
+    """The engine's pages and slots for a deployment's `CacheLayout`, with its prefix cache
+    (when on; by KV page: a model without attention has none to key it on) and its window
+    page group (when the graph has one)."""
+    window = (WindowPages(layout.num_win_pages, layout.page_size, layout.window)
+              if getattr(layout, "num_win_pages", 0) else None)
+    prefix = None
+    if getattr(layout, "prefix_caching", False) and (layout.num_pages or window is not None):
+        prefix = PrefixCache(layout.num_pages, layout.page_size, recurrent=layout.recurrent,
+                             num_checkpoints=layout.num_checkpoints,
+                             checkpoint_every=layout.checkpoint_every, window=window)
+    return BlockManager(layout.num_pages, layout.page_size, layout.num_slots, prefix, window)

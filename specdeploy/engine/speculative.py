@@ -197,7 +197,7 @@ class SpecEngine(Engine):
             if st.drafts:
                 ids = s.seq.pending_ids(1) + st.drafts
                 segs[i] = Segment(ids, s.seq.num_cached, s.seq.pages, s.seq.slot, len(ids),
-                                  SEG_EXTEND, mm=s.seq.mm)
+                                  SEG_EXTEND, mm=s.seq.mm, win_pages=s.seq.win_pages)
         return segs
 
     def _verify(self, batch: list[ScheduledSeq], segs: list[Segment], out: StepOutput

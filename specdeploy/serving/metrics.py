@@ -113,8 +113,9 @@ class _EngineCollector:
 
     def collect(self):
         e, labels = self.m._engine, list(self.m.labels)
-        pages = e.get("num_pages", 0)
-        in_use = pages - e.get("free_pages", pages)
+        # (both page groups: the sliding-window layers' has pages of its own, cache/window.py)
+        pages = e.get("num_pages", 0) + e.get("num_win_pages", 0)
+        in_use = pages - e.get("free_pages", e.get("num_pages", 0)) - e.get("free_win_pages", 0)
 
         def fam(kind, name, doc, value, extra=None):
             f = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(

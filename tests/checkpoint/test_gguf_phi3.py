@@ -107,8 +107,9 @@ def test_q8_0_rows_run_on_blocks(checkpoints, tmp_path):
     # and the head
     assert f"{7 * 2 + 1} linears on" in report, report
     ids = [(7 * i + 3) % 120 for i in range(30)]
-    got = dep.forward(build_metadata([Segment(ids, 0, list(range(24)), 0,
-                                              num_logits=30)])).logits
+    # (its windowed layers' pages: cache/window.py, 0 the null page)
+    got = dep.forward(build_metadata([Segment(ids, 0, list(range(24)), 0, num_logits=30,
+                                              win_pages=list(range(1, 25)))])).logits
     eager = load_model(path, dtype=torch.float32)
     with torch.no_grad():
         want = eager(torch.tensor([ids]))[0]

@@ -144,6 +144,9 @@ def test_a_waiting_request_stops_bursts():
         def extra_pages(self, seq, total):
             return 1
 
+        def can_grow_all(self, wants):
+            return sum(self.extra_pages(s, t) for s, t in wants) <= self.num_free
+
     class Sched:
         waiting: list = []
 

@@ -76,15 +76,19 @@ def _key_prefix(v, k) -> bool:
     return dim % ndim == ndim - 1 and start in (None, 0) and step == 1 and isinstance(end, int)
 
 
+def _paged_kv(ctx: DeployContext, name: str, a: dict, window: int = 0) -> PagedKV:
+    k_shape, v_shape = meta_shape(a["k"]), meta_shape(a["v"])
+    return PagedKV(name, k_shape[2], k_shape[3], v_shape[3], ctx.kv_cache_dtype or ctx.dtype,
+                   value_in_key=_key_prefix(a["v"], a["k"]), window=window)
+
+
 @register("insert_cached_attention", Stage.CACHE)
 def insert_cached_attention(gm: fx.GraphModule, ctx: DeployContext) -> Done:
     n, declared = 0, []
     for node in nodes_calling(gm, ops.attention):
         m = _meta(gm)
         a = op_args(node)
-        k_shape, v_shape = meta_shape(a["k"]), meta_shape(a["v"])
-        h = PagedKV(f"{ctx.resource_prefix}kv_cache_{n}", k_shape[2], k_shape[3], v_shape[3],
-                    ctx.kv_cache_dtype or ctx.dtype, value_in_key=_key_prefix(a["v"], a["k"]))
+        h = _paged_kv(ctx, f"{ctx.resource_prefix}kv_cache_{n}", a)
         declared.append(h)
         kc = add_buffer(gm, f"{h.name}_k", torch.zeros(0), node)
         vc = add_buffer(gm, f"{h.name}_v", torch.zeros(0), node)
@@ -176,3 +180,42 @@ def insert_cached_gdn(gm: fx.GraphModule, ctx: DeployContext) -> Done:
         gm, ctx, ops.gated_delta_rule, ops.cached_gated_delta_rule.default,
         "gdn", ("q", "k", "v", "g", "beta"), ("use_qk_l2norm", "scale", "chunk_size"),
         _gdn_state)
+
+
+_RECURRENT = (ops.cached_ssm_scan.default, ops.cached_causal_conv1d.default,
+              ops.cached_gated_delta_rule.default)
+WINDOW_INPUTS = ("page_table_win", "slot_mapping_win")
+
+
+def _window_skip(ctx: DeployContext) -> str | None:
+    if ctx.resource_prefix:  # NOTE: a drafter's rows may lag the target's (catch-up rows)
+        return "a drafter's layers keep the full-context pages"
+    return None
+
+
+@register("window_kv_pages", Stage.CACHE, skip_if=_window_skip)
+def window_kv_pages(gm: fx.GraphModule, ctx: DeployContext) -> Done:
+    """Sliding-window layers read their own block table (`page_table_win`) and write through
+    their own slot mapping: the window page group, whose pages the engine frees once they
+    slide out of every future query's window (cache/window.py). The layer's paged KV is
+    declared again with its window (the plan sizes the two groups from the one budget). A
+    graph without windowed layers is left as it is (no new inputs)."""
+    attn = list(nodes_calling(gm, ops.cached_attention.default))
+    windowed = [n for n in attn if int(op_args(n)["sliding_window"] or 0) > 0]
+    if not windowed:
+        return Done(0)
+    if len(windowed) == len(attn) and any(n.target in _RECURRENT for n in gm.graph.nodes):
+        # NOTE: prefix-cache checkpoints of recurrent states hang on full-context pages
+        return Done(0, "every attention layer is windowed in a recurrent model: one group")
+    table, slots = (add_placeholder(gm, k) for k in WINDOW_INPUTS)
+    declared = []
+    for node in windowed:
+        a = op_args(node)
+        name = a["k_cache"].target.removesuffix("_k")
+        declared.append(_paged_kv(ctx, name, a, int(a["sliding_window"])))
+        args = list(node.args)
+        args[9], args[12] = table, slots  # page_table, slot_mapping
+        node.args = tuple(args)
+    windows = sorted({h.window for h in declared})
+    return Done(len(windowed), f"window {', '.join(map(str, windows))}; "
+                f"{len(attn) - len(windowed)} full-context layer(s)", resources=tuple(declared))
