@@ -19,6 +19,13 @@ from specdeploy.distributed.runtime import RankFailure
 from tests.distributed.test_tp_runtime import LIMITS, TOKENS, _ids, _params
 
 
+@pytest.fixture
+def spawned_workers(monkeypatch):
+    """The lifecycle tests run the production path: fresh worker processes (not
+    tests/conftest.py's pooled ones), for `LLM` and for the server started here."""
+    monkeypatch.delenv("SPECDEPLOY_WORKER_POOL", raising=False)
+
+
 @pytest.fixture(scope="module")
 def kv3(tmp_path_factory):
     """6 query heads over 3 KV heads: on 2 ranks each keeps the KV heads of its 3 query heads."""
@@ -30,6 +37,7 @@ def kv3(tmp_path_factory):
     return path, prompts, _ids(LLM(str(path), **LIMITS).generate(prompts, _params()))
 
 
+@pytest.mark.usefixtures("spawned_workers")
 def test_shutdown_leaves_no_group_behind(kv3):
     """`shutdown` tears the groups down and drops every reference to them while the interpreter
     is whole (gloo objects left to interpreter finalization aborted a process now and then), and
@@ -45,6 +53,7 @@ def test_shutdown_leaves_no_group_behind(kv3):
         assert _ids(llm.generate(prompts, _params())) == want
         assert "group" in CONTROL and collectives._GROUP[0] is not None
         (worker,) = llm.deployed._workers
+        assert isinstance(worker, subprocess.Popen)  # spawned: the production path
     finally:
         llm.shutdown()
     assert worker.wait(10) == 0
@@ -52,6 +61,7 @@ def test_shutdown_leaves_no_group_behind(kv3):
     assert "group" not in CONTROL and collectives._GROUP[0] is None
 
 
+@pytest.mark.usefixtures("spawned_workers")
 def test_kv_replication_then_killed_rank(kv3):
     path, prompts, want = kv3
     llm = LLM(str(path), tensor_parallel_size=2, dist_timeout=10, **LIMITS)
@@ -70,6 +80,7 @@ def test_kv_replication_then_killed_rank(kv3):
         llm.shutdown()
 
 
+@pytest.mark.usefixtures("spawned_workers")
 def test_hung_rank_times_out(kv3):
     """A stopped (not dead) worker: the next collective waits `dist_timeout`, then fails."""
     import signal
@@ -105,6 +116,7 @@ def _post(port: int, body: dict, timeout: float = 30) -> int:
         return e.code
 
 
+@pytest.mark.usefixtures("spawned_workers")
 def test_server_killed_rank_errors_and_exits(kv3):
     path, _, _ = kv3
     port = free_port()
@@ -135,6 +147,7 @@ def test_server_killed_rank_errors_and_exits(kv3):
         proc.stderr.close()
 
 
+@pytest.mark.usefixtures("spawned_workers")
 def test_torchrun_cli_generate(kv3):
     """`torchrun --nproc-per-node 2 -m specdeploy generate --tensor-parallel-size 2`: env://
     rendezvous, rank 1 serves inside `LLM` and exits; rank 0 prints the TP=1 tokens."""
