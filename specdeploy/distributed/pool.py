@@ -24,8 +24,9 @@ import subprocess
 import sys
 
 ENV = "SPECDEPLOY_WORKER_POOL"
-_SET_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_", "TORCH_WARM_POOL",
-                 "KMP_DUPLICATE_LIB_OK")
+# variables set as a process goes (by torch's inductor; by pytest, per test): not in the key
+_SET_AS_IT_GOES = ("TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_", "TORCH_WARM_POOL",
+                   "KMP_DUPLICATE_LIB_OK", "PYTEST_CURRENT_TEST")
 _IDLE: dict[tuple, list[_Worker]] = {}  # (environment, cwd) -> workers waiting for a job
 
 
@@ -127,14 +128,16 @@ def start_ranks(world: int, init_method: str, timeout: float, blob: str) -> list
         while idle and not idle[-1].alive():
             idle.pop().close()
         worker = idle.pop() if idle else _Worker()
-        out.append(PooledRank(worker, key, [rank, world, init_method, timeout, blob]))
+        out.append(PooledRank(worker, key, [rank, world, init_method, timeout, blob,
+                                            dict(os.environ)]))
     return out
 
 
 def _key() -> tuple:
     """Workers serve processes like the one that spawned them (a variable may be read at
-    import), but for the variables torch's inductor sets in its own process as it goes."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_SET_BY_TORCH)}
+    import), but for variables set as a process goes (each job runs in its caller's
+    environment)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SET_AS_IT_GOES)}
     return tuple(sorted(env.items())), os.getcwd()
 
 
@@ -162,7 +165,9 @@ def _serve(results_fd: int) -> None:
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(max(1, int(os.environ.get("SPECDEPLOY_WORKER_THREADS", "1"))))
     for line in jobs:
-        rank, world, init_method, timeout, blob = json.loads(line)
+        rank, world, init_method, timeout, blob, env = json.loads(line)
+        os.environ.clear()
+        os.environ.update(env)
         try:
             run_rank(int(rank), int(world), init_method, float(timeout), blob)
         except BaseException:

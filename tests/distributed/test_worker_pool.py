@@ -70,10 +70,12 @@ def test_a_killed_job_fails_the_step_and_its_process_is_not_reused(tiny):
 
 
 def test_another_environment_gets_other_workers(monkeypatch):
-    """Keyed by the environment, but for what torch's inductor writes into its own (the first
-    deployment in a process sets TORCHINDUCTOR_CACHE_DIR: the workers it spawned still fit)."""
+    """Keyed by the environment, but for what changes as a process goes (the first deployment
+    in a process sets TORCHINDUCTOR_CACHE_DIR; pytest names each test in PYTEST_CURRENT_TEST):
+    the workers spawned before still fit."""
     key = pool._key()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")
     assert pool._key() == key
     monkeypatch.setenv("SPECDEPLOY_POOL_TEST_MARK", "1")
     assert pool._key() != key
