@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
@@ -193,6 +194,10 @@ def stop_workers(procs: list, timeout: float = 10.0) -> None:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.terminate()
+            try:  # a stopped process (SIGSTOP, ^Z) acts on SIGTERM once continued, not in 2 s
+                os.kill(p.pid, signal.SIGCONT)
+            except OSError:
+                pass
             try:
                 p.wait(2)
             except subprocess.TimeoutExpired:

@@ -119,7 +119,9 @@ def test_hung_rank_times_out(kv3):
             llm.generate(prompts[:1], _params())
         assert time.monotonic() - t0 < 30
     finally:
-        llm.shutdown()  # kills the stopped worker
+        llm.shutdown()  # stops the stopped worker
+    worker = llm.deployed._workers[0]
+    assert worker.wait(5) == -signal.SIGTERM  # continued to act on it (not killed 2 s later)
 
 
 def _children(pid: int) -> list[int]:
