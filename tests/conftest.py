@@ -21,6 +21,9 @@ os.environ["USE_HUB_KERNELS"] = "0"
 # whose structure was exported before in this process (deploy/export_cache.py; the first build
 # of each structure, and tests/deploy/test_export_cache.py, run torch.export itself)
 os.environ.setdefault("SPECDEPLOY_EXPORT_CACHE", "1")
+# 2-rank tests: reuse worker processes (distributed/pool.py: no ~3 s of imports per deployment,
+# warm export caches); tests/distributed/test_tp_lifecycle.py runs the spawned default
+os.environ.setdefault("SPECDEPLOY_WORKER_POOL", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -41,22 +41,27 @@ def export_model(
         args += (torch.zeros(1, example_tokens, hidden_size, dtype=dtype, device=dev),)
         dyn += ({1: tokens},)
     key = hit = None
-    if export_cache.enabled():
+    if export_cache.enabled():  # NOTE: one entry (with the hints) serves both `keep_hints`
         key = export_cache.fingerprint(model, (example_tokens, max_tokens, hidden_size, dtype,
-                                               mrope, keep_hints, str(dev)))
+                                               mrope, str(dev)))
         hit = export_cache.lookup(key, model)
         if hit is not None and not export_cache.checking():
-            return hit
+            return _hinted(hit, keep_hints)
     with torch.no_grad():
         ep = torch.export.export(model, args, dynamic_shapes=dyn, strict=False)
     gm = _flatten_io(ep.module())
+    export_cache.store(key, gm, model)
+    _hinted(gm, keep_hints)
+    if key is not None and hit is not None:
+        export_cache.check(_hinted(hit, keep_hints), gm)
+    return gm
+
+
+def _hinted(gm: fx.GraphModule, keep_hints: bool) -> fx.GraphModule:
     if not keep_hints:
         from specdeploy.deploy.passes.shard import drop_hints
 
         drop_hints(gm)
-    if key is not None and hit is not None:
-        export_cache.check(hit, gm)
-    export_cache.store(key, gm, model)
     return gm
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
@@ -193,6 +194,10 @@ def stop_workers(procs: list, timeout: float = 10.0) -> None:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.terminate()
+            try:  # a stopped process (SIGSTOP, ^Z) acts on SIGTERM once continued, not in 2 s
+                os.kill(p.pid, signal.SIGCONT)
+            except OSError:
+                pass
             try:
                 p.wait(2)
             except subprocess.TimeoutExpired:
@@ -203,11 +208,16 @@ def worker_main(argv: list[str]) -> None:
     """`python -m specdeploy.distributed.runtime RANK WORLD INIT_METHOD TIMEOUT OPTIONS_PICKLE`:
     a worker started by `start` (a fresh interpreter: the user's main module is not re-run)."""
     rank, world, init_method, timeout, blob = argv
-    with open(blob, "rb") as f:
-        model_path, options = pickle.load(f)
-    rank, world, timeout = int(rank), int(world), float(timeout)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(max(1, int(os.environ.get("SPECDEPLOY_WORKER_THREADS", "1"))))
+    run_rank(int(rank), int(world), init_method, float(timeout), blob)
+
+
+def run_rank(rank: int, world: int, init_method: str, timeout: float, blob: str) -> None:
+    """Join the group, build this rank, serve rank 0 until it stops, leave the group (a spawned
+    worker's life; a pooled worker's job, distributed/pool.py)."""
+    with open(blob, "rb") as f:
+        model_path, options = pickle.load(f)
     init_group(rank, world, init_method, timeout)
     from specdeploy.deploy.build import build
 
@@ -242,9 +252,14 @@ def start(model_path, options, timeout: float = 60.0) -> tuple[DistConfig, list]
     fd, blob = tempfile.mkstemp(prefix="specdeploy-rank-", suffix=".pkl")
     with os.fdopen(fd, "wb") as f:
         pickle.dump((model_path, options), f)
-    procs = [subprocess.Popen([sys.executable, "-m", "specdeploy.distributed.runtime", str(r),
-                               str(d.tp_size), init_method, str(timeout), blob])
-             for r in range(1, d.tp_size)]
+    from specdeploy.distributed import pool
+
+    if pool.enabled():  # reused workers (the test suite): no imports, warm export caches
+        procs = pool.start_ranks(d.tp_size, init_method, timeout, blob)
+    else:
+        procs = [subprocess.Popen([sys.executable, "-m", "specdeploy.distributed.runtime",
+                                   str(r), str(d.tp_size), init_method, str(timeout), blob])
+                 for r in range(1, d.tp_size)]
     try:
         init_group(0, d.tp_size, init_method, timeout)
     except Exception:

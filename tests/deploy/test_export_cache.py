@@ -103,3 +103,18 @@ def test_check_mode_names_a_hit_that_differs(ckpts, fresh_cache, monkeypatch):
     with pytest.raises(RuntimeError, match="a hit differs from the fresh export: the graphs' "
                                            "code differs"):
         export_model(load_model(b))
+
+
+def test_one_entry_serves_with_and_without_the_sharding_hints(ckpts, fresh_cache, monkeypatch):
+    """An entry keeps the sharding hints: a one-process export (hints dropped) and a ranked
+    one (hints kept for the shard transform) of one structure share it, and each is what a
+    fresh export of its kind is."""
+    a, b, _ = ckpts
+    plain = export_model(load_model(a))
+    hinted = export_model(load_model(b), keep_hints=True)
+    again = export_model(load_model(b))
+    assert len(fresh_cache) == 1
+    monkeypatch.setenv("SPECDEPLOY_EXPORT_CACHE", "0")
+    assert hinted.code == export_model(load_model(b), keep_hints=True).code
+    assert again.code == plain.code == export_model(load_model(b)).code
+    assert hinted.code != plain.code

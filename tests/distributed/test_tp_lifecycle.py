@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import weakref
 
 import pytest
 
@@ -17,6 +18,13 @@ from specdeploy import LLM, SamplingParams
 from specdeploy.distributed.groups import free_port
 from specdeploy.distributed.runtime import RankFailure
 from tests.distributed.test_tp_runtime import LIMITS, TOKENS, _ids, _params
+
+
+@pytest.fixture
+def spawned_workers(monkeypatch):
+    """The lifecycle tests run the production path: fresh worker processes (not
+    tests/conftest.py's pooled ones), for `LLM` and for the server started here."""
+    monkeypatch.delenv("SPECDEPLOY_WORKER_POOL", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +38,7 @@ def kv3(tmp_path_factory):
     return path, prompts, _ids(LLM(str(path), **LIMITS).generate(prompts, _params()))
 
 
+@pytest.mark.usefixtures("spawned_workers")
 def test_shutdown_leaves_no_group_behind(kv3):
     """`shutdown` tears the groups down and drops every reference to them while the interpreter
     is whole (gloo objects left to interpreter finalization aborted a process now and then), and
@@ -45,13 +54,38 @@ def test_shutdown_leaves_no_group_behind(kv3):
         assert _ids(llm.generate(prompts, _params())) == want
         assert "group" in CONTROL and collectives._GROUP[0] is not None
         (worker,) = llm.deployed._workers
+        assert isinstance(worker, subprocess.Popen)  # spawned: the production path
+        groups = [weakref.ref(g) for g in (dist.group.WORLD, CONTROL["group"],
+                                           collectives._GROUP[0])]
     finally:
         llm.shutdown()
     assert worker.wait(10) == 0
     assert not dist.is_initialized()
     assert "group" not in CONTROL and collectives._GROUP[0] is None
+    assert all(g() is None for g in groups)  # gone now (gloo's threads with them)
 
 
+def test_leave_collects_a_group_a_cycle_holds():
+    """`leave` frees the groups at once, also one held by a reference cycle (it collects
+    then; only then: a full collection of a large process takes ~0.5 s)."""
+    import gc
+
+    from specdeploy.distributed.groups import CONTROL, init_group, leave
+
+    init_group(0, 1, f"tcp://127.0.0.1:{free_port()}", 10)
+    cycle: list = [CONTROL["group"]]
+    cycle.append(cycle)
+    group = weakref.ref(CONTROL["group"])
+    gc.disable()  # no automatic collection in between: leave's own must free it
+    try:
+        del cycle
+        leave()
+        assert group() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.usefixtures("spawned_workers")
 def test_kv_replication_then_killed_rank(kv3):
     path, prompts, want = kv3
     llm = LLM(str(path), tensor_parallel_size=2, dist_timeout=10, **LIMITS)
@@ -70,6 +104,7 @@ def test_kv_replication_then_killed_rank(kv3):
         llm.shutdown()
 
 
+@pytest.mark.usefixtures("spawned_workers")
 def test_hung_rank_times_out(kv3):
     """A stopped (not dead) worker: the next collective waits `dist_timeout`, then fails."""
     import signal
@@ -84,7 +119,9 @@ def test_hung_rank_times_out(kv3):
             llm.generate(prompts[:1], _params())
         assert time.monotonic() - t0 < 30
     finally:
-        llm.shutdown()  # kills the stopped worker
+        llm.shutdown()  # stops the stopped worker
+    worker = llm.deployed._workers[0]
+    assert worker.wait(5) == -signal.SIGTERM  # continued to act on it (not killed 2 s later)
 
 
 def _children(pid: int) -> list[int]:
@@ -105,6 +142,7 @@ def _post(port: int, body: dict, timeout: float = 30) -> int:
         return e.code
 
 
+@pytest.mark.usefixtures("spawned_workers")
 def test_server_killed_rank_errors_and_exits(kv3):
     path, _, _ = kv3
     port = free_port()
@@ -135,6 +173,7 @@ def test_server_killed_rank_errors_and_exits(kv3):
         proc.stderr.close()
 
 
+@pytest.mark.usefixtures("spawned_workers")
 def test_torchrun_cli_generate(kv3):
     """`torchrun --nproc-per-node 2 -m specdeploy generate --tensor-parallel-size 2`: env://
     rendezvous, rank 1 serves inside `LLM` and exits; rank 0 prints the TP=1 tokens."""
