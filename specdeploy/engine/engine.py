@@ -176,6 +176,10 @@ class Engine:
                         self.fail(seq, e)
                     touched.append(seq)
             self._after_step(batch, segs, cached, out)  # draft the next step
+            seen = {id(seq) for seq in touched}
+            # NOTE: a sequence whose drafting failed (`fail`) mid-prefill gained no token: it
+            # finished all the same, and its output must leave (else generate() waits on it)
+            touched += [s.seq for s in batch if s.seq.finished and id(s.seq) not in seen]
             self._prefix_after(batch)
             self.stats.forward_time_s += time.perf_counter() - tf
             self._count_step(meta.num_tokens, len(batch))

@@ -230,9 +230,12 @@ class Scheduler:
         return total if total <= self.max_num_tokens else 0
 
     def _reserve(self, seq: Sequence, n: int) -> int:
-        """Cache positions a step feeding `n` tokens needs (drafts reserve `lookahead` more)."""
+        """Cache positions a step feeding `n` tokens needs (drafts reserve `lookahead` more):
+        also after a prefill chunk that leaves one prompt token, as the engine drafts after it
+        (the next step verifies that token with drafts) and a drafter's chain writes its KV at
+        the positions past the chunk (speculative.py `_after_step`: `wants`)."""
         total = seq.num_cached + n
-        return total + self.lookahead if total == len(seq) else total
+        return total + self.lookahead if total >= len(seq) - 1 else total
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_tokens
