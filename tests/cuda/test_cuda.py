@@ -22,7 +22,10 @@ def target(request, tmp_path_factory) -> Target:
 
 def _prefill_logits(dep, ids: list[int]) -> torch.Tensor:
     pages = list(range(-(-len(ids) // dep.layout.page_size)))
-    return dep.forward(build_metadata([Segment(ids, 0, pages, 0, len(ids))])).logits.cpu()
+    # a windowed model's layers have pages of their own (cache/window.py, 0 the null page)
+    win = [p + 1 for p in pages] if getattr(dep.layout, "num_win_pages", 0) else []
+    seg = Segment(ids, 0, pages, 0, len(ids), win_pages=win)
+    return dep.forward(build_metadata([seg])).logits.cpu()
 
 
 def test_logits_cuda_equal_cpu(target):

@@ -54,12 +54,14 @@ def _on_blocks(dep) -> int:
 
 
 def _logits(dep, ids):
-    """A 30-token prefill, then 3 decode steps: every position's logits."""
+    """A 30-token prefill, then 3 decode steps: every position's logits. (Its windowed
+    layers' pages too: cache/window.py, 0 the null page.)"""
+    win = list(range(1, 25))
     out = [dep.forward(build_metadata([Segment(ids[:30], 0, list(range(24)), 0,
-                                               num_logits=30)])).logits]
+                                               num_logits=30, win_pages=win)])).logits]
     for p in range(30, 33):
         out.append(dep.forward(build_metadata([Segment(ids[p:p + 1], p, list(range(24)),
-                                                       0)])).logits)
+                                                       0, win_pages=win)])).logits)
     return torch.cat(out)
 
 
