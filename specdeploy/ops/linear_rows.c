@@ -302,19 +302,31 @@ void linear_rows(const float *x, int64_t R, int64_t K, const float *w, int64_t N
 typedef void (*silu_mul_fn)(const float *x, int64_t rows, int64_t n, int64_t x_stride,
                             float *out, int threads);
 
-enum { ACT_SWIGLU = 0, ACT_RELU2 = 1 };
+enum { ACT_SWIGLU = 0, ACT_RELU2 = 1, ACT_SWIGLU_OAI = 2 };
+
+/* gpt-oss's clamped SwiGLU (ops/moe_bias.py `clamped_swiglu`) over one row h [2 I] (gate | up):
+ * o[j] = (clamp(up, +-limit) + 1) * (g * sigmoid(alpha * g)), g = min(gate, limit); the
+ * comparisons keep a NaN as torch's clamp does */
+static void swiglu_oai(const float *h, int64_t I, float alpha, float limit, float *o) {
+    for (int64_t j = 0; j < I; j++) {
+        const float g = h[j] > limit ? limit : h[j];
+        float u = h[I + j] > limit ? limit : h[I + j];
+        u = u < -limit ? -limit : u;
+        o[j] = (u + 1.f) * (g * (1.f / (1.f + expf(-(g * alpha)))));
+    }
+}
 
 /* outputs n0 .. n1 of rows 0 .. R of x [R, K] through w [N, K] into y [R, N]: linear_rows'
  * tiles (rows in blocks of 64) for one thread's slice */
 static void slice_rows(int isa, const float *x, int64_t R, int64_t K, const void *w, int wt,
-                       int64_t N, float *y, int64_t n0, int64_t n1) {
+                       const float *b, int64_t N, float *y, int64_t n0, int64_t n1) {
     const int rgm = isa == 2 ? 4 : 2, ogm = isa == 2 ? 4 : 2;
     for (int64_t rb = 0; rb < R; rb += 64) {
         const int64_t re = rb + 64 < R ? rb + 64 : R;
         for (int64_t o = n0; o < n1; o += ogm) {
             const int og = n1 - o < ogm ? (int)(n1 - o) : ogm;
             for (int64_t r0 = rb; r0 < re; r0 += rgm)
-                tile(isa, x, K, w, wt, NULL, y, N, r0, re - r0 < rgm ? (int)(re - r0) : rgm, o, og);
+                tile(isa, x, K, w, wt, b, y, N, r0, re - r0 < rgm ? (int)(re - r0) : rgm, o, og);
         }
     }
 }
@@ -329,30 +341,34 @@ static void out_slice(int64_t n, int t, int nt, int64_t *n0, int64_t *n1) {
 /* thread t of nt: its slice of the N outputs of every expert's rows start[e] .. start[e + 1] of
  * x [R, K] through that expert's matrix (w: E matrices [N, K], fp32 or bf16) into y [R, N] */
 static void experts_slice(int isa, const float *x, int64_t K, const int64_t *start, int64_t E,
-                          const void *w, int wt, int64_t N, float *y, int t, int nt) {
+                          const void *w, int wt, const float *b, int64_t N, float *y, int t,
+                          int nt) {
     int64_t n0, n1;
     out_slice(N, t, nt, &n0, &n1);
     const size_t bytes = (size_t)(N * K) * (wt ? 2 : 4);
     for (int64_t e = 0; e < E && n0 < n1; e++) {
         const int64_t s0 = start[e], n = start[e + 1] - s0;
         if (n)
-            slice_rows(isa, x + s0 * K, n, K, (const char *)w + (size_t)e * bytes, wt, N,
-                       y + s0 * N, n0, n1);
+            slice_rows(isa, x + s0 * K, n, K, (const char *)w + (size_t)e * bytes, wt,
+                       b ? b + e * N : NULL, N, y + s0 * N, n0, n1);
     }
 }
 
 /* x [T, H] fp32; ids [T, k] int64 in [0, E); wts [T, k] fp32; w_up [E, N_up, H] (swiglu: N_up
  * = 2 I, gate rows first; relu2: N_up = I) and w_down [E, H, I], fp32 (wt 0) or bf16 (wt 1),
- * contiguous; out [T, H]. The (token, slot) pairs sorted by expert, stably; each expert's rows
- * through its up matrix (each thread a slice of every chosen expert's outputs), the activation
- * (swiglu: `silu_mul`, row_kernels.c's; relu2: max(h, 0)^2), the down matrix; then out[t] =
- * 0 + y_1 * w_1 + ... + y_k * w_k over t's slots in order. Every output is a tile's fixed
+ * contiguous; b_up [E, N_up] / b_down [E, H] fp32 biases or NULL; out [T, H]. The (token,
+ * slot) pairs sorted by expert, stably; each expert's rows through its up matrix (+ its bias;
+ * each thread a slice of every chosen expert's outputs), the activation (swiglu: `silu_mul`,
+ * row_kernels.c's; relu2: max(h, 0)^2; swiglu_oai: gpt-oss's, with alpha and limit), the down
+ * matrix (+ its bias); then out[t] = 0 + y_1 * w_1 + ... + y_k * w_k over t's slots in order.
+ * Every output is a tile's fixed
  * sequence of operations and each token's sum a fixed order, so a token's output does not
  * depend on the other tokens of the call or the threads. Returns 0; -1 without scratch memory;
  * -3 for an id outside [0, E) or k outside 1 .. 64 (out untouched then). */
 int moe_rows(const float *x, int64_t T, int64_t H, const int64_t *ids, const float *wts,
              int64_t k, int64_t E, const void *w_up, int64_t N_up, const void *w_down, int64_t I,
-             int wt, int act, silu_mul_fn silu_mul, float *out, int threads) {
+             int wt, int act, silu_mul_fn silu_mul, float *out, int threads, const float *b_up,
+             const float *b_down, float alpha, float limit) {
     if (k < 1 || k > 64) return -3;
     const int64_t P = T * k;
     for (int64_t p = 0; p < P; p++)
@@ -385,7 +401,7 @@ int moe_rows(const float *x, int64_t T, int64_t H, const int64_t *ids, const flo
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < P; i++)
             memcpy(xg + i * H, x + (order[i] / k) * H, (size_t)H * sizeof(float));
-        experts_slice(isa, xg, H, start, E, w_up, wt, N_up, hup, t, nt);
+        experts_slice(isa, xg, H, start, E, w_up, wt, b_up, N_up, hup, t, nt);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < P; i++) {
@@ -393,6 +409,8 @@ int moe_rows(const float *x, int64_t T, int64_t H, const int64_t *ids, const flo
             float *o = hact + i * I;
             if (act == ACT_SWIGLU) {
                 silu_mul(h, 1, I, N_up, o, 1);
+            } else if (act == ACT_SWIGLU_OAI) {
+                swiglu_oai(h, I, alpha, limit, o);
             } else {
                 for (int64_t j = 0; j < I; j++) {
                     const float v = h[j] > 0.f ? h[j] : 0.f;
@@ -400,7 +418,7 @@ int moe_rows(const float *x, int64_t T, int64_t H, const int64_t *ids, const flo
                 }
             }
         }
-        experts_slice(isa, hact, I, start, E, w_down, wt, H, ydown, t, nt);
+        experts_slice(isa, hact, I, start, E, w_down, wt, b_down, H, ydown, t, nt);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < T; r++) {

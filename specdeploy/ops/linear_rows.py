@@ -41,7 +41,7 @@ def library() -> ctypes.CDLL | None:
         "linear_rows": ([_P, _I64, _I64, _P, _I64, _P, _P, _I], None),
         "linear_rows_max_isa": ([_I], _I),
         "moe_rows": ([_P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _P, _I64, _I, _I, _P, _P,
-                      _I], _I)})
+                      _I, _P, _P, ctypes.c_float, ctypes.c_float], _I)})
     if lib is not None:
         return lib
     _gl.warn_unbuilt("the batch-invariant fp32 linear", "; ".join(errors))
@@ -91,7 +91,8 @@ def bound(weight: torch.Tensor, bias: torch.Tensor | None):
     return linear_fp32_rows
 
 
-ACTIVATIONS = ("swiglu", "relu2")  # linear_rows.c's ACT_* values, in order
+# linear_rows.c's ACT_* values, in order; "swiglu_oai": gpt-oss's clamped SwiGLU (ops/moe_bias.py)
+ACTIVATIONS = ("swiglu", "relu2", "swiglu_oai")
 WEIGHT_TYPES = (torch.float32, torch.bfloat16)  # its `wt` values, in order
 
 
@@ -105,12 +106,16 @@ def moe_unavailable() -> str | None:
 
 
 def moe_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-             w_up: torch.Tensor, w_down: torch.Tensor, activation: str) -> torch.Tensor:
+             w_up: torch.Tensor, w_down: torch.Tensor, activation: str,
+             b_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
+             alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """A MoE layer's routed experts in one C call (`moe_rows` in linear_rows.c): x [T, H],
-    topk_ids / topk_weights [T, k], w_up [E, I or 2I (swiglu, gate rows first), H] and w_down
-    [E, H, I], fp32 or bf16 on the CPU -> [T, H] in x's dtype. Computes in fp32 (x rounded to
-    fp32, bf16 weights widened exactly); each token's output is the same bits whatever tokens
-    share the call and whatever the thread count."""
+    topk_ids / topk_weights [T, k], w_up [E, I or 2I (swiglu / swiglu_oai, gate rows first),
+    H] and w_down [E, H, I], fp32 or bf16 on the CPU, optional biases b_up [E, I or 2I] /
+    b_down [E, H] (gpt-oss's; widened to fp32 exactly) -> [T, H] in x's dtype. `alpha` /
+    `limit`: swiglu_oai's. Computes in fp32 (x rounded to fp32, bf16 weights widened exactly);
+    each token's output is the same bits whatever tokens share the call and whatever the
+    thread count."""
     why = moe_unavailable()
     if why:
         raise RuntimeError(f"moe_rows: {why}")
@@ -120,10 +125,14 @@ def moe_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     i = w_down.shape[2]
     if (w_up.dtype not in WEIGHT_TYPES or w_down.dtype != w_up.dtype
             or tuple(w_down.shape[:2]) != (e, h)
-            or n_up != (2 * i if activation == "swiglu" else i)):
+            or n_up != (i if activation == "relu2" else 2 * i)
+            or (b_up is not None and tuple(b_up.shape) != (e, n_up))
+            or (b_down is not None and tuple(b_down.shape) != (e, h))):
         raise ValueError(f"moe_rows: fp32 or bf16 expert weights that fit together, got up "
                          f"{w_up.dtype} {tuple(w_up.shape)}, down {w_down.dtype} "
-                         f"{tuple(w_down.shape)}, {activation}")
+                         f"{tuple(w_down.shape)}, {activation}, biases "
+                         f"{None if b_up is None else tuple(b_up.shape)} / "
+                         f"{None if b_down is None else tuple(b_down.shape)}")
     if (x.device.type != "cpu" or w_up.device.type != "cpu" or x.dim() != 2
             or x.shape[1] != h or topk_ids.shape != topk_weights.shape
             or topk_ids.shape[0] != x.shape[0]):
@@ -134,11 +143,14 @@ def moe_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     xf = x.to(torch.float32).contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     wts = topk_weights.to(torch.float32).contiguous()
+    bu, bd = (None if b is None else b.to(torch.float32).contiguous() for b in (b_up, b_down))
     out = torch.empty(xf.shape, dtype=torch.float32)
     rc = library().moe_rows(xf.data_ptr(), xf.shape[0], h, ids.data_ptr(), wts.data_ptr(),
                             ids.shape[1], e, up.data_ptr(), n_up, down.data_ptr(), i,
                             WEIGHT_TYPES.index(up.dtype), ACTIVATIONS.index(activation),
-                            _silu_mul(), out.data_ptr(), torch.get_num_threads())
+                            _silu_mul(), out.data_ptr(), torch.get_num_threads(),
+                            None if bu is None else bu.data_ptr(),
+                            None if bd is None else bd.data_ptr(), alpha, limit)
     if rc == -3:
         raise ValueError(f"moe_rows: expert ids must lie in [0, {e}) with 1..64 per token, got "
                          f"ids of shape {tuple(ids.shape)}")

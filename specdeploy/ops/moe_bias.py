@@ -8,11 +8,17 @@ Expert e on a row x: `h = w_up[e] @ x + b_up[e]` ([2I]: gate rows first, then up
 de-interleaves gpt-oss's even/odd columns), `gate = min(h_gate, limit)`, `up = clamp(h_up,
 ±limit)`, `a = (up + 1) * gate * sigmoid(alpha * gate)`, `y = w_down[e] @ a + b_down[e]`;
 the output is `sum_j weight_j * y_{id_j}` (transformers' `GptOssExperts`).
+
+On the CPU, fp32 / bf16 experts for up to `ONE_CALL_MAX_TOKENS` rows run in one C call
+(linear_rows.c `moe_rows`, biases and this activation included): batch-invariant like the
+pairwise loop below, no Python per expert and no host read of the ids, so a CPU graph can
+record the step (the loop's `tolist` refused every capture).
 """
 from __future__ import annotations
 
 import torch
 
+from specdeploy.ops import linear_rows
 from specdeploy.ops.autograd import register_recompute_autograd
 
 __all__ = ["ACTIVATIONS", "clamped_swiglu", "moe_experts_bias_ref"]
@@ -20,8 +26,10 @@ __all__ = ["ACTIVATIONS", "clamped_swiglu", "moe_experts_bias_ref"]
 ACTIVATIONS = ("swiglu_oai",)
 # Up to this many rows each (row, expert) pair is its own matrix-vector product: a verify row
 # gets the bits of the same row decoded alone (batch-invariant, lossless greedy speculation);
-# longer steps (prefill) group the rows per expert into GEMMs.
+# longer steps (prefill) group the rows per expert into GEMMs. (Where the C call runs, it
+# takes up to ONE_CALL_MAX_TOKENS rows: ops/moe.py's measured bound for the same kernel.)
 PAIRWISE_MAX_ROWS = 16
+ONE_CALL_MAX_TOKENS = 128
 
 
 def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -105,6 +113,18 @@ def _kernel(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             w_up: torch.Tensor, b_up: torch.Tensor, w_down: torch.Tensor, b_down: torch.Tensor,
             activation: str, alpha: float, limit: float) -> torch.Tensor:
     _check(activation)
+    if (x.device.type == "cpu" and x.shape[0] <= ONE_CALL_MAX_TOKENS
+            and w_up.dtype in linear_rows.WEIGHT_TYPES and w_down.dtype == w_up.dtype
+            and linear_rows.moe_unavailable() is None):
+        return linear_rows.moe_rows(x, topk_ids, topk_weights, w_up, w_down, activation,
+                                    b_up, b_down, alpha, limit)
+    return _torch(x, topk_ids, topk_weights, w_up, b_up, w_down, b_down, activation, alpha,
+                  limit)
+
+
+def _torch(x, topk_ids, topk_weights, w_up, b_up, w_down, b_down, activation, alpha, limit):
+    """The torch form (what the backward differentiates)."""
+    _check(activation)
     args = (x, topk_ids, topk_weights, w_up, b_up, w_down, b_down, alpha, limit)
     if x.device.type == "cpu":
         return (_pairwise if x.shape[0] <= PAIRWISE_MAX_ROWS else _grouped)(*args)
@@ -114,7 +134,7 @@ def _kernel(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
 
 moe_experts_bias = torch.library.custom_op("specdeploy::moe_experts_bias", _kernel,
                                            mutates_args=())
-register_recompute_autograd(moe_experts_bias, _kernel)
+register_recompute_autograd(moe_experts_bias, _torch)
 
 
 @moe_experts_bias.register_fake
