@@ -100,6 +100,10 @@ class CachePlan:
     window: int = 0
     win_handlers: tuple[str, ...] = ()
     win_pages_per_seq: int = 0  # what a decoding sequence holds of them at most (sizing)
+    # bytes of one page across the group's layers (the groups' pages differ in size: a usage
+    # fraction over both weighs them by these)
+    page_bytes: int = 0
+    win_page_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -252,7 +256,8 @@ def plan_cache(
         num_ckpt = min(-(-num_pages // checkpoint_every), fits)
     plan = CachePlan(page_size, int(num_pages), num_slots, budget, int(num_ckpt),
                      checkpoint_every, why, num_win_pages=int(num_win), window=window,
-                     win_handlers=tuple(h.name for h in win), win_pages_per_seq=per_seq)
+                     win_handlers=tuple(h.name for h in win), win_pages_per_seq=per_seq,
+                     page_bytes=page_bytes, win_page_bytes=win_bytes)
     for h in kv:
         plan.bytes_by_handler[h.name] = h.bytes_per_page(page_size) * (plan.num_pages + 1)
     for h in win:

@@ -25,6 +25,8 @@ class CacheLayout:
     # the sliding-window page group (cache/window.py): 0 pages when the graph has none
     num_win_pages: int = 0
     window: int = 0
+    page_bytes: int = 0  # one page of each group, all its layers (cache/plan.py)
+    win_page_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:

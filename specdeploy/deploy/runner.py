@@ -73,7 +73,7 @@ class GraphDeployed:
             plan.page_size, plan.num_pages, plan.num_slots, dict(plan.bytes_by_handler),
             prefix_caching, any(isinstance(h, State) for h in resources),
             plan.num_checkpoints, plan.checkpoint_every, plan.bytes_by_kind.get("checkpoint", 0),
-            plan.num_win_pages, plan.window)
+            plan.num_win_pages, plan.window, plan.page_bytes, plan.win_page_bytes)
         spec_of = {h.shadows: h.name for h in resources if isinstance(h, SpecState)}
         # (state, its spec state or None, its checkpoint pool) buffer names
         self._ckpt = [(h.of, spec_of.get(h.of), h.name) for h in resources

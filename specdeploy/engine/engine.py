@@ -380,7 +380,9 @@ class Engine:
         d["num_pages"] = self.blocks.num_pages
         w = self.blocks.window
         if w is not None:  # the sliding-window page group (cache/window.py)
-            d.update(num_win_pages=w.num_pages, free_win_pages=w.num_free, win_pages_slid=w.slid)
+            d.update(num_win_pages=w.num_pages, free_win_pages=w.num_free, win_pages_slid=w.slid,
+                     page_bytes=self.deployed.layout.page_bytes,
+                     win_page_bytes=self.deployed.layout.win_page_bytes)
         if self.prefix is not None:
             d.update(self.prefix.stats(), checkpoint_bytes=self.deployed.layout.checkpoint_bytes)
         if self.threads is not None:

@@ -113,9 +113,14 @@ class _EngineCollector:
 
     def collect(self):
         e, labels = self.m._engine, list(self.m.labels)
-        # (both page groups: the sliding-window layers' has pages of its own, cache/window.py)
-        pages = e.get("num_pages", 0) + e.get("num_win_pages", 0)
-        in_use = pages - e.get("free_pages", e.get("num_pages", 0)) - e.get("free_win_pages", 0)
+        pages = e.get("num_pages", 0)
+        in_use = pages - e.get("free_pages", pages)
+        usage = in_use / pages if pages else 0.0
+        win = e.get("num_win_pages", 0)  # the sliding-window layers' own pages (cache/window.py)
+        win_in_use = win - e.get("free_win_pages", win)
+        if win:  # the fraction of both groups' bytes: their pages differ in size
+            pb, wb = e.get("page_bytes", 1), e.get("win_page_bytes", 1)
+            usage = (in_use * pb + win_in_use * wb) / (pages * pb + win * wb)
 
         def fam(kind, name, doc, value, extra=None):
             f = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
@@ -131,8 +136,8 @@ class _EngineCollector:
                   e.get("num_running", 0))
         yield fam("gauge", "vllm:num_requests_waiting", "Admitted requests waiting for the "
                   "batch.", self.m._queue_len)
-        yield fam("gauge", "vllm:kv_cache_usage_perc", "Fraction of KV-cache pages in use "
-                  "(0 to 1).", in_use / pages if pages else 0.0)
+        yield fam("gauge", "vllm:kv_cache_usage_perc", "Fraction of the KV cache in use (0 to "
+                  "1; with a sliding-window page group, of both groups' bytes).", usage)
         yield fam("counter", "vllm:num_preemptions", "Sequences preempted for lack of cache "
                   "pages.", e.get("num_preemptions", 0))
         yield fam("gauge", "specdeploy_num_requests_running", "Requests in the running batch.",
@@ -142,6 +147,11 @@ class _EngineCollector:
         yield fam("gauge", "specdeploy_cache_pages_in_use", "KV-cache pages held by requests.",
                   in_use)
         yield fam("gauge", "specdeploy_cache_pages_total", "KV-cache pages.", pages)
+        if win:
+            yield fam("gauge", "specdeploy_cache_window_pages_in_use", "Pages of the "
+                      "sliding-window layers' own group held by requests.", win_in_use)
+            yield fam("gauge", "specdeploy_cache_window_pages_total", "Pages of the "
+                      "sliding-window layers' own group.", win)
         yield fam("counter", "specdeploy_preemptions", "Sequences preempted for lack of cache "
                   "pages.", e.get("num_preemptions", 0))
         if "prefix_cache_queries" in e:

@@ -120,8 +120,15 @@ def test_freed_pages_poisoned_give_the_logits_of_kept_pages(tiny):
     _same(logits, ref)
     w = on.engine.blocks.window
     assert w.slid > 3 * 10 and w.in_use == 0
-    runner = t.graph_runner  # CPU graphs replay decode steps (the tiny gpt-oss' refuse,
-    assert runner.replays > 0 or runner.refused  # windows or not: a host read in its MoE)
+    runner = t.graph_runner  # CPU graphs replay decode steps
+    assert runner.replays > 0 and not runner.refused, runner.refused
+    # the groups' page sizes (what the usage metric weighs their pages by)
+    stats, plan = on.engine.stats_dict(), t.plan
+    win_bytes = sum(plan.bytes_by_handler[n] for n in plan.win_handlers)
+    full_bytes = sum(b for n, b in plan.bytes_by_handler.items() if plan.kind_by_handler[n] ==
+                     "paged_kv" and n not in plan.win_handlers)
+    assert stats["win_page_bytes"] * (plan.num_win_pages + 2) == win_bytes > 0
+    assert stats["page_bytes"] * (plan.num_pages + 1) == full_bytes
     # 3 sequences: each at most its window (2 pages), the page partly before it, a chunk's
     # 6 tokens (2 pages), against ~22 full-context pages each
     assert peak_win <= 3 * (2 + 1 + 2 + 1) < peak_full or t.plan.num_pages == 0

@@ -114,3 +114,20 @@ def test_metrics_text():
     assert v["specdeploy_spec_lookup_accepted_tokens_total"] == 4
     assert v["specdeploy_spec_undrafted_steps_total"] == 6
     assert v['specdeploy_http_requests_total{endpoint="/v1/completions",status="200"}'] == 1
+
+
+def test_cache_usage_weighs_the_window_groups_pages_by_their_bytes():
+    """A sliding-window page group's pages hold fewer layers than a full-context page: the
+    usage fraction is of bytes (exact arithmetic here), and each group has its own counts."""
+    engine = {"num_pages": 10, "free_pages": 7, "num_win_pages": 20, "free_win_pages": 5,
+              "page_bytes": 4096, "win_page_bytes": 1024}
+    v = parse_text(ServerMetrics().render(engine, queue_len=0))
+    usage = next(val for k, val in v.items() if k.startswith("vllm:kv_cache_usage_perc"))
+    assert usage == pytest.approx((3 * 4096 + 15 * 1024) / (10 * 4096 + 20 * 1024), rel=1e-12)
+    assert v["specdeploy_cache_pages_in_use"] == 3 and v["specdeploy_cache_pages_total"] == 10
+    assert v["specdeploy_cache_window_pages_in_use"] == 15
+    assert v["specdeploy_cache_window_pages_total"] == 20
+    plain = parse_text(ServerMetrics().render({"num_pages": 10, "free_pages": 7}, queue_len=0))
+    assert next(val for k, val in plain.items()
+                if k.startswith("vllm:kv_cache_usage_perc")) == pytest.approx(0.3, rel=1e-12)
+    assert "specdeploy_cache_window_pages_total" not in plain
