@@ -14,7 +14,13 @@ import torch
 from torch import fx
 
 from specdeploy.cache.handlers import Checkpoint, SpecState, State
-from specdeploy.cache.metadata import BatchMetadata, HostLists, kv_slot_mapping, slot_mapping_list
+from specdeploy.cache.metadata import (
+    SEG_NORMAL,
+    BatchMetadata,
+    HostLists,
+    kv_slot_mapping,
+    slot_mapping_list,
+)
 from specdeploy.cache.plan import CachePlan
 from specdeploy.deploy.base import CacheLayout, StepOutput
 from specdeploy.deploy.context import DeployContext
@@ -151,8 +157,11 @@ class GraphDeployed:
         `graph_runner` (engine/cuda_graphs.py) the steps it takes replay a CUDA graph. `ids`
         [T] (on the device): the input tokens in place of the metadata's (never read here)."""
         if self.graph_runner is not None:
-            replayed = self.graph_runner.run(meta, hidden, ids=ids)
+            bare, saves = _checkpoints_after(meta)
+            replayed = self.graph_runner.run(bare, hidden, ids=ids)
             if replayed is not None:
+                if saves is not None:
+                    self.save_states(*saves)
                 return replayed
         if ids is not None:  # the eager step reads its tokens from the tensor
             meta = replace(meta, input_ids=ids.to(meta.input_ids.dtype), lists=None)
@@ -171,6 +180,14 @@ class GraphDeployed:
         """Prefix hits: every recurrent state slot `slots[i]` <- checkpoint `ckpts[i]`."""
         for state, _, pool in self._ckpt:
             getattr(self.gm, state)[slots] = getattr(self.gm, pool)[ckpts]
+
+    @torch.inference_mode()
+    def save_states(self, slots: torch.Tensor, ckpts: torch.Tensor) -> None:
+        """Checkpoint `ckpts[i]` <- recurrent state slot `slots[i]` (as the cached ops write
+        one: cast to the pool's dtype)."""
+        for state, _, pool in self._ckpt:
+            getattr(self.gm, pool)[ckpts] = getattr(self.gm, state)[slots].to(
+                getattr(self.gm, pool).dtype)
 
     @torch.inference_mode()
     def checkpoint_spec(self, ckpts: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor
@@ -208,3 +225,25 @@ class GraphDeployed:
             line += (f"; process resident {mem['rss'] / 2**20:.0f} MiB, peak "
                      f"{mem['peak_rss'] / 2**20:.0f} MiB")
         return line
+
+
+def _checkpoints_after(meta: BatchMetadata):
+    """(meta, None), or for a decode step (one NORMAL token a sequence, host lists) whose
+    sequences cross a prefix-cache checkpoint boundary: (meta without the checkpoints, (state
+    slots, checkpoint slots)). Such a step's checkpoint is the state after its only token,
+    i.e. the sequence's state slot once the step ran, so a replayed graph (which records no
+    checkpoint writes: engine/cuda_graphs.py) takes the step and the state is copied after.
+    Without it every such step ran eagerly (recurrent models with prefix caching: one step
+    in every `checkpoint_every` pages)."""
+    h = meta.lists
+    if (h is None or not h.ckpt_tokens or meta.num_tokens != meta.num_seqs
+            or any(k != SEG_NORMAL for k in h.kinds)):
+        return meta, None
+    saves = (torch.tensor([h.slots[t] for t in h.ckpt_tokens], device=meta.ckpt_slots.device),
+             meta.ckpt_slots)
+    return replace(meta, ckpt_tokens=_no_ints(), ckpt_slots=_no_ints(),
+                   lists=h._replace(ckpt_tokens=[], ckpt_slots=[])), saves
+
+
+def _no_ints() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.long)

@@ -246,3 +246,35 @@ def test_hit_restores_states_then_prefills_like_a_fresh_run(target, k):
     for name in want:
         torch.testing.assert_close(got[name].float(), want[name].float(), rtol=1e-4, atol=1e-5,
                                    msg=name)
+
+
+def test_decode_steps_crossing_checkpoint_boundaries_replay(target, monkeypatch):
+    """A plain decode step whose token ends a checkpointed page replays its CPU graph and the
+    state slot is copied to the checkpoint after it (deploy/runner.py `_checkpoints_after`;
+    before, each such step ran eagerly): every decode step replayed, the boundaries' copies
+    made, the output the cold run's (the copies' values: test_checkpoints_equal_fresh_...)."""
+    if target.arch == "llama":
+        pytest.skip("no recurrent state")
+    from specdeploy.deploy.runner import GraphDeployed
+
+    PS = PAGE_SIZE[target.arch]
+    prompt = _tokens(PS + 5, 4)
+    params = SamplingParams(max_tokens=2 * PS, ignore_eos=True)
+    cont = _cold(target, prompt, params)
+    llm = target.llm()
+    runner = getattr(llm.deployed, "target", llm.deployed).graph_runner
+    assert runner is not None
+    saved = []
+    real = GraphDeployed.save_states
+    monkeypatch.setattr(GraphDeployed, "save_states",
+                        lambda self, s, c: saved.append((s.tolist(), c.tolist())) or real(
+                            self, s, c))
+    llm.reset_prefix_cache()
+    before = runner.replays
+    try:
+        out = llm.generate([prompt], params)[0].token_ids
+    finally:
+        llm.reset_prefix_cache()
+    assert out == cont
+    assert runner.replays - before == 2 * PS - 1  # every decode step (the prefill's is eager)
+    assert len(saved) == 2 and all(len(s) == len(c) == 1 for s, c in saved)  # 2 PS and 3 PS
