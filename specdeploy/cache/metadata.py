@@ -70,6 +70,16 @@ class BatchMetadata:
     # changes a tensor in place must drop them
     lists: HostLists | None = field(default=None, repr=False, compare=False)
 
+    def __getattr__(self, name: str):
+        # Only for attributes not set: build_metadata leaves the tensors to be made from the
+        # lists on first read, all at once. A replayed graph's step reads the lists alone (its
+        # feed, engine/graph_feed.py), and making ~11 tiny tensors was ~30 us of a step that
+        # takes ~0.9 ms on a mid-size hybrid MoE (2-core AVX2).
+        if name in _LAZY and self.__dict__.get("lists") is not None:
+            _materialize(self)
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def to(self, device: torch.device | str) -> BatchMetadata:
         def mv(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
@@ -145,18 +155,39 @@ def build_metadata(segments: Sequence[Segment]) -> BatchMetadata:
     lists = HostLists(ids, pos, cu, [s.cache_len for s in segments], table,
                       [s.slot for s in segments], [s.kind for s in segments], logits_idx,
                       ckpt_tokens, ckpt_slots, win_table, max_pages, max_win)
-    flat = torch.tensor(list(chain.from_iterable(lists[:_LISTS])), dtype=torch.long)
-    (t_ids, t_pos, t_cu, t_lens, t_table, t_slots, t_kinds, t_logits, t_ckt,
-     t_cks, t_win) = flat.split([len(x) for x in lists[:_LISTS]])
-    meta = BatchMetadata(
-        input_ids=t_ids, position_ids=t_pos, cu_seqlens=t_cu, cache_lens=t_lens,
-        page_table=t_table.view(len(segments), max_pages), slot_idx=t_slots, seg_kind=t_kinds,
-        logits_idx=t_logits, num_tokens=len(ids), num_seqs=len(segments),
-        ckpt_tokens=t_ckt, ckpt_slots=t_cks, lists=lists,
-        page_table_win=t_win.view(len(segments), max_win) if win else None)
+    meta = BatchMetadata.__new__(BatchMetadata)  # the tensors come on first read (__getattr__)
+    meta.__dict__.update(num_tokens=len(ids), num_seqs=len(segments), mrope_positions=None,
+                         mm_rows=None, lists=lists)
+    if win:  # NOTE: a field with a plain default is found on the class: never lazy
+        _materialize(meta)
+    else:
+        meta.page_table_win = None
     if any(s.mm is not None for s in segments):
         _add_multimodal(meta, segments, cu)
     return meta
+
+
+# the fields build_metadata leaves to `_materialize`
+_LAZY = frozenset({"input_ids", "position_ids", "cu_seqlens", "cache_lens", "page_table",
+                   "slot_idx", "seg_kind", "logits_idx", "key_extent", "ckpt_tokens",
+                   "ckpt_slots"})
+
+
+def _materialize(meta: BatchMetadata) -> None:
+    """The tensors of a build_metadata step from its lists: one `torch.tensor` over every
+    field's list, split into views (each of ~10 tiny tensors cost a torch call of its own)."""
+    h = meta.lists
+    flat = torch.tensor(list(chain.from_iterable(h[:_LISTS])), dtype=torch.long)
+    (t_ids, t_pos, t_cu, t_lens, t_table, t_slots, t_kinds, t_logits, t_ckt,
+     t_cks, t_win) = flat.split_with_sizes([len(x) for x in h[:_LISTS]])
+    s = meta.num_seqs
+    fields = dict(input_ids=t_ids, position_ids=t_pos, cu_seqlens=t_cu, cache_lens=t_lens,
+                  page_table=t_table.view(s, h.max_pages), slot_idx=t_slots, seg_kind=t_kinds,
+                  logits_idx=t_logits, ckpt_tokens=t_ckt, ckpt_slots=t_cks,
+                  page_table_win=t_win.view(s, h.max_win_pages) if h.max_win_pages else None)
+    for k, v in fields.items():
+        meta.__dict__.setdefault(k, v)  # (_add_multimodal may have set key_extent)
+    meta.__dict__.setdefault("key_extent", _empty())
 
 
 def _add_multimodal(meta: BatchMetadata, segments: Sequence[Segment], cu: list[int]) -> None:

@@ -239,8 +239,7 @@ def _checkpoints_after(meta: BatchMetadata):
     if (h is None or not h.ckpt_tokens or meta.num_tokens != meta.num_seqs
             or any(k != SEG_NORMAL for k in h.kinds)):
         return meta, None
-    saves = (torch.tensor([h.slots[t] for t in h.ckpt_tokens], device=meta.ckpt_slots.device),
-             meta.ckpt_slots)
+    saves = (torch.tensor([h.slots[t] for t in h.ckpt_tokens]), torch.tensor(h.ckpt_slots))
     return replace(meta, ckpt_tokens=_no_ints(), ckpt_slots=_no_ints(),
                    lists=h._replace(ckpt_tokens=[], ckpt_slots=[])), saves
 

@@ -258,7 +258,11 @@ class SpecDeployed:
         at `meta.logits_idx`. `ids` [S] (one token a sequence): the input tokens on the device,
         in place of the metadata's."""
         out = self.drafts[group].forward(meta, hidden, ids=ids)
-        return StepOutput(out.logits, out.hidden[meta.logits_idx.to(out.hidden.device)])
+        h = meta.lists  # (the host lists: no metadata tensor made for a replayed chain step)
+        if h is not None and len(h.logits_idx) == meta.num_tokens:  # every row: them all
+            return StepOutput(out.logits, out.hidden[:meta.num_tokens])
+        idx = meta.logits_idx if h is None else torch.tensor(h.logits_idx)
+        return StepOutput(out.logits, out.hidden[idx.to(out.hidden.device)])
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.d2t is None:

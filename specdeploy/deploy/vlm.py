@@ -237,7 +237,8 @@ class VisionLanguageDeployed:
     @torch.inference_mode()
     def forward(self, meta: BatchMetadata) -> StepOutput:
         weight = self.embed_tokens.weight  # meta holds host tensors: ids go to the device
-        embeds = self.embed_tokens(meta.input_ids.to(weight.device, non_blocking=True))
+        ids = meta.input_ids if meta.lists is None else torch.tensor(meta.lists.ids)
+        embeds = self.embed_tokens(ids.to(weight.device, non_blocking=True))
         if self.deepstack_width:  # DeepStack levels: zero but at the vision tokens
             embeds = torch.cat((embeds, embeds.new_zeros(embeds.shape[0], self.deepstack_width)),
                                -1)

@@ -109,9 +109,12 @@ class CudaGraphRunner:
         verify = shape is not None and kind == SEG_EXTEND and shape[0] == shape[1] <= UNIFORM_MAX
         if not (decode or verify):
             return None
-        win = meta.page_table_win
-        if fresh or max(meta.page_table.shape[1],
-                        0 if win is None else win.shape[1]) > self.max_pages:
+        if h is not None:
+            width = max(h.max_pages, h.max_win_pages)
+        else:
+            win = meta.page_table_win
+            width = max(meta.page_table.shape[1], 0 if win is None else win.shape[1])
+        if fresh or width > self.max_pages:
             return None  # NOTE: a decode always follows a prefill; the check keeps it honest
         return bucket_of(meta.num_seqs, self.buckets)
 
@@ -289,7 +292,8 @@ def page_widths(max_pages: int) -> tuple[int, ...]:
 def _real_rows(out, meta: BatchMetadata) -> StepOutput:
     """The real rows of a padded step's outputs, copied (a replay overwrites the graph's)."""
     out = out if isinstance(out, (tuple, list)) else (out,)
-    logits = out[0][0][:meta.logits_idx.numel()].to(torch.float32, copy=True)
+    n = len(meta.lists.logits_idx) if meta.lists is not None else meta.logits_idx.numel()
+    logits = out[0][0][:n].to(torch.float32, copy=True)
     hidden = out[1][0][:meta.num_tokens].clone() if len(out) > 1 else None
     return StepOutput(logits=logits, hidden=hidden)
 

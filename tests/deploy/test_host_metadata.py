@@ -94,6 +94,7 @@ def test_device_feed_from_lists_equals_to_device(batch):
                           "layout": type("L", (), {"page_size": 16, "num_pages": 8})()})()
     got = runner_mod.GraphDeployed._device_from_lists(fake, meta, meta.lists)
     old = _old_build(segs)
+    _ = meta.input_ids  # (its host tensors made: the buffer must share none of them)
     want = runner_mod.to_device({
         "input_ids": old.input_ids[None], "position_ids": old.position_ids[None],
         "logits_idx": old.logits_idx, "cu_seqlens": old.cu_seqlens,
@@ -114,3 +115,26 @@ def test_metadata_without_lists_falls_back():
     meta = build_metadata(segs).to("cpu")
     assert meta.lists is None
     assert torch.equal(kv_slot_mapping(meta, 4), _old_slot_mapping(_old_build(segs), 4))
+
+
+def test_tensors_are_made_from_the_lists_on_first_read(monkeypatch):
+    """build_metadata makes no tensor until one is read (a replayed step reads the lists
+    only); the first read makes them all, once; `replace` and a windowed step see them all."""
+    from specdeploy.cache import metadata
+
+    calls = []
+    real = metadata._materialize
+    monkeypatch.setattr(metadata, "_materialize", lambda m: calls.append(1) or real(m))
+    segs = [Segment([1, 2, 3], 5, [3, 4], 0, 1, ckpt=[(2, 1)]), Segment([7], 9, [5, 6], 2, 1)]
+    meta = build_metadata(segs)
+    assert not calls and "input_ids" not in vars(meta) and meta.num_tokens == 4
+    assert meta.lists.ids == [1, 2, 3, 7] and meta.page_table_win is None and not calls
+    assert torch.equal(meta.page_table, torch.tensor([[3, 4], [5, 6]])) and calls == [1]
+    assert torch.equal(meta.ckpt_tokens, torch.tensor([2])) and calls == [1]
+    other = build_metadata(segs)
+    moved = __import__("dataclasses").replace(other, num_tokens=4)
+    assert torch.equal(moved.input_ids, torch.tensor([1, 2, 3, 7])) and len(calls) == 2
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = other.nope
+    win = build_metadata([Segment([1], 5, [3, 4], 0, 1, win_pages=[0, 2])])
+    assert "input_ids" in vars(win) and torch.equal(win.page_table_win, torch.tensor([[0, 2]]))

@@ -181,6 +181,26 @@ def test_fp32_safetensors_targets_replay_plain_and_with_their_drafters(fp32_targ
     assert sum(r.replays for r in drafts) > 0 and not any(r.refused for r in drafts)
 
 
+def test_replayed_steps_make_no_metadata_tensors(fp32_target, monkeypatch):
+    """A replayed decode / verify / drafter step reads its metadata's host lists only: no
+    tensor of it is made (cache/metadata.py, lazily; ~30-50 us a step here)."""
+    from specdeploy.cache import metadata
+    from tests.spec.tiny_targets import LIMITS as TINY
+
+    t = fp32_target
+    llm = LLM(str(t.path), spec=t.spec(2), **TINY)
+    llm.generate(t.prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # (captures)
+    made = []
+    real = metadata._materialize
+    monkeypatch.setattr(metadata, "_materialize", lambda m: made.append(m.num_tokens) or real(m))
+    runner = _runner(llm)
+    before = runner.replays
+    llm.generate(t.prompts[1:2], SamplingParams(max_tokens=16, ignore_eos=True))
+    # the prompt's prefill (target and drafter catch-up) and at most one new capture make
+    # them; each replayed step (>= 14: the target's and the drafter chain's) did before
+    assert runner.replays - before >= 10 and len(made) <= 3, (runner.replays - before, made)
+
+
 def test_required_off_the_cpu_is_refused():
     with pytest.raises(ValueError, match="cpu_graphs"):
         LLM(None, cpu_graphs=True, device="cuda")
