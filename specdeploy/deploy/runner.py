@@ -186,8 +186,8 @@ class GraphDeployed:
         """Checkpoint `ckpts[i]` <- recurrent state slot `slots[i]` (as the cached ops write
         one: cast to the pool's dtype)."""
         for state, _, pool in self._ckpt:
-            getattr(self.gm, pool)[ckpts] = getattr(self.gm, state)[slots].to(
-                getattr(self.gm, pool).dtype)
+            src, dst = getattr(self.gm, state), getattr(self.gm, pool)
+            dst[ckpts.to(dst.device)] = src[slots.to(src.device)].to(dst.dtype)
 
     @torch.inference_mode()
     def checkpoint_spec(self, ckpts: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor
