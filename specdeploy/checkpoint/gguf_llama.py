@@ -67,6 +67,14 @@ def hf_config(reader, arch: str = "llama", dense_ffn: bool = True) -> dict:
     if get("rope.scaling.type") == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear",
                                "factor": float(get("rope.scaling.factor", 1.0))}
+    elif get("rope.scaling.type") == "yarn":  # (llama.cpp's converter: Qwen2.5 / Qwen3 YaRN)
+        cfg["rope_scaling"] = {
+            "rope_type": "yarn", "factor": float(need("rope.scaling.factor")),
+            "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
+            "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0))}
+        if get("rope.scaling.yarn_attn_factor") is not None:
+            cfg["rope_scaling"]["attention_factor"] = float(get("rope.scaling.yarn_attn_factor"))
     elif get("rope.scaling.type") not in (None, "none"):
         raise CheckpointError(f"{reader.path}: unsupported rope scaling "
                               f"{get('rope.scaling.type')!r}")

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import specdeploy.ops  # noqa: F401  (registers torch.ops.specdeploy.*)
+from specdeploy.models.rope_yarn import Yarn
 from specdeploy.ops.rope import RopeCosSin, rope_cos_sin
 from specdeploy.ops.shard import linear_col, linear_row, tp_reduce
 
@@ -57,7 +58,7 @@ class MLP(nn.Module):
         return tp_reduce(linear_row(self.down_proj, h, t), t)
 
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
     # llama.cpp stores llama3-style scaling as per-frequency divisors (`rope_freqs.weight`)
     freq_factors: tuple[float, ...] | None = None
+    # rope_type "yarn" (Qwen2.5 / Qwen3's long-context setting, gpt-oss's EAGLE-3 heads): its
+    # blended frequencies and cos / sin scale, as transformers' `_compute_yarn_parameters`
+    yarn: Yarn | None = None
 
     @classmethod
     def from_hf(cls, hf: dict, default_theta: float = 10000.0) -> RopeConfig:
@@ -84,20 +88,31 @@ class RopeConfig:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: {ROPE_TYPES}")
         theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
         ff = params.get("freq_factors")
+        yarn = None
+        if rope_type == "yarn":
+            yarn = Yarn.from_params(params, float(theta), int(hf.get(
+                "max_position_embeddings", 8192)), family="rope_scaling", mscale=True)
         return cls(
             theta=float(theta), rope_type=rope_type, factor=float(params.get("factor", 1.0)),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(params.get(
                 "original_max_position_embeddings", hf.get("max_position_embeddings", 8192))),
-            freq_factors=tuple(float(f) for f in ff) if ff is not None else None,
+            freq_factors=tuple(float(f) for f in ff) if ff is not None else None, yarn=yarn,
         )
+
+    @property
+    def attention_scaling(self) -> float:
+        """What cos and sin are multiplied by (YaRN's magnitude correction; 1 otherwise)."""
+        return 1.0 if self.yarn is None else self.yarn.scaling
 
     def inv_freq(self, rotary_dim: int) -> torch.Tensor:
         """[rotary_dim // 2] fp32 inverse frequencies (same float steps as transformers).
 
         Always computed on the CPU: under a meta-device context, the division would route through
         torch._refs and import torch._dynamo (seconds of load time)."""
+        if self.yarn is not None:
+            return self.yarn.inv_freq(rotary_dim)
         exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
         exponent = exponent / rotary_dim
         inv = 1.0 / (self.theta ** exponent)
@@ -137,4 +152,5 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self.rope.inv_freq(self.rotary_dim)
 
     def forward(self, position_ids: torch.Tensor) -> RopeCosSin:
-        return rope_cos_sin(position_ids, self.inv_freq)
+        return rope_cos_sin(position_ids, self.inv_freq,
+                            attention_scaling=self.rope.attention_scaling)

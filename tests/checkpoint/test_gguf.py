@@ -54,6 +54,8 @@ def _write(path: Path, tensors: dict[str, tuple[np.ndarray, int]],
             w.add_float32(key, value)
         elif isinstance(value, bool):
             w.add_bool(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
         else:
             w.add_uint32(key, int(value))
     for name, (data, qtype) in tensors.items():
@@ -91,7 +93,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
         w.shape)
 
 
-def _tiny_llama_gguf(src: Path, out: Path, qtype=Q.F32, rope_freqs=None) -> Path:
+def _tiny_llama_gguf(src: Path, out: Path, qtype=Q.F32, rope_freqs=None,
+                    extra_meta: dict | None = None) -> Path:
     """Convert a tiny safetensors Llama to GGUF the way llama.cpp does (names, permutation)."""
     reader = open_checkpoint(src)
     cfg = reader.config
@@ -126,7 +129,7 @@ def _tiny_llama_gguf(src: Path, out: Path, qtype=Q.F32, rope_freqs=None) -> Path
             "llama.context_length": cfg["max_position_embeddings"],
             "llama.rope.freq_base": float(cfg["rope_theta"]),
             "llama.attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
-            "llama.attention.key_length": cfg["head_dim"]}
+            "llama.attention.key_length": cfg["head_dim"], **(extra_meta or {})}
     return _write(out, tensors, meta)
 
 
@@ -158,6 +161,24 @@ def test_llama3_rope_as_gguf_freq_factors(tmp_path):
     ids = torch.arange(60).reshape(1, 60) % 128
     with torch.no_grad():
         torch.testing.assert_close(load_model(path)(ids), load_model(src)(ids), rtol=0, atol=1e-5)
+
+
+def test_yarn_rope_from_gguf_metadata(tmp_path):
+    """llama.cpp's converter writes a YaRN `rope_scaling` (Qwen2.5 / Qwen3 long context) as
+    rope.scaling.* keys: the model equals the safetensors one with the same scaling."""
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    src = llama.make_tiny(tmp_path / "st", seed=6, config_overrides={
+        "rope_scaling": scaling, "max_position_embeddings": 256})
+    path = _tiny_llama_gguf(src, tmp_path / "yarn.gguf", extra_meta={
+        "llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+        "llama.rope.scaling.original_context_length": 16})
+    assert GGUFReader(path).config["rope_scaling"]["rope_type"] == "yarn"
+    ids = torch.arange(60).reshape(1, 60) % 128
+    with torch.no_grad():
+        got, want = load_model(path)(ids), load_model(src)(ids)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        plain = load_model(_tiny_llama_gguf(src, tmp_path / "plain.gguf"))(ids)
+    assert (plain - want).abs().max() > 1e-2  # (the scaling matters at these positions)
 
 
 def test_tiny_llama_gguf_q8_0_close(tmp_path):

@@ -201,8 +201,19 @@ def test_released_config_format_and_llama3_rope():
     torch.testing.assert_close(Eagle3Drafter(cfg).rotary_emb.inv_freq, want, rtol=1e-6, atol=0)
     with pytest.raises(CheckpointError, match="2 layers"):
         Eagle3Config.from_hf({**released, "num_hidden_layers": 2})
-    with pytest.raises(ValueError, match="yarn"):
-        Eagle3Config.from_hf({**released, "rope_scaling": {"rope_type": "yarn"}})
+    # a gpt-oss EAGLE-3 head's YaRN (as its target's): round trip, and transformers' tables
+    yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096, "truncate": False}
+    ycfg = Eagle3Config.from_hf({**released, "rope_theta": 150000.0, "rope_scaling": yarn,
+                                 "max_position_embeddings": 131072})
+    assert ycfg.rope.rope_type == "yarn" and Eagle3Config.from_hf(ycfg.to_hf()) == ycfg
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=131072,
+                     rope_parameters={**yarn, "rope_theta": 150000.0})
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    torch.testing.assert_close(Eagle3Drafter(ycfg).rotary_emb.inv_freq, want, rtol=1e-6, atol=0)
+    assert ycfg.rope.attention_scaling == pytest.approx(factor, rel=1e-12)
+    with pytest.raises(ValueError, match="dynamic"):
+        Eagle3Config.from_hf({**released, "rope_scaling": {"rope_type": "dynamic"}})
 
 
 def test_export_keeps_canonical_ops(tiny):

@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 VARIANTS = {
     "untied": {},
     "tied": {"tie_word_embeddings": True},
@@ -20,6 +21,8 @@ VARIANTS = {
                          "attention_bias": True, "mlp_bias": True},
     "mha_wide_head": {"num_key_value_heads": 4, "head_dim": 24, "rms_norm_eps": 1e-6,
                       "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    # Qwen2.5 / Qwen3's long-context setting (positions below run past the original 32)
+    "yarn_rope": {"rope_scaling": YARN_ROPE, "max_position_embeddings": 256},
 }
 
 
@@ -68,6 +71,10 @@ def test_rope_scaling_takes_effect(tmp_path):
     v5 = RopeConfig.from_hf({"rope_parameters": {"rope_theta": 500000.0, **LLAMA3_ROPE}})
     v4 = RopeConfig.from_hf({"rope_theta": 500000.0, "rope_scaling": {**LLAMA3_ROPE}})
     assert v5 == v4
+    yarn = llama.Config.from_hf(llama.tiny_hf_config(rope_scaling=YARN_ROPE)).rope
+    assert yarn.rope_type == "yarn" and yarn.attention_scaling == pytest.approx(
+        0.1 * __import__("math").log(4.0) + 1.0, rel=1e-12)
+    assert not torch.equal(yarn.inv_freq(16), plain.rope.inv_freq(16))
     with pytest.raises(ValueError, match="unsupported rope type 'dynamic'"):
         RopeConfig.from_hf({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
 

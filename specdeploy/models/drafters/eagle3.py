@@ -88,6 +88,13 @@ class Eagle3Config:
         if r.rope_type == "llama3":
             scaling.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
                            original_max_position_embeddings=r.original_max_position_embeddings)
+        if r.yarn is not None:
+            y = r.yarn
+            scaling.update(factor=y.factor, beta_fast=y.beta_fast, beta_slow=y.beta_slow,
+                           original_max_position_embeddings=y.original_max_position_embeddings,
+                           truncate=y.truncate)
+            if y.attention_factor is not None:
+                scaling["attention_factor"] = y.attention_factor
         eagle = {"use_aux_hidden_state": hf.pop("use_aux_hidden_state")}
         if (aux := hf.pop("aux_layer_ids")) is not None:
             eagle["eagle_aux_hidden_state_layer_ids"] = list(aux)
