@@ -117,3 +117,18 @@ def test_bf16_load_runs_close_to_fp32(tmp_path):
         got = load_model(path, dtype="bf16")(ids)
     assert got.dtype == torch.bfloat16
     assert (got.float() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_yarn_deployment_greedy_equals_transformers(tmp_path):
+    """The deployed graph (fused RoPE + attention, CPU graphs) scales YaRN's cos / sin too:
+    greedy past the original context = transformers' greedy."""
+    from specdeploy import LLM, SamplingParams
+
+    path = llama.make_tiny(tmp_path, seed=1, config_overrides=VARIANTS["yarn_rope"])
+    ref = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = list(range(3, 60))
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0]
+    llm = LLM(str(path), max_batch_size=1, max_seq_len=200)
+    got = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
+    assert got == want[len(prompt):].tolist()
