@@ -62,6 +62,22 @@ def test_logits_equal_transformers(tiny, b, t):
     assert want.abs().mean() > 0.1
 
 
+def test_yarn_on_the_full_layers_equals_transformers(tiny, tmp_path):
+    """`rope_scaling` yarn (models/layers.py RopeConfig) scales the full layers' RoPE only."""
+    path, _ = tiny
+    hf = {**json.loads((path / "config.json").read_text()), "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    ref = _hf(tmp_path)
+    assert ref.config.rope_parameters["full_attention"]["rope_type"] == "yarn"
+    ids = _ids(1, 60, seed=2)
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        assert _err(load_model(tmp_path, dtype=torch.float32)(ids), want) <= RTOL
+        assert _err(load_model(path, dtype=torch.float32)(ids), want) > 100 * RTOL
+
+
 def test_windows_local_rope_and_scale_change_the_logits(tiny):
     """transformers' own model with full attention everywhere, with the global RoPE base on the
     sliding layers too, or with head_dim's score scale gives logits far outside the tolerance:
@@ -227,7 +243,8 @@ def test_multimodal_checkpoint_serves_its_language_model(tiny, tmp_path, prefix)
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
      "rope_parameters must be keyed by layer type"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+     "unsupported rope type 'dynamic'"),
     ({"hidden_activation": "gelu_new"}, "unsupported activation 'gelu_new'"),
 ])
 def test_bad_configs_are_named(tiny, tmp_path, change, match):
