@@ -9,7 +9,7 @@ import torch
 from specdeploy.ops import row_kernels
 from specdeploy.ops.autograd import register_recompute_autograd
 
-__all__ = ["RopeCosSin", "rope_cos_sin", "rope_ref", "rotate_half"]
+__all__ = ["RopeCosSin", "rope_cos_sin", "rope_cos_sin_ref", "rope_ref", "rotate_half"]
 
 
 class RopeCosSin(NamedTuple):
@@ -34,7 +34,22 @@ def rope_cos_sin(
         mrope_interleaved: Qwen3-VL / Qwen3.5 layout (slot i takes axis i % 3 while that axis has
             slots left) instead of Qwen2-VL's contiguous blocks.
         attention_scaling: multiplies cos and sin (YaRN-style rope types; 1.0 otherwise).
+
+    One op in the graph (`specdeploy::rope_cos_sin`): on the CPU one C call (row_kernels.c), so
+    a replayed step computes its cos / sin without ~7-11 torch ops (their dispatch was ~0.2 ms
+    of a Qwen3.5-MoE GGUF's 2.2 ms replayed decode step); elsewhere `rope_cos_sin_ref`.
     """
+    sections = [] if mrope_section is None else [int(v) for v in mrope_section]
+    cos, sin = torch.ops.specdeploy.rope_cos_sin(position_ids, inv_freq, sections,
+                                                 bool(mrope_interleaved), float(attention_scaling))
+    return RopeCosSin(cos, sin)
+
+
+def rope_cos_sin_ref(position_ids: torch.Tensor, inv_freq: torch.Tensor,
+                     mrope_section: list[int] | tuple[int, ...] | None = None,
+                     mrope_interleaved: bool = False, attention_scaling: float = 1.0
+                     ) -> RopeCosSin:
+    """`rope_cos_sin` in torch ops (the oracle, and the path off the CPU)."""
     inv = inv_freq.float().to(position_ids.device)
     if mrope_section is None:
         freqs = position_ids.float()[..., None] * inv
@@ -62,6 +77,25 @@ def _merge_mrope(freqs: torch.Tensor, section: list[int], interleaved: bool) -> 
             start += n
     index = axis[None, None, None, :].expand(1, *freqs.shape[1:])
     return freqs.gather(0, index)[0]
+
+
+def _cos_sin_kernel(position_ids: torch.Tensor, inv_freq: torch.Tensor, sections: list[int],
+                    interleaved: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = row_kernels.rope_cos_sin(position_ids, inv_freq, sections, interleaved, scaling)
+    if out is not None:
+        return out
+    ref = rope_cos_sin_ref(position_ids, inv_freq, sections or None, interleaved, scaling)
+    return ref.cos, ref.sin
+
+
+_cos_sin = torch.library.custom_op("specdeploy::rope_cos_sin", _cos_sin_kernel, mutates_args=())
+
+
+@_cos_sin.register_fake
+def _cos_sin_fake(position_ids, inv_freq, sections, interleaved, scaling):
+    shape = (*position_ids.shape[-2:], 2 * inv_freq.shape[0])
+    return (position_ids.new_empty(shape, dtype=torch.float32),
+            position_ids.new_empty(shape, dtype=torch.float32))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -127,6 +127,31 @@ void rope_rows(const float *x, int64_t t, int64_t heads, int64_t d, int64_t x_st
     }
 }
 
+/* RoPE's cos / sin rows (ops/rope.py `rope_cos_sin`): slot j of token i has the frequency
+ * f = (float)pos[ax(j) * n + i] * inv[j] (the cast and the product rounded as torch's), and
+ * cos_[i, j] = cos_[i, j + half] = cosf(f) * scale, sin_ likewise (libm's to <= 1 ulp, where
+ * torch's vectorized ones are too: not its bits). ax(j): 0 for mode 0 (one axis of positions);
+ * multimodal RoPE's (temporal, height, width) axes otherwise: mode 1 interleaved (slot j with
+ * j % 3 == a in {1, 2} and j < 3 * sa is axis a), mode 2 in blocks of s0, s1, s2 slots (the
+ * rest, if any, axis 0: as _merge_mrope). */
+void rope_cos_sin_rows(const int64_t *pos, int64_t n, int mode, int64_t s0, int64_t s1,
+                       int64_t s2, const float *inv, int64_t half, float scale, float *cos_,
+                       float *sin_) {
+    for (int64_t i = 0; i < n; i++) {
+        float *c = cos_ + i * 2 * half, *s = sin_ + i * 2 * half;
+        for (int64_t j = 0; j < half; j++) {
+            int64_t ax = 0;
+            if (mode == 1)
+                ax = (j % 3 == 1 && j < 3 * s1) ? 1 : (j % 3 == 2 && j < 3 * s2) ? 2 : 0;
+            else if (mode == 2)
+                ax = j < s0 ? 0 : j < s0 + s1 ? 1 : j < s0 + s1 + s2 ? 2 : 0;
+            const float f = (float)pos[ax * n + i] * inv[j];
+            c[j] = c[j + half] = cosf(f) * scale;
+            s[j] = s[j + half] = sinf(f) * scale;
+        }
+    }
+}
+
 /* sum[r, :] = a[r, :] + b[r, :] (torch's rounding) and out[r, :] = RMSNorm of that row, as
  * rms_norm_rows computes it; a, b rows dense (`n` apart). */
 void add_rms_norm_rows(const float *a, const float *b, int64_t rows, int64_t n, const float *w,

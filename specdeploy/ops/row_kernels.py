@@ -34,6 +34,7 @@ def _library() -> ctypes.CDLL | None:
     lib, errors = _gl.load_compiled("row_kernels", SOURCE, _FLAGS, {
         "rms_norm_rows": ([_P, _I64, _I64, _I64, _P, _F, _P, _I], None),
         "rope_rows": ([_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _I], None),
+        "rope_cos_sin_rows": ([_P, _I64, _I, _I64, _I64, _I64, _P, _I64, _F, _P, _P], None),
         "add_rms_norm_rows": ([_P, _P, _I64, _I64, _P, _F, _P, _P, _I], None),
         "silu_mul_rows": ([_P, _I64, _I64, _I64, _P, _I], None),
         "swiglu_oai_rows": ([_P, _I64, _I64, _I64, _F, _F, _P, _I], None),
@@ -120,6 +121,29 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     _library().rope_rows(x3.data_ptr(), b * t, h, d, x3.stride(0), c.data_ptr(), s.data_ptr(),
                          r, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, sections: list[int],
+                 interleaved: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(cos, sin) [B, T, 2 * len(inv_freq)] fp32 from positions [B, T] or [3, B, T] (C, one
+    call; see row_kernels.c `rope_cos_sin_rows`), or None where the kernel does not take these
+    tensors. NOTE: no temporaries: a CPU graph replays the call on these same buffers."""
+    lib = _library()
+    if (lib is None or position_ids.device.type != "cpu" or position_ids.dtype != torch.int64
+            or inv_freq.dtype != _F32 or inv_freq.device.type != "cpu" or inv_freq.dim() != 1
+            or not inv_freq.is_contiguous() or position_ids.dim() not in (2, 3)
+            or (position_ids.dim() == 3 and (position_ids.shape[0] != 3 or not sections))
+            or (sections and len(sections) != 3)):
+        return None
+    pos = position_ids.contiguous()
+    shape = pos.shape[-2:]
+    n, half = shape[0] * shape[1], inv_freq.shape[0]
+    mode = 0 if not sections or pos.dim() == 2 else (1 if interleaved else 2)
+    s0, s1, s2 = (int(v) for v in sections) if sections else (0, 0, 0)
+    cos, sin = (torch.empty(*shape, 2 * half, dtype=_F32) for _ in range(2))
+    lib.rope_cos_sin_rows(pos.data_ptr(), n, mode, s0, s1, s2, inv_freq.data_ptr(), half,
+                          float(scaling), cos.data_ptr(), sin.data_ptr())
+    return cos, sin
 
 
 def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float

@@ -134,7 +134,9 @@ def test_disabled_names_are_checked():
 
 def test_cleanup_export(walked, close):
     step = walked["steps"]["cleanup_export"]
-    assert step["info"].num_matches == step["asserts_before"] > 0
+    # (the tiny llama's export has none since RoPE's cos / sin became one op)
+    assert step["info"].num_matches == step["asserts_before"]
+    assert step["asserts_before"] > 0 or walked["family"] == "llama"
     assert step["asserts_after"] == 0
     close(step["after"], step["before"], rtol=EXACT)
 

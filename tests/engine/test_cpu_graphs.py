@@ -185,9 +185,13 @@ def test_replayed_steps_make_no_metadata_tensors(fp32_target, monkeypatch):
     """A replayed decode / verify / drafter step reads its metadata's host lists only: no
     tensor of it is made (cache/metadata.py, lazily; ~30-50 us a step here)."""
     from specdeploy.cache import metadata
+    from specdeploy.engine import cpu_graphs
     from tests.spec.tiny_targets import LIMITS as TINY
 
     t = fp32_target
+    recorded, program = set(), cpu_graphs._program
+    monkeypatch.setattr(cpu_graphs, "_program", lambda events: recorded.update(
+        str(e[1]) for e in events if e[0] != 2) or program(events))  # (2: a C call)
     llm = LLM(str(t.path), spec=t.spec(2), **TINY)
     llm.generate(t.prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # (captures)
     made = []
@@ -199,6 +203,8 @@ def test_replayed_steps_make_no_metadata_tensors(fp32_target, monkeypatch):
     # the prompt's prefill (target and drafter catch-up) and at most one new capture make
     # them; each replayed step (>= 14: the target's and the drafter chain's) did before
     assert runner.replays - before >= 10 and len(made) <= 3, (runner.replays - before, made)
+    # RoPE's cos / sin are one C call in the replay (ops/rope.py), not ~7-11 torch ops
+    assert recorded and not recorded & {"aten.cos.default", "aten.sin.default"}, recorded
 
 
 def test_required_off_the_cpu_is_refused():
