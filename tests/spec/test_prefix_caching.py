@@ -60,6 +60,17 @@ def test_default_pages_are_scan_chunks_with_a_checkpoint_each(target, k):
 
 
 @pytest.mark.parametrize("pages", [(2, 3), (2, 0)], ids=["mid_page", "on_boundary"])
+def _crossing(target):
+    """(page size, a prompt of a page and 5 tokens, two pages of greedy decode, its cold
+    continuation): the prompt's boundary and two decoded ones are crossed."""
+    if target.arch == "llama":
+        pytest.skip("no recurrent state")
+    ps = PAGE_SIZE[target.arch]
+    prompt = _tokens(ps + 5, 4)
+    params = SamplingParams(max_tokens=2 * ps, ignore_eos=True)
+    return ps, prompt, params, _cold(target, prompt, params)
+
+
 @pytest.mark.parametrize("chunk", [512, 13], ids=["whole", "chunked"])
 @pytest.mark.parametrize("k", [None, K], ids=["plain", "spec"])
 def test_shared_prefix_hits_and_matches_cold_run(target, pages, chunk, k):
@@ -122,12 +133,7 @@ def test_checkpoints_equal_fresh_prefill_states(target, chunk, k):
     tokens and, with speculation, verify steps whose drafts are one right then wrong:
     boundaries inside accepted runs are checkpointed from the spec states, rejected drafts
     never are. Each equals the state of a fresh prefill up to its boundary (fp32)."""
-    if target.arch == "llama":
-        pytest.skip("no recurrent state")
-    PS = PAGE_SIZE[target.arch]
-    prompt = _tokens(PS + 5, 4)
-    params = SamplingParams(max_tokens=2 * PS, ignore_eos=True)
-    cont = _cold(target, prompt, params)
+    PS, prompt, params, cont = _crossing(target)
     llm = target.llm(k)
     llm.reset_prefix_cache()
     if k:
@@ -253,14 +259,9 @@ def test_decode_steps_crossing_checkpoint_boundaries_replay(target, monkeypatch)
     state slot is copied to the checkpoint after it (deploy/runner.py `_checkpoints_after`;
     before, each such step ran eagerly): every decode step replayed, the boundaries' copies
     made, the output the cold run's (the copies' values: test_checkpoints_equal_fresh_...)."""
-    if target.arch == "llama":
-        pytest.skip("no recurrent state")
     from specdeploy.deploy.runner import GraphDeployed
 
-    PS = PAGE_SIZE[target.arch]
-    prompt = _tokens(PS + 5, 4)
-    params = SamplingParams(max_tokens=2 * PS, ignore_eos=True)
-    cont = _cold(target, prompt, params)
+    PS, prompt, params, cont = _crossing(target)
     llm = target.llm()
     runner = getattr(llm.deployed, "target", llm.deployed).graph_runner
     assert runner is not None
