@@ -91,7 +91,13 @@ def test_echo_with_logprobs_leads_with_the_prompt(setup):
         assert c.text[lp.text_offset[i]:lp.text_offset[i] + len(tok)] == tok
     plain = client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0,
                                       logprobs=2, extra_body={"ignore_eos": True})
-    assert lp.token_logprobs[n:] == plain.choices[0].logprobs.token_logprobs
+    # NOTE: not bit for bit: the echoed prefill takes the LM head over every prompt row, the
+    # plain one over the last row only (and, hitting the prefix cache the echoed request
+    # filled, runs that row as a 1-row step); this fp32 target's BLAS linears round a 1-row
+    # and a 7-row product differently (~1e-7; checked: without prefix caching only the first
+    # reply token's logprob differs)
+    assert lp.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs,
+                                                  abs=1e-5)
     assert c.text == PROMPT + plain.choices[0].text
 
 
