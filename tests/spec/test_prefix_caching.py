@@ -59,7 +59,6 @@ def test_default_pages_are_scan_chunks_with_a_checkpoint_each(target, k):
     assert target.llm(k).engine.prefix.checkpoint_every == 1
 
 
-@pytest.mark.parametrize("pages", [(2, 3), (2, 0)], ids=["mid_page", "on_boundary"])
 def _crossing(target):
     """(page size, a prompt of a page and 5 tokens, two pages of greedy decode, its cold
     continuation): the prompt's boundary and two decoded ones are crossed."""
@@ -71,6 +70,7 @@ def _crossing(target):
     return ps, prompt, params, _cold(target, prompt, params)
 
 
+@pytest.mark.parametrize("pages", [(2, 3), (2, 0)], ids=["mid_page", "on_boundary"])
 @pytest.mark.parametrize("chunk", [512, 13], ids=["whole", "chunked"])
 @pytest.mark.parametrize("k", [None, K], ids=["plain", "spec"])
 def test_shared_prefix_hits_and_matches_cold_run(target, pages, chunk, k):
