@@ -100,10 +100,14 @@ def main() -> None:
                     help="n-gram lookup drafts per head: 0 (off) and/or MAX:MIN, e.g. 0,4:2")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--model", default=None, help="default: the default model; or hybrid-demo")
-    ap.add_argument("--draft-dtype", default="bfloat16", help="'none': the target's")
+    ap.add_argument("--draft-dtype", default="none", help="'none': the target's (the engine's "
+                    "default)")
+    ap.add_argument("--draft-quantize", default="auto",
+                    help="the drafter's weights: auto (the engine's default), q8_0, int8, none")
     ap.add_argument("--controller", default="off", help="'cost': the cost controller on")
     args = ap.parse_args()
     draft_dtype = None if args.draft_dtype == "none" else args.draft_dtype
+    draft_quantize = None if args.draft_quantize == "none" else args.draft_quantize
     torch.set_num_threads(args.threads)
 
     def make(spec):
@@ -124,7 +128,7 @@ def main() -> None:
                 continue
             llms[name] = make(SpecConfig(m, args.k, draft_model=getattr(args, f"{m}_dir"),
                                          draft_dtype=draft_dtype,
-                                         draft_quantize="int8" if draft_dtype else None,
+                                         draft_quantize=draft_quantize,
                                          prompt_lookup_max=mx, prompt_lookup_min=mn if mx else 2,
                                          controller=args.controller))
     for llm in llms.values():  # warm-up
@@ -140,7 +144,7 @@ def main() -> None:
         r["tokens_per_step"] = round(r["tokens_per_step"], 3)
     out = {"machine": machine(), "command": " ".join(["bench/spec_phases.py"] + sys.argv[1:]),
            "k": args.k, "prompts": args.num_prompts, "max_tokens": args.max_tokens,
-           "drafter": "bf16, int8 weights", "steps": rows}
+           "drafter": {"dtype": draft_dtype, "quantize": draft_quantize}, "steps": rows}
     print_json(out, args.json_out)
 
 

@@ -78,8 +78,19 @@ def assign_params(
         _set_tensor(model, name, t, is_param=isinstance(want, nn.Parameter))
 
 
+def _dropped_leading_ones(got: tuple, want: tuple) -> bool:
+    """Whether `want` is `got` with size-1 dims in front."""
+    extra = len(want) - len(got)
+    return extra > 0 and want[extra:] == got and all(d == 1 for d in want[:extra])
+
+
 def _checked(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, source: str,
              check_finite: bool) -> torch.Tensor:
+    if tuple(t.shape) != shape and _dropped_leading_ones(tuple(t.shape), shape):
+        # NOTE: llama.cpp's tools write a tensor with ggml_n_dims dims, its trailing size-1
+        # dims dropped (in HF order: leading): a file re-quantized by llama-quantize (the
+        # published Q4_K_M ones) stores Qwen3.5-MoE's shared_expert_gate [1, H] as [H]
+        t = t.reshape(shape)
     if tuple(t.shape) != shape:
         raise CheckpointError(
             f"{source}: tensor {name!r} has shape {tuple(t.shape)}, model expects {shape}")

@@ -236,6 +236,15 @@ static void tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_t *
  * adds into one sum and computes all rows x 8 products first (~32 ymm live: stack spills) */
 #define KEEP(v) __asm__("" : "+x"(v))
 #define MACC_PASS(rg) ((rg) > 2) /* Q4_1's macc in a pass of its own (below 3 rows: room) */
+/* The first half's pass reads the tile's blocks from memory (the second finds them in L1): it
+ * asks for the block PF_BLOCKS ahead (past a tile's end: the next tile's, stored after it).
+ * With the arithmetic of several rows, or of 4-bit unpacking, between the loads the hardware
+ * prefetcher alone fell behind (2-core AMD EPYC, AVX2, 30 layers of SmolLM2's linears, one
+ * process alternating builds: Q4_1 0.93x the time at 1 row, 0.86x at 4; Q8_0 0.84x at 4 rows).
+ * A 1-row Q8_0 pass is a plain stream the hardware keeps up with: there the requests cost
+ * ~5%, so it makes none. Only the order of loads changes: the same bits. */
+#define PF_BLOCKS 8
+#define PREFETCHES(h, kind, rg) ((h) == 0 && ((kind) != Q8_0 || (rg) > 1))
 
 static inline int32_t group_at(const int8_t *q) { /* 4 activation bytes as one int32 */
     int32_t v;
@@ -266,6 +275,9 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
         /* half h: scales 16 h bytes on (MXFP4's e: 8 h), quants 32 h on in every 64-byte vector */
         const uint8_t *base = tile + (size_t)b * tb, *qs = base + qo + 32 * h;
         const int8_t *qx = a->q + (size_t)r0 * K + 32 * b; /* row r0 + r: qx + r * K */
+        if (PREFETCHES(h, kind, rg))
+            for (int l = 0; l < tb; l += 64)
+                _mm_prefetch((const char *)base + PF_BLOCKS * tb + l, _MM_HINT_T0);
         __m256i p[ROW_GROUP], p16[ROW_GROUP]; /* int32 (Q8_0, MXFP4) / int16 sums, exact */
         for (int r = 0; r < rg; r++) p[r] = p16[r] = _mm256_setzero_si256();
         for (int j = 0; j < (kind == Q8_0 ? 8 : 4); j++) {

@@ -98,9 +98,14 @@ def _converted(src: Path):
     return out, text, arch
 
 
-def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32) -> Path:
-    """`src` (qwen3_5_moe.make_tiny) as a text GGUF, as nemotron_h_layout.write_gguf."""
+def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32,
+               requantized: bool = False) -> Path:
+    """`src` (qwen3_5_moe.make_tiny) as a text GGUF, as nemotron_h_layout.write_gguf.
+    `requantized`: each tensor's leading size-1 dims dropped, as a file that llama-quantize
+    wrote has them (ggml_n_dims: trailing size-1 ne dims are not written)."""
     tensors, t, arch = _converted(src)
+    while requantized and any(a.ndim > 1 and a.shape[0] == 1 for a in tensors.values()):
+        tensors = {k: a[0] if a.ndim > 1 and a.shape[0] == 1 else a for k, a in tensors.items()}
     n, nextn = t["num_hidden_layers"], t.get("mtp_num_hidden_layers", 0)
     rope = t["rope_parameters"]
     w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])

@@ -45,6 +45,22 @@ def test_config_from_metadata(pair):
     assert got["rms_norm_eps"] == pytest.approx(want["rms_norm_eps"], rel=1e-6)  # float32
 
 
+def test_a_requantized_file_loads(pair, tmp_path):
+    """A GGUF rewritten by llama-quantize (every published Q4_K_M) stores a tensor without its
+    trailing size-1 ggml dims: shared_expert_gate [1, H] as [H]. It loads, to the same values
+    (it was refused: "has shape (H,), model expects (1, H)")."""
+    src, path = pair
+    squeezed = write_gguf(src, tmp_path / "requantized.gguf", requantized=True)
+    name = "model.layers.0.mlp.shared_expert_gate.weight"
+    assert tuple(GGUFReader(squeezed).get(name).shape) == (
+        GGUFReader(path).get(name).shape[-1],)  # the file as llama-quantize writes it
+    a = load_model(squeezed, dtype="float32", with_mtp=True).state_dict()
+    b = load_model(path, dtype="float32", with_mtp=True).state_dict()
+    assert a.keys() == b.keys() and a[name].shape == b[name].shape
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_model_equals_the_safetensors_one(pair):
     """Every parameter loaded from the GGUF, MTP head included, is the safetensors one
     (A_log within float32 rounding)."""
