@@ -331,40 +331,104 @@ AVX2_FN __m256i kq_bytes(const uint8_t *b, int g, const int kind) {
     return q;
 }
 
-AVX2_FN __attribute__((always_inline)) void group_k_avx2(const act_t *a, int K, const uint8_t *w,
-                                                        int t0, int t1, int N, float *y, int r0,
-                                                        const int rg, const int kind) {
+/* a super-block's scales as kq_scales gives them, all 8 groups at once (F16C's conversion is
+ * half_to_float's, exact): per group the lanes' scales lo (values 0-15) / hi (16-31), and the
+ * minimum's -m1 (Q4_K / Q5_K). Once per (output, super-block), not per group and row group. */
+AVX2_FN __attribute__((always_inline)) void kq_block_scales(const uint8_t *b, const int kind,
+                                                           float *sc, float *mn) {
+    if (kind == Q6_K) { /* sc[2g], sc[2g + 1]: group g's lo, hi */
+        const __m256 d = _mm256_set1_ps(f16_at(b + 208));
+        const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));
+        _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))));
+        _mm256_storeu_ps(sc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(
+                                                      _mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8)))));
+        return;
+    }
+    /* the 12 bytes of 6-bit scales and minimums: sc_g, m_g for g < 4 are the low 6 bits of
+     * bytes g, g + 4; for g >= 4 the nibbles of byte g + 4 with the top 2 bits of bytes g - 4,
+     * g: four 32-bit words of masks and shifts give the 8 + 8 bytes */
+    uint32_t u[3], v[4];
+    memcpy(u, b + 4, 12);
+    v[0] = u[0] & 0x3f3f3f3fu;
+    v[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    v[2] = u[1] & 0x3f3f3f3fu;
+    v[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)v);
+    _mm256_storeu_ps(sc, _mm256_mul_ps(_mm256_set1_ps(f16_at(b)),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))));
+    /* -(dmin * m): the product, then the sign (as kq_scales) */
+    _mm256_storeu_ps(mn, _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(
+        _mm256_set1_ps(f16_at(b + 2)),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))))));
+}
+
+#ifndef KQ_PF_BYTES
+#define KQ_PF_BYTES 2048
+#endif
+#ifndef KQ_PAIR_ROWS
+#define KQ_PAIR_ROWS 2
+#endif
+/* outputs n .. n + no - 1 (no <= 2: two independent fma chains, each row's activation block
+ * loaded once for both) for rg rows; per output and row the same operations in the same order
+ * as the scalar path (tile_scalar_k): the same bits */
+AVX2_FN __attribute__((always_inline)) void outputs_k_avx2(const act_t *a, int K,
+                                                          const uint8_t *w, int n, int N,
+                                                          float *y, int r0, const int rg,
+                                                          const int no, const int kind) {
     const int nk = K / 256, nb = K / 32, bytes = block_bytes(kind);
-    for (int n = t0; n < t1; n++) {
-        const uint8_t *row = w + (size_t)n * nk * bytes;
-        __m256 acc[ROW_GROUP];
-        float macc[ROW_GROUP];
+    __m256 acc[2][ROW_GROUP];
+    float macc[2][ROW_GROUP];
+    for (int o = 0; o < no; o++)
         for (int r = 0; r < rg; r++) {
-            acc[r] = _mm256_setzero_ps();
-            macc[r] = 0.f;
+            acc[o][r] = _mm256_setzero_ps();
+            macc[o][r] = 0.f;
         }
-        for (int k = 0; k < nk; k++) {
-            const uint8_t *b = row + (size_t)k * bytes;
-            for (int g = 0; g < 8; g++) {
-                const __m256i wv = kq_bytes(b, g, kind);
-                const __m256i wabs = kind == Q6_K ? _mm256_abs_epi8(wv) : wv;
-                float s_lo, s_hi, m;
-                kq_scales(kind, b, g, &s_lo, &s_hi, &m);
-                const __m256 sv = _mm256_setr_ps(s_lo, s_lo, s_lo, s_lo, s_hi, s_hi, s_hi, s_hi);
-                for (int r = 0; r < rg; r++) {
-                    const size_t rb = (size_t)(r0 + r) * nb + 8 * k + g;
-                    const __m256i qx = _mm256_loadu_si256((const __m256i *)(a->q + rb * 32));
+    for (int k = 0; k < nk; k++) {
+        const uint8_t *b[2];
+        float sc[2][16], mn[2][8];
+        for (int o = 0; o < no; o++) {
+            b[o] = w + ((size_t)(n + o) * nk + k) * bytes;
+            for (int l = 0; l < bytes; l += 64)
+                _mm_prefetch((const char *)b[o] + KQ_PF_BYTES + l, _MM_HINT_T0);
+            kq_block_scales(b[o], kind, sc[o], mn[o]);
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            __m256i wv[2], wabs[2];
+            __m256 sv[2];
+            for (int o = 0; o < no; o++) {
+                wv[o] = kq_bytes(b[o], g, kind);
+                wabs[o] = kind == Q6_K ? _mm256_abs_epi8(wv[o]) : wv[o];
+                sv[o] = kind == Q6_K ? _mm256_setr_m128(_mm_broadcast_ss(&sc[o][2 * g]),
+                                                        _mm_broadcast_ss(&sc[o][2 * g + 1]))
+                                     : _mm256_broadcast_ss(&sc[o][g]);
+            }
+            for (int r = 0; r < rg; r++) {
+                const size_t rb = (size_t)(r0 + r) * nb + 8 * k + g;
+                const __m256i qx = _mm256_loadu_si256((const __m256i *)(a->q + rb * 32));
+                const __m256 dx = _mm256_set1_ps(a->d[rb]);
+                for (int o = 0; o < no; o++) {
                     const __m256 p = _mm256_cvtepi32_ps(
-                        block_products(wv, wabs, qx, kind == Q6_K ? Q8_0 : Q4_1));
-                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sv, _mm256_set1_ps(a->d[rb])), p,
-                                             acc[r]);
-                    if (kind != Q6_K) macc[r] = fmaf(m, a->s[rb], macc[r]);
+                        block_products(wv[o], wabs[o], qx, kind == Q6_K ? Q8_0 : Q4_1));
+                    acc[o][r] = _mm256_fmadd_ps(_mm256_mul_ps(sv[o], dx), p, acc[o][r]);
+                    if (kind != Q6_K) macc[o][r] = fmaf(mn[o][g], a->s[rb], macc[o][r]);
                 }
             }
         }
-        for (int r = 0; r < rg; r++)
-            y[(size_t)(r0 + r) * N + n] = kind != Q6_K ? hsum8(acc[r]) + macc[r] : hsum8(acc[r]);
     }
+    for (int o = 0; o < no; o++)
+        for (int r = 0; r < rg; r++)
+            y[(size_t)(r0 + r) * N + n + o] =
+                kind != Q6_K ? hsum8(acc[o][r]) + macc[o][r] : hsum8(acc[o][r]);
+}
+
+AVX2_FN __attribute__((always_inline)) void group_k_avx2(const act_t *a, int K, const uint8_t *w,
+                                                        int t0, int t1, int N, float *y, int r0,
+                                                        const int rg, const int kind) {
+    int n = t0;
+    if (rg <= KQ_PAIR_ROWS)
+        for (; n + 2 <= t1; n += 2) outputs_k_avx2(a, K, w, n, N, y, r0, rg, 2, kind);
+    for (; n < t1; n++) outputs_k_avx2(a, K, w, n, N, y, r0, rg, 1, kind);
 }
 
 TILE_FN(q4_k_avx2, group_k_avx2, Q4_K, AVX2_ATTR)
