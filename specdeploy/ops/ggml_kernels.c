@@ -1,4 +1,5 @@
-/* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0, Q4_0 and MXFP4, and
+/* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1 and
+ * MXFP4, and
  * the K-quants Q4_K, Q5_K and Q6_K (256-value super-blocks; see kquant_values).
  *
  * Weights stay in their 4.5 / 8.5 bits per value and are expanded in registers; x and y are
@@ -44,13 +45,18 @@ static inline __m256 block_dot(const float *xb, __m256 q0, __m256 q1, __m256 q2,
  *   Q4_1 (20 bytes): d (f16), m (f16), qs[16]; w = d * q + m
  *   Q8_0 (34 bytes): d (f16), qs[32] int8;    w = d * q
  *   Q4_0 (18 bytes): d (f16), qs[16];         w = d * (q - 8)
+ *   Q5_0 (22 bytes): d (f16), qh[4], qs[16];  w = d * (q - 16)
+ *   Q5_1 (24 bytes): d, m (f16), qh[4], qs[16]; w = d * q + m
  *   MXFP4 (17 bytes): e (E8M0), qs[16];       w = 2^(e - 128) * E2M1X2[q] (ggml's e8m0-half
  *                     times its doubled E2M1 table: integers times a power of two, exact)
- * In the 4-bit kinds value i is the low nibble of qs[i] and value i + 16 the high one. For Q4_1,
+ * In the 4-bit kinds value i is the low nibble of qs[i] and value i + 16 the high one; the 5-bit
+ * kinds add bit i of the little-endian 32-bit qh as bit 4 of value i. For Q4_1 and Q5_1,
  * y = sum_b d_b * dot(x_b, q_b) + m_b * sum(x_b), the block sums of x precomputed (xsum).
  * MXFP4's d and integers are those of its Q8_0 rewrite (d = 2^(e - 128) in fp16, q the table's
  * integer), so both give the same fp32 values and the same bits here. */
-enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, MXFP4 = 6 };
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, MXFP4 = 6, Q5_0 = 7, Q5_1 = 8 };
+#define HAS_M(kind) ((kind) == Q4_1 || (kind) == Q5_1)
+#define IS_Q5(kind) ((kind) == Q5_0 || (kind) == Q5_1)
 
 static const int8_t E2M1X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
@@ -63,7 +69,20 @@ static inline float e8m0_half(uint8_t e) {
 }
 
 static inline int block_bytes(int kind) {
-    return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == MXFP4 ? 17 : 18;
+    return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == MXFP4 ? 17 : kind == Q5_0 ? 22
+           : kind == Q5_1 ? 24 : 18;
+}
+
+/* a 5-bit block's bit 4 of each value: bytes 0..31 of `out`, 16 where bit i of qh is set */
+static inline __m256i q5_high(const uint8_t *qhp) {
+    uint32_t qh;
+    memcpy(&qh, qhp, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+        3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                            _mm256_set1_epi8(16));
 }
 
 /* One group of rg (<= ROW_GROUP) input rows over output rows t0..t1. `rg` and `kind` are
@@ -92,11 +111,20 @@ static inline __attribute__((always_inline)) void block_group(
                 l = _mm256_castsi256_si128(qa);
                 h = _mm256_extracti128_si256(qa, 1);
             } else {
-                const __m128i q = _mm_loadu_si128(
-                    (const __m128i *)(blk + (kind == Q4_1 ? 4 : kind == MXFP4 ? 1 : 2)));
+                const __m128i q = _mm_loadu_si128((const __m128i *)(
+                    blk + (kind == Q4_1 ? 4 : kind == MXFP4 ? 1 : kind == Q5_0 ? 6
+                           : kind == Q5_1 ? 8 : 2)));
                 l = _mm_and_si128(q, mask);
                 h = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-                if (kind == MXFP4) {
+                if (IS_Q5(kind)) {
+                    const __m256i hi = q5_high(blk + (kind == Q5_0 ? 2 : 4));
+                    l = _mm_or_si128(l, _mm256_castsi256_si128(hi));
+                    h = _mm_or_si128(h, _mm256_extracti128_si256(hi, 1));
+                    if (kind == Q5_0) {
+                        l = _mm_sub_epi8(l, _mm_set1_epi8(16));
+                        h = _mm_sub_epi8(h, _mm_set1_epi8(16));
+                    }
+                } else if (kind == MXFP4) {
                     l = _mm_shuffle_epi8(table, l);
                     h = _mm_shuffle_epi8(table, h);
                 } else if (kind == Q4_0) {
@@ -108,16 +136,16 @@ static inline __attribute__((always_inline)) void block_group(
             const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(l, 8)));
             const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h));
             const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(h, 8)));
-            const float m = kind == Q4_1 ? half_at(blk + 2) : 0.f;
+            const float m = HAS_M(kind) ? half_at(blk + 2) : 0.f;
             for (int r = 0; r < rg; r++) {
                 const float *xb = x + (size_t)(r0 + r) * K + b * 32;
                 acc[r] = _mm256_fmadd_ps(d, block_dot(xb, q0, q1, q2, q3), acc[r]);
-                if (kind == Q4_1)
+                if (HAS_M(kind))
                     macc[r] = __builtin_fmaf(m, xsum[(size_t)(r0 + r) * nb + b], macc[r]);
             }
         }
         for (int r = 0; r < rg; r++)
-            y[(size_t)(r0 + r) * N + n] = kind == Q4_1 ? hsum8(acc[r]) + macc[r] : hsum8(acc[r]);
+            y[(size_t)(r0 + r) * N + n] = HAS_M(kind) ? hsum8(acc[r]) + macc[r] : hsum8(acc[r]);
     }
 }
 
@@ -140,6 +168,8 @@ BLOCK_TILE(q4_1_tile, Q4_1)
 BLOCK_TILE(q8_0_tile, Q8_0)
 BLOCK_TILE(q4_0_tile, Q4_0)
 BLOCK_TILE(mxfp4_tile, MXFP4)
+BLOCK_TILE(q5_0_tile, Q5_0)
+BLOCK_TILE(q5_1_tile, Q5_1)
 
 /* K-quants: 256-value super-blocks (llama.cpp's QK_K), as gguf-py lays them out:
  *   Q4_K (144 bytes): d, dmin (f16), 12 bytes of 6-bit scales / mins for 8 sub-blocks of 32,
@@ -265,13 +295,13 @@ KQUANT_TILE(q6_k_tile, Q6_K)
 #include <omp.h>
 #endif
 
-/* kind: Q4_1, Q8_0, Q4_0, MXFP4, Q4_K, Q5_K or Q6_K (above). x [R, K] and y [R, N] row-major fp32;
+/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K or Q6_K (above). x [R, K] and y [R, N] row-major fp32;
  * w: N rows of blocks. Returns 0, or -1 when scratch memory could not be had (y untouched). */
 int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N, float *y,
                 int nthreads) {
     const int nb = K / 32;
     float *xsum = NULL;
-    if (kind == Q4_1) {
+    if (HAS_M(kind)) {
         xsum = (float *)malloc(sizeof(float) * (size_t)R * nb + 1);
         if (!xsum) return -1;
         for (int r = 0; r < R; r++)
@@ -299,6 +329,8 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
             else if (kind == Q4_1) q4_1_tile(x, xsum, R, K, w, n0, n1, N, y);
             else if (kind == Q8_0) q8_0_tile(x, xsum, R, K, w, n0, n1, N, y);
             else if (kind == MXFP4) mxfp4_tile(x, xsum, R, K, w, n0, n1, N, y);
+            else if (kind == Q5_0) q5_0_tile(x, xsum, R, K, w, n0, n1, N, y);
+            else if (kind == Q5_1) q5_1_tile(x, xsum, R, K, w, n0, n1, N, y);
             else q4_0_tile(x, xsum, R, K, w, n0, n1, N, y);
         }
     }
@@ -338,6 +370,19 @@ void ggml_dequant(int kind, const uint8_t *w, const int64_t *rows, int R, int K,
                 }
             } else if (kind == Q8_0) {
                 for (int j = 0; j < 32; j++) ob[j] = d * (float)(int8_t)blk[2 + j];
+            } else if (IS_Q5(kind)) {
+                const uint8_t *qs = blk + (kind == Q5_0 ? 6 : 8);
+                uint32_t qh;
+                memcpy(&qh, blk + (kind == Q5_0 ? 2 : 4), 4);
+                const float m = kind == Q5_1 ? half_at(blk + 2) : 0.f;
+                const int off = kind == Q5_0 ? 16 : 0;
+                for (int j = 0; j < 16; j++) {
+                    const int lo = ((qs[j] & 0x0F) | (int)((qh >> j & 1) << 4)) - off;
+                    const int hi = ((qs[j] >> 4) | (int)((qh >> (j + 16) & 1) << 4)) - off;
+                    /* Q5_1: the product, then + m (two roundings, as numpy) */
+                    ob[j] = kind == Q5_1 ? d * (float)lo + m : d * (float)lo;
+                    ob[j + 16] = kind == Q5_1 ? d * (float)hi + m : d * (float)hi;
+                }
             } else if (kind == Q4_1) {
                 const float m = half_at(blk + 2);
                 for (int j = 0; j < 16; j++) {

@@ -1,4 +1,4 @@
-/* y[R, N] = x[R, K] @ W^T with W in GGUF blocks (Q4_1, Q8_0, Q4_0) and x quantized per row to
+/* y[R, N] = x[R, K] @ W^T with W in GGUF blocks (Q4_1, Q8_0, Q4_0, Q5_0, Q5_1) and x quantized per row to
  * 8-bit blocks of 32 as llama.cpp does for its integer dot products (Q8_0 / Q8_1 activations):
  * per block d = max|x| / 127, q = round-to-nearest-even(x * 127 / max|x|), and (for Q4_1's
  * offset m) the block's exact fp32 sum of x. Unlike llama.cpp the activation scale stays fp32
@@ -26,7 +26,12 @@
 #include <omp.h>
 #endif
 
-enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 }; /* ggml_linear.py's KINDS */
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_0 = 7, Q5_1 = 8 };
+/* (ggml_linear.py's KINDS; 6 is MXFP4, which this file does not read) */
+#define IS_KQ(kind) ((kind) >= Q4_K && (kind) <= Q6_K)
+#define IS_Q5(kind) ((kind) == Q5_0 || (kind) == Q5_1)
+/* the kinds with an offset m per block (w = d * q + m): unsigned values, m * sum(x) apart */
+#define HAS_M(kind) ((kind) == Q4_1 || (kind) == Q5_1)
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_linear.py's ISAS */
 #define ROW_GROUP 4 /* input rows sharing one expansion of a weight block */
 #define OUT_TILE 32 /* output rows per tile: their weights stay in cache across row groups */
@@ -39,8 +44,14 @@ typedef struct {
 
 static int block_bytes(int kind) {
     return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == Q4_0 ? 18 : kind == Q4_K ? 144
-           : kind == Q5_K ? 176 : 210;
+           : kind == Q5_K ? 176 : kind == Q5_0 ? 22 : kind == Q5_1 ? 24 : 210;
 }
+
+/* Q5_0 (22 bytes: d, qh[4], qs[16]) and Q5_1 (24: d, m, qh[4], qs[16]): value i's low 4 bits
+ * as Q4_0 / Q4_1's (nibble of qs[i % 16]), its bit 4 bit i of the little-endian qh;
+ * w = d * (q - 16) / d * q + m (gguf-py's dequantization) */
+static int q5_qh(int kind) { return kind == Q5_0 ? 2 : 4; }
+static int q5_qs(int kind) { return kind == Q5_0 ? 6 : 8; }
 
 /* always inlined: a call from the AVX2 code into SSE-encoded code would pay the AVX-SSE
  * transition (measured: Q4_K's AVX2 path 10x slower than its scalar one) */
@@ -174,6 +185,15 @@ static void tile_scalar(int kind, const act_t *a, int R, int K, const uint8_t *w
                 int wv[32];
                 if (kind == Q8_0) {
                     for (int i = 0; i < 32; i++) wv[i] = (int8_t)blk[2 + i];
+                } else if (IS_Q5(kind)) {
+                    const uint8_t *qs = blk + q5_qs(kind);
+                    uint32_t qh;
+                    memcpy(&qh, blk + q5_qh(kind), 4);
+                    const int off = kind == Q5_0 ? 16 : 0;
+                    for (int i = 0; i < 16; i++) {
+                        wv[i] = ((qs[i] & 0x0F) | (int)((qh >> i & 1) << 4)) - off;
+                        wv[i + 16] = ((qs[i] >> 4) | (int)((qh >> (i + 16) & 1) << 4)) - off;
+                    }
                 } else {
                     const uint8_t *qs = blk + (kind == Q4_1 ? 4 : 2);
                     const int off = kind == Q4_0 ? 8 : 0;
@@ -188,9 +208,10 @@ static void tile_scalar(int kind, const act_t *a, int R, int K, const uint8_t *w
                     for (int i = 4 * j; i < 4 * j + 4; i++) p += wv[i] * qx[i];
                     acc[j] = fmaf(scale, (float)p, acc[j]);
                 }
-                if (kind == Q4_1) macc = fmaf(half_at(blk + 2), a->s[(size_t)r * nb + b], macc);
+                if (HAS_M(kind))
+                    macc = fmaf(half_at(blk + 2), a->s[(size_t)r * nb + b], macc);
             }
-            y[(size_t)r * N + n] = kind == Q4_1 ? sum8(acc) + macc : sum8(acc);
+            y[(size_t)r * N + n] = HAS_M(kind) ? sum8(acc) + macc : sum8(acc);
         }
     }
 }
@@ -217,6 +238,21 @@ AVX2_FN float f16_at(const uint8_t *p) {
  * q - 8 for Q4_0; Q8_0 as stored) */
 AVX2_FN __m256i weight_bytes(const uint8_t *blk, const int kind) {
     if (kind == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    if (IS_Q5(kind)) { /* bit i of qh to byte i (16 where set), or'ed into the nibbles */
+        uint32_t qh;
+        memcpy(&qh, blk + q5_qh(kind), 4);
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+            3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+        const __m256i hi = _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+        const __m128i q = _mm_loadu_si128((const __m128i *)(blk + q5_qs(kind)));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        const __m256i v = _mm256_or_si256(hi, _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask)));
+        return kind == Q5_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(16)) : v;
+    }
     const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (kind == Q4_1 ? 4 : 2)));
     const __m128i mask = _mm_set1_epi8(0x0F);
     __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
@@ -227,7 +263,7 @@ AVX2_FN __m256i weight_bytes(const uint8_t *blk, const int kind) {
  * by signed bytes: Q4_1's weights are unsigned already; signed ones go in as |w| times q with
  * w's sign (|w| <= 128, q <= 127: no int16 pair sum saturates) */
 AVX2_FN __m256i block_products(__m256i wv, __m256i wabs, __m256i qx, const int kind) {
-    const __m256i pairs = kind == Q4_1 ? _mm256_maddubs_epi16(wv, qx)
+    const __m256i pairs = HAS_M(kind) ? _mm256_maddubs_epi16(wv, qx)
                                        : _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(qx, wv));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
@@ -255,9 +291,9 @@ AVX2_FN __attribute__((always_inline)) void outputs_avx2(const act_t *a, int K, 
         for (int o = 0; o < no; o++) {
             const uint8_t *blk = row0 + ((size_t)o * nb + b) * bytes;
             wv[o] = weight_bytes(blk, kind);
-            wabs[o] = kind == Q4_1 ? wv[o] : _mm256_abs_epi8(wv[o]);
+            wabs[o] = HAS_M(kind) ? wv[o] : _mm256_abs_epi8(wv[o]);
             dw[o] = f16_at(blk);
-            m[o] = kind == Q4_1 ? f16_at(blk + 2) : 0.f;
+            m[o] = HAS_M(kind) ? f16_at(blk + 2) : 0.f;
         }
         for (int r = 0; r < rg; r++) {
             const size_t rb = (size_t)(r0 + r) * nb + b;
@@ -266,14 +302,14 @@ AVX2_FN __attribute__((always_inline)) void outputs_avx2(const act_t *a, int K, 
             for (int o = 0; o < no; o++) {
                 const __m256 p = _mm256_cvtepi32_ps(block_products(wv[o], wabs[o], qx, kind));
                 acc[o][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw[o] * dx), p, acc[o][r]);
-                if (kind == Q4_1) macc[o][r] = fmaf(m[o], a->s[rb], macc[o][r]);
+                if (HAS_M(kind)) macc[o][r] = fmaf(m[o], a->s[rb], macc[o][r]);
             }
         }
     }
     for (int o = 0; o < no; o++)
         for (int r = 0; r < rg; r++)
             y[(size_t)(r0 + r) * N + n + o] =
-                kind == Q4_1 ? hsum8(acc[o][r]) + macc[o][r] : hsum8(acc[o][r]);
+                HAS_M(kind) ? hsum8(acc[o][r]) + macc[o][r] : hsum8(acc[o][r]);
 }
 
 /* one group of rg rows over outputs t0..t1 */
@@ -304,6 +340,8 @@ AVX2_FN __attribute__((always_inline)) void group_avx2(const act_t *a, int K, co
     }
 #define AVX2_ATTR __attribute__((target("avx2,fma,f16c")))
 TILE_FN(q4_1_avx2, group_avx2, Q4_1, AVX2_ATTR)
+TILE_FN(q5_0_avx2, group_avx2, Q5_0, AVX2_ATTR)
+TILE_FN(q5_1_avx2, group_avx2, Q5_1, AVX2_ATTR)
 TILE_FN(q8_0_avx2, group_avx2, Q8_0, AVX2_ATTR)
 TILE_FN(q4_0_avx2, group_avx2, Q4_0, AVX2_ATTR)
 
@@ -822,7 +860,13 @@ int ggml_int_isa_supported(int isa) {
 static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint8_t *w, int n0,
                      int n1, int N, float *y) {
 #ifdef SD_X86
-    if (kind >= Q4_K && isa == ISA_AVX512) {
+    if (IS_Q5(kind) && isa != ISA_SCALAR) {
+        /* NOTE: AVX2 on AVX-512 machines too (no AVX-512 path for them: the same bits) */
+        if (kind == Q5_0) q5_0_avx2(a, R, K, w, n0, n1, N, y);
+        else q5_1_avx2(a, R, K, w, n0, n1, N, y);
+        return;
+    }
+    if (IS_KQ(kind) && isa == ISA_AVX512) {
         /* NOTE: the same bits either way (kq_wide's header); on failure the per-output path */
         if (R >= KQ_WIDE_MIN_ROWS && kq_wide(kind, a, R, K, w, n0, n1, N, y) == 0) return;
         if (kind == Q4_K) q4_k_avx512(a, R, K, w, n0, n1, N, y);
@@ -830,7 +874,7 @@ static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint
         else q6_k_avx512(a, R, K, w, n0, n1, N, y);
         return;
     }
-    if (kind >= Q4_K && isa != ISA_SCALAR) {
+    if (IS_KQ(kind) && isa != ISA_SCALAR) {
         if (R >= KQ_WIDE8_MIN_ROWS && kq_wide8(kind, a, R, K, w, n0, n1, N, y) == 0) return;
         if (kind == Q4_K) q4_k_avx2(a, R, K, w, n0, n1, N, y);
         else if (kind == Q5_K) q5_k_avx2(a, R, K, w, n0, n1, N, y);
@@ -851,12 +895,12 @@ static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint
     }
 #endif
     (void)isa;
-    if (kind >= Q4_K) tile_scalar_k(kind, a, R, K, w, n0, n1, N, y);
+    if (IS_KQ(kind)) tile_scalar_k(kind, a, R, K, w, n0, n1, N, y);
     else tile_scalar(kind, a, R, K, w, n0, n1, N, y);
 }
 
-/* kind: Q4_1, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K; isa: one ggml_int_isa_supported() accepts (the
- * caller checks). x [R, K] and y [R, N] row-major fp32; w: N rows of blocks. Returns 0, -1 when
+/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K; isa: one ggml_int_isa_supported()
+ * accepts (the caller checks). x [R, K] and y [R, N] row-major fp32; w: N rows of blocks. Returns 0, -1 when
  * scratch memory could not be had, -2 for an ISA this build / CPU cannot run (y untouched). */
 int ggml_linear_int(int kind, int isa, const float *x, int R, int K, const uint8_t *w, int N,
                     float *y, int nthreads) {

@@ -34,8 +34,10 @@ SOURCE = Path(__file__).with_name("ggml_kernels.c")
 # name -> (kernel kind, bytes per block): 32-value blocks, and the K-quants' 256-value ones;
 # mxfp4: ggml's MXFP4 (gpt-oss's experts: an E8M0 byte, then Q4_0's nibbles of the doubled
 # E2M1 table), on the exact and the tiled kernels only (ggml_int.py refuses it)
+# q5_0 / q5_1: what llama-quantize writes for a Q4_K / Q5_K tensor whose rows are not in 256s
+# (Nemotron 3 Nano's hidden 2688, Gemma 3 1B's 1152), and the Q5_0 / Q5_1 file types
 KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18), "q4_k": (3, 144), "q5_k": (4, 176),
-         "q6_k": (5, 210), "mxfp4": (6, 17)}
+         "q6_k": (5, 210), "mxfp4": (6, 17), "q5_0": (7, 22), "q5_1": (8, 24)}
 K_QUANTS = ("q4_k", "q5_k", "q6_k")  # exact and integer-dot kernels (not ggml_tiled)
 
 
@@ -49,7 +51,7 @@ def scale_bytes(kind: str) -> slice | None:
     mxfp4, whose E8M0 byte is always a finite power of two as ggml reads it."""
     if kind == "mxfp4":
         return None
-    return slice(208, 210) if kind == "q6_k" else slice(0, 4 if kind in ("q4_1", "q4_k",
+    return slice(208, 210) if kind == "q6_k" else slice(0, 4 if kind in ("q4_1", "q5_1", "q4_k",
                                                                           "q5_k") else 2)
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]
 _CPU_FLAGS = ("avx2", "fma", "f16c")

@@ -22,7 +22,8 @@ from specdeploy.ops import ggml_linear as gl
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
-KINDS = {"q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+# q5_0 / q5_1: llama-quantize's fallback for K-quant tensors whose rows are not in 256s
+KINDS = {"q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1}
 HAVE = gi.supported_isas()
 ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.skipif(
     isa not in HAVE, reason=f"this CPU / build does not run {isa} (runs {HAVE})"))
@@ -32,15 +33,17 @@ SHAPES = [(1, 32), (7, 96), (40, 64), (33, 576), (64, 1536)]
 
 
 def _weight(kind: str, n: int, k: int, seed: int = 0):
-    """(GGMLWeight, gguf's fp32 dequantization, the per-value offset m (0 but for Q4_1))."""
+    """(GGMLWeight, gguf's fp32 dequantization, the per-value offset m (0 but for Q4_1 /
+    Q5_1))."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.1, 2.0, (n, 1)).astype(
         np.float32)
     raw = np.ascontiguousarray(gguf.quants.quantize(w, KINDS[kind]))
     deq = gguf.quants.dequantize(raw, KINDS[kind]).astype(np.float64)
     m = np.zeros_like(deq)
-    if kind == "q4_1":  # block layout (GGUF spec): f16 d, f16 m, 16 bytes of nibbles
-        mb = raw.reshape(n, k // 32, 20)[:, :, 2:4].copy().view(np.float16)[..., 0]
+    if kind in ("q4_1", "q5_1"):  # block layout (GGUF spec): f16 d, f16 m, (q5_1: qh[4]), qs
+        size = gl.KINDS[kind][1]
+        mb = raw.reshape(n, k // 32, size)[:, :, 2:4].copy().view(np.float16)[..., 0]
         m = np.repeat(mb.astype(np.float64), 32, axis=1)
     return gl.make_weight(kind, torch.from_numpy(raw), (n, k)), deq, m
 

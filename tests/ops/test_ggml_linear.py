@@ -1,6 +1,6 @@
-"""The Q4_1 / Q8_0 / Q4_0 block kernels against `gguf`'s own dequantization (an independent oracle):
-x @ W^T in float64 over gguf's fp32 weights. Plus batch invariance, threads, bias, errors, and
-the fallbacks when the kernel cannot be built."""
+"""The Q4_1 / Q8_0 / Q4_0 / Q5_0 / Q5_1 block kernels against `gguf`'s own dequantization (an
+independent oracle): x @ W^T in float64 over gguf's fp32 weights. Plus batch invariance,
+threads, bias, errors, and the fallbacks when the kernel cannot be built."""
 from __future__ import annotations
 
 import ctypes
@@ -15,7 +15,7 @@ from specdeploy.ops import ggml_linear as gl
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
-KINDS = {"q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+KINDS = {"q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1}
 
 needs_kernel = pytest.mark.skipif(gl.kernel_unavailable() is not None,
                                   reason=f"ggml kernel unavailable: {gl.kernel_unavailable()}")
@@ -105,8 +105,8 @@ def test_concat_rows_equals_separate_calls():
 def test_make_weight_checks_sizes():
     with pytest.raises(ValueError, match=r"uint8 \(4, 40\)"):
         gl.make_weight("q4_1", torch.zeros(4, 41, dtype=torch.uint8), (4, 64))
-    with pytest.raises(ValueError, match="unsupported kind 'q5_0'.*q4_1"):
-        gl.make_weight("q5_0", torch.zeros(4, 44, dtype=torch.uint8), (4, 64))
+    with pytest.raises(ValueError, match="unsupported kind 'iq4_nl'.*q4_1"):
+        gl.make_weight("iq4_nl", torch.zeros(4, 36, dtype=torch.uint8), (4, 64))
 
 
 @pytest.fixture

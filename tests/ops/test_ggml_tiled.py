@@ -17,9 +17,11 @@ import torch
 
 from specdeploy.ops import ggml_linear as gl
 from specdeploy.ops import ggml_tiled as gt
-from tests.ops.test_ggml_int import KINDS, Q, _errors, _weight, _x
+from tests.ops.test_ggml_int import KINDS as INT_KINDS
+from tests.ops.test_ggml_int import Q, _errors, _weight, _x
 
 gguf = pytest.importorskip("gguf")
+KINDS = {k: v for k, v in INT_KINDS.items() if k in gt.TILED_KINDS}  # (no tiled Q5_0 / Q5_1)
 HAVE = gt.supported_isas()
 ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.skipif(
     isa not in HAVE, reason=f"this CPU / build does not run {isa} (runs {HAVE})"))

@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from specdeploy.ops import ggml_tiled as gt
-from tests.ops.test_ggml_int import KINDS, _weight, _x
+from tests.ops.test_ggml_int import KINDS as INT_KINDS
+from tests.ops.test_ggml_int import _weight, _x
 
 pytest.importorskip("gguf")
+KINDS = {k: v for k, v in INT_KINDS.items() if k in gt.TILED_KINDS}  # (no tiled Q5_0 / Q5_1)
 pytestmark = pytest.mark.skipif(
     not gt.amx_usable(), reason="no AMX-INT8 on this CPU (or the OS did not grant the tile "
     "state): the AMX path cannot run here")

@@ -1,5 +1,5 @@
-"""Linears whose weights came from GGUF Q4_0 / Q4_1 / Q8_0 / MXFP4 blocks (and the K-quants Q4_K /
-Q5_K / Q6_K) compute with those blocks on the CPU.
+"""Linears whose weights came from GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / MXFP4 blocks (and the
+K-quants Q4_K / Q5_K / Q6_K) compute with those blocks on the CPU.
 
 A decode step streams every weight once; the default model's are 540 MB as fp32 and 96 MB as
 blocks. `ops/ggml_linear.py` expands each block in registers to the exact fp32 weight values,
@@ -49,13 +49,12 @@ from specdeploy.deploy.passes.ggml_weights import _fast_isa, _not_here, _weight_
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import ggml_tiled
 from specdeploy.ops.ggml_linear import (
-    K_QUANTS,
     GGMLWeight,
     concat_rows,
     ggml_linear,
     kernel_unavailable,
 )
-from specdeploy.ops.ggml_tiled import TILE, TiledMember, repack
+from specdeploy.ops.ggml_tiled import TILE, TILED_KINDS, TiledMember, repack
 
 _LINEAR = torch.ops.aten.linear.default
 _EMBEDDING = torch.ops.aten.embedding.default
@@ -84,7 +83,7 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     weights = _weight_map(ctx) if ctx.model is not None else {}
     deferred = deferred_ptrs(ctx.model)
     if not weights:
-        return Skipped("no GGUF Q4_0 / Q4_1 / Q8_0 / MXFP4 / Q4_K / Q5_K / Q6_K weights")
+        return Skipped("no GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / MXFP4 / K-quant weights")
     why = kernel_unavailable()
     if why:
         return Skipped(f"kernel unavailable: {why}")
@@ -160,8 +159,8 @@ def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], isa:
     id(member's blocks) -> what holds its values now: its rows of the tiled copy (`tile` and a
     multiple of 16 outputs), else its row view of the stacked copy (fused members only)."""
     nodes, weights = [n for n, _ in members], [g for _, g in members]
-    if weights[0].kind in K_QUANTS or weights[0].gather is not None:
-        tile = False  # (no tiled K-quant kernel, nor one that reorders x's columns)
+    if weights[0].kind not in TILED_KINDS or weights[0].gather is not None:
+        tile = False  # (no tiled K-quant / Q5 kernel, nor one that reorders x's columns)
     bias = attr_tensor(gm, _bias(nodes[0])) if len(nodes) == 1 else None
     if len(nodes) > 1 and _bias(nodes[0]) is not None:  # each output row plus its own bias
         bias = torch.cat([_bias_tensor(gm, n).detach().float() for n in nodes])
