@@ -1,5 +1,5 @@
-/* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1 and
- * MXFP4, and
+/* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1,
+ * IQ4_NL and MXFP4, and IQ4_XS and
  * the K-quants Q4_K, Q5_K and Q6_K (256-value super-blocks; see kquant_values).
  *
  * Weights stay in their 4.5 / 8.5 bits per value and are expanded in registers; x and y are
@@ -47,6 +47,7 @@ static inline __m256 block_dot(const float *xb, __m256 q0, __m256 q1, __m256 q2,
  *   Q4_0 (18 bytes): d (f16), qs[16];         w = d * (q - 8)
  *   Q5_0 (22 bytes): d (f16), qh[4], qs[16];  w = d * (q - 16)
  *   Q5_1 (24 bytes): d, m (f16), qh[4], qs[16]; w = d * q + m
+ *   IQ4_NL (18 bytes): d (f16), qs[16];       w = d * KVALUES[q] (ggml's non-linear int8 table)
  *   MXFP4 (17 bytes): e (E8M0), qs[16];       w = 2^(e - 128) * E2M1X2[q] (ggml's e8m0-half
  *                     times its doubled E2M1 table: integers times a power of two, exact)
  * In the 4-bit kinds value i is the low nibble of qs[i] and value i + 16 the high one; the 5-bit
@@ -54,7 +55,10 @@ static inline __m256 block_dot(const float *xb, __m256 q0, __m256 q1, __m256 q2,
  * y = sum_b d_b * dot(x_b, q_b) + m_b * sum(x_b), the block sums of x precomputed (xsum).
  * MXFP4's d and integers are those of its Q8_0 rewrite (d = 2^(e - 128) in fp16, q the table's
  * integer), so both give the same fp32 values and the same bits here. */
-enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, MXFP4 = 6, Q5_0 = 7, Q5_1 = 8 };
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, MXFP4 = 6, Q5_0 = 7, Q5_1 = 8, IQ4_NL = 9, IQ4_XS = 10 };
+/* kvalues_iq4nl: IQ4_NL's and IQ4_XS's values of a nibble */
+static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
 #define HAS_M(kind) ((kind) == Q4_1 || (kind) == Q5_1)
 #define IS_Q5(kind) ((kind) == Q5_0 || (kind) == Q5_1)
 
@@ -70,7 +74,7 @@ static inline float e8m0_half(uint8_t e) {
 
 static inline int block_bytes(int kind) {
     return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == MXFP4 ? 17 : kind == Q5_0 ? 22
-           : kind == Q5_1 ? 24 : 18;
+           : kind == Q5_1 ? 24 : 18; /* Q4_0, IQ4_NL */
 }
 
 /* a 5-bit block's bit 4 of each value: bytes 0..31 of `out`, 16 where bit i of qh is set */
@@ -93,7 +97,7 @@ static inline __attribute__((always_inline)) void block_group(
     int r0, const int rg, const int kind) {
     const int nb = K / 32, bytes = block_bytes(kind);
     const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    const __m128i table = _mm_loadu_si128((const __m128i *)E2M1X2);
+    const __m128i table = _mm_loadu_si128((const __m128i *)(kind == IQ4_NL ? KVALUES : E2M1X2));
     for (int n = t0; n < t1; n++) {
         const uint8_t *row = w + (size_t)n * nb * bytes;
         __m256 acc[ROW_GROUP];
@@ -124,7 +128,7 @@ static inline __attribute__((always_inline)) void block_group(
                         l = _mm_sub_epi8(l, _mm_set1_epi8(16));
                         h = _mm_sub_epi8(h, _mm_set1_epi8(16));
                     }
-                } else if (kind == MXFP4) {
+                } else if (kind == MXFP4 || kind == IQ4_NL) {
                     l = _mm_shuffle_epi8(table, l);
                     h = _mm_shuffle_epi8(table, h);
                 } else if (kind == Q4_0) {
@@ -170,6 +174,7 @@ BLOCK_TILE(q4_0_tile, Q4_0)
 BLOCK_TILE(mxfp4_tile, MXFP4)
 BLOCK_TILE(q5_0_tile, Q5_0)
 BLOCK_TILE(q5_1_tile, Q5_1)
+BLOCK_TILE(iq4_nl_tile, IQ4_NL)
 
 /* K-quants: 256-value super-blocks (llama.cpp's QK_K), as gguf-py lays them out:
  *   Q4_K (144 bytes): d, dmin (f16), 12 bytes of 6-bit scales / mins for 8 sub-blocks of 32,
@@ -180,12 +185,18 @@ BLOCK_TILE(q5_1_tile, Q5_1)
  *                     group g of 32: low 4 bits = nibble ((g >> 1) & 1) of ql[64 * (g >> 2) +
  *                     32 * (g & 1) + i], high 2 = bits 2 * (g & 3) of qh[32 * (g >> 2) + i];
  *                     w = (d * sc_(v / 16)) * (q - 32)
+ *   IQ4_XS (136 bytes): d (f16), scales_h (u16), scales_l[4], qs[128]: group g's 6-bit scale
+ *                     ls = nibble (g & 1) of scales_l[g >> 1] | bits 2g, 2g + 1 of scales_h << 4,
+ *                     its values nibbles of qs[16 g + i] (low: i, high: i + 16);
+ *                     w = (d * (ls - 32)) * KVALUES[q] (both products exact in fp32)
  * Each value is rounded as gguf-py's numpy dequantization rounds it (products, then the
  * difference: -ffp-contract=off). The kernel expands each 8 values in registers and multiplies
  * them into up to ROW_GROUP input rows' accumulators. */
 enum { Q4_K = 3, Q5_K = 4, Q6_K = 5 };
 
-static inline int kquant_bytes(int kind) { return kind == Q4_K ? 144 : kind == Q5_K ? 176 : 210; }
+static inline int kquant_bytes(int kind) {
+    return kind == Q4_K ? 144 : kind == Q5_K ? 176 : kind == IQ4_XS ? 136 : 210;
+}
 
 /* The 32 values of one sub-block group as fp32 (scale * q, minus `off` where `with_off`: a
  * product, then a difference, as numpy rounds), 8 at a time: into `w` (`w` non-NULL), else
@@ -212,6 +223,23 @@ static inline __attribute__((always_inline)) void kquant_block(
     const int rg) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const float *xs[ROW_GROUP];
+    if (kind == IQ4_XS) {
+        const float d = half_at(b);
+        const uint16_t sh = (uint16_t)(b[2] | b[3] << 8);
+        const __m128i table = _mm_loadu_si128((const __m128i *)KVALUES), m4 = _mm_set1_epi8(0x0F);
+        for (int g = 0; g < 8; g++) {
+            const int ls = ((b[4 + (g >> 1)] >> 4 * (g & 1)) & 0xF) | ((sh >> 2 * g) & 3) << 4;
+            const float dl = d * (float)(ls - 32);
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * g));
+            const __m256i q = _mm256_set_m128i(
+                _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), m4)),
+                _mm_shuffle_epi8(table, _mm_and_si128(raw, m4)));
+            const __m256 dv = _mm256_set1_ps(dl);
+            for (int r = 0; r < rg; r++) xs[r] = x[r] + 32 * g;
+            use32(q, dv, dv, _mm256_setzero_ps(), 0, w ? w + 32 * g : NULL, xs, acc, rg);
+        }
+        return;
+    }
     if (kind == Q6_K) {
         const int8_t *sc = (const int8_t *)(b + 192);
         const float d = half_at(b + 208);
@@ -252,6 +280,7 @@ static inline __attribute__((always_inline)) void kquant_block(
 static void kquant_values(int kind, const uint8_t *b, float *w) {
     if (kind == Q4_K) kquant_block(Q4_K, b, w, NULL, NULL, 0);
     else if (kind == Q5_K) kquant_block(Q5_K, b, w, NULL, NULL, 0);
+    else if (kind == IQ4_XS) kquant_block(IQ4_XS, b, w, NULL, NULL, 0);
     else kquant_block(Q6_K, b, w, NULL, NULL, 0);
 }
 
@@ -290,12 +319,13 @@ static inline __attribute__((always_inline)) void kquant_group(
 KQUANT_TILE(q4_k_tile, Q4_K)
 KQUANT_TILE(q5_k_tile, Q5_K)
 KQUANT_TILE(q6_k_tile, Q6_K)
+KQUANT_TILE(iq4_xs_tile, IQ4_XS)
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K or Q6_K (above). x [R, K] and y [R, N] row-major fp32;
+/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K or IQ4_XS (above). x [R, K] and y [R, N] row-major fp32;
  * w: N rows of blocks. Returns 0, or -1 when scratch memory could not be had (y untouched). */
 int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N, float *y,
                 int nthreads) {
@@ -331,6 +361,8 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
             else if (kind == MXFP4) mxfp4_tile(x, xsum, R, K, w, n0, n1, N, y);
             else if (kind == Q5_0) q5_0_tile(x, xsum, R, K, w, n0, n1, N, y);
             else if (kind == Q5_1) q5_1_tile(x, xsum, R, K, w, n0, n1, N, y);
+            else if (kind == IQ4_NL) iq4_nl_tile(x, xsum, R, K, w, n0, n1, N, y);
+            else if (kind == IQ4_XS) iq4_xs_tile(x, R, K, w, n0, n1, N, y);
             else q4_0_tile(x, xsum, R, K, w, n0, n1, N, y);
         }
     }
@@ -344,7 +376,7 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
  * into a reused buffer with this, and embeddings gather their rows from the blocks. */
 void ggml_dequant(int kind, const uint8_t *w, const int64_t *rows, int R, int K, float *out,
                   int nthreads) {
-    if (kind >= Q4_K && kind <= Q6_K) {
+    if ((kind >= Q4_K && kind <= Q6_K) || kind == IQ4_XS) {
         const int nk = K / 256, kb = kquant_bytes(kind);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int i = 0; i < R; i++) {
@@ -367,6 +399,11 @@ void ggml_dequant(int kind, const uint8_t *w, const int64_t *rows, int R, int K,
                 for (int j = 0; j < 16; j++) {
                     ob[j] = d * (float)E2M1X2[blk[1 + j] & 0x0F];
                     ob[j + 16] = d * (float)E2M1X2[blk[1 + j] >> 4];
+                }
+            } else if (kind == IQ4_NL) {
+                for (int j = 0; j < 16; j++) {
+                    ob[j] = d * (float)KVALUES[blk[2 + j] & 0x0F];
+                    ob[j + 16] = d * (float)KVALUES[blk[2 + j] >> 4];
                 }
             } else if (kind == Q8_0) {
                 for (int j = 0; j < 32; j++) ob[j] = d * (float)(int8_t)blk[2 + j];

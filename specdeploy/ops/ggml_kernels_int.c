@@ -26,9 +26,17 @@
 #include <omp.h>
 #endif
 
-enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_0 = 7, Q5_1 = 8 };
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_0 = 7, Q5_1 = 8,
+       IQ4_NL = 9, IQ4_XS = 10 };
 /* (ggml_linear.py's KINDS; 6 is MXFP4, which this file does not read) */
 #define IS_KQ(kind) ((kind) >= Q4_K && (kind) <= Q6_K)
+/* 256-value super-blocks of 8 groups, each with its own scale: the K-quants and IQ4_XS */
+#define IS_SUPER(kind) (IS_KQ(kind) || (kind) == IQ4_XS)
+#define KQ_HAS_MIN(kind) ((kind) == Q4_K || (kind) == Q5_K) /* - m1 * sum(x) per group */
+#define KQ_SIGNED(kind) ((kind) == Q6_K || (kind) == IQ4_XS)
+/* kvalues_iq4nl: IQ4_NL's and IQ4_XS's values of a nibble (|w| <= 127: the signed products) */
+static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
 #define IS_Q5(kind) ((kind) == Q5_0 || (kind) == Q5_1)
 /* the kinds with an offset m per block (w = d * q + m): unsigned values, m * sum(x) apart */
 #define HAS_M(kind) ((kind) == Q4_1 || (kind) == Q5_1)
@@ -44,7 +52,8 @@ typedef struct {
 
 static int block_bytes(int kind) {
     return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == Q4_0 ? 18 : kind == Q4_K ? 144
-           : kind == Q5_K ? 176 : kind == Q5_0 ? 22 : kind == Q5_1 ? 24 : 210;
+           : kind == Q5_K ? 176 : kind == Q5_0 ? 22 : kind == Q5_1 ? 24 : kind == IQ4_NL ? 18
+           : kind == IQ4_XS ? 136 : 210;
 }
 
 /* Q5_0 (22 bytes: d, qh[4], qs[16]) and Q5_1 (24: d, m, qh[4], qs[16]): value i's low 4 bits
@@ -84,8 +93,21 @@ static inline __attribute__((always_inline)) float half_at(const uint8_t *p) {
  * with w = (d * sc) * (q - 32), one scale per 16 values (lanes 0-3 of the 8 partial sums, then
  * 4-7). So per group: y += (scale_lane * d_x) * p_lane, and for Q4_K / Q5_K - m1 * sum(x), as
  * Q4_1's offset. */
+/* IQ4_XS (136 bytes: d, scales_h (u16), scales_l[4], qs[128]): group g's 6-bit scale ls, its
+ * values KVALUES of the nibbles of qs[16 g + i] (low: value i, high: i + 16); w = (d * (ls - 32))
+ * * KVALUES[q], one scale a group as Q4_K, no minimum */
+static inline __attribute__((always_inline)) int iq4_xs_ls(const uint8_t *b, int g) {
+    const int sh = b[2] | b[3] << 8;
+    return ((b[4 + (g >> 1)] >> 4 * (g & 1)) & 0xF) | ((sh >> 2 * g) & 3) << 4;
+}
+
 static inline __attribute__((always_inline)) void kq_scales(int kind, const uint8_t *b, int g,
                                                            float *s_lo, float *s_hi, float *m) {
+    if (kind == IQ4_XS) {
+        *s_lo = *s_hi = half_at(b) * (float)(iq4_xs_ls(b, g) - 32);
+        *m = 0.f;
+        return;
+    }
     if (kind == Q6_K) {
         const float d = half_at(b + 208);
         *s_lo = d * (float)(int8_t)b[192 + 2 * g];
@@ -101,6 +123,13 @@ static inline __attribute__((always_inline)) void kq_scales(int kind, const uint
 }
 
 static void kq_ints(int kind, const uint8_t *b, int g, int *wv) {
+    if (kind == IQ4_XS) {
+        for (int i = 0; i < 16; i++) {
+            wv[i] = KVALUES[b[8 + 16 * g + i] & 0xF];
+            wv[i + 16] = KVALUES[b[8 + 16 * g + i] >> 4];
+        }
+        return;
+    }
     if (kind == Q6_K) {
         const uint8_t *l = b + 64 * (g >> 2) + 32 * (g & 1), *h = b + 128 + 32 * (g >> 2);
         for (int i = 0; i < 32; i++)
@@ -164,10 +193,10 @@ static void tile_scalar_k(int kind, const act_t *a, int R, int K, const uint8_t 
                         for (int i = 4 * j; i < 4 * j + 4; i++) p += wv[i] * qx[i];
                         acc[j] = fmaf((j < 4 ? s_lo : s_hi) * a->d[rb], (float)p, acc[j]);
                     }
-                    if (kind != Q6_K) macc = fmaf(m, a->s[rb], macc);
+                    if (KQ_HAS_MIN(kind)) macc = fmaf(m, a->s[rb], macc);
                 }
             }
-            y[(size_t)r * N + n] = kind != Q6_K ? sum8(acc) + macc : sum8(acc);
+            y[(size_t)r * N + n] = KQ_HAS_MIN(kind) ? sum8(acc) + macc : sum8(acc);
         }
     }
 }
@@ -185,6 +214,11 @@ static void tile_scalar(int kind, const act_t *a, int R, int K, const uint8_t *w
                 int wv[32];
                 if (kind == Q8_0) {
                     for (int i = 0; i < 32; i++) wv[i] = (int8_t)blk[2 + i];
+                } else if (kind == IQ4_NL) {
+                    for (int i = 0; i < 16; i++) {
+                        wv[i] = KVALUES[blk[2 + i] & 0x0F];
+                        wv[i + 16] = KVALUES[blk[2 + i] >> 4];
+                    }
                 } else if (IS_Q5(kind)) {
                     const uint8_t *qs = blk + q5_qs(kind);
                     uint32_t qh;
@@ -238,6 +272,12 @@ AVX2_FN float f16_at(const uint8_t *p) {
  * q - 8 for Q4_0; Q8_0 as stored) */
 AVX2_FN __m256i weight_bytes(const uint8_t *blk, const int kind) {
     if (kind == Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    if (kind == IQ4_NL) {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i mask = _mm_set1_epi8(0x0F), t = _mm_loadu_si128((const __m128i *)KVALUES);
+        return _mm256_set_m128i(_mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(q, 4), mask)),
+                                _mm_shuffle_epi8(t, _mm_and_si128(q, mask)));
+    }
     if (IS_Q5(kind)) { /* bit i of qh to byte i (16 where set), or'ed into the nibbles */
         uint32_t qh;
         memcpy(&qh, blk + q5_qh(kind), 4);
@@ -342,12 +382,19 @@ AVX2_FN __attribute__((always_inline)) void group_avx2(const act_t *a, int K, co
 TILE_FN(q4_1_avx2, group_avx2, Q4_1, AVX2_ATTR)
 TILE_FN(q5_0_avx2, group_avx2, Q5_0, AVX2_ATTR)
 TILE_FN(q5_1_avx2, group_avx2, Q5_1, AVX2_ATTR)
+TILE_FN(iq4_nl_avx2, group_avx2, IQ4_NL, AVX2_ATTR)
 TILE_FN(q8_0_avx2, group_avx2, Q8_0, AVX2_ATTR)
 TILE_FN(q4_0_avx2, group_avx2, Q4_0, AVX2_ATTR)
 
 /* K-quants, AVX2 (the AVX-512 path below repeats its operations: the same bits) */
 AVX2_FN __m256i kq_bytes(const uint8_t *b, int g, const int kind) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (kind == IQ4_XS) {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * g));
+        const __m128i mask = _mm_set1_epi8(0x0F), t = _mm_loadu_si128((const __m128i *)KVALUES);
+        return _mm256_set_m128i(_mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(q, 4), mask)),
+                                _mm_shuffle_epi8(t, _mm_and_si128(q, mask)));
+    }
     if (kind == Q6_K) {
         const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * (g >> 2) + 32 * (g & 1)));
         const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (g >> 2)));
@@ -374,6 +421,11 @@ AVX2_FN __m256i kq_bytes(const uint8_t *b, int g, const int kind) {
  * minimum's -m1 (Q4_K / Q5_K). Once per (output, super-block), not per group and row group. */
 AVX2_FN __attribute__((always_inline)) void kq_block_scales(const uint8_t *b, const int kind,
                                                            float *sc, float *mn) {
+    if (kind == IQ4_XS) {
+        const float d = f16_at(b);
+        for (int g = 0; g < 8; g++) sc[g] = d * (float)(iq4_xs_ls(b, g) - 32);
+        return;
+    }
     if (kind == Q6_K) { /* sc[2g], sc[2g + 1]: group g's lo, hi */
         const __m256 d = _mm256_set1_ps(f16_at(b + 208));
         const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));
@@ -436,7 +488,7 @@ AVX2_FN __attribute__((always_inline)) void outputs_k_avx2(const act_t *a, int K
             __m256 sv[2];
             for (int o = 0; o < no; o++) {
                 wv[o] = kq_bytes(b[o], g, kind);
-                wabs[o] = kind == Q6_K ? _mm256_abs_epi8(wv[o]) : wv[o];
+                wabs[o] = KQ_SIGNED(kind) ? _mm256_abs_epi8(wv[o]) : wv[o];
                 sv[o] = kind == Q6_K ? _mm256_setr_m128(_mm_broadcast_ss(&sc[o][2 * g]),
                                                         _mm_broadcast_ss(&sc[o][2 * g + 1]))
                                      : _mm256_broadcast_ss(&sc[o][g]);
@@ -447,9 +499,9 @@ AVX2_FN __attribute__((always_inline)) void outputs_k_avx2(const act_t *a, int K
                 const __m256 dx = _mm256_set1_ps(a->d[rb]);
                 for (int o = 0; o < no; o++) {
                     const __m256 p = _mm256_cvtepi32_ps(
-                        block_products(wv[o], wabs[o], qx, kind == Q6_K ? Q8_0 : Q4_1));
+                        block_products(wv[o], wabs[o], qx, KQ_SIGNED(kind) ? Q8_0 : Q4_1));
                     acc[o][r] = _mm256_fmadd_ps(_mm256_mul_ps(sv[o], dx), p, acc[o][r]);
-                    if (kind != Q6_K) macc[o][r] = fmaf(mn[o][g], a->s[rb], macc[o][r]);
+                    if (KQ_HAS_MIN(kind)) macc[o][r] = fmaf(mn[o][g], a->s[rb], macc[o][r]);
                 }
             }
         }
@@ -457,7 +509,7 @@ AVX2_FN __attribute__((always_inline)) void outputs_k_avx2(const act_t *a, int K
     for (int o = 0; o < no; o++)
         for (int r = 0; r < rg; r++)
             y[(size_t)(r0 + r) * N + n + o] =
-                kind != Q6_K ? hsum8(acc[o][r]) + macc[o][r] : hsum8(acc[o][r]);
+                KQ_HAS_MIN(kind) ? hsum8(acc[o][r]) + macc[o][r] : hsum8(acc[o][r]);
 }
 
 AVX2_FN __attribute__((always_inline)) void group_k_avx2(const act_t *a, int K, const uint8_t *w,
@@ -472,6 +524,7 @@ AVX2_FN __attribute__((always_inline)) void group_k_avx2(const act_t *a, int K, 
 TILE_FN(q4_k_avx2, group_k_avx2, Q4_K, AVX2_ATTR)
 TILE_FN(q5_k_avx2, group_k_avx2, Q5_K, AVX2_ATTR)
 TILE_FN(q6_k_avx2, group_k_avx2, Q6_K, AVX2_ATTR)
+TILE_FN(iq4_xs_avx2, group_k_avx2, IQ4_XS, AVX2_ATTR)
 
 /* K-quants for calls of many rows on AVX2: kq_wide's scheme (below) on 8 outputs a vector.
  * Lane o of acc[j] is output o's lane j of the per-output path above; the 4-value products come
@@ -860,10 +913,13 @@ int ggml_int_isa_supported(int isa) {
 static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint8_t *w, int n0,
                      int n1, int N, float *y) {
 #ifdef SD_X86
-    if (IS_Q5(kind) && isa != ISA_SCALAR) {
-        /* NOTE: AVX2 on AVX-512 machines too (no AVX-512 path for them: the same bits) */
+    if ((IS_Q5(kind) || kind == IQ4_NL || kind == IQ4_XS) && isa != ISA_SCALAR) {
+        /* NOTE: AVX2 on AVX-512 machines too (no AVX-512 path for them: the same bits), and
+         * IQ4_XS on its per-output path at every row count (no wide path) */
         if (kind == Q5_0) q5_0_avx2(a, R, K, w, n0, n1, N, y);
-        else q5_1_avx2(a, R, K, w, n0, n1, N, y);
+        else if (kind == Q5_1) q5_1_avx2(a, R, K, w, n0, n1, N, y);
+        else if (kind == IQ4_NL) iq4_nl_avx2(a, R, K, w, n0, n1, N, y);
+        else iq4_xs_avx2(a, R, K, w, n0, n1, N, y);
         return;
     }
     if (IS_KQ(kind) && isa == ISA_AVX512) {
@@ -895,11 +951,12 @@ static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint
     }
 #endif
     (void)isa;
-    if (IS_KQ(kind)) tile_scalar_k(kind, a, R, K, w, n0, n1, N, y);
+    if (IS_SUPER(kind)) tile_scalar_k(kind, a, R, K, w, n0, n1, N, y);
     else tile_scalar(kind, a, R, K, w, n0, n1, N, y);
 }
 
-/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K; isa: one ggml_int_isa_supported()
+/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K or IQ4_XS; isa: one
+ * ggml_int_isa_supported()
  * accepts (the caller checks). x [R, K] and y [R, N] row-major fp32; w: N rows of blocks. Returns 0, -1 when
  * scratch memory could not be had, -2 for an ISA this build / CPU cannot run (y untouched). */
 int ggml_linear_int(int kind, int isa, const float *x, int R, int K, const uint8_t *w, int N,

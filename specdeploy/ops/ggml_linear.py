@@ -36,14 +36,18 @@ SOURCE = Path(__file__).with_name("ggml_kernels.c")
 # E2M1 table), on the exact and the tiled kernels only (ggml_int.py refuses it)
 # q5_0 / q5_1: what llama-quantize writes for a Q4_K / Q5_K tensor whose rows are not in 256s
 # (Nemotron 3 Nano's hidden 2688, Gemma 3 1B's 1152), and the Q5_0 / Q5_1 file types
+# iq4_nl / iq4_xs: ggml's non-linear 4-bit types (a 16-entry int8 table; IQ4_XS in 256-value
+# super-blocks with a 6-bit scale per 32): the IQ4_XS file type, IQ4_NL its fallback
 KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18), "q4_k": (3, 144), "q5_k": (4, 176),
-         "q6_k": (5, 210), "mxfp4": (6, 17), "q5_0": (7, 22), "q5_1": (8, 24)}
+         "q6_k": (5, 210), "mxfp4": (6, 17), "q5_0": (7, 22), "q5_1": (8, 24),
+         "iq4_nl": (9, 18), "iq4_xs": (10, 136)}
 K_QUANTS = ("q4_k", "q5_k", "q6_k")  # exact and integer-dot kernels (not ggml_tiled)
+SUPER_BLOCKS = (*K_QUANTS, "iq4_xs")  # 256 values a block
 
 
 def block_values(kind: str) -> int:
-    """Values per block of `kind`: 256 for the K-quants, else 32."""
-    return 256 if kind in K_QUANTS else 32
+    """Values per block of `kind`: 256 for the K-quants and IQ4_XS, else 32."""
+    return 256 if kind in SUPER_BLOCKS else 32
 
 
 def scale_bytes(kind: str) -> slice | None:

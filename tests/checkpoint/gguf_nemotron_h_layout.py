@@ -134,7 +134,7 @@ def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32,
     return out
 
 
-K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)  # (gguf-py cannot quantize to them)
 
 
 def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
@@ -154,15 +154,20 @@ def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
 
 
 def random_kquant(qtype, shape: tuple, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks for a tensor of `shape`, centred as a quantizer's would be, values
-    below ~0.02 (fp16 d = dmin of 1e-4..3e-4). Q4_K / Q5_K: every sub-block's scale sc and min
-    m with m ~ sc * (levels - 1) / 2 (sub-blocks 0-3: sc 8 / m 60 for Q4_K, 4 / 62 for Q5_K;
-    4-7: 2 / 15 and 1 / 15); Q6_K: int8 sub-block scales in [-8, 8]."""
+    """Random K-quant (and IQ4_NL / IQ4_XS) blocks for a tensor of `shape`, centred as a
+    quantizer's would be, values below ~0.02 (fp16 d = dmin of 1e-4..3e-4). Q4_K / Q5_K: every
+    sub-block's scale sc and min m with m ~ sc * (levels - 1) / 2 (sub-blocks 0-3: sc 8 / m 60
+    for Q4_K, 4 / 62 for Q5_K; 4-7: 2 / 15 and 1 / 15); Q6_K: int8 sub-block scales in
+    [-8, 8]."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     lead, n = shape[:-1], shape[-1] // block
     raw = rng.integers(0, 256, (*lead, n, size), dtype=np.uint8)
     small = rng.uniform(1e-4, 3e-4, (*lead, n, 1)).astype(np.float16).view(np.uint8)
-    if qtype == Q.Q6_K:
+    if qtype == Q.IQ4_NL:  # d, then any nibbles (table values up to 127: d / 8 keeps them small)
+        raw[..., 0:2] = (small.view(np.float16) / 8).view(np.uint8)
+    elif qtype == Q.IQ4_XS:  # d, then 6-bit scales ls - 32 in -32..31 (any bits), nibbles
+        raw[..., 0:2] = (small.view(np.float16) / 64).view(np.uint8)
+    elif qtype == Q.Q6_K:
         raw[..., 192:208] = rng.integers(-8, 9, (*lead, n, 16)).astype(np.int8).view(np.uint8)
         raw[..., 208:210] = small
     else:  # d = dmin, then the packed 6-bit scales / mins

@@ -105,8 +105,8 @@ def test_concat_rows_equals_separate_calls():
 def test_make_weight_checks_sizes():
     with pytest.raises(ValueError, match=r"uint8 \(4, 40\)"):
         gl.make_weight("q4_1", torch.zeros(4, 41, dtype=torch.uint8), (4, 64))
-    with pytest.raises(ValueError, match="unsupported kind 'iq4_nl'.*q4_1"):
-        gl.make_weight("iq4_nl", torch.zeros(4, 36, dtype=torch.uint8), (4, 64))
+    with pytest.raises(ValueError, match="unsupported kind 'iq2_xs'.*q4_1"):
+        gl.make_weight("iq2_xs", torch.zeros(4, 36, dtype=torch.uint8), (4, 64))
 
 
 @pytest.fixture

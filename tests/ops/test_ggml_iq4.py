@@ -1,0 +1,138 @@
+"""GGUF IQ4_NL / IQ4_XS weights (ggml's non-linear 4-bit types: the IQ4_XS file type, and IQ4_NL
+where its rows are not in 256s) run on their blocks, as the other block kinds. Before, they loaded
+as fp32 (~7x their bytes). gguf-py cannot quantize to them: the blocks are random valid ones
+(tests/checkpoint/gguf_nemotron_h_layout.py `random_kquant`), the oracle gguf-py's own
+dequantization of the same bytes:
+
+1. the kernels' dequantization (embedding rows, prefill GEMMs) equals gguf-py's bit for bit;
+2. the exact kernel = a float64 matmul over those values within fp32 round-off;
+3. the integer-dot kernel ("fast") = the stated algorithm re-done in float64 (tests/ops/
+   test_ggml_int.py `_errors`) within fp32 round-off, inside the 8-bit activation bound; every
+   ISA path the same bits; rows batch- and thread-invariant;
+4. a tiny NemotronH MoE GGUF with IQ4_XS matrices and IQ4_NL experts deploys on them, its logits
+   the fp32 model's, and greedy MTP speculation equals plain decoding.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+from specdeploy.ops import ggml_int as gi
+from specdeploy.ops import ggml_linear as gl
+
+gguf = pytest.importorskip("gguf")
+from tests.checkpoint.gguf_nemotron_h_layout import Q, random_kquant  # noqa: E402
+from tests.ops.test_ggml_int import _errors, _x  # noqa: E402
+
+KINDS = {"iq4_nl": Q.IQ4_NL, "iq4_xs": Q.IQ4_XS}
+SHAPES = [(1, 256), (33, 512), (40, 768)]
+
+
+def _weight(kind: str, n: int, k: int, seed: int = 0):
+    raw = random_kquant(KINDS[kind], (n, k), np.random.default_rng(seed))
+    deq = gguf.quants.dequantize(raw, KINDS[kind]).reshape(n, k)
+    return gl.make_weight(kind, torch.from_numpy(raw), (n, k)), deq
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_dequantization_is_gguf_pys(kind):
+    for n, k in SHAPES:
+        gw, deq = _weight(kind, n, k, seed=n)
+        assert np.abs(deq).max() > 0  # (not all zero)
+        assert torch.equal(gl.dequantize(gw), torch.from_numpy(deq))
+        rows = torch.tensor([n - 1, 0])
+        assert torch.equal(gl.dequantize(gw, rows), torch.from_numpy(deq[[n - 1, 0]]))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_exact_kernel(kind):
+    """fp32 sums in another order: within 1e-6 of each output's condition scale; a row alone =
+    the same row in any batch."""
+    for n, k in SHAPES:
+        gw, deq = _weight(kind, n, k, seed=n + 1)
+        x = torch.randn(17, k, generator=torch.Generator().manual_seed(n))
+        y = gl.ggml_linear(x, gw)
+        w = torch.from_numpy(deq).double()
+        scale = x.double().abs() @ w.abs().T
+        assert ((y.double() - x.double() @ w.T).abs() / scale).max() < 1e-6
+        for r in (0, 5, 16):
+            assert torch.equal(gl.ggml_linear(x[r:r + 1], gw)[0], y[r])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_int_kernel_oracle_isas_and_batch_invariance(kind):
+    for n, k in SHAPES:
+        gw, deq = _weight(kind, n, k, seed=n + 2)
+        x = _x(17, k, seed=n)
+        ys = {isa: gi.ggml_linear_int(x, gw, isa=isa) for isa in gi.supported_isas()}
+        first = next(iter(ys.values()))
+        for isa, y in ys.items():
+            assert torch.equal(y, first), isa  # every ISA path: the same bits
+            err, err_emul, bound, fp32 = _errors(y, x, deq.astype(np.float64),
+                                                 np.zeros((n, k)))
+            assert (err_emul <= fp32).all(), (isa, (err_emul / fp32).max())
+            assert (err <= bound + fp32).all(), (isa, ((err - fp32) / bound).max())
+            for rows in (1, 2, 3, 8):
+                assert torch.equal(gi.ggml_linear_int(x[:rows], gw, isa=isa), y[:rows])
+            assert torch.equal(gi.ggml_linear_int(x[9:10], gw, isa=isa)[0], y[9])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gi.ggml_linear_int(x, gw, isa="scalar"), first)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def iq4_gguf(tmp_path_factory):
+    """A tiny NemotronH MoE (widths in 256s) with IQ4_XS matrices and IQ4_NL experts."""
+    from specdeploy.models import nemotron_h as nh
+    from tests.checkpoint.gguf_nemotron_h_layout import write_gguf
+    from tests.checkpoint.test_gguf_nemotron_h import MOE
+
+    d = tmp_path_factory.mktemp("iq4")
+    hf = dict(MOE, hidden_size=256, mamba_num_heads=8, mamba_head_dim=32, head_dim=64,
+              moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
+              moe_latent_size=256)
+    src = nh.make_tiny(d / "st", seed=3, mtp_layers=1, hf_config=hf)
+    return write_gguf(src, d / "iq4.gguf", qtype=Q.IQ4_XS, expert_qtype=Q.IQ4_NL)
+
+
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_iq4_gguf_deploys_on_blocks(iq4_gguf, kernels):
+    """As tests/ops/test_ggml_q5.py: every IQ4 matrix and expert group on its blocks, the
+    logits of a prefill, a 4-row chunk and a decode step = the fp32 model's (exact: 1e-5;
+    fast: 5e-2 of the logits' scale)."""
+    from specdeploy.cache.metadata import SEG_NORMAL, Segment, build_metadata
+    from specdeploy.deploy.build import build
+    from specdeploy.loading import load_model
+
+    model = load_model(iq4_gguf)
+    assert {w.kind for w in model.ggml_weights.values()} == {"iq4_xs", "iq4_nl"}
+    dep = build(str(iq4_gguf), kernels=kernels, kv_cache_dtype="float32", max_batch_size=2,
+                max_seq_len=64, page_size=4, max_cache_gib=0.02)
+    infos = {i.name: i for i in dep.infos}
+    assert infos["ggml_moe_experts"].num_matches == 2, infos["ggml_moe_experts"]
+    assert infos["ggml_linears"].num_matches >= 8, infos["ggml_linears"]
+    fp32 = [n.args[1].target for n in dep.gm.graph.nodes
+            if n.target is torch.ops.aten.linear.default]
+    assert all("mixer_gate" in t for t in fp32), fp32  # only the routers (F32 in the file)
+    ids = torch.randint(3, 120, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(ids)[0]
+    assert want.std() > 1e-3 and torch.isfinite(want).all()
+    pos, pages = 0, list(range(16))
+    for n in (21, 4, 1):
+        seg = Segment(ids[0, pos:pos + n].tolist(), pos, pages, 0, n, SEG_NORMAL)
+        assert_close(dep.forward(build_metadata([seg])).logits, want[pos:pos + n],
+                     rtol=1e-5 if kernels == "exact" else 5e-2,
+                     atol=1e-5 if kernels == "exact" else 5e-2 * float(want.abs().max()))
+        pos += n
+
+
+def test_greedy_speculation_equals_plain_on_iq4(iq4_gguf):
+    from tests.checkpoint.gguf_llm import assert_mtp_equals_plain
+
+    assert_mtp_equals_plain(iq4_gguf, max_tokens=16)
