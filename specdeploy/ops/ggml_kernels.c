@@ -325,7 +325,8 @@ KQUANT_TILE(iq4_xs_tile, IQ4_XS)
 #include <omp.h>
 #endif
 
-/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K or IQ4_XS (above). x [R, K] and y [R, N] row-major fp32;
+/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K or IQ4_XS (above).
+ * x [R, K] and y [R, N] row-major fp32;
  * w: N rows of blocks. Returns 0, or -1 when scratch memory could not be had (y untouched). */
 int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N, float *y,
                 int nthreads) {

@@ -1,5 +1,6 @@
-/* y[R, N] = x[R, K] @ W^T with W in GGUF blocks (Q4_1, Q8_0, Q4_0, Q5_0, Q5_1) and x quantized per row to
- * 8-bit blocks of 32 as llama.cpp does for its integer dot products (Q8_0 / Q8_1 activations):
+/* y[R, N] = x[R, K] @ W^T with W in GGUF blocks (Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL; the K-quants
+ * and IQ4_XS below) and x quantized per row to 8-bit blocks of 32 as llama.cpp does for its
+ * integer dot products (Q8_0 / Q8_1 activations):
  * per block d = max|x| / 127, q = round-to-nearest-even(x * 127 / max|x|), and (for Q4_1's
  * offset m) the block's exact fp32 sum of x. Unlike llama.cpp the activation scale stays fp32
  * (not fp16) and Q4_1's m term uses the exact sum, not d * sum(q): both cost nothing and drop
@@ -430,8 +431,8 @@ AVX2_FN __attribute__((always_inline)) void kq_block_scales(const uint8_t *b, co
         const __m256 d = _mm256_set1_ps(f16_at(b + 208));
         const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));
         _mm256_storeu_ps(sc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))));
-        _mm256_storeu_ps(sc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(
-                                                      _mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8)))));
+        const __m128i s8hi = _mm_srli_si128(s8, 8);
+        _mm256_storeu_ps(sc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8hi))));
         return;
     }
     /* the 12 bytes of 6-bit scales and minimums: sc_g, m_g for g < 4 are the low 6 bits of
@@ -545,9 +546,10 @@ static int32_t *q6_corrections(const act_t *a, int R, int nb) {
 
 #define KQ_WIDE8_MIN_ROWS 9 /* at 8 rows either path (bench/kquant_rows.py --isa avx2) */
 AVX2_ATTR static void kq_wide8_expand(int kind, const uint8_t *w, int n0, int no, int K,
-                                      uint8_t *wb, float *sc) {
+                                      uint8_t *wb, uint8_t *ws, float *sc) {
     const int nk = K / 256, nb = K / 32, bytes = block_bytes(kind);
     memset(wb, 0, (size_t)nb * 256);
+    if (ws) memset(ws, 0, (size_t)nb * 256);
     memset(sc, 0, (size_t)nb * 24 * sizeof(float));
     const __m256i off = _mm256_set1_epi8(32);
     for (int o = 0; o < no; o++) {
@@ -558,10 +560,14 @@ AVX2_ATTR static void kq_wide8_expand(int kind, const uint8_t *w, int n0, int no
                 const int gb = 8 * k + g;
                 __m256i v = kq_bytes(b, g, kind);
                 if (kind == Q6_K) v = _mm256_add_epi8(v, off); /* 0 .. 63: unsigned for maddubs */
-                uint32_t quads[8];
-                _mm256_storeu_si256((__m256i *)quads, v);
-                for (int j = 0; j < 8; j++)
+                uint32_t quads[8], signs[8];
+                /* IQ4_XS: |w| here, w itself in ws (the rows take x with w's sign) */
+                _mm256_storeu_si256((__m256i *)quads, kind == IQ4_XS ? _mm256_abs_epi8(v) : v);
+                _mm256_storeu_si256((__m256i *)signs, v);
+                for (int j = 0; j < 8; j++) {
                     memcpy(wb + (((size_t)gb * 8 + j) * 8 + o) * 4, &quads[j], 4);
+                    if (ws) memcpy(ws + (((size_t)gb * 8 + j) * 8 + o) * 4, &signs[j], 4);
+                }
                 float s_lo, s_hi, m;
                 kq_scales(kind, b, g, &s_lo, &s_hi, &m);
                 sc[(size_t)gb * 24 + o] = s_lo;
@@ -573,8 +579,8 @@ AVX2_ATTR static void kq_wide8_expand(int kind, const uint8_t *w, int n0, int no
 }
 
 AVX2_ATTR static inline __attribute__((always_inline)) void kq_wide8_rows(
-    const act_t *a, int R, int K, const uint8_t *wb, const float *sc, const int32_t *corr,
-    int n0, int no, int N, float *y, const int kind) {
+    const act_t *a, int R, int K, const uint8_t *wb, const uint8_t *ws, const float *sc,
+    const int32_t *corr, int n0, int no, int N, float *y, const int kind) {
     const int nb = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < R; r++) {
@@ -590,14 +596,17 @@ AVX2_ATTR static inline __attribute__((always_inline)) void kq_wide8_rows(
             for (int j = 0; j < 8; j++) {
                 int32_t quad;
                 memcpy(&quad, xq + 4 * j, 4);
+                __m256i xq = _mm256_set1_epi32(quad);
+                if (kind == IQ4_XS) /* |w| * (x with w's sign): pairs <= 2 * 127 * 128 */
+                    xq = _mm256_sign_epi8(
+                        xq, _mm256_loadu_si256((const __m256i *)(ws + (size_t)gb * 256 + 32 * j)));
                 __m256i p = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * j)),
-                                         _mm256_set1_epi32(quad)),
+                    _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * j)), xq),
                     ones);
                 if (kind == Q6_K) p = _mm256_sub_epi32(p, _mm256_set1_epi32(corr[rb * 8 + j]));
                 acc[j] = _mm256_fmadd_ps(j < 4 ? slo : shi, _mm256_cvtepi32_ps(p), acc[j]);
             }
-            if (kind != Q6_K)
+            if (KQ_HAS_MIN(kind))
                 macc = _mm256_fmadd_ps(_mm256_loadu_ps(sc + (size_t)gb * 24 + 16),
                                        _mm256_set1_ps(a->s[rb]), macc);
         }
@@ -605,7 +614,7 @@ AVX2_ATTR static inline __attribute__((always_inline)) void kq_wide8_rows(
                                                _mm256_add_ps(acc[2], acc[6])),
                                  _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]),
                                                _mm256_add_ps(acc[3], acc[7])));
-        if (kind != Q6_K) t = _mm256_add_ps(t, macc);
+        if (KQ_HAS_MIN(kind)) t = _mm256_add_ps(t, macc);
         float out[8];
         _mm256_storeu_ps(out, t);
         memcpy(y + (size_t)r * N + n0, out, (size_t)no * sizeof(float));
@@ -617,25 +626,29 @@ AVX2_ATTR static int kq_wide8(int kind, const act_t *a, int R, int K, const uint
                               int n1, int N, float *y) {
     const int nb = K / 32;
     uint8_t *wb = (uint8_t *)aligned_alloc(64, (size_t)nb * 256);
+    uint8_t *ws = kind == IQ4_XS ? (uint8_t *)aligned_alloc(64, (size_t)nb * 256) : 0;
     float *sc = (float *)aligned_alloc(64, ((size_t)nb * 24 * sizeof(float) + 63) / 64 * 64);
     /* Q6_K: the values go in shifted by 32; 32 times each row's 4-value sums, taken once */
     int32_t *corr = kind == Q6_K ? q6_corrections(a, R, nb) : 0;
-    if (!wb || !sc || (kind == Q6_K && !corr)) {
+    if (!wb || !sc || (kind == Q6_K && !corr) || (kind == IQ4_XS && !ws)) {
         free(wb);
+        free(ws);
         free(sc);
         free(corr);
         return -1;
     }
     for (int t0 = n0; t0 < n1; t0 += 8) {
         const int no = n1 - t0 < 8 ? n1 - t0 : 8;
-        kq_wide8_expand(kind, w, t0, no, K, wb, sc);
+        kq_wide8_expand(kind, w, t0, no, K, wb, ws, sc);
         switch (kind) { /* the kind as a constant in each copy */
-        case Q4_K: kq_wide8_rows(a, R, K, wb, sc, corr, t0, no, N, y, Q4_K); break;
-        case Q5_K: kq_wide8_rows(a, R, K, wb, sc, corr, t0, no, N, y, Q5_K); break;
-        default: kq_wide8_rows(a, R, K, wb, sc, corr, t0, no, N, y, Q6_K); break;
+        case Q4_K: kq_wide8_rows(a, R, K, wb, ws, sc, corr, t0, no, N, y, Q4_K); break;
+        case Q5_K: kq_wide8_rows(a, R, K, wb, ws, sc, corr, t0, no, N, y, Q5_K); break;
+        case IQ4_XS: kq_wide8_rows(a, R, K, wb, ws, sc, corr, t0, no, N, y, IQ4_XS); break;
+        default: kq_wide8_rows(a, R, K, wb, ws, sc, corr, t0, no, N, y, Q6_K); break;
         }
     }
     free(wb);
+    free(ws);
     free(sc);
     free(corr);
     return 0;
@@ -914,8 +927,10 @@ static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint
                      int n1, int N, float *y) {
 #ifdef SD_X86
     if ((IS_Q5(kind) || kind == IQ4_NL || kind == IQ4_XS) && isa != ISA_SCALAR) {
-        /* NOTE: AVX2 on AVX-512 machines too (no AVX-512 path for them: the same bits), and
-         * IQ4_XS on its per-output path at every row count (no wide path) */
+        /* NOTE: AVX2 on AVX-512 machines too (no AVX-512 path for them: the same bits) */
+        if (kind == IQ4_XS && R >= KQ_WIDE8_MIN_ROWS &&
+            kq_wide8(kind, a, R, K, w, n0, n1, N, y) == 0)
+            return;
         if (kind == Q5_0) q5_0_avx2(a, R, K, w, n0, n1, N, y);
         else if (kind == Q5_1) q5_1_avx2(a, R, K, w, n0, n1, N, y);
         else if (kind == IQ4_NL) iq4_nl_avx2(a, R, K, w, n0, n1, N, y);
@@ -956,9 +971,9 @@ static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint
 }
 
 /* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K or IQ4_XS; isa: one
- * ggml_int_isa_supported()
- * accepts (the caller checks). x [R, K] and y [R, N] row-major fp32; w: N rows of blocks. Returns 0, -1 when
- * scratch memory could not be had, -2 for an ISA this build / CPU cannot run (y untouched). */
+ * ggml_int_isa_supported() accepts (the caller checks). x [R, K] and y [R, N] row-major fp32;
+ * w: N rows of blocks. Returns 0, -1 when scratch memory could not be had, -2 for an ISA this
+ * build / CPU cannot run (y untouched). */
 int ggml_linear_int(int kind, int isa, const float *x, int R, int K, const uint8_t *w, int N,
                     float *y, int nthreads) {
     if (!ggml_int_isa_supported(isa)) return -2;

@@ -136,3 +136,16 @@ def test_greedy_speculation_equals_plain_on_iq4(iq4_gguf):
     from tests.checkpoint.gguf_llm import assert_mtp_equals_plain
 
     assert_mtp_equals_plain(iq4_gguf, max_tokens=16)
+
+
+def test_iq4_xs_wide_rows_are_the_per_output_bits():
+    """From KQ_WIDE8_MIN_ROWS rows IQ4_XS takes the 8-output tiles on AVX2 (its signed values
+    through |w| and x with w's sign): each row the bits of the same row alone (1-row path)."""
+    gw, deq = _weight("iq4_xs", 37, 768, seed=9)
+    x = _x(40, 768, seed=9)
+    for isa in gi.supported_isas():
+        y = gi.ggml_linear_int(x, gw, isa=isa)
+        for r in (0, 17, 39):
+            assert torch.equal(gi.ggml_linear_int(x[r:r + 1], gw, isa=isa)[0], y[r]), (isa, r)
+        _, err_emul, _, fp32 = _errors(y, x, deq.astype(np.float64), np.zeros((37, 768)))
+        assert (err_emul <= fp32).all()
