@@ -1,6 +1,6 @@
 /* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1,
  * IQ4_NL and MXFP4, and IQ4_XS and
- * the K-quants Q4_K, Q5_K and Q6_K (256-value super-blocks; see kquant_values).
+ * the K-quants Q3_K, Q4_K, Q5_K and Q6_K (256-value super-blocks; see kquant_values).
  *
  * Weights stay in their 4.5 / 8.5 bits per value and are expanded in registers; x and y are
  * fp32 and every weight is exactly the fp32 value gguf's dequantization gives (d * q + m), so
@@ -55,7 +55,8 @@ static inline __m256 block_dot(const float *xb, __m256 q0, __m256 q1, __m256 q2,
  * y = sum_b d_b * dot(x_b, q_b) + m_b * sum(x_b), the block sums of x precomputed (xsum).
  * MXFP4's d and integers are those of its Q8_0 rewrite (d = 2^(e - 128) in fp16, q the table's
  * integer), so both give the same fp32 values and the same bits here. */
-enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, MXFP4 = 6, Q5_0 = 7, Q5_1 = 8, IQ4_NL = 9, IQ4_XS = 10 };
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, MXFP4 = 6, Q5_0 = 7, Q5_1 = 8, IQ4_NL = 9, IQ4_XS = 10,
+       Q3_K = 11 };
 /* kvalues_iq4nl: IQ4_NL's and IQ4_XS's values of a nibble */
 static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                    1,    13,   25,  38,  53,  69,  89,  113};
@@ -185,6 +186,11 @@ BLOCK_TILE(iq4_nl_tile, IQ4_NL)
  *                     group g of 32: low 4 bits = nibble ((g >> 1) & 1) of ql[64 * (g >> 2) +
  *                     32 * (g & 1) + i], high 2 = bits 2 * (g & 3) of qh[32 * (g >> 2) + i];
  *                     w = (d * sc_(v / 16)) * (q - 32)
+ *   Q3_K (110 bytes): hmask[32], qs[64], 12 bytes of 6-bit scales (one per 16 values), d (f16):
+ *                     group g of 32: low 2 bits = bits 2 (g & 3) of qs[32 (g >> 2) + i], minus 4
+ *                     where bit g of hmask[i] is clear; scale s (values 16 s ..): low 4 bits
+ *                     nibble (s >> 3) of byte s & 7, high 2 bits 2 (s >> 2) of byte 8 + (s & 3),
+ *                     minus 32; w = (d * sc) * q
  *   IQ4_XS (136 bytes): d (f16), scales_h (u16), scales_l[4], qs[128]: group g's 6-bit scale
  *                     ls = nibble (g & 1) of scales_l[g >> 1] | bits 2g, 2g + 1 of scales_h << 4,
  *                     its values nibbles of qs[16 g + i] (low: i, high: i + 16);
@@ -195,7 +201,15 @@ BLOCK_TILE(iq4_nl_tile, IQ4_NL)
 enum { Q4_K = 3, Q5_K = 4, Q6_K = 5 };
 
 static inline int kquant_bytes(int kind) {
-    return kind == Q4_K ? 144 : kind == Q5_K ? 176 : kind == IQ4_XS ? 136 : 210;
+    return kind == Q4_K ? 144 : kind == Q5_K ? 176 : kind == IQ4_XS ? 136 : kind == Q3_K ? 110
+           : 210;
+}
+
+/* Q3_K's 6-bit scale s (0..15), minus 32 */
+static inline int q3_k_scale(const uint8_t *b, int s) {
+    const int lo = (b[96 + (s & 7)] >> 4 * (s >> 3)) & 0xF;
+    const int hi = (b[104 + (s & 3)] >> 2 * (s >> 2)) & 3;
+    return (lo | hi << 4) - 32;
 }
 
 /* The 32 values of one sub-block group as fp32 (scale * q, minus `off` where `with_off`: a
@@ -223,6 +237,25 @@ static inline __attribute__((always_inline)) void kquant_block(
     const int rg) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const float *xs[ROW_GROUP];
+    if (kind == Q3_K) {
+        const float d = half_at(b + 108);
+        const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)b), one = _mm256_set1_epi8(1);
+        for (int g = 0; g < 8; g++) {
+            const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * (g >> 2)));
+            const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(l, 2 * (g & 3)), three);
+            /* 4 where bit g of hmask is clear */
+            const __m256i off = _mm256_andnot_si256(
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, g), one), 2), four);
+            const __m256i q = _mm256_sub_epi8(lo, off);
+            const float s0 = d * (float)q3_k_scale(b, 2 * g);
+            const float s1 = d * (float)q3_k_scale(b, 2 * g + 1);
+            for (int r = 0; r < rg; r++) xs[r] = x[r] + 32 * g;
+            use32(q, _mm256_set1_ps(s0), _mm256_set1_ps(s1), _mm256_setzero_ps(), 0,
+                  w ? w + 32 * g : NULL, xs, acc, rg);
+        }
+        return;
+    }
     if (kind == IQ4_XS) {
         const float d = half_at(b);
         const uint16_t sh = (uint16_t)(b[2] | b[3] << 8);
@@ -281,6 +314,7 @@ static void kquant_values(int kind, const uint8_t *b, float *w) {
     if (kind == Q4_K) kquant_block(Q4_K, b, w, NULL, NULL, 0);
     else if (kind == Q5_K) kquant_block(Q5_K, b, w, NULL, NULL, 0);
     else if (kind == IQ4_XS) kquant_block(IQ4_XS, b, w, NULL, NULL, 0);
+    else if (kind == Q3_K) kquant_block(Q3_K, b, w, NULL, NULL, 0);
     else kquant_block(Q6_K, b, w, NULL, NULL, 0);
 }
 
@@ -320,12 +354,13 @@ KQUANT_TILE(q4_k_tile, Q4_K)
 KQUANT_TILE(q5_k_tile, Q5_K)
 KQUANT_TILE(q6_k_tile, Q6_K)
 KQUANT_TILE(iq4_xs_tile, IQ4_XS)
+KQUANT_TILE(q3_k_tile, Q3_K)
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K or IQ4_XS (above).
+/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, MXFP4, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS (above).
  * x [R, K] and y [R, N] row-major fp32;
  * w: N rows of blocks. Returns 0, or -1 when scratch memory could not be had (y untouched). */
 int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N, float *y,
@@ -364,6 +399,7 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
             else if (kind == Q5_1) q5_1_tile(x, xsum, R, K, w, n0, n1, N, y);
             else if (kind == IQ4_NL) iq4_nl_tile(x, xsum, R, K, w, n0, n1, N, y);
             else if (kind == IQ4_XS) iq4_xs_tile(x, R, K, w, n0, n1, N, y);
+            else if (kind == Q3_K) q3_k_tile(x, R, K, w, n0, n1, N, y);
             else q4_0_tile(x, xsum, R, K, w, n0, n1, N, y);
         }
     }
@@ -377,7 +413,7 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
  * into a reused buffer with this, and embeddings gather their rows from the blocks. */
 void ggml_dequant(int kind, const uint8_t *w, const int64_t *rows, int R, int K, float *out,
                   int nthreads) {
-    if ((kind >= Q4_K && kind <= Q6_K) || kind == IQ4_XS) {
+    if ((kind >= Q4_K && kind <= Q6_K) || kind == IQ4_XS || kind == Q3_K) {
         const int nk = K / 256, kb = kquant_bytes(kind);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int i = 0; i < R; i++) {

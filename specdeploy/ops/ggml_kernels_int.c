@@ -28,13 +28,15 @@
 #endif
 
 enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_0 = 7, Q5_1 = 8,
-       IQ4_NL = 9, IQ4_XS = 10 };
+       IQ4_NL = 9, IQ4_XS = 10, Q3_K = 11 };
 /* (ggml_linear.py's KINDS; 6 is MXFP4, which this file does not read) */
 #define IS_KQ(kind) ((kind) >= Q4_K && (kind) <= Q6_K)
-/* 256-value super-blocks of 8 groups, each with its own scale: the K-quants and IQ4_XS */
-#define IS_SUPER(kind) (IS_KQ(kind) || (kind) == IQ4_XS)
+/* 256-value super-blocks of 8 groups, each with its own scale(s): the K-quants, IQ4_XS */
+#define IS_SUPER(kind) (IS_KQ(kind) || (kind) == IQ4_XS || (kind) == Q3_K)
 #define KQ_HAS_MIN(kind) ((kind) == Q4_K || (kind) == Q5_K) /* - m1 * sum(x) per group */
-#define KQ_SIGNED(kind) ((kind) == Q6_K || (kind) == IQ4_XS)
+#define KQ_SIGNED(kind) ((kind) == Q6_K || (kind) == IQ4_XS || (kind) == Q3_K)
+/* the wide paths' signed kinds taken as |w| times x with w's sign (Q6_K: shifted by 32) */
+#define WIDE_SIGNED(kind) ((kind) == IQ4_XS || (kind) == Q3_K)
 /* kvalues_iq4nl: IQ4_NL's and IQ4_XS's values of a nibble (|w| <= 127: the signed products) */
 static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                    1,    13,   25,  38,  53,  69,  89,  113};
@@ -54,7 +56,7 @@ typedef struct {
 static int block_bytes(int kind) {
     return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == Q4_0 ? 18 : kind == Q4_K ? 144
            : kind == Q5_K ? 176 : kind == Q5_0 ? 22 : kind == Q5_1 ? 24 : kind == IQ4_NL ? 18
-           : kind == IQ4_XS ? 136 : 210;
+           : kind == IQ4_XS ? 136 : kind == Q3_K ? 110 : 210;
 }
 
 /* Q5_0 (22 bytes: d, qh[4], qs[16]) and Q5_1 (24: d, m, qh[4], qs[16]): value i's low 4 bits
@@ -102,8 +104,25 @@ static inline __attribute__((always_inline)) int iq4_xs_ls(const uint8_t *b, int
     return ((b[4 + (g >> 1)] >> 4 * (g & 1)) & 0xF) | ((sh >> 2 * g) & 3) << 4;
 }
 
+/* Q3_K (110 bytes: hmask[32], qs[64], scales[12], d): group g's values: bits 2 (g & 3) of
+ * qs[32 (g >> 2) + i], minus 4 where bit g of hmask[i] is clear (-4..3); its scales 2g (values
+ * 0-15) and 2g + 1 (16-31): scale s's low 4 bits nibble (s >> 3) of scales[s & 7], its high 2
+ * bits 2 (s >> 2) of scales[8 + (s & 3)], minus 32; w = (d * sc) * q, as Q6_K */
+static inline __attribute__((always_inline)) int q3_k_scale(const uint8_t *b, int s) {
+    const int lo = (b[96 + (s & 7)] >> 4 * (s >> 3)) & 0xF;
+    const int hi = (b[104 + (s & 3)] >> 2 * (s >> 2)) & 3;
+    return (lo | hi << 4) - 32;
+}
+
 static inline __attribute__((always_inline)) void kq_scales(int kind, const uint8_t *b, int g,
                                                            float *s_lo, float *s_hi, float *m) {
+    if (kind == Q3_K) {
+        const float d = half_at(b + 108);
+        *s_lo = d * (float)q3_k_scale(b, 2 * g);
+        *s_hi = d * (float)q3_k_scale(b, 2 * g + 1);
+        *m = 0.f;
+        return;
+    }
     if (kind == IQ4_XS) {
         *s_lo = *s_hi = half_at(b) * (float)(iq4_xs_ls(b, g) - 32);
         *m = 0.f;
@@ -124,6 +143,11 @@ static inline __attribute__((always_inline)) void kq_scales(int kind, const uint
 }
 
 static void kq_ints(int kind, const uint8_t *b, int g, int *wv) {
+    if (kind == Q3_K) {
+        for (int i = 0; i < 32; i++)
+            wv[i] = ((b[32 + 32 * (g >> 2) + i] >> 2 * (g & 3)) & 3) - ((b[i] >> g & 1) ? 0 : 4);
+        return;
+    }
     if (kind == IQ4_XS) {
         for (int i = 0; i < 16; i++) {
             wv[i] = KVALUES[b[8 + 16 * g + i] & 0xF];
@@ -390,6 +414,16 @@ TILE_FN(q4_0_avx2, group_avx2, Q4_0, AVX2_ATTR)
 /* K-quants, AVX2 (the AVX-512 path below repeats its operations: the same bits) */
 AVX2_FN __m256i kq_bytes(const uint8_t *b, int g, const int kind) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (kind == Q3_K) {
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * (g >> 2)));
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(l, 2 * (g & 3)),
+                                            _mm256_set1_epi8(3));
+        const __m256i off = _mm256_andnot_si256( /* 4 where bit g of hmask is clear */
+            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, g), _mm256_set1_epi8(1)), 2),
+            _mm256_set1_epi8(4));
+        return _mm256_sub_epi8(lo, off);
+    }
     if (kind == IQ4_XS) {
         const __m128i q = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * g));
         const __m128i mask = _mm_set1_epi8(0x0F), t = _mm_loadu_si128((const __m128i *)KVALUES);
@@ -422,6 +456,11 @@ AVX2_FN __m256i kq_bytes(const uint8_t *b, int g, const int kind) {
  * minimum's -m1 (Q4_K / Q5_K). Once per (output, super-block), not per group and row group. */
 AVX2_FN __attribute__((always_inline)) void kq_block_scales(const uint8_t *b, const int kind,
                                                            float *sc, float *mn) {
+    if (kind == Q3_K) { /* sc[2g], sc[2g + 1]: group g's lo, hi (as Q6_K) */
+        const float d = f16_at(b + 108);
+        for (int s = 0; s < 16; s++) sc[s] = d * (float)q3_k_scale(b, s);
+        return;
+    }
     if (kind == IQ4_XS) {
         const float d = f16_at(b);
         for (int g = 0; g < 8; g++) sc[g] = d * (float)(iq4_xs_ls(b, g) - 32);
@@ -490,9 +529,10 @@ AVX2_FN __attribute__((always_inline)) void outputs_k_avx2(const act_t *a, int K
             for (int o = 0; o < no; o++) {
                 wv[o] = kq_bytes(b[o], g, kind);
                 wabs[o] = KQ_SIGNED(kind) ? _mm256_abs_epi8(wv[o]) : wv[o];
-                sv[o] = kind == Q6_K ? _mm256_setr_m128(_mm_broadcast_ss(&sc[o][2 * g]),
-                                                        _mm_broadcast_ss(&sc[o][2 * g + 1]))
-                                     : _mm256_broadcast_ss(&sc[o][g]);
+                sv[o] = kind == Q6_K || kind == Q3_K
+                            ? _mm256_setr_m128(_mm_broadcast_ss(&sc[o][2 * g]),
+                                               _mm_broadcast_ss(&sc[o][2 * g + 1]))
+                            : _mm256_broadcast_ss(&sc[o][g]);
             }
             for (int r = 0; r < rg; r++) {
                 const size_t rb = (size_t)(r0 + r) * nb + 8 * k + g;
@@ -526,6 +566,7 @@ TILE_FN(q4_k_avx2, group_k_avx2, Q4_K, AVX2_ATTR)
 TILE_FN(q5_k_avx2, group_k_avx2, Q5_K, AVX2_ATTR)
 TILE_FN(q6_k_avx2, group_k_avx2, Q6_K, AVX2_ATTR)
 TILE_FN(iq4_xs_avx2, group_k_avx2, IQ4_XS, AVX2_ATTR)
+TILE_FN(q3_k_avx2, group_k_avx2, Q3_K, AVX2_ATTR)
 
 /* K-quants for calls of many rows on AVX2: kq_wide's scheme (below) on 8 outputs a vector.
  * Lane o of acc[j] is output o's lane j of the per-output path above; the 4-value products come
@@ -561,8 +602,8 @@ AVX2_ATTR static void kq_wide8_expand(int kind, const uint8_t *w, int n0, int no
                 __m256i v = kq_bytes(b, g, kind);
                 if (kind == Q6_K) v = _mm256_add_epi8(v, off); /* 0 .. 63: unsigned for maddubs */
                 uint32_t quads[8], signs[8];
-                /* IQ4_XS: |w| here, w itself in ws (the rows take x with w's sign) */
-                _mm256_storeu_si256((__m256i *)quads, kind == IQ4_XS ? _mm256_abs_epi8(v) : v);
+                /* IQ4_XS, Q3_K: |w| here, w itself in ws (the rows take x with w's sign) */
+                _mm256_storeu_si256((__m256i *)quads, WIDE_SIGNED(kind) ? _mm256_abs_epi8(v) : v);
                 _mm256_storeu_si256((__m256i *)signs, v);
                 for (int j = 0; j < 8; j++) {
                     memcpy(wb + (((size_t)gb * 8 + j) * 8 + o) * 4, &quads[j], 4);
@@ -597,7 +638,7 @@ AVX2_ATTR static inline __attribute__((always_inline)) void kq_wide8_rows(
                 int32_t quad;
                 memcpy(&quad, xq + 4 * j, 4);
                 __m256i xq = _mm256_set1_epi32(quad);
-                if (kind == IQ4_XS) /* |w| * (x with w's sign): pairs <= 2 * 127 * 128 */
+                if (WIDE_SIGNED(kind)) /* |w| * (x with w's sign): pairs <= 2 * 127 * 128 */
                     xq = _mm256_sign_epi8(
                         xq, _mm256_loadu_si256((const __m256i *)(ws + (size_t)gb * 256 + 32 * j)));
                 __m256i p = _mm256_madd_epi16(
@@ -626,11 +667,11 @@ AVX2_ATTR static int kq_wide8(int kind, const act_t *a, int R, int K, const uint
                               int n1, int N, float *y) {
     const int nb = K / 32;
     uint8_t *wb = (uint8_t *)aligned_alloc(64, (size_t)nb * 256);
-    uint8_t *ws = kind == IQ4_XS ? (uint8_t *)aligned_alloc(64, (size_t)nb * 256) : 0;
+    uint8_t *ws = WIDE_SIGNED(kind) ? (uint8_t *)aligned_alloc(64, (size_t)nb * 256) : 0;
     float *sc = (float *)aligned_alloc(64, ((size_t)nb * 24 * sizeof(float) + 63) / 64 * 64);
     /* Q6_K: the values go in shifted by 32; 32 times each row's 4-value sums, taken once */
     int32_t *corr = kind == Q6_K ? q6_corrections(a, R, nb) : 0;
-    if (!wb || !sc || (kind == Q6_K && !corr) || (kind == IQ4_XS && !ws)) {
+    if (!wb || !sc || (kind == Q6_K && !corr) || (WIDE_SIGNED(kind) && !ws)) {
         free(wb);
         free(ws);
         free(sc);
@@ -644,6 +685,7 @@ AVX2_ATTR static int kq_wide8(int kind, const act_t *a, int R, int K, const uint
         case Q4_K: kq_wide8_rows(a, R, K, wb, ws, sc, corr, t0, no, N, y, Q4_K); break;
         case Q5_K: kq_wide8_rows(a, R, K, wb, ws, sc, corr, t0, no, N, y, Q5_K); break;
         case IQ4_XS: kq_wide8_rows(a, R, K, wb, ws, sc, corr, t0, no, N, y, IQ4_XS); break;
+        case Q3_K: kq_wide8_rows(a, R, K, wb, ws, sc, corr, t0, no, N, y, Q3_K); break;
         default: kq_wide8_rows(a, R, K, wb, ws, sc, corr, t0, no, N, y, Q6_K); break;
         }
     }
@@ -926,14 +968,15 @@ int ggml_int_isa_supported(int isa) {
 static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint8_t *w, int n0,
                      int n1, int N, float *y) {
 #ifdef SD_X86
-    if ((IS_Q5(kind) || kind == IQ4_NL || kind == IQ4_XS) && isa != ISA_SCALAR) {
+    if ((IS_Q5(kind) || kind == IQ4_NL || WIDE_SIGNED(kind)) && isa != ISA_SCALAR) {
         /* NOTE: AVX2 on AVX-512 machines too (no AVX-512 path for them: the same bits) */
-        if (kind == IQ4_XS && R >= KQ_WIDE8_MIN_ROWS &&
+        if (WIDE_SIGNED(kind) && R >= KQ_WIDE8_MIN_ROWS &&
             kq_wide8(kind, a, R, K, w, n0, n1, N, y) == 0)
             return;
         if (kind == Q5_0) q5_0_avx2(a, R, K, w, n0, n1, N, y);
         else if (kind == Q5_1) q5_1_avx2(a, R, K, w, n0, n1, N, y);
         else if (kind == IQ4_NL) iq4_nl_avx2(a, R, K, w, n0, n1, N, y);
+        else if (kind == Q3_K) q3_k_avx2(a, R, K, w, n0, n1, N, y);
         else iq4_xs_avx2(a, R, K, w, n0, n1, N, y);
         return;
     }
@@ -970,7 +1013,7 @@ static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint
     else tile_scalar(kind, a, R, K, w, n0, n1, N, y);
 }
 
-/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K or IQ4_XS; isa: one
+/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS; isa: one
  * ggml_int_isa_supported() accepts (the caller checks). x [R, K] and y [R, N] row-major fp32;
  * w: N rows of blocks. Returns 0, -1 when scratch memory could not be had, -2 for an ISA this
  * build / CPU cannot run (y untouched). */

@@ -134,7 +134,8 @@ def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32,
     return out
 
 
-K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)  # (gguf-py cannot quantize to them)
+K_QUANTS = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)  # (gguf-py cannot quantize to
+# them)
 
 
 def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
@@ -167,6 +168,8 @@ def random_kquant(qtype, shape: tuple, rng: np.random.Generator) -> np.ndarray:
         raw[..., 0:2] = (small.view(np.float16) / 8).view(np.uint8)
     elif qtype == Q.IQ4_XS:  # d, then 6-bit scales ls - 32 in -32..31 (any bits), nibbles
         raw[..., 0:2] = (small.view(np.float16) / 64).view(np.uint8)
+    elif qtype == Q.Q3_K:  # any bits, d last (values -4..3 times 6-bit scales - 32)
+        raw[..., 108:110] = (small.view(np.float16) / 16).view(np.uint8)
     elif qtype == Q.Q6_K:
         raw[..., 192:208] = rng.integers(-8, 9, (*lead, n, 16)).astype(np.int8).view(np.uint8)
         raw[..., 208:210] = small

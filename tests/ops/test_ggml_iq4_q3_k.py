@@ -1,16 +1,16 @@
 """GGUF IQ4_NL / IQ4_XS weights (ggml's non-linear 4-bit types: the IQ4_XS file type, and IQ4_NL
-where its rows are not in 256s) run on their blocks, as the other block kinds. Before, they loaded
-as fp32 (~7x their bytes). gguf-py cannot quantize to them: the blocks are random valid ones
-(tests/checkpoint/gguf_nemotron_h_layout.py `random_kquant`), the oracle gguf-py's own
-dequantization of the same bytes:
+where its rows are not in 256s) and Q3_K ones (the Q3_K_S / M / L file types) run on their blocks,
+as the other block kinds. Before, they loaded as fp32 (~7-9x their bytes). gguf-py cannot
+quantize to them: the blocks are random valid ones (tests/checkpoint/gguf_nemotron_h_layout.py
+`random_kquant`), the oracle gguf-py's own dequantization of the same bytes:
 
 1. the kernels' dequantization (embedding rows, prefill GEMMs) equals gguf-py's bit for bit;
 2. the exact kernel = a float64 matmul over those values within fp32 round-off;
 3. the integer-dot kernel ("fast") = the stated algorithm re-done in float64 (tests/ops/
    test_ggml_int.py `_errors`) within fp32 round-off, inside the 8-bit activation bound; every
    ISA path the same bits; rows batch- and thread-invariant;
-4. a tiny NemotronH MoE GGUF with IQ4_XS matrices and IQ4_NL experts deploys on them, its logits
-   the fp32 model's, and greedy MTP speculation equals plain decoding.
+4. tiny NemotronH MoE GGUFs with IQ4_XS matrices and IQ4_NL experts, and all Q3_K, deploy on
+   them, their logits the fp32 model's, and greedy MTP speculation equals plain decoding.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ gguf = pytest.importorskip("gguf")
 from tests.checkpoint.gguf_nemotron_h_layout import Q, random_kquant  # noqa: E402
 from tests.ops.test_ggml_int import _errors, _x  # noqa: E402
 
-KINDS = {"iq4_nl": Q.IQ4_NL, "iq4_xs": Q.IQ4_XS}
+KINDS = {"iq4_nl": Q.IQ4_NL, "iq4_xs": Q.IQ4_XS, "q3_k": Q.Q3_K}
 SHAPES = [(1, 256), (33, 512), (40, 768)]
 
 
@@ -85,9 +85,10 @@ def test_int_kernel_oracle_isas_and_batch_invariance(kind):
         torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def iq4_gguf(tmp_path_factory):
-    """A tiny NemotronH MoE (widths in 256s) with IQ4_XS matrices and IQ4_NL experts."""
+@pytest.fixture(scope="module", params=[(Q.IQ4_XS, Q.IQ4_NL), (Q.Q3_K, Q.Q3_K)],
+                ids=["iq4_xs+iq4_nl", "q3_k"])
+def iq4_gguf(request, tmp_path_factory):
+    """A tiny NemotronH MoE (widths in 256s) with (matrices, experts) in those types."""
     from specdeploy.models import nemotron_h as nh
     from tests.checkpoint.gguf_nemotron_h_layout import write_gguf
     from tests.checkpoint.test_gguf_nemotron_h import MOE
@@ -97,7 +98,8 @@ def iq4_gguf(tmp_path_factory):
               moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
               moe_latent_size=256)
     src = nh.make_tiny(d / "st", seed=3, mtp_layers=1, hf_config=hf)
-    return write_gguf(src, d / "iq4.gguf", qtype=Q.IQ4_XS, expert_qtype=Q.IQ4_NL)
+    qtype, expert_qtype = request.param
+    return write_gguf(src, d / "iq4.gguf", qtype=qtype, expert_qtype=expert_qtype)
 
 
 @pytest.mark.parametrize("kernels", ["exact", "fast"])
@@ -110,7 +112,7 @@ def test_iq4_gguf_deploys_on_blocks(iq4_gguf, kernels):
     from specdeploy.loading import load_model
 
     model = load_model(iq4_gguf)
-    assert {w.kind for w in model.ggml_weights.values()} == {"iq4_xs", "iq4_nl"}
+    assert {w.kind for w in model.ggml_weights.values()} in ({"iq4_xs", "iq4_nl"}, {"q3_k"})
     dep = build(str(iq4_gguf), kernels=kernels, kv_cache_dtype="float32", max_batch_size=2,
                 max_seq_len=64, page_size=4, max_cache_gib=0.02)
     infos = {i.name: i for i in dep.infos}
@@ -138,10 +140,12 @@ def test_greedy_speculation_equals_plain_on_iq4(iq4_gguf):
     assert_mtp_equals_plain(iq4_gguf, max_tokens=16)
 
 
-def test_iq4_xs_wide_rows_are_the_per_output_bits():
-    """From KQ_WIDE8_MIN_ROWS rows IQ4_XS takes the 8-output tiles on AVX2 (its signed values
-    through |w| and x with w's sign): each row the bits of the same row alone (1-row path)."""
-    gw, deq = _weight("iq4_xs", 37, 768, seed=9)
+@pytest.mark.parametrize("kind", ["iq4_xs", "q3_k"])
+def test_wide_rows_are_the_per_output_bits(kind):
+    """From KQ_WIDE8_MIN_ROWS rows IQ4_XS and Q3_K take the 8-output tiles on AVX2 (their signed
+    values through |w| and x with w's sign): each row the bits of the same row alone (1-row
+    path)."""
+    gw, deq = _weight(kind, 37, 768, seed=9)
     x = _x(40, 768, seed=9)
     for isa in gi.supported_isas():
         y = gi.ggml_linear_int(x, gw, isa=isa)
