@@ -292,7 +292,8 @@ class GGUFReader:
 _MERGED_ROW = 131072
 # ggml types the kernels in ops/ggml_kernels.c read (MXFP4: gpt-oss's experts, as stored:
 # checkpoint/gguf_mxfp4.py)
-_BLOCK_KINDS = {2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 11: "q3_k", 12: "q4_k",
+_BLOCK_KINDS = {2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 10: "q2_k", 11: "q3_k",
+                12: "q4_k",
                 13: "q5_k", 14: "q6_k", 20: "iq4_nl", 23: "iq4_xs",
                 gguf_mxfp4.MXFP4_TYPE: "mxfp4"}
 

@@ -42,8 +42,8 @@ ISAS = ("scalar", "avx2", "avx512_vnni")  # the C file's ISA_* values, in order
 # VNNI machine (bit-identical to scalar and AVX2, bounds, batch and thread invariance), and
 # bench/linear_rows.py there gave 5.6 ms for 30 layers at 1 row against AVX2's 8.0 ms.
 UNVERIFIED: tuple[str, ...] = ()
-INT_KINDS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "iq4_nl", "q3_k", "q4_k", "q5_k", "q6_k",
-             "iq4_xs")  # what ggml_kernels_int.c reads
+INT_KINDS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k",
+             "q6_k", "iq4_xs")  # what ggml_kernels_int.c reads
 
 
 def _check_kind(weight: GGMLWeight) -> None:

@@ -1,6 +1,6 @@
 /* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1,
  * IQ4_NL and MXFP4, and IQ4_XS and
- * the K-quants Q3_K, Q4_K, Q5_K and Q6_K (256-value super-blocks; see kquant_values).
+ * the K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (256-value super-blocks; see kquant_values).
  *
  * Weights stay in their 4.5 / 8.5 bits per value and are expanded in registers; x and y are
  * fp32 and every weight is exactly the fp32 value gguf's dequantization gives (d * q + m), so
@@ -56,7 +56,7 @@ static inline __m256 block_dot(const float *xb, __m256 q0, __m256 q1, __m256 q2,
  * MXFP4's d and integers are those of its Q8_0 rewrite (d = 2^(e - 128) in fp16, q the table's
  * integer), so both give the same fp32 values and the same bits here. */
 enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, MXFP4 = 6, Q5_0 = 7, Q5_1 = 8, IQ4_NL = 9, IQ4_XS = 10,
-       Q3_K = 11 };
+       Q3_K = 11, Q2_K = 12 };
 /* kvalues_iq4nl: IQ4_NL's and IQ4_XS's values of a nibble */
 static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                    1,    13,   25,  38,  53,  69,  89,  113};
@@ -186,6 +186,9 @@ BLOCK_TILE(iq4_nl_tile, IQ4_NL)
  *                     group g of 32: low 4 bits = nibble ((g >> 1) & 1) of ql[64 * (g >> 2) +
  *                     32 * (g & 1) + i], high 2 = bits 2 * (g & 3) of qh[32 * (g >> 2) + i];
  *                     w = (d * sc_(v / 16)) * (q - 32)
+ *   Q2_K (84 bytes): scales[16] (per 16 values: low nibble sc, high nibble m), qs[64], d, dmin
+ *                     (f16): group g's values bits 2 (g & 3) of qs[32 (g >> 2) + i] (0..3);
+ *                     w = (d * sc) * q - dmin * m
  *   Q3_K (110 bytes): hmask[32], qs[64], 12 bytes of 6-bit scales (one per 16 values), d (f16):
  *                     group g of 32: low 2 bits = bits 2 (g & 3) of qs[32 (g >> 2) + i], minus 4
  *                     where bit g of hmask[i] is clear; scale s (values 16 s ..): low 4 bits
@@ -202,7 +205,7 @@ enum { Q4_K = 3, Q5_K = 4, Q6_K = 5 };
 
 static inline int kquant_bytes(int kind) {
     return kind == Q4_K ? 144 : kind == Q5_K ? 176 : kind == IQ4_XS ? 136 : kind == Q3_K ? 110
-           : 210;
+           : kind == Q2_K ? 84 : 210;
 }
 
 /* Q3_K's 6-bit scale s (0..15), minus 32 */
@@ -212,22 +215,29 @@ static inline int q3_k_scale(const uint8_t *b, int s) {
     return (lo | hi << 4) - 32;
 }
 
-/* The 32 values of one sub-block group as fp32 (scale * q, minus `off` where `with_off`: a
+/* The 32 values of one sub-block group as fp32 (scale * q, minus the offset where `with_off`: a
  * product, then a difference, as numpy rounds), 8 at a time: into `w` (`w` non-NULL), else
- * multiplied into the accumulators of the `rg` rows at x[r] (the same FMA order for every rg). */
-static inline __attribute__((always_inline)) void use32(
-    __m256i q, __m256 s_lo, __m256 s_hi, __m256 off, const int with_off, float *w,
-    const float *const *x, __m256 *acc, const int rg) {
+ * multiplied into the accumulators of the `rg` rows at x[r] (the same FMA order for every rg).
+ * Scales and offsets per 16 values: s_lo / off_lo for values 0-15, s_hi / off_hi for 16-31. */
+static inline __attribute__((always_inline)) void use32_off2(
+    __m256i q, __m256 s_lo, __m256 s_hi, __m256 off_lo, __m256 off_hi, const int with_off,
+    float *w, const float *const *x, __m256 *acc, const int rg) {
     const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
     const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int k = 0; k < 4; k++) {
         __m256 v = _mm256_mul_ps(k < 2 ? s_lo : s_hi,
                                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[k])));
-        if (with_off) v = _mm256_sub_ps(v, off);
+        if (with_off) v = _mm256_sub_ps(v, k < 2 ? off_lo : off_hi);
         if (w) _mm256_storeu_ps(w + 8 * k, v);
         for (int r = 0; r < rg; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + 8 * k), v, acc[r]);
     }
+}
+
+static inline __attribute__((always_inline)) void use32(
+    __m256i q, __m256 s_lo, __m256 s_hi, __m256 off, const int with_off, float *w,
+    const float *const *x, __m256 *acc, const int rg) {
+    use32_off2(q, s_lo, s_hi, off, off, with_off, w, x, acc, rg);
 }
 
 /* One super-block: its values into `w`, or (w NULL) its dot with the rg rows x[r] (each x[r]
@@ -237,6 +247,22 @@ static inline __attribute__((always_inline)) void kquant_block(
     const int rg) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const float *xs[ROW_GROUP];
+    if (kind == Q2_K) {
+        const float d = half_at(b + 80), dmin = half_at(b + 82);
+        for (int g = 0; g < 8; g++) {
+            const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (g >> 2)));
+            const __m256i q = _mm256_and_si256(_mm256_srli_epi16(l, 2 * (g & 3)),
+                                               _mm256_set1_epi8(3));
+            const uint8_t s0 = b[2 * g], s1 = b[2 * g + 1];
+            for (int r = 0; r < rg; r++) xs[r] = x[r] + 32 * g;
+            const __m256 sl = _mm256_set1_ps(d * (float)(s0 & 0xF));
+            const __m256 sh = _mm256_set1_ps(d * (float)(s1 & 0xF));
+            const __m256 ml = _mm256_set1_ps(dmin * (float)(s0 >> 4));
+            const __m256 mh = _mm256_set1_ps(dmin * (float)(s1 >> 4));
+            use32_off2(q, sl, sh, ml, mh, 1, w ? w + 32 * g : NULL, xs, acc, rg);
+        }
+        return;
+    }
     if (kind == Q3_K) {
         const float d = half_at(b + 108);
         const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
@@ -315,6 +341,7 @@ static void kquant_values(int kind, const uint8_t *b, float *w) {
     else if (kind == Q5_K) kquant_block(Q5_K, b, w, NULL, NULL, 0);
     else if (kind == IQ4_XS) kquant_block(IQ4_XS, b, w, NULL, NULL, 0);
     else if (kind == Q3_K) kquant_block(Q3_K, b, w, NULL, NULL, 0);
+    else if (kind == Q2_K) kquant_block(Q2_K, b, w, NULL, NULL, 0);
     else kquant_block(Q6_K, b, w, NULL, NULL, 0);
 }
 
@@ -355,12 +382,13 @@ KQUANT_TILE(q5_k_tile, Q5_K)
 KQUANT_TILE(q6_k_tile, Q6_K)
 KQUANT_TILE(iq4_xs_tile, IQ4_XS)
 KQUANT_TILE(q3_k_tile, Q3_K)
+KQUANT_TILE(q2_k_tile, Q2_K)
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, MXFP4, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS (above).
+/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS.
  * x [R, K] and y [R, N] row-major fp32;
  * w: N rows of blocks. Returns 0, or -1 when scratch memory could not be had (y untouched). */
 int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N, float *y,
@@ -400,6 +428,7 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
             else if (kind == IQ4_NL) iq4_nl_tile(x, xsum, R, K, w, n0, n1, N, y);
             else if (kind == IQ4_XS) iq4_xs_tile(x, R, K, w, n0, n1, N, y);
             else if (kind == Q3_K) q3_k_tile(x, R, K, w, n0, n1, N, y);
+            else if (kind == Q2_K) q2_k_tile(x, R, K, w, n0, n1, N, y);
             else q4_0_tile(x, xsum, R, K, w, n0, n1, N, y);
         }
     }
@@ -413,7 +442,7 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
  * into a reused buffer with this, and embeddings gather their rows from the blocks. */
 void ggml_dequant(int kind, const uint8_t *w, const int64_t *rows, int R, int K, float *out,
                   int nthreads) {
-    if ((kind >= Q4_K && kind <= Q6_K) || kind == IQ4_XS || kind == Q3_K) {
+    if ((kind >= Q4_K && kind <= Q6_K) || kind == IQ4_XS || kind == Q3_K || kind == Q2_K) {
         const int nk = K / 256, kb = kquant_bytes(kind);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int i = 0; i < R; i++) {

@@ -28,11 +28,11 @@
 #endif
 
 enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_0 = 7, Q5_1 = 8,
-       IQ4_NL = 9, IQ4_XS = 10, Q3_K = 11 };
+       IQ4_NL = 9, IQ4_XS = 10, Q3_K = 11, Q2_K = 12 };
 /* (ggml_linear.py's KINDS; 6 is MXFP4, which this file does not read) */
 #define IS_KQ(kind) ((kind) >= Q4_K && (kind) <= Q6_K)
 /* 256-value super-blocks of 8 groups, each with its own scale(s): the K-quants, IQ4_XS */
-#define IS_SUPER(kind) (IS_KQ(kind) || (kind) == IQ4_XS || (kind) == Q3_K)
+#define IS_SUPER(kind) (IS_KQ(kind) || (kind) == IQ4_XS || (kind) == Q3_K || (kind) == Q2_K)
 #define KQ_HAS_MIN(kind) ((kind) == Q4_K || (kind) == Q5_K) /* - m1 * sum(x) per group */
 #define KQ_SIGNED(kind) ((kind) == Q6_K || (kind) == IQ4_XS || (kind) == Q3_K)
 /* the wide paths' signed kinds taken as |w| times x with w's sign (Q6_K: shifted by 32) */
@@ -56,7 +56,7 @@ typedef struct {
 static int block_bytes(int kind) {
     return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == Q4_0 ? 18 : kind == Q4_K ? 144
            : kind == Q5_K ? 176 : kind == Q5_0 ? 22 : kind == Q5_1 ? 24 : kind == IQ4_NL ? 18
-           : kind == IQ4_XS ? 136 : kind == Q3_K ? 110 : 210;
+           : kind == IQ4_XS ? 136 : kind == Q3_K ? 110 : kind == Q2_K ? 84 : 210;
 }
 
 /* Q5_0 (22 bytes: d, qh[4], qs[16]) and Q5_1 (24: d, m, qh[4], qs[16]): value i's low 4 bits
@@ -114,8 +114,28 @@ static inline __attribute__((always_inline)) int q3_k_scale(const uint8_t *b, in
     return (lo | hi << 4) - 32;
 }
 
+/* Q2_K (84 bytes: scales[16], qs[64], d, dmin): group g's values bits 2 (g & 3) of
+ * qs[32 (g >> 2) + i] (0..3); per 16 values (g's 2g, 2g + 1) a byte: low nibble sc, high m;
+ * w = (d * sc) * q - dmin * m. Its minimum meets the 4-value integer sums of x's quantized
+ * values, lane by lane as the products (llama.cpp's bsums, in 4s):
+ *     acc_j += (d * sc * d_x) * p_j,   acc2_j += (dmin * m * d_x) * xs_j,
+ * y = sum8(acc) - sum8(acc2). kq_scales gives d * sc lo / hi; q2_k_mins dmin * m lo / hi. */
+static inline __attribute__((always_inline)) void q2_k_mins(const uint8_t *b, int g, float *lo,
+                                                           float *hi) {
+    const float dmin = half_at(b + 82);
+    *lo = dmin * (float)(b[2 * g] >> 4);
+    *hi = dmin * (float)(b[2 * g + 1] >> 4);
+}
+
 static inline __attribute__((always_inline)) void kq_scales(int kind, const uint8_t *b, int g,
                                                            float *s_lo, float *s_hi, float *m) {
+    if (kind == Q2_K) {
+        const float d = half_at(b + 80);
+        *s_lo = d * (float)(b[2 * g] & 0xF);
+        *s_hi = d * (float)(b[2 * g + 1] & 0xF);
+        *m = 0.f;
+        return;
+    }
     if (kind == Q3_K) {
         const float d = half_at(b + 108);
         *s_lo = d * (float)q3_k_scale(b, 2 * g);
@@ -143,6 +163,10 @@ static inline __attribute__((always_inline)) void kq_scales(int kind, const uint
 }
 
 static void kq_ints(int kind, const uint8_t *b, int g, int *wv) {
+    if (kind == Q2_K) {
+        for (int i = 0; i < 32; i++) wv[i] = (b[16 + 32 * (g >> 2) + i] >> 2 * (g & 3)) & 3;
+        return;
+    }
     if (kind == Q3_K) {
         for (int i = 0; i < 32; i++)
             wv[i] = ((b[32 + 32 * (g >> 2) + i] >> 2 * (g & 3)) & 3) - ((b[i] >> g & 1) ? 0 : 4);
@@ -203,25 +227,29 @@ static void tile_scalar_k(int kind, const act_t *a, int R, int K, const uint8_t 
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (size_t)n * nk * bytes;
         for (int r = 0; r < R; r++) {
-            float acc[8] = {0}, macc = 0.f;
+            float acc[8] = {0}, acc2[8] = {0}, macc = 0.f;
             for (int k = 0; k < nk; k++) {
                 const uint8_t *b = row + (size_t)k * bytes;
                 for (int g = 0; g < 8; g++) {
                     const size_t rb = (size_t)r * nb + 8 * k + g;
                     const int8_t *qx = a->q + rb * 32;
                     int wv[32];
-                    float s_lo, s_hi, m;
+                    float s_lo, s_hi, m, m_lo = 0.f, m_hi = 0.f;
                     kq_ints(kind, b, g, wv);
                     kq_scales(kind, b, g, &s_lo, &s_hi, &m);
+                    if (kind == Q2_K) q2_k_mins(b, g, &m_lo, &m_hi);
                     for (int j = 0; j < 8; j++) {
-                        int p = 0;
-                        for (int i = 4 * j; i < 4 * j + 4; i++) p += wv[i] * qx[i];
+                        int p = 0, xs = 0;
+                        for (int i = 4 * j; i < 4 * j + 4; i++) p += wv[i] * qx[i], xs += qx[i];
                         acc[j] = fmaf((j < 4 ? s_lo : s_hi) * a->d[rb], (float)p, acc[j]);
+                        if (kind == Q2_K)
+                            acc2[j] = fmaf((j < 4 ? m_lo : m_hi) * a->d[rb], (float)xs, acc2[j]);
                     }
                     if (KQ_HAS_MIN(kind)) macc = fmaf(m, a->s[rb], macc);
                 }
             }
-            y[(size_t)r * N + n] = KQ_HAS_MIN(kind) ? sum8(acc) + macc : sum8(acc);
+            y[(size_t)r * N + n] = KQ_HAS_MIN(kind) ? sum8(acc) + macc
+                                   : kind == Q2_K ? sum8(acc) - sum8(acc2) : sum8(acc);
         }
     }
 }
@@ -414,6 +442,10 @@ TILE_FN(q4_0_avx2, group_avx2, Q4_0, AVX2_ATTR)
 /* K-quants, AVX2 (the AVX-512 path below repeats its operations: the same bits) */
 AVX2_FN __m256i kq_bytes(const uint8_t *b, int g, const int kind) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (kind == Q2_K) {
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (g >> 2)));
+        return _mm256_and_si256(_mm256_srli_epi16(l, 2 * (g & 3)), _mm256_set1_epi8(3));
+    }
     if (kind == Q3_K) {
         const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * (g >> 2)));
         const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
@@ -456,6 +488,14 @@ AVX2_FN __m256i kq_bytes(const uint8_t *b, int g, const int kind) {
  * minimum's -m1 (Q4_K / Q5_K). Once per (output, super-block), not per group and row group. */
 AVX2_FN __attribute__((always_inline)) void kq_block_scales(const uint8_t *b, const int kind,
                                                            float *sc, float *mn) {
+    if (kind == Q2_K) { /* sc / mn [2g], [2g + 1]: group g's lo, hi */
+        const float d = f16_at(b + 80), dmin = f16_at(b + 82);
+        for (int s = 0; s < 16; s++) {
+            sc[s] = d * (float)(b[s] & 0xF);
+            mn[s] = dmin * (float)(b[s] >> 4);
+        }
+        return;
+    }
     if (kind == Q3_K) { /* sc[2g], sc[2g + 1]: group g's lo, hi (as Q6_K) */
         const float d = f16_at(b + 108);
         for (int s = 0; s < 16; s++) sc[s] = d * (float)q3_k_scale(b, s);
@@ -506,16 +546,16 @@ AVX2_FN __attribute__((always_inline)) void outputs_k_avx2(const act_t *a, int K
                                                           float *y, int r0, const int rg,
                                                           const int no, const int kind) {
     const int nk = K / 256, nb = K / 32, bytes = block_bytes(kind);
-    __m256 acc[2][ROW_GROUP];
+    __m256 acc[2][ROW_GROUP], acc2[2][ROW_GROUP]; /* acc2: Q2_K's minimum terms */
     float macc[2][ROW_GROUP];
     for (int o = 0; o < no; o++)
         for (int r = 0; r < rg; r++) {
-            acc[o][r] = _mm256_setzero_ps();
+            acc[o][r] = acc2[o][r] = _mm256_setzero_ps();
             macc[o][r] = 0.f;
         }
     for (int k = 0; k < nk; k++) {
         const uint8_t *b[2];
-        float sc[2][16], mn[2][8];
+        float sc[2][16], mn[2][16];
         for (int o = 0; o < no; o++) {
             b[o] = w + ((size_t)(n + o) * nk + k) * bytes;
             for (int l = 0; l < bytes; l += 64)
@@ -525,24 +565,33 @@ AVX2_FN __attribute__((always_inline)) void outputs_k_avx2(const act_t *a, int K
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++) {
             __m256i wv[2], wabs[2];
-            __m256 sv[2];
+            __m256 sv[2], mv[2];
             for (int o = 0; o < no; o++) {
                 wv[o] = kq_bytes(b[o], g, kind);
                 wabs[o] = KQ_SIGNED(kind) ? _mm256_abs_epi8(wv[o]) : wv[o];
-                sv[o] = kind == Q6_K || kind == Q3_K
+                sv[o] = kind == Q6_K || kind == Q3_K || kind == Q2_K
                             ? _mm256_setr_m128(_mm_broadcast_ss(&sc[o][2 * g]),
                                                _mm_broadcast_ss(&sc[o][2 * g + 1]))
                             : _mm256_broadcast_ss(&sc[o][g]);
+                if (kind == Q2_K)
+                    mv[o] = _mm256_setr_m128(_mm_broadcast_ss(&mn[o][2 * g]),
+                                             _mm_broadcast_ss(&mn[o][2 * g + 1]));
             }
             for (int r = 0; r < rg; r++) {
                 const size_t rb = (size_t)(r0 + r) * nb + 8 * k + g;
                 const __m256i qx = _mm256_loadu_si256((const __m256i *)(a->q + rb * 32));
                 const __m256 dx = _mm256_set1_ps(a->d[rb]);
+                __m256 xs = _mm256_setzero_ps(); /* Q2_K: x's 4-value integer sums */
+                if (kind == Q2_K)
+                    xs = _mm256_cvtepi32_ps(_mm256_madd_epi16(
+                        _mm256_maddubs_epi16(_mm256_set1_epi8(1), qx), _mm256_set1_epi16(1)));
                 for (int o = 0; o < no; o++) {
                     const __m256 p = _mm256_cvtepi32_ps(
                         block_products(wv[o], wabs[o], qx, KQ_SIGNED(kind) ? Q8_0 : Q4_1));
                     acc[o][r] = _mm256_fmadd_ps(_mm256_mul_ps(sv[o], dx), p, acc[o][r]);
                     if (KQ_HAS_MIN(kind)) macc[o][r] = fmaf(mn[o][g], a->s[rb], macc[o][r]);
+                    if (kind == Q2_K)
+                        acc2[o][r] = _mm256_fmadd_ps(_mm256_mul_ps(mv[o], dx), xs, acc2[o][r]);
                 }
             }
         }
@@ -550,7 +599,9 @@ AVX2_FN __attribute__((always_inline)) void outputs_k_avx2(const act_t *a, int K
     for (int o = 0; o < no; o++)
         for (int r = 0; r < rg; r++)
             y[(size_t)(r0 + r) * N + n + o] =
-                KQ_HAS_MIN(kind) ? hsum8(acc[o][r]) + macc[o][r] : hsum8(acc[o][r]);
+                KQ_HAS_MIN(kind) ? hsum8(acc[o][r]) + macc[o][r]
+                : kind == Q2_K   ? hsum8(acc[o][r]) - hsum8(acc2[o][r])
+                                 : hsum8(acc[o][r]);
 }
 
 AVX2_FN __attribute__((always_inline)) void group_k_avx2(const act_t *a, int K, const uint8_t *w,
@@ -567,6 +618,7 @@ TILE_FN(q5_k_avx2, group_k_avx2, Q5_K, AVX2_ATTR)
 TILE_FN(q6_k_avx2, group_k_avx2, Q6_K, AVX2_ATTR)
 TILE_FN(iq4_xs_avx2, group_k_avx2, IQ4_XS, AVX2_ATTR)
 TILE_FN(q3_k_avx2, group_k_avx2, Q3_K, AVX2_ATTR)
+TILE_FN(q2_k_avx2, group_k_avx2, Q2_K, AVX2_ATTR)
 
 /* K-quants for calls of many rows on AVX2: kq_wide's scheme (below) on 8 outputs a vector.
  * Lane o of acc[j] is output o's lane j of the per-output path above; the 4-value products come
@@ -968,7 +1020,8 @@ int ggml_int_isa_supported(int isa) {
 static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint8_t *w, int n0,
                      int n1, int N, float *y) {
 #ifdef SD_X86
-    if ((IS_Q5(kind) || kind == IQ4_NL || WIDE_SIGNED(kind)) && isa != ISA_SCALAR) {
+    if ((IS_Q5(kind) || kind == IQ4_NL || WIDE_SIGNED(kind) || kind == Q2_K) &&
+        isa != ISA_SCALAR) {
         /* NOTE: AVX2 on AVX-512 machines too (no AVX-512 path for them: the same bits) */
         if (WIDE_SIGNED(kind) && R >= KQ_WIDE8_MIN_ROWS &&
             kq_wide8(kind, a, R, K, w, n0, n1, N, y) == 0)
@@ -977,6 +1030,7 @@ static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint
         else if (kind == Q5_1) q5_1_avx2(a, R, K, w, n0, n1, N, y);
         else if (kind == IQ4_NL) iq4_nl_avx2(a, R, K, w, n0, n1, N, y);
         else if (kind == Q3_K) q3_k_avx2(a, R, K, w, n0, n1, N, y);
+        else if (kind == Q2_K) q2_k_avx2(a, R, K, w, n0, n1, N, y); /* (no wide path) */
         else iq4_xs_avx2(a, R, K, w, n0, n1, N, y);
         return;
     }
@@ -1013,7 +1067,7 @@ static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint
     else tile_scalar(kind, a, R, K, w, n0, n1, N, y);
 }
 
-/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS; isa: one
+/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, Q2_K ... Q6_K or IQ4_XS; isa: one
  * ggml_int_isa_supported() accepts (the caller checks). x [R, K] and y [R, N] row-major fp32;
  * w: N rows of blocks. Returns 0, -1 when scratch memory could not be had, -2 for an ISA this
  * build / CPU cannot run (y untouched). */

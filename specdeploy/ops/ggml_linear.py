@@ -40,13 +40,13 @@ SOURCE = Path(__file__).with_name("ggml_kernels.c")
 # super-blocks with a 6-bit scale per 32): the IQ4_XS file type, IQ4_NL its fallback
 KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18), "q4_k": (3, 144), "q5_k": (4, 176),
          "q6_k": (5, 210), "mxfp4": (6, 17), "q5_0": (7, 22), "q5_1": (8, 24),
-         "iq4_nl": (9, 18), "iq4_xs": (10, 136), "q3_k": (11, 110)}
+         "iq4_nl": (9, 18), "iq4_xs": (10, 136), "q3_k": (11, 110), "q2_k": (12, 84)}
 K_QUANTS = ("q4_k", "q5_k", "q6_k")  # exact and integer-dot kernels (not ggml_tiled)
-SUPER_BLOCKS = (*K_QUANTS, "iq4_xs", "q3_k")  # 256 values a block (Q3_K: no tiled kernel)
+SUPER_BLOCKS = (*K_QUANTS, "iq4_xs", "q3_k", "q2_k")  # 256 values a block
 
 
 def block_values(kind: str) -> int:
-    """Values per block of `kind`: 256 for the K-quants (Q3_K too) and IQ4_XS, else 32."""
+    """Values per block of `kind`: 256 for the K-quants (Q2_K, Q3_K too) and IQ4_XS, else 32."""
     return 256 if kind in SUPER_BLOCKS else 32
 
 
@@ -55,8 +55,8 @@ def scale_bytes(kind: str) -> slice | None:
     mxfp4, whose E8M0 byte is always a finite power of two as ggml reads it."""
     if kind == "mxfp4":
         return None
-    if kind == "q3_k":
-        return slice(108, 110)
+    if kind in ("q3_k", "q2_k"):
+        return slice(108, 110) if kind == "q3_k" else slice(80, 84)
     return slice(208, 210) if kind == "q6_k" else slice(0, 4 if kind in ("q4_1", "q5_1", "q4_k",
                                                                           "q5_k") else 2)
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]

@@ -134,8 +134,8 @@ def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32,
     return out
 
 
-K_QUANTS = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)  # (gguf-py cannot quantize to
-# them)
+# (gguf-py cannot quantize to them)
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 
 
 def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
@@ -170,6 +170,10 @@ def random_kquant(qtype, shape: tuple, rng: np.random.Generator) -> np.ndarray:
         raw[..., 0:2] = (small.view(np.float16) / 64).view(np.uint8)
     elif qtype == Q.Q3_K:  # any bits, d last (values -4..3 times 6-bit scales - 32)
         raw[..., 108:110] = (small.view(np.float16) / 16).view(np.uint8)
+    elif qtype == Q.Q2_K:  # any scale / min nibbles, then d, dmin (m ~ sc * 3 / 2: centred)
+        raw[..., 0:16] = (rng.integers(4, 16, (*lead, n, 16)) | rng.integers(6, 12, (*lead, n, 16))
+                          << 4).astype(np.uint8)
+        raw[..., 80:82] = raw[..., 82:84] = small
     elif qtype == Q.Q6_K:
         raw[..., 192:208] = rng.integers(-8, 9, (*lead, n, 16)).astype(np.int8).view(np.uint8)
         raw[..., 208:210] = small

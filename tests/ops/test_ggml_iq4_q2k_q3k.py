@@ -1,16 +1,17 @@
 """GGUF IQ4_NL / IQ4_XS weights (ggml's non-linear 4-bit types: the IQ4_XS file type, and IQ4_NL
-where its rows are not in 256s) and Q3_K ones (the Q3_K_S / M / L file types) run on their blocks,
-as the other block kinds. Before, they loaded as fp32 (~7-9x their bytes). gguf-py cannot
-quantize to them: the blocks are random valid ones (tests/checkpoint/gguf_nemotron_h_layout.py
-`random_kquant`), the oracle gguf-py's own dequantization of the same bytes:
+where its rows are not in 256s), Q3_K and Q2_K ones (the Q3_K_S / M / L and Q2_K file types) run
+on their blocks, as the other block kinds. Before, they loaded as fp32 (~7-11x their bytes).
+gguf-py cannot quantize to them: the blocks are random valid ones (tests/checkpoint/
+gguf_nemotron_h_layout.py `random_kquant`), the oracle gguf-py's own dequantization of the same
+bytes:
 
 1. the kernels' dequantization (embedding rows, prefill GEMMs) equals gguf-py's bit for bit;
 2. the exact kernel = a float64 matmul over those values within fp32 round-off;
 3. the integer-dot kernel ("fast") = the stated algorithm re-done in float64 (tests/ops/
    test_ggml_int.py `_errors`) within fp32 round-off, inside the 8-bit activation bound; every
    ISA path the same bits; rows batch- and thread-invariant;
-4. tiny NemotronH MoE GGUFs with IQ4_XS matrices and IQ4_NL experts, and all Q3_K, deploy on
-   them, their logits the fp32 model's, and greedy MTP speculation equals plain decoding.
+4. tiny NemotronH MoE GGUFs with IQ4_XS matrices and IQ4_NL experts, all Q3_K, all Q2_K,
+   deploy on them, their logits the fp32 model's, and greedy MTP speculation equals plain decoding.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ gguf = pytest.importorskip("gguf")
 from tests.checkpoint.gguf_nemotron_h_layout import Q, random_kquant  # noqa: E402
 from tests.ops.test_ggml_int import _errors, _x  # noqa: E402
 
-KINDS = {"iq4_nl": Q.IQ4_NL, "iq4_xs": Q.IQ4_XS, "q3_k": Q.Q3_K}
+KINDS = {"iq4_nl": Q.IQ4_NL, "iq4_xs": Q.IQ4_XS, "q3_k": Q.Q3_K, "q2_k": Q.Q2_K}
 SHAPES = [(1, 256), (33, 512), (40, 768)]
 
 
@@ -85,8 +86,8 @@ def test_int_kernel_oracle_isas_and_batch_invariance(kind):
         torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module", params=[(Q.IQ4_XS, Q.IQ4_NL), (Q.Q3_K, Q.Q3_K)],
-                ids=["iq4_xs+iq4_nl", "q3_k"])
+@pytest.fixture(scope="module", params=[(Q.IQ4_XS, Q.IQ4_NL), (Q.Q3_K, Q.Q3_K), (Q.Q2_K, Q.Q2_K)],
+                ids=["iq4_xs+iq4_nl", "q3_k", "q2_k"])
 def iq4_gguf(request, tmp_path_factory):
     """A tiny NemotronH MoE (widths in 256s) with (matrices, experts) in those types."""
     from specdeploy.models import nemotron_h as nh
@@ -112,7 +113,8 @@ def test_iq4_gguf_deploys_on_blocks(iq4_gguf, kernels):
     from specdeploy.loading import load_model
 
     model = load_model(iq4_gguf)
-    assert {w.kind for w in model.ggml_weights.values()} in ({"iq4_xs", "iq4_nl"}, {"q3_k"})
+    assert {w.kind for w in model.ggml_weights.values()} in ({"iq4_xs", "iq4_nl"}, {"q3_k"},
+                                                             {"q2_k"})
     dep = build(str(iq4_gguf), kernels=kernels, kv_cache_dtype="float32", max_batch_size=2,
                 max_seq_len=64, page_size=4, max_cache_gib=0.02)
     infos = {i.name: i for i in dep.infos}
