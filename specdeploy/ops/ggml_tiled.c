@@ -39,7 +39,9 @@
 #include <omp.h>
 #endif
 
-enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, MXFP4 = 6 }; /* ggml_linear.py's KINDS */
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, MXFP4 = 6, Q5_0 = 7, Q5_1 = 8 }; /* ggml_linear.py's KINDS */
+#define IS_Q5(kind) ((kind) == Q5_0 || (kind) == Q5_1)
+#define HAS_M(kind) ((kind) == Q4_1 || (kind) == Q5_1)
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
 #define TILE 16
 /* rows sharing one unpacking of a tile's block: what the accumulators leave of 16 ymm / 32 zmm
@@ -58,9 +60,15 @@ typedef struct {
 } act_t;
 
 static int block_bytes(int kind) {
-    return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == MXFP4 ? 17 : 18;
+    return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == MXFP4 ? 17 : kind == Q5_0 ? 22
+           : kind == Q5_1 ? 24 : 18;
 }
-static int quant_off(int kind) { return kind == Q4_1 ? 64 : kind == MXFP4 ? 16 : 32; }
+static int quant_off(int kind) { return HAS_M(kind) ? 64 : kind == MXFP4 ? 16 : 32; }
+/* Q5_0 / Q5_1 (GGUF: d, (m), qh[4], qs[16]; value i's bit 4 bit i of qh) keep Q4_0 / Q4_1's
+ * layout and add a 64-byte vector after the 4 nibble vectors: per output 4 bytes, byte i's bit
+ * 2j the bit 4 of value 4j + i (low nibble of vector j), bit 2j + 1 that of value 16 + 4j + i
+ * (its high nibble). Their values 0..31 (Q5_0: minus 16, taken off as 16 * S). */
+static int q5_src(int kind) { return kind == Q5_0 ? 6 : 8; } /* GGUF qs; qh 4 bytes before */
 
 /* MXFP4's nibble -> ggml's doubled E2M1 value (kvalues_mxfp4); the kernels look up these + 12
  * (0..24, unsigned for maddubs) and take 12 * S off the integer sum, as Q4_0 takes 8 * S */
@@ -145,7 +153,8 @@ static void quantize_rows(const float *x, int R, int K, int8_t *q, float *d, flo
 void ggml_tiled_repack(int kind, const uint8_t *src, int rows, int K, uint8_t *dst, int row0,
                        int nthreads) {
     const int nb = K / 32, bytes = block_bytes(kind), tb = TILE * bytes, qo = quant_off(kind);
-    const int qsrc = kind == Q4_1 ? 4 : kind == MXFP4 ? 1 : 2, vecs = kind == Q8_0 ? 8 : 4;
+    const int qsrc = kind == Q4_1 ? 4 : kind == MXFP4 ? 1 : IS_Q5(kind) ? q5_src(kind) : 2;
+    const int vecs = kind == Q8_0 ? 8 : 4;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int i = 0; i < rows; i++) {
         const int n = row0 + i, o = n % TILE;
@@ -156,8 +165,19 @@ void ggml_tiled_repack(int kind, const uint8_t *src, int rows, int K, uint8_t *d
             uint8_t *t = tile + (size_t)b * tb;
             if (kind == MXFP4) t[o] = blk[0];
             else memcpy(t + 2 * o, blk, 2);
-            if (kind == Q4_1) memcpy(t + 32 + 2 * o, blk + 2, 2);
+            if (HAS_M(kind)) memcpy(t + 32 + 2 * o, blk + 2, 2);
             for (int j = 0; j < vecs; j++) memcpy(t + qo + 64 * j + 4 * o, blk + qsrc + 4 * j, 4);
+            if (IS_Q5(kind)) {
+                uint32_t qh;
+                memcpy(&qh, blk + qsrc - 4, 4);
+                for (int i = 0; i < 4; i++) {
+                    uint8_t hb = 0;
+                    for (int j = 0; j < 4; j++)
+                        hb |= (uint8_t)(((qh >> (4 * j + i)) & 1) << (2 * j) |
+                                        ((qh >> (16 + 4 * j + i)) & 1) << (2 * j + 1));
+                    t[qo + 256 + 4 * o + i] = hb;
+                }
+            }
         }
     }
 }
@@ -175,7 +195,7 @@ void ggml_tiled_rows(int kind, const uint8_t *w, int K, const int64_t *ids, int 
         for (int b = 0; b < nb; b++) {
             const uint8_t *t = tile + (size_t)b * tb, *qs = t + qo + 4 * o;
             const float d = kind == MXFP4 ? e8m0_half(t[o]) : half_at(t + 2 * o);
-            const float m = kind == Q4_1 ? half_at(t + 32 + 2 * o) : 0.f;
+            const float m = HAS_M(kind) ? half_at(t + 32 + 2 * o) : 0.f;
             float *yb = y + b * 32;
             for (int g = 0; g < 8; g++)
                 for (int i = 0; i < 4; i++) {
@@ -183,9 +203,11 @@ void ggml_tiled_rows(int kind, const uint8_t *w, int K, const int64_t *ids, int 
                     if (kind == Q8_0) v = d * (float)(int8_t)qs[64 * g + i];
                     else {
                         const uint8_t byte = qs[64 * (g & 3) + i];
-                        const int q = g < 4 ? byte & 0x0F : byte >> 4;
-                        v = kind == Q4_1 ? d * (float)q + m
-                            : d * (float)(kind == MXFP4 ? E2M1X2[q] : q - 8);
+                        int q = g < 4 ? byte & 0x0F : byte >> 4;
+                        if (IS_Q5(kind)) q |= ((qs[256 + i] >> (2 * (g & 3) + (g >> 2))) & 1) << 4;
+                        v = HAS_M(kind) ? d * (float)q + m
+                            : d * (float)(kind == MXFP4 ? E2M1X2[q] : kind == Q5_0 ? q - 16
+                                                                                  : q - 8);
                     }
                     yb[4 * g + i] = v;
                 }
@@ -214,16 +236,19 @@ static void tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_t *
                                 const uint8_t byte = qs[64 * (g & 3) + i];
                                 wv = (g < 4 ? byte & 0x0F : byte >> 4) - (kind == Q4_0 ? 8 : 0);
                                 if (kind == MXFP4) wv = E2M1X2[wv] + MX_SHIFT;
+                                if (IS_Q5(kind))
+                                    wv |= ((qs[256 + i] >> (2 * (g & 3) + (g >> 2))) & 1) << 4;
                             }
                             p += wv * qx[4 * g + i];
                         }
                     if (kind == MXFP4) p -= MX_SHIFT * a->S[rb];
+                    if (kind == Q5_0) p -= 16 * a->S[rb];
                     const float dw = kind == MXFP4 ? e8m0_half(blk[o]) : half_at(blk + 2 * o);
                     const float scale = dw * a->d[rb];
                     acc = fmaf((float)p, scale, acc);
-                    if (kind == Q4_1) macc = fmaf(half_at(blk + 32 + 2 * o), a->s[rb], macc);
+                    if (HAS_M(kind)) macc = fmaf(half_at(blk + 32 + 2 * o), a->s[rb], macc);
                 }
-                y[(size_t)r * N + (size_t)t * TILE + o] = kind == Q4_1 ? acc + macc : acc;
+                y[(size_t)r * N + (size_t)t * TILE + o] = HAS_M(kind) ? acc + macc : acc;
             }
 }
 
@@ -280,11 +305,20 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
                 _mm_prefetch((const char *)base + PF_BLOCKS * tb + l, _MM_HINT_T0);
         __m256i p[ROW_GROUP], p16[ROW_GROUP]; /* int32 (Q8_0, MXFP4) / int16 sums, exact */
         for (int r = 0; r < rg; r++) p[r] = p16[r] = _mm256_setzero_si256();
+        const __m256i hv = IS_Q5(kind) ? _mm256_loadu_si256((const __m256i *)(qs + 256))
+                                       : _mm256_setzero_si256(); /* the 5-bit kinds' bit 4 */
         for (int j = 0; j < (kind == Q8_0 ? 8 : 4); j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * j));
             __m256i w0 = kind == Q8_0 ? _mm256_abs_epi8(v) : _mm256_and_si256(v, mask);
             __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
             if (kind == MXFP4) w0 = _mm256_shuffle_epi8(lut, w0), w1 = _mm256_shuffle_epi8(lut, w1);
+            if (IS_Q5(kind)) {
+                const __m256i one8 = _mm256_set1_epi8(1);
+                w0 = _mm256_or_si256(w0, _mm256_slli_epi16(
+                    _mm256_and_si256(_mm256_srli_epi16(hv, 2 * j), one8), 4));
+                w1 = _mm256_or_si256(w1, _mm256_slli_epi16(
+                    _mm256_and_si256(_mm256_srli_epi16(hv, 2 * j + 1), one8), 4));
+            }
             for (int r = 0; r < rg; r++) {
                 const int8_t *qr = qx + (size_t)r * K + 4 * j;
                 const __m256i x = _mm256_set1_epi32(group_at(qr));
@@ -296,7 +330,9 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
                 }
                 p16[r] = _mm256_add_epi16(p16[r], _mm256_add_epi16(_mm256_maddubs_epi16(w0, x),
                     _mm256_maddubs_epi16(w1, _mm256_set1_epi32(group_at(qr + 16)))));
-                if (kind == MXFP4 && (j & 1)) { /* 4 results in int16: into int32 now */
+                /* MXFP4, 5-bit kinds: 4 results in int16 (<= 4 * 31 * 2 * 128 = 31744 for the
+                 * 5-bit values): into int32 now */
+                if ((kind == MXFP4 || IS_Q5(kind)) && (j & 1)) {
                     p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(p16[r], ones));
                     p16[r] = _mm256_setzero_si256();
                     KEEP(p[r]);
@@ -314,7 +350,7 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
         } else {
             dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(base + 16 * h)));
         }
-        const __m256 m = kind == Q4_1 && !MACC_PASS(rg)
+        const __m256 m = HAS_M(kind) && !MACC_PASS(rg)
             ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(base + 16 * h + 32)))
             : _mm256_setzero_ps();
         for (int r = 0; r < rg; r++) {
@@ -323,13 +359,14 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
             if (kind == Q4_0) p[r] = _mm256_sub_epi32(p[r], _mm256_set1_epi32(8 * a->S[rb]));
             if (kind == MXFP4)
                 p[r] = _mm256_sub_epi32(p[r], _mm256_set1_epi32(MX_SHIFT * a->S[rb]));
+            if (kind == Q5_0) p[r] = _mm256_sub_epi32(p[r], _mm256_set1_epi32(16 * a->S[rb]));
             const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[rb]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[r]), scale, acc[r]);
-            if (kind == Q4_1 && !MACC_PASS(rg))
+            if (HAS_M(kind) && !MACC_PASS(rg))
                 macc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s[rb]), macc[r]);
         }
     }
-    for (int b = 0; kind == Q4_1 && MACC_PASS(rg) && b < nb; b++) {
+    for (int b = 0; HAS_M(kind) && MACC_PASS(rg) && b < nb; b++) {
         const __m256 m = _mm256_cvtph_ps(
             _mm_loadu_si128((const __m128i *)(tile + (size_t)b * tb + 16 * h + 32)));
         for (int r = 0; r < rg; r++)
@@ -337,7 +374,7 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
     }
     for (int r = 0; r < rg; r++)
         _mm256_storeu_ps(y + (size_t)(r0 + r) * N + 8 * h,
-                         kind == Q4_1 ? _mm256_add_ps(acc[r], macc[r]) : acc[r]);
+                         HAS_M(kind) ? _mm256_add_ps(acc[r], macc[r]) : acc[r]);
 }
 
 /* AVX-512 VNNI: a whole tile per zmm, dpbusd (u8 x s8, 4 products per int32 lane, no
@@ -467,6 +504,8 @@ TILES_FN(q4_1_avx2, tile_avx2, Q4_1, AVX2_ROWS, AVX2_ATTR)
 TILES_FN(q8_0_avx2, tile_avx2, Q8_0, AVX2_ROWS_Q8, AVX2_ATTR)
 TILES_FN(q4_0_avx2, tile_avx2, Q4_0, AVX2_ROWS, AVX2_ATTR)
 TILES_FN(mxfp4_avx2, tile_avx2, MXFP4, AVX2_ROWS_MX, AVX2_ATTR)
+TILES_FN(q5_0_avx2, tile_avx2, Q5_0, AVX2_ROWS_MX, AVX2_ATTR)
+TILES_FN(q5_1_avx2, tile_avx2, Q5_1, AVX2_ROWS_MX, AVX2_ATTR)
 TILES_FN(q4_1_avx512, tile_avx512, Q4_1, AVX512_ROWS, AVX512_ATTR)
 TILES_FN(q8_0_avx512, tile_avx512, Q8_0, AVX512_ROWS, AVX512_ATTR)
 TILES_FN(q4_0_avx512, tile_avx512, Q4_0, AVX512_ROWS, AVX512_ATTR)
@@ -683,7 +722,9 @@ static void run_tiles(int kind, int isa, int amx, uint8_t *wb, const act_t *a, i
      * AMX); the avx512_vnni ISA runs its AVX2 path, which every AVX-512 CPU has, and the same
      * bits as everywhere */
     if (kind == MXFP4 && isa != ISA_SCALAR) mxfp4_avx2(a, R, K, w, t0, t1, N, y);
-    else if (kind == MXFP4) tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
+    else if (IS_Q5(kind) && isa != ISA_SCALAR) /* (as MXFP4: AVX2 on AVX-512 CPUs too) */
+        (kind == Q5_0 ? q5_0_avx2 : q5_1_avx2)(a, R, K, w, t0, t1, N, y);
+    else if (kind == MXFP4 || IS_Q5(kind)) tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
     else if (amx) amx_fns[kind](a, R, K, w, t0, t1, N, y, wb);
     else if (isa == ISA_AVX2 || isa == ISA_AVX512) simd[isa - 1][kind](a, R, K, w, t0, t1, N, y);
     else
@@ -692,8 +733,8 @@ static void run_tiles(int kind, int isa, int amx, uint8_t *wb, const act_t *a, i
     (void)isa, (void)amx, (void)wb;
 }
 
-/* kind: Q4_1, Q8_0, Q4_0 or MXFP4; x [R, K] and y [R, N] row-major fp32, N % 16 == 0, K % 32 == 0;
- * w: the tiled copy. Returns 0, -1 when scratch memory could not be had, -2 for an ISA this
+/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1 or MXFP4; x [R, K] and y [R, N] row-major fp32,
+ * N % 16 == 0, K % 32 == 0; w: the tiled copy. Returns 0, -1 when scratch memory could not be had, -2 for an ISA this
  * build / CPU cannot run, -3 for N % 16 != 0 (y untouched then). */
 int ggml_tiled_linear(int kind, int isa, const float *x, int R, int K, const uint8_t *w, int N,
                       float *y, int nthreads) {

@@ -44,7 +44,7 @@ TILE = 16
 # the 4-bit kinds, whose nibbles AMX needs unpacked to bytes, from ~32.
 AMX_MIN_ROWS = {"q4_1": 32, "q8_0": 8, "q4_0": 32}
 # the kinds ggml_tiled.c runs; mxfp4 on its scalar and AVX2 code (avx512_vnni runs the AVX2 one)
-TILED_KINDS = ("q4_0", "q4_1", "q8_0", "mxfp4")
+TILED_KINDS = ("q4_0", "q4_1", "q8_0", "mxfp4", "q5_0", "q5_1")
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
 

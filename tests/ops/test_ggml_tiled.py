@@ -21,7 +21,7 @@ from tests.ops.test_ggml_int import KINDS as INT_KINDS
 from tests.ops.test_ggml_int import Q, _errors, _weight, _x
 
 gguf = pytest.importorskip("gguf")
-KINDS = {k: v for k, v in INT_KINDS.items() if k in gt.TILED_KINDS}  # (no tiled Q5_0 / Q5_1)
+KINDS = {k: v for k, v in INT_KINDS.items() if k in gt.TILED_KINDS}
 HAVE = gt.supported_isas()
 ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.skipif(
     isa not in HAVE, reason=f"this CPU / build does not run {isa} (runs {HAVE})"))

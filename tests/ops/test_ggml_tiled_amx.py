@@ -21,7 +21,7 @@ from tests.ops.test_ggml_int import KINDS as INT_KINDS
 from tests.ops.test_ggml_int import _weight, _x
 
 pytest.importorskip("gguf")
-KINDS = {k: v for k, v in INT_KINDS.items() if k in gt.TILED_KINDS}  # (no tiled Q5_0 / Q5_1)
+KINDS = {k: v for k, v in INT_KINDS.items() if k in gt.TILED_KINDS}
 pytestmark = pytest.mark.skipif(
     not gt.amx_usable(), reason="no AMX-INT8 on this CPU (or the OS did not grant the tile "
     "state): the AMX path cannot run here")
