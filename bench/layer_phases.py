@@ -33,7 +33,7 @@ MAX_R = 16
 # the linear / rope / attend / ... calls of decoder_layer_rows, each followed by its phase index
 TIMED = [("    if (linear(L, &L->qkv, normed, R, qkv, th)) return -1;\n", 0),
          ("    L->rope(qkv, R, heads, L->d, L->qkv.n, st->cos_, st->sin_, st->rot, qk, th);\n", 1),
-         ("                             L->scale, attn, th, (int)L->kv);\n", 2),
+         (" " * 29 + "L->scale, attn, th, (int)L->kv, (int)L->window, L->sinks);\n", 2),
          ("    if (linear(L, &L->o, attn, R, o, th)) return -1;\n", 3),
          ("    L->add_norm(res, o, R, h, L->w_post, L->eps_post, res2, normed2, th);\n", 4),
          ("    if (linear(L, &L->gate_up, normed2, R, gu, th)) return -1;\n", 5),
