@@ -86,32 +86,9 @@ def test_kquant_gguf_deploys_on_blocks(kq_gguf, kernels):
     activation blocks, llama.cpp's model: each product within its rounding bound, tests above)
     within 5e-2 of the logits' scale, its error compounded over 6 layers of a random model
     (measured 2.2%)."""
-    from specdeploy.cache.metadata import SEG_NORMAL, Segment, build_metadata
-    from specdeploy.deploy.build import build
-    from specdeploy.loading import load_model
+    from tests.ops.gguf_deploy_blocks import assert_deploys_on_blocks
 
-    model = load_model(kq_gguf)
-    kinds = {w.kind for w in model.ggml_weights.values()}
-    assert kinds == {"q4_k", "q6_k"}, kinds
-    # (an fp32 KV cache: "fast" would keep it in bf16 for a GGUF model on the CPU)
-    dep = build(str(kq_gguf), kernels=kernels, kv_cache_dtype="float32", max_batch_size=2,
-                max_seq_len=64, page_size=4, max_cache_gib=0.02)
-    infos = {i.name: i for i in dep.infos}
-    assert infos["ggml_moe_experts"].num_matches == 2, infos["ggml_moe_experts"]
-    assert infos["ggml_linears"].num_matches >= 10, infos["ggml_linears"]
-    fp32 = [n.args[1].target for n in dep.gm.graph.nodes
-            if n.target is torch.ops.aten.linear.default]
-    assert all("mixer_gate" in t for t in fp32), fp32  # only the routers (F32 in the file)
-    ids = torch.randint(3, 120, (1, 30), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        want = model(ids)[0]
-    assert want.std() > 1e-3 and torch.isfinite(want).all()
-    pos, pages = 0, list(range(16))
-    for n in (21, 4, 1):
-        seg = Segment(ids[0, pos:pos + n].tolist(), pos, pages, 0, n, SEG_NORMAL)
-        assert_close(dep.forward(build_metadata([seg])).logits, want[pos:pos + n],
-                     rtol=1e-5 if kernels == "exact" else 5e-2)
-        pos += n
+    assert_deploys_on_blocks(kq_gguf, kernels, {"q4_k", "q6_k"}, min_linears=10)
 
 
 def test_greedy_speculation_equals_plain_on_kquants(kq_gguf):

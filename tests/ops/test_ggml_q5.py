@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -54,31 +53,9 @@ def test_q5_gguf_deploys_on_blocks(q5_gguf, kernels):
     prefill, a 4-row chunk and a decode step's logits equal the fp32 model's: the exact kernel
     within 1e-5, "fast" (8-bit activation blocks) within 5e-2 of the logits' scale (its error
     compounded over the layers of a random model, as tests/ops/test_ggml_kquants.py)."""
-    from specdeploy.cache.metadata import SEG_NORMAL, Segment, build_metadata
-    from specdeploy.deploy.build import build
-    from specdeploy.loading import load_model
+    from tests.ops.gguf_deploy_blocks import assert_deploys_on_blocks
 
-    model = load_model(q5_gguf)
-    assert {w.kind for w in model.ggml_weights.values()} == {"q5_0", "q5_1"}
-    dep = build(str(q5_gguf), kernels=kernels, kv_cache_dtype="float32", max_batch_size=2,
-                max_seq_len=64, page_size=4, max_cache_gib=0.02)
-    infos = {i.name: i for i in dep.infos}
-    assert infos["ggml_moe_experts"].num_matches == 2, infos["ggml_moe_experts"]
-    assert infos["ggml_linears"].num_matches >= 8, infos["ggml_linears"]
-    fp32 = [n.args[1].target for n in dep.gm.graph.nodes
-            if n.target is torch.ops.aten.linear.default]
-    assert all("mixer_gate" in t for t in fp32), fp32  # only the routers (F32 in the file)
-    ids = torch.randint(3, 120, (1, 30), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        want = model(ids)[0]
-    assert want.std() > 1e-3 and torch.isfinite(want).all()
-    pos, pages = 0, list(range(16))
-    for n in (21, 4, 1):
-        seg = Segment(ids[0, pos:pos + n].tolist(), pos, pages, 0, n, SEG_NORMAL)
-        assert_close(dep.forward(build_metadata([seg])).logits, want[pos:pos + n],
-                     rtol=1e-5 if kernels == "exact" else 5e-2,
-                     atol=1e-5 if kernels == "exact" else 5e-2 * float(want.abs().max()))
-        pos += n
+    assert_deploys_on_blocks(q5_gguf, kernels, {"q5_0", "q5_1"}, min_linears=8)
 
 
 def test_greedy_speculation_equals_plain_on_q5(q5_gguf):
