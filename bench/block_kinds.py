@@ -1,14 +1,17 @@
-"""GGUF 32-value block kinds on the "fast" kernels that run them, by rows in the call.
+"""GGUF block kinds on the "fast" kernels that run them, by rows in the call.
 
-    PYTHONPATH=. python bench/block_kinds.py [--kinds q4_0 q4_1 q5_0 q5_1 q8_0 iq4_nl]
-        [--rows 1 4] [--reps 16] [--threads 2] [--json-out FILE]
+    PYTHONPATH=. python bench/block_kinds.py [--kinds q4_0 q4_1 q5_0 q5_1 q8_0 iq4_nl q4_k
+        q5_k q6_k] [--rows 1 4] [--reps 16] [--threads 2] [--json-out FILE]
 
 A step's linears: 30 layers of SmolLM2-135M's (fused q/k/v, o, fused gate/up, down; Q4-Q5:
 ~60-75 MB, more than a 32 MB last-level cache), quantized by gguf-py (IQ4_NL, which it cannot
-quantize: random valid blocks). Per kind the integer-dot kernel on the GGUF blocks
-(ops/ggml_int.py) and, for the kinds it has, the tiled kernel on the repacked copy
-(ops/ggml_tiled.py: what a deployment runs where the outputs are in 16s), timed alternately in
-one process; ms for all 30 layers (medians of --reps), and tiled / int.
+quantize: random valid blocks). The K-quants (256-value super-blocks, which 576 is not a
+multiple of: llama-quantize gives SmolLM2 Q5_0 there) take 12 layers of a 1024-wide model's
+(fused q/k/v 1536, o, gate/up 6144, down from 3072; Q4_K ~80 MB), random valid blocks. Per
+kind the integer-dot kernel on the GGUF blocks (ops/ggml_int.py) and, for the kinds it has, the
+tiled kernel on the repacked copy (ops/ggml_tiled.py: what a deployment runs where the outputs
+are in 16s), timed alternately in one process; ms for all the layers (medians of --reps), and
+tiled / int.
 """
 from __future__ import annotations
 
@@ -23,6 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+SHAPES_K, LAYERS_K = [(1536, 1024), (1024, 1024), (6144, 1024), (1024, 3072)], 12
+RANDOM = ("iq4_nl", "q4_k", "q5_k", "q6_k")  # kinds gguf-py cannot quantize to
+
+
+def _shapes(kind: str) -> tuple[list[tuple[int, int]], int]:
+    return (SHAPES_K, LAYERS_K) if kind.endswith("_k") else (SHAPES, 30)
 
 
 def _weights(kind: str, rng: np.random.Generator) -> list:
@@ -32,9 +41,10 @@ def _weights(kind: str, rng: np.random.Generator) -> list:
 
     qt = getattr(gguf.GGMLQuantizationType, kind.upper())
     out = []
-    for _ in range(30):
-        for n, k in SHAPES:
-            if kind == "iq4_nl":
+    shapes, layers = _shapes(kind)
+    for _ in range(layers):
+        for n, k in shapes:
+            if kind in RANDOM:
                 from tests.checkpoint.gguf_nemotron_h_layout import random_kquant
 
                 raw = random_kquant(qt, (n, k), rng)
@@ -50,7 +60,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", nargs="+", default=["q4_0", "q4_1", "q5_0", "q5_1", "q8_0",
-                                                   "iq4_nl"])
+                                                   "iq4_nl", "q4_k", "q5_k", "q6_k"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--reps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
@@ -67,7 +77,7 @@ def main() -> None:
             paths["tiled"] = [ggml_tiled.tiled_linear_fn(ggml_tiled.repack(w), None, a.isa)
                               for w in ws]
         for rows in a.rows:
-            xs = {k: torch.randn(rows, k) for _, k in SHAPES}
+            xs = {k: torch.randn(rows, k) for _, k in _shapes(kind)[0]}
             times = {name: [] for name in paths}
             for rep in range(a.reps + 1):
                 for name in (list(paths) if rep % 2 else list(paths)[::-1]):

@@ -1,7 +1,7 @@
 """The tiled GGUF kernel (ops/ggml_tiled.c) against another build of it, in one process.
 
-    PYTHONPATH=. python bench/tiled_ab.py --baseline-source OLD.c [--kinds q4_1 q8_0 q4_0]
-        [--rows 1 2 4 8] [--reps 60] [--threads 2] [--lm-head] [--json-out FILE]
+    PYTHONPATH=. python bench/tiled_ab.py --baseline-source OLD.c [--kinds q4_1 q8_0 q4_0
+        q4_k q5_k q6_k] [--rows 1 2 4 8] [--reps 60] [--threads 2] [--lm-head] [--json-out FILE]
 
 A step's linears: 30 layers of SmolLM2-135M's (fused q/k/v, o, fused gate/up, down; ~66 MB
 of Q4_1, more than a 32 MB last-level cache, so the weights come from memory as in a decode
@@ -10,6 +10,8 @@ step), each weight quantized by gguf-py and repacked once; `--lm-head` adds the 
 compiled with the deployment's flags; per rep both run, in alternating order, and the JSON
 gives each one's median and the median (and quartiles) of the per-rep ratio this / baseline,
 so a drift of a shared host hits both sides of a ratio. Outputs are compared bit for bit.
+The K-quants take bench/block_kinds.py's weights (12 layers of a 1024-wide model, random valid
+super-blocks). OLD.c's #includes are read beside it (a copy of the ops directory's files).
 """
 from __future__ import annotations
 
@@ -46,6 +48,12 @@ def _weights(kind: str) -> list[tuple[int, int, torch.Tensor]]:
     from specdeploy.ops import ggml_tiled
     from specdeploy.ops.ggml_linear import make_weight
 
+    if kind.endswith("_k"):  # (block_kinds.py: the script's own directory is on sys.path)
+        import numpy as np
+        from block_kinds import _weights as kind_weights
+
+        return [(*w.shape, ggml_tiled.repack(w).packed)
+                for w in kind_weights(kind, np.random.default_rng(0))]
     g = torch.Generator().manual_seed(0)
     qk = "q8_0" if kind == "lm_q8_0" else kind
     qt = getattr(gguf.GGMLQuantizationType, qk.upper())

@@ -41,7 +41,7 @@ SOURCE = Path(__file__).with_name("ggml_kernels.c")
 KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18), "q4_k": (3, 144), "q5_k": (4, 176),
          "q6_k": (5, 210), "mxfp4": (6, 17), "q5_0": (7, 22), "q5_1": (8, 24),
          "iq4_nl": (9, 18), "iq4_xs": (10, 136), "q3_k": (11, 110), "q2_k": (12, 84)}
-K_QUANTS = ("q4_k", "q5_k", "q6_k")  # exact and integer-dot kernels (not ggml_tiled)
+K_QUANTS = ("q4_k", "q5_k", "q6_k")  # exact, integer-dot and tiled kernels
 SUPER_BLOCKS = (*K_QUANTS, "iq4_xs", "q3_k", "q2_k")  # 256 values a block
 
 

@@ -102,7 +102,7 @@ static void combine(const float *ydown, const size_t *order, const size_t *pos, 
     }
 }
 
-/* The experts on tiled copies of their blocks (Q4_0 / Q4_1 / Q8_0 / MXFP4, 16-multiple outputs):
+/* The experts on tiled copies of their blocks (ggml_tiled.c's kinds, 16-multiple outputs):
  * the pairs' rows gathered by expert, every expert's up matrix in one ggml_tiled_grouped call
  * (the tiled kernel: ~2x the per-output kernel's speed at decode sizes), the activation, the
  * down matrices likewise; the same sum per token as ggml_moe_int. up / down: E tiled copies,

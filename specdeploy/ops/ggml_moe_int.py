@@ -1,6 +1,7 @@
 """A MoE layer's routed experts on GGUF blocks in one C call (`ggml_moe_int.c`): the integer-dot
 kernels ("fast") over every chosen expert, the activation and the weighted sum per token, in
-one OpenMP region; Q4_0 / Q4_1 / Q8_0 / MXFP4 experts on tiled copies (ggml_tiled.c's grouped
+one OpenMP region; experts of the tiled kinds (ggml_tiled.TILED_KINDS: Q4_0 / Q4_1 / Q8_0 / Q5_0 /
+Q5_1 / MXFP4 / Q4_K / Q5_K / Q6_K) on tiled copies (ggml_tiled.c's grouped
 call: an OpenMP region for all the up matrices, one for the down ones; MXFP4 only there).
 `deploy/passes/ggml_experts.py` uses it with `kernels="fast"`; where it cannot be built (or the
 row kernels' SiLU is missing) the per-expert loop of ggml_linear_int calls stays (MXFP4: per-

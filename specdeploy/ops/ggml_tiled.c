@@ -1,5 +1,5 @@
-/* y[R, N] = x[R, K] @ W^T over GGUF weights (Q4_1, Q8_0, Q4_0, MXFP4) repacked in tiles of 16
- * outputs,
+/* y[R, N] = x[R, K] @ W^T over GGUF weights (Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, MXFP4; the K-quants
+ * Q4_K / Q5_K / Q6_K in ggml_tiled_kquant.c, #included) repacked in tiles of 16 outputs,
  * x quantized per row to 8-bit blocks of 32 as in ggml_kernels_int.c (d = max|x| / 127 fp32,
  * q = rint(x * 127 / max|x|), Q4_1's offset m meets the fp32 block sum of x, added in a fixed
  * 8-lane order: `quantize_rows`).
@@ -39,7 +39,8 @@
 #include <omp.h>
 #endif
 
-enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, MXFP4 = 6, Q5_0 = 7, Q5_1 = 8 }; /* ggml_linear.py's KINDS */
+enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, MXFP4 = 6, Q5_0 = 7,
+       Q5_1 = 8 }; /* ggml_linear.py's KINDS */
 #define IS_Q5(kind) ((kind) == Q5_0 || (kind) == Q5_1)
 #define HAS_M(kind) ((kind) == Q4_1 || (kind) == Q5_1)
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
@@ -61,8 +62,11 @@ typedef struct {
 
 static int block_bytes(int kind) {
     return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == MXFP4 ? 17 : kind == Q5_0 ? 22
-           : kind == Q5_1 ? 24 : 18;
+           : kind == Q5_1 ? 24 : kind == Q4_K ? 144 : kind == Q5_K ? 176 : kind == Q6_K ? 210
+           : 18;
 }
+/* values per block: the K-quants' super-blocks of 256 (ggml_tiled_kquant.c), else 32 */
+static int block_values(int kind) { return kind >= Q4_K && kind <= Q6_K ? 256 : 32; }
 static int quant_off(int kind) { return HAS_M(kind) ? 64 : kind == MXFP4 ? 16 : 32; }
 /* Q5_0 / Q5_1 (GGUF: d, (m), qh[4], qs[16]; value i's bit 4 bit i of qh) keep Q4_0 / Q4_1's
  * layout and add a 64-byte vector after the 4 nibble vectors: per output 4 bytes, byte i's bit
@@ -147,6 +151,9 @@ static void quantize_rows(const float *x, int R, int K, int8_t *q, float *d, flo
 }
 
 /* ---- repacking and dequantized rows (portable C) ---- */
+/* the K-quants' (ggml_tiled_kquant.c, #included below) */
+static void kq_repack_block(int kind, const uint8_t *b, uint8_t *t, int o);
+static void kq_values(int kind, const uint8_t *t, int o, float *y);
 
 /* GGUF rows src[rows, K / 32 blocks] -> outputs row0 .. row0 + rows - 1 of the tiled copy dst
  * (callers stack fused weights by calling this per member, no stacked GGUF copy in between) */
@@ -155,6 +162,17 @@ void ggml_tiled_repack(int kind, const uint8_t *src, int rows, int K, uint8_t *d
     const int nb = K / 32, bytes = block_bytes(kind), tb = TILE * bytes, qo = quant_off(kind);
     const int qsrc = kind == Q4_1 ? 4 : kind == MXFP4 ? 1 : IS_Q5(kind) ? q5_src(kind) : 2;
     const int vecs = kind == Q8_0 ? 8 : 4;
+    if (block_values(kind) == 256) { /* K-quants: super-blocks of 256 values */
+        const int nk = K / 256;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int i = 0; i < rows; i++) {
+            const int n = row0 + i;
+            for (int k = 0; k < nk; k++)
+                kq_repack_block(kind, src + ((size_t)i * nk + k) * bytes,
+                                dst + ((size_t)(n / TILE) * nk + k) * tb, n % TILE);
+        }
+        return;
+    }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int i = 0; i < rows; i++) {
         const int n = row0 + i, o = n % TILE;
@@ -186,6 +204,15 @@ void ggml_tiled_repack(int kind, const uint8_t *src, int rows, int K, uint8_t *d
 void ggml_tiled_rows(int kind, const uint8_t *w, int K, const int64_t *ids, int R, float *out,
                      int nthreads) {
     const int nb = K / 32, tb = TILE * block_bytes(kind), qo = quant_off(kind);
+    if (block_values(kind) == 256) {
+        const int nk = K / 256;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < nk; k++)
+                kq_values(kind, w + ((size_t)(ids[r] / TILE) * nk + k) * tb, (int)(ids[r] % TILE),
+                          out + (size_t)r * K + 256 * k);
+        return;
+    }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int r = 0; r < R; r++) {
         const int64_t n = ids[r];
@@ -486,7 +513,7 @@ AVX2_ATTR INLINE void tile_avx2(const act_t *a, int K, const uint8_t *tile, int 
 #define TILES_FN(NAME, TILE_OP, KIND, G, ATTR)                                                  \
     ATTR static void NAME(const act_t *a, int R, int K, const uint8_t *w, int t0, int t1, int N,  \
                           float *y) {                                                           \
-        const size_t tile_bytes = (size_t)(K / 32) * TILE * block_bytes(KIND);                  \
+        const size_t tile_bytes = (size_t)(K / block_values(KIND)) * TILE * block_bytes(KIND);  \
         for (int t = t0; t < t1; t++) {                                                         \
             const uint8_t *tile = w + (size_t)t * tile_bytes;                                   \
             float *yt = y + (size_t)t * TILE;                                                   \
@@ -708,6 +735,13 @@ int ggml_tiled_isa_supported(int isa) {
     return 0;
 }
 
+#include "ggml_tiled_kquant.c"
+#ifdef SD_X86
+TILES_FN(q4_k_avx2, kq_tile_avx2, Q4_K, KQ_ROWS_Q4, AVX2_ATTR)
+TILES_FN(q5_k_avx2, kq_tile_avx2, Q5_K, KQ_ROWS_Q56, AVX2_ATTR)
+TILES_FN(q6_k_avx2, kq_tile_avx2, Q6_K, KQ_ROWS_Q56, AVX2_ATTR)
+#endif
+
 /* amx: the AMX path (wb: this thread's unpacking buffer) instead of `isa`'s */
 static void run_tiles(int kind, int isa, int amx, uint8_t *wb, const act_t *a, int R, int K,
                       const uint8_t *w, int t0, int t1, int N, float *y) {
@@ -721,15 +755,19 @@ static void run_tiles(int kind, int isa, int amx, uint8_t *wb, const act_t *a, i
     /* NOTE: MXFP4 ships scalar and AVX2 only (the machines it was tested on have no AVX-512 /
      * AMX); the avx512_vnni ISA runs its AVX2 path, which every AVX-512 CPU has, and the same
      * bits as everywhere */
-    if (kind == MXFP4 && isa != ISA_SCALAR) mxfp4_avx2(a, R, K, w, t0, t1, N, y);
+    if (IS_KQ(kind) && isa != ISA_SCALAR) /* (as MXFP4: AVX2 on AVX-512 CPUs too) */
+        (kind == Q4_K ? q4_k_avx2 : kind == Q5_K ? q5_k_avx2 : q6_k_avx2)(a, R, K, w, t0, t1, N, y);
+    else if (kind == MXFP4 && isa != ISA_SCALAR) mxfp4_avx2(a, R, K, w, t0, t1, N, y);
     else if (IS_Q5(kind) && isa != ISA_SCALAR) /* (as MXFP4: AVX2 on AVX-512 CPUs too) */
         (kind == Q5_0 ? q5_0_avx2 : q5_1_avx2)(a, R, K, w, t0, t1, N, y);
+    else if (IS_KQ(kind)) kq_tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
     else if (kind == MXFP4 || IS_Q5(kind)) tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
     else if (amx) amx_fns[kind](a, R, K, w, t0, t1, N, y, wb);
     else if (isa == ISA_AVX2 || isa == ISA_AVX512) simd[isa - 1][kind](a, R, K, w, t0, t1, N, y);
     else
 #endif
-        tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
+        if (IS_KQ(kind)) kq_tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
+        else tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
     (void)isa, (void)amx, (void)wb;
 }
 

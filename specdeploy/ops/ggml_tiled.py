@@ -43,8 +43,9 @@ TILE = 16
 # 2-core Xeon with AMX (2026-12-05, bench/linear_rows.py): Q8_0 (the lm_head) from ~6 rows,
 # the 4-bit kinds, whose nibbles AMX needs unpacked to bytes, from ~32.
 AMX_MIN_ROWS = {"q4_1": 32, "q8_0": 8, "q4_0": 32}
-# the kinds ggml_tiled.c runs; mxfp4 on its scalar and AVX2 code (avx512_vnni runs the AVX2 one)
-TILED_KINDS = ("q4_0", "q4_1", "q8_0", "mxfp4", "q5_0", "q5_1")
+# the kinds ggml_tiled.c runs; mxfp4, the Q5 kinds and the K-quants (ggml_tiled_kquant.c: 256-value
+# super-blocks) on scalar and AVX2 code (avx512_vnni runs the AVX2 one: the same bits)
+TILED_KINDS = ("q4_0", "q4_1", "q8_0", "mxfp4", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
@@ -144,7 +145,8 @@ def repack(weight: GGMLWeight | list[GGMLWeight]) -> TiledWeight:
         raise ValueError(f"tiled repack: {n} outputs (shape {(n, k)}) are not a multiple of "
                          f"{TILE}")
     lib = _lib()
-    packed = torch.empty(n // TILE, TILE * k // 32 * KINDS[kind][1], dtype=torch.uint8)
+    packed = torch.empty(n // TILE, TILE * k // _gl.block_values(kind) * KINDS[kind][1],
+                         dtype=torch.uint8)
     row0 = 0
     for w in members:
         blocks = w.blocks.contiguous()

@@ -1,0 +1,277 @@
+/* The K-quants Q4_K, Q5_K and Q6_K on the tiled kernel (#included by ggml_tiled.c, which gives
+ * act_t, the activation quantization, TILE, KEEP, group_at and the ISA attributes).
+ *
+ * GGUF's 256-value super-blocks (ggml_kernels.c's header) repacked per tile of 16 outputs and
+ * super-block, the same bytes (16 GGUF super-blocks); offsets in a tile's super-block:
+ *   Q4_K (2304): 16 fp16 d | 16 fp16 dmin | the 12 bytes of 6-bit scales and minimums as 3
+ *       words w at 64 + 64 w + 4 o | at 256 + 512 p + 64 j + 4 o + i the byte whose low nibble
+ *       is value 4 j + i of group 2 p, its high nibble that of group 2 p + 1 (GGUF's qs[32 p +
+ *       4 j + i]): a group's 8 quads of values are 8 vectors of 16 outputs x 4 bytes.
+ *   Q5_K (2816): Q4_K's, with GGUF's qh[4 j + i] (bit g: bit 4 of group g's value 4 j + i) at
+ *       256 + 64 j + 4 o + i and the nibbles at 768.
+ *   Q6_K (3360): 16 fp16 d | the 16 int8 scales s at 32 + 16 s + o | the values' low 4 bits as
+ *       Q4_K's nibbles at 288 | at 2336 + 512 q + 64 j + 4 o + i their high 2 bits, groups
+ *       4 q .. 4 q + 3 of value 4 j + i at bits 2 (g - 4 q). Values q - 32 (signed).
+ *
+ * Activations as for every tiled kind: 8-bit blocks of 32 (one per group), fp32 d_x and sum s_x.
+ * Per (output, row, group g) the integer P_g is exact: Q4_K / Q5_K sc_g * sum(q * x_q) (the
+ * madd of the int16 pair sums by sc_g), Q6_K sc_lo * (sum over the first 16 values) + sc_hi *
+ * (the last 16) with signed q; |P_g| < 2^24, so float(P_g) is exact. Then per output lane, in
+ * super-block and group order: scale = d * d_x (one rounding), acc = fma(float(P_g), scale,
+ * acc); Q4_K / Q5_K also macc = fma(-(dmin * m_g), s_x, macc) (an exact product); y = acc + macc
+ * (Q6_K: acc). The scalar and AVX2 paths perform exactly those fp32 operations, so they give
+ * the same bits; AVX-512 CPUs run the AVX2 path (no code of their own: the same bits). The int16
+ * sums stay below 2^15: Q4_K 8 quads of pairs <= 2 * 15 * 128, Q5_K 4 of 2 * 31 * 128 before a
+ * madd, Q6_K 4 of 2 * 32 * 127 (|q| * x with q's sign). */
+#define IS_KQ(kind) ((kind) >= Q4_K && (kind) <= Q6_K)
+#define Q6_HIGH 2336 /* Q6_K: where a super-block's high 2-bit planes start */
+
+static int kq_quant_off(int kind) { return kind == Q4_K ? 256 : kind == Q5_K ? 768 : 288; }
+
+/* GGUF super-block b's 256 values as stored (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) */
+static void kq_decode(int kind, const uint8_t *b, uint8_t *u) {
+    for (int g = 0; g < 8; g++)
+        for (int i = 0; i < 32; i++) {
+            int q;
+            if (kind == Q6_K)
+                q = ((b[64 * (g >> 2) + 32 * (g & 1) + i] >> 4 * ((g >> 1) & 1)) & 0xF) |
+                    ((b[128 + 32 * (g >> 2) + i] >> 2 * (g & 3)) & 3) << 4;
+            else {
+                q = (b[(kind == Q5_K ? 48 : 16) + 32 * (g >> 1) + i] >> 4 * (g & 1)) & 0xF;
+                if (kind == Q5_K) q |= ((b[16 + i] >> g) & 1) << 4;
+            }
+            u[32 * g + i] = (uint8_t)q;
+        }
+}
+
+/* super-block b of output o into t, a tile's super-block */
+static void kq_repack_block(int kind, const uint8_t *b, uint8_t *t, int o) {
+    uint8_t u[256];
+    kq_decode(kind, b, u);
+    if (kind == Q6_K) {
+        memcpy(t + 2 * o, b + 208, 2);
+        for (int s = 0; s < 16; s++) t[32 + 16 * s + o] = b[192 + s];
+    } else {
+        memcpy(t + 2 * o, b, 2);
+        memcpy(t + 32 + 2 * o, b + 2, 2);
+        for (int w = 0; w < 3; w++) memcpy(t + 64 + 64 * w + 4 * o, b + 4 + 4 * w, 4);
+        if (kind == Q5_K)
+            for (int j = 0; j < 8; j++) memcpy(t + 256 + 64 * j + 4 * o, b + 16 + 4 * j, 4);
+    }
+    const int qo = kq_quant_off(kind);
+    for (int p = 0; p < 4; p++)
+        for (int v = 0; v < 32; v++)
+            t[qo + 512 * p + 64 * (v >> 2) + 4 * o + (v & 3)] =
+                (uint8_t)((u[64 * p + v] & 0xF) | (u[64 * p + 32 + v] & 0xF) << 4);
+    if (kind == Q6_K)
+        for (int q = 0; q < 2; q++)
+            for (int v = 0; v < 32; v++) {
+                uint8_t hb = 0;
+                for (int g = 0; g < 4; g++) hb |= (uint8_t)((u[32 * (4 * q + g) + v] >> 4) << 2 * g);
+                t[Q6_HIGH + 512 * q + 64 * (v >> 2) + 4 * o + (v & 3)] = hb;
+            }
+}
+
+/* value v of group g, output o, in a tile's super-block t (Q6_K: minus 32) */
+static int kq_value(int kind, const uint8_t *t, int o, int g, int v) {
+    const size_t at = (size_t)64 * (v >> 2) + 4 * o + (v & 3);
+    int q = (t[kq_quant_off(kind) + 512 * (g >> 1) + at] >> 4 * (g & 1)) & 0xF;
+    if (kind == Q5_K) q |= ((t[256 + at] >> g) & 1) << 4;
+    if (kind == Q6_K) q = (q | ((t[Q6_HIGH + 512 * (g >> 2) + at] >> 2 * (g & 3)) & 3) << 4) - 32;
+    return q;
+}
+
+/* Q4_K / Q5_K: group g's 6-bit scale and minimum of output o (GGUF's unpacking) */
+static void kq_scale_min(const uint8_t *t, int o, int g, int *sc, int *m) {
+    uint8_t s[12];
+    for (int w = 0; w < 3; w++) memcpy(s + 4 * w, t + 64 + 64 * w + 4 * o, 4);
+    *sc = g < 4 ? s[g] & 63 : (s[g + 4] & 0xF) | ((s[g - 4] >> 2) & 0x30);
+    *m = g < 4 ? s[g + 4] & 63 : (s[g + 4] >> 4) | ((s[g] >> 2) & 0x30);
+}
+
+/* output o's 256 values of tile super-block t, as gguf dequantizes them: (d * sc) * q, minus
+ * dmin * m for Q4_K / Q5_K (products, then the difference: numpy's roundings) */
+static void kq_values(int kind, const uint8_t *t, int o, float *y) {
+    const float d = half_at(t + 2 * o);
+    for (int g = 0; g < 8; g++) {
+        float s_lo, s_hi, m1 = 0.f;
+        if (kind == Q6_K) {
+            s_lo = d * (float)(int8_t)t[32 + 16 * (2 * g) + o];
+            s_hi = d * (float)(int8_t)t[32 + 16 * (2 * g + 1) + o];
+        } else {
+            int sc, m;
+            kq_scale_min(t, o, g, &sc, &m);
+            s_lo = s_hi = d * (float)sc;
+            m1 = half_at(t + 32 + 2 * o) * (float)m;
+        }
+        for (int v = 0; v < 32; v++) {
+            const float p = (v < 16 ? s_lo : s_hi) * (float)kq_value(kind, t, o, g, v);
+            y[32 * g + v] = kind == Q6_K ? p : p - m1;
+        }
+    }
+}
+
+/* ---- portable scalar path: the stated operations one output at a time ---- */
+static void kq_tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_t *w, int t0,
+                            int t1, int N, float *y) {
+    const int nk = K / 256, nb = K / 32, tb = TILE * block_bytes(kind);
+    for (int t = t0; t < t1; t++)
+        for (int o = 0; o < TILE; o++)
+            for (int r = 0; r < R; r++) {
+                float acc = 0.f, macc = 0.f;
+                for (int k = 0; k < nk; k++) {
+                    const uint8_t *blk = w + ((size_t)t * nk + k) * tb;
+                    const float d = half_at(blk + 2 * o);
+                    for (int g = 0; g < 8; g++) {
+                        const size_t rb = (size_t)r * nb + 8 * k + g;
+                        const int8_t *qx = a->q + rb * 32;
+                        int32_t half[2] = {0, 0}, P;
+                        for (int v = 0; v < 32; v++)
+                            half[v >> 4] += kq_value(kind, blk, o, g, v) * qx[v];
+                        int sc = 0, m = 0;
+                        if (kind == Q6_K)
+                            P = (int8_t)blk[32 + 16 * (2 * g) + o] * half[0] +
+                                (int8_t)blk[32 + 16 * (2 * g + 1) + o] * half[1];
+                        else {
+                            kq_scale_min(blk, o, g, &sc, &m);
+                            P = sc * (half[0] + half[1]);
+                        }
+                        acc = fmaf((float)P, d * a->d[rb], acc);
+                        if (kind != Q6_K)
+                            macc = fmaf(-(half_at(blk + 32 + 2 * o) * (float)m), a->s[rb], macc);
+                    }
+                }
+                y[(size_t)r * N + (size_t)t * TILE + o] = kind == Q6_K ? acc : acc + macc;
+            }
+}
+
+#ifdef SD_X86
+/* rows sharing one unpacking of a group: Q4_K holds an int16 sum and acc per row, Q5_K / Q6_K
+ * an int32 one besides (ymm registers: bench/block_kinds.py --kinds q4_k q5_k q6_k) */
+#define KQ_ROWS_Q4 5
+#define KQ_ROWS_Q56 4
+#define KQ_MACC_PASS(rg) ((rg) > 2) /* the minimum terms in a pass of their own */
+
+/* 8 outputs' 6-bit scales (which 0) or minimums (1) of groups 4 q .. 4 q + 3, a byte each in
+ * their output's lane: GGUF's unpacking on the 3 scale words of half h */
+AVX2_ATTR INLINE __m256i kq_six_bits(const uint8_t *blk, int h, int which, int q) {
+    const __m256i u0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * h));
+    const __m256i u1 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    const __m256i u2 = _mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * h));
+    const __m256i m6 = _mm256_set1_epi8(0x3F), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i m2 = _mm256_set1_epi8(0x03);
+    const __m256i lo = which ? u1 : u0; /* scales 0..3 / minimums 0..3 */
+    if (q == 0) return _mm256_and_si256(lo, m6);
+    const __m256i low4 = which ? _mm256_and_si256(_mm256_srli_epi32(u2, 4), m4)
+                               : _mm256_and_si256(u2, m4);
+    return _mm256_or_si256(low4, _mm256_slli_epi32(
+        _mm256_and_si256(_mm256_srli_epi32(lo, 6), m2), 4));
+}
+
+/* byte g & 3 of each lane of six (kq_six_bits), as the int32 lane */
+AVX2_ATTR INLINE __m256i kq_lane_byte(__m256i six, int g) {
+    return _mm256_and_si256(_mm256_srlv_epi32(six, _mm256_set1_epi32(8 * (g & 3))),
+                            _mm256_set1_epi32(0xFF));
+}
+
+/* an int32 lane's value in both of its int16 halves: madd's multiplier */
+AVX2_ATTR INLINE __m256i kq_both16(__m256i v) {
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
+                           _mm256_slli_epi32(v, 16));
+}
+
+/* -(dmin * m_g) for 8 outputs (a product, then the sign, as the scalar path) */
+AVX2_ATTR INLINE __m256 kq_neg_min(const uint8_t *blk, int h, int g) {
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+    const __m256 m = _mm256_cvtepi32_ps(kq_lane_byte(kq_six_bits(blk, h, 1, g >> 2), g));
+    return _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmin, m));
+}
+
+/* half h (outputs 8 h .. 8 h + 7) of a tile, rows r0 .. r0 + rg - 1 */
+AVX2_ATTR INLINE void kq_half_avx2(const act_t *a, int K, const uint8_t *tile, int N, float *y,
+                                   int r0, const int rg, const int kind, const int h) {
+    const int nk = K / 256, nb = K / 32, tb = TILE * block_bytes(kind), qo = kq_quant_off(kind);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256 acc[ROW_GROUP], macc[ROW_GROUP];
+    for (int r = 0; r < rg; r++) acc[r] = macc[r] = _mm256_setzero_ps();
+    for (int k = 0; k < nk; k++) {
+        const uint8_t *blk = tile + (size_t)k * tb;
+        if (h == 0) /* the next super-block (past a tile's end: the next tile's) */
+            for (int l = 0; l < tb; l += 64)
+                _mm_prefetch((const char *)blk + tb + l, _MM_HINT_T0);
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+        const int8_t *qx = a->q + (size_t)r0 * K + 256 * k; /* row r0 + r: qx + r * K */
+        for (int g = 0; g < 8; g++) {
+            __m256i s_a, s_b; /* madd's multipliers: the group's (Q6_K: first half's) scale */
+            if (kind == Q6_K) {
+                s_a = kq_both16(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(blk + 32 + 16 * (2 * g) + 8 * h))));
+                s_b = kq_both16(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(blk + 32 + 16 * (2 * g + 1) + 8 * h))));
+            } else {
+                s_a = s_b = kq_both16(kq_lane_byte(kq_six_bits(blk, h, 0, g >> 2), g));
+            }
+            __m256i p16[ROW_GROUP], p32[ROW_GROUP];
+            for (int r = 0; r < rg; r++) p16[r] = p32[r] = _mm256_setzero_si256();
+            const uint8_t *qs = blk + qo + 512 * (g >> 1) + 32 * h;
+            for (int j = 0; j < 8; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * j));
+                __m256i wv = (g & 1) ? _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)
+                                     : _mm256_and_si256(v, mask);
+                __m256i wabs = wv;
+                if (kind == Q5_K) {
+                    const __m256i hv = _mm256_loadu_si256(
+                        (const __m256i *)(blk + 256 + 64 * j + 32 * h));
+                    wv = _mm256_or_si256(wv, _mm256_slli_epi16(_mm256_and_si256(
+                        _mm256_srli_epi16(hv, g), _mm256_set1_epi8(1)), 4));
+                    wabs = wv;
+                }
+                if (kind == Q6_K) {
+                    const __m256i hv = _mm256_loadu_si256(
+                        (const __m256i *)(blk + Q6_HIGH + 512 * (g >> 2) + 64 * j + 32 * h));
+                    wv = _mm256_sub_epi8(_mm256_or_si256(wv, _mm256_slli_epi16(_mm256_and_si256(
+                        _mm256_srli_epi16(hv, 2 * (g & 3)), _mm256_set1_epi8(3)), 4)),
+                        _mm256_set1_epi8(32));
+                    wabs = _mm256_abs_epi8(wv);
+                }
+                for (int r = 0; r < rg; r++) {
+                    __m256i x = _mm256_set1_epi32(group_at(qx + (size_t)r * K + 32 * g + 4 * j));
+                    if (kind == Q6_K) x = _mm256_sign_epi8(x, wv);
+                    p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(wabs, x));
+                    if (kind != Q4_K && j == 3) { /* the first 16 values: into int32 */
+                        p32[r] = _mm256_madd_epi16(p16[r], s_a);
+                        p16[r] = _mm256_setzero_si256();
+                    }
+                    KEEP(p16[r]);
+                }
+            }
+            const __m256 nm = kind != Q6_K && !KQ_MACC_PASS(rg) ? kq_neg_min(blk, h, g)
+                                                                 : _mm256_setzero_ps();
+            for (int r = 0; r < rg; r++) {
+                const size_t rb = (size_t)(r0 + r) * nb + 8 * k + g;
+                const __m256i P = _mm256_add_epi32(p32[r], _mm256_madd_epi16(p16[r], s_b));
+                const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(a->d[rb]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P), scale, acc[r]);
+                if (kind != Q6_K && !KQ_MACC_PASS(rg))
+                    macc[r] = _mm256_fmadd_ps(nm, _mm256_set1_ps(a->s[rb]), macc[r]);
+            }
+        }
+    }
+    for (int k = 0; kind != Q6_K && KQ_MACC_PASS(rg) && k < nk; k++)
+        for (int g = 0; g < 8; g++) {
+            const __m256 nm = kq_neg_min(tile + (size_t)k * tb, h, g);
+            for (int r = 0; r < rg; r++)
+                macc[r] = _mm256_fmadd_ps(
+                    nm, _mm256_set1_ps(a->s[(size_t)(r0 + r) * nb + 8 * k + g]), macc[r]);
+        }
+    for (int r = 0; r < rg; r++)
+        _mm256_storeu_ps(y + (size_t)(r0 + r) * N + 8 * h,
+                         kind == Q6_K ? acc[r] : _mm256_add_ps(acc[r], macc[r]));
+}
+
+AVX2_ATTR INLINE void kq_tile_avx2(const act_t *a, int K, const uint8_t *tile, int N, float *y,
+                                   int r0, const int rg, const int kind) {
+    kq_half_avx2(a, K, tile, N, y, r0, rg, kind, 0);
+    kq_half_avx2(a, K, tile, N, y, r0, rg, kind, 1);
+}
+#endif /* SD_X86 */

@@ -1,0 +1,189 @@
+"""Q4_K / Q5_K / Q6_K on the tiled integer-dot kernel (ops/ggml_tiled_kquant.c), each ISA path
+this CPU runs, against oracles the kernel did not produce:
+
+1. transformers' GGUF dequantizer (its own implementation of the layouts) + a float64 matmul,
+   within the bound the 8-bit activation blocks imply plus fp32 round-off;
+2. the stated algorithm (8-bit activation blocks of 32, exact integer sums per group, the
+   offset -dmin * m meeting the exact sum of x) re-done in float64: equal up to fp32 round-off.
+
+Plus: bit-identical across ISA paths, every row-group size and the minimum terms' own pass,
+rows and threads (batch invariance); the tiled copy's rows are gguf's values bit for bit, in
+the same bytes; extreme blocks (the int16 sums at their largest, Q6_K's scale -128) equal the
+emulation; a K-quant GGUF deploys with its linears and experts on tiled copies.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdeploy.ops import ggml_linear as gl
+from specdeploy.ops import ggml_tiled as gt
+from tests.ops.test_ggml_int import _errors, _x
+from tests.ops.test_ggml_kquants import KQ, _kq_offsets, _weight
+
+pytestmark = pytest.mark.skipif(gt.kernel_unavailable() is not None,
+                                reason=f"tiled kernel unavailable: {gt.kernel_unavailable()}")
+HAVE = gt.supported_isas()
+ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.skipif(
+    isa not in HAVE, reason=f"this CPU / build does not run {isa} (runs {HAVE})"))
+    for isa in gt.ISAS]
+SHAPES = [(16, 256), (48, 768), (80, 512)]  # 1, 3 and 5 tiles; 1, 3 and 2 super-blocks
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: gl.GGMLWeight, values: torch.Tensor) -> None:
+    n, k = w.shape
+    m = _kq_offsets(w.kind, w.blocks.numpy(), n, k)
+    err, err_emul, bound, fp32 = _errors(y, x, values.double().numpy(), m)
+    assert (err_emul <= fp32).all(), (err_emul / fp32).max()
+    assert (err <= bound + fp32).all(), ((err - fp32) / bound).max()
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("kind", sorted(KQ))
+def test_within_the_activation_bound_and_equal_to_the_emulation(kind, isa):
+    for n, k in SHAPES:
+        w, values = _weight(kind, n, k, seed=n + k)
+        tw = gt.repack(w)
+        for rows in (1, 2, 3, 5, 9):
+            x = _x(rows, k, seed=rows) * 0.05
+            _check(gt.tiled_linear(x, tw, isa=isa), x, w, values)
+
+
+@pytest.mark.parametrize("kind", sorted(KQ))
+def test_every_row_group_size_is_bit_identical_to_scalar(kind):
+    """Rows 1..13: the AVX2 row groups (5 for Q4_K, 4 for Q5_K / Q6_K) and their remainders,
+    the minimum terms in the group loop (1-2 rows) or in a pass of their own (3 on)."""
+    if len(HAVE) < 2:
+        pytest.skip(f"only {HAVE} here")
+    w, _ = _weight(kind, 48, 768, seed=5)
+    tw = gt.repack(w)
+    x = _x(13, 768, seed=6)
+    for rows in range(1, 14):
+        want = gt.tiled_linear(x[:rows], tw, isa="scalar")
+        for isa in HAVE[1:]:
+            assert torch.equal(gt.tiled_linear(x[:rows], tw, isa=isa), want), (isa, rows)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("kind", sorted(KQ))
+def test_rows_are_batch_and_thread_invariant(kind, isa):
+    """Row r's output is bit-identical alone and in any batch of up to 11 rows, at 1 or 2
+    threads (13 tiles: uneven thread ranges): a decode row equals itself in a verify step."""
+    w, _ = _weight(kind, 208, 512, seed=1)
+    tw = gt.repack(w)
+    x = _x(11, 512, seed=1)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            full = gt.tiled_linear(x, tw, isa=isa)
+            for rows in range(1, 11):
+                assert torch.equal(gt.tiled_linear(x[:rows], tw, isa=isa), full[:rows])
+            assert torch.equal(torch.cat([gt.tiled_linear(x[i:i + 1], tw, isa=isa)
+                                          for i in range(11)]), full)
+            outs.append(full)
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", sorted(KQ))
+def test_repack_round_trip_and_stacking(kind):
+    """tiled_rows gives the dequantizer's values bit for bit; the copy has the blocks' bytes;
+    a list of weights repacks to the copy of their stack (members not in 16s)."""
+    w, values = _weight(kind, 48, 512, seed=5)
+    tw = gt.repack(w)
+    assert tw.packed.nbytes == w.blocks.nbytes and tw.shape == (48, 512)
+    assert torch.equal(gt.tiled_rows(tw, torch.arange(48)), values)
+    ids = torch.tensor([[47, 0], [17, 17]])
+    assert torch.equal(gt.tiled_rows(tw, ids), values[ids.reshape(-1)])
+    parts = [_weight(kind, n, 512, seed=n)[0] for n in (8, 20, 4)]
+    stacked = gt.repack(parts)
+    assert torch.equal(stacked.packed, gt.repack(gl.concat_rows(parts)).packed)
+    member = gt.TiledMember(stacked, 8, (20, 512))
+    assert torch.equal(gt.member_rows(member), gl.dequantize(parts[1]))
+    assert torch.equal(gt.member_rows(member, torch.tensor([19, 0])),
+                       gl.dequantize(parts[1])[[19, 0]])
+
+
+def _extreme(kind: str, n: int, k: int) -> np.ndarray:
+    """Blocks at the kernel's limits: every value and 6-bit scale at its largest (the int16
+    sums' worst case), Q6_K's values at -32 and its scales at -128 on odd outputs."""
+    size = gl.KINDS[kind][1]
+    raw = np.zeros((n, k // 256, size), np.uint8)
+    half = np.frombuffer(np.float16(0.25).tobytes(), np.uint8)
+    if kind == "q6_k":
+        raw[..., 208:210] = half
+        raw[0::2, :, :192] = 0xFF  # q = 63
+        raw[0::2, :, 192:208] = 127
+        raw[1::2, :, :192] = 0  # q = 0: -32
+        raw[1::2, :, 192:208] = np.uint8(0x80)  # -128
+    else:
+        raw[..., 0:2] = raw[..., 2:4] = half
+        raw[..., 4:size] = 0xFF  # scales, minimums 63; q 15 (Q5_K: 31)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("kind", sorted(KQ))
+def test_extreme_blocks_equal_the_emulation(kind, isa):
+    """x at +-127 in every lane (the largest products) meets the largest blocks: an int16
+    overflow would show as a wrong sum; a NaN in x reaches the output."""
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+
+    n, k = 32, 512
+    raw = torch.from_numpy(_extreme(kind, n, k))
+    w = gl.make_weight(kind, raw, (n, k))
+    values = hf_dequantize(raw.reshape(-1), int(KQ[kind])).reshape(n, k)
+    x = torch.ones(3, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    y = gt.tiled_linear(x, gt.repack(w), isa=isa)
+    _check(y, x, w, values)
+    assert torch.equal(y, torch.from_numpy(x.double().numpy() @ values.double().numpy().T)
+                       .float())  # these sums are exact in fp32
+    x[0, 300] = float("nan")
+    assert torch.isnan(gt.tiled_linear(x, gt.repack(w), isa=isa)[0]).all()
+
+
+@pytest.fixture(scope="module")
+def kq_gguf(tmp_path_factory):
+    """tests/ops/test_ggml_kquants.py's tiny NemotronH MoE: Q4_K matrices, Q6_K experts; and
+    the same model with Q5_K matrices."""
+    from specdeploy.models import nemotron_h as nh
+    from tests.checkpoint.gguf_nemotron_h_layout import write_gguf
+    from tests.checkpoint.test_gguf import Q
+    from tests.checkpoint.test_gguf_nemotron_h import MOE
+
+    d = tmp_path_factory.mktemp("kqt")
+    hf = dict(MOE, hidden_size=256, mamba_num_heads=8, mamba_head_dim=32, head_dim=64,
+              moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
+              moe_latent_size=256)
+    src = nh.make_tiny(d / "st", seed=3, mtp_layers=1, hf_config=hf)
+    return write_gguf(src, d / "kq5.gguf", qtype=Q.Q5_K, expert_qtype=Q.Q6_K)
+
+
+def test_kquant_gguf_deploys_on_tiled_copies(kq_gguf):
+    """"fast": every K-quant linear with outputs in 16s and both expert groups on tiled copies,
+    logits within the shared check's 5e-2 of the fp32 model's; greedy
+    MTP speculation equals plain decoding."""
+    from specdeploy.deploy.build import build
+    from specdeploy.loading import load_model
+    from specdeploy.ops import ggml_moe_int
+    from tests.checkpoint.gguf_llm import assert_mtp_equals_plain
+    from tests.ops.gguf_deploy_blocks import assert_deploys_on_blocks
+
+    assert_deploys_on_blocks(kq_gguf, "fast", {"q5_k", "q6_k"}, min_linears=10)
+    dep = build(str(kq_gguf), kernels="fast", max_batch_size=2, max_seq_len=64, page_size=4,
+                max_cache_gib=0.02)
+    calls = [n for n in dep.gm.graph.nodes if n.op == "call_function"
+             and getattr(n.target, "__name__", "").startswith("linear_on_blocks")]
+    untiled = [n.meta["val"].shape[-1] for n in calls if getattr(n.target, "tiled_call", None)
+               is None]
+    # (the Mamba in_proj's z, x, B, C, dt: 8 heads' dt leave its outputs out of 16s)
+    assert len(calls) >= 8 and all(n % 16 for n in untiled), (len(calls), untiled)
+    experts = [w for w in load_model(kq_gguf).ggml_weights.values() if len(w.shape) == 3]
+    assert len(experts) == 4 and all(ggml_moe_int.tiles(w, w) for w in experts)
+    assert_mtp_equals_plain(kq_gguf, max_tokens=16)
