@@ -40,7 +40,7 @@
 #endif
 
 enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, MXFP4 = 6, Q5_0 = 7,
-       Q5_1 = 8 }; /* ggml_linear.py's KINDS */
+       Q5_1 = 8, Q3_K = 11, Q2_K = 12 }; /* ggml_linear.py's KINDS */
 #define IS_Q5(kind) ((kind) == Q5_0 || (kind) == Q5_1)
 #define HAS_M(kind) ((kind) == Q4_1 || (kind) == Q5_1)
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
@@ -58,15 +58,23 @@ typedef struct {
     const float *d;   /* [R, nb] block scales */
     const float *s;   /* [R, nb] exact block sums of x (Q4_1) */
     const int32_t *S; /* [R, nb] integer block sums of q (the shift of signed kinds) */
+    /* [R, nb] the sums of q's halves (values 0..15, 16..31) as two int16s, low half first:
+     * the 16-value shifts and minimums of Q3_K / Q2_K (ggml_tiled_kquant.c) */
+    const int32_t *S16;
 } act_t;
 
 static int block_bytes(int kind) {
     return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == MXFP4 ? 17 : kind == Q5_0 ? 22
            : kind == Q5_1 ? 24 : kind == Q4_K ? 144 : kind == Q5_K ? 176 : kind == Q6_K ? 210
-           : 18;
+           : kind == Q3_K ? 110 : kind == Q2_K ? 84 : 18;
 }
+/* a block's bytes in the tiled copy: GGUF's, but Q3_K's, whose 6-bit scales are unpacked to
+ * a byte each there (ggml_tiled_kquant.c) */
+static int packed_bytes(int kind) { return kind == Q3_K ? 114 : block_bytes(kind); }
 /* values per block: the K-quants' super-blocks of 256 (ggml_tiled_kquant.c), else 32 */
-static int block_values(int kind) { return kind >= Q4_K && kind <= Q6_K ? 256 : 32; }
+static int block_values(int kind) {
+    return (kind >= Q4_K && kind <= Q6_K) || kind == Q3_K || kind == Q2_K ? 256 : 32;
+}
 static int quant_off(int kind) { return HAS_M(kind) ? 64 : kind == MXFP4 ? 16 : 32; }
 /* Q5_0 / Q5_1 (GGUF: d, (m), qh[4], qs[16]; value i's bit 4 bit i of qh) keep Q4_0 / Q4_1's
  * layout and add a 64-byte vector after the 4 nibble vectors: per output 4 bytes, byte i's bit
@@ -122,8 +130,13 @@ static float block_sum8(const float *xb) {
     return (a0 + a2) + (a1 + a3);
 }
 
+/* two int16 lanes in an int32: lo, then hi (|each| <= 16 * 128) */
+static int32_t pair16(int32_t lo, int32_t hi) {
+    return (int32_t)(((uint32_t)lo & 0xFFFFu) | (uint32_t)hi << 16);
+}
+
 static void quantize_rows(const float *x, int R, int K, int8_t *q, float *d, float *s,
-                          int32_t *S) {
+                          int32_t *S, int32_t *S16) {
     const int nb = K / 32;
     for (int r = 0; r < R; r++)
         for (int b = 0; b < nb; b++) {
@@ -136,13 +149,15 @@ static void quantize_rows(const float *x, int R, int K, int8_t *q, float *d, flo
             const float sum = block_sum8(xb);
             const float id = amax > 0.f ? 127.f / amax : 0.f;
             int8_t *qb = q + (size_t)r * K + b * 32;
-            int32_t isum = 0;
+            int32_t isum = 0, lo = 0;
             for (int i = 0; i < 32; i++) {
                 /* a non-finite x * id gives -128, as cvtps + saturating packs do on the SIMD
                  * path (d is NaN then, below: the row's outputs are NaN either way) */
                 qb[i] = isfinite(xb[i] * id) ? (int8_t)lrintf(xb[i] * id) : -128;
                 isum += qb[i];
+                if (i == 15) lo = isum;
             }
+            S16[(size_t)r * nb + b] = pair16(lo, isum - lo);
             /* NOTE: a NaN / inf in x must not vanish into q = 0: it poisons the block's scale */
             d[(size_t)r * nb + b] = isfinite(sum) ? amax / 127.f : NAN;
             s[(size_t)r * nb + b] = sum;
@@ -159,7 +174,8 @@ static void kq_values(int kind, const uint8_t *t, int o, float *y);
  * (callers stack fused weights by calling this per member, no stacked GGUF copy in between) */
 void ggml_tiled_repack(int kind, const uint8_t *src, int rows, int K, uint8_t *dst, int row0,
                        int nthreads) {
-    const int nb = K / 32, bytes = block_bytes(kind), tb = TILE * bytes, qo = quant_off(kind);
+    const int nb = K / 32, bytes = block_bytes(kind), tb = TILE * packed_bytes(kind);
+    const int qo = quant_off(kind);
     const int qsrc = kind == Q4_1 ? 4 : kind == MXFP4 ? 1 : IS_Q5(kind) ? q5_src(kind) : 2;
     const int vecs = kind == Q8_0 ? 8 : 4;
     if (block_values(kind) == 256) { /* K-quants: super-blocks of 256 values */
@@ -203,7 +219,7 @@ void ggml_tiled_repack(int kind, const uint8_t *src, int rows, int K, uint8_t *d
 /* rows `ids` of the tiled weight, dequantized as gguf does (d * q + m: a product, then a sum) */
 void ggml_tiled_rows(int kind, const uint8_t *w, int K, const int64_t *ids, int R, float *out,
                      int nthreads) {
-    const int nb = K / 32, tb = TILE * block_bytes(kind), qo = quant_off(kind);
+    const int nb = K / 32, tb = TILE * packed_bytes(kind), qo = quant_off(kind);
     if (block_values(kind) == 256) {
         const int nk = K / 256;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -454,7 +470,7 @@ AVX512_ATTR INLINE void tile_avx512(const act_t *a, int K, const uint8_t *tile, 
  * calling thread before the tiles' parallel region: a decode step quantizes ~100k values, ~0.1
  * ms in scalar code (2026-12-05; a row of the down projection, K = 1536, 1.6 -> ~0.15 us). */
 AVX2_ATTR static void quantize_rows_avx2(const float *x, int R, int K, int8_t *q, float *d,
-                                         float *s, int32_t *S) {
+                                         float *s, int32_t *S, int32_t *S16) {
     const int nb = K / 32;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int r = 0; r < R; r++)
@@ -491,9 +507,11 @@ AVX2_ATTR static void quantize_rows_avx2(const float *x, int R, int K, int8_t *q
             /* the integer sum of the stored bytes (-128 where x * id was not finite) */
             const __m256i isum = _mm256_madd_epi16(
                 _mm256_maddubs_epi16(_mm256_set1_epi8(1), p8), _mm256_set1_epi16(1));
-            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(isum),
-                                      _mm256_extracti128_si256(isum, 1));
-            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+            /* the halves' sums (values 0..15: the low 128 bits' 4 lanes), then the block's */
+            __m128i t = _mm_hadd_epi32(_mm256_castsi256_si128(isum),
+                                       _mm256_extracti128_si256(isum, 1));
+            t = _mm_hadd_epi32(t, t); /* lanes: lo, hi, lo, hi */
+            S16[(size_t)r * nb + b] = pair16(_mm_cvtsi128_si32(t), _mm_extract_epi32(t, 1));
             t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
             d[(size_t)r * nb + b] = isfinite(sum) ? amax / 127.f : NAN;
             s[(size_t)r * nb + b] = sum;
@@ -513,7 +531,7 @@ AVX2_ATTR INLINE void tile_avx2(const act_t *a, int K, const uint8_t *tile, int 
 #define TILES_FN(NAME, TILE_OP, KIND, G, ATTR)                                                  \
     ATTR static void NAME(const act_t *a, int R, int K, const uint8_t *w, int t0, int t1, int N,  \
                           float *y) {                                                           \
-        const size_t tile_bytes = (size_t)(K / block_values(KIND)) * TILE * block_bytes(KIND);  \
+        const size_t tile_bytes = (size_t)(K / block_values(KIND)) * TILE * packed_bytes(KIND); \
         for (int t = t0; t < t1; t++) {                                                         \
             const uint8_t *tile = w + (size_t)t * tile_bytes;                                   \
             float *yt = y + (size_t)t * TILE;                                                   \
@@ -720,6 +738,9 @@ int ggml_tiled_amx_min_rows(int kind, int rows) {
     return before;
 }
 
+/* the bytes of a tiled copy's block of `kind` (16 outputs hold 16 of them) */
+int ggml_tiled_packed_bytes(int kind) { return packed_bytes(kind); }
+
 /* 1 when this build and this CPU can run `isa` */
 int ggml_tiled_isa_supported(int isa) {
     if (isa == ISA_SCALAR) return 1;
@@ -740,6 +761,8 @@ int ggml_tiled_isa_supported(int isa) {
 TILES_FN(q4_k_avx2, kq_tile_avx2, Q4_K, KQ_ROWS_Q4, AVX2_ATTR)
 TILES_FN(q5_k_avx2, kq_tile_avx2, Q5_K, KQ_ROWS_Q56, AVX2_ATTR)
 TILES_FN(q6_k_avx2, kq_tile_avx2, Q6_K, KQ_ROWS_Q56, AVX2_ATTR)
+TILES_FN(q3_k_avx2, kq_tile_avx2, Q3_K, KQ_ROWS_Q56, AVX2_ATTR)
+TILES_FN(q2_k_avx2, kq_tile_avx2, Q2_K, KQ_ROWS_Q56, AVX2_ATTR)
 #endif
 
 /* amx: the AMX path (wb: this thread's unpacking buffer) instead of `isa`'s */
@@ -756,7 +779,8 @@ static void run_tiles(int kind, int isa, int amx, uint8_t *wb, const act_t *a, i
      * AMX); the avx512_vnni ISA runs its AVX2 path, which every AVX-512 CPU has, and the same
      * bits as everywhere */
     if (IS_KQ(kind) && isa != ISA_SCALAR) /* (as MXFP4: AVX2 on AVX-512 CPUs too) */
-        (kind == Q4_K ? q4_k_avx2 : kind == Q5_K ? q5_k_avx2 : q6_k_avx2)(a, R, K, w, t0, t1, N, y);
+        (kind == Q4_K ? q4_k_avx2 : kind == Q5_K ? q5_k_avx2 : kind == Q6_K ? q6_k_avx2
+         : kind == Q3_K ? q3_k_avx2 : q2_k_avx2)(a, R, K, w, t0, t1, N, y);
     else if (kind == MXFP4 && isa != ISA_SCALAR) mxfp4_avx2(a, R, K, w, t0, t1, N, y);
     else if (IS_Q5(kind) && isa != ISA_SCALAR) /* (as MXFP4: AVX2 on AVX-512 CPUs too) */
         (kind == Q5_0 ? q5_0_avx2 : q5_1_avx2)(a, R, K, w, t0, t1, N, y);
@@ -779,24 +803,24 @@ int ggml_tiled_linear(int kind, int isa, const float *x, int R, int K, const uin
     if (!ggml_tiled_isa_supported(isa)) return -2;
     if (N % TILE) return -3;
     const int nb = K / 32, tiles = N / TILE;
-    /* one allocation: q (R * K bytes), then d, s, S (R * nb 4-byte values each), then AMX's
+    /* one allocation: q (R * K bytes), then d, s, S, S16 (R * nb 4-byte values each), then AMX's
      * unpacking buffers (4-bit kinds: nb * 512 bytes a thread), 64-aligned */
     const int amx = isa == ISA_AVX512 && amx_rows(kind) && R >= amx_rows(kind);
     const size_t qbytes = ((size_t)R * K + 63) / 64 * 64;
-    const size_t fbytes = (12 * (size_t)R * nb + 63) / 64 * 64;
+    const size_t fbytes = (16 * (size_t)R * nb + 63) / 64 * 64;
     const size_t wbytes = amx && kind != Q8_0 ? (size_t)nb * 512 : 0;
     const int nt_max = nthreads > 0 ? nthreads : 1;
     uint8_t *scratch = (uint8_t *)aligned_alloc(64, qbytes + fbytes + wbytes * nt_max + 64);
     if (!scratch) return -1;
     float *d = (float *)(scratch + qbytes), *s = d + (size_t)R * nb;
-    int32_t *S = (int32_t *)(s + (size_t)R * nb);
+    int32_t *S = (int32_t *)(s + (size_t)R * nb), *S16 = S + (size_t)R * nb;
 #ifdef SD_X86
     if (isa == ISA_AVX2 || isa == ISA_AVX512)
-        quantize_rows_avx2(x, R, K, (int8_t *)scratch, d, s, S);
+        quantize_rows_avx2(x, R, K, (int8_t *)scratch, d, s, S, S16);
     else
 #endif
-        quantize_rows(x, R, K, (int8_t *)scratch, d, s, S);
-    const act_t a = {(const int8_t *)scratch, d, s, S};
+        quantize_rows(x, R, K, (int8_t *)scratch, d, s, S, S16);
+    const act_t a = {(const int8_t *)scratch, d, s, S, S16};
 #pragma omp parallel num_threads(nthreads)
     {
         int t = 0, nt = 1;
@@ -829,19 +853,19 @@ int ggml_tiled_grouped(int kind, int isa, const float *x, int R, int K, const in
         amx_any |= isa == ISA_AVX512 && amx_rows(kind) && n >= amx_rows(kind);
     }
     const size_t qbytes = ((size_t)R * K + 63) / 64 * 64;
-    const size_t fbytes = (12 * (size_t)R * nb + 63) / 64 * 64;
+    const size_t fbytes = (16 * (size_t)R * nb + 63) / 64 * 64;
     const size_t wbytes = amx_any && kind != Q8_0 ? (size_t)nb * 512 : 0;
     const int nt_max = nthreads > 0 ? nthreads : 1;
     uint8_t *scratch = (uint8_t *)aligned_alloc(64, qbytes + fbytes + wbytes * nt_max + 64);
     if (!scratch) return -1;
     float *d = (float *)(scratch + qbytes), *s = d + (size_t)R * nb;
-    int32_t *S = (int32_t *)(s + (size_t)R * nb);
+    int32_t *S = (int32_t *)(s + (size_t)R * nb), *S16 = S + (size_t)R * nb;
 #ifdef SD_X86
     if (isa == ISA_AVX2 || isa == ISA_AVX512)
-        quantize_rows_avx2(x, R, K, (int8_t *)scratch, d, s, S);
+        quantize_rows_avx2(x, R, K, (int8_t *)scratch, d, s, S, S16);
     else
 #endif
-        quantize_rows(x, R, K, (int8_t *)scratch, d, s, S);
+        quantize_rows(x, R, K, (int8_t *)scratch, d, s, S, S16);
 #pragma omp parallel num_threads(nthreads)
     {
         int t = 0, nt = 1;
@@ -857,7 +881,7 @@ int ggml_tiled_grouped(int kind, int isa, const float *x, int R, int K, const in
             if (!n) continue;
             const int amx = isa == ISA_AVX512 && amx_rows(kind) && n >= amx_rows(kind);
             const act_t a = {(const int8_t *)scratch + s0 * K, d + s0 * nb, s + s0 * nb,
-                             S + s0 * nb};
+                             S + s0 * nb, S16 + s0 * nb};
             run_tiles(kind, isa, amx, wb, &a, (int)n, K, w + (size_t)e * stride, t0, t1, N,
                       y + (size_t)s0 * N);
         }

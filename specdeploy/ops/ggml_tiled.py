@@ -8,12 +8,13 @@ repacked once, as llama.cpp does, so that one vector holds 16 outputs' sums and 
 weights of a block serve a group of rows (AVX2: 5, Q8_0 4; AVX-512: 8): several rows cost
 little more than one.
 
-The packed copy replaces the blocks (same bytes). Scalar C, AVX2 and AVX-512 VNNI paths give
-bit-identical outputs (and so does AMX, which the AVX-512 path hands steps of >= AMX_MIN_ROWS
-rows where the CPU has AMX-INT8: the tile unit makes the exact integer block sums, the same fp32
-operations follow), independent of the other rows and the thread count, so greedy speculative
-decoding still equals greedy plain decoding. The outputs are not those of `ggml_int` (the fp32
-sums run in another order), so a deployment uses one kernel per weight, at every row count.
+The packed copy replaces the blocks (same bytes; Q3_K 4 bytes more a super-block). Scalar C,
+AVX2 and AVX-512 VNNI paths give bit-identical outputs (and so does AMX, which the AVX-512 path
+hands steps of >= AMX_MIN_ROWS rows where the CPU has AMX-INT8: the tile unit makes the exact
+integer block sums, the same fp32 operations follow), independent of the other rows and the
+thread count, so greedy speculative decoding still equals greedy plain decoding. The outputs
+are not those of `ggml_int` (the fp32 sums run in another order), so a deployment uses one
+kernel per weight, at every row count.
 Compiled on first use next to the other kernels; where it cannot be built, one warning says why
 and callers keep `ggml_int`.
 """
@@ -45,7 +46,8 @@ TILE = 16
 AMX_MIN_ROWS = {"q4_1": 32, "q8_0": 8, "q4_0": 32}
 # the kinds ggml_tiled.c runs; mxfp4, the Q5 kinds and the K-quants (ggml_tiled_kquant.c: 256-value
 # super-blocks) on scalar and AVX2 code (avx512_vnni runs the AVX2 one: the same bits)
-TILED_KINDS = ("q4_0", "q4_1", "q8_0", "mxfp4", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+TILED_KINDS = ("q4_0", "q4_1", "q8_0", "mxfp4", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q3_k",
+               "q2_k")
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
@@ -67,6 +69,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         "ggml_tiled_grouped": ([_I, _I, _P, _I, _I, _P, _I, _P, ctypes.c_int64, _I, _P, _I],
                                _I),
         "ggml_tiled_isa_supported": ([_I], _I), "ggml_tiled_amx_usable": ([], _I),
+        "ggml_tiled_packed_bytes": ([_I], _I),
         "ggml_tiled_amx_min_rows": ([_I, _I], _I),
         "ggml_tiled_repack": ([_I, _P, _I, _I, _P, _I, _I], None),
         "ggml_tiled_rows": ([_I, _P, _I, _P, _I, _P, _I], None)})
@@ -145,8 +148,9 @@ def repack(weight: GGMLWeight | list[GGMLWeight]) -> TiledWeight:
         raise ValueError(f"tiled repack: {n} outputs (shape {(n, k)}) are not a multiple of "
                          f"{TILE}")
     lib = _lib()
-    packed = torch.empty(n // TILE, TILE * k // _gl.block_values(kind) * KINDS[kind][1],
-                         dtype=torch.uint8)
+    # (a tiled block has GGUF's bytes but for Q3_K's, whose scales it unpacks: the C file's)
+    packed = torch.empty(n // TILE, TILE * k // _gl.block_values(kind)
+                         * lib.ggml_tiled_packed_bytes(KINDS[kind][0]), dtype=torch.uint8)
     row0 = 0
     for w in members:
         blocks = w.blocks.contiguous()

@@ -1,5 +1,5 @@
-/* The K-quants Q4_K, Q5_K and Q6_K on the tiled kernel (#included by ggml_tiled.c, which gives
- * act_t, the activation quantization, TILE, KEEP, group_at and the ISA attributes).
+/* The K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K on the tiled kernel (#included by ggml_tiled.c,
+ * which gives act_t, the activation quantization, TILE, KEEP, group_at and the ISA attributes).
  *
  * GGUF's 256-value super-blocks (ggml_kernels.c's header) repacked per tile of 16 outputs and
  * super-block, the same bytes (16 GGUF super-blocks); offsets in a tile's super-block:
@@ -12,28 +12,49 @@
  *   Q6_K (3360): 16 fp16 d | the 16 int8 scales s at 32 + 16 s + o | the values' low 4 bits as
  *       Q4_K's nibbles at 288 | at 2336 + 512 q + 64 j + 4 o + i their high 2 bits, groups
  *       4 q .. 4 q + 3 of value 4 j + i at bits 2 (g - 4 q). Values q - 32 (signed).
+ *   Q2_K (1344): 16 fp16 d | 16 fp16 dmin | the 16 scale bytes s (low nibble sc, high m) at
+ *       64 + 16 s + o | at 320 + 512 q + 64 j + 4 o + i GGUF's qs[32 q + 4 j + i] (bits 2 (g - 4
+ *       q): group g's value 4 j + i, 0..3; scale s of values 16 s ..).
+ *   Q3_K (1824, GGUF's 1760 + 64): 16 fp16 d | the 16 6-bit scales unpacked, minus 32, an int8
+ *       at 32 + 16 s + o | Q2_K's 2-bit planes at 288 | at 1312 + 64 j + 4 o + i GGUF's
+ *       hmask[4 j + i] (bit g: group g's bit 2). Values (q | bit 2 << 2) - 4.
  *
  * Activations as for every tiled kind: 8-bit blocks of 32 (one per group), fp32 d_x and sum s_x.
  * Per (output, row, group g) the integer P_g is exact: Q4_K / Q5_K sc_g * sum(q * x_q) (the
- * madd of the int16 pair sums by sc_g), Q6_K sc_lo * (sum over the first 16 values) + sc_hi *
- * (the last 16) with signed q; |P_g| < 2^24, so float(P_g) is exact. Then per output lane, in
- * super-block and group order: scale = d * d_x (one rounding), acc = fma(float(P_g), scale,
- * acc); Q4_K / Q5_K also macc = fma(-(dmin * m_g), s_x, macc) (an exact product); y = acc + macc
- * (Q6_K: acc). The scalar and AVX2 paths perform exactly those fp32 operations, so they give
+ * madd of the int16 pair sums by sc_g), Q6_K / Q3_K / Q2_K sc_lo * (sum over the first 16
+ * values) + sc_hi * (the last 16) with signed q (Q3_K: q + 4 summed, then 4 * (sc_lo * S_lo +
+ * sc_hi * S_hi) off, S the halves' sums of x_q); |P_g| < 2^24, so float(P_g) is exact. Then per
+ * output lane, in super-block and group order: scale = d * d_x (one rounding), acc =
+ * fma(float(P_g), scale, acc); Q4_K / Q5_K also macc = fma(-(dmin * m_g), s_x, macc) (an exact
+ * product), Q2_K macc = fma(float(m_lo * S_lo + m_hi * S_hi), dmin * d_x, macc); y = acc + macc
+ * (Q6_K, Q3_K: acc; Q2_K: acc - macc). The scalar and AVX2 paths perform exactly those fp32 operations, so they give
  * the same bits; AVX-512 CPUs run the AVX2 path (no code of their own: the same bits). The int16
  * sums stay below 2^15: Q4_K 8 quads of pairs <= 2 * 15 * 128, Q5_K 4 of 2 * 31 * 128 before a
  * madd, Q6_K 4 of 2 * 32 * 127 (|q| * x with q's sign). */
-#define IS_KQ(kind) ((kind) >= Q4_K && (kind) <= Q6_K)
+#define IS_KQ(kind) (((kind) >= Q4_K && (kind) <= Q6_K) || (kind) == Q3_K || (kind) == Q2_K)
 #define Q6_HIGH 2336 /* Q6_K: where a super-block's high 2-bit planes start */
+#define Q3_HMASK 1312 /* Q3_K: its bit 2 plane */
+/* 2-bit planes (Q2_K, Q3_K: four groups a byte) or nibbles (two groups a byte) */
+#define KQ_PLANES(kind) ((kind) == Q2_K || (kind) == Q3_K)
+/* a scale per 16 values, an int8 at 32 + 16 s + o (Q2_K: its byte at 64 + 16 s + o) */
+#define KQ_SCALE16(kind) ((kind) == Q6_K || (kind) == Q3_K || (kind) == Q2_K)
+/* -dmin * m per 32 values against the exact s_x (Q4_K, Q5_K) */
+#define KQ_MIN32(kind) ((kind) == Q4_K || (kind) == Q5_K)
 
-static int kq_quant_off(int kind) { return kind == Q4_K ? 256 : kind == Q5_K ? 768 : 288; }
+static int kq_quant_off(int kind) {
+    return kind == Q4_K ? 256 : kind == Q5_K ? 768 : kind == Q2_K ? 320 : 288;
+}
 
-/* GGUF super-block b's 256 values as stored (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) */
+/* GGUF super-block b's 256 values as stored (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, Q2_K 0..3;
+ * Q3_K 0..7: its low 2 bits, bit 2 from hmask) */
 static void kq_decode(int kind, const uint8_t *b, uint8_t *u) {
     for (int g = 0; g < 8; g++)
         for (int i = 0; i < 32; i++) {
             int q;
-            if (kind == Q6_K)
+            if (kind == Q2_K || kind == Q3_K) {
+                q = (b[(kind == Q2_K ? 16 : 32) + 32 * (g >> 2) + i] >> 2 * (g & 3)) & 3;
+                if (kind == Q3_K) q |= ((b[i] >> g) & 1) << 2;
+            } else if (kind == Q6_K)
                 q = ((b[64 * (g >> 2) + 32 * (g & 1) + i] >> 4 * ((g >> 1) & 1)) & 0xF) |
                     ((b[128 + 32 * (g >> 2) + i] >> 2 * (g & 3)) & 3) << 4;
             else {
@@ -48,6 +69,27 @@ static void kq_decode(int kind, const uint8_t *b, uint8_t *u) {
 static void kq_repack_block(int kind, const uint8_t *b, uint8_t *t, int o) {
     uint8_t u[256];
     kq_decode(kind, b, u);
+    if (kind == Q2_K || kind == Q3_K) {
+        const int qo = kq_quant_off(kind);
+        for (int q = 0; q < 2; q++)
+            for (int v = 0; v < 32; v++)
+                t[qo + 512 * q + 64 * (v >> 2) + 4 * o + (v & 3)] =
+                    b[(kind == Q2_K ? 16 : 32) + 32 * q + v];
+        if (kind == Q2_K) {
+            memcpy(t + 2 * o, b + 80, 2);
+            memcpy(t + 32 + 2 * o, b + 82, 2);
+            for (int s = 0; s < 16; s++) t[64 + 16 * s + o] = b[s];
+        } else {
+            memcpy(t + 2 * o, b + 108, 2);
+            for (int s = 0; s < 16; s++) {
+                const int lo = (b[96 + (s & 7)] >> 4 * (s >> 3)) & 0xF;
+                const int hi = (b[104 + (s & 3)] >> 2 * (s >> 2)) & 3;
+                t[32 + 16 * s + o] = (uint8_t)(int8_t)((lo | hi << 4) - 32);
+            }
+            for (int v = 0; v < 32; v++) t[Q3_HMASK + 64 * (v >> 2) + 4 * o + (v & 3)] = b[v];
+        }
+        return;
+    }
     if (kind == Q6_K) {
         memcpy(t + 2 * o, b + 208, 2);
         for (int s = 0; s < 16; s++) t[32 + 16 * s + o] = b[192 + s];
@@ -72,9 +114,13 @@ static void kq_repack_block(int kind, const uint8_t *b, uint8_t *t, int o) {
             }
 }
 
-/* value v of group g, output o, in a tile's super-block t (Q6_K: minus 32) */
+/* value v of group g, output o, in a tile's super-block t (Q6_K: minus 32, Q3_K: minus 4) */
 static int kq_value(int kind, const uint8_t *t, int o, int g, int v) {
     const size_t at = (size_t)64 * (v >> 2) + 4 * o + (v & 3);
+    if (KQ_PLANES(kind)) {
+        const int q = (t[kq_quant_off(kind) + 512 * (g >> 2) + at] >> 2 * (g & 3)) & 3;
+        return kind == Q2_K ? q : (q | ((t[Q3_HMASK + at] >> g) & 1) << 2) - 4;
+    }
     int q = (t[kq_quant_off(kind) + 512 * (g >> 1) + at] >> 4 * (g & 1)) & 0xF;
     if (kind == Q5_K) q |= ((t[256 + at] >> g) & 1) << 4;
     if (kind == Q6_K) q = (q | ((t[Q6_HIGH + 512 * (g >> 2) + at] >> 2 * (g & 3)) & 3) << 4) - 32;
@@ -90,23 +136,28 @@ static void kq_scale_min(const uint8_t *t, int o, int g, int *sc, int *m) {
 }
 
 /* output o's 256 values of tile super-block t, as gguf dequantizes them: (d * sc) * q, minus
- * dmin * m for Q4_K / Q5_K (products, then the difference: numpy's roundings) */
+ * dmin * m for Q4_K / Q5_K / Q2_K (products, then the difference: numpy's roundings) */
 static void kq_values(int kind, const uint8_t *t, int o, float *y) {
     const float d = half_at(t + 2 * o);
     for (int g = 0; g < 8; g++) {
-        float s_lo, s_hi, m1 = 0.f;
-        if (kind == Q6_K) {
+        float s_lo, s_hi, m1 = 0.f, m_hi = 0.f;
+        if (kind == Q6_K || kind == Q3_K) {
             s_lo = d * (float)(int8_t)t[32 + 16 * (2 * g) + o];
             s_hi = d * (float)(int8_t)t[32 + 16 * (2 * g + 1) + o];
+        } else if (kind == Q2_K) {
+            const uint8_t lo = t[64 + 16 * (2 * g) + o], hi = t[64 + 16 * (2 * g + 1) + o];
+            const float dmin = half_at(t + 32 + 2 * o);
+            s_lo = d * (float)(lo & 0xF), s_hi = d * (float)(hi & 0xF);
+            m1 = dmin * (float)(lo >> 4), m_hi = dmin * (float)(hi >> 4);
         } else {
             int sc, m;
             kq_scale_min(t, o, g, &sc, &m);
             s_lo = s_hi = d * (float)sc;
-            m1 = half_at(t + 32 + 2 * o) * (float)m;
+            m1 = m_hi = half_at(t + 32 + 2 * o) * (float)m;
         }
         for (int v = 0; v < 32; v++) {
             const float p = (v < 16 ? s_lo : s_hi) * (float)kq_value(kind, t, o, g, v);
-            y[32 * g + v] = kind == Q6_K ? p : p - m1;
+            y[32 * g + v] = kind == Q6_K || kind == Q3_K ? p : p - (v < 16 ? m1 : m_hi);
         }
     }
 }
@@ -114,7 +165,7 @@ static void kq_values(int kind, const uint8_t *t, int o, float *y) {
 /* ---- portable scalar path: the stated operations one output at a time ---- */
 static void kq_tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_t *w, int t0,
                             int t1, int N, float *y) {
-    const int nk = K / 256, nb = K / 32, tb = TILE * block_bytes(kind);
+    const int nk = K / 256, nb = K / 32, tb = TILE * packed_bytes(kind);
     for (int t = t0; t < t1; t++)
         for (int o = 0; o < TILE; o++)
             for (int r = 0; r < R; r++) {
@@ -129,19 +180,29 @@ static void kq_tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_
                         for (int v = 0; v < 32; v++)
                             half[v >> 4] += kq_value(kind, blk, o, g, v) * qx[v];
                         int sc = 0, m = 0;
-                        if (kind == Q6_K)
+                        if (kind == Q6_K || kind == Q3_K)
                             P = (int8_t)blk[32 + 16 * (2 * g) + o] * half[0] +
                                 (int8_t)blk[32 + 16 * (2 * g + 1) + o] * half[1];
+                        else if (kind == Q2_K)
+                            P = (blk[64 + 16 * (2 * g) + o] & 0xF) * half[0] +
+                                (blk[64 + 16 * (2 * g + 1) + o] & 0xF) * half[1];
                         else {
                             kq_scale_min(blk, o, g, &sc, &m);
                             P = sc * (half[0] + half[1]);
                         }
                         acc = fmaf((float)P, d * a->d[rb], acc);
-                        if (kind != Q6_K)
+                        if (KQ_MIN32(kind))
                             macc = fmaf(-(half_at(blk + 32 + 2 * o) * (float)m), a->s[rb], macc);
+                        if (kind == Q2_K) { /* the halves' sums of x_q (S16) by their m */
+                            const int32_t s16 = a->S16[rb];
+                            const int M = (blk[64 + 16 * (2 * g) + o] >> 4) * (int16_t)s16 +
+                                          (blk[64 + 16 * (2 * g + 1) + o] >> 4) * (s16 >> 16);
+                            macc = fmaf((float)M, half_at(blk + 32 + 2 * o) * a->d[rb], macc);
+                        }
                     }
                 }
-                y[(size_t)r * N + (size_t)t * TILE + o] = kind == Q6_K ? acc : acc + macc;
+                y[(size_t)r * N + (size_t)t * TILE + o] =
+                    KQ_MIN32(kind) ? acc + macc : kind == Q2_K ? acc - macc : acc;
             }
 }
 
@@ -196,11 +257,34 @@ AVX2_ATTR INLINE __m256 kq_neg_min(const uint8_t *blk, int h, int g) {
     return _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmin, m));
 }
 
+/* the per-16 scales of group g of 8 outputs (Q6_K, Q3_K: int8s; Q2_K: the bytes' low
+ * nibbles, `mins` their high ones), one a lane: [0] values 0..15, [1] 16..31 */
+AVX2_ATTR INLINE void kq_scale16(const uint8_t *blk, int h, int g, const int kind, __m256i *sc,
+                                 __m256i *mins) {
+    for (int i = 0; i < 2; i++) {
+        const __m128i raw = _mm_loadl_epi64(
+            (const __m128i *)(blk + (kind == Q2_K ? 64 : 32) + 16 * (2 * g + i) + 8 * h));
+        if (kind == Q2_K) {
+            const __m256i u = _mm256_cvtepu8_epi32(raw);
+            sc[i] = _mm256_and_si256(u, _mm256_set1_epi32(0xF));
+            mins[i] = _mm256_srli_epi32(u, 4);
+        } else {
+            sc[i] = _mm256_cvtepi8_epi32(raw);
+        }
+    }
+}
+
+/* lanes lo and hi as one int32 lane of two int16s (madd by a row's S16: lo S_lo + hi S_hi) */
+AVX2_ATTR INLINE __m256i kq_pair16(__m256i lo, __m256i hi) {
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)),
+                           _mm256_slli_epi32(hi, 16));
+}
+
 /* half h (outputs 8 h .. 8 h + 7) of a tile, rows r0 .. r0 + rg - 1 */
 AVX2_ATTR INLINE void kq_half_avx2(const act_t *a, int K, const uint8_t *tile, int N, float *y,
                                    int r0, const int rg, const int kind, const int h) {
-    const int nk = K / 256, nb = K / 32, tb = TILE * block_bytes(kind), qo = kq_quant_off(kind);
-    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const int nk = K / 256, nb = K / 32, tb = TILE * packed_bytes(kind), qo = kq_quant_off(kind);
+    const __m256i mask = _mm256_set1_epi8(KQ_PLANES(kind) ? 0x03 : 0x0F);
     __m256 acc[ROW_GROUP], macc[ROW_GROUP];
     for (int r = 0; r < rg; r++) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int k = 0; k < nk; k++) {
@@ -211,30 +295,35 @@ AVX2_ATTR INLINE void kq_half_avx2(const act_t *a, int K, const uint8_t *tile, i
             if (h == 0) /* an eighth of the super-block KQ_PF_BLOCKS on, a group at a time */
                 for (int l = g * tb / 8 / 64 * 64; l < ((g + 1) * tb / 8 + 63) / 64 * 64; l += 64)
                     _mm_prefetch((const char *)blk + KQ_PF_BLOCKS * tb + l, _MM_HINT_T0);
-            __m256i s_a, s_b; /* madd's multipliers: the group's (Q6_K: first half's) scale */
-            if (kind == Q6_K) {
-                s_a = kq_both16(_mm256_cvtepi8_epi32(
-                    _mm_loadl_epi64((const __m128i *)(blk + 32 + 16 * (2 * g) + 8 * h))));
-                s_b = kq_both16(_mm256_cvtepi8_epi32(
-                    _mm_loadl_epi64((const __m128i *)(blk + 32 + 16 * (2 * g + 1) + 8 * h))));
+            /* madd's multipliers: the group's (per-16 kinds: its first half's) scale, the
+             * second half's; Q3_K / Q2_K: both halves' scales / minimums as int16 pairs */
+            __m256i s_a, s_b, s_ab = _mm256_setzero_si256(), m_ab = _mm256_setzero_si256();
+            if (KQ_SCALE16(kind)) {
+                __m256i sc[2], mins[2];
+                kq_scale16(blk, h, g, kind, sc, mins);
+                s_a = kq_both16(sc[0]), s_b = kq_both16(sc[1]);
+                if (kind == Q3_K) s_ab = kq_pair16(sc[0], sc[1]);
+                if (kind == Q2_K) m_ab = kq_pair16(mins[0], mins[1]);
             } else {
                 s_a = s_b = kq_both16(kq_lane_byte(kq_six_bits(blk, h, 0, g >> 2), g));
             }
             __m256i p16[ROW_GROUP], p32[ROW_GROUP];
             for (int r = 0; r < rg; r++) p16[r] = p32[r] = _mm256_setzero_si256();
-            const uint8_t *qs = blk + qo + 512 * (g >> 1) + 32 * h;
+            const uint8_t *qs = blk + qo + 512 * (KQ_PLANES(kind) ? g >> 2 : g >> 1) + 32 * h;
 #pragma GCC unroll 8 /* (j == 3 constant: no branch; Q5_K / Q6_K 0.86-0.9x at 4-16 rows) */
             for (int j = 0; j < 8; j++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * j));
-                __m256i wv = (g & 1) ? _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)
-                                     : _mm256_and_si256(v, mask);
+                __m256i wv = KQ_PLANES(kind) ? _mm256_and_si256(_mm256_srli_epi16(v, 2 * (g & 3)),
+                                                                mask)
+                             : (g & 1)       ? _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)
+                                             : _mm256_and_si256(v, mask);
                 __m256i wabs = wv;
-                if (kind == Q5_K) {
-                    const __m256i hv = _mm256_loadu_si256(
-                        (const __m256i *)(blk + 256 + 64 * j + 32 * h));
+                if (kind == Q5_K || kind == Q3_K) { /* bit 4 (Q5_K) / bit 2 (Q3_K): bit g */
+                    const __m256i hv = _mm256_loadu_si256((const __m256i *)(
+                        blk + (kind == Q5_K ? 256 : Q3_HMASK) + 64 * j + 32 * h));
                     wv = _mm256_or_si256(wv, _mm256_slli_epi16(_mm256_and_si256(
-                        _mm256_srli_epi16(hv, g), _mm256_set1_epi8(1)), 4));
-                    wabs = wv;
+                        _mm256_srli_epi16(hv, g), _mm256_set1_epi8(1)), kind == Q5_K ? 4 : 2));
+                    wabs = wv; /* (Q3_K: q + 4, 0..7; 4 * the halves' x_q sums come off P) */
                 }
                 if (kind == Q6_K) {
                     const __m256i hv = _mm256_loadu_si256(
@@ -255,28 +344,55 @@ AVX2_ATTR INLINE void kq_half_avx2(const act_t *a, int K, const uint8_t *tile, i
                     KEEP(p16[r]);
                 }
             }
-            const __m256 nm = kind != Q6_K && !KQ_MACC_PASS(rg) ? kq_neg_min(blk, h, g)
-                                                                 : _mm256_setzero_ps();
+            const __m256 nm = KQ_MIN32(kind) && !KQ_MACC_PASS(rg) ? kq_neg_min(blk, h, g)
+                                                                   : _mm256_setzero_ps();
+            const __m256 dminv = kind == Q2_K && !KQ_MACC_PASS(rg)
+                ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)))
+                : _mm256_setzero_ps();
             for (int r = 0; r < rg; r++) {
                 const size_t rb = (size_t)(r0 + r) * nb + 8 * k + g;
-                const __m256i P = _mm256_add_epi32(p32[r], _mm256_madd_epi16(p16[r], s_b));
-                const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(a->d[rb]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P), scale, acc[r]);
-                if (kind != Q6_K && !KQ_MACC_PASS(rg))
+                __m256i P = _mm256_add_epi32(p32[r], _mm256_madd_epi16(p16[r], s_b));
+                if (kind == Q3_K) /* - 4 (sc_lo * S_lo + sc_hi * S_hi) */
+                    P = _mm256_sub_epi32(P, _mm256_slli_epi32(
+                        _mm256_madd_epi16(s_ab, _mm256_set1_epi32(a->S16[rb])), 2));
+                const __m256 dx = _mm256_set1_ps(a->d[rb]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P), _mm256_mul_ps(dv, dx), acc[r]);
+                if (KQ_MIN32(kind) && !KQ_MACC_PASS(rg))
+                    macc[r] = _mm256_fmadd_ps(nm, _mm256_set1_ps(a->s[rb]), macc[r]);
+                if (kind == Q2_K && !KQ_MACC_PASS(rg))
+                    macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(
+                        m_ab, _mm256_set1_epi32(a->S16[rb]))), _mm256_mul_ps(dminv, dx), macc[r]);
+            }
+        }
+    }
+    for (int k = 0; (KQ_MIN32(kind) || kind == Q2_K) && KQ_MACC_PASS(rg) && k < nk; k++) {
+        const uint8_t *blk = tile + (size_t)k * tb;
+        const __m256 dminv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+        for (int g = 0; g < 8; g++) {
+            __m256 nm = _mm256_setzero_ps();
+            __m256i m_ab = _mm256_setzero_si256();
+            if (kind == Q2_K) {
+                __m256i sc[2], mins[2];
+                kq_scale16(blk, h, g, kind, sc, mins);
+                m_ab = kq_pair16(mins[0], mins[1]);
+            } else {
+                nm = kq_neg_min(blk, h, g);
+            }
+            for (int r = 0; r < rg; r++) {
+                const size_t rb = (size_t)(r0 + r) * nb + 8 * k + g;
+                if (kind == Q2_K)
+                    macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(
+                        m_ab, _mm256_set1_epi32(a->S16[rb]))),
+                        _mm256_mul_ps(dminv, _mm256_set1_ps(a->d[rb])), macc[r]);
+                else
                     macc[r] = _mm256_fmadd_ps(nm, _mm256_set1_ps(a->s[rb]), macc[r]);
             }
         }
     }
-    for (int k = 0; kind != Q6_K && KQ_MACC_PASS(rg) && k < nk; k++)
-        for (int g = 0; g < 8; g++) {
-            const __m256 nm = kq_neg_min(tile + (size_t)k * tb, h, g);
-            for (int r = 0; r < rg; r++)
-                macc[r] = _mm256_fmadd_ps(
-                    nm, _mm256_set1_ps(a->s[(size_t)(r0 + r) * nb + 8 * k + g]), macc[r]);
-        }
     for (int r = 0; r < rg; r++)
         _mm256_storeu_ps(y + (size_t)(r0 + r) * N + 8 * h,
-                         kind == Q6_K ? acc[r] : _mm256_add_ps(acc[r], macc[r]));
+                         KQ_MIN32(kind) ? _mm256_add_ps(acc[r], macc[r])
+                         : kind == Q2_K ? _mm256_sub_ps(acc[r], macc[r]) : acc[r]);
 }
 
 AVX2_ATTR INLINE void kq_tile_avx2(const act_t *a, int K, const uint8_t *tile, int N, float *y,

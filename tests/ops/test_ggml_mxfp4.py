@@ -149,9 +149,9 @@ def test_isa_paths_rows_and_threads_are_bit_identical():
 
 
 def test_other_kinds_are_refused_by_repack():
-    raw = np.zeros((16, 110), np.uint8)
-    with pytest.raises(ValueError, match="no tiled kernel for q3_k"):
-        gt.repack(gl.make_weight("q3_k", torch.from_numpy(raw), (16, 256)))
+    raw = np.zeros((16, 136), np.uint8)
+    with pytest.raises(ValueError, match="no tiled kernel for iq4_xs"):
+        gt.repack(gl.make_weight("iq4_xs", torch.from_numpy(raw), (16, 256)))
 
 
 def test_exact_kernel_equals_the_q8_0_one_and_gguf_values():

@@ -1,10 +1,12 @@
-"""Q4_K / Q5_K / Q6_K on the tiled integer-dot kernel (ops/ggml_tiled_kquant.c), each ISA path
-this CPU runs, against oracles the kernel did not produce:
+"""The K-quants (Q2_K ... Q6_K) on the tiled integer-dot kernel (ops/ggml_tiled_kquant.c), each
+ISA path this CPU runs, against oracles the kernel did not produce:
 
-1. transformers' GGUF dequantizer (its own implementation of the layouts) + a float64 matmul,
-   within the bound the 8-bit activation blocks imply plus fp32 round-off;
-2. the stated algorithm (8-bit activation blocks of 32, exact integer sums per group, the
-   offset -dmin * m meeting the exact sum of x) re-done in float64: equal up to fp32 round-off.
+1. a GGUF dequantizer of its own (transformers' for Q4_K / Q5_K / Q6_K, gguf-py's for Q3_K /
+   Q2_K) + a float64 matmul, within the bound the 8-bit activation blocks imply plus fp32
+   round-off;
+2. the stated algorithm (8-bit activation blocks of 32, exact integer sums per group; Q4_K /
+   Q5_K's offset -dmin * m meeting the exact sum of x, Q2_K's the quantized one) re-done in
+   float64: equal up to fp32 round-off.
 
 Plus: bit-identical across ISA paths, every row-group size and the minimum terms' own pass,
 rows and threads (batch invariance); the tiled copy's rows are gguf's values bit for bit, in
@@ -20,7 +22,12 @@ import torch
 from specdeploy.ops import ggml_linear as gl
 from specdeploy.ops import ggml_tiled as gt
 from tests.ops.test_ggml_int import _errors, _x
-from tests.ops.test_ggml_kquants import KQ, _kq_offsets, _weight
+from tests.ops.test_ggml_kquants import KQ as KQ_HF
+from tests.ops.test_ggml_kquants import _kq_offsets
+from tests.ops.test_ggml_kquants import _weight as _hf_weight
+
+gguf = pytest.importorskip("gguf")
+KQ = {**KQ_HF, "q3_k": gguf.GGMLQuantizationType.Q3_K, "q2_k": gguf.GGMLQuantizationType.Q2_K}
 
 pytestmark = pytest.mark.skipif(gt.kernel_unavailable() is not None,
                                 reason=f"tiled kernel unavailable: {gt.kernel_unavailable()}")
@@ -31,9 +38,22 @@ ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.skipif(
 SHAPES = [(16, 256), (48, 768), (80, 512)]  # 1, 3 and 5 tiles; 1, 3 and 2 super-blocks
 
 
+def _weight(kind: str, n: int, k: int, seed: int) -> tuple[gl.GGMLWeight, torch.Tensor]:
+    """Random valid blocks and their fp32 values by a dequantizer of its own."""
+    if kind in KQ_HF:
+        return _hf_weight(kind, n, k, seed)
+    from tests.checkpoint.gguf_nemotron_h_layout import random_kquant
+
+    raw = random_kquant(KQ[kind], (n, k), np.random.default_rng(seed))
+    values = torch.from_numpy(gguf.quants.dequantize(raw, KQ[kind]).reshape(n, k))
+    return gl.make_weight(kind, torch.from_numpy(raw), (n, k)), values
+
+
 def _check(y: torch.Tensor, x: torch.Tensor, w: gl.GGMLWeight, values: torch.Tensor) -> None:
     n, k = w.shape
-    m = _kq_offsets(w.kind, w.blocks.numpy(), n, k)
+    # (Q2_K's minimums meet the quantized x, as its scales do: no exact-x offset)
+    m = (_kq_offsets(w.kind, w.blocks.numpy(), n, k) if w.kind in ("q4_k", "q5_k")
+         else np.zeros((n, k)))
     err, err_emul, bound, fp32 = _errors(y, x, values.double().numpy(), m)
     assert (err_emul <= fp32).all(), (err_emul / fp32).max()
     assert (err <= bound + fp32).all(), ((err - fp32) / bound).max()
@@ -52,7 +72,7 @@ def test_within_the_activation_bound_and_equal_to_the_emulation(kind, isa):
 
 @pytest.mark.parametrize("kind", sorted(KQ))
 def test_every_row_group_size_is_bit_identical_to_scalar(kind):
-    """Rows 1..13: the AVX2 row groups (5 for Q4_K, 4 for Q5_K / Q6_K) and their remainders,
+    """Rows 1..13: the AVX2 row groups (5 for Q4_K, 4 for the others) and their remainders,
     the minimum terms in the group loop (1-2 rows) or in a pass of their own (3 on)."""
     if len(HAVE) < 2:
         pytest.skip(f"only {HAVE} here")
@@ -95,7 +115,8 @@ def test_repack_round_trip_and_stacking(kind):
     a list of weights repacks to the copy of their stack (members not in 16s)."""
     w, values = _weight(kind, 48, 512, seed=5)
     tw = gt.repack(w)
-    assert tw.packed.nbytes == w.blocks.nbytes and tw.shape == (48, 512)
+    extra = 48 // 16 * 2 * 16 * 4 if kind == "q3_k" else 0  # (its scales unpacked: 4 B more)
+    assert tw.packed.nbytes == w.blocks.nbytes + extra and tw.shape == (48, 512)
     assert torch.equal(gt.tiled_rows(tw, torch.arange(48)), values)
     ids = torch.tensor([[47, 0], [17, 17]])
     assert torch.equal(gt.tiled_rows(tw, ids), values[ids.reshape(-1)])
@@ -110,11 +131,18 @@ def test_repack_round_trip_and_stacking(kind):
 
 def _extreme(kind: str, n: int, k: int) -> np.ndarray:
     """Blocks at the kernel's limits: every value and 6-bit scale at its largest (the int16
-    sums' worst case), Q6_K's values at -32 and its scales at -128 on odd outputs."""
+    sums' worst case), Q6_K's values at -32 and its scales at -128 on odd outputs, Q3_K's at
+    -4 and -32 on even ones (3 and 31 on odd ones)."""
     size = gl.KINDS[kind][1]
     raw = np.zeros((n, k // 256, size), np.uint8)
     half = np.frombuffer(np.float16(0.25).tobytes(), np.uint8)
-    if kind == "q6_k":
+    if kind == "q2_k":
+        raw[..., :80] = 0xFF  # sc = m = 15, q = 3
+        raw[..., 80:82] = raw[..., 82:84] = half
+    elif kind == "q3_k":
+        raw[1::2, :, :108] = 0xFF  # hmask set, q = 3, scales 63 - 32
+        raw[..., 108:110] = half
+    elif kind == "q6_k":
         raw[..., 208:210] = half
         raw[0::2, :, :192] = 0xFF  # q = 63
         raw[0::2, :, 192:208] = 127
@@ -136,7 +164,9 @@ def test_extreme_blocks_equal_the_emulation(kind, isa):
     n, k = 32, 512
     raw = torch.from_numpy(_extreme(kind, n, k))
     w = gl.make_weight(kind, raw, (n, k))
-    values = hf_dequantize(raw.reshape(-1), int(KQ[kind])).reshape(n, k)
+    values = (hf_dequantize(raw.reshape(-1), int(KQ[kind])) if kind in KQ_HF else torch.from_numpy(
+        gguf.quants.dequantize(raw.numpy(), KQ[kind]))).reshape(n, k)
+    assert values.abs().min() > 0
     x = torch.ones(3, k)
     x[1] = -1.0
     x[2, ::2] = -1.0
