@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 SHAPES_K, LAYERS_K = [(1536, 1024), (1024, 1024), (6144, 1024), (1024, 3072)], 12
-RANDOM = ("iq4_nl", "q4_k", "q5_k", "q6_k")  # kinds gguf-py cannot quantize to
+RANDOM = ("iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # kinds gguf-py cannot quantize to
 
 
 def _shapes(kind: str) -> tuple[list[tuple[int, int]], int]:
@@ -59,8 +59,8 @@ def main() -> None:
     from specdeploy.ops import ggml_int, ggml_tiled
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kinds", nargs="+", default=["q4_0", "q4_1", "q5_0", "q5_1", "q8_0",
-                                                   "iq4_nl", "q4_k", "q5_k", "q6_k"])
+    ap.add_argument("--kinds", nargs="+", default=["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl",
+                                                   "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--reps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
