@@ -217,3 +217,20 @@ def test_kquant_gguf_deploys_on_tiled_copies(kq_gguf):
     experts = [w for w in load_model(kq_gguf).ggml_weights.values() if len(w.shape) == 3]
     assert len(experts) == 4 and all(ggml_moe_int.tiles(w, w) for w in experts)
     assert_mtp_equals_plain(kq_gguf, max_tokens=16)
+
+
+def test_kquants_can_stay_on_the_integer_dot_kernel():
+    """SPECDEPLOY_GGML_TILED_KQUANTS=0: K-quants are no tiled kind (the deployment keeps them on
+    ops/ggml_int.py's kernel), the 32-value kinds still are."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from specdeploy.ops import ggml_tiled as g, ggml_moe_int as m\n"
+            "assert 'q4_1' in g.TILED_KINDS and m.TILED_KINDS == g.TILED_KINDS\n"
+            "assert not set(g.TILED_K_QUANTS) & set(g.TILED_KINDS), g.TILED_KINDS\n")
+    env = dict(os.environ, SPECDEPLOY_GGML_TILED_KQUANTS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert set(gt.TILED_K_QUANTS) <= set(gt.TILED_KINDS)  # (the default)
