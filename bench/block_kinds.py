@@ -5,7 +5,7 @@
 
 A step's linears: 30 layers of SmolLM2-135M's (fused q/k/v, o, fused gate/up, down; Q4-Q5:
 ~60-75 MB, more than a 32 MB last-level cache), quantized by gguf-py (IQ4_NL, which it cannot
-quantize: random valid blocks). The K-quants (256-value super-blocks, which 576 is not a
+quantize: random valid blocks). The K-quants and IQ4_XS (256-value super-blocks, which 576 is not a
 multiple of: llama-quantize gives SmolLM2 Q5_0 there) take 12 layers of a 1024-wide model's
 (fused q/k/v 1536, o, gate/up 6144, down from 3072; Q4_K ~80 MB), random valid blocks. Per
 kind the integer-dot kernel on the GGUF blocks (ops/ggml_int.py) and, for the kinds it has, the
@@ -27,11 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 SHAPES_K, LAYERS_K = [(1536, 1024), (1024, 1024), (6144, 1024), (1024, 3072)], 12
-RANDOM = ("iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # kinds gguf-py cannot quantize to
+RANDOM = ("iq4_nl", "iq4_xs", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # gguf-py cannot make
 
 
 def _shapes(kind: str) -> tuple[list[tuple[int, int]], int]:
-    return (SHAPES_K, LAYERS_K) if kind.endswith("_k") else (SHAPES, 30)
+    from specdeploy.ops.ggml_linear import block_values
+
+    return (SHAPES_K, LAYERS_K) if block_values(kind) == 256 else (SHAPES, 30)
 
 
 def _weights(kind: str, rng: np.random.Generator) -> list:
@@ -60,7 +62,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", nargs="+", default=["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl",
-                                                   "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
+                                                   "iq4_xs", "q2_k", "q3_k", "q4_k", "q5_k",
+                                                   "q6_k"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--reps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)

@@ -1,5 +1,5 @@
-/* y[R, N] = x[R, K] @ W^T over GGUF weights (Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, MXFP4; the K-quants
- * Q4_K / Q5_K / Q6_K in ggml_tiled_kquant.c, #included) repacked in tiles of 16 outputs,
+/* y[R, N] = x[R, K] @ W^T over GGUF weights (Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, MXFP4; the
+ * K-quants and IQ4_XS in ggml_tiled_kquant.c, #included) repacked in tiles of 16 outputs,
  * x quantized per row to 8-bit blocks of 32 as in ggml_kernels_int.c (d = max|x| / 127 fp32,
  * q = rint(x * 127 / max|x|), Q4_1's offset m meets the fp32 block sum of x, added in a fixed
  * 8-lane order: `quantize_rows`).
@@ -15,6 +15,8 @@
  * Q8_0 stores the 8 groups as signed bytes; 4-bit kinds store groups g (low nibbles) and g + 4
  * (high) in one 64-byte vector, per output GGUF's own qs[4g .. 4g + 3] (low nibble of qs[i] =
  * value i, high = value i + 16): unpacking is one `and` and one `srli_epi16 + and`.
+ * IQ4_NL keeps Q4_0's layout; its nibbles index KVALUES (signed, |w| <= 127), taken as |w| times x
+ * with w's sign, each maddubs result (pairs <= 2 * 127 * 127) into int32 at once.
  * MXFP4 (ggml type 39, gpt-oss's experts: per 32 values an E8M0 byte e, then Q4_0's nibbles,
  * each an index into the doubled E2M1 table below) keeps its 17 bytes a block: 16 e bytes in
  * place of the fp16 d, then the nibbles as Q4_0's. Its d_w = 2^(e - 128) (ggml's e8m0-half,
@@ -40,7 +42,10 @@
 #endif
 
 enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, MXFP4 = 6, Q5_0 = 7,
-       Q5_1 = 8, Q3_K = 11, Q2_K = 12 }; /* ggml_linear.py's KINDS */
+       Q5_1 = 8, IQ4_NL = 9, IQ4_XS = 10, Q3_K = 11, Q2_K = 12 }; /* ggml_linear.py's KINDS */
+/* kvalues_iq4nl: IQ4_NL's and IQ4_XS's values of a nibble (IQ4_NL keeps Q4_0's tiled layout) */
+static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
 #define IS_Q5(kind) ((kind) == Q5_0 || (kind) == Q5_1)
 #define HAS_M(kind) ((kind) == Q4_1 || (kind) == Q5_1)
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
@@ -66,14 +71,14 @@ typedef struct {
 static int block_bytes(int kind) {
     return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == MXFP4 ? 17 : kind == Q5_0 ? 22
            : kind == Q5_1 ? 24 : kind == Q4_K ? 144 : kind == Q5_K ? 176 : kind == Q6_K ? 210
-           : kind == Q3_K ? 110 : kind == Q2_K ? 84 : 18;
+           : kind == Q3_K ? 110 : kind == Q2_K ? 84 : kind == IQ4_XS ? 136 : 18;
 }
 /* a block's bytes in the tiled copy: GGUF's, but Q3_K's, whose 6-bit scales are unpacked to
  * a byte each there (ggml_tiled_kquant.c) */
 static int packed_bytes(int kind) { return kind == Q3_K ? 114 : block_bytes(kind); }
 /* values per block: the K-quants' super-blocks of 256 (ggml_tiled_kquant.c), else 32 */
 static int block_values(int kind) {
-    return (kind >= Q4_K && kind <= Q6_K) || kind == Q3_K || kind == Q2_K ? 256 : 32;
+    return (kind >= Q4_K && kind <= Q6_K) || kind >= IQ4_XS ? 256 : 32;
 }
 static int quant_off(int kind) { return HAS_M(kind) ? 64 : kind == MXFP4 ? 16 : 32; }
 /* Q5_0 / Q5_1 (GGUF: d, (m), qh[4], qs[16]; value i's bit 4 bit i of qh) keep Q4_0 / Q4_1's
@@ -249,8 +254,8 @@ void ggml_tiled_rows(int kind, const uint8_t *w, int K, const int64_t *ids, int 
                         int q = g < 4 ? byte & 0x0F : byte >> 4;
                         if (IS_Q5(kind)) q |= ((qs[256 + i] >> (2 * (g & 3) + (g >> 2))) & 1) << 4;
                         v = HAS_M(kind) ? d * (float)q + m
-                            : d * (float)(kind == MXFP4 ? E2M1X2[q] : kind == Q5_0 ? q - 16
-                                                                                  : q - 8);
+                            : d * (float)(kind == MXFP4 ? E2M1X2[q] : kind == IQ4_NL ? KVALUES[q]
+                                          : kind == Q5_0 ? q - 16 : q - 8);
                     }
                     yb[4 * g + i] = v;
                 }
@@ -279,6 +284,7 @@ static void tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_t *
                                 const uint8_t byte = qs[64 * (g & 3) + i];
                                 wv = (g < 4 ? byte & 0x0F : byte >> 4) - (kind == Q4_0 ? 8 : 0);
                                 if (kind == MXFP4) wv = E2M1X2[wv] + MX_SHIFT;
+                                if (kind == IQ4_NL) wv = KVALUES[wv];
                                 if (IS_Q5(kind))
                                     wv |= ((qs[256 + i] >> (2 * (g & 3) + (g >> 2))) & 1) << 4;
                             }
@@ -337,6 +343,7 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
     const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(
         12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)); /* E2M1X2 + MX_SHIFT */
+    const __m256i nl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
     __m256 acc[ROW_GROUP], macc[ROW_GROUP];
     for (int r = 0; r < rg; r++) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -355,6 +362,11 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
             __m256i w0 = kind == Q8_0 ? _mm256_abs_epi8(v) : _mm256_and_si256(v, mask);
             __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
             if (kind == MXFP4) w0 = _mm256_shuffle_epi8(lut, w0), w1 = _mm256_shuffle_epi8(lut, w1);
+            __m256i a0 = w0, a1 = w1; /* IQ4_NL: the table's signed values, their |w| */
+            if (kind == IQ4_NL) {
+                w0 = _mm256_shuffle_epi8(nl, w0), w1 = _mm256_shuffle_epi8(nl, w1);
+                a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+            }
             if (IS_Q5(kind)) {
                 const __m256i one8 = _mm256_set1_epi8(1);
                 w0 = _mm256_or_si256(w0, _mm256_slli_epi16(
@@ -368,6 +380,15 @@ AVX2_ATTR INLINE void half_avx2(const act_t *a, int K, const uint8_t *tile, int 
                 if (kind == Q8_0) {
                     p[r] = _mm256_add_epi32(p[r], _mm256_madd_epi16(
                         _mm256_maddubs_epi16(w0, _mm256_sign_epi8(x, v)), ones));
+                    KEEP(p[r]);
+                    continue;
+                }
+                if (kind == IQ4_NL) { /* a pair <= 2 * 127 * 127: each result into int32 */
+                    const __m256i x1 = _mm256_set1_epi32(group_at(qr + 16));
+                    p[r] = _mm256_add_epi32(p[r], _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w0)), ones),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1, w1)),
+                                          ones)));
                     KEEP(p[r]);
                     continue;
                 }
@@ -551,6 +572,7 @@ TILES_FN(q4_0_avx2, tile_avx2, Q4_0, AVX2_ROWS, AVX2_ATTR)
 TILES_FN(mxfp4_avx2, tile_avx2, MXFP4, AVX2_ROWS_MX, AVX2_ATTR)
 TILES_FN(q5_0_avx2, tile_avx2, Q5_0, AVX2_ROWS_MX, AVX2_ATTR)
 TILES_FN(q5_1_avx2, tile_avx2, Q5_1, AVX2_ROWS_MX, AVX2_ATTR)
+TILES_FN(iq4_nl_avx2, tile_avx2, IQ4_NL, AVX2_ROWS_Q8, AVX2_ATTR)
 TILES_FN(q4_1_avx512, tile_avx512, Q4_1, AVX512_ROWS, AVX512_ATTR)
 TILES_FN(q8_0_avx512, tile_avx512, Q8_0, AVX512_ROWS, AVX512_ATTR)
 TILES_FN(q4_0_avx512, tile_avx512, Q4_0, AVX512_ROWS, AVX512_ATTR)
@@ -763,6 +785,7 @@ TILES_FN(q5_k_avx2, kq_tile_avx2, Q5_K, KQ_ROWS_Q56, AVX2_ATTR)
 TILES_FN(q6_k_avx2, kq_tile_avx2, Q6_K, KQ_ROWS_Q56, AVX2_ATTR)
 TILES_FN(q3_k_avx2, kq_tile_avx2, Q3_K, KQ_ROWS_Q56, AVX2_ATTR)
 TILES_FN(q2_k_avx2, kq_tile_avx2, Q2_K, KQ_ROWS_Q56, AVX2_ATTR)
+TILES_FN(iq4_xs_avx2, kq_tile_avx2, IQ4_XS, KQ_ROWS_Q56, AVX2_ATTR)
 #endif
 
 /* amx: the AMX path (wb: this thread's unpacking buffer) instead of `isa`'s */
@@ -780,12 +803,15 @@ static void run_tiles(int kind, int isa, int amx, uint8_t *wb, const act_t *a, i
      * bits as everywhere */
     if (IS_KQ(kind) && isa != ISA_SCALAR) /* (as MXFP4: AVX2 on AVX-512 CPUs too) */
         (kind == Q4_K ? q4_k_avx2 : kind == Q5_K ? q5_k_avx2 : kind == Q6_K ? q6_k_avx2
-         : kind == Q3_K ? q3_k_avx2 : q2_k_avx2)(a, R, K, w, t0, t1, N, y);
+         : kind == Q3_K ? q3_k_avx2 : kind == Q2_K ? q2_k_avx2 : iq4_xs_avx2)(a, R, K, w, t0, t1,
+                                                                              N, y);
     else if (kind == MXFP4 && isa != ISA_SCALAR) mxfp4_avx2(a, R, K, w, t0, t1, N, y);
+    else if (kind == IQ4_NL && isa != ISA_SCALAR) iq4_nl_avx2(a, R, K, w, t0, t1, N, y);
     else if (IS_Q5(kind) && isa != ISA_SCALAR) /* (as MXFP4: AVX2 on AVX-512 CPUs too) */
         (kind == Q5_0 ? q5_0_avx2 : q5_1_avx2)(a, R, K, w, t0, t1, N, y);
     else if (IS_KQ(kind)) kq_tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
-    else if (kind == MXFP4 || IS_Q5(kind)) tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
+    else if (kind == MXFP4 || kind == IQ4_NL || IS_Q5(kind))
+        tiles_scalar(kind, a, R, K, w, t0, t1, N, y);
     else if (amx) amx_fns[kind](a, R, K, w, t0, t1, N, y, wb);
     else if (isa == ISA_AVX2 || isa == ISA_AVX512) simd[isa - 1][kind](a, R, K, w, t0, t1, N, y);
     else

@@ -44,13 +44,13 @@ TILE = 16
 # 2-core Xeon with AMX (2026-12-05, bench/linear_rows.py): Q8_0 (the lm_head) from ~6 rows,
 # the 4-bit kinds, whose nibbles AMX needs unpacked to bytes, from ~32.
 AMX_MIN_ROWS = {"q4_1": 32, "q8_0": 8, "q4_0": 32}
-# the kinds ggml_tiled.c runs; mxfp4, the Q5 kinds and the K-quants (ggml_tiled_kquant.c: 256-value
-# super-blocks) on scalar and AVX2 code (avx512_vnni runs the AVX2 one: the same bits)
-TILED_K_QUANTS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k")
-# NOTE: SPECDEPLOY_GGML_TILED_KQUANTS=0 leaves the K-quants on the integer-dot kernel as stored
+# the kinds ggml_tiled.c runs; mxfp4, the Q5 kinds, IQ4_NL and the K-quants / IQ4_XS
+# (ggml_tiled_kquant.c) on scalar and AVX2 code (avx512_vnni runs the AVX2 one: the same bits)
+TILED_K_QUANTS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs")  # (256-value super-blocks)
+# NOTE: SPECDEPLOY_GGML_TILED_KQUANTS=0 leaves these on the integer-dot kernel as stored
 # (ops/ggml_int.py): on AVX-512 VNNI CPUs its 16-output dpbusd tiles may win prefill-sized calls
 # (measured on AVX2 only: the tiled kernel 0.4-0.55x its time at 4-64 rows there)
-TILED_KINDS = ("q4_0", "q4_1", "q8_0", "mxfp4", "q5_0", "q5_1") + (
+TILED_KINDS = ("q4_0", "q4_1", "q8_0", "mxfp4", "q5_0", "q5_1", "iq4_nl") + (
     TILED_K_QUANTS if os.environ.get("SPECDEPLOY_GGML_TILED_KQUANTS", "1") != "0" else ())
 _P, _I = ctypes.c_void_p, ctypes.c_int
 

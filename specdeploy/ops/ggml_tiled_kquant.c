@@ -1,5 +1,6 @@
-/* The K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K on the tiled kernel (#included by ggml_tiled.c,
- * which gives act_t, the activation quantization, TILE, KEEP, group_at and the ISA attributes).
+/* The K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, and IQ4_XS, on the tiled kernel (#included by
+ * ggml_tiled.c, which gives act_t, the activation quantization, TILE, KEEP, group_at, KVALUES
+ * and the ISA attributes).
  *
  * GGUF's 256-value super-blocks (ggml_kernels.c's header) repacked per tile of 16 outputs and
  * super-block, the same bytes (16 GGUF super-blocks); offsets in a tile's super-block:
@@ -18,9 +19,13 @@
  *   Q3_K (1824, GGUF's 1760 + 64): 16 fp16 d | the 16 6-bit scales unpacked, minus 32, an int8
  *       at 32 + 16 s + o | Q2_K's 2-bit planes at 288 | at 1312 + 64 j + 4 o + i GGUF's
  *       hmask[4 j + i] (bit g: group g's bit 2). Values (q | bit 2 << 2) - 4.
+ *   IQ4_XS (2176): 16 fp16 d | GGUF's scales_l (4 bytes) at 32 + 4 o | scales_h (2 bytes) at
+ *       96 + 2 o | at 128 + 256 g + 64 j + 4 o + i GGUF's qs[16 g + 4 j + i] (low nibble: value
+ *       4 j + i of group g, high: 16 + 4 j + i; IQ4_NL's tiled layout a group at a time). Values
+ *       KVALUES[nibble], the group's scale ls - 32.
  *
  * Activations as for every tiled kind: 8-bit blocks of 32 (one per group), fp32 d_x and sum s_x.
- * Per (output, row, group g) the integer P_g is exact: Q4_K / Q5_K sc_g * sum(q * x_q) (the
+ * Per (output, row, group g) the integer P_g is exact: Q4_K / Q5_K / IQ4_XS sc_g * sum(q * x_q) (the
  * madd of the int16 pair sums by sc_g), Q6_K / Q3_K / Q2_K sc_lo * (sum over the first 16
  * values) + sc_hi * (the last 16) with signed q (Q3_K: q + 4 summed, then 4 * (sc_lo * S_lo +
  * sc_hi * S_hi) off, S the halves' sums of x_q); |P_g| < 2^24, so float(P_g) is exact. Then per
@@ -31,7 +36,7 @@
  * the same bits; AVX-512 CPUs run the AVX2 path (no code of their own: the same bits). The int16
  * sums stay below 2^15: Q4_K 8 quads of pairs <= 2 * 15 * 128, Q5_K 4 of 2 * 31 * 128 before a
  * madd, Q6_K 4 of 2 * 32 * 127 (|q| * x with q's sign). */
-#define IS_KQ(kind) (((kind) >= Q4_K && (kind) <= Q6_K) || (kind) == Q3_K || (kind) == Q2_K)
+#define IS_KQ(kind) (((kind) >= Q4_K && (kind) <= Q6_K) || (kind) >= IQ4_XS)
 #define Q6_HIGH 2336 /* Q6_K: where a super-block's high 2-bit planes start */
 #define Q3_HMASK 1312 /* Q3_K: its bit 2 plane */
 /* 2-bit planes (Q2_K, Q3_K: four groups a byte) or nibbles (two groups a byte) */
@@ -67,6 +72,14 @@ static void kq_decode(int kind, const uint8_t *b, uint8_t *u) {
 
 /* super-block b of output o into t, a tile's super-block */
 static void kq_repack_block(int kind, const uint8_t *b, uint8_t *t, int o) {
+    if (kind == IQ4_XS) {
+        memcpy(t + 2 * o, b, 2);
+        memcpy(t + 32 + 4 * o, b + 4, 4);
+        memcpy(t + 96 + 2 * o, b + 2, 2);
+        for (int g = 0; g < 8; g++)
+            for (int j = 0; j < 4; j++) memcpy(t + 128 + 256 * g + 64 * j + 4 * o, b + 8 + 16 * g + 4 * j, 4);
+        return;
+    }
     uint8_t u[256];
     kq_decode(kind, b, u);
     if (kind == Q2_K || kind == Q3_K) {
@@ -116,6 +129,9 @@ static void kq_repack_block(int kind, const uint8_t *b, uint8_t *t, int o) {
 
 /* value v of group g, output o, in a tile's super-block t (Q6_K: minus 32, Q3_K: minus 4) */
 static int kq_value(int kind, const uint8_t *t, int o, int g, int v) {
+    if (kind == IQ4_XS)
+        return KVALUES[(t[128 + 256 * g + 64 * ((v & 15) >> 2) + 4 * o + (v & 3)] >> 4 * (v >> 4))
+                       & 0xF];
     const size_t at = (size_t)64 * (v >> 2) + 4 * o + (v & 3);
     if (KQ_PLANES(kind)) {
         const int q = (t[kq_quant_off(kind) + 512 * (g >> 2) + at] >> 2 * (g & 3)) & 3;
@@ -125,6 +141,12 @@ static int kq_value(int kind, const uint8_t *t, int o, int g, int v) {
     if (kind == Q5_K) q |= ((t[256 + at] >> g) & 1) << 4;
     if (kind == Q6_K) q = (q | ((t[Q6_HIGH + 512 * (g >> 2) + at] >> 2 * (g & 3)) & 3) << 4) - 32;
     return q;
+}
+
+/* IQ4_XS: group g's scale of output o, ls - 32 */
+static int iq4xs_scale(const uint8_t *t, int o, int g) {
+    const int sh = t[96 + 2 * o] | t[97 + 2 * o] << 8;
+    return (((t[32 + 4 * o + (g >> 1)] >> 4 * (g & 1)) & 0xF) | ((sh >> 2 * g) & 3) << 4) - 32;
 }
 
 /* Q4_K / Q5_K: group g's 6-bit scale and minimum of output o (GGUF's unpacking) */
@@ -141,7 +163,9 @@ static void kq_values(int kind, const uint8_t *t, int o, float *y) {
     const float d = half_at(t + 2 * o);
     for (int g = 0; g < 8; g++) {
         float s_lo, s_hi, m1 = 0.f, m_hi = 0.f;
-        if (kind == Q6_K || kind == Q3_K) {
+        if (kind == IQ4_XS) {
+            s_lo = s_hi = d * (float)iq4xs_scale(t, o, g);
+        } else if (kind == Q6_K || kind == Q3_K) {
             s_lo = d * (float)(int8_t)t[32 + 16 * (2 * g) + o];
             s_hi = d * (float)(int8_t)t[32 + 16 * (2 * g + 1) + o];
         } else if (kind == Q2_K) {
@@ -157,7 +181,8 @@ static void kq_values(int kind, const uint8_t *t, int o, float *y) {
         }
         for (int v = 0; v < 32; v++) {
             const float p = (v < 16 ? s_lo : s_hi) * (float)kq_value(kind, t, o, g, v);
-            y[32 * g + v] = kind == Q6_K || kind == Q3_K ? p : p - (v < 16 ? m1 : m_hi);
+            y[32 * g + v] = kind == Q6_K || kind == Q3_K || kind == IQ4_XS ? p
+                            : p - (v < 16 ? m1 : m_hi);
         }
     }
 }
@@ -180,7 +205,9 @@ static void kq_tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_
                         for (int v = 0; v < 32; v++)
                             half[v >> 4] += kq_value(kind, blk, o, g, v) * qx[v];
                         int sc = 0, m = 0;
-                        if (kind == Q6_K || kind == Q3_K)
+                        if (kind == IQ4_XS)
+                            P = iq4xs_scale(blk, o, g) * (half[0] + half[1]);
+                        else if (kind == Q6_K || kind == Q3_K)
                             P = (int8_t)blk[32 + 16 * (2 * g) + o] * half[0] +
                                 (int8_t)blk[32 + 16 * (2 * g + 1) + o] * half[1];
                         else if (kind == Q2_K)
@@ -395,8 +422,67 @@ AVX2_ATTR INLINE void kq_half_avx2(const act_t *a, int K, const uint8_t *tile, i
                          : kind == Q2_K ? _mm256_sub_ps(acc[r], macc[r]) : acc[r]);
 }
 
+/* IQ4_XS, half h of a tile: the table's signed values as |w| times x with w's sign, each
+ * maddubs result (pairs <= 2 * 127 * 127) madd'ed by the group's scale straight into int32 */
+AVX2_ATTR INLINE void iq4xs_half_avx2(const act_t *a, int K, const uint8_t *tile, int N,
+                                      float *y, int r0, const int rg, const int h) {
+    const int nk = K / 256, nb = K / 32, tb = TILE * packed_bytes(IQ4_XS);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i nl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
+    __m256 acc[ROW_GROUP];
+    for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
+    for (int k = 0; k < nk; k++) {
+        const uint8_t *blk = tile + (size_t)k * tb;
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+        const __m256i sl = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
+        const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 96 + 16 * h)));
+        const int8_t *qx = a->q + (size_t)r0 * K + 256 * k;
+        for (int g = 0; g < 8; g++) {
+            if (h == 0)
+                for (int l = g * tb / 8 / 64 * 64; l < ((g + 1) * tb / 8 + 63) / 64 * 64; l += 64)
+                    _mm_prefetch((const char *)blk + KQ_PF_BLOCKS * tb + l, _MM_HINT_T0);
+            const __m256i ls = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srlv_epi32(sl, _mm256_set1_epi32(8 * (g >> 1) + 4 * (g & 1))),
+                                 _mm256_set1_epi32(0xF)),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(sh, _mm256_set1_epi32(2 * g)),
+                                                   _mm256_set1_epi32(3)), 4));
+            const __m256i sc = kq_both16(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)));
+            __m256i p[ROW_GROUP];
+            for (int r = 0; r < rg; r++) p[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256(
+                    (const __m256i *)(blk + 128 + 256 * g + 64 * j + 32 * h));
+                const __m256i w0 = _mm256_shuffle_epi8(nl, _mm256_and_si256(v, mask));
+                const __m256i w1 = _mm256_shuffle_epi8(
+                    nl, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+                const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+                for (int r = 0; r < rg; r++) {
+                    const int8_t *qr = qx + (size_t)r * K + 32 * g + 4 * j;
+                    const __m256i x0 = _mm256_set1_epi32(group_at(qr));
+                    const __m256i x1 = _mm256_set1_epi32(group_at(qr + 16));
+                    p[r] = _mm256_add_epi32(p[r], _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x0, w0)), sc),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1, w1)), sc)));
+                    KEEP(p[r]);
+                }
+            }
+            for (int r = 0; r < rg; r++) {
+                const size_t rb = (size_t)(r0 + r) * nb + 8 * k + g;
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[r]),
+                                         _mm256_mul_ps(dv, _mm256_set1_ps(a->d[rb])), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rg; r++) _mm256_storeu_ps(y + (size_t)(r0 + r) * N + 8 * h, acc[r]);
+}
+
 AVX2_ATTR INLINE void kq_tile_avx2(const act_t *a, int K, const uint8_t *tile, int N, float *y,
                                    int r0, const int rg, const int kind) {
+    if (kind == IQ4_XS) {
+        iq4xs_half_avx2(a, K, tile, N, y, r0, rg, 0);
+        iq4xs_half_avx2(a, K, tile, N, y, r0, rg, 1);
+        return;
+    }
     kq_half_avx2(a, K, tile, N, y, r0, rg, kind, 0);
     kq_half_avx2(a, K, tile, N, y, r0, rg, kind, 1);
 }

@@ -1,9 +1,10 @@
-"""The K-quants (Q2_K ... Q6_K) on the tiled integer-dot kernel (ops/ggml_tiled_kquant.c), each
-ISA path this CPU runs, against oracles the kernel did not produce:
+"""The K-quants (Q2_K ... Q6_K), IQ4_XS (ops/ggml_tiled_kquant.c) and IQ4_NL (ggml_tiled.c) on
+the tiled integer-dot kernel, each ISA path this CPU runs, against oracles the kernel did not
+produce:
 
 1. a GGUF dequantizer of its own (transformers' for Q4_K / Q5_K / Q6_K, gguf-py's for Q3_K /
-   Q2_K) + a float64 matmul, within the bound the 8-bit activation blocks imply plus fp32
-   round-off;
+   Q2_K / IQ4_XS / IQ4_NL) + a float64 matmul, within the bound the 8-bit activation blocks
+   imply plus fp32 round-off;
 2. the stated algorithm (8-bit activation blocks of 32, exact integer sums per group; Q4_K /
    Q5_K's offset -dmin * m meeting the exact sum of x, Q2_K's the quantized one) re-done in
    float64: equal up to fp32 round-off.
@@ -11,7 +12,7 @@ ISA path this CPU runs, against oracles the kernel did not produce:
 Plus: bit-identical across ISA paths, every row-group size and the minimum terms' own pass,
 rows and threads (batch invariance); the tiled copy's rows are gguf's values bit for bit, in
 the same bytes; extreme blocks (the int16 sums at their largest, Q6_K's scale -128) equal the
-emulation; a K-quant GGUF deploys with its linears and experts on tiled copies.
+emulation; GGUFs of these kinds deploy with their linears and experts on tiled copies.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from tests.ops.test_ggml_kquants import _kq_offsets
 from tests.ops.test_ggml_kquants import _weight as _hf_weight
 
 gguf = pytest.importorskip("gguf")
-KQ = {**KQ_HF, "q3_k": gguf.GGMLQuantizationType.Q3_K, "q2_k": gguf.GGMLQuantizationType.Q2_K}
+_Q = gguf.GGMLQuantizationType
+KQ = {**KQ_HF, "q3_k": _Q.Q3_K, "q2_k": _Q.Q2_K, "iq4_xs": _Q.IQ4_XS, "iq4_nl": _Q.IQ4_NL}
 
 pytestmark = pytest.mark.skipif(gt.kernel_unavailable() is not None,
                                 reason=f"tiled kernel unavailable: {gt.kernel_unavailable()}")
@@ -132,11 +134,15 @@ def test_repack_round_trip_and_stacking(kind):
 def _extreme(kind: str, n: int, k: int) -> np.ndarray:
     """Blocks at the kernel's limits: every value and 6-bit scale at its largest (the int16
     sums' worst case), Q6_K's values at -32 and its scales at -128 on odd outputs, Q3_K's at
-    -4 and -32 on even ones (3 and 31 on odd ones)."""
+    -4 and -32 on even ones (3 and 31 on odd ones), IQ4's at -127 (IQ4_XS: scale -32) on even
+    ones (113, 31 on odd ones)."""
     size = gl.KINDS[kind][1]
-    raw = np.zeros((n, k // 256, size), np.uint8)
+    raw = np.zeros((n, k // gl.block_values(kind), size), np.uint8)
     half = np.frombuffer(np.float16(0.25).tobytes(), np.uint8)
-    if kind == "q2_k":
+    if kind.startswith("iq4"):  # even outputs -127 (IQ4_XS: scale -32), odd 113 (31)
+        raw[..., 0:2] = half
+        raw[1::2, :, 2:] = 0xFF
+    elif kind == "q2_k":
         raw[..., :80] = 0xFF  # sc = m = 15, q = 3
         raw[..., 80:82] = raw[..., 82:84] = half
     elif kind == "q3_k":
@@ -178,13 +184,16 @@ def test_extreme_blocks_equal_the_emulation(kind, isa):
     assert torch.isnan(gt.tiled_linear(x, gt.repack(w), isa=isa)[0]).all()
 
 
-@pytest.fixture(scope="module")
-def kq_gguf(tmp_path_factory):
-    """tests/ops/test_ggml_kquants.py's tiny NemotronH MoE: Q4_K matrices, Q6_K experts; and
-    the same model with Q5_K matrices."""
+# (matrices, experts): the kinds llama-quantize's K-quant and IQ4_XS file types write
+DEPLOYED = [("q5_k", "q6_k"), ("q3_k", "q2_k"), ("iq4_xs", "iq4_nl")]
+
+
+@pytest.fixture(scope="module", params=DEPLOYED, ids=lambda kinds: "+".join(kinds))
+def kq_gguf(request, tmp_path_factory):
+    """tests/ops/test_ggml_kquants.py's tiny NemotronH MoE (every width a multiple of 256) with
+    the param's kinds for its matrices and its experts (random valid blocks)."""
     from specdeploy.models import nemotron_h as nh
     from tests.checkpoint.gguf_nemotron_h_layout import write_gguf
-    from tests.checkpoint.test_gguf import Q
     from tests.checkpoint.test_gguf_nemotron_h import MOE
 
     d = tmp_path_factory.mktemp("kqt")
@@ -192,21 +201,24 @@ def kq_gguf(tmp_path_factory):
               moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
               moe_latent_size=256)
     src = nh.make_tiny(d / "st", seed=3, mtp_layers=1, hf_config=hf)
-    return write_gguf(src, d / "kq5.gguf", qtype=Q.Q5_K, expert_qtype=Q.Q6_K)
+    matrices, experts = request.param
+    path = write_gguf(src, d / "kq.gguf", qtype=KQ[matrices], expert_qtype=KQ[experts])
+    return path, set(request.param)
 
 
-def test_kquant_gguf_deploys_on_tiled_copies(kq_gguf):
-    """"fast": every K-quant linear with outputs in 16s and both expert groups on tiled copies,
-    logits within the shared check's 5e-2 of the fp32 model's; greedy
-    MTP speculation equals plain decoding."""
+def test_gguf_deploys_on_tiled_copies(kq_gguf):
+    """"fast": every block linear with outputs in 16s and both expert groups on tiled copies,
+    logits within the shared check's 5e-2 of the fp32 model's; greedy MTP speculation equals
+    plain decoding."""
     from specdeploy.deploy.build import build
     from specdeploy.loading import load_model
     from specdeploy.ops import ggml_moe_int
     from tests.checkpoint.gguf_llm import assert_mtp_equals_plain
     from tests.ops.gguf_deploy_blocks import assert_deploys_on_blocks
 
-    assert_deploys_on_blocks(kq_gguf, "fast", {"q5_k", "q6_k"}, min_linears=10)
-    dep = build(str(kq_gguf), kernels="fast", max_batch_size=2, max_seq_len=64, page_size=4,
+    path, kinds = kq_gguf
+    assert_deploys_on_blocks(path, "fast", kinds, min_linears=10)
+    dep = build(str(path), kernels="fast", max_batch_size=2, max_seq_len=64, page_size=4,
                 max_cache_gib=0.02)
     calls = [n for n in dep.gm.graph.nodes if n.op == "call_function"
              and getattr(n.target, "__name__", "").startswith("linear_on_blocks")]
@@ -214,9 +226,9 @@ def test_kquant_gguf_deploys_on_tiled_copies(kq_gguf):
                is None]
     # (the Mamba in_proj's z, x, B, C, dt: 8 heads' dt leave its outputs out of 16s)
     assert len(calls) >= 8 and all(n % 16 for n in untiled), (len(calls), untiled)
-    experts = [w for w in load_model(kq_gguf).ggml_weights.values() if len(w.shape) == 3]
+    experts = [w for w in load_model(path).ggml_weights.values() if len(w.shape) == 3]
     assert len(experts) == 4 and all(ggml_moe_int.tiles(w, w) for w in experts)
-    assert_mtp_equals_plain(kq_gguf, max_tokens=16)
+    assert_mtp_equals_plain(path, max_tokens=16)
 
 
 def test_kquants_can_stay_on_the_integer_dot_kernel():

@@ -160,7 +160,7 @@ def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], isa:
     multiple of 16 outputs), else its row view of the stacked copy (fused members only)."""
     nodes, weights = [n for n, _ in members], [g for _, g in members]
     if weights[0].kind not in TILED_KINDS or weights[0].gather is not None:
-        tile = False  # (no tiled IQ4 kernel, nor one that reorders x's columns)
+        tile = False  # (SPECDEPLOY_GGML_TILED_KQUANTS=0; no tiled kernel reorders x's columns)
     bias = attr_tensor(gm, _bias(nodes[0])) if len(nodes) == 1 else None
     if len(nodes) > 1 and _bias(nodes[0]) is not None:  # each output row plus its own bias
         bias = torch.cat([_bias_tensor(gm, n).detach().float() for n in nodes])
