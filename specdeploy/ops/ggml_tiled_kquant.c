@@ -10,9 +10,11 @@
  *       4 j + i]): a group's 8 quads of values are 8 vectors of 16 outputs x 4 bytes.
  *   Q5_K (2816): Q4_K's, with GGUF's qh[4 j + i] (bit g: bit 4 of group g's value 4 j + i) at
  *       256 + 64 j + 4 o + i and the nibbles at 768.
- *   Q6_K (3360): 16 fp16 d | the 16 int8 scales s at 32 + 16 s + o | the values' low 4 bits as
- *       Q4_K's nibbles at 288 | at 2336 + 512 q + 64 j + 4 o + i their high 2 bits, groups
- *       4 q .. 4 q + 3 of value 4 j + i at bits 2 (g - 4 q). Values q - 32 (signed).
+ *   Q6_K (3360): 16 fp16 d | the 16 int8 scales s at 32 + 16 s + o | at 288 + 512 r + 64 j +
+ *       4 o + i GGUF's ql[32 r + 4 j + i] (the low 4 bits of value 4 j + i: region 2 h + c holds
+ *       groups 4 h + c, low nibble, and 4 h + 2 + c, high) | at 2336 + 512 q + 64 j + 4 o + i
+ *       GGUF's qh[32 q + 4 j + i] (their high 2 bits, groups 4 q .. 4 q + 3 at bits 2 (g -
+ *       4 q)). Values q - 32 (signed).
  *   Q2_K (1344): 16 fp16 d | 16 fp16 dmin | the 16 scale bytes s (low nibble sc, high m) at
  *       64 + 16 s + o | at 320 + 512 q + 64 j + 4 o + i GGUF's qs[32 q + 4 j + i] (bits 2 (g - 4
  *       q): group g's value 4 j + i, 0..3; scale s of values 16 s ..).
@@ -50,62 +52,41 @@ static int kq_quant_off(int kind) {
     return kind == Q4_K ? 256 : kind == Q5_K ? 768 : kind == Q2_K ? 320 : 288;
 }
 
-/* GGUF super-block b's 256 values as stored (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, Q2_K 0..3;
- * Q3_K 0..7: its low 2 bits, bit 2 from hmask) */
-static void kq_decode(int kind, const uint8_t *b, uint8_t *u) {
-    for (int g = 0; g < 8; g++)
-        for (int i = 0; i < 32; i++) {
-            int q;
-            if (kind == Q2_K || kind == Q3_K) {
-                q = (b[(kind == Q2_K ? 16 : 32) + 32 * (g >> 2) + i] >> 2 * (g & 3)) & 3;
-                if (kind == Q3_K) q |= ((b[i] >> g) & 1) << 2;
-            } else if (kind == Q6_K)
-                q = ((b[64 * (g >> 2) + 32 * (g & 1) + i] >> 4 * ((g >> 1) & 1)) & 0xF) |
-                    ((b[128 + 32 * (g >> 2) + i] >> 2 * (g & 3)) & 3) << 4;
-            else {
-                q = (b[(kind == Q5_K ? 48 : 16) + 32 * (g >> 1) + i] >> 4 * (g & 1)) & 0xF;
-                if (kind == Q5_K) q |= ((b[16 + i] >> g) & 1) << 4;
-            }
-            u[32 * g + i] = (uint8_t)q;
-        }
-}
-
-/* super-block b of output o into t, a tile's super-block */
+/* super-block b of output o into t, a tile's super-block: GGUF's bytes in runs of 4 (Q3_K's
+ * scales unpacked) */
 static void kq_repack_block(int kind, const uint8_t *b, uint8_t *t, int o) {
     if (kind == IQ4_XS) {
         memcpy(t + 2 * o, b, 2);
         memcpy(t + 32 + 4 * o, b + 4, 4);
         memcpy(t + 96 + 2 * o, b + 2, 2);
         for (int g = 0; g < 8; g++)
-            for (int j = 0; j < 4; j++) memcpy(t + 128 + 256 * g + 64 * j + 4 * o, b + 8 + 16 * g + 4 * j, 4);
+            for (int j = 0; j < 4; j++)
+                memcpy(t + 128 + 256 * g + 64 * j + 4 * o, b + 8 + 16 * g + 4 * j, 4);
         return;
     }
-    uint8_t u[256];
-    kq_decode(kind, b, u);
-    if (kind == Q2_K || kind == Q3_K) {
-        const int qo = kq_quant_off(kind);
-        for (int q = 0; q < 2; q++)
-            for (int v = 0; v < 32; v++)
-                t[qo + 512 * q + 64 * (v >> 2) + 4 * o + (v & 3)] =
-                    b[(kind == Q2_K ? 16 : 32) + 32 * q + v];
-        if (kind == Q2_K) {
-            memcpy(t + 2 * o, b + 80, 2);
-            memcpy(t + 32 + 2 * o, b + 82, 2);
-            for (int s = 0; s < 16; s++) t[64 + 16 * s + o] = b[s];
-        } else {
-            memcpy(t + 2 * o, b + 108, 2);
-            for (int s = 0; s < 16; s++) {
-                const int lo = (b[96 + (s & 7)] >> 4 * (s >> 3)) & 0xF;
-                const int hi = (b[104 + (s & 3)] >> 2 * (s >> 2)) & 3;
-                t[32 + 16 * s + o] = (uint8_t)(int8_t)((lo | hi << 4) - 32);
-            }
-            for (int v = 0; v < 32; v++) t[Q3_HMASK + 64 * (v >> 2) + 4 * o + (v & 3)] = b[v];
+    /* the quants: regions of 32 GGUF bytes (2-bit planes: 2, nibbles: 4), 8 runs of 4 each */
+    const int qo = kq_quant_off(kind), planes = KQ_PLANES(kind) ? 2 : 4;
+    const int src = kind == Q6_K ? 0 : kind == Q5_K ? 48 : kind == Q3_K ? 32 : 16;
+    for (int r = 0; r < planes; r++)
+        for (int j = 0; j < 8; j++) memcpy(t + qo + 512 * r + 64 * j + 4 * o, b + src + 32 * r + 4 * j, 4);
+    if (kind == Q2_K) {
+        memcpy(t + 2 * o, b + 80, 2);
+        memcpy(t + 32 + 2 * o, b + 82, 2);
+        for (int s = 0; s < 16; s++) t[64 + 16 * s + o] = b[s];
+    } else if (kind == Q3_K) {
+        memcpy(t + 2 * o, b + 108, 2);
+        for (int s = 0; s < 16; s++) {
+            const int lo = (b[96 + (s & 7)] >> 4 * (s >> 3)) & 0xF;
+            const int hi = (b[104 + (s & 3)] >> 2 * (s >> 2)) & 3;
+            t[32 + 16 * s + o] = (uint8_t)(int8_t)((lo | hi << 4) - 32);
         }
-        return;
-    }
-    if (kind == Q6_K) {
+        for (int j = 0; j < 8; j++) memcpy(t + Q3_HMASK + 64 * j + 4 * o, b + 4 * j, 4);
+    } else if (kind == Q6_K) {
         memcpy(t + 2 * o, b + 208, 2);
         for (int s = 0; s < 16; s++) t[32 + 16 * s + o] = b[192 + s];
+        for (int q = 0; q < 2; q++)
+            for (int j = 0; j < 8; j++)
+                memcpy(t + Q6_HIGH + 512 * q + 64 * j + 4 * o, b + 128 + 32 * q + 4 * j, 4);
     } else {
         memcpy(t + 2 * o, b, 2);
         memcpy(t + 32 + 2 * o, b + 2, 2);
@@ -113,19 +94,14 @@ static void kq_repack_block(int kind, const uint8_t *b, uint8_t *t, int o) {
         if (kind == Q5_K)
             for (int j = 0; j < 8; j++) memcpy(t + 256 + 64 * j + 4 * o, b + 16 + 4 * j, 4);
     }
-    const int qo = kq_quant_off(kind);
-    for (int p = 0; p < 4; p++)
-        for (int v = 0; v < 32; v++)
-            t[qo + 512 * p + 64 * (v >> 2) + 4 * o + (v & 3)] =
-                (uint8_t)((u[64 * p + v] & 0xF) | (u[64 * p + 32 + v] & 0xF) << 4);
-    if (kind == Q6_K)
-        for (int q = 0; q < 2; q++)
-            for (int v = 0; v < 32; v++) {
-                uint8_t hb = 0;
-                for (int g = 0; g < 4; g++) hb |= (uint8_t)((u[32 * (4 * q + g) + v] >> 4) << 2 * g);
-                t[Q6_HIGH + 512 * q + 64 * (v >> 2) + 4 * o + (v & 3)] = hb;
-            }
 }
+
+/* the nibble region of group g (Q4_K / Q5_K: groups 2 r, 2 r + 1 in region r, low / high
+ * nibble; Q6_K as GGUF's ql: groups 4 h + c, 4 h + 2 + c in region 2 h + c) and its nibble */
+static inline int kq_region(int kind, int g) {
+    return kind == Q6_K ? 2 * (g >> 2) + (g & 1) : g >> 1;
+}
+static inline int kq_nibble(int kind, int g) { return kind == Q6_K ? (g >> 1) & 1 : g & 1; }
 
 /* value v of group g, output o, in a tile's super-block t (Q6_K: minus 32, Q3_K: minus 4) */
 static int kq_value(int kind, const uint8_t *t, int o, int g, int v) {
@@ -137,7 +113,7 @@ static int kq_value(int kind, const uint8_t *t, int o, int g, int v) {
         const int q = (t[kq_quant_off(kind) + 512 * (g >> 2) + at] >> 2 * (g & 3)) & 3;
         return kind == Q2_K ? q : (q | ((t[Q3_HMASK + at] >> g) & 1) << 2) - 4;
     }
-    int q = (t[kq_quant_off(kind) + 512 * (g >> 1) + at] >> 4 * (g & 1)) & 0xF;
+    int q = (t[kq_quant_off(kind) + 512 * kq_region(kind, g) + at] >> 4 * kq_nibble(kind, g)) & 0xF;
     if (kind == Q5_K) q |= ((t[256 + at] >> g) & 1) << 4;
     if (kind == Q6_K) q = (q | ((t[Q6_HIGH + 512 * (g >> 2) + at] >> 2 * (g & 3)) & 3) << 4) - 32;
     return q;
@@ -336,13 +312,14 @@ AVX2_ATTR INLINE void kq_half_avx2(const act_t *a, int K, const uint8_t *tile, i
             }
             __m256i p16[ROW_GROUP], p32[ROW_GROUP];
             for (int r = 0; r < rg; r++) p16[r] = p32[r] = _mm256_setzero_si256();
-            const uint8_t *qs = blk + qo + 512 * (KQ_PLANES(kind) ? g >> 2 : g >> 1) + 32 * h;
+            const uint8_t *qs = blk + qo + 512 * (KQ_PLANES(kind) ? g >> 2 : kq_region(kind, g))
+                                + 32 * h;
 #pragma GCC unroll 8 /* (j == 3 constant: no branch; Q5_K / Q6_K 0.86-0.9x at 4-16 rows) */
             for (int j = 0; j < 8; j++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * j));
                 __m256i wv = KQ_PLANES(kind) ? _mm256_and_si256(_mm256_srli_epi16(v, 2 * (g & 3)),
                                                                 mask)
-                             : (g & 1)       ? _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)
+                             : kq_nibble(kind, g) ? _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)
                                              : _mm256_and_si256(v, mask);
                 __m256i wabs = wv;
                 if (kind == Q5_K || kind == Q3_K) { /* bit 4 (Q5_K) / bit 2 (Q3_K): bit g */
