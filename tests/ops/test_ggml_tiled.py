@@ -78,16 +78,21 @@ def test_rows_are_batch_and_thread_invariant(kind, isa):
     """Row r's output is bit-identical alone and in any batch of up to 17 rows, at 1 or 2
     threads: a 1-row decode and a K + 1-row verify compute the same numbers."""
     tw = gt.repack(_weight(kind, 208, 96, seed=1)[0])  # 13 tiles: uneven thread ranges
-    x = _x(17, 96, seed=1)
+    assert_batch_and_thread_invariant(tw, _x(17, 96, seed=1), isa)
+
+
+def assert_batch_and_thread_invariant(tw: gt.TiledWeight, x: torch.Tensor, isa: str) -> None:
+    """Each row of x through `tw` bit-identical alone, in every prefix batch and in the whole
+    one, at 1 and at 2 threads (tests/ops/test_ggml_tiled_kquant.py uses it too)."""
     before = torch.get_num_threads()
     try:
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
             full = gt.tiled_linear(x, tw, isa=isa)
-            for rows in range(1, 17):
+            for rows in range(1, x.shape[0]):
                 assert torch.equal(gt.tiled_linear(x[:rows], tw, isa=isa), full[:rows])
-            alone = [gt.tiled_linear(x[i:i + 1], tw, isa=isa) for i in range(17)]
+            alone = [gt.tiled_linear(x[i:i + 1], tw, isa=isa) for i in range(x.shape[0])]
             assert torch.equal(torch.cat(alone), full)
             outs.append(full)
         assert torch.equal(outs[0], outs[1])

@@ -92,23 +92,10 @@ def test_every_row_group_size_is_bit_identical_to_scalar(kind):
 def test_rows_are_batch_and_thread_invariant(kind, isa):
     """Row r's output is bit-identical alone and in any batch of up to 11 rows, at 1 or 2
     threads (13 tiles: uneven thread ranges): a decode row equals itself in a verify step."""
-    w, _ = _weight(kind, 208, 512, seed=1)
-    tw = gt.repack(w)
-    x = _x(11, 512, seed=1)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            full = gt.tiled_linear(x, tw, isa=isa)
-            for rows in range(1, 11):
-                assert torch.equal(gt.tiled_linear(x[:rows], tw, isa=isa), full[:rows])
-            assert torch.equal(torch.cat([gt.tiled_linear(x[i:i + 1], tw, isa=isa)
-                                          for i in range(11)]), full)
-            outs.append(full)
-        assert torch.equal(outs[0], outs[1])
-    finally:
-        torch.set_num_threads(before)
+    from tests.ops.test_ggml_tiled import assert_batch_and_thread_invariant
+
+    assert_batch_and_thread_invariant(gt.repack(_weight(kind, 208, 512, seed=1)[0]),
+                                      _x(11, 512, seed=1), isa)
 
 
 @pytest.mark.parametrize("kind", sorted(KQ))
