@@ -295,6 +295,8 @@ _MERGED_ROW = 131072
 _BLOCK_KINDS = {2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 10: "q2_k", 11: "q3_k",
                 12: "q4_k",
                 13: "q5_k", 14: "q6_k", 20: "iq4_nl", 23: "iq4_xs",
+                16: "iq2_xxs", 17: "iq2_xs", 18: "iq3_xxs", 19: "iq1_s", 21: "iq3_s",
+                22: "iq2_s", 29: "iq1_m",
                 gguf_mxfp4.MXFP4_TYPE: "mxfp4"}
 
 

@@ -43,7 +43,7 @@ ISAS = ("scalar", "avx2", "avx512_vnni")  # the C file's ISA_* values, in order
 # bench/linear_rows.py there gave 5.6 ms for 30 layers at 1 row against AVX2's 8.0 ms.
 UNVERIFIED: tuple[str, ...] = ()
 INT_KINDS = ("q4_1", "q8_0", "q4_0", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k",
-             "q6_k", "iq4_xs")  # what ggml_kernels_int.c reads
+             "q6_k", "iq4_xs", *_gl.IQ_KINDS)  # what ggml_kernels_int.c reads
 
 
 def _check_kind(weight: GGMLWeight) -> None:
@@ -61,8 +61,11 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     ptr, int_ = ctypes.c_void_p, ctypes.c_int
     lib, errors = _gl.load_compiled("ggml_kernels_int", SOURCE, _FLAGS, {
         "ggml_linear_int": ([int_, int_, ptr, int_, int_, ptr, int_, ptr, int_], int_),
-        "ggml_int_isa_supported": ([int_], int_)})
+        "ggml_int_isa_supported": ([int_], int_), "ggml_iq_init": ([ptr], None)})
     if lib is not None:
+        from specdeploy.ops import ggml_iq
+
+        ggml_iq.init(lib)
         return lib, None
     why = "; ".join(errors)
     _gl.warn_unbuilt("the integer-dot GGUF kernels", why)
@@ -121,6 +124,8 @@ def ggml_linear_int(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | No
                                  torch.get_num_threads())
         if rc == -2:
             raise ValueError(f"isa {isa!r}: this CPU / build runs {', '.join(supported_isas())}")
+        if rc == -3:
+            raise RuntimeError("ggml_linear_int: the IQ codebooks were not loaded (ggml_iq.init)")
         if rc != 0:
             raise MemoryError("ggml_linear_int: no scratch memory for the quantized rows")
     if bias is not None:

@@ -1,6 +1,7 @@
 /* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1,
  * IQ4_NL and MXFP4, and IQ4_XS and
- * the K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (256-value super-blocks; see kquant_values).
+ * the K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (256-value super-blocks; see kquant_values), and
+ * the IQ1 / IQ2 / IQ3 kinds (ggml_iq.c).
  *
  * Weights stay in their 4.5 / 8.5 bits per value and are expanded in registers; x and y are
  * fp32 and every weight is exactly the fp32 value gguf's dequantization gives (d * q + m), so
@@ -384,15 +385,52 @@ KQUANT_TILE(iq4_xs_tile, IQ4_XS)
 KQUANT_TILE(q3_k_tile, Q3_K)
 KQUANT_TILE(q2_k_tile, Q2_K)
 
+#include "ggml_iq.c"
+
+/* an IQ block's 256 fp32 values, exactly gguf's (f * s * w: every product exact, ggml_iq.c) */
+static void iq_values(int kind, const uint8_t *b, float *v) {
+    int8_t w[256];
+    int s[16];
+    const float f = _cvtsh_ss(iq_decode(kind, b, w, s)) * iq_f_mul(kind);
+    for (int i = 0; i < 256; i++) v[i] = f * (float)s[i >> 4] * (float)w[i];
+}
+
+/* the IQ kinds: each super-block expanded once per group of rows, then 8-lane fp32 fmas */
+static void iq_exact_tile(int kind, const float *x, int R, int K, const uint8_t *w, int n0,
+                          int n1, int N, float *y) {
+    const int nk = K / 256, bytes = iq_bytes(kind);
+    float v[256] __attribute__((aligned(32)));
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * nk * bytes;
+        for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {
+            const int rg = R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP;
+            __m256 acc[ROW_GROUP];
+            for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
+            for (int k = 0; k < nk; k++) {
+                iq_values(kind, row + (size_t)k * bytes, v);
+                for (int r = 0; r < rg; r++) {
+                    const float *xr = x + (size_t)(r0 + r) * K + (size_t)k * 256;
+                    for (int j = 0; j < 32; j++)
+                        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * j),
+                                                 _mm256_load_ps(v + 8 * j), acc[r]);
+                }
+            }
+            for (int r = 0; r < rg; r++) y[(size_t)(r0 + r) * N + n] = hsum8(acc[r]);
+        }
+    }
+}
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS.
- * x [R, K] and y [R, N] row-major fp32;
- * w: N rows of blocks. Returns 0, or -1 when scratch memory could not be had (y untouched). */
+/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS or
+ * an IQ kind of ggml_iq.c. x [R, K] and y [R, N] row-major fp32; w: N rows of blocks. Returns
+ * 0, -1 when scratch memory could not be had, -3 for an IQ kind before ggml_iq_init (y
+ * untouched). */
 int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N, float *y,
                 int nthreads) {
+    if (IS_IQ(kind) && !iq_ready) return -3;
     const int nb = K / 32;
     float *xsum = NULL;
     if (HAS_M(kind)) {
@@ -429,6 +467,7 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
             else if (kind == IQ4_XS) iq4_xs_tile(x, R, K, w, n0, n1, N, y);
             else if (kind == Q3_K) q3_k_tile(x, R, K, w, n0, n1, N, y);
             else if (kind == Q2_K) q2_k_tile(x, R, K, w, n0, n1, N, y);
+            else if (IS_IQ(kind)) iq_exact_tile(kind, x, R, K, w, n0, n1, N, y);
             else q4_0_tile(x, xsum, R, K, w, n0, n1, N, y);
         }
     }
@@ -442,6 +481,16 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
  * into a reused buffer with this, and embeddings gather their rows from the blocks. */
 void ggml_dequant(int kind, const uint8_t *w, const int64_t *rows, int R, int K, float *out,
                   int nthreads) {
+    if (IS_IQ(kind)) { /* (callers load the codebooks first: ggml_linear.py's _library) */
+        const int nk = K / 256, kb = iq_bytes(kind);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int i = 0; i < R; i++) {
+            const uint8_t *row = w + (size_t)(rows ? rows[i] : i) * nk * kb;
+            for (int b = 0; b < nk; b++)
+                iq_values(kind, row + (size_t)b * kb, out + (size_t)i * K + b * 256);
+        }
+        return;
+    }
     if ((kind >= Q4_K && kind <= Q6_K) || kind == IQ4_XS || kind == Q3_K || kind == Q2_K) {
         const int nk = K / 256, kb = kquant_bytes(kind);
 #pragma omp parallel for num_threads(nthreads) schedule(static)

@@ -29,7 +29,8 @@
 
 enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_0 = 7, Q5_1 = 8,
        IQ4_NL = 9, IQ4_XS = 10, Q3_K = 11, Q2_K = 12 };
-/* (ggml_linear.py's KINDS; 6 is MXFP4, which this file does not read) */
+/* (ggml_linear.py's KINDS; 6 is MXFP4, which this file does not read; 13-19 the IQ1 / IQ2 / IQ3
+ * kinds of ggml_iq.c) */
 #define IS_KQ(kind) ((kind) >= Q4_K && (kind) <= Q6_K)
 /* 256-value super-blocks of 8 groups, each with its own scale(s): the K-quants, IQ4_XS */
 #define IS_SUPER(kind) (IS_KQ(kind) || (kind) == IQ4_XS || (kind) == Q3_K || (kind) == Q2_K)
@@ -43,6 +44,7 @@ static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
 #define IS_Q5(kind) ((kind) == Q5_0 || (kind) == Q5_1)
 /* the kinds with an offset m per block (w = d * q + m): unsigned values, m * sum(x) apart */
 #define HAS_M(kind) ((kind) == Q4_1 || (kind) == Q5_1)
+#include "ggml_iq.c"
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_linear.py's ISAS */
 #define ROW_GROUP 4 /* input rows sharing one expansion of a weight block */
 #define OUT_TILE 32 /* output rows per tile: their weights stay in cache across row groups */
@@ -1003,6 +1005,8 @@ TILE_FN(q8_0_avx512, group_avx512, Q8_0, AVX512_FN)
 TILE_FN(q4_0_avx512, group_avx512, Q4_0, AVX512_FN)
 #endif /* SD_X86 */
 
+#include "ggml_iq_int.c"
+
 /* 1 when this build and this CPU can run `isa` */
 int ggml_int_isa_supported(int isa) {
     if (isa == ISA_SCALAR) return 1;
@@ -1019,6 +1023,16 @@ int ggml_int_isa_supported(int isa) {
 
 static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint8_t *w, int n0,
                      int n1, int N, float *y) {
+    if (IS_IQ(kind)) {
+#ifdef SD_X86
+        if (isa != ISA_SCALAR) { /* (AVX-512 CPUs too: the same bits) */
+            iq_tile_avx2(kind, a, R, K, w, n0, n1, N, y);
+            return;
+        }
+#endif
+        iq_tile_scalar(kind, a, R, K, w, n0, n1, N, y);
+        return;
+    }
 #ifdef SD_X86
     if ((IS_Q5(kind) || kind == IQ4_NL || WIDE_SIGNED(kind) || kind == Q2_K) &&
         isa != ISA_SCALAR) {
@@ -1067,13 +1081,14 @@ static void run_tile(int kind, int isa, const act_t *a, int R, int K, const uint
     else tile_scalar(kind, a, R, K, w, n0, n1, N, y);
 }
 
-/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, Q2_K ... Q6_K or IQ4_XS; isa: one
- * ggml_int_isa_supported() accepts (the caller checks). x [R, K] and y [R, N] row-major fp32;
- * w: N rows of blocks. Returns 0, -1 when scratch memory could not be had, -2 for an ISA this
- * build / CPU cannot run (y untouched). */
+/* kind: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, Q2_K ... Q6_K, IQ4_XS or an IQ kind of
+ * ggml_iq.c; isa: one ggml_int_isa_supported() accepts (the caller checks). x [R, K] and y [R, N]
+ * row-major fp32; w: N rows of blocks. Returns 0, -1 when scratch memory could not be had, -2 for
+ * an ISA this build / CPU cannot run, -3 for an IQ kind before ggml_iq_init (y untouched). */
 int ggml_linear_int(int kind, int isa, const float *x, int R, int K, const uint8_t *w, int N,
                     float *y, int nthreads) {
     if (!ggml_int_isa_supported(isa)) return -2;
+    if (IS_IQ(kind) && !iq_ready) return -3;
     const int nb = K / 32;
     /* one allocation: q (R * K bytes), then d and s (R * nb floats each), 64-byte aligned */
     const size_t qbytes = ((size_t)R * K + 63) / 64 * 64;

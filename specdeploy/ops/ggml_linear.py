@@ -40,9 +40,13 @@ SOURCE = Path(__file__).with_name("ggml_kernels.c")
 # super-blocks with a 6-bit scale per 32): the IQ4_XS file type, IQ4_NL its fallback
 KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18), "q4_k": (3, 144), "q5_k": (4, 176),
          "q6_k": (5, 210), "mxfp4": (6, 17), "q5_0": (7, 22), "q5_1": (8, 24),
-         "iq4_nl": (9, 18), "iq4_xs": (10, 136), "q3_k": (11, 110), "q2_k": (12, 84)}
+         "iq4_nl": (9, 18), "iq4_xs": (10, 136), "q3_k": (11, 110), "q2_k": (12, 84),
+         # the lattice-codebook kinds (ggml_iq.c): exact and integer-dot kernels, not tiled
+         "iq2_xxs": (13, 66), "iq2_xs": (14, 74), "iq2_s": (15, 82), "iq3_xxs": (16, 98),
+         "iq3_s": (17, 110), "iq1_s": (18, 50), "iq1_m": (19, 56)}
 K_QUANTS = ("q4_k", "q5_k", "q6_k")  # exact, integer-dot and tiled kernels
-SUPER_BLOCKS = (*K_QUANTS, "iq4_xs", "q3_k", "q2_k")  # 256 values a block
+IQ_KINDS = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+SUPER_BLOCKS = (*K_QUANTS, "iq4_xs", "q3_k", "q2_k", *IQ_KINDS)  # 256 values a block
 
 
 def block_values(kind: str) -> int:
@@ -52,13 +56,24 @@ def block_values(kind: str) -> int:
 
 def scale_bytes(kind: str) -> slice | None:
     """Where a block of `kind` keeps its fp16 scale(s) (d, and the offset m / dmin); None for
-    mxfp4, whose E8M0 byte is always a finite power of two as ggml reads it."""
-    if kind == "mxfp4":
+    mxfp4, whose E8M0 byte is always a finite power of two as ggml reads it, and for iq1_m,
+    whose d is spread over four bytes' top nibbles (`iq1_m_scales`)."""
+    if kind in ("mxfp4", "iq1_m"):
         return None
     if kind in ("q3_k", "q2_k"):
         return slice(108, 110) if kind == "q3_k" else slice(80, 84)
     return slice(208, 210) if kind == "q6_k" else slice(0, 4 if kind in ("q4_1", "q5_1", "q4_k",
                                                                           "q5_k") else 2)
+def iq1_m_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ1_M blocks [..., 56] -> their fp16 d [...]: the top nibbles of the four uint16 scales
+    at bytes 48..55, lowest first (gguf-py's reading)."""
+    b = blocks[..., 48:56].to(torch.int32)
+    hi = b[..., 1::2]  # each uint16's high byte holds its top nibble
+    bits = ((hi[..., 0] >> 4) | (hi[..., 1] & 0xF0) | ((hi[..., 2] & 0xF0) << 4)
+            | ((hi[..., 3] & 0xF0) << 8))
+    return bits.to(torch.int16).view(torch.float16)
+
+
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]
 _CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -72,7 +87,7 @@ class GGMLWeight(NamedTuple):
     would split K-quant blocks; where it moves whole blocks `make_weight` reorders the blocks
     instead and there is no gather)."""
 
-    kind: str  # "q4_1" | "q8_0" | "q4_0" | the K-quants | "mxfp4"
+    kind: str  # a key of KINDS
     blocks: torch.Tensor
     shape: tuple[int, ...]
     gather: torch.Tensor | None = None
@@ -254,8 +269,12 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     ptr, int_ = ctypes.c_void_p, ctypes.c_int
     lib, errors = load_compiled("ggml_kernels", SOURCE, _FLAGS, {
         "ggml_linear": ([int_, ptr, int_, int_, ptr, int_, ptr, int_], int_),
-        "ggml_dequant": ([int_, ptr, ptr, int_, int_, ptr, int_], None)}, libs=())
+        "ggml_dequant": ([int_, ptr, ptr, int_, int_, ptr, int_], None),
+        "ggml_iq_init": ([ptr], None)}, libs=())
     if lib is not None:
+        from specdeploy.ops import ggml_iq
+
+        ggml_iq.init(lib)
         return lib, None
     why = "; ".join(errors)
     warn_unbuilt("the exact GGUF block kernel", why)
@@ -305,6 +324,8 @@ def ggml_linear(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | None =
     if x2.shape[0]:
         rc = lib.ggml_linear(KINDS[weight.kind][0], x2.data_ptr(), x2.shape[0], k,
                              weight.blocks.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
+        if rc == -3:
+            raise RuntimeError("ggml_linear: the IQ codebooks were not loaded (ggml_iq.init)")
         if rc != 0:
             raise MemoryError("ggml_linear: no scratch memory for the block sums")
     if bias is not None:

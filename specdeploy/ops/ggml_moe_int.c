@@ -190,6 +190,7 @@ static int moe_int(int kind_up, int kind_down, int isa, const float *x, int T, i
                    int64_t up_stride, int N_up, const uint8_t *w_down, int64_t down_stride, int I,
                    int act, silu_mul_fn silu_mul, const extra_t *ex, float *out, int nthreads) {
     if (!ggml_int_isa_supported(isa)) return -2;
+    if ((IS_IQ(kind_up) || IS_IQ(kind_down)) && !iq_ready) return -4; /* no ggml_iq_init */
     if (k < 1 || k > 64 || check_act(act, ex)) return -3;
     const size_t P = (size_t)T * k;
     for (size_t p = 0; p < P; p++)

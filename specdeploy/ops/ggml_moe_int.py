@@ -44,11 +44,15 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         "ggml_moe_int": ([*_ARGS, _P, _I], _I),
         "ggml_moe_tiled": ([*_ARGS, _P, _P, _I], _I),
         "ggml_moe_int_ex": ([*_ARGS, *_EX, _P, _I], _I),
-        "ggml_moe_tiled_ex": ([*_ARGS, _P, *_EX, _P, _I], _I)})
+        "ggml_moe_tiled_ex": ([*_ARGS, _P, *_EX, _P, _I], _I),
+        "ggml_iq_init": ([_P], None)})
     if lib is None:
         why = "; ".join(errors)
         _gl.warn_unbuilt("the one-call GGUF MoE kernel", why)
         return None, why
+    from specdeploy.ops import ggml_iq
+
+    ggml_iq.init(lib)
     lib.silu_mul = ctypes.cast(rows.silu_mul_rows, _P).value
     lib.swiglu_oai = ctypes.cast(rows.swiglu_oai_rows, _P).value
     lib.tiled = None
@@ -133,6 +137,8 @@ def bound_experts(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str,
         out = torch.empty(xf.shape, dtype=f32)
         rc = fn(*args, xf.data_ptr(), xf.shape[0], h, ids.data_ptr(), wts.data_ptr(),
                 ids.shape[1], *tail, out.data_ptr(), torch.get_num_threads())
+        if rc == -4:
+            raise RuntimeError("ggml_moe_int: the IQ codebooks were not loaded (ggml_iq.init)")
         if rc == -3:
             raise ValueError(f"ggml_moe_int: expert ids must lie in [0, {e}) with 1..64 per "
                              f"token, got ids of shape {tuple(ids.shape)}")

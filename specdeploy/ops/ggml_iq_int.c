@@ -1,0 +1,226 @@
+/* The lattice-codebook kinds (ggml_iq.c) on the integer-dot kernel; #included by
+ * ggml_kernels_int.c after its scalar and AVX2 helpers.
+ *
+ * Per (row r, output n) 8 fp32 lanes; lane g takes group g (values 32 g .. 32 g + 31) of every
+ * super-block k, in k order:
+ *     acc[g] = fmaf(f_k * d_x[8 k + g], (float)P, acc[g]),
+ *     P = s_lo * sum_{i < 16} w_i q_i + s_hi * sum_{16 <= i < 32} w_i q_i   (exact in int32:
+ *         |w| <= 62, |q| <= 127, s <= 31),
+ * and y = sum8(acc). The scalar path and the AVX2 path (AVX-512 CPUs run it too) compute those
+ * integers and those fp32 operations, so their outputs are bit-identical and an output never
+ * depends on the other rows or the thread count. The error against the exact fp32 model is the
+ * activation rounding's, (d_x / 2) sum |value| per 32 values, as for the other kinds. */
+
+static void iq_tile_scalar(int kind, const act_t *a, int R, int K, const uint8_t *w, int n0,
+                           int n1, int N, float *y) {
+    const int nk = K / 256, nb = K / 32, bytes = iq_bytes(kind);
+    int8_t wv[256];
+    int s[16];
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * nk * bytes;
+        for (int r = 0; r < R; r++) {
+            float acc[8] = {0};
+            for (int k = 0; k < nk; k++) {
+                const uint8_t *b = row + (size_t)k * bytes;
+                const float f = half_to_float(iq_decode(kind, b, wv, s)) * iq_f_mul(kind);
+                for (int g = 0; g < 8; g++) {
+                    const size_t rb = (size_t)r * nb + 8 * k + g;
+                    const int8_t *qx = a->q + rb * 32;
+                    int lo = 0, hi = 0;
+                    for (int i = 0; i < 16; i++) {
+                        lo += wv[32 * g + i] * qx[i];
+                        hi += wv[32 * g + 16 + i] * qx[16 + i];
+                    }
+                    const int p = s[2 * g] * lo + s[2 * g + 1] * hi;
+                    acc[g] = fmaf(f * a->d[rb], (float)p, acc[g]);
+                }
+            }
+            y[(size_t)r * N + n] = sum8(acc);
+        }
+    }
+}
+
+#ifdef SD_X86
+/* 32 sign bits (bit i: value i negative) as bytes -1 / +1 */
+AVX2_FN __m256i iq_signs32(uint32_t bits) {
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit),
+                           _mm256_set1_epi8(1));
+}
+
+AVX2_FN uint64_t iq_g8(int off, int idx) {
+    uint64_t v;
+    memcpy(&v, IQ_GRIDS + off + 8 * idx, 8);
+    return v;
+}
+
+AVX2_FN int iq_g4(int off, int idx) {
+    uint32_t v;
+    memcpy(&v, IQ_GRIDS + off + 4 * idx, 4);
+    return (int)v;
+}
+
+/* group g's 32 values as |w| (unsigned bytes) and bytes carrying w's sign */
+AVX2_FN __attribute__((always_inline)) void iq_group_avx2(const int kind, const uint8_t *b,
+                                                         int g, __m256i *u, __m256i *sg) {
+    if (kind == IQ1_S || kind == IQ1_M) {
+        __m256i gv, delta;
+        if (kind == IQ1_S) {
+            const int qh = iq_u16(b + 34 + 2 * g);
+            const uint8_t *qs = b + 2 + 4 * g;
+            gv = _mm256_set_epi64x((long long)iq_g8(IQ_G1S, qs[3] | (qh >> 9 & 7) << 8),
+                                   (long long)iq_g8(IQ_G1S, qs[2] | (qh >> 6 & 7) << 8),
+                                   (long long)iq_g8(IQ_G1S, qs[1] | (qh >> 3 & 7) << 8),
+                                   (long long)iq_g8(IQ_G1S, qs[0] | (qh & 7) << 8));
+            delta = _mm256_set1_epi8(qh & 0x8000 ? -1 : 1);
+        } else {
+            const uint8_t *qs = b + 4 * g;
+            const int h0 = b[32 + 2 * g], h1 = b[33 + 2 * g];
+            const int n0 = h0 & 15, n1 = h0 >> 4, n2 = h1 & 15, n3 = h1 >> 4;
+            gv = _mm256_set_epi64x((long long)iq_g8(IQ_G1S, qs[3] | (n3 & 7) << 8),
+                                   (long long)iq_g8(IQ_G1S, qs[2] | (n2 & 7) << 8),
+                                   (long long)iq_g8(IQ_G1S, qs[1] | (n1 & 7) << 8),
+                                   (long long)iq_g8(IQ_G1S, qs[0] | (n0 & 7) << 8));
+            const long long m = -1LL, p = 0x0101010101010101LL;
+            delta = _mm256_set_epi64x(n3 & 8 ? m : p, n2 & 8 ? m : p, n1 & 8 ? m : p,
+                                      n0 & 8 ? m : p);
+        }
+        const __m256i g2 = _mm256_add_epi8(gv, gv), g4 = _mm256_add_epi8(g2, g2);
+        const __m256i wv = _mm256_add_epi8(_mm256_add_epi8(g4, g4), delta); /* 8 grid +- 1 */
+        *u = _mm256_abs_epi8(wv);
+        *sg = wv; /* never 0 */
+        return;
+    }
+    uint32_t bits;
+    if (kind == IQ3_XXS || kind == IQ3_S) {
+        const uint8_t *qs = b + 2 + 8 * g;
+        if (kind == IQ3_XXS) {
+            *u = _mm256_set_epi32(iq_g4(IQ_G3XXS, qs[7]), iq_g4(IQ_G3XXS, qs[6]),
+                                  iq_g4(IQ_G3XXS, qs[5]), iq_g4(IQ_G3XXS, qs[4]),
+                                  iq_g4(IQ_G3XXS, qs[3]), iq_g4(IQ_G3XXS, qs[2]),
+                                  iq_g4(IQ_G3XXS, qs[1]), iq_g4(IQ_G3XXS, qs[0]));
+            const uint32_t aux = iq_u32(b + 66 + 4 * g);
+            bits = iq_ksign(aux) | iq_ksign(aux >> 7) << 8 | iq_ksign(aux >> 14) << 16 |
+                   iq_ksign(aux >> 21) << 24;
+        } else {
+            const int qh = b[66 + g];
+            *u = _mm256_set_epi32(
+                iq_g4(IQ_G3S, qs[7] | (qh >> 7 & 1) << 8), iq_g4(IQ_G3S, qs[6] | (qh >> 6 & 1) << 8),
+                iq_g4(IQ_G3S, qs[5] | (qh >> 5 & 1) << 8), iq_g4(IQ_G3S, qs[4] | (qh >> 4 & 1) << 8),
+                iq_g4(IQ_G3S, qs[3] | (qh >> 3 & 1) << 8), iq_g4(IQ_G3S, qs[2] | (qh >> 2 & 1) << 8),
+                iq_g4(IQ_G3S, qs[1] | (qh >> 1 & 1) << 8), iq_g4(IQ_G3S, qs[0] | (qh & 1) << 8));
+            bits = iq_u32(b + 74 + 4 * g);
+        }
+    } else if (kind == IQ2_XXS) {
+        const uint8_t *qs = b + 2 + 8 * g;
+        const uint32_t aux = iq_u32(qs + 4);
+        *u = _mm256_set_epi64x((long long)iq_g8(IQ_G2XXS, qs[3]), (long long)iq_g8(IQ_G2XXS, qs[2]),
+                               (long long)iq_g8(IQ_G2XXS, qs[1]), (long long)iq_g8(IQ_G2XXS, qs[0]));
+        bits = iq_ksign(aux) | iq_ksign(aux >> 7) << 8 | iq_ksign(aux >> 14) << 16 |
+               iq_ksign(aux >> 21) << 24;
+    } else if (kind == IQ2_XS) {
+        const uint8_t *q = b + 2 + 8 * g;
+        const int q0 = iq_u16(q), q1 = iq_u16(q + 2), q2 = iq_u16(q + 4), q3 = iq_u16(q + 6);
+        *u = _mm256_set_epi64x((long long)iq_g8(IQ_G2XS, q3 & 511), (long long)iq_g8(IQ_G2XS, q2 & 511),
+                               (long long)iq_g8(IQ_G2XS, q1 & 511), (long long)iq_g8(IQ_G2XS, q0 & 511));
+        bits = iq_ksign(q0 >> 9) | iq_ksign(q1 >> 9) << 8 | iq_ksign(q2 >> 9) << 16 |
+               iq_ksign(q3 >> 9) << 24;
+    } else { /* IQ2_S */
+        const uint8_t *qs = b + 2 + 4 * g;
+        const int qh = b[66 + g];
+        *u = _mm256_set_epi64x((long long)iq_g8(IQ_G2S, qs[3] | (qh >> 6 & 3) << 8),
+                               (long long)iq_g8(IQ_G2S, qs[2] | (qh >> 4 & 3) << 8),
+                               (long long)iq_g8(IQ_G2S, qs[1] | (qh >> 2 & 3) << 8),
+                               (long long)iq_g8(IQ_G2S, qs[0] | (qh & 3) << 8));
+        bits = iq_u32(b + 34 + 4 * g);
+    }
+    *sg = iq_signs32(bits);
+}
+
+/* [P_0 .. P_7]: each v[g]'s 8 int32 lanes summed (exact; any order) */
+AVX2_FN __m256i iq_reduce8(const __m256i *v) {
+    const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]),
+                                         _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]),
+                                         _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20),
+                            _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+/* outputs n0 .. n1 for rows r0 .. r0 + rg - 1 (rg <= ROW_GROUP and kind constants at each
+ * call): each super-block decoded once for the group's rows */
+AVX2_FN __attribute__((always_inline)) void iq_group_rows(const act_t *a, int K,
+                                                         const uint8_t *w, int n0, int n1,
+                                                         int N, float *y, int r0, const int rg,
+                                                         const int kind) {
+    const int nk = K / 256, nb = K / 32, bytes = iq_bytes(kind);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * nk * bytes;
+        __m256 acc[ROW_GROUP];
+        for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
+        for (int k = 0; k < nk; k++) {
+            const uint8_t *b = row + (size_t)k * bytes;
+            _mm_prefetch((const char *)(b + 2 * bytes), _MM_HINT_T0);
+            const float f = half_to_float(iq_d_bits(kind, b)) * iq_f_mul(kind);
+            __m256i p[ROW_GROUP][8];
+            for (int g = 0; g < 8; g++) {
+                __m256i u, sg;
+                iq_group_avx2(kind, b, g, &u, &sg);
+                const __m256i sc = _mm256_set_m128i(_mm_set1_epi16((short)iq_scale(kind, b, 2 * g + 1)),
+                                                    _mm_set1_epi16((short)iq_scale(kind, b, 2 * g)));
+                for (int r = 0; r < rg; r++) {
+                    const __m256i qx = _mm256_loadu_si256(
+                        (const __m256i *)(a->q + ((size_t)(r0 + r) * nb + 8 * k + g) * 32));
+                    p[r][g] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(qx, sg)),
+                                                sc);
+                }
+            }
+            for (int r = 0; r < rg; r++) {
+                const __m256 dx = _mm256_loadu_ps(a->d + (size_t)(r0 + r) * nb + 8 * k);
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(f), dx),
+                                         _mm256_cvtepi32_ps(iq_reduce8(p[r])), acc[r]);
+            }
+        }
+        for (int r = 0; r < rg; r++) y[(size_t)(r0 + r) * N + n] = hsum8(acc[r]);
+    }
+}
+
+#define IQ_TILE_FN(NAME, KIND)                                                                 \
+    AVX2_ATTR static void NAME(const act_t *a, int R, int K, const uint8_t *w, int n0, int n1,  \
+                               int N, float *y) {                                              \
+        for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {                                           \
+            const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;                            \
+            for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {                                        \
+                switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {                             \
+                case 1: iq_group_rows(a, K, w, t0, t1, N, y, r0, 1, KIND); break;              \
+                case 2: iq_group_rows(a, K, w, t0, t1, N, y, r0, 2, KIND); break;              \
+                case 3: iq_group_rows(a, K, w, t0, t1, N, y, r0, 3, KIND); break;              \
+                default: iq_group_rows(a, K, w, t0, t1, N, y, r0, 4, KIND); break;             \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+IQ_TILE_FN(iq2_xxs_avx2, IQ2_XXS)
+IQ_TILE_FN(iq2_xs_avx2, IQ2_XS)
+IQ_TILE_FN(iq2_s_avx2, IQ2_S)
+IQ_TILE_FN(iq3_xxs_avx2, IQ3_XXS)
+IQ_TILE_FN(iq3_s_avx2, IQ3_S)
+IQ_TILE_FN(iq1_s_avx2, IQ1_S)
+IQ_TILE_FN(iq1_m_avx2, IQ1_M)
+
+static void iq_tile_avx2(int kind, const act_t *a, int R, int K, const uint8_t *w, int n0,
+                         int n1, int N, float *y) {
+    switch (kind) {
+    case IQ2_XXS: iq2_xxs_avx2(a, R, K, w, n0, n1, N, y); break;
+    case IQ2_XS: iq2_xs_avx2(a, R, K, w, n0, n1, N, y); break;
+    case IQ2_S: iq2_s_avx2(a, R, K, w, n0, n1, N, y); break;
+    case IQ3_XXS: iq3_xxs_avx2(a, R, K, w, n0, n1, N, y); break;
+    case IQ3_S: iq3_s_avx2(a, R, K, w, n0, n1, N, y); break;
+    case IQ1_S: iq1_s_avx2(a, R, K, w, n0, n1, N, y); break;
+    default: iq1_m_avx2(a, R, K, w, n0, n1, N, y); break;
+    }
+}
+#endif /* SD_X86 */
