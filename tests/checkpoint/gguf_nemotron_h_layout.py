@@ -135,7 +135,8 @@ def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32,
 
 
 # (gguf-py cannot quantize to them)
-K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS,
+            Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)  # random blocks (gguf-py cannot write)
 
 
 def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
@@ -154,8 +155,14 @@ def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
         w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
 
 
+# the IQ1 / IQ2 / IQ3 kinds: d's divisor keeping values near the others' (|value| <= d * 31 *
+# {43 / 8, 62 / 4, 15, 9 / 8} at the largest scale and codebook value)
+IQ_D_DIV = {Q.IQ2_XXS: 4, Q.IQ2_XS: 4, Q.IQ2_S: 4, Q.IQ3_XXS: 12, Q.IQ3_S: 12, Q.IQ1_S: 1,
+            Q.IQ1_M: 1}
+
+
 def random_kquant(qtype, shape: tuple, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant (and IQ4_NL / IQ4_XS) blocks for a tensor of `shape`, centred as a
+    """Random K-quant (and IQ4_NL / IQ4_XS, IQ1-IQ3) blocks for a tensor of `shape`, centred as a
     quantizer's would be, values below ~0.02 (fp16 d = dmin of 1e-4..3e-4). Q4_K / Q5_K: every
     sub-block's scale sc and min m with m ~ sc * (levels - 1) / 2 (sub-blocks 0-3: sc 8 / m 60
     for Q4_K, 4 / 62 for Q5_K; 4-7: 2 / 15 and 1 / 15); Q6_K: int8 sub-block scales in
@@ -174,6 +181,15 @@ def random_kquant(qtype, shape: tuple, rng: np.random.Generator) -> np.ndarray:
         raw[..., 0:16] = (rng.integers(4, 16, (*lead, n, 16)) | rng.integers(6, 12, (*lead, n, 16))
                           << 4).astype(np.uint8)
         raw[..., 80:82] = raw[..., 82:84] = small
+    elif qtype in IQ_D_DIV:  # any bits (codebook indices, signs, scales), then a small d
+        d = (small.view(np.float16) / IQ_D_DIV[qtype]).view(np.uint16)[..., 0]
+        if qtype == Q.IQ1_M:  # d's four nibbles are the top nibbles of the scales' uint16s
+            sc = raw[..., 48:56].copy().view(np.uint16)
+            for j in range(4):
+                sc[..., j] = (sc[..., j] & 0x0FFF) | (((d >> 4 * j) & 0xF) << 12)
+            raw[..., 48:56] = sc.view(np.uint8)
+        else:
+            raw[..., 0:2] = d[..., None].view(np.uint8)
     elif qtype == Q.Q6_K:
         raw[..., 192:208] = rng.integers(-8, 9, (*lead, n, 16)).astype(np.int8).view(np.uint8)
         raw[..., 208:210] = small
