@@ -45,9 +45,23 @@ enum { IQ2_XXS = 13, IQ2_XS = 14, IQ2_S = 15, IQ3_XXS = 16, IQ3_S = 17, IQ1_S = 
 static uint8_t IQ_GRIDS[IQ_GRID_BYTES];
 static int iq_ready;
 
+/* a 7-bit sign index's 8 signs (bit j set: value j negative) */
+static inline uint32_t iq_ksign(uint32_t i) {
+    i &= 127; /* (the parity by a 16-entry bit table: no popcnt call where it is no target) */
+    return i | ((0x6996u >> ((i ^ (i >> 4)) & 15)) & 1) << 7;
+}
+
+/* the same 8 signs as bytes -1 / +1, by sign index (the SIMD paths gather them) */
+static int64_t IQ_KSIGNS[128];
+
 /* the codebooks (IQ_GRID_BYTES bytes); before any IQ kind is read */
 void ggml_iq_init(const uint8_t *grids) {
     memcpy(IQ_GRIDS, grids, IQ_GRID_BYTES);
+    for (uint32_t i = 0; i < 128; i++) {
+        uint64_t v = 0;
+        for (int j = 0; j < 8; j++) v |= (uint64_t)(iq_ksign(i) >> j & 1 ? 0xFF : 0x01) << 8 * j;
+        IQ_KSIGNS[i] = (int64_t)v;
+    }
     iq_ready = 1;
 }
 
@@ -66,12 +80,6 @@ static inline uint32_t iq_u32(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, 4);
     return v;
-}
-
-/* a 7-bit sign index's 8 signs (bit j set: value j negative) */
-static inline uint32_t iq_ksign(uint32_t i) {
-    i &= 127;
-    return i | (uint32_t)(__builtin_popcount(i) & 1) << 7;
 }
 
 /* the block's fp16 d (IQ1_M: gathered from its scales' top nibbles) */
