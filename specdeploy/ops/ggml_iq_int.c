@@ -214,8 +214,82 @@ IQ_TILE_FN(iq3_s_avx2, IQ3_S)
 IQ_TILE_FN(iq1_s_avx2, IQ1_S)
 IQ_TILE_FN(iq1_m_avx2, IQ1_M)
 
+/* Prefill-sized calls (more rows than a row group): each output's weight row decoded once into
+ * buffers (|w|, sign bytes, scale vectors, f per super-block), then every row over it: the same
+ * integers and fp32 operations per (row, output) as iq_group_rows, the decode paid once per
+ * output instead of once per group of 4 rows. 0, or -1 without scratch memory. */
+AVX2_FN __attribute__((always_inline)) int iq_rows_buffered(const act_t *a, int R, int K,
+                                                           const uint8_t *w, int n0, int n1,
+                                                           int N, float *y, const int kind) {
+    const int nk = K / 256, nb = K / 32, bytes = iq_bytes(kind);
+    __m256i *buf = (__m256i *)aligned_alloc(32, (size_t)nb * 3 * sizeof(__m256i) +
+                                                    (size_t)nk * sizeof(float) + 32);
+    if (!buf) return -1;
+    __m256i *ub = buf, *sb = buf + nb, *cb = buf + 2 * nb;
+    float *fb = (float *)(buf + 3 * nb);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * nk * bytes;
+        for (int k = 0; k < nk; k++) {
+            const uint8_t *b = row + (size_t)k * bytes;
+            fb[k] = half_to_float(iq_d_bits(kind, b)) * iq_f_mul(kind);
+            for (int g = 0; g < 8; g++) {
+                iq_group_avx2(kind, b, g, ub + 8 * k + g, sb + 8 * k + g);
+                cb[8 * k + g] = _mm256_set_m128i(_mm_set1_epi16((short)iq_scale(kind, b, 2 * g + 1)),
+                                                 _mm_set1_epi16((short)iq_scale(kind, b, 2 * g)));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            __m256 acc = _mm256_setzero_ps();
+            const int8_t *xr = a->q + (size_t)r * K;
+            const float *dr = a->d + (size_t)r * nb;
+            for (int k = 0; k < nk; k++) {
+                __m256i p[8];
+                for (int g = 0; g < 8; g++) {
+                    const __m256i qx = _mm256_loadu_si256((const __m256i *)(xr + 256 * k + 32 * g));
+                    p[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(
+                        ub[8 * k + g], _mm256_sign_epi8(qx, sb[8 * k + g])), cb[8 * k + g]);
+                }
+                acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(fb[k]),
+                                                    _mm256_loadu_ps(dr + 8 * k)),
+                                      _mm256_cvtepi32_ps(iq_reduce8(p)), acc);
+            }
+            y[(size_t)r * N + n] = hsum8(acc);
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+#define IQ_BUFFERED_FN(NAME, KIND)                                                             \
+    AVX2_ATTR static int NAME(const act_t *a, int R, int K, const uint8_t *w, int n0, int n1,   \
+                              int N, float *y) {                                               \
+        return iq_rows_buffered(a, R, K, w, n0, n1, N, y, KIND);                               \
+    }
+IQ_BUFFERED_FN(iq2_xxs_buf, IQ2_XXS)
+IQ_BUFFERED_FN(iq2_xs_buf, IQ2_XS)
+IQ_BUFFERED_FN(iq2_s_buf, IQ2_S)
+IQ_BUFFERED_FN(iq3_xxs_buf, IQ3_XXS)
+IQ_BUFFERED_FN(iq3_s_buf, IQ3_S)
+IQ_BUFFERED_FN(iq1_s_buf, IQ1_S)
+IQ_BUFFERED_FN(iq1_m_buf, IQ1_M)
+
+static int iq_buffered(int kind, const act_t *a, int R, int K, const uint8_t *w, int n0, int n1,
+                       int N, float *y) {
+    switch (kind) {
+    case IQ2_XXS: return iq2_xxs_buf(a, R, K, w, n0, n1, N, y);
+    case IQ2_XS: return iq2_xs_buf(a, R, K, w, n0, n1, N, y);
+    case IQ2_S: return iq2_s_buf(a, R, K, w, n0, n1, N, y);
+    case IQ3_XXS: return iq3_xxs_buf(a, R, K, w, n0, n1, N, y);
+    case IQ3_S: return iq3_s_buf(a, R, K, w, n0, n1, N, y);
+    case IQ1_S: return iq1_s_buf(a, R, K, w, n0, n1, N, y);
+    default: return iq1_m_buf(a, R, K, w, n0, n1, N, y);
+    }
+}
+
 static void iq_tile_avx2(int kind, const act_t *a, int R, int K, const uint8_t *w, int n0,
                          int n1, int N, float *y) {
+    /* NOTE: the same bits either way; on a failed allocation the row-group path */
+    if (R > ROW_GROUP && iq_buffered(kind, a, R, K, w, n0, n1, N, y) == 0) return;
     switch (kind) {
     case IQ2_XXS: iq2_xxs_avx2(a, R, K, w, n0, n1, N, y); break;
     case IQ2_XS: iq2_xs_avx2(a, R, K, w, n0, n1, N, y); break;
