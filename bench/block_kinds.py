@@ -11,7 +11,8 @@ multiple of: llama-quantize gives SmolLM2 Q5_0 there) take 12 layers of a 1024-w
 kind the integer-dot kernel on the GGUF blocks (ops/ggml_int.py) and, for the kinds it has, the
 tiled kernel on the repacked copy (ops/ggml_tiled.py: what a deployment runs where the outputs
 are in 16s), timed alternately in one process; ms for all the layers (medians of --reps), and
-tiled / int.
+tiled / int. The IQ1 / IQ2 / IQ3 kinds (ops/ggml_iq.c) have no tiled copy: their int_ms beside
+Q4_K's (another kind: timed in its own turn, not alternated) is what they cost.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 SHAPES_K, LAYERS_K = [(1536, 1024), (1024, 1024), (6144, 1024), (1024, 3072)], 12
-RANDOM = ("iq4_nl", "iq4_xs", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # gguf-py cannot make
+RANDOM = ("iq4_nl", "iq4_xs", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",  # gguf-py cannot make
+          "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
 
 
 def _shapes(kind: str) -> tuple[list[tuple[int, int]], int]:

@@ -121,9 +121,13 @@ AVX2_FN __attribute__((always_inline)) void iq_group_avx2(const int kind, const 
         }
     } else if (kind == IQ2_XXS) {
         const uint64_t q = iq_u64(b + 2 + 8 * g);
-        *u = _mm256_i32gather_epi64((const long long *)(IQ_GRIDS + IQ_G2XXS),
-                                    _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)q)), 8);
-        *sg = iq_ksigns4((uint32_t)(q >> 32));
+        const uint32_t aux = (uint32_t)(q >> 32);
+        *u = _mm256_set_epi64x((long long)iq_g8(IQ_G2XXS, (int)(q >> 24 & 255)),
+                               (long long)iq_g8(IQ_G2XXS, (int)(q >> 16 & 255)),
+                               (long long)iq_g8(IQ_G2XXS, (int)(q >> 8 & 255)),
+                               (long long)iq_g8(IQ_G2XXS, (int)(q & 255)));
+        *sg = _mm256_set_epi64x(IQ_KSIGNS[aux >> 21 & 127], IQ_KSIGNS[aux >> 14 & 127],
+                                IQ_KSIGNS[aux >> 7 & 127], IQ_KSIGNS[aux & 127]);
         return;
     } else if (kind == IQ2_XS) {
         const __m128i q = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * g)));
