@@ -13,7 +13,14 @@ from specdeploy.checkpoint.prequant import attach as attach_prequant
 from specdeploy.checkpoint.prequant import open_prequantized
 from specdeploy.checkpoint.reader import RowSlice
 from specdeploy.models.registry import module_for_config
-from specdeploy.ops.ggml_linear import KINDS, iq1_m_scales, kernel_unavailable, scale_bytes
+from specdeploy.ops.ggml_linear import (
+    HALF_KINDS,
+    KINDS,
+    iq1_m_scales,
+    kernel_unavailable,
+    nonfinite_values,
+    scale_bytes,
+)
 
 SKIP_FINITE_ENV = "SPECDEPLOY_SKIP_FINITE_CHECK"  # =1: skip the NaN/inf scan (huge checkpoints)
 # vLLM's spellings too: half = float16, float = float32
@@ -205,8 +212,9 @@ def _defer_blocks(model: nn.Module, blocks: dict, params: dict, source
         per_block = w.blocks.view(w.shape[0], -1, KINDS[w.kind][1])
         scales = (iq1_m_scales(per_block) if w.kind == "iq1_m" else None if where is None
                   else per_block[..., where])
-        if scales is not None and not bool(
-                torch.isfinite(scales.contiguous().view(torch.float16)).all()):
+        if (scales is not None and not bool(
+                torch.isfinite(scales.contiguous().view(torch.float16)).all())) or (
+                w.kind in HALF_KINDS and nonfinite_values(w)):
             raise CheckpointError(f"{source}: tensor {name!r} has non-finite block scales")
         out[name] = placeholder(w.shape)
         p = nn.Parameter(out[name], requires_grad=False)

@@ -254,6 +254,11 @@ class GGUFReader:
         kind = _BLOCK_KINDS.get(info.ggml_type) if info else None
         if kind is None or len(info.shape) not in (2, 3):
             return None
+        # F16 / BF16: 2-D matrices of a model (not its mmproj tower) whose rows are in 32s;
+        # stacked experts stay on the fp32 path (its one-call fp32 / bf16 expert kernel)
+        if kind in ("f16", "bf16") and (len(info.shape) != 2 or info.shape[-1] % 32
+                                        or self.is_mmproj):
+            return None
         raw = np.asarray(self._data[info.offset:info.offset + info.nbytes]).reshape(
             *info.shape[:-1], -1)
         raw = self._unpermute(info.name, raw)
@@ -296,7 +301,7 @@ _BLOCK_KINDS = {2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 10: "q2_k
                 12: "q4_k",
                 13: "q5_k", 14: "q6_k", 20: "iq4_nl", 23: "iq4_xs",
                 16: "iq2_xxs", 17: "iq2_xs", 18: "iq3_xxs", 19: "iq1_s", 21: "iq3_s",
-                22: "iq2_s", 29: "iq1_m",
+                22: "iq2_s", 29: "iq1_m", 1: "f16", 30: "bf16",
                 gguf_mxfp4.MXFP4_TYPE: "mxfp4"}
 
 

@@ -1,7 +1,7 @@
 /* y[R, N] = x[R, K] @ W^T for W stored as llama.cpp (GGUF) blocks: Q4_1, Q8_0, Q4_0, Q5_0, Q5_1,
  * IQ4_NL and MXFP4, and IQ4_XS and
  * the K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (256-value super-blocks; see kquant_values), and
- * the IQ1 / IQ2 / IQ3 kinds (ggml_iq.c).
+ * the IQ1 / IQ2 / IQ3 kinds (ggml_iq.c); F16 / BF16 matrices too (half8).
  *
  * Weights stay in their 4.5 / 8.5 bits per value and are expanded in registers; x and y are
  * fp32 and every weight is exactly the fp32 value gguf's dequantization gives (d * q + m), so
@@ -387,6 +387,52 @@ KQUANT_TILE(q2_k_tile, Q2_K)
 
 #include "ggml_iq.c"
 
+/* F16 / BF16 weights (a GGUF's full-precision matrices) as rows of 32-value "blocks" of 64
+ * bytes: each 8 values widened to fp32 exactly (F16C; BF16 by a 16-bit shift), then the same
+ * 8-lane fmas per row as the other kinds. Half the bytes of fp32 weights, the fp32 model. */
+enum { F16 = 20, BF16 = 21 };
+#define IS_HALF(kind) ((kind) == F16 || (kind) == BF16)
+
+static inline __attribute__((always_inline)) __m256 half8(const uint8_t *p, const int kind) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return kind == F16 ? _mm256_cvtph_ps(h)
+                       : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __attribute__((always_inline)) void half_group(
+    const float *x, int K, const uint8_t *w, int t0, int t1, int N, float *y, int r0,
+    const int rg, const int kind) {
+    for (int n = t0; n < t1; n++) {
+        const uint8_t *row = w + (size_t)n * K * 2;
+        __m256 acc[ROW_GROUP];
+        for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
+        for (int j = 0; j < K; j += 8) {
+            const __m256 wv = half8(row + 2 * (size_t)j, kind);
+            for (int r = 0; r < rg; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)(r0 + r) * K + j), wv, acc[r]);
+        }
+        for (int r = 0; r < rg; r++) y[(size_t)(r0 + r) * N + n] = hsum8(acc[r]);
+    }
+}
+
+#define HALF_TILE(NAME, KIND)                                                                  \
+    static void NAME(const float *x, int R, int K, const uint8_t *w, int n0, int n1, int N,    \
+                     float *y) {                                                               \
+        for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {                                           \
+            const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;                            \
+            for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {                                        \
+                switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {                             \
+                case 1: half_group(x, K, w, t0, t1, N, y, r0, 1, KIND); break;                 \
+                case 2: half_group(x, K, w, t0, t1, N, y, r0, 2, KIND); break;                 \
+                case 3: half_group(x, K, w, t0, t1, N, y, r0, 3, KIND); break;                 \
+                default: half_group(x, K, w, t0, t1, N, y, r0, 4, KIND); break;                \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+HALF_TILE(f16_tile, F16)
+HALF_TILE(bf16_tile, BF16)
+
 /* an IQ block's 256 fp32 values, exactly gguf's (f * s * w: every product exact, ggml_iq.c) */
 static void iq_values(int kind, const uint8_t *b, float *v) {
     int8_t w[256];
@@ -468,6 +514,8 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
             else if (kind == Q3_K) q3_k_tile(x, R, K, w, n0, n1, N, y);
             else if (kind == Q2_K) q2_k_tile(x, R, K, w, n0, n1, N, y);
             else if (IS_IQ(kind)) iq_exact_tile(kind, x, R, K, w, n0, n1, N, y);
+            else if (kind == F16) f16_tile(x, R, K, w, n0, n1, N, y);
+            else if (kind == BF16) bf16_tile(x, R, K, w, n0, n1, N, y);
             else q4_0_tile(x, xsum, R, K, w, n0, n1, N, y);
         }
     }
@@ -481,6 +529,15 @@ int ggml_linear(int kind, const float *x, int R, int K, const uint8_t *w, int N,
  * into a reused buffer with this, and embeddings gather their rows from the blocks. */
 void ggml_dequant(int kind, const uint8_t *w, const int64_t *rows, int R, int K, float *out,
                   int nthreads) {
+    if (IS_HALF(kind)) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int i = 0; i < R; i++) {
+            const uint8_t *row = w + (size_t)(rows ? rows[i] : i) * K * 2;
+            for (int j = 0; j < K; j += 8)
+                _mm256_storeu_ps(out + (size_t)i * K + j, half8(row + 2 * (size_t)j, kind == F16 ? F16 : BF16));
+        }
+        return;
+    }
     if (IS_IQ(kind)) { /* (callers load the codebooks first: ggml_linear.py's _library) */
         const int nk = K / 256, kb = iq_bytes(kind);
 #pragma omp parallel for num_threads(nthreads) schedule(static)

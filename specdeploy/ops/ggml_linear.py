@@ -43,7 +43,12 @@ KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18), "q4_k": (3, 144), "q
          "iq4_nl": (9, 18), "iq4_xs": (10, 136), "q3_k": (11, 110), "q2_k": (12, 84),
          # the lattice-codebook kinds (ggml_iq.c): exact and integer-dot kernels, not tiled
          "iq2_xxs": (13, 66), "iq2_xs": (14, 74), "iq2_s": (15, 82), "iq3_xxs": (16, 98),
-         "iq3_s": (17, 110), "iq1_s": (18, 50), "iq1_m": (19, 56)}
+         "iq3_s": (17, 110), "iq1_s": (18, 50), "iq1_m": (19, 56),
+         # a GGUF's full-precision F16 / BF16 matrices, as 32-value "blocks" of their bytes:
+         # the exact kernel only (the fp32 model, half the bytes; "fast" runs it at every row
+         # count, as MXFP4 where no tiled copy does)
+         "f16": (20, 64), "bf16": (21, 64)}
+HALF_KINDS = ("f16", "bf16")
 K_QUANTS = ("q4_k", "q5_k", "q6_k")  # exact, integer-dot and tiled kernels
 IQ_KINDS = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
 SUPER_BLOCKS = (*K_QUANTS, "iq4_xs", "q3_k", "q2_k", *IQ_KINDS)  # 256 values a block
@@ -58,12 +63,14 @@ def scale_bytes(kind: str) -> slice | None:
     """Where a block of `kind` keeps its fp16 scale(s) (d, and the offset m / dmin); None for
     mxfp4, whose E8M0 byte is always a finite power of two as ggml reads it, and for iq1_m,
     whose d is spread over four bytes' top nibbles (`iq1_m_scales`)."""
-    if kind in ("mxfp4", "iq1_m"):
+    if kind in ("mxfp4", "iq1_m", *HALF_KINDS):  # (F16 / BF16: every value is checked)
         return None
     if kind in ("q3_k", "q2_k"):
         return slice(108, 110) if kind == "q3_k" else slice(80, 84)
     return slice(208, 210) if kind == "q6_k" else slice(0, 4 if kind in ("q4_1", "q5_1", "q4_k",
                                                                           "q5_k") else 2)
+
+
 def iq1_m_scales(blocks: torch.Tensor) -> torch.Tensor:
     """IQ1_M blocks [..., 56] -> their fp16 d [...]: the top nibbles of the four uint16 scales
     at bytes 48..55, lowest first (gguf-py's reading)."""
@@ -72,6 +79,12 @@ def iq1_m_scales(blocks: torch.Tensor) -> torch.Tensor:
     bits = ((hi[..., 0] >> 4) | (hi[..., 1] & 0xF0) | ((hi[..., 2] & 0xF0) << 4)
             | ((hi[..., 3] & 0xF0) << 8))
     return bits.to(torch.int16).view(torch.float16)
+
+
+def nonfinite_values(weight: GGMLWeight) -> bool:
+    """Whether an F16 / BF16 weight holds an inf or NaN (exponent bits all ones)."""
+    mask = 0x7C00 if weight.kind == "f16" else 0x7F80
+    return bool(((weight.blocks.view(torch.int16) & mask) == mask).any())
 
 
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]

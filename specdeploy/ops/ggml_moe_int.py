@@ -108,10 +108,10 @@ def bound_experts(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str,
     args = (KINDS[up.kind][0], KINDS[down.kind][0], ggml_int.ISAS.index(isa))
     if tiled is None:
         tiled = tiles(up, down)
-    if not tiled and "mxfp4" in (up.kind, down.kind):  # (ggml_kernels_int.c has no MXFP4)
+    if not tiled and not {up.kind, down.kind} <= set(ggml_int.INT_KINDS):  # (no MXFP4 there)
         raise ValueError(f"mxfp4 experts run only tiled (outputs in 16s, the tiled kernel "
-                         f"built); got {up.kind} {tuple(up.shape)} / {down.kind} "
-                         f"{tuple(down.shape)}")
+                         f"built), other kinds on {', '.join(ggml_int.INT_KINDS)}; got "
+                         f"{up.kind} {tuple(up.shape)} / {down.kind} {tuple(down.shape)}")
     if tiled:
         if not tiles(up, down):
             raise ValueError(f"tiled experts: {' / '.join(TILED_KINDS)} with outputs in 16s and "

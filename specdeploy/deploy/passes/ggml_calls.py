@@ -78,7 +78,8 @@ def expert_fast_fn(weight: GGMLWeight, bias: torch.Tensor | None, isa: str):
     one-call kernel's numbers), else `exact_fn`."""
     if weight.kind in ggml_int.INT_KINDS:
         return ggml_int.bound_linear(weight, bias, isa)
-    if weight.shape[0] % TILE == 0 and ggml_tiled.kernel_unavailable() is None:
+    if (weight.kind in ggml_tiled.TILED_KINDS and weight.shape[0] % TILE == 0
+            and ggml_tiled.kernel_unavailable() is None):
         return tiled_linear_fn(ggml_tiled.repack(weight), bias, isa)
     return exact_fn(weight, bias)
 
