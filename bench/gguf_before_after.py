@@ -2,8 +2,8 @@
 the tree on PYTHONPATH: run it under two trees to compare them, e.g. before and after a kind
 kept its blocks.
 
-    PYTHONPATH=OLD_TREE .venv/bin/python bench/iq_before_after.py FILE.gguf old
-    PYTHONPATH=. .venv/bin/python bench/iq_before_after.py FILE.gguf new
+    PYTHONPATH=OLD_TREE .venv/bin/python bench/gguf_before_after.py FILE.gguf old
+    PYTHONPATH=. .venv/bin/python bench/gguf_before_after.py FILE.gguf new
 """
 from __future__ import annotations
 
