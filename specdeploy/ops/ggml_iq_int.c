@@ -195,6 +195,44 @@ AVX2_FN __attribute__((always_inline)) void iq_group_rows(const act_t *a, int K,
     }
 }
 
+/* one row, outputs n and n + 1 together (two independent decode chains for the core; each
+ * output's operations are iq_group_rows' own) */
+AVX2_FN __attribute__((always_inline)) void iq_pair_row(const act_t *a, int K, const uint8_t *w,
+                                                       int n, int N, float *y, int r,
+                                                       const int kind) {
+    const int nk = K / 256, nb = K / 32, bytes = iq_bytes(kind);
+    const uint8_t *row0 = w + (size_t)n * nk * bytes, *row1 = row0 + (size_t)nk * bytes;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int k = 0; k < nk; k++) {
+        const uint8_t *b0 = row0 + (size_t)k * bytes, *b1 = row1 + (size_t)k * bytes;
+        _mm_prefetch((const char *)(b0 + 2 * bytes), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b1 + 2 * bytes), _MM_HINT_T0);
+        const float f0 = half_to_float(iq_d_bits(kind, b0)) * iq_f_mul(kind);
+        const float f1 = half_to_float(iq_d_bits(kind, b1)) * iq_f_mul(kind);
+        __m256i p0[8], p1[8];
+        for (int g = 0; g < 8; g++) {
+            __m256i u0, s0, u1, s1;
+            iq_group_avx2(kind, b0, g, &u0, &s0);
+            iq_group_avx2(kind, b1, g, &u1, &s1);
+            const __m256i qx = _mm256_loadu_si256(
+                (const __m256i *)(a->q + ((size_t)r * nb + 8 * k + g) * 32));
+            const __m256i c0 = _mm256_set_m128i(_mm_set1_epi16((short)iq_scale(kind, b0, 2 * g + 1)),
+                                                _mm_set1_epi16((short)iq_scale(kind, b0, 2 * g)));
+            const __m256i c1 = _mm256_set_m128i(_mm_set1_epi16((short)iq_scale(kind, b1, 2 * g + 1)),
+                                                _mm_set1_epi16((short)iq_scale(kind, b1, 2 * g)));
+            p0[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(qx, s0)), c0);
+            p1[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(qx, s1)), c1);
+        }
+        const __m256 dx = _mm256_loadu_ps(a->d + (size_t)r * nb + 8 * k);
+        acc0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(f0), dx),
+                               _mm256_cvtepi32_ps(iq_reduce8(p0)), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(f1), dx),
+                               _mm256_cvtepi32_ps(iq_reduce8(p1)), acc1);
+    }
+    y[(size_t)r * N + n] = hsum8(acc0);
+    y[(size_t)r * N + n + 1] = hsum8(acc1);
+}
+
 #define IQ_TILE_FN(NAME, KIND)                                                                 \
     AVX2_ATTR static void NAME(const act_t *a, int R, int K, const uint8_t *w, int n0, int n1,  \
                                int N, float *y) {                                              \
@@ -202,7 +240,12 @@ AVX2_FN __attribute__((always_inline)) void iq_group_rows(const act_t *a, int K,
             const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;                            \
             for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {                                        \
                 switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {                             \
-                case 1: iq_group_rows(a, K, w, t0, t1, N, y, r0, 1, KIND); break;              \
+                case 1: {                                                                  \
+                    int n = t0;                                                                \
+                    for (; n + 2 <= t1; n += 2) iq_pair_row(a, K, w, n, N, y, r0, KIND);       \
+                    if (n < t1) iq_group_rows(a, K, w, n, t1, N, y, r0, 1, KIND);              \
+                    break;                                                                     \
+                }                                                                              \
                 case 2: iq_group_rows(a, K, w, t0, t1, N, y, r0, 2, KIND); break;              \
                 case 3: iq_group_rows(a, K, w, t0, t1, N, y, r0, 3, KIND); break;              \
                 default: iq_group_rows(a, K, w, t0, t1, N, y, r0, 4, KIND); break;             \
