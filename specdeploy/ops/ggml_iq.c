@@ -30,8 +30,16 @@
  * A sign index i (7 bits) means the 8 signs of i with bit 7 the parity of i (ggml's ksigns:
  * an even number of minus signs). */
 
-enum { IQ2_XXS = 13, IQ2_XS = 14, IQ2_S = 15, IQ3_XXS = 16, IQ3_S = 17, IQ1_S = 18, IQ1_M = 19 };
-#define IS_IQ(kind) ((kind) >= IQ2_XXS && (kind) <= IQ1_M)
+enum { IQ2_XXS = 13, IQ2_XS = 14, IQ2_S = 15, IQ3_XXS = 16, IQ3_S = 17, IQ1_S = 18, IQ1_M = 19,
+       TQ1_0 = 22, TQ2_0 = 23 };
+/* the kinds read here: the lattice ones and the ternary TQ1_0 / TQ2_0 (s = 1, f = d, w in
+ * -1..1: TQ2_0 (66 bytes) 2-bit q - 1, value v from bits 2 ((v >> 5) & 3) of byte
+ * 32 (v >> 7) + (v & 31), d last; TQ1_0 (54 bytes) base-3 digits: byte b times 3^m (mod 256),
+ * then (that * 3) >> 8 is the digit, minus 1; values 0-159 from bytes 0-31 (m = v / 32),
+ * 160-239 from bytes 32-47 (m = (v - 160) / 16), 240-255 from bytes 48-51 (m = (v - 240) / 4),
+ * d last) */
+#define IS_TQ(kind) ((kind) == TQ1_0 || (kind) == TQ2_0)
+#define IS_IQ(kind) (((kind) >= IQ2_XXS && (kind) <= IQ1_M) || IS_TQ(kind))
 
 /* the codebooks, one after another in ggml_iq.py's GRIDS order, as bytes of their values
  * (IQ1's -1 / 0 / 1 as int8) */
@@ -67,7 +75,8 @@ void ggml_iq_init(const uint8_t *grids) {
 
 static inline int iq_bytes(int kind) {
     return kind == IQ2_XXS ? 66 : kind == IQ2_XS ? 74 : kind == IQ2_S ? 82 : kind == IQ3_XXS ? 98
-           : kind == IQ3_S ? 110 : kind == IQ1_S ? 50 : 56;
+           : kind == IQ3_S ? 110 : kind == IQ1_S ? 50 : kind == TQ1_0 ? 54 : kind == TQ2_0 ? 66
+           : 56;
 }
 
 static inline uint16_t iq_u16(const uint8_t *p) {
@@ -84,6 +93,7 @@ static inline uint32_t iq_u32(const uint8_t *p) {
 
 /* the block's fp16 d (IQ1_M: gathered from its scales' top nibbles) */
 static inline uint16_t iq_d_bits(int kind, const uint8_t *b) {
+    if (IS_TQ(kind)) return iq_u16(b + iq_bytes(kind) - 2);
     if (kind != IQ1_M) return iq_u16(b);
     return (uint16_t)((iq_u16(b + 48) >> 12) | ((iq_u16(b + 50) >> 8) & 0x00F0) |
                       ((iq_u16(b + 52) >> 4) & 0x0F00) | (iq_u16(b + 54) & 0xF000));
@@ -91,12 +101,14 @@ static inline uint16_t iq_d_bits(int kind, const uint8_t *b) {
 
 /* d's multiple: value = f * s * w with f = d * IQ_F(kind) (a power of two: exact) */
 static inline float iq_f_mul(int kind) {
-    return kind == IQ3_S ? 1.f : kind == IQ3_XXS ? 0.25f : 0.125f;
+    return kind == IQ3_S || IS_TQ(kind) ? 1.f : kind == IQ3_XXS ? 0.25f : 0.125f;
 }
 
 /* the integer scale of values 16 h .. 16 h + 15 */
 static inline int iq_scale(int kind, const uint8_t *b, int h) {
     switch (kind) {
+    case TQ1_0:
+    case TQ2_0: return 1;
     case IQ2_XXS: return 2 * (int)(iq_u32(b + 2 + 8 * (h >> 1) + 4) >> 28) + 1;
     case IQ3_XXS: return 2 * (int)(iq_u32(b + 66 + 4 * (h >> 1)) >> 28) + 1;
     case IQ2_XS: return 2 * ((b[66 + (h >> 1)] >> 4 * (h & 1)) & 15) + 1;
@@ -109,6 +121,25 @@ static inline int iq_scale(int kind, const uint8_t *b, int h) {
 
 /* values 8 j .. 8 j + 7 of the block as w (|w| <= 62) */
 static inline void iq_eight(int kind, const uint8_t *b, int j, int8_t *w) {
+    if (kind == TQ2_0) {
+        for (int i = 0; i < 8; i++) {
+            const int v = 8 * j + i;
+            w[i] = (int8_t)(((b[32 * (v >> 7) + (v & 31)] >> 2 * ((v >> 5) & 3)) & 3) - 1);
+        }
+        return;
+    }
+    if (kind == TQ1_0) {
+        static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+        for (int i = 0; i < 8; i++) {
+            const int v = 8 * j + i;
+            const int byte = v < 160 ? b[v & 31] : v < 240 ? b[32 + ((v - 160) & 15)]
+                                                            : b[48 + ((v - 240) & 3)];
+            const int m = v < 160 ? v >> 5 : v < 240 ? (v - 160) >> 4 : (v - 240) >> 2;
+            const uint8_t q = (uint8_t)(byte * pow3[m]);
+            w[i] = (int8_t)(((q * 3) >> 8) - 1);
+        }
+        return;
+    }
     const int g = j >> 2, l = j & 3;
     const uint8_t *grid;
     uint32_t signs = 0;

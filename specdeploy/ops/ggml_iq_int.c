@@ -82,6 +82,23 @@ AVX2_FN uint64_t iq_u64(const uint8_t *p) {
  * the compiler spilled and re-read wider stalled on store forwarding (perf: ~40% of IQ2_XS) */
 AVX2_FN __attribute__((always_inline)) void iq_group_avx2(const int kind, const uint8_t *b,
                                                          int g, __m256i *u, __m256i *sg) {
+    if (kind == TQ2_0) { /* bits 2 (g & 3) of the 32 bytes 32 (g >> 2) .., minus 1 */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 * (g >> 2)));
+        const __m256i wv = _mm256_sub_epi8(
+            _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * (g & 3))),
+                             _mm256_set1_epi8(3)), _mm256_set1_epi8(1));
+        *u = _mm256_abs_epi8(wv);
+        *sg = wv; /* (0 where w is: the product is 0 either way) */
+        return;
+    }
+    if (kind == TQ1_0) { /* base-3 digits: the scalar decoder (a rare kind) */
+        int8_t wb[32];
+        for (int j = 0; j < 4; j++) iq_eight(TQ1_0, b, 4 * g + j, wb + 8 * j);
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)wb);
+        *u = _mm256_abs_epi8(wv);
+        *sg = wv;
+        return;
+    }
     if (kind == IQ1_S || kind == IQ1_M) {
         const __m128i lo = _mm_cvtepu8_epi32(
             _mm_cvtsi32_si128((int)iq_u32(b + (kind == IQ1_S ? 2 : 0) + 4 * g)));
@@ -260,6 +277,8 @@ IQ_TILE_FN(iq3_xxs_avx2, IQ3_XXS)
 IQ_TILE_FN(iq3_s_avx2, IQ3_S)
 IQ_TILE_FN(iq1_s_avx2, IQ1_S)
 IQ_TILE_FN(iq1_m_avx2, IQ1_M)
+IQ_TILE_FN(tq1_0_avx2, TQ1_0)
+IQ_TILE_FN(tq2_0_avx2, TQ2_0)
 
 /* Prefill-sized calls (more rows than a row group): each output's weight row decoded once into
  * buffers (|w|, sign bytes, scale vectors, f per super-block), then every row over it: the same
@@ -319,6 +338,8 @@ IQ_BUFFERED_FN(iq3_xxs_buf, IQ3_XXS)
 IQ_BUFFERED_FN(iq3_s_buf, IQ3_S)
 IQ_BUFFERED_FN(iq1_s_buf, IQ1_S)
 IQ_BUFFERED_FN(iq1_m_buf, IQ1_M)
+IQ_BUFFERED_FN(tq1_0_buf, TQ1_0)
+IQ_BUFFERED_FN(tq2_0_buf, TQ2_0)
 
 static int iq_buffered(int kind, const act_t *a, int R, int K, const uint8_t *w, int n0, int n1,
                        int N, float *y) {
@@ -329,6 +350,8 @@ static int iq_buffered(int kind, const act_t *a, int R, int K, const uint8_t *w,
     case IQ3_XXS: return iq3_xxs_buf(a, R, K, w, n0, n1, N, y);
     case IQ3_S: return iq3_s_buf(a, R, K, w, n0, n1, N, y);
     case IQ1_S: return iq1_s_buf(a, R, K, w, n0, n1, N, y);
+    case TQ1_0: return tq1_0_buf(a, R, K, w, n0, n1, N, y);
+    case TQ2_0: return tq2_0_buf(a, R, K, w, n0, n1, N, y);
     default: return iq1_m_buf(a, R, K, w, n0, n1, N, y);
     }
 }
@@ -344,6 +367,8 @@ static void iq_tile_avx2(int kind, const act_t *a, int R, int K, const uint8_t *
     case IQ3_XXS: iq3_xxs_avx2(a, R, K, w, n0, n1, N, y); break;
     case IQ3_S: iq3_s_avx2(a, R, K, w, n0, n1, N, y); break;
     case IQ1_S: iq1_s_avx2(a, R, K, w, n0, n1, N, y); break;
+    case TQ1_0: tq1_0_avx2(a, R, K, w, n0, n1, N, y); break;
+    case TQ2_0: tq2_0_avx2(a, R, K, w, n0, n1, N, y); break;
     default: iq1_m_avx2(a, R, K, w, n0, n1, N, y); break;
     }
 }

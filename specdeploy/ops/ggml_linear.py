@@ -47,10 +47,13 @@ KINDS = {"q4_1": (0, 20), "q8_0": (1, 34), "q4_0": (2, 18), "q4_k": (3, 144), "q
          # a GGUF's full-precision F16 / BF16 matrices, as 32-value "blocks" of their bytes:
          # the exact kernel only (the fp32 model, half the bytes; "fast" runs it at every row
          # count, as MXFP4 where no tiled copy does)
-         "f16": (20, 64), "bf16": (21, 64)}
+         "f16": (20, 64), "bf16": (21, 64),
+         # ternary (BitNet b1.58-style) 256-value blocks, read by ggml_iq.c with the IQ kinds
+         "tq1_0": (22, 54), "tq2_0": (23, 66)}
 HALF_KINDS = ("f16", "bf16")
 K_QUANTS = ("q4_k", "q5_k", "q6_k")  # exact, integer-dot and tiled kernels
-IQ_KINDS = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+# ggml_iq.c's kinds: the lattice-codebook IQ1 / IQ2 / IQ3 kinds and the ternary TQ1_0 / TQ2_0
+IQ_KINDS = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0")
 SUPER_BLOCKS = (*K_QUANTS, "iq4_xs", "q3_k", "q2_k", *IQ_KINDS)  # 256 values a block
 
 
@@ -67,6 +70,8 @@ def scale_bytes(kind: str) -> slice | None:
         return None
     if kind in ("q3_k", "q2_k"):
         return slice(108, 110) if kind == "q3_k" else slice(80, 84)
+    if kind in ("tq1_0", "tq2_0"):  # d last
+        return slice(52, 54) if kind == "tq1_0" else slice(64, 66)
     return slice(208, 210) if kind == "q6_k" else slice(0, 4 if kind in ("q4_1", "q5_1", "q4_k",
                                                                           "q5_k") else 2)
 

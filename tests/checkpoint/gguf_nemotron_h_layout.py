@@ -136,7 +136,8 @@ def write_gguf(src: Path, out: Path, qtype=Q.F32, expert_qtype=Q.F32,
 
 # (gguf-py cannot quantize to them)
 K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS,
-            Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)  # random blocks (gguf-py cannot write)
+            Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M,  # random blocks (gguf-py cannot write)
+            Q.TQ1_0, Q.TQ2_0)  # (it can: its d = max |w| would inflate a random model's weights)
 
 
 def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
@@ -158,7 +159,7 @@ def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
 # the IQ1 / IQ2 / IQ3 kinds: d's divisor keeping values near the others' (|value| <= d * 31 *
 # {43 / 8, 62 / 4, 15, 9 / 8} at the largest scale and codebook value)
 IQ_D_DIV = {Q.IQ2_XXS: 4, Q.IQ2_XS: 4, Q.IQ2_S: 4, Q.IQ3_XXS: 12, Q.IQ3_S: 12, Q.IQ1_S: 1,
-            Q.IQ1_M: 1}
+            Q.IQ1_M: 1, Q.TQ1_0: 0.1, Q.TQ2_0: 0.1}  # (TQ: values -1..2 times d, d last)
 
 
 def random_kquant(qtype, shape: tuple, rng: np.random.Generator) -> np.ndarray:
@@ -188,6 +189,8 @@ def random_kquant(qtype, shape: tuple, rng: np.random.Generator) -> np.ndarray:
             for j in range(4):
                 sc[..., j] = (sc[..., j] & 0x0FFF) | (((d >> 4 * j) & 0xF) << 12)
             raw[..., 48:56] = sc.view(np.uint8)
+        elif qtype in (Q.TQ1_0, Q.TQ2_0):
+            raw[..., size - 2:size] = d[..., None].view(np.uint8)
         else:
             raw[..., 0:2] = d[..., None].view(np.uint8)
     elif qtype == Q.Q6_K:

@@ -1,6 +1,6 @@
-"""GGUF's lattice-codebook kinds (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) read as
-stored (ops/ggml_iq.c) by the exact kernel and the integer-dot kernel, against oracles the
-kernels did not produce:
+"""GGUF's lattice-codebook kinds (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) and the
+ternary TQ1_0 / TQ2_0 read as stored (ops/ggml_iq.c) by the exact kernel and the integer-dot
+kernel, against oracles the kernels did not produce:
 
 1. gguf-py's dequantization: the exact kernel's values equal it bit for bit (every product
    f * s * w is exact in fp32), and its matmul is within fp32 round-off of a float64 matmul
@@ -26,7 +26,8 @@ from tests.ops.test_ggml_int import _errors, _x
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 IQ = {"iq2_xxs": Q.IQ2_XXS, "iq2_xs": Q.IQ2_XS, "iq2_s": Q.IQ2_S, "iq3_xxs": Q.IQ3_XXS,
-      "iq3_s": Q.IQ3_S, "iq1_s": Q.IQ1_S, "iq1_m": Q.IQ1_M}
+      "iq3_s": Q.IQ3_S, "iq1_s": Q.IQ1_S, "iq1_m": Q.IQ1_M,
+      "tq1_0": Q.TQ1_0, "tq2_0": Q.TQ2_0}  # (the ternary kinds: read by the same file)
 
 pytestmark = pytest.mark.skipif(
     gl.kernel_unavailable() is not None or gi.kernel_unavailable() is not None,
@@ -60,6 +61,8 @@ def _set_d(kind: str, raw: np.ndarray, d: np.ndarray) -> None:
         for j in range(4):
             sc[..., j] = (sc[..., j] & 0x0FFF) | (((d >> 4 * j) & 0xF) << 12)
         b[..., 48:56] = sc.view(np.uint8)
+    elif kind.startswith("tq"):  # d last
+        b[..., size - 2:size] = d[..., None].view(np.uint8)
     else:
         b[..., 0:2] = d[..., None].view(np.uint8)
 
@@ -74,11 +77,12 @@ def test_dequantize_is_gguf_py_bit_for_bit(kind):
                          0xFC00, 0x1234, 0x8001], np.uint16)
     d = np.resize(specials, (n, k // 256))
     _set_d(kind, raw, d)
-    want = gguf.quants.dequantize(raw, IQ[kind]).reshape(n, k)
+    with np.errstate(invalid="ignore"):  # (TQ's inf d times a 0 digit: NaN, both ways)
+        want = gguf.quants.dequantize(raw, IQ[kind]).reshape(n, k)
     w = gl.make_weight(kind, torch.from_numpy(raw), (n, k))
     got = gl.dequantize(w).numpy()
     assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
-    assert np.isinf(want).any() and (want == 0).any()
+    assert np.isinf(want).any() and (want == 0).any() and (np.signbit(want) & (want == 0)).any()
     if kind == "iq1_m":
         assert np.array_equal(gl.iq1_m_scales(torch.from_numpy(raw.reshape(n, -1, 56)))
                               .view(torch.int16).numpy().view(np.uint16), d)
@@ -164,6 +168,10 @@ def _largest(kind: str, n: int, k: int) -> np.ndarray:
     from gguf import quants
 
     raw = np.full((n, k // 256, gl.KINDS[kind][1]), 0xFF, np.uint8)
+    if kind.startswith("tq"):  # every digit at its largest (TQ2_0's 3: w = 2)
+        out = raw.reshape(n, -1)
+        _set_d(kind, out, np.full((n, k // 256), 0x0C00, np.uint16))
+        return out
     name = {"iq1_m": "IQ1_S"}.get(kind, kind.upper())
     cls = getattr(quants, name)
     cls.init_grid()
@@ -232,7 +240,8 @@ def test_non_finite_iq1_m_scale_is_refused(tmp_path):
 
 # (matrices, experts): what llama-quantize's IQ file types pair (e.g. IQ2_XXS experts under
 # IQ3_XXS / IQ2_XS attention); all seven kinds
-DEPLOYED = [("iq3_xxs", "iq2_xxs"), ("iq2_xs", "iq1_s"), ("iq3_s", "iq1_m"), ("iq2_s", "iq2_s")]
+DEPLOYED = [("iq3_xxs", "iq2_xxs"), ("iq2_xs", "iq1_s"), ("iq3_s", "iq1_m"), ("iq2_s", "iq2_s"),
+            ("tq2_0", "tq1_0")]
 
 
 @pytest.fixture(scope="module", params=DEPLOYED, ids=lambda kinds: "+".join(kinds))

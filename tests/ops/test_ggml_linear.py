@@ -105,8 +105,8 @@ def test_concat_rows_equals_separate_calls():
 def test_make_weight_checks_sizes():
     with pytest.raises(ValueError, match=r"uint8 \(4, 40\)"):
         gl.make_weight("q4_1", torch.zeros(4, 41, dtype=torch.uint8), (4, 64))
-    with pytest.raises(ValueError, match="unsupported kind 'tq2_0'.*q4_1"):
-        gl.make_weight("tq2_0", torch.zeros(4, 66, dtype=torch.uint8), (4, 256))
+    with pytest.raises(ValueError, match="unsupported kind 'q8_k'.*q4_1"):  # (not a file type)
+        gl.make_weight("q8_k", torch.zeros(4, 292, dtype=torch.uint8), (4, 256))
     with pytest.raises(ValueError, match=r"iq2_xs blocks for shape \(4, 64\)"):  # 256s only
         gl.make_weight("iq2_xs", torch.zeros(4, 36, dtype=torch.uint8), (4, 64))
 
