@@ -363,21 +363,24 @@ static inline __attribute__((always_inline)) void kquant_group(
     }
 }
 
-#define KQUANT_TILE(NAME, KIND)                                                                \
+/* NAME(x, R, K, w, n0, n1, N, y): outputs n0..n1 in tiles of OUT_TILE, rows in groups of
+ * ROW_GROUP, each group by GROUP(KIND, x, K, w, t0, t1, N, y, r0, rg) with rg a constant */
+#define ROW_GROUPS_TILE(NAME, GROUP, KIND)                                                     \
     static void NAME(const float *x, int R, int K, const uint8_t *w, int n0, int n1, int N,    \
                      float *y) {                                                               \
         for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {                                           \
             const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;                            \
             for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {                                        \
                 switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {                             \
-                case 1: kquant_group(KIND, x, K, w, t0, t1, N, y, r0, 1); break;               \
-                case 2: kquant_group(KIND, x, K, w, t0, t1, N, y, r0, 2); break;               \
-                case 3: kquant_group(KIND, x, K, w, t0, t1, N, y, r0, 3); break;               \
-                default: kquant_group(KIND, x, K, w, t0, t1, N, y, r0, 4); break;              \
+                case 1: GROUP(KIND, x, K, w, t0, t1, N, y, r0, 1); break;                      \
+                case 2: GROUP(KIND, x, K, w, t0, t1, N, y, r0, 2); break;                      \
+                case 3: GROUP(KIND, x, K, w, t0, t1, N, y, r0, 3); break;                      \
+                default: GROUP(KIND, x, K, w, t0, t1, N, y, r0, 4); break;                     \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
     }
+#define KQUANT_TILE(NAME, KIND) ROW_GROUPS_TILE(NAME, kquant_group, KIND)
 KQUANT_TILE(q4_k_tile, Q4_K)
 KQUANT_TILE(q5_k_tile, Q5_K)
 KQUANT_TILE(q6_k_tile, Q6_K)
@@ -400,8 +403,8 @@ static inline __attribute__((always_inline)) __m256 half8(const uint8_t *p, cons
 }
 
 static inline __attribute__((always_inline)) void half_group(
-    const float *x, int K, const uint8_t *w, int t0, int t1, int N, float *y, int r0,
-    const int rg, const int kind) {
+    const int kind, const float *x, int K, const uint8_t *w, int t0, int t1, int N, float *y,
+    int r0, const int rg) {
     for (int n = t0; n < t1; n++) {
         const uint8_t *row = w + (size_t)n * K * 2;
         __m256 acc[ROW_GROUP];
@@ -415,23 +418,8 @@ static inline __attribute__((always_inline)) void half_group(
     }
 }
 
-#define HALF_TILE(NAME, KIND)                                                                  \
-    static void NAME(const float *x, int R, int K, const uint8_t *w, int n0, int n1, int N,    \
-                     float *y) {                                                               \
-        for (int t0 = n0; t0 < n1; t0 += OUT_TILE) {                                           \
-            const int t1 = t0 + OUT_TILE < n1 ? t0 + OUT_TILE : n1;                            \
-            for (int r0 = 0; r0 < R; r0 += ROW_GROUP) {                                        \
-                switch (R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP) {                             \
-                case 1: half_group(x, K, w, t0, t1, N, y, r0, 1, KIND); break;                 \
-                case 2: half_group(x, K, w, t0, t1, N, y, r0, 2, KIND); break;                 \
-                case 3: half_group(x, K, w, t0, t1, N, y, r0, 3, KIND); break;                 \
-                default: half_group(x, K, w, t0, t1, N, y, r0, 4, KIND); break;                \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-    }
-HALF_TILE(f16_tile, F16)
-HALF_TILE(bf16_tile, BF16)
+ROW_GROUPS_TILE(f16_tile, half_group, F16)
+ROW_GROUPS_TILE(bf16_tile, half_group, BF16)
 
 /* an IQ block's 256 fp32 values, exactly gguf's (f * s * w: every product exact, ggml_iq.c) */
 static void iq_values(int kind, const uint8_t *b, float *v) {

@@ -223,3 +223,17 @@ def add_tokenizer(w, src: Path, vocab_size: int, pre: str = "default") -> None:
     w.add_pad_token_id(0)
     tc = json.loads((src / "tokenizer_config.json").read_text())
     w.add_chat_template(tc["chat_template"])
+
+
+def wide_moe_gguf(d: Path, qtype, expert_qtype) -> Path:
+    """tests/ops/test_ggml_kquants.py's tiny NemotronH MoE with every width a multiple of 256
+    (the 256-value kinds' super-blocks) as a GGUF: matrices in `qtype`, experts in
+    `expert_qtype` (random valid blocks for the kinds gguf-py cannot write)."""
+    from specdeploy.models import nemotron_h as nh
+    from tests.checkpoint.test_gguf_nemotron_h import MOE
+
+    hf = dict(MOE, hidden_size=256, mamba_num_heads=8, mamba_head_dim=32, head_dim=64,
+              moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
+              moe_latent_size=256)
+    src = nh.make_tiny(d / "st", seed=3, mtp_layers=1, hf_config=hf)
+    return write_gguf(src, d / "model.gguf", qtype=qtype, expert_qtype=expert_qtype)

@@ -121,16 +121,23 @@ def test_rows_are_batch_and_thread_invariant(kind, isa):
     """A row's output is bit-identical alone and inside any batch of up to 17 rows, at 1 or 2
     threads: a 1-row decode and a K + 1-row verify compute the same numbers."""
     gw, _, _ = _weight(kind, 200, 96, seed=1)
-    x = _x(17, 96, seed=1)
+    assert_rows_invariant(gw, _x(17, 96, seed=1), isa)
+
+
+def assert_rows_invariant(gw, x: torch.Tensor, isa: str) -> None:
+    """Each row of x through `gw` on the integer kernel bit-identical alone, in prefix batches
+    (1, 3, 4, 5, 8, 16 rows: row groups, remainders, the buffered path) and in the whole one,
+    at 1 and 2 threads (tests/ops/test_ggml_iq.py uses it too)."""
     before = torch.get_num_threads()
     try:
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
             full = gi.ggml_linear_int(x, gw, isa=isa)
-            for rows in (1, 3, 4, 8, 16):
-                assert torch.equal(gi.ggml_linear_int(x[:rows], gw, isa=isa), full[:rows])
-            alone = [gi.ggml_linear_int(x[i:i + 1], gw, isa=isa) for i in range(17)]
+            for rows in (1, 3, 4, 5, 8, 16):
+                if rows < x.shape[0]:
+                    assert torch.equal(gi.ggml_linear_int(x[:rows], gw, isa=isa), full[:rows])
+            alone = [gi.ggml_linear_int(x[i:i + 1], gw, isa=isa) for i in range(x.shape[0])]
             assert torch.equal(torch.cat(alone), full)
             outs.append(full)
         assert torch.equal(outs[0], outs[1])

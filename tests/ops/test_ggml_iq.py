@@ -21,7 +21,7 @@ import torch
 
 from specdeploy.ops import ggml_int as gi
 from specdeploy.ops import ggml_linear as gl
-from tests.ops.test_ggml_int import _errors, _x
+from tests.ops.test_ggml_int import _errors, _x, assert_rows_invariant
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -145,21 +145,7 @@ def test_every_row_group_size_is_bit_identical_to_scalar(kind):
 @pytest.mark.parametrize("kind", list(IQ))
 def test_rows_are_batch_and_thread_invariant(kind, isa):
     w, _ = _weight(kind, 72, 256, seed=1)
-    x = _x(9, 256, seed=1)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            full = gi.ggml_linear_int(x, w, isa=isa)
-            for rows in (1, 3, 4, 5, 8):
-                assert torch.equal(gi.ggml_linear_int(x[:rows], w, isa=isa), full[:rows])
-            alone = [gi.ggml_linear_int(x[i:i + 1], w, isa=isa) for i in range(9)]
-            assert torch.equal(torch.cat(alone), full)
-            outs.append(full)
-        assert torch.equal(outs[0], outs[1])
-    finally:
-        torch.set_num_threads(before)
+    assert_rows_invariant(w, _x(9, 256, seed=1), isa)
 
 
 def _largest(kind: str, n: int, k: int) -> np.ndarray:
@@ -246,19 +232,12 @@ DEPLOYED = [("iq3_xxs", "iq2_xxs"), ("iq2_xs", "iq1_s"), ("iq3_s", "iq1_m"), ("i
 
 @pytest.fixture(scope="module", params=DEPLOYED, ids=lambda kinds: "+".join(kinds))
 def iq_gguf(request, tmp_path_factory):
-    """The tiny NemotronH MoE of tests/ops/test_ggml_tiled_kquant.py (widths in 256s) with the
-    param's kinds for its matrices and its experts (random blocks)."""
-    from specdeploy.models import nemotron_h as nh
-    from tests.checkpoint.gguf_nemotron_h_layout import write_gguf
-    from tests.checkpoint.test_gguf_nemotron_h import MOE
+    """The tiny NemotronH MoE of widths in 256s with the param's kinds for its matrices and its
+    experts (random blocks)."""
+    from tests.checkpoint.gguf_nemotron_h_layout import wide_moe_gguf
 
-    d = tmp_path_factory.mktemp("iq")
-    hf = dict(MOE, hidden_size=256, mamba_num_heads=8, mamba_head_dim=32, head_dim=64,
-              moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
-              moe_latent_size=256)
-    src = nh.make_tiny(d / "st", seed=3, mtp_layers=1, hf_config=hf)
     matrices, experts = request.param
-    path = write_gguf(src, d / "iq.gguf", qtype=IQ[matrices], expert_qtype=IQ[experts])
+    path = wide_moe_gguf(tmp_path_factory.mktemp("iq"), IQ[matrices], IQ[experts])
     return path, set(request.param)
 
 

@@ -177,19 +177,12 @@ DEPLOYED = [("q5_k", "q6_k"), ("q3_k", "q2_k"), ("iq4_xs", "iq4_nl")]
 
 @pytest.fixture(scope="module", params=DEPLOYED, ids=lambda kinds: "+".join(kinds))
 def kq_gguf(request, tmp_path_factory):
-    """tests/ops/test_ggml_kquants.py's tiny NemotronH MoE (every width a multiple of 256) with
-    the param's kinds for its matrices and its experts (random valid blocks)."""
-    from specdeploy.models import nemotron_h as nh
-    from tests.checkpoint.gguf_nemotron_h_layout import write_gguf
-    from tests.checkpoint.test_gguf_nemotron_h import MOE
+    """The tiny NemotronH MoE of widths in 256s with the param's kinds for its matrices and its
+    experts (random valid blocks)."""
+    from tests.checkpoint.gguf_nemotron_h_layout import wide_moe_gguf
 
-    d = tmp_path_factory.mktemp("kqt")
-    hf = dict(MOE, hidden_size=256, mamba_num_heads=8, mamba_head_dim=32, head_dim=64,
-              moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
-              moe_latent_size=256)
-    src = nh.make_tiny(d / "st", seed=3, mtp_layers=1, hf_config=hf)
     matrices, experts = request.param
-    path = write_gguf(src, d / "kq.gguf", qtype=KQ[matrices], expert_qtype=KQ[experts])
+    path = wide_moe_gguf(tmp_path_factory.mktemp("kqt"), KQ[matrices], KQ[experts])
     return path, set(request.param)
 
 
