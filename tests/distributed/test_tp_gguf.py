@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(kernel_unavailable() is not None,
 
 def _weight(kind: str, shape, cols=None, seed=0):
     rng = np.random.default_rng(seed)
-    qt = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K}[kind]
-    if kind == "q4_k":
+    qt = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K, "iq2_xxs": Q.IQ2_XXS, "iq1_m": Q.IQ1_M,
+          "tq1_0": Q.TQ1_0, "bf16": Q.BF16}[kind]
+    if kind in ("q4_k", "iq2_xxs", "iq1_m", "tq1_0"):
         raw = random_kquant(qt, shape, rng)
     else:
         raw = gguf.quants.quantize((rng.standard_normal(shape) * 0.1).astype(np.float32), qt)
@@ -34,7 +35,8 @@ def _weight(kind: str, shape, cols=None, seed=0):
     return make_weight(kind, blocks, tuple(shape), cols)
 
 
-@pytest.mark.parametrize("kind,k", [("q8_0", 128), ("q4_k", 1024)])
+@pytest.mark.parametrize("kind,k", [("q8_0", 128), ("q4_k", 1024), ("iq2_xxs", 1024),
+                                    ("iq1_m", 1024), ("tq1_0", 1024), ("bf16", 128)])
 def test_block_cuts_keep_the_values(kind, k):
     gw = _weight(kind, (12, k))
     full = dequantize(gw)
