@@ -3,34 +3,54 @@ the tree on PYTHONPATH: run it under two trees to compare them, e.g. before and 
 kept its blocks.
 
     PYTHONPATH=OLD_TREE .venv/bin/python bench/gguf_before_after.py FILE.gguf old
-    PYTHONPATH=. .venv/bin/python bench/gguf_before_after.py FILE.gguf new
+    PYTHONPATH=. .venv/bin/python bench/gguf_before_after.py FILE.gguf new [--spec mtp]
+
+FILE "default" is the embedded default model; `--spec METHOD` (eagle3, mtp, ...: SpecConfig's
+methods, K = 3, the cost controller) deploys it speculatively (its shipped heads, a GGUF's own
+MTP layers), for what a drafter costs in memory.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import resource
-import sys
 import time
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("file")
+    ap.add_argument("tree")
+    ap.add_argument("--spec", default=None)
+    args = ap.parse_args()
     t0 = time.time()
     import torch
 
-    from specdeploy import LLM, SamplingParams
+    from specdeploy import LLM, SamplingParams, SpecConfig
 
     torch.set_num_threads(2)
-    llm = LLM(sys.argv[1], max_batch_size=1, max_seq_len=512)
+    spec = None if args.spec is None else SpecConfig(args.spec, 3)
+    llm = LLM(None if args.file == "default" else args.file, max_batch_size=1, max_seq_len=512,
+              spec=spec)
     load = time.time() - t0
-    prompt = list(range(5, 40))
+    prompt = "Write a short story about a robot who learns to paint, in five sentences."
     rates = []
     for _ in range(3):
         (o,) = llm.generate([prompt], SamplingParams(max_tokens=96, ignore_eos=True))
         rates.append(o.metrics.decode_tokens_per_s)
-    print(json.dumps({"tree": sys.argv[2], "file": sys.argv[1].split("/")[-1],
+    print(json.dumps({"tree": args.tree, "file": args.file.split("/")[-1], "spec": args.spec,
                       "load_s": round(load, 1),
                       "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+                      "rss_after_mib": _rss_mib(),
                       "decode_tok_s": sorted(round(r, 1) for r in rates)}))
+
+
+def _rss_mib() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return int(f.read().split("VmRSS:")[1].split()[0]) // 1024
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 if __name__ == "__main__":

@@ -330,5 +330,9 @@ def _own_mtp_draft_vocab(model: nn.Module, model_path, lazy=None) -> None:
                               f"[0, {model.lm_head.weight.shape[0]})")
     if lazy is not None:  # its rows are copied now, before the shard transform runs
         lazy.materialize_module(model.lm_head)
-    model.mtp.set_draft_vocab(ids)
+    from specdeploy.deploy.deferred import filled
+    from specdeploy.deploy.spec import lm_head_weights
+
+    with filled(model, lm_head_weights(model)):  # a deferred head: its values for the copy
+        model.mtp.set_draft_vocab(ids)
 

@@ -71,10 +71,10 @@ def draft_quantize_auto(opts: BuildOptions, dtype: torch.dtype, model_path=None)
 
 def defer_blocks(opts: BuildOptions) -> bool:
     """Whether GGUF block-quantized weights may load without their fp32 values: where
-    `ggml_linears` will run and read only the blocks (deploy/deferred.py). Not with a drafter
-    model (it may read the target's embedding or head in its own way), quantize, sharding.
-    The loader checks the last condition, that the block kernel is built here."""
+    `ggml_linears` will run and read only the blocks (deploy/deferred.py). Not with quantize
+    or sharding. A drafter reads the target's placeholders through its own graph (the same
+    passes: on the blocks, or filled) or filled first where it copies them (deploy/spec.py
+    prepare_drafter). The loader checks the last condition, that the block kernel is built."""
     return (opts.device.type == "cpu" and not opts.compile and opts.quantize is None
             and (opts.dist is None or opts.dist.world_size == 1)
-            and "ggml_linears" not in opts.disabled
-            and (opts.spec is None or opts.spec.method in ("ngram", "suffix")))
+            and "ggml_linears" not in opts.disabled)

@@ -145,10 +145,20 @@ def prepare_drafter(model: nn.Module, spec: SpecConfig, dtype: torch.dtype,
     """The drafter program of `spec` for this target (None for n-gram lookup)."""
     if spec.method in ("ngram", "suffix"):  # no drafter model
         return None
+    from specdeploy.deploy.deferred import fill, filled, share_deferred
     from specdeploy.loading import resolve_dtype
 
-    drafter, layers = load_drafter(model, spec)
+    # NOTE: the target's parameter names, taken before load_drafter takes its MTP module out
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):  # (tied: every name)
+        names.setdefault(id(p), []).append(n)
+    # a target loaded deferred (build_policy.defer_blocks): a drafter drafting over a draft
+    # vocabulary copies its rows of the LM head while loading (values needed, then given back)
+    with filled(model, lm_head_weights(model)):
+        drafter, layers = load_drafter(model, spec)
     draft_dtype = resolve_dtype(spec.draft_dtype) if spec.draft_dtype else dtype
+    if draft_dtype != dtype:  # cast copies (below): from the values, not placeholders
+        fill(model, _held(drafter))
     drafter = drafter.to(device=device, dtype=draft_dtype)
     if draft_dtype != dtype and "lm_head" in drafter.borrowed:
         # A drafter at another dtype gets its own copy of the LM head it reads; the borrowed
@@ -156,8 +166,10 @@ def prepare_drafter(model: nn.Module, spec: SpecConfig, dtype: torch.dtype,
         head = copy.deepcopy(drafter.borrowed["lm_head"]).to(draft_dtype).requires_grad_(False)
         drafter.borrow(lm_head=head)
     steps = tuple(DraftStep(drafter, g) for g in range(drafter.num_groups))
+    for step in steps:
+        share_deferred(step, model)
     if draft_dtype == torch.float32:
-        on_blocks = _drafter_blocks(model, drafter, spec.draft_quantize == "q8_0")
+        on_blocks = _drafter_blocks(model, drafter, spec.draft_quantize == "q8_0", names)
         for step in steps:  # read by deploy/passes/ggml_linears.py
             step.ggml_tensors, step.ggml_weights = on_blocks, {}
         if spec.draft_quantize == "q8_0":
@@ -170,27 +182,41 @@ def prepare_drafter(model: nn.Module, spec: SpecConfig, dtype: torch.dtype,
                           TARGET_QUANT_EXCLUDE if spec.draft_quantize else None)
 
 
-def _drafter_blocks(model: nn.Module, drafter: Drafter, q8_0: bool) -> list:
+def lm_head_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The target's LM-head weight (the embedding's where they are tied)."""
+    return [p for n, p in model.named_parameters(remove_duplicate=False)
+            if n in ("lm_head.weight", "head.weight")]
+
+
+def _held(drafter: Drafter) -> list[torch.Tensor]:
+    """The drafter's parameters and those of the target modules it borrows."""
+    return [*drafter.parameters(), *(p for m in drafter.borrowed.values() for p in m.parameters())]
+
+
+def _drafter_blocks(model: nn.Module, drafter: Drafter, q8_0: bool, names: dict) -> list:
     """(fp32 tensor, its GGUF blocks) pairs for the block kernels of the drafter's graph:
-    the target's block-quantized weights the drafter borrows (its embedding, a tied LM head:
-    the same values, so the same drafter), and with `q8_0` the drafter's own linears, quantized
-    to Q8_0 here and their fp32 weights set to the dequantized values (every path then runs the
-    same quantized drafter; drafts never change what is accepted). A draft forward on a CPU is
+    the target's block-quantized weights the drafter holds (its embedding, a tied LM head, the
+    checkpoint's own MTP layers: the same values, so the same drafter; `names`: id -> the
+    target's parameter names), and with `q8_0` the drafter's other linears, quantized to Q8_0
+    here and their fp32 weights set to the dequantized values (every path then runs the same
+    quantized drafter; drafts never change what is accepted). A draft forward on a CPU is
     bound by reading its weights: the default model's MTP head reads the 49,152-row head."""
     from specdeploy.ops.ggml_linear import dequantize, quantize_q8_0
 
-    pairs = []
+    pairs, paired = [], set()
     target_blocks = getattr(model, "ggml_weights", None) or {}
-    borrowed = {id(p) for m in drafter.borrowed.values() for p in m.parameters()}
-    for name, p in model.named_parameters():
-        if id(p) in borrowed and name in target_blocks and p.dtype == torch.float32:
-            pairs.append((p, target_blocks[name]))
+    for p in _held(drafter):
+        gw = next((target_blocks[n] for n in names.get(id(p), ()) if n in target_blocks), None)
+        if gw is not None and p.dtype == torch.float32 and tuple(p.shape) == gw.shape \
+                and id(p) not in paired:
+            pairs.append((p, gw))
+            paired.add(id(p))
     if q8_0:
         with torch.no_grad():
             for mod in drafter.modules():
                 w = getattr(mod, "weight", None)
                 if (isinstance(mod, nn.Linear) and w is not None and w.dtype == torch.float32
-                        and w.dim() == 2 and w.shape[1] % 32 == 0):
+                        and w.dim() == 2 and w.shape[1] % 32 == 0 and id(w) not in paired):
                     gw = quantize_q8_0(w)
                     w.copy_(dequantize(gw))
                     pairs.append((w, gw))
