@@ -7,7 +7,9 @@ kept its blocks.
 
 FILE "default" is the embedded default model; `--spec METHOD` (eagle3, mtp, ...: SpecConfig's
 methods, K = 3, the cost controller) deploys it speculatively (its shipped heads, a GGUF's own
-MTP layers), for what a drafter costs in memory.
+MTP layers), for what a drafter costs in memory. FILE may be a checkpoint directory (a bf16
+safetensors one: SPECDEPLOY_HALF_BLOCKS=0 / 1 for before / after); `--prefill` adds a
+384-token prompt's prefill rate.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ def main() -> None:
     ap.add_argument("file")
     ap.add_argument("tree")
     ap.add_argument("--spec", default=None)
+    ap.add_argument("--prefill", action="store_true", help="+ a 384-token prompt's prefill rate")
     args = ap.parse_args()
     t0 = time.time()
     import torch
@@ -38,7 +41,12 @@ def main() -> None:
     for _ in range(3):
         (o,) = llm.generate([prompt], SamplingParams(max_tokens=96, ignore_eos=True))
         rates.append(o.metrics.decode_tokens_per_s)
+    prefill = []  # a 384-token prompt's time to its first token (the engine's chunks)
+    for _ in range(3 if args.prefill else 0):
+        (o,) = llm.generate([list(range(100, 484))], SamplingParams(max_tokens=1))
+        prefill.append(384 / o.metrics.ttft)
     print(json.dumps({"tree": args.tree, "file": args.file.split("/")[-1], "spec": args.spec,
+                      "prefill_tok_s": sorted(round(r, 1) for r in prefill) or None,
                       "load_s": round(load, 1),
                       "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
                       "rss_after_mib": _rss_mib(),

@@ -23,6 +23,8 @@ from specdeploy.ops.ggml_linear import (
 )
 
 SKIP_FINITE_ENV = "SPECDEPLOY_SKIP_FINITE_CHECK"  # =1: skip the NaN/inf scan (huge checkpoints)
+# =0: a bf16 / fp16 safetensors checkpoint loads as fp32 copies (not its 16-bit values as blocks)
+HALF_BLOCKS_ENV = "SPECDEPLOY_HALF_BLOCKS"
 # vLLM's spellings too: half = float16, float = float32
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -183,7 +185,12 @@ def load_model_from_reader(
     # the loaded tensor, and the shard transform cuts a weight's blocks with its slice
     # (deploy/shard_slice.py)
     blocks = _ggml_weights(model, reader, params) if torch_dtype == torch.float32 else {}
-    deferred = {}
+    deferred, half = {}, False
+    if (defer_blocks and not blocks and torch_dtype == torch.float32 and prequant is None
+            and lazy is None and os.environ.get(HALF_BLOCKS_ENV) != "0"
+            and kernel_unavailable() is None):
+        blocks = half_weights(model, params)
+        half = bool(blocks)
     # NOTE: the kernel is asked for only when there are blocks (no warning for other formats)
     if defer_blocks and prequant is None and blocks and kernel_unavailable() is None:
         deferred = _defer_blocks(model, blocks, params, reader.path)
@@ -194,7 +201,34 @@ def load_model_from_reader(
         attach_prequant(model, prequant)
     model.hf_config = reader.config  # NOTE: the raw dict; deployment reads eos / limits from it
     model.ggml_weights, model.ggml_deferred = blocks, deferred
+    model.half_blocks = half  # (a bf16 / fp16 checkpoint's values as they are stored: the fp32
+    # model, so deploy/build_policy.kv_dtype keeps its fp32 KV)
     return model.eval()
+
+
+def half_weights(model: nn.Module, params: dict) -> dict:
+    """param name -> F16 / BF16 blocks (ggml_linear's "f16" / "bf16" kinds: the stored 16-bit
+    values, rows of 32) for the matrices [N, K] and stacked experts [E, N, K] of a bf16 / fp16
+    checkpoint loaded as fp32 on the CPU: the fp32 model exactly (each value widened exactly) at
+    half the memory, and a decode step reads half the bytes. Taken from each parameter's
+    loaded value (after its family's transforms), so nothing is bypassed; values read here
+    stay for assign_params (`params` updated), others are not read twice. A parameter no block
+    kernel reads after the pipeline is filled from these (deploy/deferred.py)."""
+    from specdeploy.ops.ggml_linear import make_weight
+
+    out = {}
+    for name, p in model.named_parameters():
+        if p.dim() not in (2, 3) or name not in params or p.shape[-1] % 32:
+            continue
+        t = params[name]()
+        kind = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(t.dtype)
+        if kind is not None and tuple(t.shape) == tuple(p.shape):
+            t = t.contiguous()
+            out[name] = make_weight(kind, t.view(torch.uint8).view(*t.shape[:-1], -1),
+                                    tuple(t.shape))
+        else:
+            params[name] = lambda t=t: t  # NOTE: read once (assign_params checks and casts it)
+    return out
 
 
 def _defer_blocks(model: nn.Module, blocks: dict, params: dict, source
@@ -212,9 +246,11 @@ def _defer_blocks(model: nn.Module, blocks: dict, params: dict, source
         per_block = w.blocks.view(w.shape[0], -1, KINDS[w.kind][1])
         scales = (iq1_m_scales(per_block) if w.kind == "iq1_m" else None if where is None
                   else per_block[..., where])
-        if (scales is not None and not bool(
-                torch.isfinite(scales.contiguous().view(torch.float16)).all())) or (
-                w.kind in HALF_KINDS and nonfinite_values(w)):
+        if w.kind in HALF_KINDS and nonfinite_values(w):
+            raise CheckpointError(f"{source}: tensor {name!r} has non-finite values (NaN or "
+                                  f"inf) as {w.kind}")
+        if scales is not None and not bool(
+                torch.isfinite(scales.contiguous().view(torch.float16)).all()):
             raise CheckpointError(f"{source}: tensor {name!r} has non-finite block scales")
         out[name] = placeholder(w.shape)
         p = nn.Parameter(out[name], requires_grad=False)

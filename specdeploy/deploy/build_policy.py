@@ -45,7 +45,9 @@ def kv_dtype(opts: BuildOptions, dtype: torch.dtype, model: nn.Module | None = N
     if opts.kv_cache_dtype != "auto":
         return getattr(torch, opts.kv_cache_dtype)
     fast_cpu = opts.kernels == "fast" and opts.device.type == "cpu" and dtype == torch.float32
-    has_blocks = bool(getattr(model, "ggml_weights", None)) if model is not None else True
+    # (a bf16 / fp16 checkpoint's own values as blocks are the fp32 model: it keeps its dtype)
+    has_blocks = bool(getattr(model, "ggml_weights", None)) and not getattr(
+        model, "half_blocks", False) if model is not None else True
     return torch.bfloat16 if fast_cpu and has_blocks else None
 
 

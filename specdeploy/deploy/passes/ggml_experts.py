@@ -29,14 +29,14 @@ from specdeploy.deploy.graph import attr_tensor, drop_unread_params
 from specdeploy.deploy.passes.ggml_calls import MAX_ROWS, dequant_linear, expert_fast_fn
 from specdeploy.deploy.passes.ggml_weights import _fast_isa, _not_here, _weight_map
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
-from specdeploy.ops import ggml_moe_int, row_kernels
+from specdeploy.ops import ggml_moe_int, linear_rows, row_kernels
 from specdeploy.ops.ggml_linear import (
     GGMLWeight,
     expert,
     ggml_linear,
     kernel_unavailable,
 )
-from specdeploy.ops.moe import moe_experts_loop
+from specdeploy.ops.moe import ONE_CALL_MAX_TOKENS, moe_experts_fast, moe_experts_loop
 
 _MOE = torch.ops.specdeploy.moe_experts.default
 _MOE_BIAS = torch.ops.specdeploy.moe_experts_bias.default
@@ -44,6 +44,9 @@ _MOE_BIAS = torch.ops.specdeploy.moe_experts_bias.default
 
 def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | None):
     """(x, topk_ids, topk_weights) -> the routed experts' sum, on `up` / `down`'s blocks."""
+    if up.kind == down.kind == "bf16" and activation in linear_rows.ACTIVATIONS \
+            and linear_rows.moe_unavailable() is None:
+        return _bf16_experts_fn(up, down, activation, isa is not None)
     if isa is not None and ggml_moe_int.unavailable() is None:
         try:  # the whole layer in one C call (ops/ggml_moe_int.py)
             return ggml_moe_int.bound_experts(up, down, activation, isa)
@@ -68,6 +71,24 @@ def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | Non
                           ) -> torch.Tensor:
         return moe_experts_loop(x, topk_ids, topk_weights, up.shape[0], linear, activation)
 
+    return experts_on_blocks
+
+
+def _bf16_experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, fast: bool):
+    """BF16 experts (a bf16 checkpoint's, loading.half_weights): their blocks are the bf16
+    tensors [E, N, K] themselves, which the CPU's one-call fp32 / bf16 expert kernel reads
+    (linear_rows.c `moe_rows`: bf16 widened exactly, each token alone: batch-invariant) at
+    every row count with "fast"; "exact" hands calls of many tokens to the per-expert GEMMs
+    (ops/moe.py ONE_CALL_MAX_TOKENS), as the fp32 model's op does."""
+    w_up, w_down = up.blocks.view(torch.bfloat16), down.blocks.view(torch.bfloat16)
+
+    def experts_on_blocks(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                          ) -> torch.Tensor:
+        if fast or x.shape[0] <= ONE_CALL_MAX_TOKENS:
+            return linear_rows.moe_rows(x, topk_ids, topk_weights, w_up, w_down, activation)
+        return moe_experts_fast(x, topk_ids, topk_weights, w_up, w_down, activation)
+
+    experts_on_blocks.bf16_one_call = True  # (the pass's report)
     return experts_on_blocks
 
 
@@ -159,7 +180,7 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
         else:
             fn = experts_bias_fn(blocks[0], bias[0], blocks[1], bias[1], activation, alpha,
                                  limit, isa)
-        one_call += fn.__name__ == "experts_one_call"
+        one_call += fn.__name__ == "experts_one_call" or hasattr(fn, "bf16_one_call")
         with gm.graph.inserting_before(node):
             out = gm.graph.call_function(fn, (x, ids, wts))
         out.meta = dict(node.meta)
