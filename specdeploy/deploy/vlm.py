@@ -218,7 +218,15 @@ class VisionLanguageDeployed:
         self.vision_end_id = int(hf_config.get("vision_end_token_id", -1))
         self.merge_size = visual.cfg.spatial_merge_size
         # the tower's features beyond the token width (Qwen3-VL's DeepStack levels)
-        self.deepstack_width = visual.feature_width - embed_tokens.weight.shape[1]
+        width = embed_tokens.weight.shape[1]
+        self.deepstack_width = visual.feature_width - width
+        if self.deepstack_width < 0 or self.deepstack_width % width:
+            from specdeploy.checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"vision tower: its features are {visual.feature_width} wide, which is not the "
+                f"text model's hidden size {width} (times 1 + its DeepStack levels): "
+                "vision_config.out_hidden_size must equal text_config.hidden_size")
         self.vision_peak_bytes = vision_peak_bytes(visual.cfg, max_image_pixels,
                                                    next(visual.parameters()).element_size())
         self.vision_seconds = 0.0  # time spent in the tower (bench/vision_prefill.py)

@@ -97,3 +97,16 @@ def test_bf16_tower_matches_transformers_bf16_tower(bf16_dir, hf_vlm):
     (o,) = llm.generate("look <|vision_start|><|image_pad|><|vision_end|>",
                         SamplingParams(max_tokens=4, ignore_eos=True), images=[img])
     assert len(o.token_ids) == 4 and d.vision_seconds > 0
+
+
+def test_a_tower_narrower_than_the_text_model_is_refused(tmp_path):
+    """A checkpoint whose tower's out_hidden_size is not the text hidden size (a hand-edited
+    config) is told so at build, not with a negative tensor size at its first request."""
+    from specdeploy.checkpoint import CheckpointError
+    from specdeploy.models.qwen3_5_moe import make_tiny, tiny_hf_config
+
+    hf = tiny_hf_config()
+    hf["text_config"] = dict(hf["text_config"], hidden_size=128, head_dim=32)
+    path = make_tiny(tmp_path / "vlm", seed=0, hf_config=hf)
+    with pytest.raises(CheckpointError, match="out_hidden_size must equal"):
+        LLM(str(path), **OPTS)
