@@ -25,7 +25,6 @@ def main() -> None:
     ap.add_argument("tree")
     ap.add_argument("--spec", default=None)
     ap.add_argument("--prefill", action="store_true", help="+ a 384-token prompt's prefill rate")
-    ap.add_argument("--text", action="store_true", help="a VLM checkpoint's text model only")
     args = ap.parse_args()
     t0 = time.time()
     import torch
@@ -35,7 +34,7 @@ def main() -> None:
     torch.set_num_threads(2)
     spec = None if args.spec is None else SpecConfig(args.spec, 3)
     llm = LLM(None if args.file == "default" else args.file, max_batch_size=1, max_seq_len=512,
-              spec=spec, **({"vision": False} if args.text else {}))
+              spec=spec)
     load = time.time() - t0
     prompt = "Write a short story about a robot who learns to paint, in five sentences."
     rates = []
