@@ -223,7 +223,10 @@ def half_weights(model: nn.Module, params: dict) -> dict:
         t = params[name]()
         kind = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(t.dtype)
         if kind is not None and tuple(t.shape) == tuple(p.shape):
-            t = t.contiguous()
+            # NOTE: a copy: safetensors' tensors are views of the file's mapping, and one kept
+            # would keep every page of it that loading touched resident (a MoE's experts,
+            # copied when stacked, twice: as blocks and as file pages)
+            t = t.clone(memory_format=torch.contiguous_format)
             out[name] = make_weight(kind, t.view(torch.uint8).view(*t.shape[:-1], -1),
                                     tuple(t.shape))
         else:
