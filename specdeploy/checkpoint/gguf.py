@@ -254,11 +254,10 @@ class GGUFReader:
         kind = _BLOCK_KINDS.get(info.ggml_type) if info else None
         if kind is None or len(info.shape) not in (2, 3):
             return None
-        # F16 / BF16: matrices of a model (not its mmproj tower) whose rows are in 32s; stacked
-        # experts in BF16 too (their blocks are the bf16 tensor the one-call fp32 / bf16 expert
-        # kernel reads: deploy/passes/ggml_experts.py), F16 ones stay on the fp32 path
-        if kind in ("f16", "bf16") and ((len(info.shape) != 2 and kind != "bf16")
-                                        or info.shape[-1] % 32 or self.is_mmproj):
+        # F16 / BF16: matrices and stacked experts of a model (not its mmproj tower) whose rows
+        # are in 32s (experts' blocks are the 16-bit tensors the one-call expert kernel reads:
+        # deploy/passes/ggml_experts.py)
+        if kind in ("f16", "bf16") and (info.shape[-1] % 32 or self.is_mmproj):
             return None
         raw = np.asarray(self._data[info.offset:info.offset + info.nbytes]).reshape(
             *info.shape[:-1], -1)

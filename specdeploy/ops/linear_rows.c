@@ -6,8 +6,8 @@
  * same row in a verify step then differ in the last bits, which the fast kernels' 8-bit
  * activation rounding downstream can turn into a different token). The AVX-512 path (one
  * register per accumulator), the AVX2 path (two: lanes 0-7 and 8-15) and the generic C (fmaf
- * per lane: the same roundings) give the same bits. Weights are fp32 or bf16 (`wt` 1: each
- * bf16 weight widened to the fp32 it is, exactly, as it is loaded). `moe_rows` runs a MoE
+ * per lane: the same roundings) give the same bits. Weights are fp32, bf16 (`wt` 1) or fp16
+ * (`wt` 2), each 16-bit weight widened to the fp32 it is, exactly, as it is loaded. `moe_rows` runs a MoE
  * layer's routed experts on these tiles in one call. Built by linear_rows.py.
  */
 #include <math.h>
@@ -36,15 +36,34 @@ static inline float bf16_f32(uint16_t v) {
     return f;
 }
 
-/* weight element i of an fp32 (wt 0) or bf16 (wt 1) matrix */
-static inline float wval(const void *w, int64_t i, int wt) {
-    return wt ? bf16_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+/* IEEE half -> fp32, exactly (what F16C's vcvtph2ps gives): subnormals, +-inf, NaN kept */
+static inline float f16_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t u;
+    if (e == 0x1f) u = sign | 0x7f800000u | (m << 13);
+    else if (e) u = sign | ((e + 112) << 23) | (m << 13); /* rebias 15 -> 127 */
+    else {                                                 /* 0 or m * 2^-24: exact in fp32 */
+        const float f = (float)m * 5.9604644775390625e-08f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
-/* the 16 (fewer at a tail: zeros after) bf16 weights from w[i] widened to fp32, for the tails
+static inline float half_f32(uint16_t v, int wt) { return wt == 2 ? f16_f32(v) : bf16_f32(v); }
+
+/* weight element i of an fp32 (wt 0), bf16 (wt 1) or fp16 (wt 2) matrix */
+static inline float wval(const void *w, int64_t i, int wt) {
+    return wt ? half_f32(((const uint16_t *)w)[i], wt) : ((const float *)w)[i];
+}
+
+/* the 16 (fewer at a tail: zeros after) 16-bit weights from w[i] widened to fp32, for the tails
  * of the SIMD paths (a full load past the row's end could leave the allocation) */
-static inline void bf16_tail(const void *w, int64_t i, int64_t left, float *buf) {
-    for (int j = 0; j < LANES; j++) buf[j] = j < left ? bf16_f32(((const uint16_t *)w)[i + j]) : 0.f;
+static inline void half_tail(const void *w, int64_t i, int64_t left, float *buf, int wt) {
+    for (int j = 0; j < LANES; j++)
+        buf[j] = j < left ? half_f32(((const uint16_t *)w)[i + j], wt) : 0.f;
 }
 
 /* rows r0 .. r0 + rg, outputs n0 .. n0 + og */
@@ -69,8 +88,8 @@ static void tile_generic(const float *x, int64_t K, const void *w, int wt, const
 }
 
 #if defined(__x86_64__)
-#define AVX2_FN __attribute__((target("avx2,fma"))) static inline
-#define AVX512_FN __attribute__((target("avx2,fma,avx512f"))) static inline
+#define AVX2_FN __attribute__((target("avx2,fma,f16c"))) static inline
+#define AVX512_FN __attribute__((target("avx2,fma,f16c,avx512f"))) static inline
 
 AVX2_FN float hsum8(__m256 v) {
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -85,6 +104,7 @@ AVX2_FN __m256i tail_mask(int64_t left) { /* lanes < left */
 AVX2_FN __m256 ldw8(const void *w, int64_t i, const int wt) {
     if (!wt) return _mm256_loadu_ps((const float *)w + i);
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+    if (wt == 2) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
@@ -123,7 +143,7 @@ AVX2_FN __attribute__((always_inline)) void tile_avx2(const float *x, int64_t K,
                 __m256 wlo, whi;
                 if (wt) {
                     float buf[LANES];
-                    bf16_tail(w, wr + o * K + k, K - k, buf);
+                    half_tail(w, wr + o * K + k, K - k, buf, wt);
                     wlo = _mm256_loadu_ps(buf), whi = _mm256_loadu_ps(buf + 8);
                 } else {
                     wlo = _mm256_maskload_ps((const float *)w + wr + o * K + k, ml);
@@ -144,6 +164,7 @@ AVX2_FN __attribute__((always_inline)) void tile_avx2(const float *x, int64_t K,
 AVX512_FN __m512 ldw16(const void *w, int64_t i, const int wt) {
     if (!wt) return _mm512_loadu_ps((const float *)w + i);
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
+    if (wt == 2) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
@@ -176,7 +197,7 @@ AVX512_FN __attribute__((always_inline)) void tile_avx512(const float *x, int64_
                 __m512 wv;
                 if (wt) {
                     float buf[LANES];
-                    bf16_tail(w, wr + o * K + k, K - k, buf);
+                    half_tail(w, wr + o * K + k, K - k, buf, wt);
                     wv = _mm512_loadu_ps(buf);
                 } else {
                     wv = _mm512_maskz_loadu_ps(m, (const float *)w + wr + o * K + k);
@@ -218,22 +239,26 @@ AVX512_FN __attribute__((always_inline)) void tile_avx512(const float *x, int64_
     }
 
 /* the weight type as a constant too: each tile shape is compiled once per type */
-__attribute__((target("avx2,fma"))) static void tile_avx2_any(const float *x, int64_t K,
-                                                              const void *w, int wt,
-                                                              const float *b, float *y,
-                                                              int64_t N, int64_t r0, int rg,
-                                                              int64_t n0, int og) {
-    if (wt) {
+__attribute__((target("avx2,fma,f16c"))) static void tile_avx2_any(const float *x, int64_t K,
+                                                                   const void *w, int wt,
+                                                                   const float *b, float *y,
+                                                                   int64_t N, int64_t r0, int rg,
+                                                                   int64_t n0, int og) {
+    if (wt == 2) {
+        TILE_CASES(tile_avx2, RG2, OG2, 2)
+    } else if (wt) {
         TILE_CASES(tile_avx2, RG2, OG2, 1)
     } else {
         TILE_CASES(tile_avx2, RG2, OG2, 0)
     }
 }
 
-__attribute__((target("avx2,fma,avx512f"))) static void tile_avx512_any(
+__attribute__((target("avx2,fma,f16c,avx512f"))) static void tile_avx512_any(
     const float *x, int64_t K, const void *w, int wt, const float *b, float *y, int64_t N,
     int64_t r0, int rg, int64_t n0, int og) {
-    if (wt) {
+    if (wt == 2) {
+        TILE_CASES(tile_avx512, RG5, OG5, 2)
+    } else if (wt) {
         TILE_CASES(tile_avx512, RG5, OG5, 1)
     } else {
         TILE_CASES(tile_avx512, RG5, OG5, 0)
@@ -254,7 +279,8 @@ int linear_rows_max_isa(int level) {
 static int pick_isa(void) {
     int isa = 0;
 #if defined(__x86_64__)
-    if (max_isa >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (max_isa >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+        && __builtin_cpu_supports("f16c"))
         isa = max_isa >= 2 && __builtin_cpu_supports("avx512f") ? 2 : 1;
 #endif
     return isa;
@@ -355,8 +381,8 @@ static void experts_slice(int isa, const float *x, int64_t K, const int64_t *sta
 }
 
 /* x [T, H] fp32; ids [T, k] int64 in [0, E); wts [T, k] fp32; w_up [E, N_up, H] (swiglu: N_up
- * = 2 I, gate rows first; relu2: N_up = I) and w_down [E, H, I], fp32 (wt 0) or bf16 (wt 1),
- * contiguous; b_up [E, N_up] / b_down [E, H] fp32 biases or NULL; out [T, H]. The (token,
+ * = 2 I, gate rows first; relu2: N_up = I) and w_down [E, H, I], fp32 (wt 0), bf16 (wt 1) or
+ * fp16 (wt 2), contiguous; b_up [E, N_up] / b_down [E, H] fp32 biases or NULL; out [T, H]. The (token,
  * slot) pairs sorted by expert, stably; each expert's rows through its up matrix (+ its bias;
  * each thread a slice of every chosen expert's outputs), the activation (swiglu: `silu_mul`,
  * row_kernels.c's; relu2: max(h, 0)^2; swiglu_oai: gpt-oss's, with alpha and limit), the down

@@ -93,7 +93,7 @@ def bound(weight: torch.Tensor, bias: torch.Tensor | None):
 
 # linear_rows.c's ACT_* values, in order; "swiglu_oai": gpt-oss's clamped SwiGLU (ops/moe_bias.py)
 ACTIVATIONS = ("swiglu", "relu2", "swiglu_oai")
-WEIGHT_TYPES = (torch.float32, torch.bfloat16)  # its `wt` values, in order
+WEIGHT_TYPES = (torch.float32, torch.bfloat16, torch.float16)  # its `wt` values, in order
 
 
 def moe_unavailable() -> str | None:
@@ -111,9 +111,9 @@ def moe_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
              alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """A MoE layer's routed experts in one C call (`moe_rows` in linear_rows.c): x [T, H],
     topk_ids / topk_weights [T, k], w_up [E, I or 2I (swiglu / swiglu_oai, gate rows first),
-    H] and w_down [E, H, I], fp32 or bf16 on the CPU, optional biases b_up [E, I or 2I] /
+    H] and w_down [E, H, I], fp32, bf16 or fp16 on the CPU, optional biases b_up [E, I or 2I] /
     b_down [E, H] (gpt-oss's; widened to fp32 exactly) -> [T, H] in x's dtype. `alpha` /
-    `limit`: swiglu_oai's. Computes in fp32 (x rounded to fp32, bf16 weights widened exactly);
+    `limit`: swiglu_oai's. Computes in fp32 (x rounded to fp32, 16-bit weights widened exactly);
     each token's output is the same bits whatever tokens share the call and whatever the
     thread count."""
     why = moe_unavailable()

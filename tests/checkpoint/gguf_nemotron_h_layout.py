@@ -147,8 +147,10 @@ def quantized_or_f32(w, name: str, a: np.ndarray, qtype, expert_qtype) -> None:
     random valid blocks of small values instead (`random_kquant`), not `a`'s."""
     q = (expert_qtype if name.endswith("_exps.weight") else
          qtype if a.ndim == 2 and "norm" not in name and "ffn_gate_inp" not in name else Q.F32)
-    if q in (Q.F32, Q.F16) or a.shape[-1] % gguf.GGML_QUANT_SIZES[q][0]:
+    if q == Q.F32 or a.shape[-1] % gguf.GGML_QUANT_SIZES[q][0]:
         w.add_tensor(name, a)
+    elif q == Q.F16:
+        w.add_tensor(name, a.astype(np.float16))
     elif q in K_QUANTS:
         rng = np.random.default_rng(sum(map(ord, name)))
         w.add_tensor(name, random_kquant(q, a.shape, rng), raw_dtype=q)

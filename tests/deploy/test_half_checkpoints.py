@@ -55,11 +55,11 @@ def llama_half(request, tmp_path_factory):
     return as_dtype(src, d / "half", request.param), request.param
 
 
-@pytest.fixture(scope="module")
-def moe_bf16(tmp_path_factory):
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def moe_half(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("half_nh")
     src = nh.make_tiny(d / "st", seed=5, mtp_layers=1, hf_config=MOE)
-    return as_dtype(src, d / "bf16", torch.bfloat16)
+    return as_dtype(src, d / "half", request.param)
 
 
 def _fp32_2d_bytes(dep) -> int:
@@ -125,36 +125,37 @@ def test_a_non_finite_value_is_refused_naming_the_tensor(tmp_path):
         build(str(path), **LIMITS)
 
 
-def test_bf16_experts_run_as_stored_and_speculation_stays_lossless(moe_bf16):
-    """A NemotronH MoE checkpoint in bf16: its routed experts (and its MTP layer's) run as the
-    stored bf16 tensors on the one-call kernel, matrices on blocks; logits are the fp32 model's;
-    greedy MTP speculation gives plain decoding's tokens."""
+def test_16_bit_experts_run_as_stored_and_speculation_stays_lossless(moe_half):
+    """A NemotronH MoE checkpoint in bf16 / fp16: its routed experts (and its MTP layer's) run as
+    the stored 16-bit tensors on the one-call kernel, matrices on blocks; logits are the fp32
+    model's; greedy MTP speculation gives plain decoding's tokens."""
     from specdeploy import LLM, SamplingParams, SpecConfig
 
     if linear_rows.moe_unavailable() is not None:
         pytest.skip(f"moe_rows: {linear_rows.moe_unavailable()}")
-    dep = build(str(moe_bf16), **LIMITS)
+    dep = build(str(moe_half), **LIMITS)
     infos = {i.name: i for i in dep.infos}
     assert infos["ggml_moe_experts"].num_matches == 2, infos["ggml_moe_experts"]
     assert "2 of them one C call each" in infos["ggml_moe_experts"].detail
     assert infos["ggml_linears"].num_matches > 0
     assert not [n for n, p in dep.gm.named_parameters() if p.dim() == 3 and "expert" in n]
-    model = load_model(moe_bf16)
+    model = load_model(moe_half)
     ids = torch.randint(3, 120, (MAX_ROWS + 10,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = model(ids[None])[0]
     assert_close(_steps(dep, ids.tolist()), want, rtol=1e-5)
     prompts = [[5, 6, 7, 8] * 4, list(range(10, 30))]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    plain = LLM(str(moe_bf16), **LIMITS)
-    spec = LLM(str(moe_bf16), spec=SpecConfig("mtp", 2, controller="off"), **LIMITS)
+    plain = LLM(str(moe_half), **LIMITS)
+    spec = LLM(str(moe_half), spec=SpecConfig("mtp", 2, controller="off"), **LIMITS)
     want_ids = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in spec.generate(prompts, params)] == want_ids
     assert spec.stats()["draft_tokens"] > 0
 
 
-def test_a_bf16_ggufs_experts_run_as_stored(tmp_path):
-    """A BF16 GGUF's stacked experts ([E, N, K] BF16 blocks: the bf16 tensor itself) on the
+@pytest.mark.parametrize("ftype", ["BF16", "F16"])
+def test_a_16_bit_ggufs_experts_run_as_stored(ftype, tmp_path):
+    """A BF16 / F16 GGUF's stacked experts ([E, N, K] blocks: the 16-bit tensor itself) on the
     one-call expert kernel, no fp32 expert copy; logits are the fp32 model's (gguf-py's values);
     greedy MTP = plain."""
     from tests.checkpoint.gguf_llm import assert_mtp_equals_plain
@@ -164,10 +165,11 @@ def test_a_bf16_ggufs_experts_run_as_stored(tmp_path):
     if linear_rows.moe_unavailable() is not None:
         pytest.skip(f"moe_rows: {linear_rows.moe_unavailable()}")
     src = nh.make_tiny(tmp_path / "st", seed=5, mtp_layers=1, hf_config=MOE)
-    path = write_nh(src, tmp_path / "bf16.gguf", qtype=Q.BF16, expert_qtype=Q.BF16)
+    qtype = getattr(Q, ftype)
+    path = write_nh(src, tmp_path / "half.gguf", qtype=qtype, expert_qtype=qtype)
     model = load_model(path)
     stacked = {n: w for n, w in model.ggml_weights.items() if len(w.shape) == 3}
-    assert stacked and all(w.kind == "bf16" for w in stacked.values())
+    assert stacked and all(w.kind == ftype.lower() for w in stacked.values())
     dep = build(str(path), **LIMITS)
     info = {i.name: i for i in dep.infos}["ggml_moe_experts"]
     assert info.num_matches == 2 and "2 of them one C call each" in info.detail, info

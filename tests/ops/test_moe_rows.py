@@ -1,4 +1,4 @@
-"""A MoE layer's fp32 / bf16 routed experts in one C call (linear_rows.c `moe_rows`): values
+"""A MoE layer's fp32 / bf16 / fp16 routed experts in one C call (linear_rows.c `moe_rows`): values
 against a float64 dense loop (exact math), each token's bits independent of the other tokens,
 the thread count and the ISA path, and the CPU's `specdeploy::moe_experts` taking it up to
 ONE_CALL_MAX_TOKENS tokens (the per-expert loop above)."""
@@ -39,7 +39,8 @@ def _ref64(x, ids, wts, w_up, w_down, activation):
 SHAPES = [(8, 256, 192, 4, 2), (5, 40, 24, 7, 3), (16, 97, 33, 3, 4), (6, 64, 16, 70, 6)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("activation", ["relu2", "swiglu"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_values_and_invariance(shape, activation, dtype):
@@ -63,6 +64,31 @@ def test_values_and_invariance(shape, activation, dtype):
         assert torch.equal(lr.moe_rows(x, ids, wts, w_up, w_down, activation), y)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("k", [32, 21], ids=["lanes", "tail"])
+def test_16_bit_weights_widen_exactly_on_every_path(dtype, k):
+    """Each 16-bit weight is the fp32 value it is: with the up matrix the identity, relu2 and
+    x a unit vector e_j, the output is column j of the down matrix itself. Its values span the
+    type: subnormals, the smallest and largest normals, signed zeros (F16C's conversion and the
+    generic C's must agree bit for bit), at full 16-lane strides and at a tail."""
+    info = torch.finfo(dtype)
+    special = torch.tensor([info.tiny, info.tiny / 4, info.smallest_normal, -info.tiny, 0.0,
+                            -0.0, 1.0, -3.140625, info.max, -info.max, 2.0**-20, 65.0],
+                           dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    w_down = torch.randn(1, k, k, generator=g).to(dtype)
+    w_down[0, : len(special), 0] = special.to(dtype)
+    w_down[0, 0, : len(special)] = special.to(dtype)
+    w_up = torch.eye(k).to(dtype)[None]
+    x = torch.eye(k)
+    ids, wts = torch.zeros(k, 1, dtype=torch.int64), torch.ones(k, 1)
+    want = w_down[0].float().t()  # row j: column j of the down matrix, widened by torch
+    for level in (0, 1, 2):
+        with lr.max_isa(level):
+            y = lr.moe_rows(x, ids, wts, w_up, w_down, "relu2")
+            assert torch.equal(y, want), level
 
 
 def test_bf16_input_keeps_dtype_and_matches_fp32_input():

@@ -39,14 +39,15 @@ from specdeploy.ops.ggml_linear import (
 from specdeploy.ops.moe import ONE_CALL_MAX_TOKENS, moe_experts_fast, moe_experts_loop
 
 _MOE = torch.ops.specdeploy.moe_experts.default
+HALF_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}  # 16-bit experts: the tensors
 _MOE_BIAS = torch.ops.specdeploy.moe_experts_bias.default
 
 
 def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | None):
     """(x, topk_ids, topk_weights) -> the routed experts' sum, on `up` / `down`'s blocks."""
-    if up.kind == down.kind == "bf16" and activation in linear_rows.ACTIVATIONS \
+    if up.kind == down.kind and up.kind in HALF_DTYPES and activation in linear_rows.ACTIVATIONS \
             and linear_rows.moe_unavailable() is None:
-        return _bf16_experts_fn(up, down, activation, isa is not None)
+        return _half_experts_fn(up, down, activation, isa is not None)
     if isa is not None and ggml_moe_int.unavailable() is None:
         try:  # the whole layer in one C call (ops/ggml_moe_int.py)
             return ggml_moe_int.bound_experts(up, down, activation, isa)
@@ -74,13 +75,14 @@ def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | Non
     return experts_on_blocks
 
 
-def _bf16_experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, fast: bool):
-    """BF16 experts (a bf16 checkpoint's, loading.half_weights): their blocks are the bf16
-    tensors [E, N, K] themselves, which the CPU's one-call fp32 / bf16 expert kernel reads
-    (linear_rows.c `moe_rows`: bf16 widened exactly, each token alone: batch-invariant) at
-    every row count with "fast"; "exact" hands calls of many tokens to the per-expert GEMMs
-    (ops/moe.py ONE_CALL_MAX_TOKENS), as the fp32 model's op does."""
-    w_up, w_down = up.blocks.view(torch.bfloat16), down.blocks.view(torch.bfloat16)
+def _half_experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, fast: bool):
+    """BF16 / F16 experts (a 16-bit checkpoint's, loading.half_weights; a GGUF's): their
+    blocks are the 16-bit tensors [E, N, K] themselves, which the CPU's one-call expert kernel
+    reads (linear_rows.c `moe_rows`: each weight widened exactly, each token alone:
+    batch-invariant) at every row count with "fast"; "exact" hands calls of many tokens to the
+    per-expert GEMMs (ops/moe.py ONE_CALL_MAX_TOKENS), as the fp32 model's op does."""
+    dtype = HALF_DTYPES[up.kind]
+    w_up, w_down = up.blocks.view(dtype), down.blocks.view(dtype)
 
     def experts_on_blocks(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                           ) -> torch.Tensor:
@@ -88,7 +90,7 @@ def _bf16_experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, fast: bo
             return linear_rows.moe_rows(x, topk_ids, topk_weights, w_up, w_down, activation)
         return moe_experts_fast(x, topk_ids, topk_weights, w_up, w_down, activation)
 
-    experts_on_blocks.bf16_one_call = True  # (the pass's report)
+    experts_on_blocks.half_one_call = True  # (the pass's report)
     return experts_on_blocks
 
 
@@ -180,7 +182,7 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
         else:
             fn = experts_bias_fn(blocks[0], bias[0], blocks[1], bias[1], activation, alpha,
                                  limit, isa)
-        one_call += fn.__name__ == "experts_one_call" or hasattr(fn, "bf16_one_call")
+        one_call += fn.__name__ == "experts_one_call" or hasattr(fn, "half_one_call")
         with gm.graph.inserting_before(node):
             out = gm.graph.call_function(fn, (x, ids, wts))
         out.meta = dict(node.meta)
