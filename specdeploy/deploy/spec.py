@@ -201,14 +201,19 @@ def _drafter_blocks(model: nn.Module, drafter: Drafter, q8_0: bool, names: dict)
     here and their fp32 weights set to the dequantized values (every path then runs the same
     quantized drafter; drafts never change what is accepted). A draft forward on a CPU is
     bound by reading its weights: the default model's MTP head reads the 49,152-row head."""
-    from specdeploy.ops.ggml_linear import dequantize, quantize_q8_0
+    from specdeploy.deploy.deferred import fill
+    from specdeploy.ops.ggml_linear import HALF_KINDS, dequantize, quantize_q8_0
 
     pairs, paired = [], set()
     target_blocks = getattr(model, "ggml_weights", None) or {}
+    own = {id(p) for p in drafter.parameters()}
     for p in _held(drafter):
         gw = next((target_blocks[n] for n in names.get(id(p), ()) if n in target_blocks), None)
+        # NOTE: with q8_0 the drafter's own 16-bit matrices (a bf16 checkpoint's MTP layers)
+        # take Q8_0 below: half their bytes again, as they did when loaded as fp32
         if gw is not None and p.dtype == torch.float32 and tuple(p.shape) == gw.shape \
-                and id(p) not in paired:
+                and id(p) not in paired and not (q8_0 and id(p) in own and p.dim() == 2
+                                                 and gw.kind in HALF_KINDS):
             pairs.append((p, gw))
             paired.add(id(p))
     if q8_0:
@@ -217,6 +222,7 @@ def _drafter_blocks(model: nn.Module, drafter: Drafter, q8_0: bool, names: dict)
                 w = getattr(mod, "weight", None)
                 if (isinstance(mod, nn.Linear) and w is not None and w.dtype == torch.float32
                         and w.dim() == 2 and w.shape[1] % 32 == 0 and id(w) not in paired):
+                    fill(model, [w])  # (a deferred 16-bit weight: its values first)
                     gw = quantize_q8_0(w)
                     w.copy_(dequantize(gw))
                     pairs.append((w, gw))

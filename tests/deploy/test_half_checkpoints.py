@@ -179,3 +179,23 @@ def test_a_16_bit_ggufs_experts_run_as_stored(ftype, tmp_path):
         want = model(ids[None])[0]
     assert_close(_steps(dep, ids.tolist()), want, rtol=1e-5)
     assert_mtp_equals_plain(path, max_tokens=16, kernels="fast")
+
+
+def test_a_16_bit_mtp_layer_drafts_from_its_values(moe_half):
+    """The checkpoint's own MTP layer (its matrices deferred as 16-bit blocks): with the default
+    draft_quantize ("auto": Q8_0 on the fast CPU path) its matrices are Q8_0 of the file's
+    values (filled from the blocks first, never a placeholder's zeros); its experts run as the
+    stored 16-bit tensors."""
+    from specdeploy import LLM, SpecConfig
+    from specdeploy.ops.ggml_linear import dequantize, quantize_q8_0
+
+    llm = LLM(str(moe_half), spec=SpecConfig("mtp", 2), **LIMITS)
+    want = dict(load_model(moe_half, with_mtp=True).mtp.named_parameters())
+    got = {f"{m}.weight": mod.weight for m, mod in llm.deployed.drafter.named_modules()
+           if isinstance(mod, torch.nn.Linear)}  # (the drafter's linears: Q8_0)
+    mats = [n for n, p in got.items() if n in want and p.shape[1] % 32 == 0]
+    assert mats
+    for n in mats:
+        assert want[n].any() and torch.equal(got[n], dequantize(quantize_q8_0(want[n]))), n
+    infos = {i.name: i for i in llm.deployed.draft.infos}
+    assert infos["ggml_moe_experts"].num_matches > 0, infos["ggml_moe_experts"]
