@@ -89,7 +89,7 @@ def test_every_matrix_runs_on_its_16_bit_values_and_logits_are_the_fp32_models(
     info = {i.name: i for i in dep.infos}["ggml_linears"]
     layers = llama.tiny_hf_config()["num_hidden_layers"]
     assert info.num_matches == layers * LINEARS_PER_LAYER + 1, info  # + the LM head
-    assert "1 embeddings" in info.detail, info
+    assert "1 embeddings" in info.detail and "F16 / BF16 values" in info.detail, info
     assert _fp32_2d_bytes(dep) == 0
     model = load_model(path)  # the oracle: fp32 copies, torch's linears
     assert not model.ggml_weights
@@ -137,6 +137,7 @@ def test_16_bit_experts_run_as_stored_and_speculation_stays_lossless(moe_half):
     infos = {i.name: i for i in dep.infos}
     assert infos["ggml_moe_experts"].num_matches == 2, infos["ggml_moe_experts"]
     assert "2 of them one C call each" in infos["ggml_moe_experts"].detail
+    assert "16-bit experts as stored" in infos["ggml_moe_experts"].detail
     assert infos["ggml_linears"].num_matches > 0
     assert not [n for n, p in dep.gm.named_parameters() if p.dim() == 3 and "expert" in n]
     model = load_model(moe_half)

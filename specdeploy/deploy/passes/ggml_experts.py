@@ -163,7 +163,7 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
     if why:
         return Skipped(f"kernel unavailable: {why}")
     isa, note = _fast_isa(ctx.kernels)
-    n, stored, attrs, one_call = 0, 0, set(), 0
+    n, stored, attrs, one_call, half = 0, 0, set(), 0, 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (_MOE, _MOE_BIAS):
             continue
@@ -183,6 +183,7 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
             fn = experts_bias_fn(blocks[0], bias[0], blocks[1], bias[1], activation, alpha,
                                  limit, isa)
         one_call += fn.__name__ == "experts_one_call" or hasattr(fn, "half_one_call")
+        half += hasattr(fn, "half_one_call")
         with gm.graph.inserting_before(node):
             out = gm.graph.call_function(fn, (x, ids, wts))
         out.meta = dict(node.meta)
@@ -193,6 +194,8 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
     if not n:
         return Skipped("no moe_experts / moe_experts_bias reads weights with blocks")
     freed = drop_unread_params(gm, attrs)
+    if half and half == n:
+        note = "16-bit experts as stored on the fp32 one-call kernel"
     calls = f", {one_call} of them one C call each" if one_call else ""
     return Done(n, f"{n} expert groups on {stored / 2**20:.1f} MiB of blocks ({note}{calls}); "
                 f"fp32 parameters out of the graph: {freed / 2**20:.1f} MiB")

@@ -49,6 +49,7 @@ from specdeploy.deploy.passes.ggml_weights import _fast_isa, _not_here, _weight_
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
 from specdeploy.ops import ggml_tiled
 from specdeploy.ops.ggml_linear import (
+    HALF_KINDS,
     GGMLWeight,
     concat_rows,
     ggml_linear,
@@ -91,6 +92,12 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     todo, stale = _kernel_calls(gm, weights, deferred)
     attrs = {node.args[1].target for members in todo for node, _ in members}
     n_nodes = sum(len(members) for members in todo)
+    # F16 / BF16 (a 16-bit checkpoint's values) run the exact kernel whatever `kernels` says
+    half = sum(len(members) for members in todo if members[0][1].kind in HALF_KINDS)
+    if half and half == n_nodes:
+        note = "exact fp32 kernel: F16 / BF16 values"
+    elif half:
+        note += f"; {half} F16 / BF16 on the exact fp32 kernel"
     stored = sum(gw.blocks.nbytes for members in todo for _, gw in members)
     tile = isa is not None and ggml_tiled.kernel_unavailable() is None
     named, n_tiled = ctx.model.ggml_weights, 0
@@ -102,7 +109,7 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     n_emb, emb_bytes, tables = _embeddings(gm, weights, deferred)
     freed = drop_unread_params(gm, attrs | tables)
     filled = materialize_deferred(gm, ctx.model)
-    if tile:
+    if tile and half < n_nodes:
         note += f", tiled: {n_tiled} of {n_nodes} linears"
     return Done(n_nodes, f"{n_nodes} linears on {stored / 2**20:.0f} MiB of blocks "
                 + (f"({note}, every row count), " if isa else f"(<= {MAX_ROWS} rows {note}; "
