@@ -60,6 +60,7 @@ PIPELINE = (
     ("fuse_mixers", "fuse_recurrent_mixers"),  # matches direct kernel calls too
     ("fuse_moe_blocks", "fuse_moe_blocks"),  # matches direct kernel calls
     ("fuse_layers", "fuse_decoder_layers"),  # after both: it matches direct kernel calls
+    ("fuse_rows_late", "fuse_leftover_rows"),  # what the block fusions above left
     ("identity", "drop_identity_ops"),  # last rewrite: no pattern misses a node it expects
     ("compile", "call_aten_directly"),  # after it: every pass above matches aten targets
     ("compile", "compile_model"),

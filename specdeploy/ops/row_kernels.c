@@ -170,6 +170,27 @@ void add_rms_norm_rows(const float *a, const float *b, int64_t rows, int64_t n, 
     (void)avx2;
 }
 
+/* sum[r, :] = a[r, :] + (b[r, :] + c[r, :]) (torch's two adds in that order: a MoE layer's
+ * routed + shared outputs, then the residual) and out[r, :] = RMSNorm of that row, as
+ * add_rms_norm_rows computes it; a, b, c rows dense (`n` apart). */
+void add3_rms_norm_rows(const float *a, const float *b, const float *c, int64_t rows, int64_t n,
+                        const float *w, float eps, float *sum, float *out, int threads) {
+    const int avx2 = have_avx2();
+#pragma omp parallel for num_threads(threads) if (rows >= 64 && threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = sum + r * n;
+        for (int64_t i = 0; i < n; i++) s[i] = b[r * n + i] + c[r * n + i];
+#if defined(__x86_64__)
+        if (avx2) { /* (reads each s[i] before writing it: in place is safe) */
+            add_rms_row_avx2(a + r * n, s, n, w, eps, s, out + r * n);
+            continue;
+        }
+#endif
+        add_rms_row_generic(a + r * n, s, n, w, eps, s, out + r * n);
+    }
+    (void)avx2;
+}
+
 /* e^x for x <= 0: x = k ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
  * (relative error < 2e-7), times 2^k through the exponent bits; below -87 about 1e-38. Plain
  * mul / add (-ffp-contract=off), so the generic and the AVX2 clone below give the same bits. */
@@ -358,7 +379,8 @@ static inline float log1p_01(float t) {
  * bits depended on the tensor's size and its place in it (a decode row's gate or decay on
  * whether it was the last of a batch; deploy/passes/row_linears.py, ops/elementwise.py).
  * op 0: sigmoid 1 / (1 + e^-x) with e^-|x| only; 1: softplus as torch's (beta 1, threshold
- * 20), max(x, 0) + log(1 + e^-|x|); 2: e^x; 3: silu x * sigmoid(x), as silu_mul_rows. */
+ * 20), max(x, 0) + log(1 + e^-|x|); 2: e^x; 3: silu x * sigmoid(x), as silu_mul_rows;
+ * 4: relu(x)^2, torch.square(torch.relu(x))'s bits. */
 #define ELEMENTWISE_BODY                                                                       \
     switch (op) {                                                                              \
     case 0:                                                                                    \
@@ -375,6 +397,12 @@ static inline float log1p_01(float t) {
         break;                                                                                 \
     case 2:                                                                                    \
         for (int64_t i = 0; i < n; i++) out[i] = exp_any(x[i]);                                \
+        break;                                                                                 \
+    case 4: /* ReLU^2 (NemotronH): torch's relu (NaN stays NaN), then one multiply */          \
+        for (int64_t i = 0; i < n; i++) {                                                      \
+            const float v = (x[i] > 0.f || x[i] != x[i]) ? x[i] : 0.f;                         \
+            out[i] = v * v;                                                                    \
+        }                                                                                      \
         break;                                                                                 \
     default:                                                                                   \
         for (int64_t i = 0; i < n; i++) {                                                      \

@@ -36,6 +36,7 @@ def _library() -> ctypes.CDLL | None:
         "rope_rows": ([_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _I], None),
         "rope_cos_sin_rows": ([_P, _I64, _I, _I64, _I64, _I64, _P, _I64, _F, _P, _P], None),
         "add_rms_norm_rows": ([_P, _P, _I64, _I64, _P, _F, _P, _P, _I], None),
+        "add3_rms_norm_rows": ([_P, _P, _P, _I64, _I64, _P, _F, _P, _P, _I], None),
         "silu_mul_rows": ([_P, _I64, _I64, _I64, _P, _I], None),
         "swiglu_oai_rows": ([_P, _I64, _I64, _I64, _F, _F, _P, _I], None),
         "elementwise": ([_I, _P, _I64, _P, _I], None),
@@ -162,6 +163,22 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     return total, out
 
 
+def add3_rms_norm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(a + (b + c), RMSNorm of it), the adds rounded as torch's in that order; None when the
+    kernel does not take these tensors (other shapes: torch would broadcast)."""
+    n = a.shape[-1]
+    if (not _usable(a, b, c, weight) or a.shape != b.shape or a.shape != c.shape
+            or weight.numel() != n or a.numel() == 0):
+        return None
+    a2, b2, c2, w = a.contiguous(), b.contiguous(), c.contiguous(), weight.contiguous()
+    total, out = torch.empty(a.shape, dtype=_F32), torch.empty(a.shape, dtype=_F32)
+    _library().add3_rms_norm_rows(a2.data_ptr(), b2.data_ptr(), c2.data_ptr(), a2.numel() // n,
+                                  n, w.data_ptr(), float(eps), total.data_ptr(), out.data_ptr(),
+                                  torch.get_num_threads())
+    return total, out
+
+
 def silu_mul(x: torch.Tensor, n: int) -> torch.Tensor | None:
     """silu(x[..., :n]) * x[..., n:2n], or None when the kernel does not take this tensor."""
     if not _usable(x) or x.shape[-1] < 2 * n or x.numel() == 0 or x.stride(-1) != 1:
@@ -195,13 +212,14 @@ def swiglu_oai(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor | No
     return out
 
 
-ELEMENTWISE_OPS = {"sigmoid": 0, "softplus": 1, "exp": 2, "silu": 3}
+ELEMENTWISE_OPS = {"sigmoid": 0, "softplus": 1, "exp": 2, "silu": 3, "relu2": 4}
 
 
 def elementwise(name: str, x: torch.Tensor) -> torch.Tensor | None:
-    """sigmoid / softplus (torch's beta 1, threshold 20) / exp / silu of every element, each
-    by the same operations wherever it sits (row_kernels.c `elementwise`: torch's vectorized
-    kernels round a tensor's tail otherwise); None when the kernel does not take `x`."""
+    """sigmoid / softplus (torch's beta 1, threshold 20) / exp / silu / relu2 (relu then
+    square: torch's bits) of every element, each by the same operations wherever it sits
+    (row_kernels.c `elementwise`: torch's vectorized kernels round a tensor's tail otherwise);
+    None when the kernel does not take `x`."""
     if not _usable(x):
         return None
     x2 = x.contiguous()

@@ -83,8 +83,8 @@ def test_stages_in_order_and_optimize_apart_from_compile():
         assert stage[name] == Stage.OPTIMIZE
     assert {n for n, s in stage.items() if s == Stage.COMPILE} == {
         "fold_constants", "call_kernels_directly", "flatten_attrs", "fuse_recurrent_mixers",
-        "fuse_moe_blocks", "fuse_decoder_layers", "drop_identity_ops", "call_aten_directly",
-        "compile_model"}
+        "fuse_moe_blocks", "fuse_decoder_layers", "fuse_leftover_rows", "drop_identity_ops",
+        "call_aten_directly", "compile_model"}
 
 
 def test_list_transforms_shows_each_skip_reason_once(tiny_dir, capsys):
