@@ -332,7 +332,8 @@ def _own_mtp_draft_vocab(model: nn.Module, model_path, lazy=None) -> None:
         lazy.materialize_module(model.lm_head)
     from specdeploy.deploy.deferred import filled
     from specdeploy.deploy.spec import lm_head_weights
+    from specdeploy.ops.ggml_tiled import TILE
 
     with filled(model, lm_head_weights(model)):  # a deferred head: its values for the copy
-        model.mtp.set_draft_vocab(ids)
+        model.mtp.set_draft_vocab(ids, multiple=TILE)
 

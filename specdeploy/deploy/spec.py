@@ -267,6 +267,12 @@ class SpecDeployed:
         self.suffix_corpus = None  # the suffix store's loaded corpus (engine/suffix_store.py)
         self._spec_pairs = [(h.shadows, h.name) for h in target.resources
                             if isinstance(h, SpecState)]
+        self._promote: state_rows.StatePromoter | None = None  # (`commit`, on first use)
+        self._d2t_ids: torch.Tensor | None = None  # (`to_target`, on first use)
+        # NOTE: the base projection is a cast to the drafter's dtype, which `Drafter.dtype` finds
+        # by walking its parameters (~10 us a step); it is fixed once the drafter is deployed
+        self._cast_to = (drafter.dtype if drafter is not None
+                         and type(drafter).project is Drafter.project else None)
 
     def forward(self, meta: BatchMetadata) -> StepOutput:
         return self.target.forward(meta)
@@ -277,6 +283,8 @@ class SpecDeployed:
 
     def project(self, captured: torch.Tensor) -> torch.Tensor:
         """Target features → the drafter's hidden input (EAGLE-3 fuses layers with `fc`)."""
+        if self._cast_to is not None:  # (the base projection: a cast to the drafter's dtype)
+            return captured.to(self._cast_to)
         return self.drafter.project(captured)
 
     def group_of(self, step: int) -> int:
@@ -299,7 +307,12 @@ class SpecDeployed:
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.d2t is None:
             return draft_ids
-        return draft_ids + self.d2t.to(draft_ids.device)[draft_ids]
+        table = self._d2t_ids
+        if table is None or table.device != draft_ids.device:  # draft id -> target id, once
+            d2t = self.d2t.to(draft_ids.device)
+            table = self._d2t_ids = torch.arange(d2t.numel(), device=d2t.device,
+                                                 dtype=d2t.dtype) + d2t
+        return table[draft_ids]
 
     def target_probs(self, draft_probs: torch.Tensor) -> torch.Tensor:
         """Draft-vocab probabilities [N, Vd] → target vocab [N, V] (zero outside Vd)."""
@@ -314,17 +327,28 @@ class SpecDeployed:
         """Whether the target keeps per-token recurrent states to promote (`commit`)."""
         return bool(self._spec_pairs)
 
-    def commit(self, slots: torch.Tensor, accepted_idx: torch.Tensor) -> None:
-        """Promote spec-state entry `accepted_idx[s]` (tokens kept - 1) into each state slot.
-        On the CPU one C call copies them all (state_rows.promote_states); elsewhere, or
-        where it cannot, advanced indexing per state."""
-        gm = self.target.gm
-        pairs = [(getattr(gm, main), getattr(gm, spec)) for main, spec in self._spec_pairs]
-        if slots.device.type == "cpu" and state_rows.promote_states(
-                pairs, slots.tolist(), accepted_idx.tolist()):
+    def commit(self, slots: torch.Tensor | list[int], accepted_idx: torch.Tensor | list[int]
+               ) -> None:
+        """Promote spec-state entry `accepted_idx[s]` (tokens kept - 1) into each state slot
+        (tensors, or host lists). On the CPU one C call copies them all
+        (state_rows.StatePromoter, set up on first use); elsewhere advanced indexing per state."""
+        p = self._promote
+        if p is None:
+            gm = self.target.gm
+            p = self._promote = state_rows.StatePromoter(
+                [(getattr(gm, main), getattr(gm, spec)) for main, spec in self._spec_pairs])
+        lists = isinstance(slots, list)
+        if p.usable and (lists or slots.device.type == "cpu"):
+            p(slots if lists else slots.tolist(),
+              accepted_idx if lists else accepted_idx.tolist())
             return
-        for state, per_token in pairs:
-            state[slots] = per_token[slots, accepted_idx]
+        if not p.pairs:
+            return
+        dev = p.pairs[0][0].device
+        s = torch.tensor(slots, device=dev) if lists else slots.to(dev)
+        i = torch.tensor(accepted_idx, device=dev) if lists else accepted_idx.to(dev)
+        for state, per_token in p.pairs:
+            state[s] = per_token[s, i]
 
     def restore_states(self, slots: torch.Tensor, ckpts: torch.Tensor) -> None:
         self.target.restore_states(slots, ckpts)

@@ -274,9 +274,8 @@ class SpecEngine(Engine):
                 cached.append(s.num_tokens)
             s.seq.num_cached += cached[-1]
             s.seq.spec.clear()
-        if slots and getattr(self.deployed, "has_spec_states", True):  # (two tensors: ~15 us)
-            dev = self.device
-            self.deployed.commit(torch.tensor(slots, device=dev), torch.tensor(idx, device=dev))
+        if slots and getattr(self.deployed, "has_spec_states", True):
+            self.deployed.commit(slots, idx)  # (host lists: on the CPU no tensor is made)
         if self.prefix is not None:
             self._checkpoint_verified(batch, segs, cached)
         return cached

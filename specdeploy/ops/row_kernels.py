@@ -55,7 +55,7 @@ def _library() -> ctypes.CDLL | None:
                              _F, _P, _F, _I64, _P, _I], _I),
         "moe_route_rows": ([_P, _I64, _I64, _P, _I64, _I, _I64, _I64, _I, _F, _P, _P, _P, _I],
                            None),
-        "promote_states": ([_I64, _P, _P, _P, _I64, _P, _P, _I64], None),
+        "promote_states": ([_I64, _P, _P, _P, _I64, _P, _P, _I64, _I], None),
         "row_kernels_max_isa": ([_I], _I)})
     if lib is not None:
         return lib

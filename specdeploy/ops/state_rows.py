@@ -213,34 +213,52 @@ def gdn_decode(qkv, b, a, z, conv_w, conv_b, conv_state, slots, A, dt_bias, gdn_
     return out
 
 
+class StatePromoter:
+    """`promote_states` over fixed (main [S, ...], spec [S, K1, ...]) pairs, the cache's own
+    buffers (which a deployment never replaces): checked and their pointers laid out once, so a
+    step's commit is one C call and two small host lists. `usable` False: the C call cannot
+    take them (no library, off the CPU, not contiguous, a spec that is not [S, K1, *main's
+    entry] of main's dtype); the caller copies with torch."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.pairs = pairs  # (kept alive: the pointers below are theirs)
+        self.lib = _library()
+        self.k1 = pairs[0][1].shape[1] if pairs else 0
+        self.n_slots = pairs[0][0].shape[0] if pairs else 0
+        self.usable = self.lib is not None and bool(pairs) and all(
+            main.device.type == "cpu" and spec.device.type == "cpu" and main.dtype == spec.dtype
+            and main.is_contiguous() and spec.is_contiguous()
+            and spec.shape == (main.shape[0], self.k1, *main.shape[1:])
+            and main.shape[0] == self.n_slots for main, spec in pairs)
+        if self.usable:
+            self.lists = torch.tensor([[m.data_ptr() for m, _ in pairs],
+                                       [sp.data_ptr() for _, sp in pairs],
+                                       [m[0].nbytes for m, _ in pairs]], dtype=torch.int64)
+
+    def __call__(self, slots: list[int], idx: list[int]) -> bool:
+        """`main[slots[r]] = spec[slots[r], idx[r]]` for every pair; False (nothing done) where
+        not `usable`; IndexError for a slot or index out of range."""
+        if not self.usable:
+            return False
+        if len(slots) != len(idx):
+            raise ValueError(f"promote_states: {len(slots)} slots, {len(idx)} indices")
+        for s, i in zip(slots, idx):
+            if not (0 <= s < self.n_slots and 0 <= i < self.k1):
+                raise IndexError(f"promote_states: slots {slots} must lie in [0, "
+                                 f"{self.n_slots}) and indices {idx} in [0, {self.k1})")
+        if not slots:
+            return True
+        rows = torch.tensor([slots, idx], dtype=torch.int64)
+        lst = self.lists
+        self.lib.promote_states(len(self.pairs), lst[0].data_ptr(), lst[1].data_ptr(),
+                                lst[2].data_ptr(), self.k1, rows[0].data_ptr(),
+                                rows[1].data_ptr(), len(slots), torch.get_num_threads())
+        return True
+
+
 def promote_states(pairs: list[tuple[torch.Tensor, torch.Tensor]], slots: list[int],
                    idx: list[int]) -> bool:
     """`main[slots[r]] = spec[slots[r], idx[r]]` for every (main [S, ...], spec [S, K1, ...])
     pair, in one C call (row_kernels.c `promote_states`). False (nothing done) where the call
-    cannot take them: no library, a tensor off the CPU or not contiguous, a spec that is not
-    [S, K1, *main's entry] of main's dtype; IndexError for a slot or index out of range."""
-    lib = _library()
-    if lib is None or not pairs:
-        return False
-    k1 = pairs[0][1].shape[1]
-    n_slots = pairs[0][0].shape[0]
-    for main, spec in pairs:
-        if (main.device.type != "cpu" or spec.device.type != "cpu" or main.dtype != spec.dtype
-                or not main.is_contiguous() or not spec.is_contiguous()
-                or spec.shape != (main.shape[0], k1, *main.shape[1:])
-                or main.shape[0] != n_slots):
-            return False
-    if len(slots) != len(idx):
-        raise ValueError(f"promote_states: {len(slots)} slots, {len(idx)} indices")
-    if any(not 0 <= s < n_slots for s in slots) or any(not 0 <= i < k1 for i in idx):
-        raise IndexError(f"promote_states: slots {slots} must lie in [0, {n_slots}) and "
-                         f"indices {idx} in [0, {k1})")
-    if not slots:
-        return True
-    lists = torch.tensor([[m.data_ptr() for m, _ in pairs], [sp.data_ptr() for _, sp in pairs],
-                          [m[0].nbytes for m, _ in pairs]], dtype=torch.int64)
-    rows = torch.tensor([slots, idx], dtype=torch.int64)
-    lib.promote_states(len(pairs), lists[0].data_ptr(), lists[1].data_ptr(),
-                       lists[2].data_ptr(), k1, rows[0].data_ptr(), rows[1].data_ptr(),
-                       len(slots))
-    return True
+    cannot take them (`StatePromoter.usable`); IndexError for a slot or index out of range."""
+    return StatePromoter(pairs)(slots, idx)

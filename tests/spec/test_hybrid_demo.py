@@ -70,13 +70,43 @@ def test_loads_by_name(plain):
 
 def test_ships_a_draft_vocab(spec):
     """`mtp_draft_vocab.json`: the MTP head drafts over 8k of the 49k tokens (its step is bound
-    by reading LM-head rows); drafts map back to exactly those target ids."""
+    by reading LM-head rows); drafts map back to exactly those target ids, and the lowest ids
+    they lack up to a multiple of 16 (whole tiles of the tiled kernel)."""
     import json
 
-    ids = json.loads((shipped_model_path("hybrid-demo") / "mtp_draft_vocab.json").read_text())
-    want = torch.tensor(sorted(set(ids["ids"])))
+    ids = set(json.loads((shipped_model_path("hybrid-demo") / "mtp_draft_vocab.json")
+                         .read_text())["ids"])
+    extra = sorted(set(range(spec.deployed.vocab_size)) - ids)[:-len(ids) % 16]
+    want = torch.tensor(sorted(ids | set(extra)))
+    assert len(ids) % 16 and len(want) % 16 == 0 and len(want) - len(ids) < 16
     d = spec.deployed
     assert d.d2t is not None and torch.equal(d.to_target(torch.arange(len(want))), want)
+    with pytest.raises(IndexError):  # nothing past them
+        d.to_target(torch.tensor([len(want)]))
+
+
+def test_the_draft_head_runs_on_whole_tiles(spec):
+    """The grown draft vocabulary fills whole 16-output tiles: every drafter linear, its head
+    too, on the tiled kernel (with the shipped 8,175 ids the head took the integer-dot one)."""
+    import re
+
+    from specdeploy.ops.ggml_tiled import kernel_unavailable
+
+    if kernel_unavailable() is not None:
+        pytest.skip(f"tiled kernel unavailable: {kernel_unavailable()}")
+    info = {i.name: i for i in spec.deployed.drafts[0].infos}["ggml_linears"]
+    m = re.search(r"tiled: (\d+) of (\d+) linears", info.detail)
+    assert m and m[1] == m[2], info.detail
+
+
+def test_whole_tiles_adds_the_lowest_missing_ids():
+    from specdeploy.models.drafters import whole_tiles
+
+    ids = torch.tensor([1, 4, 5, 9])
+    assert torch.equal(whole_tiles(ids, 20, 1), ids)
+    assert torch.equal(whole_tiles(ids, 20, 4), ids)
+    assert whole_tiles(ids, 20, 8).tolist() == [0, 1, 2, 3, 4, 5, 6, 9]
+    assert whole_tiles(torch.tensor([0, 1, 2]), 20, 16).tolist() == list(range(16))
 
 
 def test_bad_draft_vocab_is_named(tmp_path):

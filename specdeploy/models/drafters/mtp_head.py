@@ -28,7 +28,7 @@ from specdeploy.checkpoint import CheckpointError, CheckpointReader
 from specdeploy.checkpoint.tiny import write_checkpoint
 from specdeploy.loading import assign_params, resolve_dtype
 from specdeploy.models import llama
-from specdeploy.models.drafters import Drafter, DraftOutput
+from specdeploy.models.drafters import Drafter, DraftOutput, whole_tiles
 from specdeploy.models.layers import RMSNorm, RotaryEmbedding
 
 ARCHITECTURES = ("LlamaMTPHead",)
@@ -59,10 +59,12 @@ class MTPHead(Drafter):
     def init_buffers(self) -> None:
         self.rotary_emb.init_buffers()
 
-    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
-        """Draft over these target ids only (sorted): a copy of their LM-head rows."""
+    def set_draft_vocab(self, draft_ids: torch.Tensor, multiple: int = 1) -> None:
+        """Draft over these target ids only (sorted): a copy of their LM-head rows; `multiple`
+        as `Drafter.set_draft_vocab`'s."""
         ids = torch.as_tensor(draft_ids, dtype=torch.long).sort().values
         head = self.borrowed.pop("lm_head")  # NOTE: its rows are copied; it is not read after
+        ids = whole_tiles(ids, head.weight.shape[0], multiple)
         w = head.weight.detach()[ids.to(head.weight.device)].clone()
         self.draft_head = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device,
                                     dtype=w.dtype)
@@ -183,5 +185,7 @@ def load_mtp_head(path: str | os.PathLike, target: nn.Module,
         if d2t.dim() != 1 or d2t.shape[0] != n or ids.min() < 0 or ids.max() >= tcfg.vocab_size:
             raise CheckpointError(f"{path}: mtp.d2t does not map {n} draft ids into the "
                                   f"target's vocab of {tcfg.vocab_size}")
-        mtp.set_draft_vocab(ids)
+        from specdeploy.ops.ggml_tiled import TILE
+
+        mtp.set_draft_vocab(ids, multiple=TILE)  # (whole tiles: the tiled kernel)
     return mtp.eval()
