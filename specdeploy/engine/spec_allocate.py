@@ -7,18 +7,30 @@ from specdeploy.engine.spec_accept import expected_tokens
 
 class DraftAllocator:
     """The step-cost model and allocation of `CostController`, which sets the state read here:
-    `cost` (a `CostModel`), `drafter` (draft forwards cost), `overhead` (seconds of a step
-    outside the modelled parts), `draft_scales` (measured / modelled drafting time by the step's
-    longest chain) and `margin` (the share by which drafter drafts must beat plain decoding)."""
+    `cost` (a `CostModel`), `drafter` (draft forwards cost), `overhead` / `overhead_verify`
+    (seconds of a step outside the modelled parts, in steps that verify no draft / some;
+    `host_s`), `draft_scales` (measured / modelled drafting time by the step's longest chain),
+    `fixed_verify` (other sequences' drafts make the step a verify step whatever is allocated)
+    and `margin` (the share by which drafter drafts must beat plain decoding)."""
+
+    def host_s(self, verify: bool) -> float:
+        """The host work of a step outside its modelled parts: a step that verifies drafts
+        promotes recurrent states, checks more rows and hands more to the draft source (on
+        hybrid-demo ~0.41 ms against 0.18 ms for a plain step, 2 cores, 2026-12-07; one EMA of
+        both priced plain steps ~0.2 ms too high and drafted ones too low). Until a verify step
+        has been seen, the one estimate."""
+        o = self.overhead_verify
+        return o if verify and o is not None else self.overhead
 
     def _cost(self, rows: int, chain: list[int], draft: bool, behind: int = 0) -> float:
         """A step of `rows` verified rows where `chain[s]` sequences draft more than s drafts:
         the target forward, and with `draft` the drafter's catch-up (about two rows per
         drafting sequence: its last token and an accepted draft, plus `behind` rows that the
         drafting sequences deferred while they drafted nothing) and its chain forwards (k - 1
-        for k drafts: the catch-up drafts the first)."""
-        t = self.cost.target_s(rows) + self.overhead
-        if draft and self.drafter and chain[0]:
+        for k drafts: the catch-up drafts the first); the host work of a plain or verify step."""
+        drafted = draft and self.drafter and chain[0]
+        t = self.cost.target_s(rows) + self.host_s(bool(drafted) or self.fixed_verify)
+        if drafted:
             scales = self.draft_scales
             n = 1
             while n < len(chain) and chain[n]:  # the longest chain: chain[s] > 0 for s < n
@@ -128,8 +140,8 @@ class DraftAllocator:
         rows, tokens = fixed_rows + n, fixed_tokens + n
         # NOTE: `_cost` without a drafter, inlined: it is asked once per candidate row, every
         # step (~16 a sequence with lookup runs of 16)
-        target_s, over = self.cost.target_s, self.overhead
-        best, best_m = tokens / (target_s(rows) + over), 0
+        target_s, over = self.cost.target_s, self.host_s(True)
+        best, best_m = tokens / (target_s(rows) + self.host_s(self.fixed_verify)), 0
         # no m whose cost reaches `top` / best can win: even every gain at once would not pay
         # it (costs never fall with rows), so the scan stops there (exact)
         top = tokens - sum(g[0] for g in gains)

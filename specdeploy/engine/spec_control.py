@@ -94,7 +94,10 @@ class CostController(DraftAllocator):
         # measured / modelled drafting time by chain length (index: the step's longest chain,
         # `observe_draft`); 1.0 until a phase of that length teaches it
         self.draft_scales = [1.0] * (max_k + 1)
-        self.overhead = 0.0  # seconds of a step outside the modelled parts (`observe_overhead`)
+        # seconds of a step outside the modelled parts, steps verifying no draft / some
+        # (`observe_overhead`, `host_s`; None: no verify step seen yet)
+        self.overhead, self.overhead_verify = 0.0, None
+        self.fixed_verify = False  # (`plan` / `cut`: others' drafts make it a verify step)
         self._behind: dict[int, int] = {}  # id(seq) -> deferred catch-up rows, as last planned
         self._quiet = 0  # plans skipped since the last allocate (`plan`)
         self._last_gap = 0  # the probe gap of the last drafter verify: a new sequence's start
@@ -163,8 +166,7 @@ class CostController(DraftAllocator):
         seen at, and at 16 concurrent requests its 17th row came out at 0-7x its cost between
         runs (no 1-row steps there to learn the context slope from, 2026-12-05)."""
         cost = getattr(self.cost, "table_s", self.cost.target_s)
-        over = self.overhead
-        t0, t1 = cost(batch) + over, cost(batch + 1) + over
+        t0, t1 = cost(batch) + self.host_s(False), cost(batch + 1) + self.host_s(True)
         return batch * (t1 / t0 - 1.0) if t0 > 0 else math.inf
 
     def _lookup_gap(self, c: SeqControl) -> int:
@@ -312,13 +314,20 @@ class CostController(DraftAllocator):
         """The drafting scale of the longest chain (K drafts)."""
         return self.draft_scales[-1]
 
-    def observe_overhead(self, seconds: float) -> None:
+    def observe_overhead(self, seconds: float, verify: bool = False) -> None:
         """A decode / verify step's time outside its forward, verification and drafter
-        drafting (scheduling, metadata, appending, lookup matching, outputs): the same whatever
-        is drafted, yet part of every step's cost (without it extra rows look dearer than
-        they are: on the default model ~2 ms of a 10 ms step, 2 threads)."""
-        if seconds >= 0 and math.isfinite(seconds):
+        drafting (scheduling, metadata, committing, appending, lookup matching, outputs): part
+        of every step's cost (without it extra rows look dearer than they are: on the default
+        model ~2 ms of a 10 ms step, 2 threads), learnt apart for steps that verified drafts
+        (`verify`: `host_s`)."""
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        if not verify:
             self.overhead += self.alpha * (seconds - self.overhead)
+        elif self.overhead_verify is None:  # the first: a start that needs no warm-up
+            self.overhead_verify = seconds
+        else:
+            self.overhead_verify += self.alpha * (seconds - self.overhead_verify)
 
     def plan(self, seqs: list, fixed_rows: int = 0, fixed_tokens: float = 0.0) -> None:
         """Before drafting: `seq.spec.limit` (drafter drafts) for each sequence that decodes
@@ -342,8 +351,12 @@ class CostController(DraftAllocator):
             ks = [0] * len(seqs)
         else:
             self._quiet = 0
-            ks = self.allocate([c.model for c in ctl], [self.k] * len(seqs), fixed_rows,
-                               fixed_tokens=fixed_tokens, behind=behind)
+            self.fixed_verify = fixed_rows > 0  # (the lookup runs of others: verify rows)
+            try:
+                ks = self.allocate([c.model for c in ctl], [self.k] * len(seqs), fixed_rows,
+                                   fixed_tokens=fixed_tokens, behind=behind)
+            finally:
+                self.fixed_verify = False
             for c, k in zip(ctl, ks):
                 c.settled = not k
         for s, c, k in zip(seqs, ctl, ks):
@@ -370,8 +383,12 @@ class CostController(DraftAllocator):
         fixed_tokens = sum(expected_tokens(self.state(s).model, len(s.spec.drafts)) - 1
                            for s in rest if s.spec.drafts) + len(rest)
         caps = [len(s.spec.drafts) for s in look]
-        ks = self.allocate_rows([self.seq_lookup_acc(s, n) for s, n in zip(look, caps)], caps,
-                                fixed_rows, fixed_tokens)
+        self.fixed_verify = any(s.spec.drafts for s in rest)  # (drafter drafts of others)
+        try:
+            ks = self.allocate_rows([self.seq_lookup_acc(s, n) for s, n in zip(look, caps)],
+                                    caps, fixed_rows, fixed_tokens)
+        finally:
+            self.fixed_verify = False
         for s, n, k in zip(look, caps, ks):
             c = self.state(s)
             c.idle_lookup = 0 if k else c.idle_lookup + 1

@@ -182,12 +182,13 @@ class SpecEngine(Engine):
         ctl = self.controller
         if ctl is not None and all(s.kind == SEG_EXTEND or len(s.token_ids) == 1 for s in segs):
             ctl.observe_step(rows, seconds, sum(s.cache_len for s in segs))
-            self._step_parts = [seconds, 0.0]  # the forward + verification, the drafting
+            # the forward + verification, the drafting, whether drafts were verified
+            self._step_parts = [seconds, 0.0, any(s.kind == SEG_EXTEND for s in segs)]
 
     def _stepped(self, seconds: float) -> None:
         parts, self._step_parts = self._step_parts, None
         if parts is not None and self.controller is not None:
-            self.controller.observe_overhead(seconds - parts[0] - parts[1])
+            self.controller.observe_overhead(seconds - parts[0] - parts[1], parts[2])
 
     # ---- the step hooks -----------------------------------------------------------------------
     def _segments(self, batch: list[ScheduledSeq]) -> list[Segment]:

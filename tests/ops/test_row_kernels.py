@@ -290,3 +290,29 @@ def test_promote_states_equals_advanced_indexing():
     odd = [(torch.zeros(5, 6, 8).transpose(1, 2), torch.ones(5, 4, 8, 6))]
     assert not sr.promote_states(odd, [0], [0]) and not odd[0][0].any()
     assert not sr.promote_states([(torch.zeros(5, 3), torch.ones(5, 4, 2))], [0], [0])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_promote_states_large_on_threads_and_cached(threads):
+    """Commits of more than 256 KB copy on the threads (hybrid-demo's: 8 pairs, ~0.56 MB a
+    row): the same as indexing, through one `StatePromoter` reused step after step."""
+    g = torch.Generator().manual_seed(6)
+    pairs = [(torch.randn(4, 8, 64, 68, generator=g), torch.randn(4, 3, 8, 64, 68, generator=g))
+             for _ in range(3)] + [(torch.randn(4, 510, 4, generator=g),
+                                    torch.randn(4, 3, 510, 4, generator=g))]
+    promote = sr.StatePromoter(pairs)
+    assert promote.usable
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for slots, idx in (([2], [1]), ([0, 3, 1], [2, 0, 1]), ([3], [2])):
+            want = [m.clone() for m, _ in pairs]
+            for w, (_, sp) in zip(want, pairs):
+                w[torch.tensor(slots)] = sp[torch.tensor(slots), torch.tensor(idx)]
+            assert promote(slots, idx)
+            for w, (m, _) in zip(want, pairs):
+                assert torch.equal(m, w)
+            for _, sp in pairs:  # the next step's verify writes new spec entries
+                sp.add_(1.0)
+    finally:
+        torch.set_num_threads(before)

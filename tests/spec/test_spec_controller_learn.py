@@ -139,3 +139,34 @@ def test_drafting_scale_is_learnt_per_chain_length():
     # at a batch, the longest chain's scale prices the whole drafting phase
     assert c.step_cost([1, 3]) == pytest.approx(
         cost.target_s(6) + 1.2 * c._draft_s([2, 1, 1]), rel=1e-9)
+
+
+def test_host_work_of_verify_steps_is_learnt_apart_and_priced():
+    """A step that verifies drafts spends more host time than a plain one (promoting recurrent
+    states, more rows to check, more for the draft source: hybrid-demo ~0.44 against ~0.25 ms,
+    2026-12-07). It is learnt apart; until a verify step is seen the one estimate prices both.
+    Arithmetic on a synthetic cost: target 1 + 0.1 a row, a drafter forward 0.2."""
+    c = CostController(Linear(1.0, 0.1, 0.2), 1, 1, alpha=0.5)
+    c.observe_overhead(0.2)  # a plain step
+    assert c.overhead == pytest.approx(0.1) and c.overhead_verify is None
+    assert c.host_s(True) == c.host_s(False) == pytest.approx(0.1)
+    # one draft accepted 40%: (1 + 0.4) / (1.2 + 0.1 + 0.2) beats 1 / (1.1 + 0.1)
+    assert c.allocate([[0.4]], [1]) == [1]
+    assert c.allocate_rows([[0.3]], [1]) == [1]  # a lookup row: 1.3 / 1.3 against 1 / 1.2
+    assert c.break_even(1) == pytest.approx(1.3 / 1.2 - 1)
+    c.observe_overhead(0.6, verify=True)  # the first verify step counts as it is
+    c.observe_overhead(0.4, verify=True)
+    assert c.overhead_verify == pytest.approx(0.5) and c.overhead == pytest.approx(0.1)
+    assert c.host_s(True) == pytest.approx(0.5) and c.host_s(False) == pytest.approx(0.1)
+    # priced right, neither pays: 1.4 / 1.9 and 1.3 / 1.7 against 1 / 1.2
+    assert c.allocate([[0.4]], [1]) == [0]
+    assert c.allocate_rows([[0.3]], [1]) == [0]
+    assert c.break_even(1) == pytest.approx(1.7 / 1.2 - 1)
+    assert c.step_ratio([[0.4]], [1]) == pytest.approx(1.4 / 1.9)
+    # where others' drafts make the step a verify step anyway, its host work is no reason
+    c.fixed_verify = True
+    assert c.allocate_rows([[0.3]], [1]) == [1]  # 1.3 / 1.7 against 1 / 1.7
+    c.fixed_verify = False
+    for bad in (float("nan"), -1.0):  # nothing learnt from a broken measurement
+        c.observe_overhead(bad, verify=True)
+    assert c.overhead_verify == pytest.approx(0.5)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from specdeploy import SamplingParams
+from specdeploy.cache.metadata import SEG_EXTEND
 from specdeploy.engine.spec_control import CostController
 from specdeploy.engine.spec_cost import MeasuredCost
 
@@ -141,3 +142,30 @@ def test_a_row_count_seen_few_times_keeps_the_tables_shape():
     lone.observe(2, 1.0)
     lone.observe(2, 3.3)  # nothing trusted yet: what was seen, as with trust_after 1
     assert lone.target_s(2) == pytest.approx(3.3) and lone.target_s(1) == pytest.approx(3.0)
+
+
+def test_engine_reports_host_work_of_plain_and_verify_steps_apart(target):
+    """Each decode / verify step's host work reaches the controller flagged by whether the step
+    verified drafts: exactly its extend segments'."""
+    llm = target.llm(3)
+    eng = llm.engine
+    ctl = CostController(MeasuredCost({1: 1e-3, 4: 2e-3, 16: 5e-3}, {}), 3, 3, probe_every=1)
+    flags, verified = [], []
+    learn = ctl.observe_overhead
+    ctl.observe_overhead = lambda s, verify=False: (flags.append(verify), learn(s, verify))[1]
+    timed = eng._timed
+    eng._timed = lambda segs, rows, s: (verified.append(any(
+        g.kind == SEG_EXTEND for g in segs)), timed(segs, rows, s))[1]
+    eng.set_controller(ctl)
+    eng.reset_prefix_cache()
+    try:
+        eng.add_request(max(target.prompts, key=len), SamplingParams(max_tokens=16,
+                                                                     ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+        verified = verified[1:]  # (the prefill: not a decode / verify step)
+        assert flags == verified and True in flags and False in flags
+        assert ctl.overhead > 0 and ctl.overhead_verify is not None and ctl.overhead_verify > 0
+    finally:
+        eng._timed = timed
+        eng.set_controller(None)
