@@ -167,8 +167,20 @@ class MeasuredCost:
         old = self.seen.get(rows)
         if old is not None:
             seconds = min(max(seconds, 0.5 * old), 2.0 * old)
-        self.seen[rows] = seconds if old is None else old + self.alpha * (seconds - old)
+        new = self.seen[rows] = seconds if old is None else old + self.alpha * (seconds - old)
         self._count[rows] = n = self._count.get(rows, 0) + 1
+        others = [c for r, c in self._count.items() if r != rows]
+        if old and others and n > max(others):
+            # NOTE: the row count seen most (decode steps: 1 row at batch 1) carries the
+            # machine's drift to the others, whose own steps may be rare: on a shared host a
+            # 2-row verify learnt at 2.8 ms in a slow spell kept that price while 1-row steps
+            # went back to 1.75 ms, and the 56% a draft then seemed to cost stopped hybrid-demo's
+            # MTP drafting (accepted ~0.8) until probes re-taught it (2026-12-07). The others
+            # keep their ratio to it; their own steps still move their EMA.
+            f = new / old
+            for r in self.seen:
+                if r != rows:
+                    self.seen[r] *= f
         # NOTE: a row count seen for the first time counts at once; EMA moves of known ones
         # every `refresh_every` steps (a step's refresh, the merge and the memo's ~20 costs
         # asked again, was ~20 us of a ~4 ms decode step; the EMAs move a few % a step)

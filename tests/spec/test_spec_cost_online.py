@@ -169,3 +169,22 @@ def test_engine_reports_host_work_of_plain_and_verify_steps_apart(target):
     finally:
         eng._timed = timed
         eng.set_controller(None)
+
+
+def test_the_row_count_seen_most_carries_the_drift_to_the_others():
+    """On a shared host every step slows and speeds up together: the row count seen most (1-row
+    decode steps at batch 1) moves the others' estimates by its own factor, so a verify row
+    count seen rarely keeps its ratio to it instead of the price of the spell it was seen in."""
+    m = MeasuredCost({1: 1.0, 2: 1.1}, {}, alpha=0.5)
+    for _ in range(5):
+        m.observe(1, 2.0)  # (the first: warm-up)
+    m.observe(2, 9.0)  # warm-up
+    m.observe(2, 2.2)  # rarely seen, 1.1x a decode step
+    assert m.seen == {1: 2.0, 2: 2.2}
+    m.observe(1, 4.0)  # a slow spell: 1's EMA 2 -> 3, and 2 with it (x 1.5)
+    assert m.seen[1] == pytest.approx(3.0) and m.seen[2] == pytest.approx(3.3)
+    m.observe(1, 1.5)  # and back: 3 -> 2.25, 2 x 0.75
+    assert m.seen[2] == pytest.approx(2.475)
+    m.observe(2, 2.475 * 1.2)  # its own step still moves its EMA (and not the others')
+    assert m.seen[2] == pytest.approx(2.475 * 1.1) and m.seen[1] == pytest.approx(2.25)
+    assert m.target_s(2) / m.target_s(1) == pytest.approx(1.21)
