@@ -85,6 +85,7 @@ class CudaGraphRunner:
         self._graphs: dict[tuple[int, int, int, int], _Captured] = {}
         self._pool = None
         self.replays = 0  # steps this runner took (stats and tests)
+        self.captures = 0  # graphs captured (or refused): a step that did is no timing
         self.replays_by_tokens: Counter[int] = Counter()  # by tokens per sequence
         # a drafter program takes the target's hidden rows as its third input, a
         # vision-language target its input embeddings
@@ -218,6 +219,7 @@ class CudaGraphRunner:
         """Capture with every row a dummy (only the scratch is written while warming up and
         capturing), after two warm-up runs on a side stream (lazy initialisation, workspace).
         A drafter's graph reads its hidden rows from a static buffer shaped like `hidden`'s."""
+        self.captures += 1
         dummy = Segment([0] * n, DUMMY_LEN, [self.scratch_page] * width,
                         self.scratch_slot, n, kind,
                         win_pages=[self.scratch_win] * width if self.win else ())

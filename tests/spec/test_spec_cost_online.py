@@ -98,7 +98,16 @@ def test_engine_reports_decode_and_verify_steps_only(target):
     learn = m.observe
     m.observe = lambda rows, s, k=0.0: (seen.append(rows), keys.append(k), learn(rows, s, k))[2]
     fwd = d.forward
-    d.forward = lambda meta: (ran.append(meta.num_tokens), fwd(meta))[1]
+
+    def timed_fwd(meta):
+        n = eng._captures()
+        out = fwd(meta)
+        ran.append(meta.num_tokens)
+        fresh.append(eng._captures() != n)  # a capture's step teaches nothing
+        return out
+
+    fresh = []
+    d.forward = timed_fwd
     eng.set_controller(CostController(m, 3, 3))
     eng.reset_prefix_cache()  # the prompt is prefilled whole, not served from the cache
     try:
@@ -109,9 +118,10 @@ def test_engine_reports_decode_and_verify_steps_only(target):
         assert seen == [] and ran == [len(prompt)]
         while eng.has_unfinished():
             eng.step()
-        assert seen == ran[1:] and all(r <= 4 for r in seen)
+        assert seen == [r for r, f in zip(ran[1:], fresh[1:]) if not f]
+        assert seen and all(r <= 4 for r in seen)
         # each step's context: the keys its one sequence had cached, growing step by step
-        assert keys[0] == len(prompt) and all(b > a for a, b in zip(keys, keys[1:]))
+        assert keys[0] >= len(prompt) and all(b > a for a, b in zip(keys, keys[1:]))
         # a row count's first step is a warm-up, dropped (`MeasuredCost.observe`): learnt are
         # exactly those the engine ran twice or more (which ones depends on the timings)
         twice = {r for r in seen if seen.count(r) > 1}
@@ -153,21 +163,27 @@ def test_engine_reports_host_work_of_plain_and_verify_steps_apart(target):
     flags, verified = [], []
     learn = ctl.observe_overhead
     ctl.observe_overhead = lambda s, verify=False: (flags.append(verify), learn(s, verify))[1]
-    timed = eng._timed
-    eng._timed = lambda segs, rows, s: (verified.append(any(
+    timed, stepped, kinds = eng._timed, eng._stepped, []
+    eng._timed = lambda segs, rows, s: (kinds.append(any(
         g.kind == SEG_EXTEND for g in segs)), timed(segs, rows, s))[1]
+
+    def learnt(seconds):  # the steps that teach (a graph capture's do not): their kinds
+        if eng._step_parts is not None:
+            verified.append(kinds[-1])
+        stepped(seconds)
+
+    eng._stepped = learnt
     eng.set_controller(ctl)
     eng.reset_prefix_cache()
     try:
-        eng.add_request(max(target.prompts, key=len), SamplingParams(max_tokens=16,
+        eng.add_request(max(target.prompts, key=len), SamplingParams(max_tokens=24,
                                                                      ignore_eos=True))
         while eng.has_unfinished():
             eng.step()
-        verified = verified[1:]  # (the prefill: not a decode / verify step)
         assert flags == verified and True in flags and False in flags
         assert ctl.overhead > 0 and ctl.overhead_verify is not None and ctl.overhead_verify > 0
     finally:
-        eng._timed = timed
+        eng._timed, eng._stepped = timed, stepped
         eng.set_controller(None)
 
 
@@ -188,3 +204,38 @@ def test_the_row_count_seen_most_carries_the_drift_to_the_others():
     m.observe(2, 2.475 * 1.2)  # its own step still moves its EMA (and not the others')
     assert m.seen[2] == pytest.approx(2.475 * 1.1) and m.seen[1] == pytest.approx(2.25)
     assert m.target_s(2) / m.target_s(1) == pytest.approx(1.21)
+
+
+def test_a_step_that_captured_a_graph_teaches_nothing(target):
+    """A step whose forward (or drafting) captured a graph took the capture's time, not its
+    cost: the controller learns neither its rows' cost nor its host work from it."""
+    llm = target.llm(3)
+    eng = llm.engine
+    ctl = CostController(MeasuredCost({1: 1e-3, 4: 2e-3, 16: 5e-3}, {}), 3, 3, probe_every=1)
+    rows, over = [], []
+    learn_rows, learn_over = ctl.observe_step, ctl.observe_overhead
+    ctl.observe_step = lambda r, s, k=0.0: (rows.append(r), learn_rows(r, s, k))[1]
+    ctl.observe_overhead = lambda s, v=False: (over.append(v), learn_over(s, v))[1]
+    eng.set_controller(ctl)
+    eng.reset_prefix_cache()
+    counts = iter(range(1, 1000))
+    fake = {"on": False}
+    real = eng._captures
+    # every step "captures" while `on`: a fresh count at each check
+    eng._captures = lambda: next(counts) if fake["on"] else real()
+    try:
+        prompt = max(target.prompts, key=len)
+        eng.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+        eng.step()  # the prefill
+        fake["on"] = True
+        for _ in range(3):
+            eng.step()
+        assert rows == [] and over == []
+        fake["on"] = False
+        eng._fresh_captures()  # (the count as it stands)
+        while eng.has_unfinished():
+            eng.step()
+        assert rows and over  # steps without a capture teach again
+    finally:
+        eng._captures = real
+        eng.set_controller(None)
