@@ -309,9 +309,8 @@ class SpecDeployed:
             return draft_ids
         table = self._d2t_ids
         if table is None or table.device != draft_ids.device:  # draft id -> target id, once
-            d2t = self.d2t.to(draft_ids.device)
-            table = self._d2t_ids = torch.arange(d2t.numel(), device=d2t.device,
-                                                 dtype=d2t.dtype) + d2t
+            d2t = self.d2t.to(draft_ids.device, torch.long)  # (int64 ids, as argmax gives)
+            table = self._d2t_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
         return table[draft_ids]
 
     def target_probs(self, draft_probs: torch.Tensor) -> torch.Tensor:
