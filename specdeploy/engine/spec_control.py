@@ -64,7 +64,12 @@ REPLAN_EVERY = 8  # steps between plans of sequences settled at 0 drafter drafts
 # run) EAGLE-3 + controller 0.982 -> 0.992x plain, MTP + controller 1.006 -> 1.030x; 128-token
 # replies (bench/results/spec_controller_margin_avx512_1204.json) 1.024 -> 0.998x and 1.032 ->
 # 1.044x. Within the noise either way; kept as a hedge against the model's errors.
-DRAFTER_MARGIN = 0.05
+# 0 since stop 65, once the model stopped learning from graph captures and priced a verify
+# step's host work apart: paired in one process (bench/spec_margin.py, 2 cores AVX2,
+# 2026-12-07), margin 0 against 0.05 won 14 of 17 runs: medians over plain hybrid-demo's MTP
+# 1.012x vs 0.973x (7 runs), the default model's EAGLE-3 1.020x vs 0.990x and MTP head 1.062x
+# vs 1.024x (5 runs each); the hedge now cost the drafts that paid.
+DRAFTER_MARGIN = 0.0
 
 
 class CostController(DraftAllocator):
