@@ -61,7 +61,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     ptr, int_ = ctypes.c_void_p, ctypes.c_int
     lib, errors = _gl.load_compiled("ggml_kernels_int", SOURCE, _FLAGS, {
         "ggml_linear_int": ([int_, int_, ptr, int_, int_, ptr, int_, ptr, int_], int_),
-        "ggml_int_isa_supported": ([int_], int_), "ggml_iq_init": ([ptr], None)})
+        "ggml_int_isa_supported": ([int_], int_), "ggml_iq_init": ([ptr], None),
+        "ggml_iq3_as_xs": ([int_, ptr, ctypes.c_int64, ptr, int_], int_)})
     if lib is not None:
         from specdeploy.ops import ggml_iq
 

@@ -1112,3 +1112,52 @@ int ggml_linear_int(int kind, int isa, const float *x, int R, int K, const uint8
     free(scratch);
     return 0;
 }
+
+/* IQ3_XXS / IQ3_S blocks in IQ4_XS's byte layout (ggml_tiled_kquant.c reads them as its IQ4_XS
+ * with a table of its own per kind): the tiled kernel then takes them, 16 outputs a vector, where
+ * a lattice index (one per output) left nothing to share across outputs as stored. Every value
+ * is f * s * w (ggml_iq.c) with one s per 32 values in these two kinds and w one of 16 values:
+ * IQ3_S's odd -15 .. 15, IQ3_XXS's +-{4, 12, .., 52, 62} (f = d / 4 there, applied by the tiled
+ * kernel). So a block becomes: d's fp16 bits as stored | scales_h | scales_l, the 6-bit s + 32 of
+ * each group (IQ4_XS's ls, whose kernel multiplies by ls - 32) | qs, nibble = w's index in the
+ * kind's table (XS_TABLES in ggml_tiled.c): the same values exactly, 136 bytes instead of 110 /
+ * 98. Returns 0; -3 before ggml_iq_init; -4 for another kind; -5 for a value outside the table
+ * or two scales in one group (not an IQ3 block; dst is then not to be read). */
+static int iq3_code(int kind, int w) {
+    const int m = w < 0 ? -w : w;
+    if (kind == IQ3_S) return (m & 1) && m <= 15 ? (w + 15) >> 1 : -1;
+    const int i = m == 62 ? 7 : (m - 4) >> 3;
+    if (m < 4 || (m != 62 && ((m - 4) & 7)) || i > 7) return -1;
+    return w < 0 ? 7 - i : 8 + i;
+}
+
+int ggml_iq3_as_xs(int kind, const uint8_t *src, int64_t nblocks, uint8_t *dst, int nthreads) {
+    if (!iq_ready) return -3;
+    if (kind != IQ3_S && kind != IQ3_XXS) return -4;
+    const int bytes = iq_bytes(kind);
+    int bad = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : bad)
+    for (int64_t i = 0; i < nblocks; i++) {
+        const uint8_t *b = src + i * bytes;
+        uint8_t *o = dst + i * 136;
+        int8_t w[256];
+        int s[16];
+        const uint16_t d = iq_decode(kind, b, w, s);
+        memcpy(o, &d, 2);
+        uint16_t sh = 0;
+        memset(o + 4, 0, 4);
+        for (int g = 0; g < 8; g++) {
+            const int ls = s[2 * g] + 32;
+            bad |= s[2 * g] != s[2 * g + 1] || ls > 63;
+            o[4 + (g >> 1)] |= (uint8_t)((ls & 15) << 4 * (g & 1));
+            sh |= (uint16_t)((ls >> 4) << 2 * g);
+            for (int v = 0; v < 16; v++) {
+                const int lo = iq3_code(kind, w[32 * g + v]), hi = iq3_code(kind, w[32 * g + 16 + v]);
+                bad |= lo < 0 || hi < 0;
+                o[8 + 16 * g + v] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+            }
+        }
+        memcpy(o + 2, &sh, 2);
+    }
+    return bad ? -5 : 0;
+}

@@ -15,6 +15,8 @@
  * Q8_0 stores the 8 groups as signed bytes; 4-bit kinds store groups g (low nibbles) and g + 4
  * (high) in one 64-byte vector, per output GGUF's own qs[4g .. 4g + 3] (low nibble of qs[i] =
  * value i, high = value i + 16): unpacking is one `and` and one `srli_epi16 + and`.
+ * IQ3_XXS / IQ3_S arrive transcoded to IQ4_XS's bytes (each value a nibble into a table of the kind's
+ * 16 values) and run as IQ4_XS (ggml_tiled_kquant.c).
  * IQ4_NL keeps Q4_0's layout; its nibbles index KVALUES (signed, |w| <= 127), taken as |w| times x
  * with w's sign, each maddubs result (pairs <= 2 * 127 * 127) into int32 at once.
  * MXFP4 (ggml type 39, gpt-oss's experts: per 32 values an E8M0 byte e, then Q4_0's nibbles,
@@ -42,10 +44,23 @@
 #endif
 
 enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, MXFP4 = 6, Q5_0 = 7,
-       Q5_1 = 8, IQ4_NL = 9, IQ4_XS = 10, Q3_K = 11, Q2_K = 12 }; /* ggml_linear.py's KINDS */
+       Q5_1 = 8, IQ4_NL = 9, IQ4_XS = 10, Q3_K = 11, Q2_K = 12, IQ3_XXS = 16, IQ3_S = 17 };
+/* (ggml_linear.py's KINDS) */
 /* kvalues_iq4nl: IQ4_NL's and IQ4_XS's values of a nibble (IQ4_NL keeps Q4_0's tiled layout) */
 static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                    1,    13,   25,  38,  53,  69,  89,  113};
+/* IQ3_XXS / IQ3_S come transcoded to IQ4_XS's bytes (ggml_kernels_int.c's ggml_iq3_as_xs: the
+ * same values, each a nibble into its kind's table; IQ3_XXS's d / 4 taken in-kernel) and run as
+ * IQ4_XS with that table: `xs_table` */
+#define IS_XS(kind) ((kind) == IQ4_XS || (kind) == IQ3_XXS || (kind) == IQ3_S)
+static const int8_t XS_IQ3_XXS[16] = {-62, -52, -44, -36, -28, -20, -12, -4,
+                                      4,   12,  20,  28,  36,  44,  52,  62};
+static const int8_t XS_IQ3_S[16] = {-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15};
+static inline const int8_t *xs_table(int kind) {
+    return kind == IQ3_XXS ? XS_IQ3_XXS : kind == IQ3_S ? XS_IQ3_S : KVALUES;
+}
+/* d's factor: IQ3_XXS's 1/4 (a power of two: d / 4 is exact in fp32) */
+static inline float xs_d_mul(int kind) { return kind == IQ3_XXS ? 0.25f : 1.f; }
 #define IS_Q5(kind) ((kind) == Q5_0 || (kind) == Q5_1)
 #define HAS_M(kind) ((kind) == Q4_1 || (kind) == Q5_1)
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
@@ -71,7 +86,7 @@ typedef struct {
 static int block_bytes(int kind) {
     return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : kind == MXFP4 ? 17 : kind == Q5_0 ? 22
            : kind == Q5_1 ? 24 : kind == Q4_K ? 144 : kind == Q5_K ? 176 : kind == Q6_K ? 210
-           : kind == Q3_K ? 110 : kind == Q2_K ? 84 : kind == IQ4_XS ? 136 : 18;
+           : kind == Q3_K ? 110 : kind == Q2_K ? 84 : IS_XS(kind) ? 136 : 18;
 }
 /* a block's bytes in the tiled copy: GGUF's, but Q3_K's, whose 6-bit scales are unpacked to
  * a byte each there (ggml_tiled_kquant.c) */
@@ -786,6 +801,8 @@ TILES_FN(q6_k_avx2, kq_tile_avx2, Q6_K, KQ_ROWS_Q56, AVX2_ATTR)
 TILES_FN(q3_k_avx2, kq_tile_avx2, Q3_K, KQ_ROWS_Q56, AVX2_ATTR)
 TILES_FN(q2_k_avx2, kq_tile_avx2, Q2_K, KQ_ROWS_Q56, AVX2_ATTR)
 TILES_FN(iq4_xs_avx2, kq_tile_avx2, IQ4_XS, KQ_ROWS_Q56, AVX2_ATTR)
+TILES_FN(iq3_s_avx2, kq_tile_avx2, IQ3_S, KQ_ROWS_Q56, AVX2_ATTR)
+TILES_FN(iq3_xxs_avx2, kq_tile_avx2, IQ3_XXS, KQ_ROWS_Q56, AVX2_ATTR)
 #endif
 
 /* amx: the AMX path (wb: this thread's unpacking buffer) instead of `isa`'s */
@@ -803,8 +820,8 @@ static void run_tiles(int kind, int isa, int amx, uint8_t *wb, const act_t *a, i
      * bits as everywhere */
     if (IS_KQ(kind) && isa != ISA_SCALAR) /* (as MXFP4: AVX2 on AVX-512 CPUs too) */
         (kind == Q4_K ? q4_k_avx2 : kind == Q5_K ? q5_k_avx2 : kind == Q6_K ? q6_k_avx2
-         : kind == Q3_K ? q3_k_avx2 : kind == Q2_K ? q2_k_avx2 : iq4_xs_avx2)(a, R, K, w, t0, t1,
-                                                                              N, y);
+         : kind == Q3_K ? q3_k_avx2 : kind == Q2_K ? q2_k_avx2 : kind == IQ3_S ? iq3_s_avx2
+         : kind == IQ3_XXS ? iq3_xxs_avx2 : iq4_xs_avx2)(a, R, K, w, t0, t1, N, y);
     else if (kind == MXFP4 && isa != ISA_SCALAR) mxfp4_avx2(a, R, K, w, t0, t1, N, y);
     else if (kind == IQ4_NL && isa != ISA_SCALAR) iq4_nl_avx2(a, R, K, w, t0, t1, N, y);
     else if (IS_Q5(kind) && isa != ISA_SCALAR) /* (as MXFP4: AVX2 on AVX-512 CPUs too) */

@@ -50,8 +50,15 @@ TILED_K_QUANTS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs")  # (256-valu
 # NOTE: SPECDEPLOY_GGML_TILED_KQUANTS=0 leaves these on the integer-dot kernel as stored
 # (ops/ggml_int.py): on AVX-512 VNNI CPUs its 16-output dpbusd tiles may win prefill-sized calls
 # (measured on AVX2 only: the tiled kernel 0.4-0.55x its time at 4-64 rows there)
+# IQ3_XXS / IQ3_S: transcoded to IQ4_XS's layout, each value a nibble into a table of the kind's
+# 16 values (`iq3_as_xs`; the same values, 136 bytes a super-block instead of 110 / 98: +24% /
+# +39% for those matrices), then tiled as IQ4_XS. As stored, each output's lattice indices cost
+# a decode per output and row group (ops/ggml_iq_int.c), ~2.5-5x a Q4_K matrix's time at decode.
+# SPECDEPLOY_GGML_TILED_IQ3=0 keeps them as stored (their bytes, the integer-dot kernel).
+TILED_IQ3 = ("iq3_s", "iq3_xxs")
 TILED_KINDS = ("q4_0", "q4_1", "q8_0", "mxfp4", "q5_0", "q5_1", "iq4_nl") + (
-    TILED_K_QUANTS if os.environ.get("SPECDEPLOY_GGML_TILED_KQUANTS", "1") != "0" else ())
+    TILED_K_QUANTS if os.environ.get("SPECDEPLOY_GGML_TILED_KQUANTS", "1") != "0" else ()) + (
+    TILED_IQ3 if os.environ.get("SPECDEPLOY_GGML_TILED_IQ3", "1") != "0" else ())
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
@@ -152,16 +159,37 @@ def repack(weight: GGMLWeight | list[GGMLWeight]) -> TiledWeight:
         raise ValueError(f"tiled repack: {n} outputs (shape {(n, k)}) are not a multiple of "
                          f"{TILE}")
     lib = _lib()
-    # (a tiled block has GGUF's bytes but for Q3_K's, whose scales it unpacks: the C file's)
+    # (a tiled block has GGUF's bytes but for Q3_K's, whose scales it unpacks, and the IQ3
+    # kinds', transcoded: the C file's)
     packed = torch.empty(n // TILE, TILE * k // _gl.block_values(kind)
                          * lib.ggml_tiled_packed_bytes(KINDS[kind][0]), dtype=torch.uint8)
     row0 = 0
     for w in members:
-        blocks = w.blocks.contiguous()
+        blocks = iq3_as_xs(w) if kind in TILED_IQ3 else w.blocks.contiguous()
         lib.ggml_tiled_repack(KINDS[kind][0], blocks.data_ptr(), w.shape[0], k,
                               packed.data_ptr(), row0, torch.get_num_threads())
         row0 += w.shape[0]
     return TiledWeight(kind, packed, (n, k))
+
+
+def iq3_as_xs(weight: GGMLWeight) -> torch.Tensor:
+    """An IQ3_XXS / IQ3_S weight's blocks in IQ4_XS's byte layout with its kind's table (uint8
+    [N, K / 256 * 136]; ggml_kernels_int.c's ggml_iq3_as_xs): what the tiled copy is made from."""
+    from specdeploy.ops import ggml_int
+
+    lib, why = ggml_int._library()
+    if lib is None:
+        raise RuntimeError(f"iq3_as_xs: the integer-dot kernels (codebooks) are unavailable: {why}")
+    n, k = weight.shape
+    blocks = weight.blocks.contiguous()
+    out = torch.empty(n, k // 256 * 136, dtype=torch.uint8)
+    rc = lib.ggml_iq3_as_xs(KINDS[weight.kind][0], blocks.data_ptr(), n * (k // 256),
+                            out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"iq3_as_xs: {weight.kind} {tuple(weight.shape)}: " + (
+            "not an IQ3 kind" if rc == -4 else "codebooks not loaded" if rc == -3 else
+            "a block whose values or scales no IQ3 block has (corrupt blocks?)"))
+    return out
 
 
 def tiled_rows(tw: TiledWeight, ids: torch.Tensor, out: torch.Tensor | None = None

@@ -24,7 +24,8 @@
  *   IQ4_XS (2176): 16 fp16 d | GGUF's scales_l (4 bytes) at 32 + 4 o | scales_h (2 bytes) at
  *       96 + 2 o | at 128 + 256 g + 64 j + 4 o + i GGUF's qs[16 g + 4 j + i] (low nibble: value
  *       4 j + i of group g, high: 16 + 4 j + i; IQ4_NL's tiled layout a group at a time). Values
- *       KVALUES[nibble], the group's scale ls - 32.
+ *       KVALUES[nibble], the group's scale ls - 32. IQ3_XXS / IQ3_S: the same, from their blocks
+ *       transcoded to IQ4_XS's bytes (ggml_tiled.c's XS tables; IQ3_XXS's d times 1/4).
  *
  * Activations as for every tiled kind: 8-bit blocks of 32 (one per group), fp32 d_x and sum s_x.
  * Per (output, row, group g) the integer P_g is exact: Q4_K / Q5_K / IQ4_XS sc_g * sum(q * x_q) (the
@@ -55,7 +56,7 @@ static int kq_quant_off(int kind) {
 /* super-block b of output o into t, a tile's super-block: GGUF's bytes in runs of 4 (Q3_K's
  * scales unpacked) */
 static void kq_repack_block(int kind, const uint8_t *b, uint8_t *t, int o) {
-    if (kind == IQ4_XS) {
+    if (IS_XS(kind)) { /* (IQ3_XXS / IQ3_S: transcoded to these bytes) */
         memcpy(t + 2 * o, b, 2);
         memcpy(t + 32 + 4 * o, b + 4, 4);
         memcpy(t + 96 + 2 * o, b + 2, 2);
@@ -105,8 +106,8 @@ static inline int kq_nibble(int kind, int g) { return kind == Q6_K ? (g >> 1) & 
 
 /* value v of group g, output o, in a tile's super-block t (Q6_K: minus 32, Q3_K: minus 4) */
 static int kq_value(int kind, const uint8_t *t, int o, int g, int v) {
-    if (kind == IQ4_XS)
-        return KVALUES[(t[128 + 256 * g + 64 * ((v & 15) >> 2) + 4 * o + (v & 3)] >> 4 * (v >> 4))
+    if (IS_XS(kind))
+        return xs_table(kind)[(t[128 + 256 * g + 64 * ((v & 15) >> 2) + 4 * o + (v & 3)] >> 4 * (v >> 4))
                        & 0xF];
     const size_t at = (size_t)64 * (v >> 2) + 4 * o + (v & 3);
     if (KQ_PLANES(kind)) {
@@ -136,10 +137,10 @@ static void kq_scale_min(const uint8_t *t, int o, int g, int *sc, int *m) {
 /* output o's 256 values of tile super-block t, as gguf dequantizes them: (d * sc) * q, minus
  * dmin * m for Q4_K / Q5_K / Q2_K (products, then the difference: numpy's roundings) */
 static void kq_values(int kind, const uint8_t *t, int o, float *y) {
-    const float d = half_at(t + 2 * o);
+    const float d = half_at(t + 2 * o) * xs_d_mul(kind);
     for (int g = 0; g < 8; g++) {
         float s_lo, s_hi, m1 = 0.f, m_hi = 0.f;
-        if (kind == IQ4_XS) {
+        if (IS_XS(kind)) {
             s_lo = s_hi = d * (float)iq4xs_scale(t, o, g);
         } else if (kind == Q6_K || kind == Q3_K) {
             s_lo = d * (float)(int8_t)t[32 + 16 * (2 * g) + o];
@@ -157,7 +158,7 @@ static void kq_values(int kind, const uint8_t *t, int o, float *y) {
         }
         for (int v = 0; v < 32; v++) {
             const float p = (v < 16 ? s_lo : s_hi) * (float)kq_value(kind, t, o, g, v);
-            y[32 * g + v] = kind == Q6_K || kind == Q3_K || kind == IQ4_XS ? p
+            y[32 * g + v] = kind == Q6_K || kind == Q3_K || IS_XS(kind) ? p
                             : p - (v < 16 ? m1 : m_hi);
         }
     }
@@ -173,7 +174,7 @@ static void kq_tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_
                 float acc = 0.f, macc = 0.f;
                 for (int k = 0; k < nk; k++) {
                     const uint8_t *blk = w + ((size_t)t * nk + k) * tb;
-                    const float d = half_at(blk + 2 * o);
+                    const float d = half_at(blk + 2 * o) * xs_d_mul(kind);
                     for (int g = 0; g < 8; g++) {
                         const size_t rb = (size_t)r * nb + 8 * k + g;
                         const int8_t *qx = a->q + rb * 32;
@@ -181,7 +182,7 @@ static void kq_tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_
                         for (int v = 0; v < 32; v++)
                             half[v >> 4] += kq_value(kind, blk, o, g, v) * qx[v];
                         int sc = 0, m = 0;
-                        if (kind == IQ4_XS)
+                        if (IS_XS(kind))
                             P = iq4xs_scale(blk, o, g) * (half[0] + half[1]);
                         else if (kind == Q6_K || kind == Q3_K)
                             P = (int8_t)blk[32 + 16 * (2 * g) + o] * half[0] +
@@ -402,15 +403,18 @@ AVX2_ATTR INLINE void kq_half_avx2(const act_t *a, int K, const uint8_t *tile, i
 /* IQ4_XS, half h of a tile: the table's signed values as |w| times x with w's sign, each
  * maddubs result (pairs <= 2 * 127 * 127) madd'ed by the group's scale straight into int32 */
 AVX2_ATTR INLINE void iq4xs_half_avx2(const act_t *a, int K, const uint8_t *tile, int N,
-                                      float *y, int r0, const int rg, const int h) {
-    const int nk = K / 256, nb = K / 32, tb = TILE * packed_bytes(IQ4_XS);
+                                      float *y, int r0, const int rg, const int h,
+                                      const int kind) {
+    const int nk = K / 256, nb = K / 32, tb = TILE * packed_bytes(kind);
     const __m256i mask = _mm256_set1_epi8(0x0F);
-    const __m256i nl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES));
+    const __m256i nl = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i *)xs_table(kind)));
     __m256 acc[ROW_GROUP];
     for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
     for (int k = 0; k < nk; k++) {
         const uint8_t *blk = tile + (size_t)k * tb;
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+        __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+        if (kind == IQ3_XXS) dv = _mm256_mul_ps(dv, _mm256_set1_ps(0.25f)); /* exact */
         const __m256i sl = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
         const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 96 + 16 * h)));
         const int8_t *qx = a->q + (size_t)r0 * K + 256 * k;
@@ -455,9 +459,9 @@ AVX2_ATTR INLINE void iq4xs_half_avx2(const act_t *a, int K, const uint8_t *tile
 
 AVX2_ATTR INLINE void kq_tile_avx2(const act_t *a, int K, const uint8_t *tile, int N, float *y,
                                    int r0, const int rg, const int kind) {
-    if (kind == IQ4_XS) {
-        iq4xs_half_avx2(a, K, tile, N, y, r0, rg, 0);
-        iq4xs_half_avx2(a, K, tile, N, y, r0, rg, 1);
+    if (IS_XS(kind)) {
+        iq4xs_half_avx2(a, K, tile, N, y, r0, rg, 0, kind);
+        iq4xs_half_avx2(a, K, tile, N, y, r0, rg, 1, kind);
         return;
     }
     kq_half_avx2(a, K, tile, N, y, r0, rg, kind, 0);

@@ -1,6 +1,6 @@
-"""The K-quants (Q2_K ... Q6_K), IQ4_XS (ops/ggml_tiled_kquant.c) and IQ4_NL (ggml_tiled.c) on
-the tiled integer-dot kernel, each ISA path this CPU runs, against oracles the kernel did not
-produce:
+"""The K-quants (Q2_K ... Q6_K), IQ4_XS and IQ3_XXS / IQ3_S as IQ4_XS tiles
+(ops/ggml_tiled_kquant.c) and IQ4_NL (ggml_tiled.c) on the tiled integer-dot kernel, each ISA
+path this CPU runs, against oracles the kernel did not produce:
 
 1. a GGUF dequantizer of its own (transformers' for Q4_K / Q5_K / Q6_K, gguf-py's for Q3_K /
    Q2_K / IQ4_XS / IQ4_NL) + a float64 matmul, within the bound the 8-bit activation blocks
@@ -29,7 +29,8 @@ from tests.ops.test_ggml_kquants import _weight as _hf_weight
 
 gguf = pytest.importorskip("gguf")
 _Q = gguf.GGMLQuantizationType
-KQ = {**KQ_HF, "q3_k": _Q.Q3_K, "q2_k": _Q.Q2_K, "iq4_xs": _Q.IQ4_XS, "iq4_nl": _Q.IQ4_NL}
+KQ = {**KQ_HF, "q3_k": _Q.Q3_K, "q2_k": _Q.Q2_K, "iq4_xs": _Q.IQ4_XS, "iq4_nl": _Q.IQ4_NL,
+      "iq3_s": _Q.IQ3_S, "iq3_xxs": _Q.IQ3_XXS}
 
 pytestmark = pytest.mark.skipif(gt.kernel_unavailable() is not None,
                                 reason=f"tiled kernel unavailable: {gt.kernel_unavailable()}")
@@ -105,6 +106,8 @@ def test_repack_round_trip_and_stacking(kind):
     w, values = _weight(kind, 48, 512, seed=5)
     tw = gt.repack(w)
     extra = 48 // 16 * 2 * 16 * 4 if kind == "q3_k" else 0  # (its scales unpacked: 4 B more)
+    if kind in gt.TILED_IQ3:  # transcoded: IQ4_XS's 136 bytes a super-block
+        extra = 48 * 2 * (136 - gl.KINDS[kind][1])
     assert tw.packed.nbytes == w.blocks.nbytes + extra and tw.shape == (48, 512)
     assert torch.equal(gt.tiled_rows(tw, torch.arange(48)), values)
     ids = torch.tensor([[47, 0], [17, 17]])
@@ -126,7 +129,10 @@ def _extreme(kind: str, n: int, k: int) -> np.ndarray:
     size = gl.KINDS[kind][1]
     raw = np.zeros((n, k // gl.block_values(kind), size), np.uint8)
     half = np.frombuffer(np.float16(0.25).tobytes(), np.uint8)
-    if kind.startswith("iq4"):  # even outputs -127 (IQ4_XS: scale -32), odd 113 (31)
+    if kind.startswith("iq3"):  # scales 15 (s = 31), every index and sign bit set
+        raw[..., 0:2] = half
+        raw[..., 2:] = 0xFF
+    elif kind.startswith("iq4"):  # even outputs -127 (IQ4_XS: scale -32), odd 113 (31)
         raw[..., 0:2] = half
         raw[1::2, :, 2:] = 0xFF
     elif kind == "q2_k":
@@ -172,7 +178,7 @@ def test_extreme_blocks_equal_the_emulation(kind, isa):
 
 
 # (matrices, experts): the kinds llama-quantize's K-quant and IQ4_XS file types write
-DEPLOYED = [("q5_k", "q6_k"), ("q3_k", "q2_k"), ("iq4_xs", "iq4_nl")]
+DEPLOYED = [("q5_k", "q6_k"), ("q3_k", "q2_k"), ("iq4_xs", "iq4_nl"), ("iq3_s", "iq3_xxs")]
 
 
 @pytest.fixture(scope="module", params=DEPLOYED, ids=lambda kinds: "+".join(kinds))
