@@ -62,7 +62,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     lib, errors = _gl.load_compiled("ggml_kernels_int", SOURCE, _FLAGS, {
         "ggml_linear_int": ([int_, int_, ptr, int_, int_, ptr, int_, ptr, int_], int_),
         "ggml_int_isa_supported": ([int_], int_), "ggml_iq_init": ([ptr], None),
-        "ggml_iq3_as_xs": ([int_, ptr, ctypes.c_int64, ptr, int_], int_)})
+        "ggml_iq_as_xs": ([int_, ptr, ptr, ctypes.c_int64, ptr, int_], int_)})
     if lib is not None:
         from specdeploy.ops import ggml_iq
 

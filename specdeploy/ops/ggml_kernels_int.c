@@ -1113,27 +1113,26 @@ int ggml_linear_int(int kind, int isa, const float *x, int R, int K, const uint8
     return 0;
 }
 
-/* IQ3_XXS / IQ3_S blocks in IQ4_XS's byte layout (ggml_tiled_kquant.c reads them as its IQ4_XS
- * with a table of its own per kind): the tiled kernel then takes them, 16 outputs a vector, where
- * a lattice index (one per output) left nothing to share across outputs as stored. Every value
- * is f * s * w (ggml_iq.c) with one s per 32 values in these two kinds and w one of 16 values:
- * IQ3_S's odd -15 .. 15, IQ3_XXS's +-{4, 12, .., 52, 62} (f = d / 4 there, applied by the tiled
- * kernel). So a block becomes: d's fp16 bits as stored | scales_h | scales_l, the 6-bit s + 32 of
- * each group (IQ4_XS's ls, whose kernel multiplies by ls - 32) | qs, nibble = w's index in the
- * kind's table (XS_TABLES in ggml_tiled.c): the same values exactly, 136 bytes instead of 110 /
- * 98. Returns 0; -3 before ggml_iq_init; -4 for another kind; -5 for a value outside the table
- * or two scales in one group (not an IQ3 block; dst is then not to be read). */
-static int iq3_code(int kind, int w) {
-    const int m = w < 0 ? -w : w;
-    if (kind == IQ3_S) return (m & 1) && m <= 15 ? (w + 15) >> 1 : -1;
-    const int i = m == 62 ? 7 : (m - 4) >> 3;
-    if (m < 4 || (m != 62 && ((m - 4) & 7)) || i > 7) return -1;
-    return w < 0 ? 7 - i : 8 + i;
+/* Lattice blocks whose value is f * s * w with one s per 32 values and at most 16 distinct w
+ * (IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ1_0, TQ2_0: ggml_iq.c) in IQ4_XS's byte layout, each w a
+ * nibble into `table` (ggml_tiled.c's for the kind: ggml_tiled_xs_table), for the tiled kernel,
+ * which reads them as IQ4_XS with that table and d times the kind's power of two: as stored, a
+ * lattice index (one per output) leaves nothing to share across 16 outputs. A block becomes
+ * d's fp16 bits as stored | scales_h | scales_l, s + 32 per group as IQ4_XS's 6-bit ls (its
+ * kernel multiplies by ls - 32) | qs: the same values exactly, 136 bytes instead of 110 / 98 /
+ * 66 / 50 / 54 / 66. Returns 0; -3 before ggml_iq_init; -4 for another kind; -5 for a value
+ * outside the table or two scales in one group (not such a block; dst is then not to be read). */
+static int xs_code(const int8_t *table, int w) {
+    for (int i = 0; i < 16; i++)
+        if (table[i] == w) return i;
+    return -1;
 }
 
-int ggml_iq3_as_xs(int kind, const uint8_t *src, int64_t nblocks, uint8_t *dst, int nthreads) {
+int ggml_iq_as_xs(int kind, const int8_t *table, const uint8_t *src, int64_t nblocks,
+                  uint8_t *dst, int nthreads) {
     if (!iq_ready) return -3;
-    if (kind != IQ3_S && kind != IQ3_XXS) return -4;
+    if (kind != IQ3_S && kind != IQ3_XXS && kind != IQ2_XXS && kind != IQ1_S && !IS_TQ(kind))
+        return -4;
     const int bytes = iq_bytes(kind);
     int bad = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : bad)
@@ -1152,7 +1151,8 @@ int ggml_iq3_as_xs(int kind, const uint8_t *src, int64_t nblocks, uint8_t *dst, 
             o[4 + (g >> 1)] |= (uint8_t)((ls & 15) << 4 * (g & 1));
             sh |= (uint16_t)((ls >> 4) << 2 * g);
             for (int v = 0; v < 16; v++) {
-                const int lo = iq3_code(kind, w[32 * g + v]), hi = iq3_code(kind, w[32 * g + 16 + v]);
+                const int lo = xs_code(table, w[32 * g + v]);
+                const int hi = xs_code(table, w[32 * g + 16 + v]);
                 bad |= lo < 0 || hi < 0;
                 o[8 + 16 * g + v] = (uint8_t)((lo & 15) | (hi & 15) << 4);
             }

@@ -44,23 +44,33 @@
 #endif
 
 enum { Q4_1 = 0, Q8_0 = 1, Q4_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, MXFP4 = 6, Q5_0 = 7,
-       Q5_1 = 8, IQ4_NL = 9, IQ4_XS = 10, Q3_K = 11, Q2_K = 12, IQ3_XXS = 16, IQ3_S = 17 };
-/* (ggml_linear.py's KINDS) */
+       Q5_1 = 8, IQ4_NL = 9, IQ4_XS = 10, Q3_K = 11, Q2_K = 12, IQ2_XXS = 13, IQ3_XXS = 16,
+       IQ3_S = 17, IQ1_S = 18, TQ1_0 = 22, TQ2_0 = 23 }; /* (ggml_linear.py's KINDS) */
 /* kvalues_iq4nl: IQ4_NL's and IQ4_XS's values of a nibble (IQ4_NL keeps Q4_0's tiled layout) */
 static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                    1,    13,   25,  38,  53,  69,  89,  113};
-/* IQ3_XXS / IQ3_S come transcoded to IQ4_XS's bytes (ggml_kernels_int.c's ggml_iq3_as_xs: the
- * same values, each a nibble into its kind's table; IQ3_XXS's d / 4 taken in-kernel) and run as
- * IQ4_XS with that table: `xs_table` */
-#define IS_XS(kind) ((kind) == IQ4_XS || (kind) == IQ3_XXS || (kind) == IQ3_S)
+/* The lattice kinds whose value is f * s * w with one integer scale s per 32 values and at most
+ * 16 distinct w (ggml_iq.c): IQ3_XXS / IQ3_S, and IQ2_XXS / IQ1_S / TQ1_0 / TQ2_0, come
+ * transcoded to IQ4_XS's bytes (ggml_kernels_int.c's ggml_iq_as_xs: the same values, each w a
+ * nibble into its kind's table below, s as IQ4_XS's 6-bit ls - 32; f = d times the power of two
+ * `xs_d_mul`, exact in fp32) and run as IQ4_XS with that table */
+#define IS_XS(kind) ((kind) == IQ4_XS || (kind) == IQ3_XXS || (kind) == IQ3_S || \
+                     (kind) == IQ2_XXS || (kind) == IQ1_S || (kind) == TQ1_0 || (kind) == TQ2_0)
 static const int8_t XS_IQ3_XXS[16] = {-62, -52, -44, -36, -28, -20, -12, -4,
                                       4,   12,  20,  28,  36,  44,  52,  62};
 static const int8_t XS_IQ3_S[16] = {-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15};
+/* (the unused nibbles: 0, never written) */
+static const int8_t XS_IQ2_XXS[16] = {-43, -25, -8, 8, 25, 43};
+static const int8_t XS_IQ1_S[16] = {-9, -7, -1, 1, 7, 9};
+static const int8_t XS_TERNARY[16] = {-1, 0, 1, 2}; /* (TQ2_0's q = 3 -> 2: ggml's value too) */
 static inline const int8_t *xs_table(int kind) {
-    return kind == IQ3_XXS ? XS_IQ3_XXS : kind == IQ3_S ? XS_IQ3_S : KVALUES;
+    return kind == IQ3_XXS ? XS_IQ3_XXS : kind == IQ3_S ? XS_IQ3_S : kind == IQ2_XXS ? XS_IQ2_XXS
+           : kind == IQ1_S ? XS_IQ1_S : kind == TQ1_0 || kind == TQ2_0 ? XS_TERNARY : KVALUES;
 }
-/* d's factor: IQ3_XXS's 1/4 (a power of two: d / 4 is exact in fp32) */
-static inline float xs_d_mul(int kind) { return kind == IQ3_XXS ? 0.25f : 1.f; }
+/* d's factor: IQ3_XXS's 1/4, IQ2_XXS's and IQ1_S's 1/8 (powers of two: exact in fp32) */
+static inline float xs_d_mul(int kind) {
+    return kind == IQ3_XXS ? 0.25f : kind == IQ2_XXS || kind == IQ1_S ? 0.125f : 1.f;
+}
 #define IS_Q5(kind) ((kind) == Q5_0 || (kind) == Q5_1)
 #define HAS_M(kind) ((kind) == Q4_1 || (kind) == Q5_1)
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 }; /* ggml_int.py's ISAS */
@@ -775,6 +785,14 @@ int ggml_tiled_amx_min_rows(int kind, int rows) {
     return before;
 }
 
+/* the 16 values a nibble of a transcoded lattice kind stands for (IS_XS; IQ4_XS: KVALUES) into
+ * out; 0, or -1 for another kind. ggml_kernels_int.c's transcoder codes w by this table. */
+int ggml_tiled_xs_table(int kind, int8_t *out) {
+    if (!IS_XS(kind)) return -1;
+    memcpy(out, xs_table(kind), 16);
+    return 0;
+}
+
 /* the bytes of a tiled copy's block of `kind` (16 outputs hold 16 of them) */
 int ggml_tiled_packed_bytes(int kind) { return packed_bytes(kind); }
 
@@ -803,6 +821,10 @@ TILES_FN(q2_k_avx2, kq_tile_avx2, Q2_K, KQ_ROWS_Q56, AVX2_ATTR)
 TILES_FN(iq4_xs_avx2, kq_tile_avx2, IQ4_XS, KQ_ROWS_Q56, AVX2_ATTR)
 TILES_FN(iq3_s_avx2, kq_tile_avx2, IQ3_S, KQ_ROWS_Q56, AVX2_ATTR)
 TILES_FN(iq3_xxs_avx2, kq_tile_avx2, IQ3_XXS, KQ_ROWS_Q56, AVX2_ATTR)
+TILES_FN(iq2_xxs_avx2, kq_tile_avx2, IQ2_XXS, KQ_ROWS_Q56, AVX2_ATTR)
+TILES_FN(iq1_s_avx2, kq_tile_avx2, IQ1_S, KQ_ROWS_Q56, AVX2_ATTR)
+TILES_FN(tq1_0_avx2, kq_tile_avx2, TQ1_0, KQ_ROWS_Q56, AVX2_ATTR)
+TILES_FN(tq2_0_avx2, kq_tile_avx2, TQ2_0, KQ_ROWS_Q56, AVX2_ATTR)
 #endif
 
 /* amx: the AMX path (wb: this thread's unpacking buffer) instead of `isa`'s */
@@ -821,7 +843,9 @@ static void run_tiles(int kind, int isa, int amx, uint8_t *wb, const act_t *a, i
     if (IS_KQ(kind) && isa != ISA_SCALAR) /* (as MXFP4: AVX2 on AVX-512 CPUs too) */
         (kind == Q4_K ? q4_k_avx2 : kind == Q5_K ? q5_k_avx2 : kind == Q6_K ? q6_k_avx2
          : kind == Q3_K ? q3_k_avx2 : kind == Q2_K ? q2_k_avx2 : kind == IQ3_S ? iq3_s_avx2
-         : kind == IQ3_XXS ? iq3_xxs_avx2 : iq4_xs_avx2)(a, R, K, w, t0, t1, N, y);
+         : kind == IQ3_XXS ? iq3_xxs_avx2 : kind == IQ2_XXS ? iq2_xxs_avx2
+         : kind == IQ1_S ? iq1_s_avx2 : kind == TQ1_0 ? tq1_0_avx2 : kind == TQ2_0 ? tq2_0_avx2
+         : iq4_xs_avx2)(a, R, K, w, t0, t1, N, y);
     else if (kind == MXFP4 && isa != ISA_SCALAR) mxfp4_avx2(a, R, K, w, t0, t1, N, y);
     else if (kind == IQ4_NL && isa != ISA_SCALAR) iq4_nl_avx2(a, R, K, w, t0, t1, N, y);
     else if (IS_Q5(kind) && isa != ISA_SCALAR) /* (as MXFP4: AVX2 on AVX-512 CPUs too) */

@@ -51,14 +51,20 @@ TILED_K_QUANTS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs")  # (256-valu
 # (ops/ggml_int.py): on AVX-512 VNNI CPUs its 16-output dpbusd tiles may win prefill-sized calls
 # (measured on AVX2 only: the tiled kernel 0.4-0.55x its time at 4-64 rows there)
 # IQ3_XXS / IQ3_S: transcoded to IQ4_XS's layout, each value a nibble into a table of the kind's
-# 16 values (`iq3_as_xs`; the same values, 136 bytes a super-block instead of 110 / 98: +24% /
+# 16 values (`iq_as_xs`; the same values, 136 bytes a super-block instead of 110 / 98: +24% /
 # +39% for those matrices), then tiled as IQ4_XS. As stored, each output's lattice indices cost
-# a decode per output and row group (ops/ggml_iq_int.c), ~2.5-5x a Q4_K matrix's time at decode.
+# a decode per output and row group (ops/ggml_iq_int.c), ~4-5x the tiled copy's time at decode.
 # SPECDEPLOY_GGML_TILED_IQ3=0 keeps them as stored (their bytes, the integer-dot kernel).
 TILED_IQ3 = ("iq3_s", "iq3_xxs")
+# IQ2_XXS / IQ1_S / TQ1_0 / TQ2_0 fit the same transcoding, but at 2.1-2.7x their bytes (66 / 50
+# / 54 / 66 -> 136 a super-block): memory is why those files exist, so only on request
+# (SPECDEPLOY_GGML_TILED_LOWBIT=1). IQ2_XS / IQ2_S / IQ1_M scale each 16 values: they do not fit.
+TILED_LOWBIT = ("iq2_xxs", "iq1_s", "tq1_0", "tq2_0")
 TILED_KINDS = ("q4_0", "q4_1", "q8_0", "mxfp4", "q5_0", "q5_1", "iq4_nl") + (
     TILED_K_QUANTS if os.environ.get("SPECDEPLOY_GGML_TILED_KQUANTS", "1") != "0" else ()) + (
-    TILED_IQ3 if os.environ.get("SPECDEPLOY_GGML_TILED_IQ3", "1") != "0" else ())
+    TILED_IQ3 if os.environ.get("SPECDEPLOY_GGML_TILED_IQ3", "1") != "0" else ()) + (
+    TILED_LOWBIT if os.environ.get("SPECDEPLOY_GGML_TILED_LOWBIT", "0") == "1" else ())
+TRANSCODED = (*TILED_IQ3, *TILED_LOWBIT)  # (the lattice kinds `repack` transcodes first)
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
@@ -80,7 +86,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         "ggml_tiled_grouped": ([_I, _I, _P, _I, _I, _P, _I, _P, ctypes.c_int64, _I, _P, _I],
                                _I),
         "ggml_tiled_isa_supported": ([_I], _I), "ggml_tiled_amx_usable": ([], _I),
-        "ggml_tiled_packed_bytes": ([_I], _I),
+        "ggml_tiled_packed_bytes": ([_I], _I), "ggml_tiled_xs_table": ([_I, _P], _I),
         "ggml_tiled_amx_min_rows": ([_I, _I], _I),
         "ggml_tiled_repack": ([_I, _P, _I, _I, _P, _I, _I], None),
         "ggml_tiled_rows": ([_I, _P, _I, _P, _I, _P, _I], None)})
@@ -152,43 +158,48 @@ def repack(weight: GGMLWeight | list[GGMLWeight]) -> TiledWeight:
     if len(kinds) != 1:
         raise ValueError(f"tiled repack: cannot stack mixed kinds / input sizes {sorted(kinds)}")
     (kind, k), n = kinds.pop(), sum(w.shape[0] for w in members)
-    if kind not in TILED_KINDS:
+    if kind not in TILED_KINDS and kind not in TILED_LOWBIT:  # (those: deployments opt in)
         raise ValueError(f"tiled repack: no tiled kernel for {kind} (tiled: "
                          f"{', '.join(TILED_KINDS)})")
     if n % TILE:
         raise ValueError(f"tiled repack: {n} outputs (shape {(n, k)}) are not a multiple of "
                          f"{TILE}")
     lib = _lib()
-    # (a tiled block has GGUF's bytes but for Q3_K's, whose scales it unpacks, and the IQ3
+    # (a tiled block has GGUF's bytes but for Q3_K's, whose scales it unpacks, and the lattice
     # kinds', transcoded: the C file's)
     packed = torch.empty(n // TILE, TILE * k // _gl.block_values(kind)
                          * lib.ggml_tiled_packed_bytes(KINDS[kind][0]), dtype=torch.uint8)
     row0 = 0
     for w in members:
-        blocks = iq3_as_xs(w) if kind in TILED_IQ3 else w.blocks.contiguous()
+        blocks = iq_as_xs(w) if kind in TRANSCODED else w.blocks.contiguous()
         lib.ggml_tiled_repack(KINDS[kind][0], blocks.data_ptr(), w.shape[0], k,
                               packed.data_ptr(), row0, torch.get_num_threads())
         row0 += w.shape[0]
     return TiledWeight(kind, packed, (n, k))
 
 
-def iq3_as_xs(weight: GGMLWeight) -> torch.Tensor:
-    """An IQ3_XXS / IQ3_S weight's blocks in IQ4_XS's byte layout with its kind's table (uint8
-    [N, K / 256 * 136]; ggml_kernels_int.c's ggml_iq3_as_xs): what the tiled copy is made from."""
+def iq_as_xs(weight: GGMLWeight) -> torch.Tensor:
+    """A lattice weight's blocks (TRANSCODED kinds) in IQ4_XS's byte layout, each value a nibble
+    into the kind's table (uint8 [N, K / 256 * 136]; ggml_kernels_int.c's ggml_iq_as_xs, the
+    table from ggml_tiled.c): what the tiled copy is made from."""
     from specdeploy.ops import ggml_int
 
     lib, why = ggml_int._library()
     if lib is None:
-        raise RuntimeError(f"iq3_as_xs: the integer-dot kernels (codebooks) are unavailable: {why}")
+        raise RuntimeError(f"iq_as_xs: the integer-dot kernels (codebooks) are unavailable: {why}")
+    table = ctypes.create_string_buffer(16)
+    if _lib().ggml_tiled_xs_table(KINDS[weight.kind][0], table):
+        raise ValueError(f"iq_as_xs: {weight.kind} {tuple(weight.shape)}: not a kind transcoded "
+                         f"to IQ4_XS tiles ({', '.join(TRANSCODED)})")
     n, k = weight.shape
     blocks = weight.blocks.contiguous()
     out = torch.empty(n, k // 256 * 136, dtype=torch.uint8)
-    rc = lib.ggml_iq3_as_xs(KINDS[weight.kind][0], blocks.data_ptr(), n * (k // 256),
-                            out.data_ptr(), torch.get_num_threads())
+    rc = lib.ggml_iq_as_xs(KINDS[weight.kind][0], table, blocks.data_ptr(), n * (k // 256),
+                           out.data_ptr(), torch.get_num_threads())
     if rc:
-        raise ValueError(f"iq3_as_xs: {weight.kind} {tuple(weight.shape)}: " + (
-            "not an IQ3 kind" if rc == -4 else "codebooks not loaded" if rc == -3 else
-            "a block whose values or scales no IQ3 block has (corrupt blocks?)"))
+        raise ValueError(f"iq_as_xs: {weight.kind} {tuple(weight.shape)}: " + (
+            "codebooks not loaded" if rc == -3 else "a block whose values or scales no "
+            f"{weight.kind} block has (corrupt blocks?)"))
     return out
 
 

@@ -24,8 +24,9 @@
  *   IQ4_XS (2176): 16 fp16 d | GGUF's scales_l (4 bytes) at 32 + 4 o | scales_h (2 bytes) at
  *       96 + 2 o | at 128 + 256 g + 64 j + 4 o + i GGUF's qs[16 g + 4 j + i] (low nibble: value
  *       4 j + i of group g, high: 16 + 4 j + i; IQ4_NL's tiled layout a group at a time). Values
- *       KVALUES[nibble], the group's scale ls - 32. IQ3_XXS / IQ3_S: the same, from their blocks
- *       transcoded to IQ4_XS's bytes (ggml_tiled.c's XS tables; IQ3_XXS's d times 1/4).
+ *       KVALUES[nibble], the group's scale ls - 32. IQ3_XXS / IQ3_S / IQ2_XXS / IQ1_S / TQ1_0 /
+ *       TQ2_0: the same, from their blocks transcoded to IQ4_XS's bytes (ggml_tiled.c's XS
+ *       tables; d times xs_d_mul).
  *
  * Activations as for every tiled kind: 8-bit blocks of 32 (one per group), fp32 d_x and sum s_x.
  * Per (output, row, group g) the integer P_g is exact: Q4_K / Q5_K / IQ4_XS sc_g * sum(q * x_q) (the
@@ -414,7 +415,7 @@ AVX2_ATTR INLINE void iq4xs_half_avx2(const act_t *a, int K, const uint8_t *tile
     for (int k = 0; k < nk; k++) {
         const uint8_t *blk = tile + (size_t)k * tb;
         __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
-        if (kind == IQ3_XXS) dv = _mm256_mul_ps(dv, _mm256_set1_ps(0.25f)); /* exact */
+        if (xs_d_mul(kind) != 1.f) dv = _mm256_mul_ps(dv, _mm256_set1_ps(xs_d_mul(kind))); /* exact */
         const __m256i sl = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
         const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 96 + 16 * h)));
         const int8_t *qx = a->q + (size_t)r0 * K + 256 * k;

@@ -1,10 +1,10 @@
-"""IQ3_XXS / IQ3_S on the tiled kernel through their transcoding to IQ4_XS's layout
-(ggml_kernels_int.c's ggml_iq3_as_xs, ops/ggml_tiled.py's `iq3_as_xs`): every codebook entry and
-sign, at every scale and d from subnormal to 60000, comes back as gguf-py's value bit for bit;
-the kinds can stay on their blocks; other kinds are refused by name. The kernel checks
-(activation bound, float64 emulation, ISA / row-group / thread invariance, extreme blocks, a
-NemotronH GGUF deployed on the copies) run in test_ggml_tiled_kquant.py with the other tiled
-kinds."""
+"""IQ3_XXS / IQ3_S (and, on request, IQ2_XXS / IQ1_S / TQ1_0 / TQ2_0) on the tiled kernel through
+their transcoding to IQ4_XS's layout (ggml_kernels_int.c's ggml_iq_as_xs, ops/ggml_tiled.py's
+`iq_as_xs`): every codebook entry and sign, at every scale and d from subnormal to 60000, comes
+back as gguf-py's value bit for bit; the kinds can stay on their blocks; other kinds are refused
+by name. The kernel checks (activation bound, float64 emulation, ISA / row-group / thread
+invariance, extreme blocks, a NemotronH GGUF deployed on the copies) run in
+test_ggml_tiled_kquant.py with the other tiled kinds."""
 from __future__ import annotations
 
 import os
@@ -59,11 +59,11 @@ def test_every_codebook_entry_transcodes_to_gguf_values(kind):
 
 
 def test_other_kinds_are_refused_by_name():
-    raw = np.zeros((16, gl.KINDS["iq2_xxs"][1]), np.uint8)
-    with pytest.raises(ValueError, match="iq2_xxs.*not an IQ3 kind"):
-        gt.iq3_as_xs(gl.make_weight("iq2_xxs", torch.from_numpy(raw), (16, 256)))
-    with pytest.raises(ValueError, match="no tiled kernel for iq2_xxs"):
-        gt.repack(gl.make_weight("iq2_xxs", torch.from_numpy(raw), (16, 256)))
+    raw = np.zeros((16, gl.KINDS["iq2_xs"][1]), np.uint8)
+    with pytest.raises(ValueError, match="iq2_xs .*not a kind transcoded"):
+        gt.iq_as_xs(gl.make_weight("iq2_xs", torch.from_numpy(raw), (16, 256)))
+    with pytest.raises(ValueError, match="no tiled kernel for iq2_xs"):
+        gt.repack(gl.make_weight("iq2_xs", torch.from_numpy(raw), (16, 256)))
 
 
 def test_iq3_can_stay_on_their_blocks():
@@ -77,3 +77,16 @@ def test_iq3_can_stay_on_their_blocks():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert set(gt.TILED_IQ3) <= set(gt.TILED_KINDS)  # (the default)
+
+
+def test_lowbit_kinds_tile_only_on_request():
+    """IQ2_XXS / IQ1_S / TQ1_0 / TQ2_0 (2.1-2.7x their bytes as tiles) deploy on their blocks
+    unless SPECDEPLOY_GGML_TILED_LOWBIT=1 (then they are tiled kinds, experts too); `repack`
+    takes them either way (their kernel checks: test_ggml_tiled_kquant.py)."""
+    assert not set(gt.TILED_LOWBIT) & set(gt.TILED_KINDS)
+    code = ("from specdeploy.ops import ggml_tiled as g, ggml_moe_int as m\n"
+            "assert set(g.TILED_LOWBIT) <= set(g.TILED_KINDS) == set(m.TILED_KINDS)\n")
+    env = dict(os.environ, SPECDEPLOY_GGML_TILED_LOWBIT="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

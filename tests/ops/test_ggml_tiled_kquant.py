@@ -30,7 +30,8 @@ from tests.ops.test_ggml_kquants import _weight as _hf_weight
 gguf = pytest.importorskip("gguf")
 _Q = gguf.GGMLQuantizationType
 KQ = {**KQ_HF, "q3_k": _Q.Q3_K, "q2_k": _Q.Q2_K, "iq4_xs": _Q.IQ4_XS, "iq4_nl": _Q.IQ4_NL,
-      "iq3_s": _Q.IQ3_S, "iq3_xxs": _Q.IQ3_XXS}
+      "iq3_s": _Q.IQ3_S, "iq3_xxs": _Q.IQ3_XXS, "iq2_xxs": _Q.IQ2_XXS, "iq1_s": _Q.IQ1_S,
+      "tq1_0": _Q.TQ1_0, "tq2_0": _Q.TQ2_0}
 
 pytestmark = pytest.mark.skipif(gt.kernel_unavailable() is not None,
                                 reason=f"tiled kernel unavailable: {gt.kernel_unavailable()}")
@@ -106,7 +107,7 @@ def test_repack_round_trip_and_stacking(kind):
     w, values = _weight(kind, 48, 512, seed=5)
     tw = gt.repack(w)
     extra = 48 // 16 * 2 * 16 * 4 if kind == "q3_k" else 0  # (its scales unpacked: 4 B more)
-    if kind in gt.TILED_IQ3:  # transcoded: IQ4_XS's 136 bytes a super-block
+    if kind in gt.TRANSCODED:  # IQ4_XS's 136 bytes a super-block
         extra = 48 * 2 * (136 - gl.KINDS[kind][1])
     assert tw.packed.nbytes == w.blocks.nbytes + extra and tw.shape == (48, 512)
     assert torch.equal(gt.tiled_rows(tw, torch.arange(48)), values)
@@ -129,9 +130,10 @@ def _extreme(kind: str, n: int, k: int) -> np.ndarray:
     size = gl.KINDS[kind][1]
     raw = np.zeros((n, k // gl.block_values(kind), size), np.uint8)
     half = np.frombuffer(np.float16(0.25).tobytes(), np.uint8)
-    if kind.startswith("iq3"):  # scales 15 (s = 31), every index and sign bit set
-        raw[..., 0:2] = half
-        raw[..., 2:] = 0xFF
+    if kind in gt.TRANSCODED:  # every index, sign and scale bit set (IQ3: s = 31), then d
+        raw[...] = 0xFF
+        at = size - 2 if kind.startswith("tq") else 0
+        raw[..., at:at + 2] = half
     elif kind.startswith("iq4"):  # even outputs -127 (IQ4_XS: scale -32), odd 113 (31)
         raw[..., 0:2] = half
         raw[1::2, :, 2:] = 0xFF
