@@ -23,6 +23,13 @@ pytestmark = pytest.mark.skipif(gt.kernel_unavailable() is not None,
                                 reason=f"tiled kernel unavailable: {gt.kernel_unavailable()}")
 
 
+def run_with(env: dict, code: str) -> None:
+    """`code` in a fresh interpreter with `env` set (the kinds lists are read at import)."""
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def _every_entry(kind: str, rng: np.random.Generator) -> np.ndarray:
     """[16, K] blocks whose grid indices run through the whole codebook (IQ3_S's 512 with the
     9th bit, IQ3_XXS's 256), random signs and every 4-bit scale, d = 1 and small / large d."""
@@ -69,13 +76,10 @@ def test_other_kinds_are_refused_by_name():
 def test_iq3_can_stay_on_their_blocks():
     """SPECDEPLOY_GGML_TILED_IQ3=0: IQ3 kinds are no tiled kind (deployments keep their bytes on
     the integer-dot kernel), the others still are."""
-    code = ("from specdeploy.ops import ggml_tiled as g, ggml_moe_int as m\n"
-            "assert 'q4_k' in g.TILED_KINDS and m.TILED_KINDS == g.TILED_KINDS\n"
-            "assert not set(g.TILED_IQ3) & set(g.TILED_KINDS), g.TILED_KINDS\n")
-    env = dict(os.environ, SPECDEPLOY_GGML_TILED_IQ3="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    run_with({"SPECDEPLOY_GGML_TILED_IQ3": "0"},
+             "from specdeploy.ops import ggml_tiled as g, ggml_moe_int as m\n"
+             "assert 'q4_k' in g.TILED_KINDS and m.TILED_KINDS == g.TILED_KINDS\n"
+             "assert not set(g.TILED_IQ3) & set(g.TILED_KINDS), g.TILED_KINDS\n")
     assert set(gt.TILED_IQ3) <= set(gt.TILED_KINDS)  # (the default)
 
 
@@ -84,9 +88,6 @@ def test_lowbit_kinds_tile_only_on_request():
     unless SPECDEPLOY_GGML_TILED_LOWBIT=1 (then they are tiled kinds, experts too); `repack`
     takes them either way (their kernel checks: test_ggml_tiled_kquant.py)."""
     assert not set(gt.TILED_LOWBIT) & set(gt.TILED_KINDS)
-    code = ("from specdeploy.ops import ggml_tiled as g, ggml_moe_int as m\n"
-            "assert set(g.TILED_LOWBIT) <= set(g.TILED_KINDS) == set(m.TILED_KINDS)\n")
-    env = dict(os.environ, SPECDEPLOY_GGML_TILED_LOWBIT="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    run_with({"SPECDEPLOY_GGML_TILED_LOWBIT": "1"},
+             "from specdeploy.ops import ggml_tiled as g, ggml_moe_int as m\n"
+             "assert set(g.TILED_LOWBIT) <= set(g.TILED_KINDS) == set(m.TILED_KINDS)\n")

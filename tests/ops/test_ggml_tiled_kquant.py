@@ -222,15 +222,10 @@ def test_gguf_deploys_on_tiled_copies(kq_gguf):
 def test_kquants_can_stay_on_the_integer_dot_kernel():
     """SPECDEPLOY_GGML_TILED_KQUANTS=0: K-quants are no tiled kind (the deployment keeps them on
     ops/ggml_int.py's kernel), the 32-value kinds still are."""
-    import os
-    import subprocess
-    import sys
+    from tests.ops.test_ggml_iq3_tiles import run_with
 
-    code = ("from specdeploy.ops import ggml_tiled as g, ggml_moe_int as m\n"
-            "assert 'q4_1' in g.TILED_KINDS and m.TILED_KINDS == g.TILED_KINDS\n"
-            "assert not set(g.TILED_K_QUANTS) & set(g.TILED_KINDS), g.TILED_KINDS\n")
-    env = dict(os.environ, SPECDEPLOY_GGML_TILED_KQUANTS="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    run_with({"SPECDEPLOY_GGML_TILED_KQUANTS": "0"},
+             "from specdeploy.ops import ggml_tiled as g, ggml_moe_int as m\n"
+             "assert 'q4_1' in g.TILED_KINDS and m.TILED_KINDS == g.TILED_KINDS\n"
+             "assert not set(g.TILED_K_QUANTS) & set(g.TILED_KINDS), g.TILED_KINDS\n")
     assert set(gt.TILED_K_QUANTS) <= set(gt.TILED_KINDS)  # (the default)
