@@ -216,6 +216,10 @@ def test_gguf_deploys_on_tiled_copies(kq_gguf):
     assert len(calls) >= 8 and all(n % 16 for n in untiled), (len(calls), untiled)
     experts = [w for w in load_model(path).ggml_weights.values() if len(w.shape) == 3]
     assert len(experts) == 4 and all(ggml_moe_int.tiles(w, w) for w in experts)
+    if kinds & set(gt.TRANSCODED):  # the report says which weights were transcoded
+        detail = {i.name: i.detail for i in dep.infos}
+        assert "2 with lattice kinds transcoded" in detail["ggml_moe_experts"], detail
+        assert "lattice-kind weights transcoded to IQ4_XS tiles" in detail["ggml_linears"]
     assert_mtp_equals_plain(path, max_tokens=16)
 
 

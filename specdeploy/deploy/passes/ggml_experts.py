@@ -29,7 +29,7 @@ from specdeploy.deploy.graph import attr_tensor, drop_unread_params
 from specdeploy.deploy.passes.ggml_calls import MAX_ROWS, dequant_linear, expert_fast_fn
 from specdeploy.deploy.passes.ggml_weights import _fast_isa, _not_here, _weight_map
 from specdeploy.deploy.pipeline import Done, Skipped, Stage, register
-from specdeploy.ops import ggml_moe_int, linear_rows, row_kernels
+from specdeploy.ops import ggml_moe_int, ggml_tiled, linear_rows, row_kernels
 from specdeploy.ops.ggml_linear import (
     GGMLWeight,
     expert,
@@ -163,7 +163,7 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
     if why:
         return Skipped(f"kernel unavailable: {why}")
     isa, note = _fast_isa(ctx.kernels)
-    n, stored, attrs, one_call, half = 0, 0, set(), 0, 0
+    n, stored, attrs, one_call, half, trans = 0, 0, set(), 0, 0, 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (_MOE, _MOE_BIAS):
             continue
@@ -184,6 +184,8 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
                                  limit, isa)
         one_call += fn.__name__ == "experts_one_call" or hasattr(fn, "half_one_call")
         half += hasattr(fn, "half_one_call")
+        trans += (isa is not None and any(b.kind in ggml_tiled.TRANSCODED for b in blocks)
+                  and ggml_moe_int.tiles(*blocks))
         with gm.graph.inserting_before(node):
             out = gm.graph.call_function(fn, (x, ids, wts))
         out.meta = dict(node.meta)
@@ -197,5 +199,7 @@ def ggml_moe_experts_pass(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skip
     if half and half == n:
         note = "16-bit experts as stored on the fp32 one-call kernel"
     calls = f", {one_call} of them one C call each" if one_call else ""
+    if trans:
+        calls += f", {trans} with lattice kinds transcoded to IQ4_XS tiles"
     return Done(n, f"{n} expert groups on {stored / 2**20:.1f} MiB of blocks ({note}{calls}); "
                 f"fp32 parameters out of the graph: {freed / 2**20:.1f} MiB")

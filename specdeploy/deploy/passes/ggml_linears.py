@@ -100,10 +100,12 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
         note += f"; {half} F16 / BF16 on the exact fp32 kernel"
     stored = sum(gw.blocks.nbytes for members in todo for _, gw in members)
     tile = isa is not None and ggml_tiled.kernel_unavailable() is None
-    named, n_tiled = ctx.model.ggml_weights, 0
+    named, n_tiled, n_trans = ctx.model.ggml_weights, 0, 0
     while todo:  # NOTE: each call's loaded copies go as soon as it has its own, not at the end
         views = _replace(gm, todo.pop(0), isa, tile)
         n_tiled += sum(isinstance(v, TiledMember) for v in views.values())
+        n_trans += sum(isinstance(v, TiledMember) and v.tiled.kind in ggml_tiled.TRANSCODED
+                       for v in views.values())
         for d in (named, weights, deferred):
             d.update({key: views[id(g)] for key, g in d.items() if id(g) in views})
     n_emb, emb_bytes, tables = _embeddings(gm, weights, deferred)
@@ -111,6 +113,8 @@ def ggml_linears(gm: fx.GraphModule, ctx: DeployContext) -> Done | Skipped:
     filled = materialize_deferred(gm, ctx.model)
     if tile and half < n_nodes:
         note += f", tiled: {n_tiled} of {n_nodes} linears"
+        if n_trans:  # (a lattice kind's tiles are IQ4_XS's bytes: ops/ggml_tiled.py)
+            note += f" ({n_trans} lattice-kind weights transcoded to IQ4_XS tiles)"
     return Done(n_nodes, f"{n_nodes} linears on {stored / 2**20:.0f} MiB of blocks "
                 + (f"({note}, every row count), " if isa else f"(<= {MAX_ROWS} rows {note}; "
                    "above: dequantized one weight at a time), ")
