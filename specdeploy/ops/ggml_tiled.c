@@ -15,8 +15,9 @@
  * Q8_0 stores the 8 groups as signed bytes; 4-bit kinds store groups g (low nibbles) and g + 4
  * (high) in one 64-byte vector, per output GGUF's own qs[4g .. 4g + 3] (low nibble of qs[i] =
  * value i, high = value i + 16): unpacking is one `and` and one `srli_epi16 + and`.
- * IQ3_XXS / IQ3_S arrive transcoded to IQ4_XS's bytes (each value a nibble into a table of the kind's
- * 16 values) and run as IQ4_XS (ggml_tiled_kquant.c).
+ * IQ3_XXS / IQ3_S (and, on request, IQ2_XXS / IQ1_S / TQ1_0 / TQ2_0) arrive transcoded to
+ * IQ4_XS's bytes (each value a nibble into a table of the kind's values: `xs_table`) and run as
+ * IQ4_XS (ggml_tiled_kquant.c).
  * IQ4_NL keeps Q4_0's layout; its nibbles index KVALUES (signed, |w| <= 127), taken as |w| times x
  * with w's sign, each maddubs result (pairs <= 2 * 127 * 127) into int32 at once.
  * MXFP4 (ggml type 39, gpt-oss's experts: per 32 values an E8M0 byte e, then Q4_0's nibbles,

@@ -57,7 +57,7 @@ static int kq_quant_off(int kind) {
 /* super-block b of output o into t, a tile's super-block: GGUF's bytes in runs of 4 (Q3_K's
  * scales unpacked) */
 static void kq_repack_block(int kind, const uint8_t *b, uint8_t *t, int o) {
-    if (IS_XS(kind)) { /* (IQ3_XXS / IQ3_S: transcoded to these bytes) */
+    if (IS_XS(kind)) { /* (the lattice kinds: transcoded to IQ4_XS's bytes first) */
         memcpy(t + 2 * o, b, 2);
         memcpy(t + 32 + 4 * o, b + 4, 4);
         memcpy(t + 96 + 2 * o, b + 2, 2);
@@ -108,8 +108,8 @@ static inline int kq_nibble(int kind, int g) { return kind == Q6_K ? (g >> 1) & 
 /* value v of group g, output o, in a tile's super-block t (Q6_K: minus 32, Q3_K: minus 4) */
 static int kq_value(int kind, const uint8_t *t, int o, int g, int v) {
     if (IS_XS(kind))
-        return xs_table(kind)[(t[128 + 256 * g + 64 * ((v & 15) >> 2) + 4 * o + (v & 3)] >> 4 * (v >> 4))
-                       & 0xF];
+        return xs_table(kind)[(t[128 + 256 * g + 64 * ((v & 15) >> 2) + 4 * o + (v & 3)]
+                               >> 4 * (v >> 4)) & 0xF];
     const size_t at = (size_t)64 * (v >> 2) + 4 * o + (v & 3);
     if (KQ_PLANES(kind)) {
         const int q = (t[kq_quant_off(kind) + 512 * (g >> 2) + at] >> 2 * (g & 3)) & 3;
@@ -415,7 +415,8 @@ AVX2_ATTR INLINE void iq4xs_half_avx2(const act_t *a, int K, const uint8_t *tile
     for (int k = 0; k < nk; k++) {
         const uint8_t *blk = tile + (size_t)k * tb;
         __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
-        if (xs_d_mul(kind) != 1.f) dv = _mm256_mul_ps(dv, _mm256_set1_ps(xs_d_mul(kind))); /* exact */
+        if (xs_d_mul(kind) != 1.f) /* a power of two: exact */
+            dv = _mm256_mul_ps(dv, _mm256_set1_ps(xs_d_mul(kind)));
         const __m256i sl = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
         const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 96 + 16 * h)));
         const int8_t *qx = a->q + (size_t)r0 * K + 256 * k;
