@@ -223,6 +223,9 @@ static void kq_tiles_scalar(int kind, const act_t *a, int R, int K, const uint8_
  * each group waiting on memory (perf: ~17% of Q6_K's 1-row time on one load); bench/tiled_ab.py
  * against that (2-core AMD EPYC, AVX2, 12 layers of a 1024-wide model): Q6_K 0.76x / 0.83x the
  * time at 1 / 4 rows, Q4_K 0.88x / 0.91x, Q5_K 0.97x / 0.92x; 3 ahead: the same as 2. */
+#ifndef KQ_Q6_PAIRS
+#define KQ_Q6_PAIRS 1
+#endif
 #ifndef KQ_PF_BLOCKS
 #define KQ_PF_BLOCKS 2
 #endif
@@ -459,11 +462,97 @@ AVX2_ATTR INLINE void iq4xs_half_avx2(const act_t *a, int K, const uint8_t *tile
     for (int r = 0; r < rg; r++) _mm256_storeu_ps(y + (size_t)(r0 + r) * N + 8 * h, acc[r]);
 }
 
+/* Q6_K, half h of a tile, two groups at a time: groups 4 q + c and 4 q + 2 + c share their
+ * nibble bytes (low / high) and, with the other two of q, their high-bit bytes, so each 32-byte
+ * load feeds two weight vectors, and each group's high bits come to bits 4-5 with one shift and
+ * one mask (an int16 shift's stray bits fall outside 0x30). Values go in unsigned, q = 0..63
+ * (maddubs pairs <= 2 * 63 * 127 = 16002: two fit int16), each two loads' sums madd'ed by the
+ * 16 values' scale; the 32 comes off once per group, P = sum(sc * q * x) - 32 (sc_lo S_lo +
+ * sc_hi S_hi) (S16: the halves' sums of x_q) = the signed values' P, the same integer as the
+ * scalar path's, and the fmas run in group order. bench/tiled_ab.py against the signed one-group
+ * loop (kq_half_avx2), 2-core AMD EPYC, AVX2, 12 layers of a 1024-wide model: see the note at
+ * KQ_Q6_PAIRS. */
+AVX2_ATTR INLINE void q6k_half_avx2(const act_t *a, int K, const uint8_t *tile, int N, float *y,
+                                    int r0, const int rg, const int h) {
+    const int nk = K / 256, nb = K / 32, tb = TILE * packed_bytes(Q6_K);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
+    __m256 acc[ROW_GROUP];
+    for (int r = 0; r < rg; r++) acc[r] = _mm256_setzero_ps();
+    for (int k = 0; k < nk; k++) {
+        const uint8_t *blk = tile + (size_t)k * tb;
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+        const int8_t *qx = a->q + (size_t)r0 * K + 256 * k;
+        __m256i sc[16], P[8][ROW_GROUP];
+        for (int s = 0; s < 16; s++) /* scale s (values 16 s ..) in both int16 halves */
+            sc[s] = kq_both16(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(blk + 32 + 16 * s + 8 * h))));
+        for (int p = 0; p < 4; p++) {
+            const int q = p >> 1, c = p & 1, ga = 4 * q + c, gb = ga + 2;
+            if (h == 0) /* a quarter of the super-block KQ_PF_BLOCKS on */
+                for (int l = p * tb / 4 / 64 * 64; l < ((p + 1) * tb / 4 + 63) / 64 * 64; l += 64)
+                    _mm_prefetch((const char *)blk + KQ_PF_BLOCKS * tb + l, _MM_HINT_T0);
+            const uint8_t *ql = blk + 288 + 512 * (2 * q + c) + 32 * h;
+            const uint8_t *qh = blk + Q6_HIGH + 512 * q + 32 * h;
+            __m256i pa[ROW_GROUP], pb[ROW_GROUP];
+            for (int r = 0; r < rg; r++) pa[r] = pb[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int j = 0; j < 8; j += 2) {
+                __m256i wa[2], wb[2];
+                for (int e = 0; e < 2; e++) {
+                    const __m256i L = _mm256_loadu_si256((const __m256i *)(ql + 64 * (j + e)));
+                    const __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 64 * (j + e)));
+                    wa[e] = _mm256_or_si256(_mm256_and_si256(L, m4), _mm256_and_si256(
+                        c ? _mm256_slli_epi16(H, 2) : _mm256_slli_epi16(H, 4), m30));
+                    wb[e] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), m4),
+                                            _mm256_and_si256(c ? _mm256_srli_epi16(H, 2) : H, m30));
+                }
+                const __m256i sa = sc[2 * ga + (j >= 4)], sb = sc[2 * gb + (j >= 4)];
+                for (int r = 0; r < rg; r++) {
+                    const int8_t *xa = qx + (size_t)r * K + 32 * ga + 4 * j, *xb = xa + 64;
+                    pa[r] = _mm256_add_epi32(pa[r], _mm256_madd_epi16(_mm256_add_epi16(
+                        _mm256_maddubs_epi16(wa[0], _mm256_set1_epi32(group_at(xa))),
+                        _mm256_maddubs_epi16(wa[1], _mm256_set1_epi32(group_at(xa + 4)))), sa));
+                    pb[r] = _mm256_add_epi32(pb[r], _mm256_madd_epi16(_mm256_add_epi16(
+                        _mm256_maddubs_epi16(wb[0], _mm256_set1_epi32(group_at(xb))),
+                        _mm256_maddubs_epi16(wb[1], _mm256_set1_epi32(group_at(xb + 4)))), sb));
+                    KEEP(pa[r]);
+                    KEEP(pb[r]);
+                }
+            }
+            /* - 32 (sc_lo S_lo + sc_hi S_hi): the scales as one int32 lane of two int16s */
+            const __m256i ab_a = _mm256_or_si256(_mm256_and_si256(sc[2 * ga], lo16),
+                                                 _mm256_andnot_si256(lo16, sc[2 * ga + 1]));
+            const __m256i ab_b = _mm256_or_si256(_mm256_and_si256(sc[2 * gb], lo16),
+                                                 _mm256_andnot_si256(lo16, sc[2 * gb + 1]));
+            for (int r = 0; r < rg; r++) {
+                const size_t rb = (size_t)(r0 + r) * nb + 8 * k;
+                P[ga][r] = _mm256_sub_epi32(pa[r], _mm256_slli_epi32(
+                    _mm256_madd_epi16(ab_a, _mm256_set1_epi32(a->S16[rb + ga])), 5));
+                P[gb][r] = _mm256_sub_epi32(pb[r], _mm256_slli_epi32(
+                    _mm256_madd_epi16(ab_b, _mm256_set1_epi32(a->S16[rb + gb])), 5));
+            }
+        }
+        for (int g = 0; g < 8; g++)
+            for (int r = 0; r < rg; r++) {
+                const __m256 dx = _mm256_set1_ps(a->d[(size_t)(r0 + r) * nb + 8 * k + g]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P[g][r]), _mm256_mul_ps(dv, dx),
+                                         acc[r]);
+            }
+    }
+    for (int r = 0; r < rg; r++) _mm256_storeu_ps(y + (size_t)(r0 + r) * N + 8 * h, acc[r]);
+}
+
 AVX2_ATTR INLINE void kq_tile_avx2(const act_t *a, int K, const uint8_t *tile, int N, float *y,
                                    int r0, const int rg, const int kind) {
     if (IS_XS(kind)) {
         iq4xs_half_avx2(a, K, tile, N, y, r0, rg, 0, kind);
         iq4xs_half_avx2(a, K, tile, N, y, r0, rg, 1, kind);
+        return;
+    }
+    if (kind == Q6_K && KQ_Q6_PAIRS) {
+        q6k_half_avx2(a, K, tile, N, y, r0, rg, 0);
+        q6k_half_avx2(a, K, tile, N, y, r0, rg, 1);
         return;
     }
     kq_half_avx2(a, K, tile, N, y, r0, rg, kind, 0);
