@@ -3,11 +3,12 @@ its cache, and the process's resident memory (what `deploy --list-transforms`, `
 and bench/memory.py report).
 
 Transforms keep some weights outside the graph's parameters, in the closures they call (GGUF
-blocks in `ggml_linears`, oneDNN-packed copies in `pack_linears`); those are counted by walking
-the closures of the graph's call_function targets.
+blocks in `ggml_linears`, oneDNN-packed copies in `pack_linears`, expert blocks in a fused MoE
+block's parts); those are counted by walking what the graph's call_function targets hold.
 """
 from __future__ import annotations
 
+import types
 from typing import NamedTuple
 
 import torch
@@ -32,32 +33,32 @@ def _nbytes(t: torch.Tensor) -> tuple[int, int]:
         return id(t), t.numel() * t.element_size()
 
 
-def _closure_tensors(fn, out: dict, depth: int = 0) -> None:
-    if depth > 3:
+def _held_tensors(x, out: dict, seen: set, depth: int = 0) -> None:
+    """Tensors reachable from `x` through tuples and lists (GGMLWeight, TiledMember and other
+    NamedTuples), a function's closure cells and attributes (a one-call experts closure keeps
+    its blocks as `.blocks`; a fused MoE block holds that closure in its `Parts`), and what an
+    object names in its `held_callables()` (a fused chain's fallback: the linears it replaced).
+    Dicts and other objects are not entered: kernels keep their scratch buffers in them."""
+    if depth > 6 or id(x) in seen:
         return
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            v = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        items = v if isinstance(v, (tuple, list)) else (v,)
-        for x in items:
-            if isinstance(x, torch.Tensor):
-                k, b = _nbytes(x)
-                out[k] = b
-            elif isinstance(x, tuple):  # GGMLWeight and other NamedTuples of tensors
-                _closure_tensors_of(x, out)
-            elif callable(x):
-                _closure_tensors(x, out, depth + 1)
-
-
-def _closure_tensors_of(tup: tuple, out: dict, depth: int = 0) -> None:
-    for x in tup:
-        if isinstance(x, torch.Tensor):
-            k, b = _nbytes(x)
-            out[k] = b
-        elif isinstance(x, tuple) and depth < 3:  # a TiledMember holds its TiledWeight
-            _closure_tensors_of(x, out, depth + 1)
+    seen.add(id(x))
+    if isinstance(x, torch.Tensor):
+        k, b = _nbytes(x)
+        out[k] = b
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _held_tensors(y, out, seen, depth + 1)
+    elif isinstance(x, types.FunctionType):
+        for cell in x.__closure__ or ():
+            try:
+                v = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            _held_tensors(v, out, seen, depth + 1)
+        for v in x.__dict__.values():
+            _held_tensors(v, out, seen, depth + 1)
+    elif callable(getattr(x, "held_callables", None)):
+        _held_tensors(list(x.held_callables()), out, seen, depth + 1)
 
 
 def weight_bytes(gm: fx.GraphModule, cache_names: set[str] = frozenset()) -> WeightBytes:
@@ -72,9 +73,10 @@ def weight_bytes(gm: fx.GraphModule, cache_names: set[str] = frozenset()) -> Wei
         else:
             params[k] = b
     closures: dict = {}
+    seen: set = set()
     for node in gm.graph.nodes:
         if node.op == "call_function":
-            _closure_tensors(node.target, closures)
+            _held_tensors(node.target, closures, seen)
     # NOTE: a fused decoder layer keeps its KV cache in its closure after its first call: that
     # is the cache's (counted as weights, the 16-sequence default's 755 MB cache made
     # bench/memory.py report 852 MB of weights on a 92 MB model, 2026-12-05)

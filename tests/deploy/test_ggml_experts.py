@@ -18,7 +18,7 @@ from specdeploy.deploy.passes.ggml_experts import experts_fn
 from specdeploy.loading import load_model
 from specdeploy.models import nemotron_h as nh
 from specdeploy.models import qwen3_5_moe as q35
-from specdeploy.ops import ggml_int
+from specdeploy.ops import ggml_int, ggml_moe_int
 from specdeploy.ops.ggml_linear import expert, kernel_unavailable, make_weight
 from specdeploy.ops.moe import moe_experts_ref
 from specdeploy.ops.moe_grouped import expert_activation
@@ -133,8 +133,6 @@ def test_fast_kernels_run_each_moe_layer_in_one_call(q8_gguf):
     """With kernels="fast" each MoE layer's experts are one C call (ops/ggml_moe_int.py; its
     bits checked in tests/ops/test_ggml_moe_int.py), logits within the 8-bit activations'
     error of the plain model's."""
-    from specdeploy.ops import ggml_moe_int
-
     if ggml_moe_int.unavailable():
         pytest.skip(f"one-call MoE kernel unavailable: {ggml_moe_int.unavailable()}")
     path, n_moe = q8_gguf
@@ -153,3 +151,20 @@ def test_fast_kernels_run_each_moe_layer_in_one_call(q8_gguf):
     # the logits' spread (its largest: 0.58 of 1.02 on the tiny Qwen3.5, the same with the
     # per-expert calls: SPECDEPLOY_GGML_MOE=0)
     assert (got - want).abs().mean() <= 0.05 * want.std()
+
+
+def test_the_report_counts_the_blocks_a_fused_moe_block_holds(q8_gguf):
+    """`weight_bytes` (the report's "weights resident") finds every block a deployment holds:
+    with "fast" the experts sit in a fused MoE block's parts and the linears it replaced in its
+    fallback chain, with "exact" in the per-expert loop's closure. Either way the same bytes
+    (Q8_0's tiled copies are its blocks' bytes), and at least the file's blocks (besides them:
+    the few fp32 vectors fused ops took out of the parameters). Before the walk entered the
+    fused block, "fast" reported the NemotronH IQ3_M file's 117 MB as 5.6 MB."""
+    path, _ = q8_gguf
+    blocks = sum(g.blocks.nbytes for g in load_model(path).ggml_weights.values())
+    fast, exact = (build(str(path), kernels=k, **LIMITS) for k in ("fast", "exact"))
+    assert any(n.op == "call_function" and getattr(n.target, "__name__", "") == "moe_block"
+               for n in fast.gm.graph.nodes) or ggml_moe_int.unavailable()
+    held = fast.weight_bytes().closures
+    assert held == exact.weight_bytes().closures and held >= blocks
+

@@ -45,6 +45,10 @@ class _Sub:
             n.args, lambda m: _Ref(True, own[m]) if m in own else _Ref(False, pos[m])))
             for n in chain]
 
+    def held_callables(self) -> list:
+        """What the fallback calls (deploy/memory.py counts the weights they hold)."""
+        return [target for target, _ in self.steps]
+
     def __call__(self, ext: tuple):
         vals: list = []
 

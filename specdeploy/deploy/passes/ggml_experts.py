@@ -72,6 +72,7 @@ def experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, isa: str | Non
                           ) -> torch.Tensor:
         return moe_experts_loop(x, topk_ids, topk_weights, up.shape[0], linear, activation)
 
+    experts_on_blocks.blocks = (up.blocks, down.blocks)  # (what deploy/memory.py counts)
     return experts_on_blocks
 
 
@@ -91,6 +92,7 @@ def _half_experts_fn(up: GGMLWeight, down: GGMLWeight, activation: str, fast: bo
         return moe_experts_fast(x, topk_ids, topk_weights, w_up, w_down, activation)
 
     experts_on_blocks.half_one_call = True  # (the pass's report)
+    experts_on_blocks.blocks = (up.blocks, down.blocks)
     return experts_on_blocks
 
 
@@ -141,6 +143,7 @@ def experts_bias_fn(up: GGMLWeight, b_up: torch.Tensor, down: GGMLWeight, b_down
                                topk_weights: torch.Tensor) -> torch.Tensor:
         return moe_experts_loop(x, topk_ids, topk_weights, up.shape[0], linear, act)
 
+    experts_bias_on_blocks.blocks = (up.blocks, down.blocks, *biases.values())
     return experts_bias_on_blocks
 
 
