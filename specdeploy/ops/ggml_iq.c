@@ -61,6 +61,9 @@ static inline uint32_t iq_ksign(uint32_t i) {
 
 /* the same 8 signs as bytes -1 / +1, by sign index (the SIMD paths gather them) */
 static int64_t IQ_KSIGNS[128];
+/* IQ1_M's deltas of 4 codebook entries as 32 bytes -1 / +1, by their 4 bits (bit j: entry j's
+ * delta negative) */
+static int8_t IQ_DELTA4[16][32];
 
 /* the codebooks (IQ_GRID_BYTES bytes); before any IQ kind is read */
 void ggml_iq_init(const uint8_t *grids) {
@@ -70,6 +73,8 @@ void ggml_iq_init(const uint8_t *grids) {
         for (int j = 0; j < 8; j++) v |= (uint64_t)(iq_ksign(i) >> j & 1 ? 0xFF : 0x01) << 8 * j;
         IQ_KSIGNS[i] = (int64_t)v;
     }
+    for (int i = 0; i < 16; i++)
+        for (int j = 0; j < 32; j++) IQ_DELTA4[i][j] = (int8_t)(i >> (j / 8) & 1 ? -1 : 1);
     iq_ready = 1;
 }
 

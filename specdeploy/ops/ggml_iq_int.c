@@ -66,12 +66,47 @@ AVX2_FN __m256i iq_ksigns4(uint32_t aux) {
     return _mm256_i32gather_epi64((const long long *)IQ_KSIGNS, idx, 8);
 }
 
+/* TQ1_0's group g (values 32 g ..) as bytes w - 1 in -1..1 (ggml_iq.c's iq_eight): each byte q of
+ * its source times the byte's 3^m mod 256 (16-bit multiplies of the even and the odd bytes
+ * apart: no carry crosses), then the digit (t * 3) >> 8 = (t >= 86) + (t >= 171). Groups 0-4:
+ * qs[0..31] times 3^g; 5, 6: qs[32..47] times 3^(2 (g - 5)) and 3^(2 (g - 5) + 1); 7: qs[32..47]
+ * times 81, then qh's 4 bytes times 1, 3, 9, 27. */
+AVX2_FN __attribute__((always_inline)) __m256i tq1_group_avx2(const uint8_t *b, int g) {
+    __m256i q, m;
+    if (g < 5) {
+        q = _mm256_loadu_si256((const __m256i *)b);
+        m = _mm256_set1_epi8((char)(g == 0 ? 1 : g == 1 ? 3 : g == 2 ? 9 : g == 3 ? 27 : 81));
+    } else {
+        const __m128i hi = _mm_loadu_si128((const __m128i *)(b + 32));
+        if (g < 7) {
+            q = _mm256_set_m128i(hi, hi);
+            m = g == 5 ? _mm256_set_m128i(_mm_set1_epi8(3), _mm_set1_epi8(1))
+                       : _mm256_set_m128i(_mm_set1_epi8(27), _mm_set1_epi8(9));
+        } else {
+            q = _mm256_set_m128i(_mm_set1_epi32((int)iq_u32(b + 48)), hi);
+            m = _mm256_set_m128i(_mm_setr_epi8(1, 1, 1, 1, 3, 3, 3, 3, 9, 9, 9, 9, 27, 27, 27, 27),
+                                 _mm_set1_epi8(81));
+        }
+    }
+    const __m256i lo8 = _mm256_set1_epi16(0x00FF);
+    const __m256i t = _mm256_or_si256(
+        _mm256_and_si256(_mm256_mullo_epi16(_mm256_and_si256(q, lo8), _mm256_and_si256(m, lo8)),
+                         lo8),
+        _mm256_mullo_epi16(_mm256_andnot_si256(lo8, q), _mm256_srli_epi16(m, 8)));
+    const __m256i ge86 = _mm256_cmpeq_epi8(_mm256_max_epu8(t, _mm256_set1_epi8(86)), t);
+    const __m256i ge171 = _mm256_cmpeq_epi8(_mm256_max_epu8(t, _mm256_set1_epi8((char)171)), t);
+    return _mm256_sub_epi8(_mm256_sub_epi8(_mm256_set1_epi8(-1), ge86), ge171);
+}
+
 /* group g's 32 values as |w| (unsigned bytes) and bytes carrying w's sign. The 8-byte codebook
  * entries (IQ2 / IQ1) come as four scalar loads at indices read straight from the block (bytes,
  * not one word taken apart by shifts; size_t, so the scaling is the load's addressing): per
  * super-block and row, 1 thread, a 1024 x 4096 matrix (bench/vs_ggml_vec_dot.py, 2-core AMD
  * EPYC, AVX2): IQ2_XXS 40.7 -> 29.7 ns (with iq_scales_avx2's one broadcast), IQ2_XS 49.0 ->
- * 38.9 and IQ2_S 41.3 -> 38.0 (were vpgatherdq), IQ1_S 40.2 -> 33.8, IQ1_M 55.9 -> 51.9.
+ * 38.9 and IQ2_S 41.3 -> 38.0 (were vpgatherdq), IQ1_S 40.2 -> 33.8, IQ1_M 55.9 -> 51.9 (46.3
+ * with its deltas as one load from IQ_DELTA4). Two scales a group as a shuffle of one dword:
+ * no faster. llama.cpp's own dot products (libggml-cpu, same blocks): 19.5 / 22.6 / 19.5 /
+ * 19.7 / 21.4 ns.
  * (Zen 3's gathers cost more than the loads; the IQ3 kinds' 4-byte entries, 8 a group, stay
  * gathered.) NOTE: reading the indices from a local copy the compiler spilled once stalled on
  * store forwarding (perf: ~40% of IQ2_XS): the reads here are of the weights themselves */
@@ -86,12 +121,10 @@ AVX2_FN __attribute__((always_inline)) void iq_group_avx2(const int kind, const 
         *sg = wv; /* (0 where w is: the product is 0 either way) */
         return;
     }
-    if (kind == TQ1_0) { /* base-3 digits: the scalar decoder (a rare kind) */
-        int8_t wb[32];
-        for (int j = 0; j < 4; j++) iq_eight(TQ1_0, b, 4 * g + j, wb + 8 * j);
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)wb);
+    if (kind == TQ1_0) { /* base-3 digits, 32 at once (was the scalar decoder: 30x the time) */
+        const __m256i wv = tq1_group_avx2(b, g);
         *u = _mm256_abs_epi8(wv);
-        *sg = wv;
+        *sg = wv; /* (0 where w is: the product is 0 either way) */
         return;
     }
     if (kind == IQ1_S || kind == IQ1_M) {
@@ -106,8 +139,8 @@ AVX2_FN __attribute__((always_inline)) void iq_group_avx2(const int kind, const 
             (long long)iq_g8(IQ_G1S, qb[0] | (size_t)(qh & 7) << 8));
         /* delta's signs as bytes -1 / +1: IQ1_S's one per 32 values, IQ1_M's per 8 */
         const __m256i delta = kind == IQ1_S ? _mm256_set1_epi8(qh & 0x8000 ? -1 : 1)
-            : iq_signs32((qh >> 3 & 1) * 0xFFu | (qh >> 7 & 1) * 0xFF00u |
-                         (qh >> 11 & 1) * 0xFF0000u | (qh >> 15 & 1) * 0xFF000000u);
+            : _mm256_loadu_si256((const __m256i *)IQ_DELTA4[(qh >> 3 & 1) | (qh >> 6 & 2) |
+                                                            (qh >> 9 & 4) | (qh >> 12 & 8)]);
         const __m256i g2 = _mm256_add_epi8(gv, gv), g4 = _mm256_add_epi8(g2, g2);
         const __m256i wv = _mm256_add_epi8(_mm256_add_epi8(g4, g4), delta); /* 8 grid +- 1 */
         *u = _mm256_abs_epi8(wv);
