@@ -249,10 +249,13 @@ def tiled_linear(x: torch.Tensor, tw: TiledWeight, bias: torch.Tensor | None = N
     return y.view(*x.shape[:-1], n)
 
 
-def tiled_linear_fn(tw: TiledWeight, bias: torch.Tensor | None, isa: str):
+def tiled_linear_fn(tw: TiledWeight, bias: torch.Tensor | None, isa: str,
+                    gather: torch.Tensor | None = None):
     """`x -> tiled_linear(x, tw, bias, isa)` with everything that does not depend on x checked
     and looked up once (as `ggml_int.bound_linear`: a decode step calls ~120 of these). Inputs
-    it does not take go through tiled_linear, which names the problem."""
+    it does not take go through tiled_linear, which names the problem. `gather`
+    (GGMLWeight.gather): the copy holds the columns in stored order, x's are taken in it
+    first (then no `tiled_call`: a fused caller would pass x as it is)."""
     lib = _lib()
     if isa not in ISAS:
         raise ValueError(f"isa: one of {', '.join(ISAS)}, got {isa!r}")
@@ -266,7 +269,9 @@ def tiled_linear_fn(tw: TiledWeight, bias: torch.Tensor | None, isa: str):
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         if x.dtype is not f32 or x.shape[-1] != k or x.device.type != "cpu":
-            return tiled_linear(x, tw, bias, isa)
+            return tiled_linear(x if gather is None else x[..., gather], tw, bias, isa)
+        if gather is not None:
+            x = x.index_select(-1, gather)
         if not x.is_contiguous():
             x = x.contiguous()
         rows = x.numel() // k
@@ -279,8 +284,8 @@ def tiled_linear_fn(tw: TiledWeight, bias: torch.Tensor | None, isa: str):
         return y
 
     linear.packed = packed
-    # what a fused decoder layer (ops/layer_rows.py) needs to make this same kernel call itself
-    linear.tiled_call = TiledCall(kind, isa_i, w_ptr, n, k, bias)
+    if gather is None:  # what a fused decoder layer (ops/layer_rows.py) needs to make this call
+        linear.tiled_call = TiledCall(kind, isa_i, w_ptr, n, k, bias)
     return linear
 
 
@@ -294,6 +299,7 @@ class TiledMember(NamedTuple):
     tiled: TiledWeight
     start: int
     shape: tuple[int, int]
+    gather: torch.Tensor | None = None  # the copy's columns in stored order (GGMLWeight.gather)
 
 
 SMALL_IDS = 64  # up to this many ids (a decode / verify step's tokens): the host fast path
@@ -302,6 +308,9 @@ SMALL_IDS = 64  # up to this many ids (a decode / verify step's tokens): the hos
 def member_rows(m: TiledMember, ids: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """The member's rows `ids` (all when None) dequantized: `tiled_rows` of the whole weight."""
+    if m.gather is not None:  # W[:, j] = stored[:, cols[j]], cols = argsort(gather)
+        rows = member_rows(m._replace(gather=None), ids)[..., m.gather.argsort()]
+        return rows if out is None else out.copy_(rows.view_as(out))
     if (ids is not None and out is None and ids.numel() <= SMALL_IDS
             and ids.device.type == "cpu"):
         if capturing() and ids.dtype is torch.int64 and ids.is_contiguous() and not m.start:

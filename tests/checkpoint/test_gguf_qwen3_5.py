@@ -194,6 +194,9 @@ def test_kquant_ssm_out_keeps_its_blocks_with_reordered_columns(tmp_path):
         left = [n.args[1].target for n in dep.gm.graph.nodes
                 if n.target is torch.ops.aten.linear.default]
         assert not [t for t in left if "out_proj" in t], left
+        if kernels == "fast":  # x's columns reordered, then the tiled copy (no fused call)
+            info = {i.name: i for i in dep.infos}["ggml_linears"]
+            assert "tiled: 3 of 3 linears" in info.detail, info.detail  # the 3 out_proj
         pos = 0
         for n in (21, 4, 1):  # a prefill above 16 rows (dequantized on "exact"), then decodes
             seg = Segment(ids[0, pos:pos + n].tolist(), pos, list(range(16)), 0, n, SEG_NORMAL)

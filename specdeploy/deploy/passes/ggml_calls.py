@@ -98,10 +98,12 @@ def dequant_linear(x: torch.Tensor, weight: GGMLWeight, bias: torch.Tensor | Non
     return torch.nn.functional.linear(x, w, bias)
 
 
-def tiled_fn(tw: TiledWeight, bias: torch.Tensor | None, isa: str):
+def tiled_fn(tw: TiledWeight, bias: torch.Tensor | None, isa: str,
+             gather: torch.Tensor | None = None):
     """x -> x @ W^T (+ bias) on the tiled copy, at every row count (one kernel per weight: the
-    tiled and the GGUF-order kernels sum in different orders)."""
-    fn = tiled_linear_fn(tw, None if bias is None else bias.detach(), isa)
+    tiled and the GGUF-order kernels sum in different orders); `gather`: x's columns taken in
+    the copy's stored order first."""
+    fn = tiled_linear_fn(tw, None if bias is None else bias.detach(), isa, gather)
     fn.__name__ = fn.__qualname__ = "linear_on_blocks"  # the graph's node names
     return fn
 

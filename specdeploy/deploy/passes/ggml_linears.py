@@ -170,17 +170,18 @@ def _replace(gm: fx.GraphModule, members: list[tuple[fx.Node, GGMLWeight]], isa:
     id(member's blocks) -> what holds its values now: its rows of the tiled copy (`tile` and a
     multiple of 16 outputs), else its row view of the stacked copy (fused members only)."""
     nodes, weights = [n for n, _ in members], [g for _, g in members]
-    if weights[0].kind not in TILED_KINDS or weights[0].gather is not None:
-        tile = False  # (SPECDEPLOY_GGML_TILED_KQUANTS=0; no tiled kernel reorders x's columns)
+    gather = weights[0].gather  # (a Qwen3.5 GGUF's ssm_out: x's columns taken in stored order)
+    if weights[0].kind not in TILED_KINDS or (gather is not None and len(weights) > 1):
+        tile = False  # (SPECDEPLOY_GGML_TILED_KQUANTS=0)
     bias = attr_tensor(gm, _bias(nodes[0])) if len(nodes) == 1 else None
     if len(nodes) > 1 and _bias(nodes[0]) is not None:  # each output row plus its own bias
         bias = torch.cat([_bias_tensor(gm, n).detach().float() for n in nodes])
     views, start = [], 0
     if tile and sum(g.shape[0] for g in weights) % TILE == 0:
         tw = repack(weights)
-        fn = tiled_fn(tw, bias, isa)
+        fn = tiled_fn(tw, bias, isa, gather)
         for g in weights:
-            views.append(TiledMember(tw, start, g.shape))
+            views.append(TiledMember(tw, start, g.shape, gather))
             start += g.shape[0]
     else:
         gw = weights[0] if len(weights) == 1 else concat_rows(weights)
