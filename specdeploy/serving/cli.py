@@ -107,30 +107,34 @@ def cmd_serve(args) -> int:
     from specdeploy.serving import shutdown
     from specdeploy.serving.app import create_app
 
-    llm = LLM(model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
-              max_seq_len=args.max_seq_len, spec=spec, max_cache_gib=args.max_cache_gib,
-              gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=args.cuda_graphs,
-              kv_cache_dtype=args.kv_cache_dtype,
-              num_scheduler_steps=args.num_scheduler_steps,
-              backend=args.backend, progress=True, seed=args.seed,
-              generation_config=args.generation_config,
-              enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
-              scheduling_policy=args.scheduling_policy,
-              **parallel_kwargs(args), **vision_kwargs(args))
-    if template is not None:
-        llm.tokenizer.chat_template = template
-    if hasattr(llm.deployed, "on_failure"):  # a dead or hung rank: fail requests, then exit
-        llm.deployed.on_failure(_exit_soon)
-    app = create_app(llm, model_name=args.served_model_name, api_key=args.api_key,
-                     max_queue=args.max_queue, drain_timeout=args.drain_timeout,
-                     stats_log_interval=None if args.disable_log_stats
-                     or args.stats_log_interval <= 0 else args.stats_log_interval,
-                     reasoning_parser=args.reasoning_parser,
-                     enable_auto_tool_choice=args.enable_auto_tool_choice,
-                     tool_call_parser=args.tool_call_parser,
-                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                     responses_store=args.responses_store)
-    shutdown.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    sock = shutdown.bind(args.host, args.port)  # before loading: the port is this server's
+    try:
+        llm = LLM(model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
+                  max_seq_len=args.max_seq_len, spec=spec, max_cache_gib=args.max_cache_gib,
+                  gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=args.cuda_graphs,
+                  kv_cache_dtype=args.kv_cache_dtype,
+                  num_scheduler_steps=args.num_scheduler_steps,
+                  backend=args.backend, progress=True, seed=args.seed,
+                  generation_config=args.generation_config,
+                  enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
+                  scheduling_policy=args.scheduling_policy,
+                  **parallel_kwargs(args), **vision_kwargs(args))
+        if template is not None:
+            llm.tokenizer.chat_template = template
+        if hasattr(llm.deployed, "on_failure"):  # a dead or hung rank: fail requests, then exit
+            llm.deployed.on_failure(_exit_soon)
+        app = create_app(llm, model_name=args.served_model_name, api_key=args.api_key,
+                         max_queue=args.max_queue, drain_timeout=args.drain_timeout,
+                         stats_log_interval=None if args.disable_log_stats
+                         or args.stats_log_interval <= 0 else args.stats_log_interval,
+                         reasoning_parser=args.reasoning_parser,
+                         enable_auto_tool_choice=args.enable_auto_tool_choice,
+                         tool_call_parser=args.tool_call_parser,
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                         responses_store=args.responses_store)
+        shutdown.run(app, host=args.host, port=args.port, log_level=args.log_level, sock=sock)
+    finally:
+        sock.close()
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 
 import uvicorn
@@ -55,8 +56,28 @@ class DrainingServer(uvicorn.Server):
             self._aborted_at = now
 
 
-def run(app, *, host: str, port: int, log_level: str = "info") -> None:
-    """Serve `app` (from `create_app`) until a signal, then drain as above."""
+def bind(host: str, port: int) -> socket.socket:
+    """The server's listening address, bound before the model loads (as vLLM does): nothing
+    this process starts meanwhile (tensor-parallel ranks' rendezvous and gloo ports, which the
+    OS picks among free ones) can take it, and a port in use fails at once, by name. Listening
+    starts when uvicorn serves; until then a client's connection is refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(app, *, host: str, port: int, log_level: str = "info",
+        sock: socket.socket | None = None) -> None:
+    """Serve `app` (from `create_app`) until a signal, then drain as above; on `sock` (from
+    `bind`) when given."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=UVICORN_GRACE_S)
-    DrainingServer(config, app.state.engine_loop, app.state.drain_timeout).run()
+    DrainingServer(config, app.state.engine_loop, app.state.drain_timeout).run(
+        sockets=None if sock is None else [sock])

@@ -22,6 +22,19 @@ def test_serve_rejects_bad_flags_before_loading(capsys):
     assert "num_draft_tokens" in capsys.readouterr().err
 
 
+def test_serve_fails_at_once_on_a_port_in_use(capsys):
+    """The listening address is bound before the model loads (a model path that does not exist
+    is never read): a busy port is the one error, by name; and nothing the server starts while
+    loading (tensor-parallel ranks' rendezvous ports) can take its port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--model", "/nonexistent/model", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port: cannot listen on 127.0.0.1:{port}" in err and "nonexistent" not in err
+
+
 def test_serve_command(tiny_llama_dir, monkeypatch, serve):
     from specdeploy.serving import shutdown
 
