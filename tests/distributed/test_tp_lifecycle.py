@@ -142,24 +142,39 @@ def _post(port: int, body: dict, timeout: float = 30) -> int:
         return e.code
 
 
+def _ready(proc: subprocess.Popen, port: int, timeout: float = 240) -> str | None:
+    """None once the server answers /health; else why not (its stderr's tail, or a timeout)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return proc.stderr.read().decode()[-2000:]
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return None
+        except OSError:
+            time.sleep(1)
+    return f"no answer on port {port} in {timeout} s"
+
+
 @pytest.mark.usefixtures("spawned_workers")
 def test_server_killed_rank_errors_and_exits(kv3):
     path, _, _ = kv3
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specdeploy", "serve", "--model", str(path), "--port", str(port),
-         "--tensor-parallel-size", "2", "--dist-timeout", "10", "--max-seq-len", "160",
-         "--max-batch-size", "4", "--max-cache-gib", "0.05", "--drain-timeout", "2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+    for attempt in range(3):  # a port free when picked may be taken by another test first
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specdeploy", "serve", "--model", str(path), "--port",
+             str(port), "--tensor-parallel-size", "2", "--dist-timeout", "10", "--max-seq-len",
+             "160", "--max-batch-size", "4", "--max-cache-gib", "0.05", "--drain-timeout", "2"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+        err = _ready(proc, port)
+        if err is None:
+            break
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stderr.close()
+        assert "cannot listen" in err and attempt < 2, err  # (serve binds before loading)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
         body = {"prompt": [5, 9, 11], "max_tokens": 4}
         assert _post(port, body) == 200
         (worker,) = _children(proc.pid)
